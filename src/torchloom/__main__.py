@@ -1,0 +1,3 @@
+from torchloom.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,18 @@
+"""Typed configuration: one dataclass per stage, TOML files, `--section.key value` overrides."""
+
+from torchloom.config.load import build, from_dict, load_saved, save, to_dict, to_toml, validate
+from torchloom.config.schema import (
+    Config,
+    DataConfig,
+    EngineConfig,
+    EvalConfig,
+    ModelConfig,
+    OutputConfig,
+    PrepareConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "Config", "DataConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OutputConfig", "PrepareConfig",
+    "TrainConfig", "build", "from_dict", "load_saved", "save", "to_dict", "to_toml", "validate",
+]

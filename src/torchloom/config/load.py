@@ -1,0 +1,172 @@
+"""Build a Config from defaults, a TOML file and `--section.key value` overrides, and validate it."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from torchloom.config.schema import Config
+from torchloom.errors import UserError
+
+
+def sections(cfg: Config) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def _field(section_obj: Any, key: str, where: str) -> dataclasses.Field:
+    fields = {f.name: f for f in dataclasses.fields(section_obj)}
+    if key not in fields:
+        raise UserError(f"{where}: unknown key; known keys: {', '.join(sorted(fields))}")
+    return fields[key]
+
+
+def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
+    """Turn a TOML value or a command-line string into the field's type."""
+    kind = type(f.default) if f.default is not dataclasses.MISSING else dict
+    from_cli = isinstance(value, str) and kind is not str
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            if from_cli and value.lower() in ("true", "1", "yes", "on"):
+                return True
+            if from_cli and value.lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError
+            if from_cli:
+                return int(value)
+            if isinstance(value, int):
+                return value
+            raise ValueError
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError
+            if from_cli:
+                return float(value)
+            if isinstance(value, (int, float)):
+                return float(value)
+            raise ValueError
+        if kind is dict:
+            if from_cli:
+                loaded = tomllib.loads(f"x = {value}")["x"]
+                if not isinstance(loaded, dict):
+                    raise ValueError
+                return loaded
+            if isinstance(value, dict):
+                return value
+            raise ValueError
+        if not isinstance(value, str):
+            raise ValueError
+        return value
+    except (ValueError, tomllib.TOMLDecodeError):
+        shown = {bool: "true or false", int: "an integer", float: "a number", dict: "a table like {a = \"b\"}"}
+        raise UserError(f"{where}: {value!r} is not {shown.get(kind, 'a string')}") from None
+
+
+def apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    parts = sections(cfg)
+    where = f"{origin} {section}.{key}"
+    if section not in parts:
+        raise UserError(f"{origin} [{section}]: unknown section; known sections: {', '.join(parts)}")
+    obj = parts[section]
+    f = _field(obj, key, where)
+    setattr(obj, key, _coerce(value, f, where))
+
+
+def validate(cfg: Config) -> Config:
+    for section, obj in sections(cfg).items():
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            meta = f.metadata
+            where = f"config {section}.{f.name}"
+            if "choices" in meta and value not in meta["choices"]:
+                raise UserError(f"{where}: {value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
+            if "min" in meta and value < meta["min"]:
+                raise UserError(f"{where}: {value!r} is too small; it must be >= {meta['min']}")
+            if "min_exclusive" in meta and value <= meta["min_exclusive"]:
+                raise UserError(f"{where}: {value!r} must be > {meta['min_exclusive']}")
+            if "max" in meta and value > meta["max"]:
+                raise UserError(f"{where}: {value!r} is too large; it must be <= {meta['max']}")
+    if cfg.prepare.val_fraction + cfg.prepare.test_fraction >= 0.9:
+        raise UserError("config prepare.val_fraction + prepare.test_fraction must be < 0.9 to leave rows to train on")
+    if cfg.prepare.max_chars and cfg.prepare.max_chars < cfg.prepare.min_chars:
+        raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
+    if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
+        raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
+    return cfg
+
+
+def load_toml(cfg: Config, path: str | Path) -> None:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--config {path}: no such file; pass a TOML file (torchloom config > run.toml writes one)")
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"--config {path}: not valid TOML ({e}); fix the file") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise UserError(f"--config {path}: top-level key {section!r} must be a [section] table")
+        for key, value in table.items():
+            apply(cfg, section, key, value, f"--config {path}:")
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """`--train.lr 3e-5` or `--train.lr=3e-5` into (section, key, value)."""
+    out = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"{arg}: not an option; config overrides look like --train.lr 3e-5 (see torchloom config)")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise UserError(f"{arg}: missing a value; write {arg} VALUE")
+            value = args[i + 1]
+            i += 1
+        section, _, key = name.partition(".")
+        out.append((section, key, value))
+        i += 1
+    return out
+
+
+def build(config_file: str | None = None, overrides: list[str] | None = None, base: Config | None = None) -> Config:
+    """Defaults (or `base`), then the TOML file, then the command-line overrides; validated."""
+    cfg = base if base is not None else Config()
+    if config_file:
+        load_toml(cfg, config_file)
+    for section, key, value in parse_overrides(overrides or []):
+        apply(cfg, section, key, value, f"--{section}.{key}:")
+    return validate(cfg)
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    cfg = Config()
+    for section, table in data.items():
+        for key, value in table.items():
+            apply(cfg, section, key, value, "saved config")
+    return validate(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def save(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(to_toml(cfg), encoding="utf-8")
+
+
+def load_saved(path: str | Path) -> Config:
+    return from_dict(tomllib.loads(Path(path).read_text(encoding="utf-8")))

@@ -1,0 +1,97 @@
+"""One dataclass per stage. Defaults are the embedded demo (BBC News + all-MiniLM-L6-v2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def choices(*allowed: str) -> dict:
+    return {"choices": allowed}
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # a file, directory, glob or URI; "" means the embedded BBC News corpus
+    format: str = field(default="auto", metadata=choices("auto", "csv", "jsonl", "parquet", "folder"))
+    text_column: str = "text"
+    label_column: str = "label"
+
+
+@dataclass
+class PrepareConfig:
+    spark_master: str = "local[*]"
+    spark_conf: dict = field(default_factory=dict)  # extra Spark conf, e.g. {"spark.executor.memory" = "4g"}
+    min_chars: int = field(default=1, metadata={"min": 0})  # after cleaning; shorter texts are rejected
+    max_chars: int = field(default=0, metadata={"min": 0})  # 0: no limit; longer texts are rejected
+    val_fraction: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
+    test_fraction: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
+    seed: int = 42
+    max_length: int = field(default=128, metadata={"min": 8})  # tokens, truncation length
+    rows_per_group: int = field(default=1024, metadata={"min": 1})  # Parquet row group size
+    partitions: int = field(default=0, metadata={"min": 0})  # shuffle partitions; 0: 2 x cores
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # a local Hugging Face model dir; "" means the embedded all-MiniLM-L6-v2
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = field(default=2, metadata={"min": 1})
+    batch_size: int = field(default=16, metadata={"min": 1})  # global: samples per optimizer step, all workers
+    grad_accum: int = field(default=1, metadata={"min": 1})  # micro-steps per optimizer step
+    lr: float = field(default=1e-4, metadata={"min_exclusive": 0.0})
+    weight_decay: float = field(default=0.01, metadata={"min": 0.0})
+    warmup_ratio: float = field(default=0.1, metadata={"min": 0.0, "max": 1.0})
+    schedule: str = field(default="linear", metadata=choices("linear", "cosine", "constant"))
+    grad_clip: float = field(default=1.0, metadata={"min": 0.0})  # 0: off
+    precision: str = field(default="bf16", metadata=choices("fp32", "bf16", "fp16"))
+    seed: int = 42
+    max_steps: int = field(default=0, metadata={"min": 0})  # 0: epochs decide
+    eval_every: int = field(default=0, metadata={"min": 0})  # optimizer steps; 0: at each epoch end
+    log_every: int = field(default=10, metadata={"min": 1})
+    checkpoint_every: int = field(default=0, metadata={"min": 0})  # optimizer steps; 0: at each epoch end
+    keep_last: int = field(default=2, metadata={"min": 1})
+    early_stopping_patience: int = field(default=0, metadata={"min": 0})  # evals without improvement; 0: off
+    metric: str = field(default="macro_f1", metadata=choices("macro_f1", "accuracy", "loss"))
+    class_weights: str = field(default="none", metadata=choices("none", "balanced"))
+    shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together per rank
+    length_bucketing: bool = False
+    select: str = field(default="best", metadata=choices("best", "last"))  # which checkpoint is exported
+    strategy: str = field(default="ddp", metadata=choices("ddp"))
+    resume: str = ""  # "": start fresh; "latest"; or a checkpoint directory
+
+
+@dataclass
+class EvalConfig:
+    split: str = field(default="test", metadata=choices("test", "val", "train"))
+    batch_size: int = field(default=64, metadata={"min": 1})
+    calibration_bins: int = field(default=10, metadata={"min": 2})
+    misclassified_limit: int = field(default=1000, metadata={"min": 0})
+
+
+@dataclass
+class EngineConfig:
+    name: str = field(default="local", metadata=choices("local"))
+    workers: int = field(default=2, metadata={"min": 1})
+    device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
+    threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers
+    max_restarts: int = field(default=0, metadata={"min": 0})
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/bbc-minilm"
+    overwrite: bool = False
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)

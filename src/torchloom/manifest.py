@@ -1,0 +1,112 @@
+"""The contract between prepare and every later stage: what a prepared dataset holds.
+
+Written by `prepare` as `<run>/data/manifest.json`; read by the loader, training, evaluation and
+export. Plain JSON and the standard library only, so any stage (and any tool) can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import UserError
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val", "test")
+# Columns of every split's Parquet shards.
+COLUMNS = {
+    "text": "string",  # the cleaned text
+    "label": "string",  # the original label
+    "label_id": "int32",  # index into Manifest.labels
+    "input_ids": "list<int32>",  # token ids, truncated at max_length, not padded
+    "length": "int32",  # len(input_ids)
+}
+
+
+@dataclass
+class Shard:
+    path: str  # relative to the manifest's directory, or an absolute URI
+    rows: int
+    row_groups: list[int]  # rows per row group, in file order
+
+
+@dataclass
+class Split:
+    rows: int
+    shards: list[Shard]
+    per_class: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Manifest:
+    labels: list[str]  # label_id -> label, sorted
+    splits: dict[str, Split]
+    tokenizer: dict[str, Any]  # {"path", "hash", "max_length", "vocab_size"}
+    fingerprint: str  # changes when the prepared rows, labels or tokenization change
+    inputs: dict[str, Any] = field(default_factory=dict)
+    counts: dict[str, Any] = field(default_factory=dict)  # rows_read, rows_rejected{reason}, duplicates_removed
+    timings: dict[str, float] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    root: str = ""  # where the manifest was read from (not written)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def shard_uri(self, shard: Shard) -> str:
+        if "://" in shard.path or os.path.isabs(shard.path):
+            return shard.path
+        return os.path.join(self.root, shard.path)
+
+    def split(self, name: str) -> Split:
+        if name not in self.splits:
+            raise UserError(f"manifest {self.root}: no split {name!r}; it has {', '.join(self.splits)}")
+        return self.splits[name]
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data.pop("root")
+        return json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False)
+
+    def write(self, directory: str | Path) -> Path:
+        path = Path(directory) / "manifest.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(self.to_json() + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], root: str = "") -> Manifest:
+        splits = {
+            name: Split(
+                rows=s["rows"],
+                shards=[Shard(**sh) for sh in s["shards"]],
+                per_class=s.get("per_class", {}),
+            )
+            for name, s in data["splits"].items()
+        }
+        fields = {k: v for k, v in data.items() if k not in ("splits", "root")}
+        return cls(splits=splits, root=root, **fields)
+
+
+def read(directory: str | Path) -> Manifest:
+    """Read `<directory>/manifest.json` (directory is a prepared data dir or a run dir)."""
+    d = Path(directory)
+    if (d / "data" / "manifest.json").is_file():
+        d = d / "data"
+    path = d / "manifest.json"
+    if not path.is_file():
+        raise UserError(f"{directory}: no prepared data (manifest.json) here; run torchloom prepare first")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e}); run torchloom prepare --output.overwrite true") from None
+    if data.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"{path}: manifest format {data.get('format_version')!r}, this torchloom reads {FORMAT_VERSION};"
+            " prepare the data again"
+        )
+    return Manifest.from_dict(data, root=str(d))

@@ -1,0 +1,1 @@
+"""Building the model and tokenizer from a local directory; export to Hugging Face format."""
