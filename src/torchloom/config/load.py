@@ -70,9 +70,10 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
 
 def apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
     parts = sections(cfg)
-    where = f"{origin} {section}.{key}"
+    where = f"--{section}.{key}" if origin == "cli" else f"{origin} {section}.{key}"
     if section not in parts:
-        raise UserError(f"{origin} [{section}]: unknown section; known sections: {', '.join(parts)}")
+        place = f"--{section}.{key}" if origin == "cli" else f"{origin} [{section}]"
+        raise UserError(f"{place}: unknown section {section!r}; known sections: {', '.join(parts)}")
     obj = parts[section]
     f = _field(obj, key, where)
     setattr(obj, key, _coerce(value, f, where))
@@ -142,7 +143,7 @@ def build(config_file: str | None = None, overrides: list[str] | None = None, ba
     if config_file:
         load_toml(cfg, config_file)
     for section, key, value in parse_overrides(overrides or []):
-        apply(cfg, section, key, value, f"--{section}.{key}:")
+        apply(cfg, section, key, value, "cli")
     return validate(cfg)
 
 

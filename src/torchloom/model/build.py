@@ -9,6 +9,7 @@ from torchloom.errors import UserError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def check_model_dir(path: str) -> str:
@@ -27,6 +28,7 @@ def build_classifier(path: str, labels: list[str]):
     from transformers import AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
     check_model_dir(path)
     return AutoModelForSequenceClassification.from_pretrained(
         path,

@@ -1,0 +1,5 @@
+"""Worker side: rank-sharded streaming of a prepared split, batching, exact resume."""
+
+from torchloom.data.loader import ShardedLoader, batch_sizes, eval_batches, rank_range
+
+__all__ = ["ShardedLoader", "batch_sizes", "eval_batches", "rank_range"]

@@ -1,0 +1,161 @@
+"""A split's rows by position: its shards' row groups read one at a time, and batch collation.
+
+A split is the concatenation of its row groups in some order (manifest order, or an epoch's
+permutation). `RangeReader.read(a, b)` returns rows [a, b) of that sequence, opening only the
+row groups that overlap it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import torch
+
+from torchloom.errors import UserError
+from torchloom.manifest import Manifest
+
+READ_COLUMNS = ["input_ids", "label_id"]
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    shard: int  # index into the split's shards
+    index: int  # row group number inside the shard file
+    rows: int
+    first_row: int  # position of its first row in the split, in manifest order
+
+
+def split_row_groups(manifest: Manifest, split: str) -> tuple[list[str], list[RowGroup]]:
+    """The split's shard URIs and its row groups in manifest order."""
+    info = manifest.split(split)
+    uris = [manifest.shard_uri(shard) for shard in info.shards]
+    groups = []
+    first = 0
+    for s, shard in enumerate(info.shards):
+        for i, rows in enumerate(shard.row_groups):
+            groups.append(RowGroup(s, i, rows, first))
+            first += rows
+    if first != info.rows:
+        raise UserError(
+            f"manifest {manifest.root}: split {split!r} says {info.rows} rows but its shards' row groups"
+            f" hold {first}; prepare the data again"
+        )
+    return uris, groups
+
+
+@dataclass
+class Rows:
+    """Rows held as numpy arrays: token ids of all rows concatenated, cut by `offsets`."""
+
+    values: np.ndarray  # int32 token ids; offsets index into it
+    offsets: np.ndarray  # int64, len(rows) + 1, ascending
+    labels: np.ndarray  # int64
+    index: np.ndarray  # int64 position of each row in the split, in manifest order
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def slice(self, start: int, stop: int) -> Rows:
+        return Rows(self.values, self.offsets[start:stop + 1], self.labels[start:stop], self.index[start:stop])
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @staticmethod
+    def concat(a: Rows, b: Rows) -> Rows:
+        a_values = a.values[a.offsets[0]:a.offsets[-1]]
+        b_offsets = b.offsets[1:] - b.offsets[0] + len(a_values)
+        return Rows(
+            np.concatenate([a_values, b.values[b.offsets[0]:b.offsets[-1]]]),
+            np.concatenate([a.offsets - a.offsets[0], b_offsets]),
+            np.concatenate([a.labels, b.labels]),
+            np.concatenate([a.index, b.index]),
+        )
+
+    @staticmethod
+    def from_table(table: pa.Table) -> Rows:
+        ids = table.column("input_ids").combine_chunks()
+        if isinstance(ids, pa.ChunkedArray):  # a table with no rows keeps zero chunks
+            ids = pa.array([], ids.type)
+        return Rows(
+            ids.values.to_numpy(zero_copy_only=False),
+            ids.offsets.to_numpy().astype(np.int64),
+            table.column("label_id").to_numpy().astype(np.int64),
+            table.column("index").to_numpy().astype(np.int64),
+        )
+
+
+def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
+    """A batch: input_ids and attention_mask [B, L] (L = longest row), labels and index [B]."""
+    lengths = rows.lengths()
+    width = max(int(lengths.max(initial=0)), 1)
+    mask = np.arange(width) < lengths[:, None]
+    input_ids = np.full(mask.shape, pad_id, np.int64)
+    input_ids[mask] = rows.values[rows.offsets[0]:rows.offsets[-1]]  # row-major order = row order
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "attention_mask": torch.from_numpy(mask.astype(np.int64)),
+        "labels": torch.from_numpy(rows.labels.copy()),
+        "index": torch.from_numpy(rows.index.copy()),
+    }
+
+
+def _open(uri: str) -> pq.ParquetFile:
+    if "://" in uri:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        return pq.ParquetFile(fs.open_input_file(path))
+    return pq.ParquetFile(uri)
+
+
+class RangeReader:
+    """Reads rows [a, b) of `groups` concatenated in the given order, a row group at a time.
+
+    Keeps the last row group read, so a row group straddling two consecutive reads is read once.
+    """
+
+    def __init__(self, uris: list[str], groups: list[RowGroup]):
+        self._uris = uris
+        self._groups = groups
+        self._starts = np.cumsum([0] + [g.rows for g in groups])
+        self._files: dict[int, pq.ParquetFile] = {}
+        self._last: tuple[RowGroup, pa.Table] | None = None
+
+    def read(self, start: int, stop: int) -> pa.Table:
+        """Columns input_ids, label_id and index (the row's position in the split, manifest order)."""
+        parts = []
+        j = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while start < stop:
+            group = self._groups[j]
+            table = self._read_group(group)
+            lo = start - int(self._starts[j])
+            hi = min(stop - int(self._starts[j]), group.rows)
+            part = table.slice(lo, hi - lo)
+            index = np.arange(group.first_row + lo, group.first_row + hi, dtype=np.int64)
+            parts.append(part.append_column("index", pa.array(index)))
+            start += hi - lo
+            j += 1
+        return pa.concat_tables(parts)
+
+    def _read_group(self, group: RowGroup) -> pa.Table:
+        if self._last is not None and self._last[0] == group:
+            return self._last[1]
+        if group.shard not in self._files:
+            self._files[group.shard] = _open(self._uris[group.shard])
+        table = self._files[group.shard].read_row_group(group.index, columns=READ_COLUMNS)
+        if table.num_rows != group.rows:
+            raise UserError(
+                f"{self._uris[group.shard]}: row group {group.index} has {table.num_rows} rows, the manifest"
+                f" says {group.rows}; the data changed after prepare, prepare it again"
+            )
+        self._last = (group, table)
+        return table
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._last = None

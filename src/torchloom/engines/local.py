@@ -1,0 +1,61 @@
+"""The local engine: N worker processes on this machine through torch's elastic launcher."""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from torchloom.config import Config, to_dict
+from torchloom.engines.common import TrainingFailed, clear_errors, raise_worker_failure, run_worker
+from torchloom.engines.progress import ProgressMonitor
+
+
+def _entry(cfg_dict: dict, run_dir: str) -> dict:
+    # torch elastic restarts every worker after a failure; the restarted ones resume from the latest
+    # complete checkpoint instead of starting over.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg_dict["train"]["resume"]:
+        cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
+    return run_worker(cfg_dict, run_dir)
+
+
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
+    """Train with cfg.engine.workers local processes; returns rank 0's result."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    run_dir = Path(run_dir).resolve()
+    log_dir = run_dir / "logs" / "workers"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    clear_errors(run_dir)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.engine.workers,
+        run_id=f"torchloom-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=cfg.engine.max_restarts,
+        monitor_interval=0.5,
+        start_method="spawn",
+        # Every rank's output goes to its log file under <run>/logs/workers and to this terminal.
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}] ",
+        local_addr="127.0.0.1",
+    )
+    stream = open(os.devnull, "w") if quiet else sys.stderr
+    try:
+        with ProgressMonitor(run_dir, stream=stream):
+            results = elastic_launch(launch, _entry)(to_dict(cfg), str(run_dir))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise_worker_failure(run_dir, f"training failed on rank {rank}: {failure.message}")
+    finally:
+        if quiet:
+            stream.close()
+    if not results or 0 not in results:
+        raise TrainingFailed("training ended without a result from rank 0; see the logs under " + str(log_dir))
+    return results[0]

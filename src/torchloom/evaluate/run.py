@@ -1,0 +1,58 @@
+"""Score an exported model on a prepared split: metrics plus the misclassified rows."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from torchloom.config import Config
+from torchloom.evaluate.metrics import classification_metrics
+from torchloom.manifest import Manifest
+from torchloom.manifest import read as read_manifest
+from torchloom.pipeline import run_dir
+from torchloom.train.distributed import Dist
+from torchloom.train.evaluation import predict_split
+
+
+def texts_at(manifest: Manifest, split: str, wanted: set[int]) -> dict[int, str]:
+    """Texts of the rows at these positions (file order), reading only the row groups that hold them."""
+    out: dict[int, str] = {}
+    start = 0
+    for shard in manifest.split(split).shards:
+        pf = None
+        for g, rows in enumerate(shard.row_groups):
+            hits = [i for i in wanted if start <= i < start + rows]
+            if hits:
+                pf = pf or pq.ParquetFile(manifest.shard_uri(shard))
+                col = pf.read_row_group(g, columns=["text"]).column("text").to_pylist()
+                for i in hits:
+                    out[i] = col[i - start]
+            start += rows
+    return out
+
+
+def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
+    from transformers import AutoModelForSequenceClassification
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    manifest = read_manifest(run_dir(cfg) / "data")
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
+    precision = cfg.train.precision if cfg.train.precision != "fp16" or device.type == "cuda" else "bf16"
+    d = Dist(rank=0, world_size=1, local_rank=0, device=device, owns_group=False)
+    probs, labels, index = predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
+    metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)
+    pred = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
+    wrong = np.nonzero(pred != labels)[0]
+    # Most confident mistakes first: those are the ones worth reading.
+    wrong = wrong[np.argsort(-probs[wrong, pred[wrong]])][: cfg.eval.misclassified_limit]
+    texts = texts_at(manifest, cfg.eval.split, {int(index[i]) for i in wrong})
+    misclassified = [
+        {"text": texts.get(int(index[i]), ""), "true": manifest.labels[labels[i]],
+         "predicted": manifest.labels[pred[i]], "score": round(float(probs[i, pred[i]]), 6)}
+        for i in wrong
+    ]
+    return metrics, misclassified

@@ -1,0 +1,183 @@
+"""The stages as functions over a run directory: prepare, train, export, evaluate, and all of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from torchloom import config as config_mod
+from torchloom.config import Config
+from torchloom.errors import UserError
+
+
+def say(msg: str) -> None:
+    print(f"torchloom: {msg}", file=sys.stderr, flush=True)
+
+
+def run_dir(cfg: Config) -> Path:
+    return Path(cfg.output.dir).resolve()
+
+
+def save_config(cfg: Config, rd: Path) -> None:
+    rd.mkdir(parents=True, exist_ok=True)
+    config_mod.save(cfg, rd / "config.toml")
+
+
+def prepare_stage(cfg: Config, spark=None) -> dict:
+    from torchloom.etl.prepare import prepare
+
+    rd = run_dir(cfg)
+    started = time.perf_counter()
+    say(f"prepare: {cfg.data.path or 'embedded BBC News'} -> {rd / 'data'}")
+    manifest = prepare(cfg, str(rd / "data"), spark=spark, progress=lambda m: say(f"prepare: {m}"))
+    save_config(cfg, rd)
+    splits = ", ".join(f"{k} {v.rows}" for k, v in manifest.splits.items())
+    rejected = sum(manifest.counts.get("rows_rejected", {}).values())
+    say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} rejected,"
+        f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
+    return {"seconds": round(time.perf_counter() - started, 2), "splits": {k: v.rows for k, v in manifest.splits.items()}}
+
+
+def check_trainable(cfg: Config) -> None:
+    """Catch in the driver what would otherwise fail in every worker."""
+    from torchloom import manifest as manifest_mod
+    from torchloom.embedded import model_path
+    from torchloom.model.build import check_model_dir
+    from torchloom.train.loop import micro_batch_size
+
+    m = manifest_mod.read(run_dir(cfg) / "data")
+    micro_batch_size(cfg, cfg.engine.workers)
+    check_model_dir(model_path(cfg.model.path))
+    if m.split("train").rows < cfg.engine.workers:
+        raise UserError(
+            f"{m.root}: {m.split('train').rows} training rows for {cfg.engine.workers} workers;"
+            " add data or lower engine.workers"
+        )
+    if cfg.train.resume and cfg.train.resume != "latest" and not (Path(cfg.train.resume) / "meta.json").is_file():
+        raise UserError(f"train.resume {cfg.train.resume}: not a checkpoint directory; pass 'latest' or checkpoints/step-N")
+
+
+def train_stage(cfg: Config, quiet: bool = False) -> dict:
+    from torchloom.engines import local
+
+    check_trainable(cfg)
+    rd = run_dir(cfg)
+    save_config(cfg, rd)
+    say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, precision {cfg.train.precision},"
+        f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd / 'logs'}")
+    started = time.perf_counter()
+    result = local.train(cfg, rd, quiet=quiet)
+    result["wall_s"] = round(time.perf_counter() - started, 2)
+    (rd / "train_result.json").write_text(json.dumps(result, indent=2))
+    say(f"train: {result['steps']} steps in {result['train_s']:.1f} s ({result['samples_per_s']:.1f} samples/s);"
+        f" validation {result.get('last_eval') or '-'}")
+    return result
+
+
+def select_checkpoint(cfg: Config) -> Path:
+    from torchloom.train import checkpoint
+
+    root = run_dir(cfg) / "checkpoints"
+    last = checkpoint.latest(root)
+    if last is None:
+        raise UserError(f"{root}: no checkpoint; run torchloom train first")
+    if cfg.train.select == "best":
+        best_step = json.loads((last / "meta.json").read_text()).get("best_step", -1)
+        best = root / f"step-{best_step}"
+        if best_step >= 0 and (best / "meta.json").is_file():
+            return best
+    return last
+
+
+def export_stage(cfg: Config) -> dict:
+    from torchloom import __version__
+    from torchloom import manifest as manifest_mod
+    from torchloom.embedded import model_path
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+    from torchloom.train import checkpoint
+
+    rd = run_dir(cfg)
+    started = time.perf_counter()
+    ckpt = select_checkpoint(cfg)
+    m = manifest_mod.read(rd / "data")
+    src = model_path(cfg.model.path)
+    model = build_classifier(src, m.labels)
+    model.load_state_dict(checkpoint.load_weights(ckpt))
+    meta = json.loads((ckpt / "meta.json").read_text())
+    out = export_model(model, src, m.labels, str(rd / "model"), extra_info={
+        "torchloom_version": __version__, "checkpoint": str(ckpt), "step": meta.get("step"),
+        "validation": meta.get("eval", {}), "data_fingerprint": m.fingerprint,
+        "max_length": m.tokenizer.get("max_length"),
+    })
+    say(f"export: {ckpt.name} -> {out}")
+    return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out}
+
+
+def evaluate_stage(cfg: Config, extra: dict | None = None) -> dict:
+    from torchloom.evaluate.run import evaluate_model_dir
+    from torchloom.evaluate.report import write_report
+
+    rd = run_dir(cfg)
+    started = time.perf_counter()
+    model_dir = rd / "model"
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"{model_dir}: no exported model; run torchloom export (or torchloom run) first")
+    metrics, misclassified = evaluate_model_dir(cfg, str(model_dir))
+    seconds = round(time.perf_counter() - started, 2)
+    from torchloom import manifest as manifest_mod
+
+    labels = manifest_mod.read(rd / "data").labels
+    write_report(str(rd), metrics, split=cfg.eval.split, label_names=labels, misclassified=misclassified,
+                 metrics_jsonl_path=str(rd / "metrics.jsonl"), extra={"evaluate_s": seconds, **(extra or {})})
+    say(f"evaluate ({cfg.eval.split}, {metrics['n']} rows): accuracy {metrics['accuracy']:.4f},"
+        f" macro-F1 {metrics['macro_f1']:.4f}; report {rd / 'report.md'}")
+    return {"seconds": seconds, "metrics": metrics}
+
+
+def run_all(cfg: Config) -> dict:
+    """prepare -> train -> export -> evaluate into one run dir, then a summary."""
+    rd = run_dir(cfg)
+    if rd.exists() and any(rd.iterdir()) and not cfg.output.overwrite and not cfg.train.resume:
+        raise UserError(f"output.dir {rd}: exists and is not empty; pass --output.overwrite true or another --output.dir")
+    if rd.exists() and cfg.output.overwrite and not cfg.train.resume:
+        shutil.rmtree(rd)
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    if cfg.train.resume and (rd / "data" / "manifest.json").is_file():
+        say("run: resuming; reusing the prepared data in " + str(rd / "data"))
+    else:
+        timings["prepare_s"] = prepare_stage(cfg)["seconds"]
+    result = train_stage(cfg)
+    timings["train_s"] = result["wall_s"]
+    timings["export_s"] = export_stage(cfg)["seconds"]
+    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result})
+    timings["evaluate_s"] = ev["seconds"]
+    timings["total_s"] = round(time.perf_counter() - started, 2)
+    summary = {
+        "run_dir": str(rd),
+        "accuracy": ev["metrics"]["accuracy"],
+        "macro_f1": ev["metrics"]["macro_f1"],
+        "timings": timings,
+        "model_dir": str(rd / "model"),
+        "report": str(rd / "report.md"),
+    }
+    (rd / "summary.json").write_text(json.dumps(summary, indent=2))
+    stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
+    print(
+        f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})\n"
+        f"  test accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}\n"
+        f"  model   {summary['model_dir']}\n  report  {summary['report']}\n"
+        f"  plots   {rd / 'plots'}\n  predict torchloom predict --model {summary['model_dir']} \"some text\"",
+        flush=True,
+    )
+    return summary
+
+
+def env_defaults() -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

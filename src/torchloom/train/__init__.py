@@ -1,0 +1,1 @@
+"""The engine-agnostic per-rank training entry `run(cfg, run_dir, reporter)` and its parts."""

@@ -1,0 +1,89 @@
+"""Process group and device set-up for one worker, whichever engine started it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    owns_group: bool  # we initialised the process group, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.enabled:
+            if self.device.type == "cuda":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    """`auto` takes this worker's GPU when there is one; `cuda` insists on it."""
+    if kind == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if kind == "cuda":
+        raise RuntimeError("engine.device = cuda but torch sees no CUDA device on this worker")
+    return torch.device("cpu")
+
+
+def setup(device_kind: str, threads: int) -> Dist:
+    """Join the process group the engine described (env vars) or use the one it already made."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return Dist(rank, world, local_rank, pick_device(device_kind, local_rank), owns_group=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(device_kind, local_rank)
+    if world > 1:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        # A long timeout: rank 0 may be writing a checkpoint while the others wait in a barrier.
+        dist.init_process_group(
+            backend=backend, timeout=datetime.timedelta(minutes=30),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Dist(rank, world, local_rank, device, owns_group=world > 1)
+
+
+def teardown(d: Dist) -> None:
+    if d.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(d: Dist, values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=d.device)
+    if d.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_gather_objects(d: Dist, obj):
+    if not d.enabled:
+        return [obj]
+    out = [None] * d.world_size
+    dist.all_gather_object(out, obj)
+    return out

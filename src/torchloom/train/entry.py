@@ -1,0 +1,30 @@
+"""The function every engine runs in every worker process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchloom.config import Config, from_dict
+from torchloom.train.distributed import setup, teardown
+from torchloom.train.reporter import Reporter
+
+
+def worker_threads(cfg: Config) -> int:
+    if cfg.engine.threads_per_worker:
+        return cfg.engine.threads_per_worker
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+
+
+def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = None) -> dict:
+    """Train on this rank: join the process group, build, fit, leave. Returns this rank's result."""
+    from torchloom.train.loop import Trainer
+
+    if isinstance(cfg, dict):
+        cfg = from_dict(cfg)
+    d = setup(cfg.engine.device, worker_threads(cfg))
+    try:
+        return Trainer(cfg, d, run_dir, reporter).fit()
+    finally:
+        teardown(d)
