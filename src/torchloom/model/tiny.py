@@ -9,7 +9,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spec
 
 
 def write_tiny_model(out_dir: str | Path, tokenizer_from: str | None = None, hidden: int = 32,
-                     layers: int = 2, heads: int = 2, seed: int = 0) -> str:
+                     layers: int = 2, heads: int = 2, seed: int = 0, dropout: float = 0.1) -> str:
     """Write a tiny BERT (random weights) plus tokenizer files to `out_dir`; returns the path."""
     import torch
     from transformers import BertConfig, BertModel
@@ -23,6 +23,7 @@ def write_tiny_model(out_dir: str | Path, tokenizer_from: str | None = None, hid
     config = BertConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=hidden * 2, max_position_embeddings=512,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(out)

@@ -1,0 +1,160 @@
+"""Training on real multi-process DDP (gloo, the local elastic engine) with a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchloom.config import build
+from torchloom.data.loader import ShardedLoader
+from torchloom.data.synthetic import write_synthetic_dataset
+from torchloom.engines import local
+from torchloom.manifest import read as read_manifest
+from torchloom.model.build import build_classifier
+from torchloom.model.tiny import write_tiny_model
+from torchloom.train import checkpoint, optim
+from torchloom.train.loop import seed_everything
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "dropout": write_tiny_model(root / "tiny"),
+        "no_dropout": write_tiny_model(root / "tiny0", dropout=0.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data") / "data"
+    write_synthetic_dataset(d, rows={"train": 103, "val": 21, "test": 19}, rows_per_group=10, rows_per_shard=40)
+    return d
+
+
+def new_run(tmp_path: Path, data_dir: Path, name: str) -> Path:
+    rd = tmp_path / name
+    rd.mkdir()
+    shutil.copytree(data_dir, rd / "data")
+    return rd
+
+
+def cfg_for(rd: Path, model: str, *overrides: str):
+    return build(None, [
+        "--output.dir", str(rd), "--model.path", model, "--train.precision", "fp32",
+        "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2", "--train.log_every", "2",
+        *overrides,
+    ])
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load_weights(ckpt)
+
+
+def test_ddp_two_ranks_equal_one_process_on_the_combined_batch(tmp_path, data_dir, models):
+    rd = new_run(tmp_path, data_dir, "ddp")
+    steps = 6
+    cfg = cfg_for(rd, models["no_dropout"], "--train.max_steps", str(steps), "--train.warmup_ratio", "0.3")
+    result = local.train(cfg, rd, quiet=True)
+    assert result["steps"] == steps and result["world_size"] == 2
+    ddp = weights(rd / "checkpoints" / f"step-{steps}")
+
+    # The reference: one process, plain PyTorch, each step on the union of both ranks' micro-batches.
+    manifest = read_manifest(rd / "data")
+    seed_everything(cfg.train.seed)
+    model = build_classifier(models["no_dropout"], manifest.labels)
+    opt, sched = optim.build(model, cfg.train.lr, cfg.train.weight_decay, steps, round(0.3 * steps), "linear",
+                             torch.device("cpu"))
+    loaders = [ShardedLoader(manifest, "train", rank=r, world_size=2, batch_size=4, seed=cfg.train.seed)
+               for r in range(2)]
+    for ld in loaders:
+        ld.set_epoch(0)
+    for b0, b1 in list(zip(*loaders))[:steps]:
+        length = max(b0["input_ids"].shape[1], b1["input_ids"].shape[1])
+        ids = torch.cat([F.pad(b["input_ids"], (0, length - b["input_ids"].shape[1])) for b in (b0, b1)])
+        mask = torch.cat([F.pad(b["attention_mask"], (0, length - b["attention_mask"].shape[1])) for b in (b0, b1)])
+        labels = torch.cat([b0["labels"], b1["labels"]])
+        loss = F.cross_entropy(model(input_ids=ids, attention_mask=mask).logits, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    ref = {k: v.detach() for k, v in model.state_dict().items()}
+    assert ddp.keys() == ref.keys()
+    moved = 0
+    for k in ref:
+        torch.testing.assert_close(ddp[k], ref[k], atol=2e-5, rtol=1e-4, msg=k)
+        moved += not torch.equal(ref[k], build_classifier(models["no_dropout"], manifest.labels).state_dict()[k])
+    assert moved > 10  # the parameters really trained
+
+
+def test_resume_mid_epoch_is_bit_identical(tmp_path, data_dir, models):
+    # 103 rows, 2 ranks, micro-batch 4: 13 steps per epoch; step 10 is mid-epoch, 2 epochs = 26 steps.
+    full = new_run(tmp_path, data_dir, "full")
+    result = local.train(cfg_for(full, models["dropout"], "--train.checkpoint_every", "5", "--train.keep_last", "10",
+                                 "--train.eval_every", "4"), full, quiet=True)
+    assert result["steps"] == 26
+    resumed = new_run(tmp_path, data_dir, "resumed")
+    ckpt = full / "checkpoints" / "step-10"
+    assert json.loads((ckpt / "meta.json").read_text())["epoch"] == 0
+    result2 = local.train(cfg_for(resumed, models["dropout"], "--train.checkpoint_every", "5", "--train.keep_last", "10",
+                                  "--train.eval_every", "4", "--train.resume", str(ckpt)), resumed, quiet=True)
+    assert result2["resumed_from"] == str(ckpt) and result2["steps"] == 26
+    a, b = weights(full / "checkpoints" / "step-26"), weights(resumed / "checkpoints" / "step-26")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    # The metrics log of the resumed run continues where the checkpoint left off.
+    steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
+    assert min(steps) > 10
+
+
+def test_checkpoints_are_complete_and_pruned(tmp_path, data_dir, models):
+    rd = new_run(tmp_path, data_dir, "prune")
+    result = local.train(cfg_for(rd, models["dropout"], "--train.epochs", "3", "--train.keep_last", "1"), rd,
+                         quiet=True)
+    found = [s for s, _ in checkpoint.list_checkpoints(rd / "checkpoints")]
+    # the last one, plus the best on validation when it is another
+    assert found[-1] == result["steps"] == 39
+    assert set(found) <= {result["best_step"], 39} and len(found) <= 2
+    assert not list((rd / "checkpoints").glob(".*tmp"))
+    for step in found:
+        files = {p.name for p in (rd / "checkpoints" / f"step-{step}").iterdir()}
+        assert {"model.safetensors", "optimizer.pt", "trainer.pt", "meta.json", "rng-rank0.pt", "rng-rank1.pt"} <= files
+    lines = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if x["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [13, 26, 39]
+    train = [x for x in lines if x["kind"] == "train"]
+    assert all(x["loss"] > 0 and x["samples_per_s"] > 0 and "grad_norm" in x for x in train)
+
+
+def test_batch_size_not_divisible_is_a_one_line_error(tmp_path, data_dir, models):
+    rd = new_run(tmp_path, data_dir, "bad")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
+         "--train.batch_size", "7"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "train.batch_size 7" in lines[0] and "multiple" in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_fp16_with_grad_scaler_trains(tmp_path, data_dir, models):
+    rd = new_run(tmp_path, data_dir, "gpu")
+    n = min(2, torch.cuda.device_count())
+    cfg = cfg_for(rd, models["dropout"], "--train.precision", "fp16", "--engine.device", "cuda",
+                  "--engine.workers", str(n), "--train.max_steps", "4")
+    result = local.train(cfg, rd, quiet=True)
+    assert result["device"].startswith("cuda") and result["steps"] == 4
