@@ -119,8 +119,8 @@ def export_stage(cfg: Config) -> dict:
 
 
 def evaluate_stage(cfg: Config, extra: dict | None = None) -> dict:
-    from torchloom.evaluate.run import evaluate_model_dir
     from torchloom.evaluate.report import write_report
+    from torchloom.evaluate.run import evaluate_model_dir
 
     rd = run_dir(cfg)
     started = time.perf_counter()
