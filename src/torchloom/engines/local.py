@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
     clear_errors(run_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["TORCHLOOM_LAUNCH_TIME"] = str(time.time())  # workers measure time to first step from here
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

@@ -182,7 +182,7 @@ class Trainer:
         s.last_eval_step = s.step
         if self.manifest.split("val").rows == 0:
             return
-        self.progress(phase="eval", step=s.step, epoch=s.epoch)
+        self.progress(phase="eval", step=s.step, epoch=self.epoch_float())
         m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.tc.precision)
         self.last_eval = m
         value = m[self.tc.metric]
@@ -269,7 +269,9 @@ class Trainer:
                 loss_sum, rows = self.train_step(group, position)
                 position += len(group)
                 if first_step_s is None:
-                    first_step_s = time.perf_counter() - started
+                    # From the engine's launch when it says when that was, else from the start of fit().
+                    launched = float(os.environ.get("TORCHLOOM_LAUNCH_TIME", "0"))
+                    first_step_s = time.time() - launched if launched else time.perf_counter() - started
                 loss_acc += loss_sum
                 window_rows += rows
                 window_steps += 1
