@@ -127,10 +127,13 @@ def evaluate_stage(cfg: Config, extra: dict | None = None) -> dict:
     model_dir = rd / "model"
     if not (model_dir / "config.json").is_file():
         raise UserError(f"{model_dir}: no exported model; run torchloom export (or torchloom run) first")
-    metrics, misclassified = evaluate_model_dir(cfg, str(model_dir))
-    seconds = round(time.perf_counter() - started, 2)
     from torchloom import manifest as manifest_mod
 
+    if manifest_mod.read(rd / "data").split(cfg.eval.split).rows == 0:
+        raise UserError(f"eval.split {cfg.eval.split}: the split is empty in {rd / 'data'}; choose another split"
+                        " or prepare with a non-zero fraction for it")
+    metrics, misclassified = evaluate_model_dir(cfg, str(model_dir))
+    seconds = round(time.perf_counter() - started, 2)
     labels = manifest_mod.read(rd / "data").labels
     write_report(str(rd), metrics, split=cfg.eval.split, label_names=labels, misclassified=misclassified,
                  metrics_jsonl_path=str(rd / "metrics.jsonl"), extra={"evaluate_s": seconds, **(extra or {})})

@@ -1,0 +1,1 @@
+"""Evaluation: metrics from predicted probabilities, and the report (JSON, Markdown, plots)."""

@@ -1,0 +1,145 @@
+"""Classification metrics from predicted probabilities, in numpy only (no scikit-learn dependency).
+
+Conventions follow scikit-learn so numbers can be checked against it: precision, recall and F1 of a
+class with nothing to divide by are 0; macro averages run over the classes that occur in the labels
+or the predictions; ROC AUC is one-vs-rest, averaged over classes present in the labels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# Probabilities are clipped to [LOSS_EPS, 1] before the log, so one confident mistake gives a large
+# but finite loss.
+LOSS_EPS = 1e-12
+
+
+def classification_metrics(
+    probs: np.ndarray, labels: np.ndarray, label_names: list[str], calibration_bins: int = 10
+) -> dict[str, Any]:
+    """Accuracy, F1s, per-class scores, ROC AUC, calibration, confusion matrix and loss as plain JSON types.
+
+    probs: [N, C] class probabilities (rows sum to 1); labels: [N] true class ids in [0, C).
+    """
+    probs = np.asarray(probs, dtype=np.float64)
+    labels = np.asarray(labels)
+    num_classes = len(label_names)
+    if probs.ndim != 2 or probs.shape[1] != num_classes:
+        raise ValueError(f"probs has shape {probs.shape}, expected [N, {num_classes}] for {num_classes} labels")
+    if labels.shape != (probs.shape[0],):
+        raise ValueError(f"labels has shape {labels.shape}, expected [{probs.shape[0]}] to match probs")
+    if probs.shape[0] == 0:
+        raise ValueError("no rows to evaluate: the split is empty")
+    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_classes:
+        raise ValueError(f"labels must be integer class ids in [0, {num_classes})")
+    if calibration_bins < 1:
+        raise ValueError(f"calibration_bins must be >= 1, got {calibration_bins}")
+
+    n = probs.shape[0]
+    predicted = probs.argmax(axis=1)
+    confusion = np.bincount(labels * num_classes + predicted, minlength=num_classes**2).reshape(
+        num_classes, num_classes
+    )
+    true_positives = np.diag(confusion).astype(np.float64)
+    support = confusion.sum(axis=1)
+    predicted_count = confusion.sum(axis=0)
+    precision = _safe_divide(true_positives, predicted_count)
+    recall = _safe_divide(true_positives, support)
+    # 2tp / (2tp + fp + fn): equal to the harmonic mean, and 0 (not NaN) when the class never occurs.
+    f1 = _safe_divide(2 * true_positives, support + predicted_count)
+    occurs = (support + predicted_count) > 0
+
+    calibration = _calibration(probs, labels, predicted, calibration_bins)
+    true_class_probs = probs[np.arange(n), labels]
+    return {
+        "n": int(n),
+        "label_names": list(label_names),
+        "accuracy": float((predicted == labels).mean()),
+        "macro_f1": float(f1[occurs].mean()),
+        "weighted_f1": float((f1 * support).sum() / n),
+        "per_class": {
+            name: {
+                "precision": float(precision[i]),
+                "recall": float(recall[i]),
+                "f1": float(f1[i]),
+                "support": int(support[i]),
+            }
+            for i, name in enumerate(label_names)
+        },
+        "roc_auc": _roc_auc(probs, labels),
+        "ece": calibration["ece"],
+        "reliability": calibration["bins"],
+        "confusion_matrix": confusion.tolist(),
+        "loss": float(-np.log(np.clip(true_class_probs, LOSS_EPS, 1.0)).mean()),
+    }
+
+
+def binary_auc(scores: np.ndarray, positive: np.ndarray) -> float | None:
+    """Exact ROC AUC by the Mann-Whitney rank sum (ties count one half); None with only one class present."""
+    scores = np.asarray(scores, dtype=np.float64)
+    positive = np.asarray(positive, dtype=bool)
+    n_pos = int(positive.sum())
+    n_neg = positive.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return None
+    ranks = average_ranks(scores)
+    return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """1-based ranks; tied values share the mean of the ranks they span (scipy's rankdata 'average')."""
+    values = np.asarray(values)
+    order = np.argsort(values, kind="mergesort")
+    sorted_values = values[order]
+    starts_group = np.r_[True, sorted_values[1:] != sorted_values[:-1]]
+    group_of_sorted = np.cumsum(starts_group) - 1
+    bounds = np.r_[np.flatnonzero(starts_group), values.size]
+    # A group spanning sorted positions [lo, hi) holds ranks lo+1 .. hi, whose mean is (lo + 1 + hi) / 2.
+    mean_rank = (bounds[:-1] + 1 + bounds[1:]) / 2.0
+    ranks = np.empty(values.size, dtype=np.float64)
+    ranks[order] = mean_rank[group_of_sorted]
+    return ranks
+
+
+def _roc_auc(probs: np.ndarray, labels: np.ndarray) -> float | None:
+    num_classes = probs.shape[1]
+    if num_classes == 2:
+        return binary_auc(probs[:, 1], labels == 1)
+    aucs = [binary_auc(probs[:, c], labels == c) for c in range(num_classes)]
+    defined = [a for a in aucs if a is not None]
+    return float(np.mean(defined)) if defined else None
+
+
+def _calibration(probs: np.ndarray, labels: np.ndarray, predicted: np.ndarray, num_bins: int) -> dict[str, Any]:
+    """Expected calibration error of the top-1 confidence over equal-width bins (lo, hi]; 0 falls in bin 0."""
+    confidence = probs.max(axis=1)
+    correct = (predicted == labels).astype(np.float64)
+    edges = np.linspace(0.0, 1.0, num_bins + 1)
+    bin_of = np.searchsorted(edges[1:-1], confidence, side="left")
+    count = np.bincount(bin_of, minlength=num_bins)
+    confidence_sum = np.bincount(bin_of, weights=confidence, minlength=num_bins)
+    correct_sum = np.bincount(bin_of, weights=correct, minlength=num_bins)
+    filled = count > 0
+    mean_confidence = _safe_divide(confidence_sum, count)
+    mean_accuracy = _safe_divide(correct_sum, count)
+    ece = float((np.abs(mean_accuracy - mean_confidence) * count)[filled].sum() / confidence.size)
+    return {
+        "ece": ece,
+        "bins": {
+            "edges": edges.tolist(),
+            # Empty bins have no mean: None, so JSON and plots can tell them from a real 0.
+            "confidence": [float(v) if f else None for v, f in zip(mean_confidence, filled)],
+            "accuracy": [float(v) if f else None for v, f in zip(mean_accuracy, filled)],
+            "count": count.astype(int).tolist(),
+        },
+    }
+
+
+def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
+    numerator = np.asarray(numerator, dtype=np.float64)
+    denominator = np.asarray(denominator, dtype=np.float64)
+    out = np.zeros_like(numerator)
+    np.divide(numerator, denominator, out=out, where=denominator > 0)
+    return out

@@ -1,0 +1,314 @@
+"""The evaluation report of a run: report.json, report.md, misclassified.jsonl and plots/*.png.
+
+Every file is written to a temporary name and renamed, so a crash never leaves half a report.
+Plots use matplotlib's Agg canvas directly (no pyplot), so nothing global is changed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Keys of report.json that `extra` may not override.
+RESERVED_KEYS = ("split", "label_names", "metrics", "files")
+MISCLASSIFIED_SHOWN = 10  # examples quoted in report.md; all of them are in misclassified.jsonl
+TEXT_SHOWN_CHARS = 160
+
+
+def write_report(
+    run_dir: str | Path,
+    metrics: dict[str, Any],
+    *,
+    split: str,
+    label_names: list[str],
+    misclassified: list[dict[str, Any]],
+    metrics_jsonl_path: str | Path | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """Write the report files into `run_dir`; returns {kind: path} of the files written.
+
+    metrics: from `classification_metrics`. misclassified: dicts with text, true, predicted, score.
+    metrics_jsonl_path: the training log for the loss plot (skipped when missing or empty).
+    extra: more top-level entries of report.json, e.g. timings and a config summary.
+    """
+    extra = dict(extra or {})
+    clash = sorted(set(extra) & set(RESERVED_KEYS))
+    if clash:
+        raise ValueError(f"extra may not set {', '.join(clash)}: report.json uses those keys")
+    run = Path(run_dir)
+    plots = run / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+
+    written: dict[str, str] = {}
+    _atomic_write(run / "misclassified.jsonl", "".join(
+        json.dumps(_jsonable(row), ensure_ascii=False) + "\n" for row in misclassified
+    ).encode("utf-8"))
+    written["misclassified"] = str(run / "misclassified.jsonl")
+
+    _atomic_write(plots / "confusion.png", plot_confusion(metrics["confusion_matrix"], label_names))
+    written["confusion_plot"] = str(plots / "confusion.png")
+    _atomic_write(plots / "calibration.png", plot_calibration(metrics["reliability"], metrics["ece"]))
+    written["calibration_plot"] = str(plots / "calibration.png")
+    history = read_metrics_jsonl(metrics_jsonl_path) if metrics_jsonl_path else []
+    loss_png = plot_loss(history)
+    if loss_png is not None:
+        _atomic_write(plots / "loss.png", loss_png)
+        written["loss_plot"] = str(plots / "loss.png")
+
+    files = {kind: os.path.relpath(path, run) for kind, path in written.items()}
+    report = {"split": split, "label_names": list(label_names), "metrics": metrics, "files": files, **extra}
+    _atomic_write(run / "report.json",
+                  (json.dumps(_jsonable(report), indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
+    written["report_json"] = str(run / "report.json")
+    markdown = render_markdown(metrics, split=split, label_names=label_names,
+                               misclassified=misclassified, files=files, extra=extra)
+    _atomic_write(run / "report.md", markdown.encode("utf-8"))
+    written["report_md"] = str(run / "report.md")
+    return written
+
+
+def render_markdown(
+    metrics: dict[str, Any],
+    *,
+    split: str,
+    label_names: list[str],
+    misclassified: list[dict[str, Any]],
+    files: dict[str, str],
+    extra: dict[str, Any],
+) -> str:
+    """The human-readable report; `files` maps kinds to paths relative to the report."""
+    lines = [f"# Evaluation on the `{split}` split", ""]
+    lines += ["| metric | value |", "|---|---|"]
+    for name, key in (("rows", "n"), ("accuracy", "accuracy"), ("macro F1", "macro_f1"),
+                      ("weighted F1", "weighted_f1"), ("ROC AUC", "roc_auc"),
+                      ("expected calibration error", "ece"), ("cross-entropy loss", "loss")):
+        lines.append(f"| {name} | {_fmt(metrics.get(key))} |")
+    lines.append("")
+
+    # Scalars of `extra` (e.g. evaluate_s) share one table; each dict (timings, config) gets its own.
+    scalars = {k: v for k, v in extra.items() if not isinstance(v, dict)}
+    sections = [("Run", scalars)] if scalars else []
+    sections += [(k.replace("_", " ").capitalize(), v) for k, v in extra.items() if isinstance(v, dict)]
+    for title, table in sections:
+        lines += [f"## {title}", "", "| key | value |", "|---|---|"]
+        lines += [f"| {_cell(k)} | {_cell(_fmt(v))} |" for k, v in table.items()]
+        lines.append("")
+
+    lines += ["## Per class", "", "| label | precision | recall | F1 | support |", "|---|---|---|---|---|"]
+    for name in label_names:
+        c = metrics["per_class"][name]
+        lines.append(f"| {_cell(name)} | {c['precision']:.4f} | {c['recall']:.4f} | {c['f1']:.4f} "
+                     f"| {c['support']} |")
+    lines.append("")
+
+    lines += ["## Confusion matrix", "", "Rows are the true label, columns the predicted one.", ""]
+    lines.append("| true \\ predicted | " + " | ".join(_cell(n) for n in label_names) + " |")
+    lines.append("|---" * (len(label_names) + 1) + "|")
+    for name, row in zip(label_names, metrics["confusion_matrix"]):
+        lines.append(f"| **{_cell(name)}** | " + " | ".join(str(v) for v in row) + " |")
+    lines.append("")
+    if "confusion_plot" in files:
+        lines += [f"![confusion matrix]({files['confusion_plot']})", ""]
+
+    bins = metrics["reliability"]
+    lines += ["## Calibration", "",
+              f"Expected calibration error of the top-1 confidence: **{_fmt(metrics['ece'])}** "
+              f"({len(bins['count'])} equal-width bins; empty bins omitted).", "",
+              "| confidence bin | rows | mean confidence | accuracy |", "|---|---|---|---|"]
+    edges = bins["edges"]
+    for i, count in enumerate(bins["count"]):
+        if count:
+            lines.append(f"| ({edges[i]:.2f}, {edges[i + 1]:.2f}] | {count} | "
+                         f"{bins['confidence'][i]:.4f} | {bins['accuracy'][i]:.4f} |")
+    lines.append("")
+    if "calibration_plot" in files:
+        lines += [f"![reliability diagram]({files['calibration_plot']})", ""]
+
+    if "loss_plot" in files:
+        lines += ["## Training", "", f"![loss curve]({files['loss_plot']})", ""]
+
+    lines += ["## Misclassified", ""]
+    if not misclassified:
+        lines += ["None.", ""]
+    else:
+        worst = sorted(misclassified, key=lambda r: -float(r.get("score", 0.0)))[:MISCLASSIFIED_SHOWN]
+        lines += [f"{len(misclassified)} rows; the {len(worst)} most confident mistakes below, all in "
+                  f"[{files.get('misclassified', 'misclassified.jsonl')}]"
+                  f"({files.get('misclassified', 'misclassified.jsonl')}).", "",
+                  "| true | predicted | score | text |", "|---|---|---|---|"]
+        for row in worst:
+            text = str(row.get("text", ""))
+            if len(text) > TEXT_SHOWN_CHARS:
+                text = text[:TEXT_SHOWN_CHARS] + "…"
+            lines.append(f"| {_cell(row.get('true'))} | {_cell(row.get('predicted'))} | "
+                         f"{_fmt(row.get('score'))} | {_cell(text)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a metrics.jsonl; [] when it is missing. Unparsable lines (a line still being
+    written by a live run) are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def plot_confusion(confusion: list[list[int]], label_names: list[str]) -> bytes:
+    """PNG of the confusion matrix: counts written in each cell, coloured by the share of the true class."""
+    counts = np.asarray(confusion, dtype=np.int64)
+    row_totals = counts.sum(axis=1, keepdims=True)
+    share = np.divide(counts, row_totals, out=np.zeros(counts.shape), where=row_totals > 0)
+    k = len(label_names)
+    size = min(max(4.5, 0.7 * k + 2.5), 24.0)
+    fig, ax = _figure(size, size * 0.85)
+    image = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
+    ax.set_xticks(range(k), labels=label_names, rotation=45 if k > 3 else 0, ha="right" if k > 3 else "center")
+    ax.set_yticks(range(k), labels=label_names)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"Confusion matrix ({int(counts.sum())} rows)")
+    fontsize = max(5, min(11, 120 // max(k, 1)))
+    for i in range(k):
+        for j in range(k):
+            ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=fontsize,
+                    color="white" if share[i, j] > 0.5 else "black")
+    return _png(fig)
+
+
+def plot_calibration(reliability: dict[str, list], ece: float) -> bytes:
+    """PNG reliability diagram: accuracy per confidence bin against the diagonal, with the bin counts."""
+    edges = np.asarray(reliability["edges"], dtype=np.float64)
+    counts = np.asarray(reliability["count"], dtype=np.int64)
+    accuracy = np.array([np.nan if a is None else a for a in reliability["accuracy"]], dtype=np.float64)
+    confidence = np.array([np.nan if c is None else c for c in reliability["confidence"]], dtype=np.float64)
+    centers = (edges[:-1] + edges[1:]) / 2
+    widths = np.diff(edges)
+    fig, (ax, ax_counts) = _figure(6.0, 6.5, rows=2, height_ratios=(3, 1))
+    filled = counts > 0
+    ax.bar(centers[filled], accuracy[filled], width=widths[filled] * 0.95, color="tab:blue",
+           edgecolor="black", linewidth=0.5, label="accuracy")
+    ax.plot(confidence[filled], accuracy[filled], "o", color="tab:orange", markersize=4,
+            label="mean confidence")
+    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    for x, a, c in zip(centers[filled], accuracy[filled], counts[filled]):
+        ax.text(x, min(a + 0.02, 1.02), str(c), ha="center", va="bottom", fontsize=7)
+    ax.set_xlim(0, 1)
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"Reliability diagram (ECE {ece:.4f}); numbers are rows per bin")
+    ax.legend(loc="upper left", fontsize=8)
+    ax_counts.bar(centers, counts, width=widths * 0.95, color="tab:gray")
+    ax_counts.set_xlim(0, 1)
+    ax_counts.set_xlabel("top-1 confidence")
+    ax_counts.set_ylabel("rows")
+    return _png(fig)
+
+
+def plot_loss(history: list[dict[str, Any]]) -> bytes | None:
+    """PNG of train and eval loss against step, eval accuracy on a second axis; None with nothing to plot."""
+    train = [(r["step"], r["loss"]) for r in history if r.get("kind") == "train" and _has(r, "step", "loss")]
+    evals = [r for r in history if r.get("kind") == "eval" and _has(r, "step", "loss")]
+    if not train and not evals:
+        return None
+    fig, ax = _figure(8.0, 4.5)
+    handles = []
+    if train:
+        steps, losses = zip(*sorted(train))
+        handles += ax.plot(steps, losses, color="tab:blue", linewidth=1, alpha=0.8, label="train loss")
+    if evals:
+        evals.sort(key=lambda r: r["step"])
+        handles += ax.plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", color="tab:red",
+                           label="eval loss")
+        with_accuracy = [r for r in evals if _has(r, "accuracy")]
+        if with_accuracy:
+            ax_acc = ax.twinx()
+            handles += ax_acc.plot([r["step"] for r in with_accuracy], [r["accuracy"] for r in with_accuracy],
+                                   "s--", color="tab:green", label="eval accuracy")
+            ax_acc.set_ylabel("accuracy")
+            ax_acc.set_ylim(0, 1.02)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("Training")
+    ax.grid(alpha=0.3)
+    # Below the axes: inside, the twin axis would draw its line over the legend.
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8)
+    return _png(fig)
+
+
+def _figure(width: float, height: float, rows: int = 1, height_ratios: tuple[int, ...] | None = None):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    if rows == 1:
+        return fig, fig.add_subplot()
+    axes = fig.subplots(rows, 1, sharex=True, gridspec_kw={"height_ratios": height_ratios})
+    return fig, axes
+
+
+def _png(fig) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    return buffer.getvalue()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _has(row: dict[str, Any], *keys: str) -> bool:
+    return all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in keys)
+
+
+def _jsonable(value: Any) -> Any:
+    """Plain JSON types: numpy scalars and arrays converted, NaN and infinity as null."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return _jsonable(value.tolist())
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if isinstance(value, float):
+        # Small values such as learning rates keep their significant digits.
+        return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3g}"
+    return str(value)
+
+
+def _cell(value: Any) -> str:
+    """Text safe inside a Markdown table cell."""
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")

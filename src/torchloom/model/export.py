@@ -1,0 +1,145 @@
+"""Export a trained classifier as a plain Hugging Face directory that any transformers user can load.
+
+The directory holds safetensors weights, a config whose id2label/label2id name the classes, the
+tokenizer files, and torchloom.json (labels, version, plus what the caller adds: data fingerprint,
+metrics, max_length). Nothing in it needs torchloom to load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import UserError
+
+EXPORT_INFO_FILE = "torchloom.json"
+EXPORT_FORMAT_VERSION = 1
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def unwrap_model(model):
+    """The plain model inside DDP / DataParallel (`.module`) and torch.compile (`._orig_mod`) wrappers."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Keys without the leading `module.` / `_orig_mod.` that wrappers add (DDP around compile adds both)."""
+    out = {}
+    for key, value in state_dict.items():
+        stripped = True
+        while stripped:
+            stripped = False
+            for prefix in WRAPPER_PREFIXES:
+                if key.startswith(prefix):
+                    key, stripped = key[len(prefix):], True
+        out[key] = value
+    return out
+
+
+def export_model(
+    model,
+    tokenizer_dir: str,
+    labels: list[str],
+    out_dir: str,
+    extra_info: dict[str, Any] | None = None,
+    state_dict: dict[str, Any] | None = None,
+) -> str:
+    """Write `model` (wrappers removed) with the tokenizer from `tokenizer_dir` to `out_dir`; returns out_dir.
+
+    labels: class names by id. extra_info: merged into torchloom.json (e.g. data_fingerprint, metrics,
+    max_length). state_dict: a full state dict to save instead of the model's own (FSDP gathers one).
+    The new directory is complete before it replaces an existing `out_dir`.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    import torchloom
+
+    model = unwrap_model(model)
+    num_labels = getattr(model.config, "num_labels", None)
+    if num_labels != len(labels):
+        raise ValueError(f"the model has {num_labels} output classes but {len(labels)} labels were given")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"labels are not unique: {labels}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"tokenizer {tokenizer_dir}: cannot load it ({_first_line(e)}); pass the model.path the run trained from"
+        ) from None
+
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if state_dict is not None:
+            state_dict = strip_wrapper_prefixes(state_dict)
+        model.save_pretrained(tmp, state_dict=state_dict)
+        # Labels go into the saved config, not the caller's model: exporting must not change the model.
+        config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {label: i for i, label in enumerate(labels)}
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        _check_weight_keys(tmp)
+        info = {
+            "format_version": EXPORT_FORMAT_VERSION,
+            "torchloom_version": torchloom.__version__,
+            "exported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "labels": list(labels),
+            **(extra_info or {}),
+        }
+        (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str) + "\n",
+                                            encoding="utf-8")
+        # Two renames: the old export stays whole until the new one is in place.
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return str(out)
+
+
+def read_export_info(model_dir: str | Path) -> dict[str, Any]:
+    """torchloom.json of an exported model; {} for a plain Hugging Face directory without one."""
+    path = Path(model_dir) / EXPORT_INFO_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e}); export the model again") from None
+
+
+def _check_weight_keys(model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    for weights in model_dir.glob("*.safetensors"):
+        with safe_open(str(weights), framework="pt") as f:
+            bad = [k for k in f.keys() if _wrapped(k)]  # noqa: SIM118 (safe_open is not a dict)
+        if bad:
+            raise RuntimeError(f"{weights.name}: wrapper prefixes leaked into weight names, e.g. {bad[0]}")
+
+
+def _wrapped(key: str) -> bool:
+    # A submodule may legitimately be called "module", but never "_orig_mod".
+    return key.startswith(WRAPPER_PREFIXES) or "._orig_mod." in key
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

@@ -1,0 +1,149 @@
+"""Predict labels for texts with an exported model directory (the one `export_model` writes)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import UserError
+from torchloom.model.export import read_export_info
+from torchloom.textclean import clean_text
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+MAX_LENGTH_CAP = 512
+# Texts are tokenized and length-sorted this many at a time, so a huge input file is not held
+# tokenized all at once.
+SORT_CHUNK = 4096
+INPUT_SUFFIXES = (".txt", ".jsonl", ".csv")
+
+
+class Predictor:
+    """A loaded model and tokenizer; `predict` returns label, score and all class probabilities per text."""
+
+    def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
+                 batch_size: int = 32) -> None:
+        import torch
+        import transformers
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        transformers.logging.set_verbosity_error()
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise UserError(f"model dir {model_dir}: no config.json there; pass a directory written by"
+                            " torchloom export (usually <run>/model)")
+        if batch_size < 1:
+            raise UserError(f"batch_size {batch_size}: must be at least 1")
+        info = read_export_info(path)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError, KeyError) as e:
+            lines = str(e).strip().splitlines()
+            reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+            raise UserError(f"model dir {model_dir}: cannot load the model or tokenizer ({reason});"
+                            " export the model again") from None
+        self.device = torch.device(device)
+        self.model.to(self.device).eval()
+        id2label = self.model.config.id2label
+        self.labels = [str(id2label[i]) for i in range(self.model.config.num_labels)]
+        if max_length is None:
+            max_length = info.get("max_length") or min(int(self.tokenizer.model_max_length), MAX_LENGTH_CAP)
+        self.max_length = int(max_length)
+        self.batch_size = batch_size
+        self.info = info
+
+    def predict(self, texts: list[str]) -> list[dict[str, Any]]:
+        """One {"label", "score", "probabilities"} per text, in input order; texts are cleaned like prepare's."""
+        if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
+            raise UserError("predict takes a list of strings")
+        results: list[dict[str, Any]] = []
+        for start in range(0, len(texts), SORT_CHUNK):
+            results += self._predict_chunk(texts[start:start + SORT_CHUNK])
+        return results
+
+    def _predict_chunk(self, texts: list[str]) -> list[dict[str, Any]]:
+        import torch
+
+        if not texts:
+            return []
+        encoded = self.tokenizer([clean_text(t) for t in texts], truncation=True, max_length=self.max_length)
+        features = [dict(zip(encoded.keys(), values)) for values in zip(*encoded.values())]
+        # Similar lengths in one batch means little padding; results are put back in input order.
+        order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
+        results: list[dict[str, Any] | None] = [None] * len(features)
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                batch_ids = order[start:start + self.batch_size]
+                batch = self.tokenizer.pad([features[i] for i in batch_ids], return_tensors="pt")
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                probs = torch.softmax(self.model(**batch).logits.float(), dim=-1).cpu()
+                for i, row in zip(batch_ids, probs.tolist()):
+                    best = max(range(len(row)), key=row.__getitem__)
+                    results[i] = {
+                        "label": self.labels[best],
+                        "score": row[best],
+                        "probabilities": dict(zip(self.labels, row)),
+                    }
+        return results  # type: ignore[return-value]
+
+
+def read_texts(path: str) -> list[str]:
+    """Texts from a .txt (one per line, blank lines skipped), .jsonl (field "text") or .csv (column "text")."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    if suffix not in INPUT_SUFFIXES:
+        raise UserError(f"--input {path}: unsupported file type {suffix or '(none)'!r};"
+                        f" use one of {', '.join(INPUT_SUFFIXES)}")
+    if not p.is_file():
+        raise UserError(f"--input {path}: no such file")
+    try:
+        if suffix == ".txt":
+            with open(p, encoding="utf-8-sig") as f:
+                return [line.rstrip("\r\n") for line in f if line.strip()]
+        if suffix == ".jsonl":
+            return _read_jsonl(p)
+        return _read_csv(p)
+    except UnicodeDecodeError as e:
+        raise UserError(f"--input {path}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode it as UTF-8") \
+            from None
+
+
+def _read_jsonl(p: Path) -> list[str]:
+    texts = []
+    with open(p, encoding="utf-8-sig") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"--input {p} line {number}: not valid JSON ({e.msg}); one object per line") \
+                    from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise UserError(f"--input {p} line {number}: needs a string field \"text\","
+                                " e.g. {\"text\": \"...\"}")
+            texts.append(row["text"])
+    return texts
+
+
+def _read_csv(p: Path) -> list[str]:
+    # News articles and reviews can exceed csv's default 128 KiB field limit.
+    csv.field_size_limit(min(2**31 - 1, 1 << 30))
+    with open(p, encoding="utf-8-sig", newline="") as f:
+        reader = csv.DictReader(f)
+        columns = reader.fieldnames or []
+        if "text" not in columns:
+            raise UserError(f"--input {p}: no \"text\" column (columns: {', '.join(columns) or 'none'});"
+                            " name the column with the texts \"text\"")
+        texts = []
+        for number, row in enumerate(reader, start=2):
+            text = row.get("text")
+            if text is None:
+                raise UserError(f"--input {p} line {number}: the row is shorter than the header")
+            texts.append(text)
+    return texts

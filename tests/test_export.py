@@ -1,0 +1,276 @@
+"""Export to a plain Hugging Face directory, prediction from it, input readers and text cleaning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torchloom.errors import UserError
+from torchloom.model.export import export_model, read_export_info, strip_wrapper_prefixes
+from torchloom.model.predict import Predictor, read_texts
+from torchloom.textclean import clean_text
+
+LABELS = ["business", "sport", "tech"]
+TEXTS = [
+    "Shares rose sharply after the quarterly results.",
+    "goal",
+    "The new phone has a faster chip, a bigger battery and a screen that folds in half twice.",
+    "",
+    "Tennis final tonight",
+]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory) -> str:
+    from torchloom.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-base"))
+
+
+@pytest.fixture(scope="module")
+def model(base_dir):
+    from transformers import AutoTokenizer
+
+    from torchloom.model.build import build_classifier
+
+    torch.manual_seed(0)
+    m = build_classifier(base_dir, LABELS).eval()
+    # A random tiny BERT pools every text to nearly the same vector, so every text would get the same
+    # label. Centre the head on the mean pooled vector and scale it: texts then get clearly different
+    # outputs, and a mix-up of rows cannot hide inside the tolerance.
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    with torch.no_grad():
+        enc = tokenizer([t for t in TEXTS if t], padding=True, return_tensors="pt")
+        pooled = m.bert(**enc).pooler_output
+        m.classifier.weight.mul_(1000.0)
+        m.classifier.bias.copy_(-m.classifier.weight @ pooled.mean(dim=0))
+    return m
+
+
+@pytest.fixture(scope="module")
+def exported(model, base_dir, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("export") / "model"
+    return export_model(model, base_dir, LABELS, str(out),
+                        extra_info={"data_fingerprint": "fp123", "metrics": {"accuracy": 0.5}, "max_length": 32})
+
+
+def reference_probs(model, base_dir, texts, max_length=32):
+    """Probabilities one text at a time (no padding, no batching), the ground truth for the Predictor."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    out = []
+    with torch.no_grad():
+        for text in texts:
+            enc = tokenizer([clean_text(text)], truncation=True, max_length=max_length, return_tensors="pt")
+            out.append(torch.softmax(model(**enc).logits, dim=-1)[0])
+    return torch.stack(out)
+
+
+def test_exported_dir_is_plain_hugging_face(exported):
+    from safetensors import safe_open
+
+    names = set(os.listdir(exported))
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "torchloom.json"} <= names
+    assert not any(n.endswith(".bin") for n in names)
+    config = json.loads(open(os.path.join(exported, "config.json")).read())
+    assert config["id2label"] == {"0": "business", "1": "sport", "2": "tech"}
+    assert config["label2id"] == {"business": 0, "sport": 1, "tech": 2}
+    with safe_open(os.path.join(exported, "model.safetensors"), framework="pt") as f:
+        keys = list(f.keys())
+    assert "classifier.weight" in keys
+    assert not [k for k in keys if k.startswith(("module.", "_orig_mod.")) or "_orig_mod" in k]
+    info = read_export_info(exported)
+    assert info["labels"] == LABELS
+    assert info["data_fingerprint"] == "fp123" and info["metrics"] == {"accuracy": 0.5}
+    assert info["max_length"] == 32 and info["torchloom_version"]
+
+
+def test_export_loads_without_torchloom_and_gives_identical_logits(exported, model, base_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    script = (
+        "import json, sys, torch\n"
+        "from transformers import AutoModelForSequenceClassification, AutoTokenizer\n"
+        "path, texts = sys.argv[1], json.loads(sys.argv[2])\n"
+        "model = AutoModelForSequenceClassification.from_pretrained(path).eval()\n"
+        "tokenizer = AutoTokenizer.from_pretrained(path)\n"
+        "with torch.no_grad():\n"
+        "    logits = model(**tokenizer(texts, padding=True, return_tensors='pt')).logits\n"
+        "print(json.dumps({'logits': logits.tolist(), 'id2label': model.config.id2label,\n"
+        "                  'torchloom': sorted(m for m in sys.modules if m.startswith('torchloom'))}))\n"
+    )
+    texts = [t for t in TEXTS if t]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    proc = subprocess.run([sys.executable, "-c", script, exported, json.dumps(texts)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["torchloom"] == []
+    assert result["id2label"] == {"0": "business", "1": "sport", "2": "tech"}
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    with torch.no_grad():
+        expected = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits
+    assert torch.allclose(torch.tensor(result["logits"]), expected, atol=1e-5)
+    assert expected.argmax(-1).unique().numel() > 1  # the comparison covers more than one class
+
+
+def test_export_unwraps_compile_and_ddp(model, base_dir, tmp_path):
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.nn.parallel import DistributedDataParallel
+
+    compiled = torch.compile(model)
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    out = export_model(compiled, base_dir, LABELS, str(tmp_path / "compiled"))
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert torch.equal(weights["classifier.weight"], model.classifier.weight)
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this test process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        wrapped = DistributedDataParallel(torch.compile(model))
+        assert any(k.startswith("module._orig_mod.") for k in wrapped.state_dict())
+        out = export_model(wrapped, base_dir, LABELS, str(tmp_path / "ddp"))
+    finally:
+        dist.destroy_process_group()
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert not [k for k in weights if "module." in k or "_orig_mod" in k]
+    assert torch.equal(weights["classifier.weight"], model.classifier.weight)
+
+
+def test_export_saves_a_given_state_dict_without_prefixes(model, base_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    state = {f"module._orig_mod.{k}": v.clone() for k, v in model.state_dict().items()}
+    state["module._orig_mod.classifier.bias"] = torch.tensor([1.0, 2.0, 3.0])
+    out = export_model(model, base_dir, LABELS, str(tmp_path / "m"), state_dict=state)
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert weights["classifier.bias"].tolist() == [1.0, 2.0, 3.0]
+    assert strip_wrapper_prefixes({"module.a.module.b": 1}) == {"a.module.b": 1}
+
+
+def test_export_replaces_existing_dir_only_when_complete(model, base_dir, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "stale.txt").write_text("old export")
+    with pytest.raises(ValueError, match="2 labels"):
+        export_model(model, base_dir, ["x", "y"], str(out))
+    assert (out / "stale.txt").read_text() == "old export"  # a failed export leaves the old one alone
+
+    export_model(model, base_dir, ["x", "y", "z"], str(out))
+    assert not (out / "stale.txt").exists()
+    assert json.loads((out / "config.json").read_text())["id2label"]["2"] == "z"
+    assert model.config.id2label[2] == "tech"  # the caller's model is not relabelled
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary dirs left behind
+
+
+def test_export_bad_tokenizer_dir_is_a_user_error(model, tmp_path):
+    with pytest.raises(UserError, match="tokenizer"):
+        export_model(model, str(tmp_path / "nowhere"), LABELS, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# predict
+# ---------------------------------------------------------------------------------------------
+
+
+def test_predictions_are_in_input_order_and_match_the_model(exported, model, base_dir):
+    predictor = Predictor(exported, batch_size=2)
+    assert predictor.max_length == 32  # from torchloom.json
+    texts = TEXTS * 3
+    results = predictor.predict(texts)
+    expected = reference_probs(model, base_dir, texts)
+    assert len(results) == len(texts)
+    for result, probs in zip(results, expected):
+        assert list(result["probabilities"]) == LABELS
+        got = torch.tensor([result["probabilities"][label] for label in LABELS])
+        assert torch.allclose(got, probs, atol=1e-5)
+        assert result["label"] == LABELS[int(probs.argmax())]
+        assert result["score"] == pytest.approx(float(probs.max()), abs=1e-6)
+        assert sum(result["probabilities"].values()) == pytest.approx(1.0, abs=1e-5)
+    assert len({r["label"] for r in results}) > 1
+    # Batch size changes the batching and padding, never the answers.
+    one_by_one = Predictor(exported, batch_size=1).predict(texts)
+    assert [r["label"] for r in one_by_one] == [r["label"] for r in results]
+    assert predictor.predict([]) == []
+
+
+def test_predictor_cleans_text_like_prepare(exported):
+    predictor = Predictor(exported)
+    messy, clean = predictor.predict(["  Shares\trose\u200b  sharply\n", "Shares rose sharply"])
+    assert messy["probabilities"] == pytest.approx(clean["probabilities"], abs=1e-6)
+
+
+def test_predictor_max_length_defaults_and_override(model, base_dir, tmp_path):
+    plain = tmp_path / "plain"
+    model.save_pretrained(plain)  # a plain Hugging Face dir, no torchloom.json
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(plain)
+    assert Predictor(str(plain)).max_length == 512
+    assert Predictor(str(plain), max_length=8).max_length == 8
+    assert Predictor(str(plain)).labels == LABELS
+
+
+def test_predictor_bad_dir_is_one_line_user_error(tmp_path):
+    with pytest.raises(UserError) as missing:
+        Predictor(str(tmp_path / "nope"))
+    assert "no config.json" in str(missing.value) and "\n" not in str(missing.value)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "bert"}')
+    with pytest.raises(UserError) as bad:
+        Predictor(str(broken))
+    assert "cannot load" in str(bad.value) and "\n" not in str(bad.value)
+
+
+def test_read_texts_formats(tmp_path):
+    (tmp_path / "in.txt").write_text("first line\n\nsecond, line\n", encoding="utf-8")
+    assert read_texts(str(tmp_path / "in.txt")) == ["first line", "second, line"]
+    (tmp_path / "in.jsonl").write_text('{"text": "a", "id": 1}\n\n{"text": "b"}\n', encoding="utf-8")
+    assert read_texts(str(tmp_path / "in.jsonl")) == ["a", "b"]
+    (tmp_path / "in.csv").write_text('id,text\n1,"hello, world"\n2,"multi\nline"\n', encoding="utf-8")
+    assert read_texts(str(tmp_path / "in.csv")) == ["hello, world", "multi\nline"]
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("in.json", "[]", "unsupported file type"),
+    ("missing.txt", None, "no such file"),
+    ("bad.jsonl", '{"text": "a"}\n{oops\n', "line 2: not valid JSON"),
+    ("nofield.jsonl", '{"body": "a"}\n', 'line 1: needs a string field "text"'),
+    ("nocol.csv", "id,body\n1,a\n", 'no "text" column (columns: id, body)'),
+])
+def test_read_texts_errors(tmp_path, name, content, message):
+    if content is not None:
+        (tmp_path / name).write_text(content, encoding="utf-8")
+    with pytest.raises(UserError, match="--input") as err:
+        read_texts(str(tmp_path / name))
+    assert message in str(err.value)
+
+
+def test_read_texts_non_utf8(tmp_path):
+    (tmp_path / "latin.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError, match="not UTF-8"):
+        read_texts(str(tmp_path / "latin.txt"))
+
+
+@pytest.mark.parametrize("raw, cleaned", [
+    ("  a\tb\n\nc  ", "a b c"),
+    ("e\u0301", "\u00e9"),  # NFC composes
+    ("x\x00y\x07z", "xyz"),  # control characters go
+    ("zero\u200bwidth\ufeff", "zerowidth"),
+    ("non\u00a0breaking", "non breaking"),
+    ("", ""),
+])
+def test_clean_text(raw, cleaned):
+    assert clean_text(raw) == cleaned
+    assert clean_text(cleaned) == cleaned  # idempotent
