@@ -1,0 +1,1 @@
+"""Spark side of torchloom: read, clean, deduplicate, split and tokenize labelled text (`prepare`)."""

@@ -1,0 +1,246 @@
+"""The prepare stage: raw labelled text -> cleaned, deduplicated, split, tokenized Parquet + manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import secrets
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+from torchloom import embedded
+from torchloom.config.schema import Config
+from torchloom.errors import UserError
+from torchloom.etl.clean import CLEANED_SCHEMA, REASONS, clean_batches
+from torchloom.etl.read import read_input, resolve_format
+from torchloom.etl.session import default_partitions, get_spark
+from torchloom.etl.split import DUPLICATE, KEPT, assign_splits, mark_duplicates, plan_split
+from torchloom.etl.tokenize import TOKENIZED_SCHEMA, read_tokenizer_json, tokenize_batches, tokenizer_info
+from torchloom.manifest import SPLITS, Manifest, Shard, Split
+
+Progress = Callable[[str], object]
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output {out}: exists and is not a directory; choose another --output.dir")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"output {out}: already exists and is not empty; pass --output.overwrite true to replace it")
+
+
+def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None) -> Manifest:
+    """Prepare cfg.data into `out_dir` (train/ val/ test/ rejected/ manifest.json); returns the manifest.
+
+    Everything is written to a temporary sibling directory first and renamed at the end, so a failure
+    leaves nothing half-written behind.
+    """
+    say = progress or (lambda msg: None)
+    start = time.perf_counter()
+    out = Path(out_dir)
+    check_output(out, cfg.output.overwrite)
+    data_path = embedded.data_path(cfg.data.path)
+    model_dir = embedded.model_path(cfg.model.path)
+    tokenizer_json = read_tokenizer_json(model_dir)
+    fmt = resolve_format(cfg.data, data_path)
+    spark = spark or get_spark(cfg.prepare)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f"{out.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        with warnings.catch_warnings():
+            # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
+            # nothing here uses pandas.
+            warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+            manifest = _prepare(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, start)
+        manifest.write(tmp)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    manifest.root = str(out)
+    say(f"prepared {manifest.counts['rows_kept']} rows into {out} in {manifest.timings['total']:.1f}s")
+    return manifest
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Swap the finished temp dir in for `out` (the old one is moved aside first, then removed)."""
+    old = None
+    if out.exists():
+        old = out.parent / f"{out.name}.old-{secrets.token_hex(4)}"
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, tokenizer_json: str,
+             tmp: Path, say: Progress, start: float) -> Manifest:
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    p = cfg.prepare
+    timings: dict[str, float] = {}
+    cached = []
+    broadcast = None
+    try:
+        # read + clean: one pass over the input, cached so nothing below reads it again.
+        t = time.perf_counter()
+        say(f"reading {data_path} ({fmt})")
+        raw = read_input(spark, cfg.data, data_path, fmt)
+        cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars), CLEANED_SCHEMA)
+        cleaned = cleaned.persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(cleaned)
+        rows_read = cleaned.count()
+        timings["read_clean"] = time.perf_counter() - t
+        say(f"read {rows_read} rows in {timings['read_clean']:.1f}s")
+        if rows_read == 0:
+            raise UserError(f"data.path {data_path}: no rows read ({fmt}); check the path and --data.format")
+
+        # conflicts, duplicates and every count in one aggregation over the cached rows.
+        t = time.perf_counter()
+        marked = mark_duplicates(cleaned).persist(StorageLevel.MEMORY_AND_DISK)
+        cached.append(marked)
+        kept_col = F.col("status") == KEPT
+        stats = (
+            marked.groupBy("status", "label")
+            .agg(F.count(F.lit(1)).alias("n"),
+                 F.sum(F.when(kept_col, F.xxhash64("text", "label").cast("decimal(38,0)"))).alias("h"))
+            .collect()
+        )
+        cleaned.unpersist()
+        rejected = dict.fromkeys(REASONS, 0)
+        duplicates = 0
+        per_label: dict[str, int] = {}
+        content_sum = 0
+        for row in stats:
+            if row.status == KEPT:
+                per_label[row.label] = row.n
+                content_sum += int(row.h)
+            elif row.status == DUPLICATE:
+                duplicates += row.n
+            else:
+                rejected[row.status] += row.n
+        rows_kept = sum(per_label.values())
+        n_rejected = sum(rejected.values())
+        reasons = ", ".join(f"{k} {v}" for k, v in rejected.items() if v) or "none"
+        say(f"rejected {n_rejected} rows ({reasons}); removed {duplicates} exact duplicates")
+        if rows_kept == 0:
+            raise UserError(
+                f"data.path {data_path}: no usable rows after cleaning ({rows_read} read; rejected: {reasons});"
+                " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
+            )
+        plans = plan_split(per_label, p.val_fraction, p.test_fraction, data_path)
+        labels = [plan.label for plan in plans]
+        say(f"kept {rows_kept} rows in {len(labels)} classes: "
+            + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
+        _write_rejected(marked, tmp / "rejected")
+        timings["dedup_split"] = time.perf_counter() - t
+
+        # split + tokenize + write: one job; rows spread by text hash so tokenizing uses every core.
+        t = time.perf_counter()
+        broadcast = spark.sparkContext.broadcast(tokenizer_json)
+        info = tokenizer_info(model_dir, tokenizer_json, p.max_length)
+        parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
+        assigned = assign_splits(marked.filter(kept_col), plans, p.seed)
+        tokenized = assigned.repartition(parts, "text").mapInArrow(
+            tokenize_batches(broadcast, info["hash"], p.max_length), TOKENIZED_SCHEMA
+        )
+        spark_out = tmp / "_spark"
+        (
+            tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
+            .partitionBy("split")
+            .parquet(str(spark_out))
+        )
+        expected = {
+            "train": {plan.label: plan.train for plan in plans},
+            "val": {plan.label: plan.val for plan in plans},
+            "test": {plan.label: plan.test for plan in plans},
+        }
+        splits = {
+            name: _collect_split(spark_out / f"split={name}", tmp / name, tmp, expected[name]) for name in SPLITS
+        }
+        shutil.rmtree(spark_out)
+        timings["tokenize_write"] = time.perf_counter() - t
+        rate = rows_kept / max(timings["tokenize_write"], 1e-9)
+        say(f"tokenized and wrote {rows_kept} rows in {timings['tokenize_write']:.1f}s ({rate:.0f} rows/s): "
+            + ", ".join(f"{name} {s.rows}" for name, s in splits.items()))
+    finally:
+        for df in cached:
+            df.unpersist()
+        if broadcast is not None:
+            broadcast.destroy()
+
+    fingerprint = hashlib.sha256(json.dumps({
+        "rows": f"{content_sum % 2**64:016x}",  # order-free sum of per-row hashes: partitioning cannot change it
+        "classes": [[plan.label, plan.train, plan.val, plan.test] for plan in plans],
+        "seed": p.seed, "val_fraction": p.val_fraction, "test_fraction": p.test_fraction,
+        "tokenizer": info["hash"], "max_length": p.max_length,
+    }, sort_keys=True).encode()).hexdigest()
+    timings["total"] = time.perf_counter() - start
+    return Manifest(
+        labels=labels,
+        splits=splits,
+        tokenizer=info,
+        fingerprint=fingerprint,
+        inputs={"path": data_path, "format": fmt, "text_column": cfg.data.text_column,
+                "label_column": cfg.data.label_column},
+        counts={
+            "rows_read": rows_read,
+            "rows_rejected": rejected,
+            "duplicates_removed": duplicates,
+            "rows_kept": rows_kept,
+            "splits": {name: s.rows for name, s in splits.items()},
+        },
+        timings={k: round(v, 3) for k, v in timings.items()},
+    )
+
+
+def _write_rejected(marked, out: Path) -> None:
+    """Rejected rows, with the original text and the reason, as Parquet under `out`."""
+    from pyspark.sql import functions as F
+
+    rejected = marked.filter(F.col("status").isin(*REASONS)).select(
+        F.col("raw").alias("text"), "label", F.col("status").alias("reason"), "source"
+    )
+    rejected.coalesce(1).write.parquet(str(out))
+    _tidy(out)
+
+
+def _tidy(directory: Path) -> list[Path]:
+    """Remove Spark's _SUCCESS and .crc files; returns the Parquet files, sorted."""
+    files = []
+    for f in sorted(directory.iterdir()):
+        if f.name.startswith(("_", ".")):
+            f.unlink()
+        elif f.suffix == ".parquet":
+            files.append(f)
+    return files
+
+
+def _collect_split(src: Path, dest: Path, root: Path, expected: dict[str, int]) -> Split:
+    """Move one split's files to `dest` as part-NNNNN.parquet, reading rows per row group from footers."""
+    import pyarrow.parquet as pq
+
+    dest.mkdir()
+    shards = []
+    files = _tidy(src) if src.is_dir() else []
+    for f in files:
+        meta = pq.ParquetFile(f).metadata
+        if meta.num_rows == 0:
+            f.unlink()
+            continue
+        target = dest / f"part-{len(shards):05d}.parquet"
+        os.replace(f, target)
+        groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+        shards.append(Shard(path=str(target.relative_to(root)), rows=meta.num_rows, row_groups=groups))
+    rows = sum(s.rows for s in shards)
+    per_class = {label: n for label, n in expected.items() if n}
+    if rows != sum(per_class.values()):  # an internal error, not the user's
+        raise RuntimeError(f"{dest}: wrote {rows} rows, expected {sum(per_class.values())}")
+    return Split(rows=rows, shards=shards, per_class=per_class)

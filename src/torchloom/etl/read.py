@@ -1,0 +1,151 @@
+"""Readers per input format; each gives one DataFrame with columns text, label (strings, may be null), source."""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections import Counter
+from urllib.parse import urlparse
+
+from torchloom.config.schema import DataConfig
+from torchloom.errors import UserError
+
+FORMATS = ("csv", "jsonl", "parquet", "folder")
+EXTENSIONS = {
+    ".csv": "csv", ".tsv": "csv",
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet", ".pq": "parquet",
+}
+_GLOB_CHARS = set("*?[{")
+
+
+def _is_local(path: str) -> bool:
+    scheme = urlparse(path).scheme
+    return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+def _local(path: str) -> str:
+    return urlparse(path).path if path.startswith("file:") else path
+
+
+def _ext(name: str) -> str:
+    for suffix in (".gz", ".bz2", ".snappy", ".zst", ".lz4"):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    return os.path.splitext(name)[1].lower()
+
+
+def _dir_format(root: str) -> str | None:
+    """folder when root's subdirectories hold .txt files, else the most common known extension inside."""
+    seen: Counter[str] = Counter()
+    has_txt_subdir = False
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
+        files = [f for f in filenames if not f.startswith((".", "_"))]
+        if dirpath != root and any(f.endswith(".txt") for f in files):
+            has_txt_subdir = True
+        seen.update(EXTENSIONS[_ext(f)] for f in files if _ext(f) in EXTENSIONS)
+    if has_txt_subdir:
+        return "folder"
+    return seen.most_common(1)[0][0] if seen else None
+
+
+def resolve_format(cfg: DataConfig, path: str) -> str:
+    """The input format: cfg.format, or for auto decided by the extension or a directory's contents."""
+    if cfg.format != "auto":
+        return cfg.format
+    fix = f"set --data.format to one of {', '.join(FORMATS)}"
+    local = _is_local(path) and not set(path) & _GLOB_CHARS
+    if local and os.path.isdir(_local(path)):
+        fmt = _dir_format(_local(path))
+        if fmt is None:
+            raise UserError(f"data.path {path}: cannot tell the format from the files in this directory; {fix}")
+        return fmt
+    fmt = EXTENSIONS.get(_ext(path.rstrip("/")))
+    if fmt is None:
+        raise UserError(f"data.path {path}: cannot tell the format from the name; {fix}")
+    return fmt
+
+
+def check_exists(path: str) -> None:
+    """Fail early, with the fix, when a local path or glob matches nothing (Spark's own error is long)."""
+    if not _is_local(path):
+        return
+    local = _local(path)
+    if set(local) & _GLOB_CHARS:
+        matches = glob.glob(local, recursive=True)
+    else:
+        matches = [local] if os.path.exists(local) else []
+    if not matches:
+        raise UserError(f"data.path {path}: no such file or directory (nothing matched); check the path")
+    if all(os.path.isdir(m) and not any(os.scandir(m)) for m in matches):
+        raise UserError(f"data.path {path}: the directory is empty; point --data.path at your data files")
+
+
+def _strip_bom(df):
+    """A UTF-8 BOM can stick to the first CSV column name; drop it so the column lookup works."""
+    renamed = [c.replace("\ufeff", "").strip() for c in df.columns]
+    return df.toDF(*renamed) if renamed != df.columns else df
+
+
+def _select(df, cfg: DataConfig, path: str):
+    from pyspark.sql import functions as F
+
+    missing = [c for c in (cfg.text_column, cfg.label_column) if c not in df.columns]
+    if missing:
+        found = ", ".join(c for c in df.columns if c != "_corrupt_record") or "none"
+        which = " and ".join(f"{c!r}" for c in missing)
+        raise UserError(
+            f"data.path {path}: no column {which}; columns found: {found};"
+            " set --data.text_column / --data.label_column"
+        )
+    return df.select(
+        F.col(f"`{cfg.text_column}`").cast("string").alias("text"),
+        F.col(f"`{cfg.label_column}`").cast("string").alias("label"),
+        F.col("_metadata.file_path").alias("source"),
+    )
+
+
+def read_input(spark, cfg: DataConfig, path: str, fmt: str):
+    """Read `path` as `fmt` into columns text, label, source."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    check_exists(path)
+    reader = spark.read
+    try:
+        if fmt == "csv":
+            df = (
+                reader.option("header", True)
+                .option("multiLine", True)
+                .option("escape", '"')
+                .option("encoding", "UTF-8")
+                .option("sep", "\t" if _ext(path) == ".tsv" else ",")
+                .csv(path)
+            )
+            return _select(_strip_bom(df), cfg, path)
+        if fmt == "jsonl":
+            return _select(reader.json(path), cfg, path)
+        if fmt == "parquet":
+            return _select(reader.parquet(path), cfg, path)
+        if fmt == "folder":
+            # Recursive lookup of *.txt instead of a root/*/*.txt glob: same files, no partition
+            # inference from "key=value" directory names, and no warning about the glob path.
+            df = (
+                reader.option("recursiveFileLookup", True)
+                .option("pathGlobFilter", "*.txt")
+                .text(path, wholetext=True)  # text()'s own wholetext argument overrides .option()
+            )
+            # file_path is a URI (percent-encoded); the label is the parent directory's name.
+            parent = F.element_at(F.split(F.col("_metadata.file_path"), "/"), -2)
+            label = F.url_decode(F.regexp_replace(parent, r"\+", "%2B"))
+            return df.select(F.col("value").alias("text"), label.alias("label"),
+                             F.col("_metadata.file_path").alias("source"))
+    except AnalysisException as e:
+        first = str(e).strip().splitlines()[0]
+        if "PATH_NOT_FOUND" in first or "does not exist" in first:
+            raise UserError(f"data.path {path}: no such file or directory (nothing matched); check the path") from None
+        if "UNABLE_TO_INFER_SCHEMA" in first:
+            raise UserError(f"data.path {path}: no {fmt} data found there; check the path and --data.format") from None
+        raise
+    raise UserError(f"data.format {fmt!r}: unknown; use one of auto, {', '.join(FORMATS)}")

@@ -1,0 +1,109 @@
+"""Tokenization on the executors: one tokenizers.Tokenizer per Python worker, batched encodes."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from torchloom.errors import UserError
+
+TOKENIZED_SCHEMA = "text string, label string, label_id int, input_ids array<int>, length int, split string"
+
+# Per Python worker process: tokenizer.json hash -> Tokenizer (built once, reused by every batch/task).
+_TOKENIZERS: dict = {}
+
+
+def read_tokenizer_json(model_dir: str) -> str:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise UserError(
+            f"model.path {model_dir}: no tokenizer.json (a fast tokenizer) there;"
+            " save one with AutoTokenizer.from_pretrained(...).save_pretrained(dir)"
+        )
+    return path.read_bytes().decode("utf-8")  # bytes as on disk, so the hash is the file's
+
+
+def tokenizer_hash(content: str) -> str:
+    return hashlib.sha256(content.encode("utf-8")).hexdigest()
+
+
+def get_tokenizer(content: str, key: str, max_length: int):
+    tok = _TOKENIZERS.get((key, max_length))
+    if tok is None:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_str(content)
+        tok.enable_truncation(max_length)
+        tok.no_padding()  # padding happens per batch in the loader, never stored
+        _TOKENIZERS[(key, max_length)] = tok
+    return tok
+
+
+def vocab_size(content: str) -> int:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(content).get_vocab_size(with_added_tokens=True)
+
+
+# Tokenizing a whole article to keep its first 128 tokens wastes most of the work (BBC News: 3.7 s
+# against 0.5 s). So encode a prefix cut at a space first: tokenizers split words at spaces, and the
+# cleaned text's only whitespace is single spaces, so the prefix's leading tokens equal the full
+# text's. If the prefix overflows max_length by at least _MARGIN tokens (so a tokenizer that looks
+# across word boundaries cannot change the kept ones), its ids are the answer; else encode it all.
+_CHARS_PER_TOKEN = 6
+_MARGIN = 32
+
+
+def _prefix(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(" ", 0, limit)
+    return text[:cut] if cut > 0 else text
+
+
+def encode_ids(tok, texts: list[str], max_length: int) -> list[list[int]]:
+    """Token ids of `texts` as tok.encode_batch(texts) gives them (tok truncates at max_length)."""
+    limit = (max_length + 2 * _MARGIN) * _CHARS_PER_TOKEN
+    prefixes = [_prefix(t, limit) for t in texts]
+    encodings = tok.encode_batch(prefixes, add_special_tokens=True)
+    ids = [e.ids for e in encodings]
+    specials = tok.post_processor.num_special_tokens_to_add(False) if tok.post_processor else 0
+    redo = [
+        i for i, (text, prefix, enc) in enumerate(zip(texts, prefixes, encodings))
+        if len(prefix) < len(text) and sum(len(o.ids) - specials for o in enc.overflowing) < _MARGIN
+    ]
+    if redo:
+        for i, enc in zip(redo, tok.encode_batch([texts[i] for i in redo], add_special_tokens=True)):
+            ids[i] = enc.ids
+    return ids
+
+
+def tokenize_batches(content_bc, key: str, max_length: int):
+    """A mapInArrow function: (text, label, label_id, split) -> TOKENIZED_SCHEMA.
+
+    `content_bc` is a broadcast of tokenizer.json's text, so it ships once per executor.
+    """
+
+    def run(batches: Iterator) -> Iterator:
+        import pyarrow as pa
+
+        tok = get_tokenizer(content_bc.value, key, max_length)
+        for batch in batches:
+            texts = batch.column("text").to_pylist()
+            ids = encode_ids(tok, texts, max_length) if texts else []
+            yield pa.RecordBatch.from_arrays(
+                [batch.column("text"), batch.column("label"), batch.column("label_id"),
+                 pa.array(ids, pa.list_(pa.int32())), pa.array([len(x) for x in ids], pa.int32()),
+                 batch.column("split")],
+                names=["text", "label", "label_id", "input_ids", "length", "split"],
+            )
+
+    return run
+
+
+def tokenizer_info(model_dir: str, content: str, max_length: int) -> dict:
+    """The manifest's tokenizer entry."""
+    return {"path": str(model_dir), "hash": tokenizer_hash(content), "max_length": max_length,
+            "vocab_size": vocab_size(content)}
+

@@ -1,0 +1,294 @@
+"""The prepare stage on a real local SparkSession: inputs, cleaning, rejects, split, tokens, layout, errors."""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from torchloom.config.schema import Config
+from torchloom.errors import UserError
+from torchloom.manifest import COLUMNS, SPLITS
+from torchloom.manifest import read as read_manifest
+
+pytest.importorskip("pyspark")
+
+from torchloom.etl.prepare import prepare  # noqa: E402
+
+FILLER = {label: [f"{label} filler sentence number {i} for the split" for i in range(10)] for label in ("pos", "neg")}
+
+
+def make_cfg(path, model_dir: str, **prepare_overrides) -> Config:
+    cfg = Config()
+    cfg.data.path = str(path)
+    cfg.model.path = model_dir
+    for key, value in prepare_overrides.items():
+        setattr(cfg.prepare, key, value)
+    return cfg
+
+
+def split_rows(out: Path) -> dict[str, list[dict]]:
+    """Every prepared row per split, read back from the shards the manifest lists."""
+    m = read_manifest(out)
+    rows = {}
+    for name in SPLITS:
+        rows[name] = []
+        for shard in m.splits[name].shards:
+            rows[name].extend(pq.read_table(m.shard_uri(shard)).to_pylist())
+    return rows
+
+
+def leftovers(parent: Path, keep: set[str]) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name not in keep)
+
+
+def write_csv(path: Path) -> None:
+    q = '"'
+
+    def line(text: str | bytes, label: str) -> bytes:
+        t = text if isinstance(text, bytes) else text.encode()
+        return q.encode() + t.replace(b'"', b'""') + q.encode() + b"," + label.encode() + b",x\n"
+
+    data = "\ufefftext,label,extra\n".encode()
+    data += line("Hello   world,\tagain", "pos")
+    data += line('Line one\nline "two"', " neg ")  # quoted multi-line field, quotes escaped by doubling
+    data += line("   \n  ", "pos")  # empty after cleaning
+    data += b",pos,x\n"  # no text at all
+    data += line("A text without a label", "")
+    data += line("Dup text here", "pos")
+    data += line("Dup  text here", "pos")
+    data += line("Dup text\nhere", "pos")
+    data += line("Ambiguous text", "pos")
+    data += line(" Ambiguous text ", "neg")
+    data += line(b"Bad \xff\xfe bytes here", "neg")
+    data += line("ab", "pos")  # too short for min_chars=3
+    data += line("x" * 300, "neg")  # too long for max_chars=200
+    data += line("Cafe\u0301 cre\u0300me", "neg")  # decomposed accents -> NFC
+    data += line("ctl\x00char\x07s here", "neg")
+    for label, texts in FILLER.items():
+        for text in texts:
+            data += line(text, label)
+    path.write_bytes(data)
+
+
+EXPECTED_REJECTS = {
+    "   \n  ": "empty_text",
+    None: "null_text",
+    "A text without a label": "null_label",
+    "Ambiguous text": "conflicting_labels",
+    " Ambiguous text ": "conflicting_labels",
+    "Bad \ufffd\ufffd bytes here": "invalid_utf8",
+    "ab": "too_short",
+    "x" * 300: "too_long",
+}
+
+
+def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path):
+    src = tmp_path / "in.csv"
+    write_csv(src)
+    out = tmp_path / "data"
+    cfg = make_cfg(src, tiny_model_dir, min_chars=3, max_chars=200)
+    lines = []
+    m = prepare(cfg, str(out), spark=spark, progress=lines.append)
+
+    assert m.labels == ["neg", "pos"]
+    assert m.counts["rows_read"] == 35
+    assert m.counts["rows_rejected"] == {
+        "null_text": 1, "empty_text": 1, "null_label": 1, "invalid_utf8": 1,
+        "too_short": 1, "too_long": 1, "conflicting_labels": 2,
+    }
+    assert m.counts["duplicates_removed"] == 2
+    assert m.counts["rows_kept"] == 35 - 8 - 2 == 25
+    assert sum(m.counts["splits"].values()) == 25
+    assert m.inputs == {"path": str(src), "format": "csv", "text_column": "text", "label_column": "label"}
+    assert m.tokenizer["max_length"] == 128 and m.tokenizer["vocab_size"] == 30522
+    assert any("rejected" in line for line in lines)
+
+    rejected = pq.read_table(out / "rejected").to_pylist()
+    assert {r["text"]: r["reason"] for r in rejected} == EXPECTED_REJECTS
+    assert all(r["source"].endswith("in.csv") for r in rejected)
+
+    rows = split_rows(out)
+    texts = sorted(r["text"] for split in rows.values() for r in split)
+    assert "Hello world, again" in texts
+    assert 'Line one line "two"' in texts
+    assert "Café crème" in texts and unicodedata.is_normalized("NFC", "Café crème")
+    assert "ctlchars here" in texts
+    assert texts.count("Dup text here") == 1
+    for split in rows.values():
+        for r in split:
+            assert r["text"] == " ".join(r["text"].split())  # collapsed, stripped
+            assert unicodedata.is_normalized("NFC", r["text"])
+            assert not any(unicodedata.category(c) == "Cc" for c in r["text"])
+            assert r["label_id"] == m.labels.index(r["label"])
+            assert r["length"] == len(r["input_ids"]) <= 128
+    for name in SPLITS:
+        split = m.splits[name]
+        assert split.rows == len(rows[name]) == sum(split.per_class.values())
+        assert {lb: sum(r["label"] == lb for r in rows[name]) for lb in split.per_class} == split.per_class
+    # 13 pos and 12 neg rows kept: 1 val and 1 test row per class at 0.1
+    assert m.counts["splits"] == {"train": 21, "val": 2, "test": 2}
+
+    table = pq.read_table(m.shard_uri(m.splits["train"].shards[0]))
+    assert [f.name for f in table.schema] == list(COLUMNS)
+    assert table.schema.field("label_id").type == pa.int32()
+    assert table.schema.field("input_ids").type.value_type == pa.int32()
+    assert json.loads((out / "manifest.json").read_text())["fingerprint"] == m.fingerprint
+    assert leftovers(tmp_path, {"in.csv", "data"}) == []
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rejected", "test", "train", "val"]
+
+
+def test_jsonl_parquet_and_folder_inputs(spark, tiny_model_dir, tmp_path):
+    texts = [f"document number {i} about things" for i in range(12)]
+    # JSONL with numeric labels and custom column names
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("".join(json.dumps({"body": t, "cat": i % 2 + 1}) + "\n" for i, t in enumerate(texts)))
+    cfg = make_cfg(jsonl, tiny_model_dir)
+    cfg.data.text_column, cfg.data.label_column = "body", "cat"
+    m = prepare(cfg, str(tmp_path / "j"), spark=spark)
+    assert m.labels == ["1", "2"] and m.counts["rows_kept"] == 12 and m.inputs["format"] == "jsonl"
+
+    # Parquet, read through a directory (format decided by its contents)
+    pdir = tmp_path / "pq"
+    pdir.mkdir()
+    pq.write_table(pa.table({"text": texts, "label": ["a", "b", "c"] * 4}), pdir / "part.parquet")
+    m = prepare(make_cfg(pdir, tiny_model_dir), str(tmp_path / "p"), spark=spark)
+    assert m.labels == ["a", "b", "c"] and m.counts["rows_kept"] == 12 and m.inputs["format"] == "parquet"
+    assert m.counts["splits"] == {"train": 6, "val": 3, "test": 3}
+
+    # folder per label: label = directory name (with a space), text = whole file
+    root = tmp_path / "folder"
+    for i, t in enumerate(texts):
+        d = root / ("sci fi" if i % 2 else "news")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i:03d}.txt").write_text(f"{t}\nsecond line\n")
+    m = prepare(make_cfg(root, tiny_model_dir), str(tmp_path / "f"), spark=spark)
+    assert m.labels == ["news", "sci fi"] and m.inputs["format"] == "folder"
+    rows = [r for split in split_rows(tmp_path / "f").values() for r in split]
+    assert sorted(r["text"] for r in rows) == sorted(f"{t} second line" for t in texts)
+    assert all(r["label"] == ("sci fi" if int(r["text"].split()[2]) % 2 else "news") for r in rows)
+
+
+def membership(out: Path) -> dict[str, set]:
+    return {name: {(r["text"], r["label"]) for r in rows} for name, rows in split_rows(out).items()}
+
+
+def test_split_is_deterministic_across_partitioning(spark, tiny_model_dir, tmp_path):
+    rows = [(f"row {i} says {'yes' if i % 3 else 'no'} to item {i * 7 % 13}", "abc"[i % 3]) for i in range(60)]
+    one = tmp_path / "one"
+    one.mkdir()
+    pq.write_table(pa.table({"text": [t for t, _ in rows], "label": [lb for _, lb in rows]}), one / "a.parquet")
+    many = tmp_path / "many"
+    many.mkdir()
+    shuffled = rows[::-1]
+    for k in range(4):
+        chunk = shuffled[k::4]
+        pq.write_table(pa.table({"text": [t for t, _ in chunk], "label": [lb for _, lb in chunk]}),
+                       many / f"{k}.parquet")
+    m1 = prepare(make_cfg(one, tiny_model_dir), str(tmp_path / "o1"), spark=spark)
+    old = spark.conf.get("spark.sql.shuffle.partitions")
+    spark.conf.set("spark.sql.shuffle.partitions", "7")
+    try:
+        m2 = prepare(make_cfg(many, tiny_model_dir), str(tmp_path / "o2"), spark=spark)
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", old)
+    assert membership(tmp_path / "o1") == membership(tmp_path / "o2")
+    assert m1.fingerprint == m2.fingerprint
+    assert m1.counts["splits"] == {"train": 48, "val": 6, "test": 6}
+    # another seed moves rows between splits and changes the fingerprint
+    m3 = prepare(make_cfg(one, tiny_model_dir, seed=7), str(tmp_path / "o3"), spark=spark)
+    assert m3.fingerprint != m1.fingerprint
+    assert membership(tmp_path / "o3") != membership(tmp_path / "o1")
+
+
+def test_token_ids_match_transformers_and_row_groups_are_bounded(spark, tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    long_text = " ".join(f"word{i} Ünïcödé, punctuation!" for i in range(200))
+    texts = ["Short one.", "Crème brûlée at the café", long_text, "x" * 3000, "tokenization " * 40]
+    texts += [f"extra text {i}" for i in range(25)]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": texts, "label": ["a", "b"] * 15}), src)
+    out = tmp_path / "data"
+    m = prepare(make_cfg(src, tiny_model_dir, max_length=32, rows_per_group=4, val_fraction=0.0),
+                str(out), spark=spark)
+    hf = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
+    rows = [r for split in split_rows(out).values() for r in split]
+    assert len(rows) == 30
+    for r in rows:
+        assert r["input_ids"] == hf(r["text"], truncation=True, max_length=32)["input_ids"], r["text"][:40]
+    assert max(r["length"] for r in rows) == 32
+    assert m.splits["val"].rows == 0 and m.splits["val"].shards == []
+    for name in SPLITS:
+        for shard in m.splits[name].shards:
+            meta = pq.ParquetFile(m.shard_uri(shard)).metadata
+            groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            assert groups == shard.row_groups and sum(groups) == shard.rows > 0
+            assert max(groups) <= 4
+
+
+def test_input_errors_are_one_line_and_leave_nothing(spark, tiny_model_dir, tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    out = work / "data"
+
+    def fails(cfg, *fragments):
+        with pytest.raises(UserError) as e:
+            prepare(cfg, str(out), spark=spark)
+        msg = str(e.value)
+        assert "\n" not in msg
+        for fragment in fragments:
+            assert fragment in msg, msg
+        assert list(work.iterdir()) == []  # no out_dir, no temp dir
+        return msg
+
+    fails(make_cfg(tmp_path / "nope.csv", tiny_model_dir), "nope.csv", "no such file")
+    fails(make_cfg(tmp_path / "nope" / "*.csv", tiny_model_dir), "nothing matched")
+
+    csv = tmp_path / "cols.csv"
+    csv.write_text("body,label\nhello there,a\n")
+    fails(make_cfg(csv, tiny_model_dir), "'text'", "columns found: body, label", "--data.text_column")
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n   ,a\n\"\",b\n,c\n")
+    fails(make_cfg(empty, tiny_model_dir), "no usable rows", "empty_text")
+
+    small = tmp_path / "small.csv"
+    small.write_text("text,label\n" + "".join(f"text {i},big\n" for i in range(10)) + "one,tiny\ntwo,tiny\n")
+    fails(make_cfg(small, tiny_model_dir), "'tiny'", "2 usable", "--prepare.val_fraction")
+
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    with pytest.raises(UserError, match="--output.overwrite true"):
+        prepare(make_cfg(small, tiny_model_dir), str(out), spark=spark)
+    assert sorted(p.name for p in work.iterdir()) == ["data"]
+    assert (out / "keep.txt").read_text() == "old"
+
+
+def test_overwrite_replaces_output(spark, tiny_model_dir, tmp_path):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"text": [f"text {i}" for i in range(6)], "label": ["a", "b"] * 3}), src)
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "stale.txt").write_text("old")
+    cfg = make_cfg(src, tiny_model_dir)
+    cfg.output.overwrite = True
+    m = prepare(cfg, str(out), spark=spark)
+    assert not (out / "stale.txt").exists() and m.counts["rows_kept"] == 6
+    assert leftovers(tmp_path, {"in.parquet", "data"}) == []
+    assert read_manifest(out).fingerprint == m.fingerprint
+
+
+@pytest.mark.slow
+def test_bbc_news_demo(spark, tiny_model_dir, tmp_path):
+    cfg = make_cfg("", tiny_model_dir)
+    m = prepare(cfg, str(tmp_path / "data"), spark=spark)
+    assert len(m.labels) == 5 and m.labels == sorted(m.labels)
+    assert m.counts["rows_read"] == 2225
+    assert m.counts["rows_rejected"]["invalid_utf8"] == 1  # sports/199.txt holds a Latin-1 byte
+    assert m.counts["duplicates_removed"] == 100
+    assert m.counts["rows_kept"] == 2124 == sum(m.counts["splits"].values())
