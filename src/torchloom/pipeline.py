@@ -32,7 +32,6 @@ def prepare_stage(cfg: Config, spark=None) -> dict:
 
     rd = run_dir(cfg)
     started = time.perf_counter()
-    say(f"prepare: {cfg.data.path or 'embedded BBC News'} -> {rd / 'data'}")
     manifest = prepare(cfg, str(rd / "data"), spark=spark, progress=lambda m: say(f"prepare: {m}"))
     save_config(cfg, rd)
     splits = ", ".join(f"{k} {v.rows}" for k, v in manifest.splits.items())

@@ -17,7 +17,7 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, REASONS, clean_batches
-from torchloom.etl.read import read_input, resolve_format
+from torchloom.etl.read import check_exists, read_input, resolve_format
 from torchloom.etl.session import default_partitions, get_spark
 from torchloom.etl.split import DUPLICATE, KEPT, assign_splits, mark_duplicates, plan_split
 from torchloom.etl.tokenize import TOKENIZED_SCHEMA, read_tokenizer_json, tokenize_batches, tokenizer_info
@@ -46,7 +46,10 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     data_path = embedded.data_path(cfg.data.path)
     model_dir = embedded.model_path(cfg.model.path)
     tokenizer_json = read_tokenizer_json(model_dir)
+    check_exists(data_path)  # before Spark starts: a typo should cost no JVM start-up
     fmt = resolve_format(cfg.data, data_path)
+    say(f"{cfg.data.path or 'embedded BBC News'} ({fmt}) -> {out}")
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -62,6 +65,11 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for p in created:  # the directories this call made, innermost first, if still empty
+            try:
+                p.rmdir()
+            except OSError:
+                break
         raise
     manifest.root = str(out)
     say(f"prepared {manifest.counts['rows_kept']} rows into {out} in {manifest.timings['total']:.1f}s")

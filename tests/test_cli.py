@@ -1,0 +1,127 @@
+"""The command line as a user runs it: subprocesses, real Spark, real DDP workers, a tiny model."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchloom.model.tiny import write_tiny_model
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchloom(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+
+
+@pytest.fixture(scope="module")
+def reviews_csv(tmp_path_factory):
+    """Three topics a tiny model can learn from their words, 40 rows each, plus two unusable rows."""
+    path = tmp_path_factory.mktemp("csv") / "reviews.csv"
+    words = {"sport": "match goal team win league", "money": "bank market price shares profit",
+             "music": "album song band concert guitar"}
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "body", "topic"])
+        for label, vocab in words.items():
+            for i in range(40):
+                w.writerow([f"{label}{i}", f"{vocab} number {i} " + " ".join(reversed(vocab.split())), label])
+        w.writerow(["x1", "", "sport"])
+        w.writerow(["x2", "a text without a label", ""])
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny, reviews_csv):
+    rd = tmp_path_factory.mktemp("runs") / "reviews"
+    proc = torchloom(
+        "run", "--data.path", str(reviews_csv), "--data.text_column", "body", "--data.label_column", "topic",
+        "--model.path", tiny, "--output.dir", str(rd), "--prepare.spark_master", "local[2]",
+        "--train.epochs", "3", "--train.batch_size", "8", "--train.lr", "3e-3", "--train.precision", "fp32",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return rd, proc
+
+
+def test_run_writes_every_output_and_a_summary(finished_run):
+    rd, proc = finished_run
+    summary = json.loads((rd / "summary.json").read_text())
+    for stage in ("prepare_s", "train_s", "export_s", "evaluate_s", "total_s"):
+        assert summary["timings"][stage] > 0
+    assert "test accuracy" in proc.stdout and str(rd / "model") in proc.stdout
+    for name in ("config.toml", "metrics.jsonl", "report.md", "report.json", "misclassified.jsonl",
+                 "plots/confusion.png", "plots/calibration.png", "plots/loss.png", "model/config.json",
+                 "model/model.safetensors", "data/manifest.json"):
+        assert (rd / name).is_file(), name
+    manifest = json.loads((rd / "data" / "manifest.json").read_text())
+    assert manifest["labels"] == ["money", "music", "sport"]
+    assert sum(manifest["counts"]["rows_rejected"].values()) == 2
+    report = json.loads((rd / "report.json").read_text())
+    # the words give the topic away: even the tiny model must learn it
+    assert report["metrics"]["accuracy"] >= 0.9, report["metrics"]["accuracy"]
+    assert summary["accuracy"] == report["metrics"]["accuracy"]
+
+
+def test_predict_cli_uses_the_exported_model(finished_run, tmp_path):
+    rd, _ = finished_run
+    proc = torchloom("predict", "--model", str(rd / "model"), "bank shares profit market price",
+                     "guitar band song album concert")
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [x["label"] for x in lines] == ["money", "music"]
+    assert all(abs(sum(x["probabilities"].values()) - 1) < 1e-4 for x in lines)
+    src = tmp_path / "in.txt"
+    src.write_text("match goal team win league\n")
+    proc = torchloom("predict", "--model", str(rd / "model"), "--input", str(src))
+    assert proc.returncode == 0 and json.loads(proc.stdout)["label"] == "sport"
+
+
+def test_train_resume_latest_continues_to_more_epochs(finished_run, tiny):
+    rd, _ = finished_run
+    before = json.loads((rd / "train_result.json").read_text())["steps"]
+    proc = torchloom("train", "--output.dir", str(rd), "--model.path", tiny, "--resume", "--train.epochs", "4",
+                     "--train.batch_size", "8", "--train.lr", "3e-3", "--train.precision", "fp32")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads((rd / "train_result.json").read_text())
+    assert after["resumed_from"].endswith(f"step-{before}")
+    assert after["steps"] == before // 3 * 4
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["config", "--train.lr", "0"], "train.lr"),
+    (["config", "--train.batch_size", "-4"], "train.batch_size"),
+    (["config", "--engine.name", "mesos"], "engine.name"),
+    (["config", "--train.nope", "1"], "train.nope"),
+    (["config", "--train.epochs", "two"], "train.epochs"),
+    (["prepare", "--data.path", "/no/such/file.csv", "--output.dir", "/tmp/torchloom-never"], "/no/such/file.csv"),
+    (["train", "--output.dir", "/no/such/run"], "/no/such/run"),
+    (["predict", "--model", "/no/such/model", "text"], "/no/such/model"),
+])
+def test_user_errors_are_one_line_with_exit_2(args, needle):
+    proc = torchloom(*args, timeout=180)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not Path("/tmp/torchloom-never").exists()
+
+
+def test_config_prints_toml_that_loads_back(tmp_path):
+    proc = torchloom("config", "--train.lr", "3e-5", "--engine.workers", "3")
+    assert proc.returncode == 0
+    path = tmp_path / "run.toml"
+    path.write_text(proc.stdout)
+    again = torchloom("config", "--config", str(path))
+    assert again.stdout == proc.stdout and "lr = 3e-05" in proc.stdout and "workers = 3" in proc.stdout
