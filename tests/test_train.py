@@ -158,3 +158,38 @@ def test_gpu_fp16_with_grad_scaler_trains(tmp_path, data_dir, models):
                   "--engine.workers", str(n), "--train.max_steps", "4")
     result = local.train(cfg, rd, quiet=True)
     assert result["device"].startswith("cuda") and result["steps"] == 4
+
+
+def test_a_failing_rank_becomes_the_error_with_its_traceback(tmp_path, data_dir, models):
+    rd = new_run(tmp_path, data_dir, "fail")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
+         "--train.batch_size", "8", "--train.precision", "fp32"],
+        capture_output=True, text=True, timeout=300,
+        env={**__import__("os").environ, "TORCHLOOM_FAULT": "rank=1,step=3,kind=raise"},
+    )
+    assert proc.returncode == 1
+    assert "training failed on rank 1: InjectedFault: injected fault on rank 1 at step 3" in proc.stderr
+    assert "traceback of rank 1" in proc.stderr and "faults.py" in proc.stderr
+    assert json.loads((rd / "logs" / "error-rank1.json").read_text())["type"] == "InjectedFault"
+
+
+def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_dir, models):
+    # Uninterrupted reference, then the same job with rank 1 SIGKILLed mid-epoch at step 8, after the
+    # checkpoint at step 5: torch elastic restarts both workers, they resume from step 5.
+    ref = new_run(tmp_path, data_dir, "ref")
+    common = ("--train.checkpoint_every", "5", "--train.keep_last", "10", "--train.epochs", "1")
+    local.train(cfg_for(ref, models["dropout"], *common), ref, quiet=True)
+    rd = new_run(tmp_path, data_dir, "killed")
+    import os
+
+    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=8,kind=kill"
+    try:
+        result = local.train(cfg_for(rd, models["dropout"], *common, "--engine.max_restarts", "1"), rd, quiet=True)
+    finally:
+        del os.environ["TORCHLOOM_FAULT"]
+    assert (rd / "logs" / "fault-fired-rank1-step8").exists()
+    assert result["resumed_from"].endswith("step-5") and result["steps"] == 13
+    a, b = weights(ref / "checkpoints" / "step-13"), weights(rd / "checkpoints" / "step-13")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import traceback
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def run_worker(cfg_dict: dict, run_dir: str, reporter=None) -> dict:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({
             "rank": rank,
+            "time": time.time(),
             "type": type(e).__name__,
             "user_error": isinstance(e, UserError),
             "message": str(e),
@@ -58,7 +60,9 @@ def raise_worker_failure(run_dir: str | Path, fallback: str) -> None:
             continue
     if not errors:
         raise TrainingFailed(fallback)
-    first = min(errors, key=lambda e: e["rank"])
+    # The root cause is the first error: the other ranks typically fail after it, in a collective
+    # whose peer went away.
+    first = min(errors, key=lambda e: (e.get("time", 0.0), e["rank"]))
     if first.get("user_error"):
         raise UserError(first["message"])
     raise TrainingFailed(

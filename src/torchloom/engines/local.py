@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -19,6 +20,15 @@ def _entry(cfg_dict: dict, run_dir: str) -> dict:
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg_dict["train"]["resume"]:
         cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
     return run_worker(cfg_dict, run_dir)
+
+
+def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
+    """The end of the newest stderr log of a local rank (torch elastic writes attempt_N/<rank>/)."""
+    logs = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
+    if not logs:
+        return "(no log)"
+    text = logs[-1].read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join(text) or "(empty log)"
 
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
@@ -49,13 +59,20 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
         local_addr="127.0.0.1",
     )
     stream = open(os.devnull, "w") if quiet else sys.stderr
+    # torch elastic logs each failure at length; we report the failing rank's error ourselves.
+    elastic_log = logging.getLogger("torch.distributed.elastic")
+    level = elastic_log.level
+    elastic_log.setLevel(logging.CRITICAL)
     try:
         with ProgressMonitor(run_dir, stream=stream):
             results = elastic_launch(launch, _entry)(to_dict(cfg), str(run_dir))
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        raise_worker_failure(run_dir, f"training failed on rank {rank}: {failure.message}")
+        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
+        raise_worker_failure(run_dir, f"training failed on rank {rank} ({how});"
+                                      f" its last output:\n{tail_log(log_dir, rank)}")
     finally:
+        elastic_log.setLevel(level)
         if quiet:
             stream.close()
     if not results or 0 not in results:

@@ -62,11 +62,27 @@ def setup(device_kind: str, threads: int) -> Dist:
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         # A long timeout: rank 0 may be writing a checkpoint while the others wait in a barrier.
+        timeout = datetime.timedelta(minutes=30)
         dist.init_process_group(
-            backend=backend, timeout=datetime.timedelta(minutes=30),
-            device_id=device if device.type == "cuda" else None,
+            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+            store=attempt_store(rank, world, timeout), rank=rank, world_size=world,
         )
     return Dist(rank, world, local_rank, device, owns_group=world > 1)
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The rendezvous store, its keys prefixed by the restart attempt.
+
+    torch elastic keeps one agent-hosted store across restarts, so without a prefix the workers of a
+    restarted attempt read the addresses the dead attempt's workers published, and gloo fails to
+    connect to them (seen with torch 2.13 and torch elastic's max_restarts).
+    """
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(host, port, world_size=world, is_master=rank == 0 and not agent_store,
+                          timeout=timeout, wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"torchloom/attempt_{attempt}", store)
 
 
 def teardown(d: Dist) -> None:

@@ -30,7 +30,7 @@ from torchloom.errors import UserError
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
-from torchloom.train import checkpoint, optim
+from torchloom.train import checkpoint, faults, optim
 from torchloom.train.distributed import Dist, all_reduce_sum
 from torchloom.train.evaluation import autocast, evaluate
 from torchloom.train.parallelize import parallelize
@@ -268,6 +268,7 @@ class Trainer:
                     break
                 loss_sum, rows = self.train_step(group, position)
                 position += len(group)
+                faults.maybe_fire(d.rank, s.step, self.run_dir)
                 if first_step_s is None:
                     # From the engine's launch when it says when that was, else from the start of fit().
                     launched = float(os.environ.get("TORCHLOOM_LAUNCH_TIME", "0"))
