@@ -51,7 +51,8 @@ def row(name: str, rank: int, batches) -> None:
         rows += len(batch["labels"])
         count += 1
     seconds = time.perf_counter() - started
-    print(f"{name:<28} {rank:>4} {rows:>8} {count:>8} {seconds:>8.2f} {rows / seconds:>10,.0f} {count / seconds:>10,.0f}")
+    print(f"{name:<28} {rank:>4} {rows:>8} {count:>8} {seconds:>8.2f} {rows / seconds:>10,.0f}"
+          f" {count / seconds:>10,.0f}")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def prepare_stage(cfg: Config, spark=None) -> dict:
     rejected = sum(manifest.counts.get("rows_rejected", {}).values())
     say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} rejected,"
         f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
-    return {"seconds": round(time.perf_counter() - started, 2), "splits": {k: v.rows for k, v in manifest.splits.items()}}
+    splits = {k: v.rows for k, v in manifest.splits.items()}
+    return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
 
 
 def check_trainable(cfg: Config) -> None:
@@ -57,7 +58,9 @@ def check_trainable(cfg: Config) -> None:
             " add data or lower engine.workers"
         )
     if cfg.train.resume and cfg.train.resume != "latest" and not (Path(cfg.train.resume) / "meta.json").is_file():
-        raise UserError(f"train.resume {cfg.train.resume}: not a checkpoint directory; pass 'latest' or checkpoints/step-N")
+        raise UserError(
+            f"train.resume {cfg.train.resume}: not a checkpoint directory; pass 'latest' or checkpoints/step-N"
+        )
 
 
 def train_stage(cfg: Config, quiet: bool = False) -> dict:
@@ -145,7 +148,9 @@ def run_all(cfg: Config) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
     rd = run_dir(cfg)
     if rd.exists() and any(rd.iterdir()) and not cfg.output.overwrite and not cfg.train.resume:
-        raise UserError(f"output.dir {rd}: exists and is not empty; pass --output.overwrite true or another --output.dir")
+        raise UserError(
+            f"output.dir {rd}: exists and is not empty; pass --output.overwrite true or another --output.dir"
+        )
     if rd.exists() and cfg.output.overwrite and not cfg.train.resume:
         shutil.rmtree(rd)
     started = time.perf_counter()
