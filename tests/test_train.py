@@ -193,3 +193,9 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_d
     a, b = weights(ref / "checkpoints" / "step-13"), weights(rd / "checkpoints" / "step-13")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_attention_dropout_override(models):
+    assert build_classifier(models["dropout"], ["a", "b"], 0.0).config.attention_probs_dropout_prob == 0.0
+    kept = build_classifier(models["dropout"], ["a", "b"], -1.0)
+    assert kept.config.attention_probs_dropout_prob == 0.1 and kept.config.hidden_dropout_prob == 0.1

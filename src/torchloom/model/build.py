@@ -22,21 +22,33 @@ def check_model_dir(path: str) -> str:
     return str(p)
 
 
-def build_classifier(path: str, labels: list[str]):
-    """The model at `path` with a fresh classification head for `labels` (index = label id)."""
+# What each architecture calls its attention-probability dropout.
+ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
+
+
+def build_classifier(path: str, labels: list[str], attention_dropout: float = -1.0):
+    """The model at `path` with a fresh classification head for `labels` (index = label id).
+
+    attention_dropout >= 0 replaces the model's dropout on attention probabilities; -1 keeps it.
+    """
     import transformers
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     check_model_dir(path)
-    return AutoModelForSequenceClassification.from_pretrained(
+    config = AutoConfig.from_pretrained(
         path,
         num_labels=len(labels),
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
         local_files_only=True,
     )
+    if attention_dropout >= 0:
+        for key in ATTENTION_DROPOUT_KEYS:
+            if hasattr(config, key):
+                setattr(config, key, attention_dropout)
+    return AutoModelForSequenceClassification.from_pretrained(path, config=config, local_files_only=True)
 
 
 def load_tokenizer(path: str):

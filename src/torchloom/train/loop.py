@@ -92,7 +92,7 @@ class Trainer:
         self.tc = cfg.train
         self.manifest = read_manifest(self.run_dir / "data")
         seed_everything(self.tc.seed)
-        self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels)
+        self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off
         self.loader = ShardedLoader(
             self.manifest, "train", rank=d.rank, world_size=d.world_size,
