@@ -164,7 +164,7 @@ def test_a_failing_rank_becomes_the_error_with_its_traceback(tmp_path, data_dir,
     rd = new_run(tmp_path, data_dir, "fail")
     proc = subprocess.run(
         [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
-         "--train.batch_size", "8", "--train.precision", "fp32"],
+         "--train.batch_size", "8", "--train.precision", "fp32", "--engine.max_restarts", "0"],
         capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "TORCHLOOM_FAULT": "rank=1,step=3,kind=raise"},
     )

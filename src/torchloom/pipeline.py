@@ -63,16 +63,29 @@ def check_trainable(cfg: Config) -> None:
         )
 
 
-def train_stage(cfg: Config, quiet: bool = False) -> dict:
+def launch(cfg: Config, rd: Path, quiet: bool, spark=None) -> dict:
+    """Start the workers on the configured engine; returns rank 0's result."""
+    if cfg.engine.name == "spark":
+        from torchloom.engines import spark as spark_engine
+
+        return spark_engine.train(cfg, rd, quiet=quiet, spark=spark)
+    if cfg.engine.name == "ray":
+        from torchloom.engines import ray as ray_engine
+
+        return ray_engine.train(cfg, rd, quiet=quiet)
     from torchloom.engines import local
 
+    return local.train(cfg, rd, quiet=quiet)
+
+
+def train_stage(cfg: Config, quiet: bool = False, spark=None) -> dict:
     check_trainable(cfg)
     rd = run_dir(cfg)
     save_config(cfg, rd)
     say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, precision {cfg.train.precision},"
         f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd / 'logs'}")
     started = time.perf_counter()
-    result = local.train(cfg, rd, quiet=quiet)
+    result = launch(cfg, rd, quiet, spark)
     result["wall_s"] = round(time.perf_counter() - started, 2)
     (rd / "train_result.json").write_text(json.dumps(result, indent=2))
     say(f"train: {result['steps']} steps in {result['train_s']:.1f} s ({result['samples_per_s']:.1f} samples/s);"
@@ -155,11 +168,16 @@ def run_all(cfg: Config) -> dict:
         shutil.rmtree(rd)
     started = time.perf_counter()
     timings: dict[str, float] = {}
+    spark = None
+    if cfg.engine.name == "spark":
+        from torchloom.etl.session import get_spark
+
+        spark = get_spark(cfg.prepare)  # one SparkSession for the ETL and the training
     if cfg.train.resume and (rd / "data" / "manifest.json").is_file():
         say("run: resuming; reusing the prepared data in " + str(rd / "data"))
     else:
-        timings["prepare_s"] = prepare_stage(cfg)["seconds"]
-    result = train_stage(cfg)
+        timings["prepare_s"] = prepare_stage(cfg, spark=spark)["seconds"]
+    result = train_stage(cfg, spark=spark)
     timings["train_s"] = result["wall_s"]
     timings["export_s"] = export_stage(cfg)["seconds"]
     ev = evaluate_stage(cfg, extra={"timings": timings, "train": result})

@@ -76,11 +76,13 @@ class EvalConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = field(default="local", metadata=choices("local"))
+    name: str = field(default="local", metadata=choices("local", "spark", "ray"))
     workers: int = field(default=2, metadata={"min": 1})
     device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
-    threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers
-    max_restarts: int = field(default=0, metadata={"min": 0})
+    threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers on a machine
+    max_restarts: int = field(default=2, metadata={"min": 0})  # worker failures survived by resuming
+    ray_address: str = ""  # "": start a local Ray instance; "auto" or "ray://host:10001": a cluster
+    cpus_per_worker: float = field(default=0.0, metadata={"min": 0.0})  # Ray; 0: cores / workers locally, else 1
 
 
 @dataclass

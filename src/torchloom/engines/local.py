@@ -10,16 +10,20 @@ import uuid
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.engines.common import TrainingFailed, clear_errors, raise_worker_failure, run_worker
+from torchloom.engines.common import (
+    clear_errors,
+    new_launch_id,
+    raise_worker_failure,
+    read_result,
+    run_worker,
+)
 from torchloom.engines.progress import ProgressMonitor
 
 
-def _entry(cfg_dict: dict, run_dir: str) -> dict:
-    # torch elastic restarts every worker after a failure; the restarted ones resume from the latest
-    # complete checkpoint instead of starting over.
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg_dict["train"]["resume"]:
-        cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
-    return run_worker(cfg_dict, run_dir)
+def _entry(cfg_dict: dict, run_dir: str, launch_id: str) -> dict:
+    # torch elastic restarts every worker after a failure; run_worker sees the restart and resumes
+    # from the latest complete checkpoint instead of starting over.
+    return run_worker(cfg_dict, run_dir, launch_id)
 
 
 def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
@@ -41,6 +45,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
     log_dir = run_dir / "logs" / "workers"
     log_dir.mkdir(parents=True, exist_ok=True)
     clear_errors(run_dir)
+    launch_id = new_launch_id()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["TORCHLOOM_LAUNCH_TIME"] = str(time.time())  # workers measure time to first step from here
     launch = LaunchConfig(
@@ -65,7 +70,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
     elastic_log.setLevel(logging.CRITICAL)
     try:
         with ProgressMonitor(run_dir, stream=stream):
-            results = elastic_launch(launch, _entry)(to_dict(cfg), str(run_dir))
+            elastic_launch(launch, _entry)(to_dict(cfg), str(run_dir), launch_id)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
@@ -75,6 +80,4 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
         elastic_log.setLevel(level)
         if quiet:
             stream.close()
-    if not results or 0 not in results:
-        raise TrainingFailed("training ended without a result from rank 0; see the logs under " + str(log_dir))
-    return results[0]
+    return read_result(run_dir, launch_id)

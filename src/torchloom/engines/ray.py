@@ -1,0 +1,124 @@
+"""The Ray engine: the same workers, launched by Ray Train's TorchTrainer.
+
+`engine.ray_address` "" starts a local Ray instance for the job (and stops it after); "auto" or
+"ray://host:10001" joins a cluster. Ray Train sets up the process group; metrics reach Ray through
+`ray.train.report` at every evaluation, on every rank. After a worker failure Ray restarts the
+workers (FailureConfig(max_failures=engine.max_restarts)) and they resume from torchloom's latest
+complete checkpoint in the run directory, which must be on storage every node sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from torchloom.config import Config, to_dict
+from torchloom.engines.common import (
+    LogTailer,
+    TrainingFailed,
+    clear_errors,
+    new_launch_id,
+    raise_worker_failure,
+    read_result,
+    replace_engine,
+    run_worker,
+)
+from torchloom.engines.progress import ProgressMonitor
+from torchloom.errors import UserError, missing_extra
+
+
+class RayReporter:
+    """Ray's report must be called the same number of times on every rank: the loop does so."""
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        import ray.train
+
+        ray.train.report({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+
+
+def _entry(config: dict) -> None:
+    import logging
+
+    logging.getLogger("ray.train").setLevel(logging.WARNING)  # one INFO line per report and rank otherwise
+    run_worker(config["cfg"], config["run_dir"], config["launch_id"], reporter=RayReporter(), capture=True)
+
+
+def init_ray(address: str) -> bool:
+    """Connect to (or start) Ray; returns True when this call started a local instance."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # else the first init writes ~/.ray/auth_token
+    if address:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        return False
+    # Unix socket paths are limited to 107 bytes, so Ray's session dir cannot live in a deep run dir.
+    temp = Path(tempfile.gettempdir()) / f"torchloom-ray-{os.getuid()}"
+    ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False, logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}})
+    return True
+
+
+def scaling(cfg: Config, started_local: bool):
+    import ray
+    from ray.train import ScalingConfig
+
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    if cfg.engine.device == "cuda" and cluster_gpus < cfg.engine.workers:
+        raise UserError(f"engine.device cuda: the Ray cluster has {cluster_gpus:g} GPUs for {cfg.engine.workers}"
+                        " workers; lower engine.workers or use engine.device cpu")
+    use_gpu = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and cluster_gpus >= cfg.engine.workers)
+    cpus = cfg.engine.cpus_per_worker
+    if not cpus:
+        # On a local instance split the cores, leaving a sliver for Ray's own controller actor.
+        cpus = 0.99 * (os.cpu_count() or 1) / cfg.engine.workers if started_local else 1.0
+    return ScalingConfig(num_workers=cfg.engine.workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus})
+
+
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
+    """Train with cfg.engine.workers Ray Train workers; returns rank 0's result."""
+    try:
+        import ray
+        from ray.train import FailureConfig, RunConfig
+        from ray.train.torch import TorchTrainer
+    except ImportError:
+        raise missing_extra("ray", "ray") from None
+
+    run_dir = Path(run_dir).resolve()
+    launch_id = new_launch_id()
+    clear_errors(run_dir)
+    started_local = init_ray(cfg.engine.ray_address)
+    scaling_config = scaling(cfg, started_local)
+    if not cfg.engine.threads_per_worker:
+        # torch threads = the CPUs Ray gives each worker (the host's core count would oversubscribe)
+        cfg = replace_engine(cfg, threads_per_worker=max(1, int(scaling_config.resources_per_worker["CPU"] + 0.01)))
+    stream = open(os.devnull, "w") if quiet else sys.stderr
+    try:
+        trainer = TorchTrainer(
+            _entry,
+            train_loop_config={"cfg": to_dict(cfg), "run_dir": str(run_dir), "launch_id": launch_id},
+            scaling_config=scaling_config,
+            run_config=RunConfig(
+                name=f"torchloom-{launch_id}", storage_path=str(run_dir / "ray"),
+                failure_config=FailureConfig(max_failures=cfg.engine.max_restarts),
+            ),
+        )
+        with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):
+            try:
+                trainer.fit()
+            except Exception as e:
+                raise_worker_failure(run_dir, f"training on Ray failed: {str(e).splitlines()[0] if str(e) else e!r}")
+    finally:
+        if quiet:
+            stream.close()
+        if started_local:
+            ray.shutdown()
+    try:
+        return read_result(run_dir, launch_id)
+    except TrainingFailed:
+        raise_worker_failure(run_dir, "training on Ray ended without a result from rank 0")
+        raise

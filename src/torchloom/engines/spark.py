@@ -1,0 +1,99 @@
+"""The Spark engine: the same workers, launched by pyspark's TorchDistributor.
+
+On a `local[...]` master the processes run on the driver (`local_mode=True`); on any other master
+(`local-cluster[...]`, `spark://`, `yarn`, `k8s://`) each worker is a task of a barrier stage on an
+executor. torchloom must be importable on the executors (installed there, as it is in one venv).
+Spark re-runs a failed barrier stage from scratch; torchloom instead re-runs it up to
+`engine.max_restarts` times, and the new workers resume from the latest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from torchloom.config import Config, to_dict
+from torchloom.engines.common import (
+    LogTailer,
+    TrainingFailed,
+    clear_errors,
+    new_launch_id,
+    raise_worker_failure,
+    read_result,
+    replace_engine,
+    run_worker,
+)
+from torchloom.engines.progress import ProgressMonitor
+from torchloom.errors import UserError, missing_extra
+
+
+def _entry(cfg_dict: dict, run_dir: str, launch_id: str) -> None:
+    # Output goes to the run's log files: Spark would otherwise print it twice on local[N] and keep
+    # it in executor work dirs on a cluster. The driver tails the files.
+    run_worker(cfg_dict, run_dir, launch_id, capture=True)
+
+
+def is_local_master(master: str) -> bool:
+    return master == "local" or master.startswith("local[")
+
+
+def wants_gpu(cfg: Config, spark) -> bool:
+    if cfg.engine.device == "cpu":
+        return False
+    conf = spark.sparkContext.getConf()
+    key = "spark.driver.resource.gpu.amount" if is_local_master(spark.sparkContext.master) else \
+        "spark.task.resource.gpu.amount"
+    has = float(conf.get(key, "0") or 0) > 0
+    if cfg.engine.device == "cuda" and not has:
+        raise UserError(f"engine.device cuda: Spark has no GPUs configured ({key} is unset); set it with"
+                        f" --prepare.spark_conf '{{\"{key}\" = \"1\"}}' or use engine.device cpu")
+    return has
+
+
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> dict:
+    """Train with cfg.engine.workers processes launched by TorchDistributor; returns rank 0's result."""
+    try:
+        from pyspark.ml.torch.distributor import TorchDistributor
+    except ImportError:
+        raise missing_extra("pyspark", "spark") from None
+    from torchloom.etl.session import get_spark
+
+    run_dir = Path(run_dir).resolve()
+    spark = spark or get_spark(cfg.prepare)
+    master = spark.sparkContext.master
+    local_mode = is_local_master(master)
+    use_gpu = wants_gpu(cfg, spark)
+    if not cfg.engine.threads_per_worker and not local_mode:
+        # an executor task owns spark.task.cpus cores, whatever the host has
+        cfg = replace_engine(cfg, threads_per_worker=int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("TorchDistributor").setLevel(logging.WARNING)
+    launch_id = new_launch_id()
+    stream = open(os.devnull, "w") if quiet else sys.stderr
+    attempts = cfg.engine.max_restarts + 1
+    try:
+        for attempt in range(attempts):
+            clear_errors(run_dir)
+            distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
+            try:
+                with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):
+                    distributor.run(_entry, to_dict(cfg), str(run_dir), launch_id)
+                break
+            except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
+                if attempt + 1 < attempts:
+                    print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({type(e).__name__});"
+                          " re-running the workers from the latest checkpoint", file=sys.stderr, flush=True)
+                    continue
+                raise_worker_failure(run_dir, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}")
+    finally:
+        if quiet:
+            stream.close()
+    try:
+        return read_result(run_dir, launch_id)
+    except TrainingFailed:
+        raise_worker_failure(run_dir, "training on Spark ended without a result from rank 0")
+        raise
