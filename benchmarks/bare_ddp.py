@@ -1,11 +1,13 @@
-"""The baseline: a minimal hand-written DDP fine-tuning loop, launched with torchrun.
+"""The baseline: a minimal hand-written DDP fine-tuning loop, under any launcher.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/bare_ddp.py \\
-        DATA_DIR MODEL_DIR STEPS BATCH PRECISION OUT
+        DATA_DIR MODEL_DIR STEPS BATCH PRECISION OUT [LAUNCH_TIME]
 
-Reads the same prepared Parquet as torchloom (whole, into memory), slices it by rank, trains STEPS
-optimizer steps with AdamW, and writes {"samples_per_s", "first_step_s", "total_s"} to OUT from rank 0.
-Throughput excludes the first 3 steps (warm-up), as torchloom's figure does by its log windows.
+`bare_loop(...)` is the same loop as a function, for a bare `TorchDistributor.run` and a bare
+`TorchTrainer.fit` (benchmarks/engines.py). It reads the prepared Parquet whole into memory, slices
+it by rank, trains STEPS optimizer steps with AdamW (fused, the kernel torchloom uses) and returns
+{"samples_per_s", "first_step_s", "total_s"} on rank 0. Throughput excludes the first 3 steps;
+first_step_s counts from LAUNCH_TIME (the launcher's start) when given, else from process start.
 """
 
 import json
@@ -13,33 +15,35 @@ import os
 import sys
 import time
 
-T0 = time.perf_counter()
-
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-from transformers import AutoModelForSequenceClassification  # noqa: E402
+T0 = time.time()
 
 
-def main() -> None:
-    data_dir, model_dir, steps, batch, precision, out = sys.argv[1:7]
-    steps, batch = int(steps), int(batch)
-    dist.init_process_group("gloo")
+def bare_loop(data_dir: str, model_dir: str, steps: int, batch: int, precision: str,
+              launch_time: float = 0.0) -> dict:
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from transformers import AutoModelForSequenceClassification
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     table = pq.read_table(os.path.join(data_dir, "train"), columns=["input_ids", "label_id"])
     ids, labels = table.column("input_ids").to_pylist(), table.column("label_id").to_pylist()
     ids, labels = ids[rank::world], labels[rank::world]
-    num_labels = len(json.load(open(os.path.join(data_dir, "manifest.json")))["labels"])
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        num_labels = len(json.load(f)["labels"])
     torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=num_labels)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, num_labels=num_labels, attention_probs_dropout_prob=0.0)  # as torchloom's default
     model.train()
     model = DDP(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, fused=True)  # the same kernel torchloom uses
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-5, fused=True)
     micro = batch // world
-    t_first = t_warm = None
+    first = warm = None
     for step in range(steps):
         i = (step * micro) % max(1, len(ids) - micro)
         chunk = ids[i:i + micro]
@@ -54,14 +58,24 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step == 0:
-            t_first = time.perf_counter() - T0
+            first = time.time() - (launch_time or T0)
         if step == 2:
-            t_warm = time.perf_counter()
-    elapsed = time.perf_counter() - t_warm
-    if rank == 0:
+            warm = time.perf_counter()
+    result = {"samples_per_s": (steps - 3) * batch / (time.perf_counter() - warm), "first_step_s": first,
+              "total_s": time.time() - (launch_time or T0)}
+    dist.barrier()
+    return result
+
+
+def main() -> None:
+    data_dir, model_dir, steps, batch, precision, out = sys.argv[1:7]
+    launch_time = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0
+    import torch.distributed as dist
+
+    result = bare_loop(data_dir, model_dir, int(steps), int(batch), precision, launch_time)
+    if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"samples_per_s": (steps - 3) * batch / elapsed, "first_step_s": t_first,
-                       "total_s": time.perf_counter() - T0}, f)
+            json.dump(result, f)
     dist.destroy_process_group()
 
 

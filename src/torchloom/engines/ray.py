@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
@@ -105,6 +106,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
             run_config=RunConfig(
                 name=f"torchloom-{launch_id}", storage_path=str(run_dir / "ray"),
                 failure_config=FailureConfig(max_failures=cfg.engine.max_restarts),
+                # workers time their first step from the launch
+                worker_runtime_env={"env_vars": {"TORCHLOOM_LAUNCH_TIME": str(time.time())}},
             ),
         )
         with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):

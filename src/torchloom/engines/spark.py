@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
@@ -71,6 +72,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["TORCHLOOM_LAUNCH_TIME"] = str(time.time())  # local-mode workers time their first step from here
     logging.getLogger("TorchDistributor").setLevel(logging.WARNING)
     launch_id = new_launch_id()
     stream = open(os.devnull, "w") if quiet else sys.stderr

@@ -1,0 +1,340 @@
+"""Serving throughput and latency: `torchloom serve` against a naive server and the offline limit.
+
+    .venv/bin/python benchmarks/serve.py [--requests 1000] [--time-cap 45] [--no-write]
+
+Model: the embedded all-MiniLM-L6-v2 with a fresh 5-label head (BBC News labels), exported with
+export_model (max_length 128); quality does not matter for speed. Texts: headline + first paragraph of
+BBC News articles (cut at 400 characters, ~80 tokens), one text per request.
+
+Three things are measured on this machine, one after the other:
+- offline limit: Predictor.predict (clean, tokenize, forward) on lists of B texts, no HTTP, for several B;
+  the best B is the limit a server could reach.
+- torchloom serve (local engine, defaults: max batch 32, max wait 5 ms) in a subprocess.
+- naive: the same model behind FastAPI on uvicorn the way a first version is usually written: a plain `def`
+  endpoint (FastAPI runs it in its thread pool) calling the model once per request, no batching.
+The load generator (asyncio + aiohttp, loopback only) keeps C requests in flight (C = 1, 8, 64) until it
+has sent a fixed number of requests or the time cap passes, after a short warm-up. The load generator runs
+on the same 2 cores as the server, as a client on the same host would.
+
+Writes the table to docs/benchmarks.md under '## Serving' (replacing only that section).
+"""
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LABELS = ["business", "entertainment", "politics", "sport", "tech"]
+CONCURRENCY = (1, 8, 64)
+OFFLINE_BATCHES = (1, 8, 16, 32, 64)
+TEXT_CHARS = 400
+
+
+def load_texts(n: int = 512) -> list[str]:
+    """Headline + first paragraph of BBC News articles, or synthetic sentences without the demo corpus."""
+    try:
+        from torchloom.embedded import demo_data_path
+
+        root = Path(demo_data_path())
+        files = sorted(root.rglob("*.txt"))
+    except Exception:
+        files = []
+    texts = []
+    for f in files[:: max(1, len(files) // n)][:n]:
+        raw = f.read_text(encoding="utf-8", errors="replace")
+        texts.append(" ".join(raw.split())[:TEXT_CHARS])
+    if not texts:
+        words = ["market", "shares", "match", "goal", "film", "album", "election", "phone", "vote", "record",
+                 "profit", "league"]
+        texts = [" ".join(words[(i * 7 + j) % len(words)] for j in range(40 + i % 40)) for i in range(n)]
+    return texts
+
+
+def export_benchmark_model(out_dir: Path) -> str:
+    import torch
+
+    from torchloom.embedded import demo_model_path
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+
+    torch.manual_seed(0)
+    model = build_classifier(demo_model_path(), LABELS)
+    return export_model(model, demo_model_path(), LABELS, str(out_dir), extra_info={"max_length": 128})
+
+
+# --- offline limit ---------------------------------------------------------------------------------------
+
+
+def offline(model_dir: str, texts: list[str], time_cap: float) -> dict[int, float]:
+    """Texts/s of Predictor.predict on lists of B texts, for each B in OFFLINE_BATCHES."""
+    from torchloom.model.predict import Predictor
+
+    results = {}
+    for b in OFFLINE_BATCHES:
+        predictor = Predictor(model_dir, batch_size=b)
+        predictor.predict(texts[:b])  # warm-up
+        done, started = 0, time.perf_counter()
+        while done < len(texts) and time.perf_counter() - started < time_cap:
+            predictor.predict(texts[done % len(texts):done % len(texts) + b])
+            done += b
+        results[b] = done / (time.perf_counter() - started)
+        print(f"offline batch {b:3}: {results[b]:7.1f} texts/s", flush=True)
+    return results
+
+
+# --- servers ---------------------------------------------------------------------------------------------
+
+
+def naive_app(model_dir: str):
+    """One model call per request; FastAPI runs the plain `def` endpoint in its thread pool."""
+    from fastapi import FastAPI
+    from pydantic import BaseModel
+
+    from torchloom.model.predict import Predictor
+
+    predictor = Predictor(model_dir)
+    app = FastAPI()
+
+    class Body(BaseModel):
+        texts: list[str]
+
+    @app.post("/v1/predict")
+    def predict(body: Body) -> dict:
+        return {"predictions": predictor.predict(body.texts)}
+
+    @app.get("/readyz")
+    def readyz() -> dict:
+        return {"status": "ready"}
+
+    return app
+
+
+def run_naive_server(model_dir: str) -> None:
+    import uvicorn
+
+    from torchloom.serve.server import listen, url_of
+
+    sock = listen("127.0.0.1", 0)
+    app = naive_app(model_dir)
+    print(f"naive server: listening on {url_of(sock)}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+class Process:
+    def __init__(self, args: list[str], log_dir: Path, name: str) -> None:
+        self.out = log_dir / f"{name}.out"
+        with open(self.out, "wb") as out, open(log_dir / f"{name}.err", "wb") as err:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=err, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        deadline = time.monotonic() + 180
+        self.url = ""
+        while not self.url:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"{name} did not start; see {log_dir}/{name}.err")
+            match = re.search(r"listening on (\S+)", self.out.read_text())
+            self.url = match.group(1) if match else ""
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# --- load generator --------------------------------------------------------------------------------------
+
+
+async def wait_ready(url: str) -> None:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            try:
+                async with session.get(f"{url}/readyz") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise SystemExit(f"{url} never became ready")
+
+
+async def load(url: str, texts: list[str], concurrency: int, requests: int, time_cap: float) -> dict:
+    """Keep `concurrency` requests in flight until `requests` are sent or `time_cap` seconds pass."""
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    sent = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async def one(i: int) -> None:
+            nonlocal errors
+            started = time.perf_counter()
+            async with session.post(f"{url}/v1/predict", json={"texts": [texts[i % len(texts)]]}) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+                    return
+            latencies.append(time.perf_counter() - started)
+
+        # warm-up: a few rounds at this concurrency, not measured
+        await asyncio.gather(*(one(i) for i in range(min(2 * concurrency, 64))))
+        latencies.clear()
+        started = time.perf_counter()
+        deadline = started + time_cap
+
+        async def worker() -> None:
+            nonlocal sent
+            while sent < requests and time.perf_counter() < deadline:
+                sent += 1
+                await one(sent)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    latencies.sort()
+
+    def pct(p: float) -> float:
+        return latencies[min(len(latencies) - 1, int(p / 100 * len(latencies)))] * 1000 if latencies else float("nan")
+
+    done = len(latencies)
+    return {"requests": done, "errors": errors, "seconds": elapsed, "rps": done / elapsed, "texts_s": done / elapsed,
+            "p50": pct(50), "p95": pct(95), "p99": pct(99)}
+
+
+def batch_totals(url: str) -> tuple[float, float]:
+    """(texts, batches) the server has run so far, from its /metrics."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    total = float(re.search(r"^torchloom_batch_size_sum (\S+)$", text, re.M).group(1))
+    count = float(re.search(r"^torchloom_batch_size_count (\S+)$", text, re.M).group(1))
+    return total, count
+
+
+def measure_server(name: str, url: str, texts: list[str], requests: int, time_cap: float) -> list[dict]:
+    asyncio.run(wait_ready(url))
+    rows = []
+    for c in CONCURRENCY:
+        n = requests if c > 1 else max(100, requests // 4)
+        before = batch_totals(url) if name == "torchloom serve" else None
+        row = asyncio.run(load(url, texts, c, n, time_cap))
+        row.update(server=name, concurrency=c)
+        if before is not None:
+            after = batch_totals(url)
+            row["mean_batch"] = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+        rows.append(row)
+        print(f"{name:16} c={c:3}: {row['rps']:7.1f} req/s  p50 {row['p50']:7.1f} ms  p95 {row['p95']:7.1f} ms"
+              f"  p99 {row['p99']:7.1f} ms  ({row['requests']} requests, {row['errors']} errors)", flush=True)
+    return rows
+
+
+# --- report ----------------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict], offline_rates: dict[int, float]) -> str:
+    best_b = max(offline_rates, key=offline_rates.get)
+    best = offline_rates[best_b]
+    lines = ["| server | concurrency | requests/s | texts/s | p50 ms | p95 ms | p99 ms | x offline | errors |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['server']} | {r['concurrency']} | {r['rps']:.1f} | {r['texts_s']:.1f} | {r['p50']:.1f} |"
+                     f" {r['p95']:.1f} | {r['p99']:.1f} | {r['texts_s'] / best:.2f} | {r['errors']} |")
+    lines.append(f"| offline limit (Predictor, batch {best_b}, no HTTP) | - | - | {best:.1f} | - | - | - | 1.00 | - |")
+    lines.append("")
+    lines.append("Offline texts/s by batch size: " + ", ".join(f"{b}: {v:.1f}" for b, v in offline_rates.items()))
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict], offline_rates: dict[int, float]) -> str:
+    best = max(offline_rates.values())
+    ours = next(r for r in rows if r["server"] == "torchloom serve" and r["concurrency"] == 64)
+    naive = next(r for r in rows if r["server"] == "naive" and r["concurrency"] == 64)
+    checks = [
+        (f"torchloom serve / offline limit = {ours['texts_s'] / best:.2f}", ours["texts_s"] / best >= 0.8, ">= 0.8"),
+        (f"torchloom serve / naive = {ours['texts_s'] / naive['texts_s']:.2f}", ours["texts_s"] / naive["texts_s"] >= 5,
+         ">= 5"),
+        (f"p99 / p50 = {ours['p99'] / ours['p50']:.2f}", ours["p99"] / ours["p50"] <= 3, "<= 3"),
+    ]
+    return "\n".join(f"- {text} (target {goal}): {'met' if ok else 'NOT met'}" for text, ok, goal in checks)
+
+
+def write_doc(body: str) -> Path:
+    path = ROOT / "docs" / "benchmarks.md"
+    old = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
+    section = f"## Serving\n\n{body.strip()}\n"
+    match = re.search(r"^## Serving\n.*?(?=^## |\Z)", old, flags=re.M | re.S)
+    if match:
+        new = old[:match.start()] + section + ("\n" if old[match.end():] else "") + old[match.end():]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section
+    path.write_text(new, encoding="utf-8")
+    return path
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--requests", type=int, default=1000, help="requests per concurrency level (c=1: a quarter)")
+    p.add_argument("--time-cap", type=float, default=45.0, help="seconds per concurrency level at most")
+    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--naive-server", metavar="MODEL_DIR", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if a.naive_server:
+        run_naive_server(a.naive_server)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="torchloom-bench-serve-"))
+    model_dir = export_benchmark_model(work / "model")
+    texts = load_texts()
+    print(f"model: MiniLM-L6 + fresh {len(LABELS)}-label head at {model_dir}; {len(texts)} texts of"
+          f" <= {TEXT_CHARS} chars", flush=True)
+    offline_rates = offline(model_dir, texts, a.time_cap / 3)
+
+    rows: list[dict] = []
+    servers = [
+        ("torchloom serve", [sys.executable, "-m", "torchloom", "serve", model_dir, "--port", "0", "--device", "cpu"]),
+        ("naive", [sys.executable, str(Path(__file__).resolve()), "--naive-server", model_dir]),
+    ]
+    for name, args in servers:
+        server = Process(args, work, name.replace(" ", "-"))
+        try:
+            rows += measure_server(name, server.url, texts, a.requests, a.time_cap)
+        finally:
+            server.stop()
+
+    cpu = platform.processor() or platform.machine()
+    import torch
+
+    header = (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC with `benchmarks/serve.py` on {os.cpu_count()}"
+              f" cores ({cpu}), no GPU, torch {torch.__version__}, Python {platform.python_version()}."
+              f" Model: all-MiniLM-L6-v2 + fresh 5-label head, max_length 128; one BBC News headline + lede"
+              f" (<= {TEXT_CHARS} chars) per request; load generator on the same cores (aiohttp, loopback),"
+              f" {a.requests} requests per level (c=1: {max(100, a.requests // 4)}) or {a.time_cap:g} s."
+              " torchloom serve with its defaults (max batch 32, max wait 5 ms); naive = FastAPI `def` endpoint,"
+              " one forward per request.")
+    batches = ", ".join(f"c={r['concurrency']}: {r['mean_batch']:.1f}" for r in rows if "mean_batch" in r)
+    body = "\n\n".join([header, table(rows, offline_rates),
+                        f"Mean texts per model batch in torchloom serve (from its /metrics): {batches}.",
+                        "Targets at concurrency 64:\n" + targets(rows, offline_rates)])
+    print("\n" + body)
+    if not a.no_write:
+        print(f"\nwritten to {write_doc(body)}")
+
+
+if __name__ == "__main__":
+    main()
