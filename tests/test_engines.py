@@ -131,3 +131,16 @@ def test_missing_engine_gives_an_install_hint(monkeypatch, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
     assert "UserError ray is not installed: pip install 'torchloom[ray]'" in out
+
+
+def test_torchrun_on_the_worker_module_gives_the_same_weights(setup, tmp_path):
+    import subprocess
+    import sys
+
+    rd = tmp_path / "torchrun"
+    rd.mkdir()
+    shutil.copytree(setup["data"], rd / "data")
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    "-m", "torchloom.train.worker", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON],
+                   check=True, capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")

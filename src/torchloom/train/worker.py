@@ -1,0 +1,40 @@
+"""One worker, for launchers torchloom does not drive itself (torchrun on each node of a cluster).
+
+    torchrun --nnodes N --nproc-per-node 8 ... -m torchloom.train.worker --output.dir RUN [--config F] [--k v ...]
+
+The same config options as `torchloom train`; the run directory must hold prepared data and be on
+storage every node sees. A restart by torchrun (--max-restarts) resumes from the latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torchloom.config import build, to_dict
+from torchloom.engines.common import run_worker
+from torchloom.errors import UserError
+from torchloom.pipeline import env_defaults, run_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    config_file = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        config_file = argv[i + 1] if i + 1 < len(argv) else None
+        del argv[i:i + 2]
+    env_defaults()
+    try:
+        cfg = build(config_file, argv)
+    except UserError as e:
+        print(f"torchloom: error: {e}", file=sys.stderr)
+        return 2
+    # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
+    launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
+    run_worker(to_dict(cfg), str(run_dir(cfg)), launch_id)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
