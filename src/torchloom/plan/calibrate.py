@@ -1,0 +1,109 @@
+"""`torchloom plan --calibrate`: time real training steps of the embedded model here, against the estimate."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+from torchloom.plan.estimate import Job, data_parallel
+
+WARMUP_STEPS = 2
+
+
+def embedded_model_dir() -> str:
+    from torchloom.embedded import demo_model_path
+
+    return demo_model_path()
+
+
+def bf16_supported() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: int) -> dict:
+    """Seconds per optimizer step of one process, as torchloom's loop runs it: autocast forward,
+    cross-entropy, backward, gradient clipping, foreach AdamW, on random token ids (speed only)."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    from torchloom.model.build import build_classifier
+    from torchloom.train.optim import param_groups
+
+    labels = ["a", "b", "c", "d", "e"]
+    model = build_classifier(model_dir, labels)
+    model.train()
+    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4, foreach=True)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1000, model.config.vocab_size, (micro_batch, seq), generator=gen)
+    attention_mask = torch.ones_like(input_ids)
+    targets = torch.randint(0, len(labels), (micro_batch,), generator=gen)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    times = []
+    for i in range(WARMUP_STEPS + steps):
+        if i == WARMUP_STEPS:
+            cpu_start = time.process_time()
+        start = time.perf_counter()
+        ctx = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+        with ctx:
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        F.cross_entropy(logits.float(), targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    cpu_seconds = time.process_time() - cpu_start
+    threads = torch.get_num_threads()
+    # Below ~90%, other processes took the cores part of the time and the steps ran slow.
+    core_share = cpu_seconds / (sum(times[WARMUP_STEPS:]) * threads)
+    return {"step_seconds": times[WARMUP_STEPS:], "threads": threads, "torch": torch.__version__,
+            "core_share": core_share}
+
+
+def compare(job: Job, steps: int) -> dict:
+    predicted = data_parallel(job, "ddp")
+    m = measure(embedded_model_dir(), job.seq, job.micro_batch, job.precision, steps)
+    measured = statistics.median(m["step_seconds"])
+    fwd_bwd = max(1e-9, measured - predicted.optimizer_s)
+    peak = job.cluster.flops(job.precision)
+    return {
+        "model": job.model.name, "seq": job.seq, "micro_batch": job.micro_batch, "precision": job.precision,
+        "threads": m["threads"], "torch": m["torch"], "cores": os.cpu_count(),
+        "core_share": m["core_share"],
+        "warmup_steps": WARMUP_STEPS, "step_seconds": m["step_seconds"], "measured_step_s": measured,
+        "fastest_step_s": min(m["step_seconds"]),
+        "predicted_step_s": predicted.step_s, "predicted_compute_s": predicted.compute_s,
+        "predicted_optimizer_s": predicted.optimizer_s, "flops_per_step": predicted.flops_per_step,
+        "peak_flops": peak, "mfu_assumed": job.mfu or job.cluster.device.mfu,
+        # the MFU that would make compute match, if the optimizer estimate holds
+        "mfu_implied": predicted.flops_per_step / fwd_bwd / peak,
+        "error_pct": (predicted.step_s - measured) / measured * 100,
+    }
+
+
+def render(r: dict) -> str:
+    times = ", ".join(f"{t:.2f}" for t in r["step_seconds"])
+    verdict = "within" if abs(r["error_pct"]) <= 30 else "OUTSIDE"
+    share = r["core_share"]
+    return "\n".join([
+        f"calibrate: {r['model']} (embedded), seq {r['seq']}, micro-batch {r['micro_batch']}, {r['precision']}"
+        f"{' autocast' if r['precision'] != 'fp32' else ''}, 1 process x {r['threads']} threads, AdamW (foreach),"
+        f" torch {r['torch']}",
+        f"measured   {r['measured_step_s']:.3f} s per step (median of {len(r['step_seconds'])} after"
+        f" {r['warmup_steps']} warm-up: {times}; fastest {r['fastest_step_s']:.3f})",
+        f"predicted  {r['predicted_step_s']:.3f} s = compute {r['predicted_compute_s']:.3f} s"
+        f" ({r['flops_per_step'] / 1e9:.1f} GFLOP at {r['peak_flops'] / 1e12:.2f} TFLOP/s x MFU {r['mfu_assumed']:g})"
+        f" + optimizer {r['predicted_optimizer_s']:.3f} s",
+        f"error      {r['error_pct']:+.0f}% (predicted against measured): {verdict} the +-30% target;"
+        f" the MFU that matches here is {r['mfu_implied']:.3f} (pass it with --mfu)",
+        f"cores      this process ran {share:.0%} of the time on its {r['threads']} threads"
+        + ("; other processes took the cores the rest of it, so the measurement is slow: rerun when idle"
+           if share < 0.85 else ""),
+    ])

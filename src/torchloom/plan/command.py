@@ -1,0 +1,168 @@
+"""`torchloom plan`: parse, estimate, advise, print. Imports nothing heavy unless --calibrate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+from torchloom.errors import UserError
+from torchloom.plan import advice, estimate, hardware, models, report
+
+EPILOG = """\
+examples:
+  torchloom plan --model bert-large --device-type a100-80g --nodes 2 --micro-batch 32 --rows 100000000
+  torchloom plan --model llama-7b --device-type a100-40g --devices 8 --seq 512 --micro-batch 1 --json
+  torchloom plan --model distilbert-base --devices 8 --have-spark      # 8 CPU executors
+  torchloom plan --calibrate          # this machine's real step time against the estimate
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other torchloom error
+        raise UserError(f"plan: {message}; see torchloom plan --help")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="torchloom plan", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+               description="Estimate memory, communication and time per parallel strategy before training:"
+                           " pure arithmetic, no torch (except --calibrate).")
+    g = p.add_argument_group("model and batch")
+    g.add_argument("--model", metavar="NAME|DIR", default="minilm-l6",
+                   help=f"a preset ({', '.join(models.PRESETS)}) or a local Hugging Face model dir"
+                        " (default: %(default)s)")
+    g.add_argument("--num-labels", metavar="N", type=int, help="classes (default: the config's id2label, else 2)")
+    g.add_argument("--seq", metavar="TOKENS", type=int,
+                   help="sequence length in tokens (default: 128; ViT: its patches + 1)")
+    g.add_argument("--micro-batch", metavar="N", type=int, help="sequences per device per forward (default: 16)")
+    g.add_argument("--grad-accum", metavar="N", type=int, default=1,
+                   help="micro-batches per optimizer step (default: 1)")
+    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="bf16 / fp16: mixed precision (default bf16)")
+    g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    g.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
+                   help="sdpa: fused kernels, no stored scores (transformers' default); eager: adds 5as/h per layer")
+    g = p.add_argument_group("devices (a preset, then your own numbers over it)")
+    g.add_argument("--device-type", metavar="NAME", default="cpu",
+                   help=f"{', '.join(hardware.DEVICES)} (default: %(default)s, this machine)")
+    g.add_argument("--devices", metavar="N", type=int, help="devices in all (default: 1, or nodes x devices-per-node)")
+    g.add_argument("--nodes", metavar="N", type=int, help="machines (default: devices / devices-per-node)")
+    g.add_argument("--devices-per-node", metavar="N", type=int, help="default: 8 for GPUs given --nodes, 1 for cpu")
+    g.add_argument("--memory-gib", metavar="GIB", type=float, help="memory per device (cpu: per machine)")
+    g.add_argument("--tflops", metavar="TFLOPS", type=float, help="peak dense TFLOP/s per device at --precision")
+    g.add_argument("--mfu", metavar="FRACTION", type=float,
+                   help="model FLOPs utilisation 0-1 (default: 0.4 GPU, 0.5 cpu)")
+    g.add_argument("--mem-bw", metavar="GB/S", type=float, help="memory bandwidth, GB/s")
+    g.add_argument("--intra-bw", metavar="GB/S", type=float,
+                   help="device-to-device bandwidth inside a node, GB/s per direction")
+    g.add_argument("--inter-bw", metavar="GB/S", type=float, help="network bandwidth per node, GB/s per direction")
+    g.add_argument("--headroom", metavar="FRACTION", type=float, default=0.9,
+                   help="usable fraction of device memory (default: 0.9)")
+    g.add_argument("--no-overlap", action="store_true", help="communication never overlaps compute")
+    g = p.add_argument_group("data and parallelism")
+    g.add_argument("--rows", metavar="N", type=int, default=1_000_000,
+                   help="training rows per epoch (default: 1,000,000)")
+    g.add_argument("--mean-tokens", metavar="N", type=int, help="mean tokens per row (default: every row fills --seq)")
+    g.add_argument("--epochs", metavar="N", type=int, default=1)
+    g.add_argument("--pipeline-stages", metavar="P", type=int, help="P (default: the fewest that fit)")
+    g.add_argument("--pipeline-microbatches", metavar="M", type=int,
+                   help="M per step (default: grad-accum x P, the same global batch as DDP)")
+    g = p.add_argument_group("engine advice")
+    g.add_argument("--have-spark", action="store_true", help="an existing Spark cluster runs your ETL")
+    g.add_argument("--have-ray", action="store_true", help="an existing Ray cluster")
+    g.add_argument("--tuning", action="store_true", help="many trainings: hyper-parameter search")
+    g.add_argument("--serving", action="store_true", help="the model will be served online")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="every number as JSON")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's training step for the embedded MiniLM (seq 128, micro-batch 8, bf16)"
+                        " and print it against the estimate (imports torch; ~15 s)")
+    g.add_argument("--calibrate-steps", metavar="N", type=int, default=6,
+                   help="timed steps after 2 warm-up steps (default: 6)")
+    return p
+
+
+def positive(name: str, value) -> None:
+    if value is not None and value <= 0:
+        raise UserError(f"{name} {value}: must be positive; see torchloom plan --help")
+
+
+def validate(args: argparse.Namespace) -> None:
+    for flag in ("num_labels", "seq", "micro_batch", "grad_accum", "rows", "mean_tokens", "epochs", "memory_gib",
+                 "tflops", "mfu", "mem_bw", "intra_bw", "inter_bw", "headroom", "pipeline_microbatches",
+                 "calibrate_steps"):
+        positive("--" + flag.replace("_", "-"), getattr(args, flag))
+    for flag in ("mfu", "headroom"):
+        if getattr(args, flag) is not None and getattr(args, flag) > 1:
+            raise UserError(f"--{flag} {getattr(args, flag)}: a fraction, at most 1 (e.g. 0.4)")
+    if args.pipeline_stages is not None and args.pipeline_stages < 2:
+        raise UserError(f"--pipeline-stages {args.pipeline_stages}: a pipeline has at least 2 stages")
+
+
+def build_job(args: argparse.Namespace) -> estimate.Job:
+    validate(args)
+    model = models.resolve(args.model)
+    if args.num_labels:
+        model = replace(model, num_labels=args.num_labels)
+    seq = args.seq or model.default_seq
+    if model.family != "vit" and model.max_positions and seq > model.max_positions:
+        raise UserError(f"--seq {seq}: {model.name} has {model.max_positions} positions; use --seq"
+                        f" {model.max_positions} or less")
+    precision = args.precision or "bf16"
+    tflops = {"tflops_fp32" if precision == "fp32" else "tflops_bf16": args.tflops}
+    spec = hardware.device(args.device_type, memory_gib=args.memory_gib, mem_bw_gbs=args.mem_bw,
+                           intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, mfu=args.mfu, **tflops)
+    return estimate.Job(
+        model=model, cluster=hardware.cluster(spec, args.devices, args.nodes, args.devices_per_node), seq=seq,
+        micro_batch=args.micro_batch or 16, grad_accum=args.grad_accum, precision=precision,
+        optimizer=args.optimizer, attention=args.attention, rows=args.rows, mean_tokens=args.mean_tokens or 0,
+        epochs=args.epochs, pipeline_stages=args.pipeline_stages or 0,
+        pipeline_microbatches=args.pipeline_microbatches or 0, headroom=args.headroom, overlap=not args.no_overlap,
+    )
+
+
+def plan(args: argparse.Namespace) -> int:
+    job = build_job(args)
+    strategies = estimate.estimate(job)
+    site = advice.Site(have_spark=args.have_spark, have_ray=args.have_ray, tuning=args.tuning, serving=args.serving)
+    adv = advice.advise(job, strategies, site)
+    if args.json:
+        print(json.dumps(report.to_json(job, strategies, adv), indent=2))
+    else:
+        print(report.render(job, strategies, adv))
+    return 0
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    from torchloom.plan import calibrate as cal  # torch is imported only here
+
+    if args.device_type != "cpu":
+        raise UserError(f"--calibrate measures this machine: drop --device-type {args.device_type} (cpu is it)")
+    args.model = cal.embedded_model_dir()
+    args.seq, args.micro_batch = args.seq or 128, args.micro_batch or 8
+    args.precision = args.precision or ("bf16" if cal.bf16_supported() else "fp32")
+    job = build_job(args)
+    job = replace(job, model=replace(job.model, name="all-MiniLM-L6-v2"))
+    result = cal.compare(job, steps=args.calibrate_steps)
+    print(json.dumps(result, indent=2) if args.json else cal.render(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`torchloom plan ARGS`: the exit code (2 for bad input, with a one-line message on stderr)."""
+    try:
+        args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return calibrate(args) if args.calibrate else plan(args)
+    except UserError as e:
+        print(f"torchloom: error: {e}", file=sys.stderr)
+        return UserError.exit_code
+    except SystemExit as e:  # --help
+        return e.code if isinstance(e.code, int) else 0
+    except BrokenPipeError:  # `| head` stopped reading: not an error (the recipe in Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
