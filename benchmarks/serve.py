@@ -24,6 +24,7 @@ import asyncio
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -68,6 +69,32 @@ def export_benchmark_model(out_dir: Path) -> str:
     torch.manual_seed(0)
     model = build_classifier(demo_model_path(), LABELS)
     return export_model(model, demo_model_path(), LABELS, str(out_dir), extra_info={"max_length": 128})
+
+
+def cpu_idle(seconds: float = 3.0) -> float:
+    """Fraction of CPU time idle over `seconds` (Linux /proc/stat); 1.0 where that is not available."""
+    def read() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            values = [int(v) for v in f.readline().split()[1:9]]
+        return sum(values), values[3]
+
+    try:
+        total0, idle0 = read()
+        time.sleep(seconds)
+        total1, idle1 = read()
+    except OSError:
+        return 1.0
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_idle(max_wait: float, threshold: float = 0.85) -> float:
+    """Wait (at most max_wait s) until the machine is mostly idle: other jobs on these 2 cores skew every number."""
+    deadline = time.monotonic() + max_wait
+    idle = cpu_idle()
+    while idle < threshold and time.monotonic() < deadline:
+        print(f"waiting for an idle machine ({idle:.0%} idle)", flush=True)
+        idle = cpu_idle()
+    return idle
 
 
 # --- offline limit ---------------------------------------------------------------------------------------
@@ -290,6 +317,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=1000, help="requests per concurrency level (c=1: a quarter)")
     p.add_argument("--time-cap", type=float, default=45.0, help="seconds per concurrency level at most")
     p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--wait-idle", type=float, default=600, help="wait up to this many s for >= 85%% idle CPUs")
     p.add_argument("--naive-server", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -298,6 +326,8 @@ def main() -> None:
         run_naive_server(a.naive_server)
         return
 
+    idle = wait_for_idle(a.wait_idle)
+    load_start = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="torchloom-bench-serve-"))
     model_dir = export_benchmark_model(work / "model")
     texts = load_texts()
@@ -326,12 +356,15 @@ def main() -> None:
               f" (<= {TEXT_CHARS} chars) per request; load generator on the same cores (aiohttp, loopback),"
               f" {a.requests} requests per level (c=1: {max(100, a.requests // 4)}) or {a.time_cap:g} s."
               " torchloom serve with its defaults (max batch 32, max wait 5 ms); naive = FastAPI `def` endpoint,"
-              " one forward per request.")
+              " one forward per request."
+              f" CPU idle before the start: {idle:.0%}; 1-min load average at start {load_start:.1f}, at the end"
+              f" {os.getloadavg()[0]:.1f} (other jobs share this machine: read the ratios, not the absolutes).")
     batches = ", ".join(f"c={r['concurrency']}: {r['mean_batch']:.1f}" for r in rows if "mean_batch" in r)
     body = "\n\n".join([header, table(rows, offline_rates),
                         f"Mean texts per model batch in torchloom serve (from its /metrics): {batches}.",
                         "Targets at concurrency 64:\n" + targets(rows, offline_rates)])
     print("\n" + body)
+    shutil.rmtree(work, ignore_errors=True)
     if not a.no_write:
         print(f"\nwritten to {write_doc(body)}")
 

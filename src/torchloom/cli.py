@@ -15,8 +15,10 @@ COMMANDS = {
     "train": "train on the prepared data (DDP with engine.workers processes)",
     "export": "write the selected checkpoint as a Hugging Face model dir (<run>/model)",
     "evaluate": "score the exported model on a split: report.md, report.json, plots/",
-    "predict": "predict labels for texts with an exported model, as JSON lines",
+    "predict": "predict labels with an exported model: texts as JSON lines, or a whole file to Parquet (--output)",
+    "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--engine ray)",
     "config": "print the resolved config as TOML",
+    "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
 }
 
 OVERRIDES_HELP = """\
@@ -38,10 +40,10 @@ def parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_text, description=help_text, epilog=OVERRIDES_HELP,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "predict":
-            sp.add_argument("--model", required=True, help="an exported model dir (e.g. runs/bbc-minilm/model)")
-            sp.add_argument("--input", help="a .txt (one text per line), .jsonl or .csv file with a text field")
-            sp.add_argument("--batch-size", type=int, default=32)
-            sp.add_argument("texts", nargs="*", help="texts to classify")
+            add_predict_arguments(sp)
+            continue
+        if name == "serve":
+            add_serve_arguments(sp)
             continue
         sp.add_argument("--config", help="a TOML file with [section] tables")
         if name in ("run", "prepare", "train"):
@@ -63,20 +65,131 @@ def build_config(args: argparse.Namespace, rest: list[str]):
     return build(args.config, extra)
 
 
+def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.usage = ('torchloom predict --model DIR "text" ... | --input FILE\n'
+                "       torchloom predict MODEL_DIR --input PATH --output PATH [--engine local|spark]")
+    sp.add_argument("--model", help="an exported model dir (e.g. runs/bbc-minilm/model); or give it as the first"
+                                    " argument")
+    sp.add_argument("--input", help="without --output: a .txt (one text per line), .jsonl or .csv file with a text"
+                                    " field; with --output: a CSV, JSONL or Parquet file or directory")
+    sp.add_argument("--output", help="write a Parquet file (local engine) or directory (spark engine): the input"
+                                     " columns plus label, score and probabilities")
+    sp.add_argument("--engine", choices=("local", "spark"), default="local", help="for --output (default local)")
+    sp.add_argument("--text-column", default="text", help="for --output: the column with the texts (default text)")
+    sp.add_argument("--spark-master", default="local[*]", help="for --engine spark (default local[*])")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    sp.add_argument("--batch-size", type=int, default=32)
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    sp.add_argument("texts", nargs="*", help="texts to classify")
+
+
+def _is_model_dir(path: str) -> bool:
+    from pathlib import Path
+
+    return (Path(path) / "config.json").is_file()
+
+
 def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
     from torchloom.model.predict import Predictor, read_texts
 
-    if rest:
-        raise UserError(f"predict: unexpected arguments {' '.join(rest)}; see torchloom predict --help")
-    texts = list(args.texts)
+    # argparse leaves texts that come after an option in `rest`; they are texts all the same.
+    unknown = [r for r in rest if r.startswith("-")]
+    if unknown:
+        raise UserError(f"predict: unexpected arguments {' '.join(unknown)}; see torchloom predict --help")
+    texts = list(args.texts) + [r for r in rest if not r.startswith("-")]
+    model = args.model
+    if model is None:
+        if not texts or not _is_model_dir(texts[0]):
+            first = f"{texts[0]!r} is not a model dir (no config.json)" if texts else "none was given"
+            raise UserError(f"predict: pass the exported model dir as --model DIR or as the first argument; {first}")
+        model = texts.pop(0)
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.output:
+        return predict_file(args, model, texts)
+    if args.engine != "local":
+        raise UserError(f"--engine {args.engine}: only for batch prediction to a file; add --output PATH")
     if args.input:
         texts += read_texts(args.input)
     if not texts:
-        raise UserError('predict: no texts; pass them as arguments or --input FILE (e.g. torchloom predict --model DIR "text")')
-    predictor = Predictor(args.model, batch_size=args.batch_size)
+        raise UserError('predict: no texts; pass them as arguments or --input FILE'
+                        ' (e.g. torchloom predict --model DIR "text")')
+    device = args.device
+    if device != "cpu":
+        from torchloom.serve.model import resolve_device
+
+        device = resolve_device(device)
+    predictor = Predictor(model, device=device, batch_size=args.batch_size)
     for text, pred in zip(texts, predictor.predict(texts)):
         print(json.dumps({"text": text[:200], **pred}, ensure_ascii=False))
     return 0
+
+
+def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
+    """The batch form: --input file(s) to a Parquet --output, on Spark or locally."""
+    from torchloom.serve import batch
+
+    if texts:
+        raise UserError(f"predict: with --output the texts come from --input, not arguments ({texts[0]!r})")
+    if not args.input:
+        raise UserError("predict: --output needs --input PATH (a CSV, JSONL or Parquet file or directory)")
+    options = dict(text_column=args.text_column, batch_size=args.batch_size, device=args.device,
+                   overwrite=args.overwrite)
+    if args.engine == "spark":
+        from torchloom.config.schema import PrepareConfig
+        from torchloom.etl.session import get_spark
+        from torchloom.serve.model import check_model_dir
+
+        check_model_dir(model)
+        spark = get_spark(PrepareConfig(spark_master=args.spark_master))
+        result = batch.predict_spark(spark, model, args.input, args.output, **options)
+    else:
+        result = batch.predict_local(model, args.input, args.output, **options)
+    rate = result["rows"] / result["seconds"] if result["seconds"] else 0.0
+    print(f"predict: {result['rows']} rows -> {result['output']} in {result['seconds']} s ({rate:.0f} rows/s)")
+    return 0
+
+
+def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("model_dir", metavar="MODEL_DIR", help="an exported model dir (e.g. runs/bbc-minilm/model)")
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
+    sp.add_argument("--engine", choices=("local", "ray"), default="local",
+                    help="local: one process with dynamic batching; ray: Ray Serve replicas")
+    sp.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (engine ray)")
+    sp.add_argument("--max-batch-size", type=int, default=32, help="texts per model forward (default 32)")
+    sp.add_argument("--max-wait-ms", type=float, default=5.0,
+                    help="how long a text waits for its batch to fill (default 5)")
+    sp.add_argument("--max-queue", type=int, default=1024,
+                    help="texts waiting for the model; past this requests get 503 (default 1024)")
+    sp.add_argument("--max-texts-per-request", type=int, default=256)
+    sp.add_argument("--max-text-chars", type=int, default=20_000)
+    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set TORCHLOOM_API_KEY)")
+    sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
+    sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                    help="auto: fp32 on CPU, bf16 (or fp16) autocast on CUDA")
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchloom.serve.model import check_model_dir
+    from torchloom.serve.settings import ServeSettings
+
+    if rest:
+        raise UserError(f"serve: unexpected arguments {' '.join(rest)}; see torchloom serve --help")
+    check_model_dir(args.model_dir)
+    settings = ServeSettings(
+        model_dir=args.model_dir, host=args.host, port=args.port, engine=args.engine, replicas=args.replicas,
+        max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+        max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
+        api_key=args.api_key, device=args.device, precision=args.precision,
+    ).check()
+    if settings.engine == "ray":
+        from torchloom.serve.ray_engine import run_ray
+
+        return run_ray(settings)
+    from torchloom.serve.server import run_local
+
+    return run_local(settings)
 
 
 def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
@@ -85,6 +198,8 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     pipeline.env_defaults()
     if args.command == "predict":
         return cmd_predict(args, rest)
+    if args.command == "serve":
+        return cmd_serve(args, rest)
     cfg = build_config(args, rest)
     if args.command == "config":
         from torchloom.config import to_toml
@@ -105,6 +220,12 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plan":
+        # pure arithmetic with its own options: no config, no torch, starts in a blink
+        from torchloom.plan.command import main as plan_main
+
+        return plan_main(argv[1:])
     p = parser()
     args, rest = p.parse_known_args(argv)
     if args.command is None:

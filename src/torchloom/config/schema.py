@@ -69,7 +69,7 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     split: str = field(default="test", metadata=choices("test", "val", "train"))
-    batch_size: int = field(default=64, metadata={"min": 1})
+    batch_size: int = field(default=16, metadata={"min": 1})  # small batches run faster per row on CPU
     calibration_bins: int = field(default=10, metadata={"min": 2})
     misclassified_limit: int = field(default=1000, metadata={"min": 0})
 

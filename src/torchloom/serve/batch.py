@@ -1,0 +1,290 @@
+"""Batch prediction over files: CSV, JSONL or Parquet in, Parquet out with every input column plus
+label, score and probabilities (a map label -> probability).
+
+Local: pyarrow streams the input in record batches through one model, so the file can be larger than
+memory. Spark: `mapInArrow` over the input, the model loaded once per executor Python process and reused
+by every task that process runs. Rows whose text is null get null predictions.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import UserError
+
+FORMATS = {
+    ".csv": "csv", ".tsv": "csv",
+    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+    ".parquet": "parquet", ".pq": "parquet",
+}
+PREDICTION_COLUMNS = ("label", "score", "probabilities")
+CHUNK_ROWS = 4096  # rows read, predicted and written at a time by the local engine
+
+
+def input_format(path: str) -> str:
+    """csv, jsonl or parquet, from the extension (or the most common one of the files in a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        seen = Counter(FORMATS[f.suffix.lower()] for f in _data_files(p) if f.suffix.lower() in FORMATS)
+        if not seen:
+            raise UserError(f"--input {path}: no {', '.join(sorted(FORMATS))} files in this directory")
+        return seen.most_common(1)[0][0]
+    fmt = FORMATS.get(p.suffix.lower())
+    if fmt is None:
+        raise UserError(f"--input {path}: cannot tell the format from the name; use a file ending in"
+                        f" {', '.join(sorted(FORMATS))}")
+    return fmt
+
+
+def _data_files(root: Path) -> list[Path]:
+    """Files under root, skipping hidden and Spark bookkeeping (_SUCCESS, .crc) files, in name order."""
+    return sorted(f for f in root.rglob("*") if f.is_file() and not f.name.startswith((".", "_")))
+
+
+def _check_paths(input_path: str, output_path: str, overwrite: bool, local_only: bool) -> None:
+    remote = "://" in input_path and not input_path.startswith("file:")
+    if local_only and remote:
+        raise UserError(f"--input {input_path}: the local engine reads local files; use --engine spark for"
+                        " HDFS or object stores")
+    if not remote and not os.path.exists(input_path.removeprefix("file:")):
+        raise UserError(f"--input {input_path}: no such file or directory")
+    if os.path.exists(output_path) and not overwrite:
+        raise UserError(f"--output {output_path}: already exists; remove it or pass --overwrite")
+    if os.path.abspath(output_path) == os.path.abspath(input_path):
+        raise UserError(f"--output {output_path}: is the input; write the predictions elsewhere")
+
+
+def _check_schema(names: list[str], text_is_string: bool, text_column: str, input_path: str) -> None:
+    if text_column not in names:
+        raise UserError(f"--input {input_path}: no column {text_column!r} (columns: {', '.join(names) or 'none'});"
+                        " name the text column with --text-column")
+    taken = [c for c in PREDICTION_COLUMNS if c in names]
+    if taken:
+        raise UserError(f"--input {input_path}: already has a column named {taken[0]!r}, and the output adds"
+                        f" {', '.join(PREDICTION_COLUMNS)}; rename that column in the input")
+    if not text_is_string:
+        raise UserError(f"--input {input_path}: column {text_column!r} does not hold text; pass the text column"
+                        " with --text-column")
+
+
+# --- the Arrow part shared by both engines ---------------------------------------------------------------
+
+
+def prediction_fields():
+    import pyarrow as pa
+
+    return [pa.field("label", pa.string()), pa.field("score", pa.float64()),
+            pa.field("probabilities", pa.map_(pa.string(), pa.float64()))]
+
+
+def predict_record_batch(model, batch, text_column: str):
+    """`batch` with label, score and probabilities appended (nulls where the text is null)."""
+    import pyarrow as pa
+
+    texts = batch.column(text_column).to_pylist()
+    present = [i for i, t in enumerate(texts) if t is not None]
+    predictions: list[dict[str, Any] | None] = [None] * len(texts)
+    for i, prediction in zip(present, model.predict([texts[i] for i in present])):
+        predictions[i] = prediction
+    label_f, score_f, probs_f = prediction_fields()
+    columns = [
+        pa.array([p and p["label"] for p in predictions], label_f.type),
+        pa.array([p and p["score"] for p in predictions], score_f.type),
+        pa.array([p and list(p["probabilities"].items()) for p in predictions], probs_f.type),
+    ]
+    return pa.RecordBatch.from_arrays([*batch.columns, *columns],
+                                      schema=_with_predictions(batch.schema))
+
+
+def _with_predictions(schema):
+    import pyarrow as pa
+
+    return pa.schema([*schema, *prediction_fields()])
+
+
+# --- local engine ----------------------------------------------------------------------------------------
+
+
+def _local_batches(path: str, fmt: str) -> tuple[Any, Iterator[Any]]:
+    """(schema, record batches) of a local file or directory, streamed."""
+    import pyarrow.dataset as ds
+
+    p = Path(path)
+    if fmt == "parquet":
+        dataset = ds.dataset(path, format="parquet", exclude_invalid_files=False,
+                             ignore_prefixes=[".", "_"])
+        return dataset.schema, iter(dataset.to_batches(batch_size=CHUNK_ROWS))
+    files = [f for f in _data_files(p) if FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
+    if not files:
+        raise UserError(f"--input {path}: no {fmt} files there")
+    first_schema, first = _open_text_file(files[0], fmt)
+
+    def batches() -> Iterator[Any]:
+        yield from first
+        for f in files[1:]:
+            schema, more = _open_text_file(f, fmt)
+            for batch in more:
+                try:
+                    yield batch.select(first_schema.names).cast(first_schema)
+                except (KeyError, ValueError, NotImplementedError) as e:
+                    raise UserError(f"--input {f}: its columns differ from {files[0].name}'s ({e});"
+                                    " predict the files separately") from None
+    return first_schema, batches()
+
+
+def _open_text_file(path: Path, fmt: str):
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.json as pajson
+
+    try:
+        if fmt == "csv":
+            read = pacsv.ReadOptions(block_size=1 << 20, encoding="utf-8")
+            parse = pacsv.ParseOptions(newlines_in_values=True, delimiter="\t" if path.suffix == ".tsv" else ",")
+            # Every CSV column stays a string, as Spark reads CSV: no guess that fails on a later block.
+            names = pacsv.open_csv(path, read_options=read, parse_options=parse).schema.names
+            names = [n.replace("\ufeff", "").strip() for n in names]
+            read = pacsv.ReadOptions(block_size=1 << 20, encoding="utf-8", column_names=names, skip_rows=1)
+            # Empty unquoted fields are null, as in Spark's CSV reader; "NA" and "null" stay text.
+            convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, null_values=[""],
+                                           strings_can_be_null=True)
+            reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
+        else:
+            reader = pajson.open_json(path, read_options=pajson.ReadOptions(block_size=1 << 20))
+    except pa.ArrowInvalid as e:
+        raise UserError(f"--input {path}: cannot read it as {fmt} ({str(e).splitlines()[0]})") from None
+    return reader.schema, _checked(reader, path, fmt)
+
+
+def _checked(reader, path: Path, fmt: str) -> Iterator[Any]:
+    import pyarrow as pa
+
+    try:
+        yield from reader
+    except pa.ArrowInvalid as e:
+        raise UserError(f"--input {path}: cannot read it as {fmt} ({str(e).splitlines()[0]})") from None
+
+
+def _is_text(arrow_type) -> bool:
+    import pyarrow as pa
+
+    return pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+
+
+def predict_local(model_dir: str, input_path: str, output_path: str, text_column: str = "text",
+                  batch_size: int = 32, device: str = "cpu", overwrite: bool = False,
+                  progress: bool = True) -> dict[str, Any]:
+    """Predict every row of `input_path` into one Parquet file `output_path`; returns rows and seconds."""
+    import pyarrow.parquet as pq
+
+    from torchloom.serve.model import ServedModel, default_threads
+
+    _check_paths(input_path, output_path, overwrite, local_only=True)
+    fmt = input_format(input_path)
+    schema, batches = _local_batches(input_path, fmt)
+    text_is_string = text_column in schema.names and _is_text(schema.field(text_column).type)
+    _check_schema(schema.names, text_is_string, text_column, input_path)
+    model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=default_threads())
+
+    started = last_report = time.perf_counter()
+    rows = 0
+    out = Path(output_path)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with pq.ParquetWriter(tmp, _with_predictions(schema)) as writer:
+            for batch in batches:
+                if batch.num_rows:
+                    writer.write_batch(predict_record_batch(model, batch, text_column))
+                rows += batch.num_rows
+                if progress and time.perf_counter() - last_report > 10:
+                    last_report = time.perf_counter()
+                    print(f"predict: {rows} rows ({rows / (last_report - started):.0f}/s)", flush=True)
+        _replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"rows": rows, "seconds": round(time.perf_counter() - started, 2), "output": str(out)}
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    if out.is_dir():  # --overwrite of an earlier Spark output
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+# --- Spark engine ----------------------------------------------------------------------------------------
+
+# One model per (executor) Python process, kept across tasks: Spark reuses its Python workers.
+_MODELS: dict[tuple[str, str, int], Any] = {}
+
+
+def _executor_model(model_dir: str, device: str, batch_size: int):
+    key = (model_dir, device, batch_size)
+    model = _MODELS.get(key)
+    if model is None:
+        from pyspark import TaskContext
+
+        from torchloom.serve.model import ServedModel
+
+        context = TaskContext.get()
+        # Each concurrent task gets its own Python worker; give each the cores its task was granted.
+        threads = context.cpus() if context is not None else 1
+        model = _MODELS[key] = ServedModel(model_dir, device=device, batch_size=batch_size, threads=threads)
+    return model
+
+
+def _predict_partition(batches: Iterable[Any], model_dir: str, text_column: str, device: str,
+                       batch_size: int) -> Iterator[Any]:
+    model = _executor_model(model_dir, device, batch_size)
+    for batch in batches:
+        if batch.num_rows:
+            yield predict_record_batch(model, batch, text_column)
+
+
+def _spark_read(spark, path: str, fmt: str):
+    reader = spark.read
+    if fmt == "csv":
+        df = (reader.option("header", True).option("multiLine", True).option("escape", '"')
+              .option("encoding", "UTF-8").option("sep", "\t" if path.endswith(".tsv") else ",").csv(path))
+        renamed = [c.replace("\ufeff", "").strip() for c in df.columns]
+        return df.toDF(*renamed) if renamed != df.columns else df
+    if fmt == "jsonl":
+        return reader.json(path)
+    return reader.parquet(path)
+
+
+def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text_column: str = "text",
+                  batch_size: int = 32, device: str = "cpu", overwrite: bool = False) -> dict[str, Any]:
+    """Predict every row of `input_path` with Spark into the Parquet directory `output_path`."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql.types import DoubleType, MapType, StringType, StructField, StructType
+
+    from torchloom.serve.model import check_model_dir
+
+    check_model_dir(model_dir)
+    _check_paths(input_path, output_path, overwrite, local_only=False)
+    model_dir = os.path.abspath(model_dir)  # executors may run elsewhere in the same file system
+    fmt = input_format(input_path) if "://" not in input_path else FORMATS.get(Path(input_path).suffix, "parquet")
+    started = time.perf_counter()
+    try:
+        df = _spark_read(spark, input_path, fmt)
+    except AnalysisException as e:
+        raise UserError(f"--input {input_path}: Spark cannot read it as {fmt} ({str(e).splitlines()[0]})") from None
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    _check_schema(list(fields), isinstance(fields.get(text_column), StringType), text_column, input_path)
+    out_schema = StructType([*df.schema.fields, StructField("label", StringType()),
+                             StructField("score", DoubleType()),
+                             StructField("probabilities", MapType(StringType(), DoubleType()))])
+    predict = partial(_predict_partition, model_dir=model_dir, text_column=text_column, device=device,
+                      batch_size=batch_size)
+    result = df.mapInArrow(predict, out_schema)
+    result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
+    rows = spark.read.parquet(output_path).count()
+    return {"rows": rows, "seconds": round(time.perf_counter() - started, 2), "output": output_path}

@@ -1,0 +1,212 @@
+"""Dynamic micro-batching: concurrent requests are merged into model batches on one worker thread.
+
+Requests are cut into chunks of at most `max_batch_size` texts and queued. A batch is the oldest chunks
+that fit in `max_batch_size` texts; it goes to the model once it is full or its oldest chunk has waited
+`max_wait_ms`. The model runs on a single worker thread so batches never compete for the cores, and the
+event loop stays free to accept requests meanwhile. The queue is bounded in texts: a request that would
+overfill it is refused at once (the server answers 503) instead of growing memory and latency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchloom.serve.metrics import ServeMetrics
+
+log = logging.getLogger("torchloom.serve")
+
+
+class Overloaded(Exception):
+    """The queue has no room for the request; retry after `retry_after` seconds."""
+
+    def __init__(self, queued: int, max_queue: int, retry_after: int = 1) -> None:
+        super().__init__(f"{queued} texts are queued (at most {max_queue}); retry later")
+        self.retry_after = retry_after
+
+
+class ShuttingDown(Exception):
+    """The server is draining and takes no new work."""
+
+
+class ModelFailed(Exception):
+    """The model raised on this request's texts; the traceback is in the log under `error_id`."""
+
+    def __init__(self, error_id: str) -> None:
+        super().__init__(f"the model failed on this request (error id {error_id})")
+        self.error_id = error_id
+
+
+@dataclass
+class _Chunk:
+    texts: list[str]
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class MicroBatcher:
+    """Runs `predict(texts) -> results` (one result per text, in order) on merged batches from many callers."""
+
+    def __init__(self, predict: Callable[[list[str]], list[Any]], max_batch_size: int = 32,
+                 max_wait_ms: float = 5.0, max_queue: int = 1024, metrics: ServeMetrics | None = None) -> None:
+        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
+            raise ValueError("max_batch_size and max_queue must be >= 1 and max_wait_ms >= 0")
+        self._predict = predict
+        self.max_batch_size = max_batch_size
+        self.max_wait = max_wait_ms / 1000
+        self.max_queue = max_queue
+        self.metrics = metrics or ServeMetrics()
+        self._queue: deque[_Chunk] = deque()
+        self._pending = 0  # texts accepted and not yet handed to the model
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return self._pending
+
+    async def start(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="torchloom-batcher")
+
+    async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn` on the model thread, in turn with the batches (e.g. the warm-up)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def submit(self, texts: list[str]) -> list[Any]:
+        """Results for `texts`, in order. Raises Overloaded, ShuttingDown or ModelFailed."""
+        if self._closing or self._task is None:
+            raise ShuttingDown("the server is shutting down")
+        if self._pending + len(texts) > self.max_queue:
+            raise Overloaded(self._pending, self.max_queue)
+        loop = asyncio.get_running_loop()
+        chunks = [_Chunk(texts[i:i + self.max_batch_size], loop.create_future())
+                  for i in range(0, len(texts), self.max_batch_size)]
+        self._queue.extend(chunks)
+        self._pending += len(texts)
+        self._wakeup.set()
+        # A cancelled request (client gone) cancels its chunks; the batcher then skips them.
+        parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        return [result for part in parts for result in part]
+
+    async def close(self) -> None:
+        """Stop taking requests, finish everything queued, stop the worker thread."""
+        self._closing = True
+        self._wakeup.set()
+        if self._task is not None:
+            await self._task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch: list[_Chunk] = []
+            try:
+                batch = await self._collect()
+                if batch:
+                    await self._run_batch(batch)
+            except Exception:  # the batcher must outlive any one batch, or every later request would hang
+                error_id = uuid.uuid4().hex[:12]
+                log.exception("batcher error %s", error_id)
+                for chunk in batch:
+                    _settle(chunk, exc=ModelFailed(error_id))
+
+    async def _collect(self) -> list[_Chunk]:
+        """The next batch: the oldest chunks that fit, waiting up to max_wait for more while there is room."""
+        batch: list[_Chunk] = []
+        size = 0
+        while True:
+            full = False
+            while self._queue:
+                chunk = self._queue[0]
+                if chunk.future.done():  # cancelled by its request
+                    self._queue.popleft()
+                    self._pending -= len(chunk.texts)
+                    continue
+                if size + len(chunk.texts) > self.max_batch_size:
+                    full = True
+                    break
+                batch.append(self._queue.popleft())
+                size += len(chunk.texts)
+            if full or size >= self.max_batch_size or self._closing or not batch:
+                return batch
+            remaining = batch[0].queued_at + self.max_wait - time.monotonic()
+            if remaining <= 0:
+                return batch
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run_batch(self, batch: list[_Chunk]) -> None:
+        texts = [t for chunk in batch for t in chunk.texts]
+        self._pending -= len(texts)
+        self.metrics.batch_size.observe(len(texts))
+        started = time.perf_counter()
+        try:
+            results = await self.run_in_worker(self._predict_checked, texts)
+        except Exception as e:
+            await self._isolate(batch, e)
+            return
+        finally:
+            self.metrics.batch_seconds.observe(time.perf_counter() - started)
+        self.metrics.texts.inc(amount=len(texts))
+        start = 0
+        for chunk in batch:
+            _settle(chunk, result=results[start:start + len(chunk.texts)])
+            start += len(chunk.texts)
+
+    async def _isolate(self, batch: list[_Chunk], error: Exception) -> None:
+        """After a failed batch, run each request's chunk alone: only the chunks that fail again get an error."""
+        if len(batch) == 1:
+            self._fail(batch[0], error)
+            return
+        for chunk in batch:
+            if chunk.future.done():
+                continue
+            try:
+                _settle(chunk, result=await self.run_in_worker(self._predict_checked, chunk.texts))
+                self.metrics.texts.inc(amount=len(chunk.texts))
+            except Exception as e:
+                self._fail(chunk, e)
+
+    def _fail(self, chunk: _Chunk, error: Exception) -> None:
+        error_id = uuid.uuid4().hex[:12]
+        self.metrics.model_errors.inc()
+        log.error("model error %s on %d texts (first: %r)", error_id, len(chunk.texts), chunk.texts[0][:80],
+                  exc_info=error)
+        _settle(chunk, exc=ModelFailed(error_id))
+
+    def _predict_checked(self, texts: list[str]) -> list[Any]:
+        results = self._predict(texts)
+        if len(results) != len(texts):
+            raise RuntimeError(f"the model returned {len(results)} results for {len(texts)} texts")
+        return results
+
+
+def _settle(chunk: _Chunk, result: Any = None, exc: BaseException | None = None) -> None:
+    if chunk.future.done():
+        return
+    if exc is not None:
+        chunk.future.set_exception(exc)
+    else:
+        chunk.future.set_result(result)

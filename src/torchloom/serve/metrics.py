@@ -1,0 +1,114 @@
+"""Counters, histograms and a gauge in Prometheus' text exposition format (version 0.0.4), no dependency.
+
+Each server owns one `ServeMetrics`; values are only touched from the event loop thread, so no locks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterable
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
+    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values)]
+    if extra:
+        parts.append(extra)
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _number(x: float) -> str:
+    if math.isinf(x):
+        return "+Inf" if x > 0 else "-Inf"
+    return repr(float(x)) if not float(x).is_integer() else str(int(x))
+
+
+class Counter:
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name, self.help, self.labelnames = name, help_text, labelnames
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} counter"
+        values = self.values or ({(): 0.0} if not self.labelnames else {})
+        for labels, value in sorted(values.items()):
+            yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
+
+
+class Gauge:
+    """A value read when scraped (e.g. the queue depth), so it is never stale."""
+
+    def __init__(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        self.name, self.help, self.read = name, help_text, read
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} gauge"
+        yield f"{self.name} {_number(self.read())}"
+
+
+class Histogram:
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...],
+                 labelnames: tuple[str, ...] = ()) -> None:
+        self.name, self.help, self.labelnames = name, help_text, labelnames
+        self.buckets = tuple(sorted(buckets))
+        # per label values: counts per bucket (not cumulative; +Inf last), sum
+        self.series: dict[tuple[str, ...], tuple[list[int], list[float]]] = {}
+
+    def observe(self, value: float, *labels: str) -> None:
+        counts, total = self.series.setdefault(labels, ([0] * (len(self.buckets) + 1), [0.0]))
+        counts[bisect.bisect_left(self.buckets, value)] += 1
+        total[0] += value
+
+    def count(self, *labels: str) -> int:
+        return sum(self.series.get(labels, ([0], [0.0]))[0])
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} histogram"
+        series = self.series or ({(): ([0] * (len(self.buckets) + 1), [0.0])} if not self.labelnames else {})
+        for labels, (counts, total) in sorted(series.items()):
+            cumulative = 0
+            for bound, n in zip((*self.buckets, math.inf), counts):
+                cumulative += n
+                le = 'le="' + _number(bound) + '"'
+                yield f"{self.name}_bucket{_labels(self.labelnames, labels, le)} {cumulative}"
+            yield f"{self.name}_sum{_labels(self.labelnames, labels)} {_number(total[0])}"
+            yield f"{self.name}_count{_labels(self.labelnames, labels)} {cumulative}"
+
+
+class ServeMetrics:
+    """The server's metrics: requests by endpoint and status, latency, batch sizes, queue depth, model errors."""
+
+    def __init__(self, queue_depth: Callable[[], float] = lambda: 0) -> None:
+        self.requests = Counter("torchloom_requests_total", "HTTP requests by endpoint and status code.",
+                                ("endpoint", "status"))
+        self.latency = Histogram("torchloom_request_duration_seconds",
+                                 "Time from request received to response sent, by endpoint.",
+                                 LATENCY_BUCKETS, ("endpoint",))
+        self.batch_size = Histogram("torchloom_batch_size", "Texts per model forward batch.", BATCH_BUCKETS)
+        self.batch_seconds = Histogram("torchloom_batch_duration_seconds",
+                                       "Time one batch spends in the model (cleaning, tokenizing, forward).",
+                                       LATENCY_BUCKETS)
+        self.texts = Counter("torchloom_texts_total", "Texts predicted.")
+        self.model_errors = Counter("torchloom_model_errors_total", "Batches or requests the model failed on.")
+        self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in (self.requests, self.latency, self.batch_size, self.batch_seconds, self.texts,
+                       self.model_errors, self.queue_depth):
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"

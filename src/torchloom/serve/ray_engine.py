@@ -1,0 +1,203 @@
+"""`torchloom serve --engine ray`: the same HTTP API as a Ray Serve deployment with `@serve.batch`.
+
+Each replica loads the model once and batches texts from concurrent requests with `@serve.batch`
+(one call per text, so a batch counts texts, as in the local server). Ray's proxy routes requests over
+`--replicas` replicas. The driver starts a local Ray instance (auth off, a temp dir of its own) and
+blocks until SIGTERM/SIGINT, then shuts Serve down, which lets replicas finish their requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torchloom.errors import UserError, missing_extra
+from torchloom.serve.batcher import ModelFailed, Overloaded
+from torchloom.serve.settings import ServeSettings
+
+log = logging.getLogger("torchloom.serve")
+APP_NAME = "torchloom"
+
+
+class _Failed:
+    """Stands in for one text's result when the model failed on it (serve.batch wants one result per item)."""
+
+    def __init__(self, error_id: str) -> None:
+        self.error_id = error_id
+
+
+class RayBackend:
+    """The replica side: the model, a one-thread executor, and the batched call. Built inside the replica."""
+
+    def __init__(self, settings: ServeSettings, threads: int) -> None:
+        from torchloom.serve.metrics import ServeMetrics
+        from torchloom.serve.model import ServedModel
+
+        self.settings = settings
+        self.model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
+                                 batch_size=settings.max_batch_size, threads=threads)
+        self.identity = self.model.identity
+        self._pending = 0
+        self.metrics = ServeMetrics(queue_depth=lambda: self._pending)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
+        self._batched_one = None  # the deployment's @serve.batch method, one text per call
+        self.model.warm_up()
+
+    def attach(self, batched_one) -> None:
+        self._batched_one = batched_one
+
+    @property
+    def ready(self) -> bool:
+        return True  # a replica only gets traffic once its constructor (and so the warm-up) has finished
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    async def predict(self, texts: list[str]) -> list[dict[str, Any]]:
+        if self._pending + len(texts) > self.settings.max_queue:
+            raise Overloaded(self._pending, self.settings.max_queue)
+        self._pending += len(texts)
+        try:
+            results = await asyncio.gather(*(self._batched_one(t) for t in texts))
+        finally:
+            self._pending -= len(texts)
+        for result in results:
+            if isinstance(result, _Failed):
+                raise ModelFailed(result.error_id)
+        return results
+
+    async def predict_batch(self, texts: list[str]) -> list[Any]:
+        """The body of the @serve.batch method: the model on a thread; on failure each text alone."""
+        self.metrics.batch_size.observe(len(texts))
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self._executor, self.model.predict, texts)
+            self.metrics.texts.inc(amount=len(texts))
+            return results
+        except Exception:
+            if len(texts) == 1:
+                return [self._failed(texts[0])]
+        out: list[Any] = []
+        for text in texts:
+            try:
+                out += await loop.run_in_executor(self._executor, self.model.predict, [text])
+                self.metrics.texts.inc()
+            except Exception:
+                out.append(self._failed(text))
+        return out
+
+    def _failed(self, text: str) -> _Failed:
+        error_id = uuid.uuid4().hex[:12]
+        self.metrics.model_errors.inc()
+        log.exception("model error %s on text %r", error_id, text[:80])
+        return _Failed(error_id)
+
+
+def build_deployment(settings: ServeSettings, cpus_per_replica: float):
+    """The Ray Serve deployment class with `settings` baked in (batch size and wait are set per replica)."""
+    from ray import serve
+
+    @serve.deployment(
+        name="torchloom",
+        num_replicas=settings.replicas,
+        ray_actor_options={"num_cpus": cpus_per_replica},
+        # Ray's default (5 requests per replica) would cap every batch at 5; the replica's own text queue
+        # (max_queue) bounds the work instead, and the proxy refuses past max_queued_requests with 503.
+        max_ongoing_requests=settings.max_queue,
+        max_queued_requests=settings.max_queue,
+        graceful_shutdown_timeout_s=settings.drain_timeout_s,
+    )
+    @serve.ingress()
+    class TorchloomDeployment:
+        def __init__(self, settings_dict: dict[str, Any]) -> None:
+            replica_settings = ServeSettings(**settings_dict)
+            threads = max(1, int(cpus_per_replica))
+            self.backend = RayBackend(replica_settings, threads)
+            self.predict_one.set_max_batch_size(replica_settings.max_batch_size)
+            self.predict_one.set_batch_wait_timeout_s(replica_settings.max_wait_ms / 1000)
+            self.backend.attach(self.predict_one)
+
+        @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+        async def predict_one(self, texts: list[str]) -> list[Any]:
+            return await self.backend.predict_batch(texts)
+
+        def __serve_build_asgi_app__(self):
+            from torchloom.serve.app import create_app
+
+            s = self.backend.settings
+            return create_app(self.backend, s.texts_per_request, s.max_text_chars, s.api_key, "ray")
+
+    return TorchloomDeployment
+
+
+def start_ray(settings: ServeSettings, temp_dir: str) -> None:
+    import ray
+
+    # Ray writes an auth token to ~/.ray unless auth is off (PITFALLS.md); its files go to temp_dir.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    cpus = max(2, os.cpu_count() or 1)
+    ray.init(num_cpus=cpus, _temp_dir=temp_dir, include_dashboard=None, configure_logging=True,
+             logging_level=logging.WARNING, log_to_driver=True,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+
+
+def run_ray(settings: ServeSettings) -> int:
+    """Start Ray and Serve, deploy, and block until SIGTERM/SIGINT; returns the exit code."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise missing_extra("ray[serve]", "serve") from None
+    from torchloom.serve.server import configure_logging
+
+    configure_logging()
+    settings.model_dir = os.path.abspath(settings.model_dir)
+    if settings.port == 0:  # Ray's proxy needs a number: take one the OS says is free now
+        with socket.socket() as probe:
+            probe.bind((settings.host, 0))
+            settings.port = probe.getsockname()[1]
+    cpus = os.cpu_count() or 1
+    # The proxy and controller need a little CPU too; replicas share the rest.
+    cpus_per_replica = max(0.01, (cpus - 0.2) / settings.replicas)
+    temp_dir = tempfile.mkdtemp(prefix="torchloom-ray-")
+    stop = threading.Event()
+    previous: dict[int, Any] = {}
+    try:
+        start_ray(settings, temp_dir)
+        # After ray.init, which installs its own handlers (a SIGTERM would kill the driver mid-request).
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        serve.start(http_options={"host": settings.host, "port": settings.port})
+        deployment = build_deployment(settings, cpus_per_replica)
+        fields = {k: v for k, v in vars(settings).items()}
+        try:
+            serve.run(deployment.bind(fields), name=APP_NAME, route_prefix="/", blocking=False)
+        except Exception as e:  # a replica that cannot start: show its reason in one line
+            raise UserError(f"serve --engine ray: the deployment did not start ({str(e).strip().splitlines()[-1]})")\
+                from None
+        print(f"torchloom serve: listening on http://{settings.host}:{settings.port} (engine ray,"
+              f" {settings.replicas} replica(s), max batch {settings.max_batch_size},"
+              f" max wait {settings.max_wait_ms:g} ms)", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("torchloom serve: stopping Ray Serve", flush=True)
+        serve.shutdown()
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,139 @@
+"""`torchloom serve --engine local`: one process, uvicorn, the micro-batcher, one model thread.
+
+SIGTERM (or Ctrl+C): uvicorn stops accepting connections and waits up to `drain_timeout_s` for the
+requests in flight; then the batcher finishes what is queued and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from typing import Any
+
+from torchloom.errors import UserError, missing_extra
+from torchloom.serve.batcher import MicroBatcher
+from torchloom.serve.metrics import ServeMetrics
+from torchloom.serve.model import ServedModel, default_threads
+from torchloom.serve.settings import ServeSettings
+
+log = logging.getLogger("torchloom.serve")
+
+
+class LocalBackend:
+    """The model behind a MicroBatcher; ready once the warm-up batch has run."""
+
+    def __init__(self, model: ServedModel, settings: ServeSettings) -> None:
+        self.model = model
+        self.identity = model.identity
+        self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth)
+        self.batcher = MicroBatcher(model.predict, settings.max_batch_size, settings.max_wait_ms,
+                                    settings.max_queue, self.metrics)
+        self._ready = False
+        self._warm_up_task: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    async def start(self) -> None:
+        await self.batcher.start()
+        # Warm up after the socket listens: /healthz answers at once, /readyz once this is done.
+        self._warm_up_task = asyncio.get_running_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            await self.batcher.run_in_worker(self.model.warm_up)
+        except Exception:
+            log.exception("warm-up failed; /readyz stays 503")
+            return
+        self._ready = True
+        log.info("ready: %s %s", self.identity.name, self.identity.version)
+
+    async def stop(self) -> None:
+        self._ready = False
+        await self.batcher.close()
+
+    async def predict(self, texts: list[str]) -> list[dict[str, Any]]:
+        return await self.batcher.submit(texts)
+
+
+def configure_logging() -> None:
+    logger = logging.getLogger("torchloom.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one), or a UserError that says why not."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise UserError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise UserError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pick another --port"
+                        " (0 picks a free one)") from None
+    sock.listen(2048)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_local(settings: ServeSettings) -> int:
+    """Serve until SIGTERM/SIGINT; returns the exit code."""
+    try:
+        import uvicorn
+
+        from torchloom.serve.app import create_app
+    except ImportError as e:
+        raise missing_extra(e.name or "fastapi", "serve") from None
+
+    configure_logging()
+    sock = listen(settings.host, settings.port)  # first: a taken port fails in a second, not after the load
+    try:
+        model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
+                            batch_size=settings.max_batch_size, threads=default_threads())
+    except BaseException:
+        sock.close()
+        raise
+    backend = LocalBackend(model, settings)
+    app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local")
+    identity = model.identity
+    # One line on stdout that scripts (and the tests) can wait for; the socket already queues connections.
+    print(f"torchloom serve: listening on {url_of(sock)} (model {identity.name} {identity.version},"
+          f" device {model.device}, precision {model.precision}, max batch {settings.max_batch_size},"
+          f" max wait {settings.max_wait_ms:g} ms)", flush=True)
+
+    stop_signal: list[int] = []
+    # uvicorn re-raises the signal it stopped on once it has drained; this handler turns that into exit 0.
+    previous = {sig: signal.signal(sig, lambda s, _f: stop_signal.append(s)) for sig in (signal.SIGTERM,
+                                                                                          signal.SIGINT)}
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
+                            timeout_graceful_shutdown=settings.drain_timeout_s)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    if not server.started:
+        return 1
+    name = signal.Signals(stop_signal[0]).name if stop_signal else "shutdown"
+    print(f"torchloom serve: stopped on {name} after draining in-flight requests", flush=True)
+    return 0

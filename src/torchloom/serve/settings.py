@@ -1,0 +1,60 @@
+"""What `torchloom serve` is told: one dataclass, checked before anything heavy starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from torchloom.errors import UserError
+
+ENGINES = ("local", "ray")
+API_KEY_ENV = "TORCHLOOM_API_KEY"
+
+
+@dataclass
+class ServeSettings:
+    model_dir: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: str = "local"
+    replicas: int = 1  # ray only
+    max_batch_size: int = 32  # texts per model forward
+    max_wait_ms: float = 5.0  # how long the oldest queued text waits for a batch to fill
+    max_queue: int = 1024  # texts accepted and waiting; more -> 503
+    max_texts_per_request: int = 256
+    max_text_chars: int = 20_000
+    api_key: str | None = None  # bearer token for /v1/*; also read from TORCHLOOM_API_KEY
+    device: str = "auto"
+    precision: str = "auto"
+    drain_timeout_s: float = 30.0  # after SIGTERM, in-flight requests get this long to finish
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+
+    @property
+    def texts_per_request(self) -> int:
+        """A request can never hold more texts than the queue, or it could never be accepted."""
+        return min(self.max_texts_per_request, self.max_queue)
+
+    def check(self) -> ServeSettings:
+        checks = [
+            (self.engine in ENGINES, f"--engine {self.engine}: unknown; use one of {', '.join(ENGINES)}"),
+            (0 <= self.port <= 65535, f"--port {self.port}: must be 0..65535 (0 picks a free port)"),
+            (self.replicas >= 1, f"--replicas {self.replicas}: must be at least 1"),
+            (self.max_batch_size >= 1, f"--max-batch-size {self.max_batch_size}: must be at least 1"),
+            (self.max_wait_ms >= 0, f"--max-wait-ms {self.max_wait_ms}: must be 0 or more"),
+            (self.max_queue >= 1, f"--max-queue {self.max_queue}: must be at least 1"),
+            (self.max_texts_per_request >= 1,
+             f"--max-texts-per-request {self.max_texts_per_request}: must be at least 1"),
+            (self.max_text_chars >= 1, f"--max-text-chars {self.max_text_chars}: must be at least 1"),
+            (self.api_key is None or (self.api_key.strip() == self.api_key and len(self.api_key) >= 8),
+             "--api-key: use at least 8 characters without surrounding spaces"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+        if self.engine == "local" and self.replicas != 1:
+            raise UserError(f"--replicas {self.replicas}: only --engine ray runs replicas; the local engine"
+                            " uses one model per process (start more processes behind a load balancer)")
+        return self

@@ -1,0 +1,692 @@
+"""Serving as a client sees it: the real server in a subprocess on a free port, a real HTTP client; the
+micro-batcher and the metrics format on their own; batch prediction locally and on Spark; Ray Serve.
+
+Every prediction is compared with plain Predictor (from_pretrained) inference on the same texts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from torchloom.serve.batcher import MicroBatcher, ModelFailed, Overloaded, ShuttingDown
+from torchloom.serve.metrics import ServeMetrics
+
+try:  # the serve extra; without it the HTTP tests skip and batch prediction is still tested
+    import fastapi  # noqa: F401
+    import httpx
+    import prometheus_client  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError:
+    httpx = None
+needs_http = pytest.mark.skipif(httpx is None, reason="needs the serve extra: pip install 'torchloom[serve]'")
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+LABELS = ["sport", "money", "music"]
+TEXTS = ["match goal team win league", "bank shares profit market price", "guitar band song album concert",
+         "  Unicode\u00a0café\tand   spaces  ", "a much longer text " * 20, "short"]
+API_KEY = "test-key-0123"
+
+
+# ---------------------------------------------------------------------------------------------
+# models: a tiny exported classifier, and one that fails on texts over 16 tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def _export(base: str, out: Path, seed: int = 0) -> str:
+    import torch
+    from transformers import AutoTokenizer
+
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+
+    torch.manual_seed(seed)
+    model = build_classifier(base, LABELS).eval()
+    # A random BERT's pooled output barely changes from text to text, so a random head gives every text the
+    # same label. Centre and scale the head on sample texts so the labels differ (comparisons mean more).
+    batch = AutoTokenizer.from_pretrained(base)(TEXTS, padding=True, truncation=True, max_length=16,
+                                                return_tensors="pt")
+    with torch.no_grad():
+        pooled = model.bert(**batch).pooler_output
+        spread = pooled.std(0).clamp_min(1e-6)
+        model.classifier.weight.div_(spread).mul_(3)
+        model.classifier.bias.copy_(-model.classifier.weight @ pooled.mean(0))
+    return export_model(model, base, LABELS, str(out), extra_info={"max_length": 64})
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from torchloom.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("serve")
+    return _export(write_tiny_model(root / "base"), root / "shop" / "model")
+
+
+BOOM = "zzboomzz"
+
+
+@pytest.fixture(scope="module")
+def faulty_model_dir(model_dir, tmp_path_factory) -> str:
+    """The tiny export with one token added to the tokenizer and not to the model: a genuine model error
+    (embedding index out of range) on texts containing BOOM, and on nothing else."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("faulty") / "model"
+    shutil.copytree(model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_tokens([BOOM])
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Plain inference: Predictor loads the export with from_pretrained."""
+    from torchloom.model.predict import Predictor
+
+    return Predictor(model_dir)
+
+
+def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        assert g["label"] == e["label"]
+        assert g["score"] == pytest.approx(e["score"], abs=1e-5)
+        assert set(g["probabilities"]) == set(LABELS)
+        for label in LABELS:
+            assert g["probabilities"][label] == pytest.approx(e["probabilities"][label], abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# the server as a subprocess
+# ---------------------------------------------------------------------------------------------
+
+
+class Server:
+    """`python -m torchloom serve MODEL --port 0 ...`; the URL comes from its 'listening on' line."""
+
+    def __init__(self, model: str, *args: str, log_dir: Path, ready_timeout: float = 120) -> None:
+        self.stdout_path, self.stderr_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
+        port = [] if "--port" in args else ["--port", "0"]
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "torchloom", "serve", model, *port, *args],
+                                         stdout=out, stderr=err, env=ENV, start_new_session=True)
+        deadline = time.monotonic() + ready_timeout
+        self.url = ""
+        while not self.url:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"server did not start:\n{self.stdout()}\n{self.stderr()[-3000:]}")
+            for line in self.stdout().splitlines():
+                if "listening on " in line:
+                    self.url = line.split("listening on ", 1)[1].split()[0]
+            time.sleep(0.1)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+        while True:
+            try:
+                if self.client.get("/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or "warm-up failed" in self.stderr():
+                self.kill()
+                raise AssertionError(f"server never became ready:\n{self.stderr()[-3000:]}")
+            time.sleep(0.1)
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def metrics(self) -> dict:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return {f.name: f for f in text_string_to_metric_families(self.client.get("/metrics").text)}
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def sample_value(families: dict, family: str, sample: str, **labels: str) -> float:
+    for s in families[family].samples:
+        if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    return 0.0
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """The default engine with a wait long enough that concurrent requests always share a batch."""
+    s = Server(model_dir, "--max-wait-ms", "100", "--max-texts-per-request", "8", "--max-text-chars", "500",
+               "--api-key", API_KEY, "--device", "cpu", log_dir=tmp_path_factory.mktemp("server"))
+    yield s
+    assert s.terminate() == 0, s.stderr()[-3000:]
+
+
+@needs_http
+def test_predict_matches_plain_inference_and_names_the_model(server, reference):
+    r = server.client.post("/v1/predict", json={"texts": TEXTS}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["model"]["name"] == "shop"  # <run>/model is named after the run
+    assert body["model"]["version"]  # the export time from torchloom.json
+    assert_same_predictions(body["predictions"], reference.predict(TEXTS))
+    assert len({p["label"] for p in body["predictions"]}) > 1  # the fixture's head really discriminates
+
+
+@needs_http
+def test_health_ready_labels_and_docs(server):
+    assert server.client.get("/healthz").json() == {"status": "ok"}
+    assert server.client.get("/readyz").json()["status"] == "ready"
+    labels = server.client.get("/v1/labels", headers=AUTH).json()
+    assert labels["labels"] == LABELS and labels["model"]["name"] == "shop"
+    spec = server.client.get("/openapi.json").json()
+    assert "texts" in json.dumps(spec["paths"]["/v1/predict"]["post"]["requestBody"])
+    assert server.client.get("/docs").status_code == 200
+
+
+@needs_http
+@pytest.mark.parametrize("body, status, code, needle", [
+    (b'{"texts": ["a",', 400, "invalid_json", "not valid JSON"),
+    (b"", 400, "empty_body", "empty"),
+    (b"\xff\xfe{}", 400, "invalid_json", "UTF-8"),
+    (b'["a"]', 422, "invalid_request", "not an object"),
+    (b'{"text": ["a"]}', 422, "invalid_request", '"texts"'),
+    (b'{"texts": "a"}', 422, "invalid_request", "not a list"),
+    (b'{"texts": []}', 422, "empty_texts", "empty list"),
+    (b'{"texts": ["a", 3]}', 422, "invalid_text", '"texts"[1] is a number'),
+    (b'{"texts": ["a", null]}', 422, "invalid_text", '"texts"[1] is a null'),
+    (json.dumps({"texts": ["a"] * 9}).encode(), 413, "too_many_texts", "9 items"),
+    (json.dumps({"texts": ["ok", "x" * 501]}).encode(), 413, "text_too_long", '"texts"[1] has 501 characters'),
+])
+def test_bad_requests_get_a_json_error_naming_the_problem(server, body, status, code, needle):
+    r = server.client.post("/v1/predict", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["code"] == code and needle in error["message"], error
+
+
+@needs_http
+def test_wrong_method_and_unknown_path_are_json_errors(server):
+    r = server.client.get("/v1/predict", headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    r = server.client.get("/v2/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+@needs_http
+def test_api_key_guards_v1_only(server):
+    for headers in ({}, {"Authorization": "Bearer wrong-key-0000"}, {"Authorization": f"Basic {API_KEY}"}):
+        r = server.client.post("/v1/predict", json={"texts": ["x"]}, headers=headers)
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", r.text
+        assert server.client.get("/v1/labels", headers=headers).status_code == 401
+    assert server.client.get("/healthz").status_code == 200
+    assert server.client.get("/metrics").status_code == 200
+
+
+@needs_http
+def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, reference):
+    texts = [f"{TEXTS[i % 3]} number {i}" for i in range(12)]
+    before = server.metrics()
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60, headers=AUTH) as client:
+            return await asyncio.gather(*(client.post("/v1/predict", json={"texts": [t]}) for t in texts))
+
+    responses = asyncio.run(send_all())
+    assert [r.status_code for r in responses] == [200] * len(texts)
+    got = [r.json()["predictions"][0] for r in responses]
+    assert_same_predictions(got, reference.predict(texts))
+    after = server.metrics()
+
+    def batches(families, le=None):
+        if le is None:
+            return sample_value(families, "torchloom_batch_size", "torchloom_batch_size_count")
+        return sample_value(families, "torchloom_batch_size", "torchloom_batch_size_bucket", le=le)
+
+    new_batches = batches(after) - batches(before)
+    singles = batches(after, "1") - batches(before, "1")
+    assert 0 < new_batches < len(texts)  # 12 requests, fewer forward passes
+    assert new_batches - singles >= 1  # at least one batch held more than one text
+    texts_total = sample_value(after, "torchloom_texts", "torchloom_texts_total")
+    assert texts_total >= len(texts)
+
+
+@needs_http
+def test_metrics_are_prometheus_text(server):
+    server.client.post("/v1/predict", content=b"{", headers=AUTH)
+    families = server.metrics()
+    assert families["torchloom_requests"].type == "counter"
+    assert families["torchloom_request_duration_seconds"].type == "histogram"
+    assert families["torchloom_batch_size"].type == "histogram"
+    assert families["torchloom_queue_depth"].type == "gauge"
+    assert sample_value(families, "torchloom_requests", "torchloom_requests_total",
+                        endpoint="/v1/predict", status="400") >= 1
+    assert sample_value(families, "torchloom_queue_depth", "torchloom_queue_depth") == 0
+    count = sample_value(families, "torchloom_request_duration_seconds", "torchloom_request_duration_seconds_count",
+                         endpoint="/v1/predict")
+    inf = sample_value(families, "torchloom_request_duration_seconds", "torchloom_request_duration_seconds_bucket",
+                       endpoint="/v1/predict", le="+Inf")
+    assert count == inf >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# overload, model errors, shutdown
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_server(faulty_model_dir, tmp_path_factory):
+    """A 4-text queue and batches that wait 1.5 s to fill: a full queue is easy to reach on purpose."""
+    s = Server(faulty_model_dir, "--max-queue", "4", "--max-batch-size", "8", "--max-wait-ms", "1500",
+               "--device", "cpu", log_dir=tmp_path_factory.mktemp("slow"))
+    yield s
+    assert s.terminate() == 0, s.stderr()[-3000:]
+
+
+def queue_depth(server: Server) -> float:
+    return sample_value(server.metrics(), "torchloom_queue_depth", "torchloom_queue_depth")
+
+
+def post_in_thread(server: Server, texts: list[str]) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(
+        httpx.post(f"{server.url}/v1/predict", json={"texts": texts}, timeout=60)))
+    thread.start()
+    return thread, result
+
+
+@needs_http
+def test_full_queue_answers_503_with_retry_after_and_recovers(slow_server):
+    thread, result = post_in_thread(slow_server, ["one", "two", "three", "four"])
+    wait_for(lambda: queue_depth(slow_server) == 4)
+    r = slow_server.client.post("/v1/predict", json={"texts": ["fifth"]})
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+    assert r.json()["error"]["code"] == "overloaded"
+    assert slow_server.client.post("/v1/predict", json={"texts": ["a"] * 5}).status_code == 413  # > queue
+    thread.join(30)
+    assert result[0].status_code == 200 and len(result[0].json()["predictions"]) == 4
+    assert slow_server.client.post("/v1/predict", json={"texts": ["again"]}).status_code == 200
+
+
+@needs_http
+def test_model_error_is_500_with_a_logged_id_and_only_fails_its_own_request(slow_server):
+    good_thread, good = post_in_thread(slow_server, ["fine"])
+    wait_for(lambda: queue_depth(slow_server) == 1)
+    r = slow_server.client.post("/v1/predict", json={"texts": [f"a {BOOM} text"]})  # same batch as "fine"
+    good_thread.join(30)
+    assert r.status_code == 500, r.text
+    error = r.json()["error"]
+    assert error["code"] == "model_error" and len(error["id"]) == 12
+    assert good[0].status_code == 200, good[0].text
+    wait_for(lambda: error["id"] in slow_server.stderr())
+    assert "Traceback" in slow_server.stderr()
+    assert slow_server.client.post("/v1/predict", json={"texts": ["still serving"]}).status_code == 200
+    families = slow_server.metrics()
+    assert sample_value(families, "torchloom_model_errors", "torchloom_model_errors_total") >= 1
+    assert sample_value(families, "torchloom_requests", "torchloom_requests_total",
+                        endpoint="/v1/predict", status="500") >= 1
+
+
+@needs_http
+def test_sigterm_finishes_the_request_in_flight_then_exits_0(model_dir, tmp_path):
+    s = Server(model_dir, "--max-wait-ms", "1500", "--device", "cpu", log_dir=tmp_path)
+    try:
+        thread, result = post_in_thread(s, ["in flight"])
+        wait_for(lambda: queue_depth(s) == 1)
+        s.proc.send_signal(signal.SIGTERM)
+        thread.join(30)
+        assert result and result[0].status_code == 200, result
+        assert result[0].json()["predictions"][0]["label"] in LABELS
+        assert s.proc.wait(30) == 0, s.stderr()[-3000:]
+        assert "stopped on SIGTERM" in s.stdout()
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{s.url}/healthz", timeout=2)
+    finally:
+        s.kill()
+
+
+@needs_http
+def test_serve_user_errors_are_one_line(tmp_path, model_dir):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "torchloom", "serve", *args], capture_output=True, text=True,
+                              env=ENV, timeout=120)
+
+    proc = run(str(tmp_path / "nope"))
+    assert proc.returncode == 2 and "no config.json" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    proc = run(model_dir, "--max-batch-size", "0")
+    assert proc.returncode == 2 and "--max-batch-size 0" in proc.stderr
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = run(model_dir, "--port", str(busy.getsockname()[1]), "--device", "cpu")
+    assert proc.returncode == 2 and "cannot listen" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# the pieces on their own: request parsing, the batcher, the metrics text
+# ---------------------------------------------------------------------------------------------
+
+
+@needs_http
+def test_parse_texts_accepts_unicode_and_limits():
+    from torchloom.serve.app import ApiError, parse_texts
+
+    assert parse_texts('{"texts": ["caf\u00e9", ""]}'.encode(), 2, 5) == ["caf\u00e9", ""]
+    with pytest.raises(ApiError) as e:
+        parse_texts(b'{"texts": [true]}', 2, 5)
+    assert e.value.status == 422 and "boolean" in e.value.message
+
+
+def run_async(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def test_batcher_merges_requests_splits_large_ones_and_keeps_order():
+    calls: list[list[str]] = []
+
+    def predict(texts):
+        calls.append(list(texts))
+        return [t.upper() for t in texts]
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=4, max_wait_ms=50, max_queue=100)
+        await b.start()
+        results = await asyncio.gather(b.submit(["a", "b"]), b.submit(["c"]), b.submit(list("defghij")))
+        await b.close()
+        return results
+
+    assert run_async(main()) == [["A", "B"], ["C"], list("DEFGHIJ")]
+    assert all(len(c) <= 4 for c in calls)
+    assert calls[0] == ["a", "b", "c"]  # the next 4-text chunk did not fit with them
+    assert sum(len(c) for c in calls) == 10
+
+
+def test_batcher_refuses_when_full_and_after_close():
+    release = threading.Event()
+
+    def predict(texts):
+        release.wait(5)
+        return texts
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=2, max_wait_ms=0, max_queue=3)
+        await b.start()
+        first = asyncio.create_task(b.submit(["a", "b"]))  # runs and blocks in the model
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(b.submit(["c", "d", "e"]))  # waits: 3 texts queued
+        await asyncio.sleep(0.05)
+        assert b.queue_depth == 3
+        with pytest.raises(Overloaded):
+            await b.submit(["f"])
+        release.set()
+        assert await first == ["a", "b"] and await queued == ["c", "d", "e"]
+        await b.close()
+        with pytest.raises(ShuttingDown):
+            await b.submit(["g"])
+
+    run_async(main())
+
+
+def test_batcher_isolates_the_failing_request_and_skips_cancelled_ones():
+    seen: list[str] = []
+
+    def predict(texts):
+        seen.extend(texts)
+        if "bad" in texts:
+            raise ValueError("boom")
+        return texts
+
+    async def main():
+        metrics = ServeMetrics()
+        b = MicroBatcher(predict, max_batch_size=8, max_wait_ms=100, max_queue=100, metrics=metrics)
+        await b.start()
+        gone = asyncio.create_task(b.submit(["gone"]))
+        await asyncio.sleep(0)
+        gone.cancel()
+        results = await asyncio.gather(b.submit(["ok1"]), b.submit(["bad"]), b.submit(["ok2"]),
+                                       return_exceptions=True)
+        await b.close()
+        return results, metrics
+
+    (ok1, bad, ok2), metrics = run_async(main())
+    assert ok1 == ["ok1"] and ok2 == ["ok2"]
+    assert isinstance(bad, ModelFailed) and len(bad.error_id) == 12
+    assert "gone" not in seen
+    assert metrics.model_errors.values[()] == 1
+
+
+@needs_http
+def test_metrics_text_parses_with_the_prometheus_parser():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServeMetrics(queue_depth=lambda: 7)
+    m.requests.inc("/v1/predict", "200")
+    m.latency.observe(0.003, "/v1/predict")
+    m.batch_size.observe(3)
+    families = {f.name: f for f in text_string_to_metric_families(m.render())}
+    assert families["torchloom_queue_depth"].samples[0].value == 7
+    buckets = {s.labels["le"]: s.value for s in families["torchloom_batch_size"].samples
+               if s.name.endswith("_bucket")}
+    assert buckets["2"] == 0 and buckets["4"] == 1 and buckets["+Inf"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# batch prediction to Parquet
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """The same rows as CSV (with a quoted newline), JSONL and Parquet, plus an id column and a null text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("inputs")
+    rows = [{"id": str(i), "text": TEXTS[i % len(TEXTS)] + f" row {i}"} for i in range(30)]
+    rows[4]["text"] = "a text\nover two lines, with a comma"
+    rows[7]["text"] = None
+    pq.write_table(pa.Table.from_pylist(rows), root / "in.parquet", row_group_size=8)
+    with open(root / "in.jsonl", "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    import csv
+
+    with open(root / "in.csv", "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "text"])
+        for row in rows:
+            w.writerow([row["id"], "" if row["text"] is None else row["text"]])
+    return root, rows
+
+
+def check_output(table, rows, reference):
+    got = table.to_pylist()
+    assert [r["id"] for r in got] == [r["id"] for r in rows]
+    assert [r["text"] for r in got] == [r["text"] for r in rows]
+    null_rows = [r for r in got if r["text"] is None]
+    assert null_rows and all(r["label"] is None and r["score"] is None for r in null_rows)
+    present = [r for r in got if r["text"] is not None]
+    expected = reference.predict([r["text"] for r in present])
+    assert_same_predictions([{"label": r["label"], "score": r["score"], "probabilities": dict(r["probabilities"])}
+                             for r in present], expected)
+
+
+@pytest.mark.parametrize("name", ["in.parquet", "in.jsonl", "in.csv"])
+def test_local_batch_predict_adds_label_score_probabilities(inputs, model_dir, reference, tmp_path, name):
+    import pyarrow.parquet as pq
+
+    from torchloom.serve.batch import predict_local
+
+    root, rows = inputs
+    out = tmp_path / "out.parquet"
+    result = predict_local(model_dir, str(root / name), str(out), device="cpu", progress=False)
+    assert result["rows"] == len(rows)
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "text", "label", "score", "probabilities"]
+    check_output(table, rows, reference)
+
+
+def test_batch_predict_errors_name_the_problem(inputs, model_dir, tmp_path):
+    from torchloom.errors import UserError
+    from torchloom.serve.batch import predict_local
+
+    root, _ = inputs
+    with pytest.raises(UserError, match="no column 'body'.*--text-column"):
+        predict_local(model_dir, str(root / "in.csv"), str(tmp_path / "o.parquet"), text_column="body")
+    with pytest.raises(UserError, match="does not hold text"):
+        _predict_int_column(tmp_path, model_dir)
+    (tmp_path / "exists.parquet").write_bytes(b"")
+    with pytest.raises(UserError, match="already exists.*--overwrite"):
+        predict_local(model_dir, str(root / "in.csv"), str(tmp_path / "exists.parquet"))
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def _predict_int_column(tmp_path, model_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchloom.serve.batch import predict_local
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    predict_local(model_dir, str(tmp_path / "ints.parquet"), str(tmp_path / "o.parquet"))
+
+
+def test_predict_cli_batch_form_with_the_model_as_first_argument(inputs, model_dir, reference, tmp_path):
+    import pyarrow.parquet as pq
+
+    root, rows = inputs
+    out = tmp_path / "cli.parquet"
+    proc = subprocess.run([sys.executable, "-m", "torchloom", "predict", model_dir, "--input", str(root / "in.csv"),
+                           "--output", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{len(rows)} rows" in proc.stdout
+    check_output(pq.read_table(out), rows, reference)
+
+
+@pytest.mark.slow
+def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, reference, tmp_path):
+    import pyarrow.dataset as ds
+
+    from torchloom.serve.batch import predict_spark
+
+    root, rows = inputs
+    out = tmp_path / "spark-out"
+    result = predict_spark(spark, model_dir, str(root / "in.jsonl"), str(out), device="cpu")
+    assert result["rows"] == len(rows)
+    table = ds.dataset(out, format="parquet").to_table()
+    assert {"id", "text", "label", "score", "probabilities"} <= set(table.column_names)
+    # Spark's part files come back in any order: compare by id.
+    table = table.sort_by([("id", "ascending")])
+    by_id = sorted(rows, key=lambda r: r["id"])
+    check_output(table.select(["id", "text", "label", "score", "probabilities"]), by_id, reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray Serve
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_http
+@pytest.mark.slow
+def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_path):
+    pytest.importorskip("ray.serve")
+    s = Server(model_dir, "--engine", "ray", "--port", str(free_port()), "--max-wait-ms", "20",
+               "--device", "cpu", log_dir=tmp_path, ready_timeout=150)
+    try:
+        r = s.client.post("/v1/predict", json={"texts": TEXTS})
+        assert r.status_code == 200, r.text
+        assert r.json()["model"]["name"] == "shop"
+        assert_same_predictions(r.json()["predictions"], reference.predict(TEXTS))
+        r = s.client.post("/v1/predict", json={"texts": []})
+        assert r.status_code == 422 and r.json()["error"]["code"] == "empty_texts"
+        assert s.client.get("/v1/labels").json()["labels"] == LABELS
+
+        async def send_all():
+            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+                return await asyncio.gather(*(client.post("/v1/predict", json={"texts": [t]}) for t in TEXTS * 3))
+
+        responses = asyncio.run(send_all())
+        assert all(r.status_code == 200 for r in responses)
+        assert_same_predictions([r.json()["predictions"][0] for r in responses], reference.predict(TEXTS * 3))
+        assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
+    finally:
+        s.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_cuda_predictions_match_cpu(model_dir, reference, precision):
+    from torchloom.serve.model import ServedModel
+
+    model = ServedModel(model_dir, device="cuda", precision=precision)
+    got = model.predict(TEXTS)
+    tolerance = 1e-4 if precision == "fp32" else 3e-2
+    for g, e in zip(got, reference.predict(TEXTS)):
+        for label in LABELS:
+            assert g["probabilities"][label] == pytest.approx(e["probabilities"][label], abs=tolerance)
+
+
+def test_cuda_requested_without_a_device_is_a_user_error():
+    from torchloom.errors import UserError
+    from torchloom.serve.model import resolve_device, resolve_precision
+
+    if not _cuda():
+        with pytest.raises(UserError, match="--device cuda"):
+            resolve_device("cuda")
+        assert resolve_device("auto") == "cpu"
+    assert resolve_precision("auto", "cpu") == "fp32"
+    with pytest.raises(UserError, match="fp16"):
+        resolve_precision("fp16", "cpu")
