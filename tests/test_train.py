@@ -105,8 +105,9 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, data_dir, models):
     resumed = new_run(tmp_path, data_dir, "resumed")
     ckpt = full / "checkpoints" / "step-10"
     assert json.loads((ckpt / "meta.json").read_text())["epoch"] == 0
-    result2 = local.train(cfg_for(resumed, models["dropout"], "--train.checkpoint_every", "5", "--train.keep_last", "10",
-                                  "--train.eval_every", "4", "--train.resume", str(ckpt)), resumed, quiet=True)
+    result2 = local.train(cfg_for(resumed, models["dropout"], "--train.checkpoint_every", "5",
+                                  "--train.keep_last", "10", "--train.eval_every", "4", "--train.resume", str(ckpt)),
+                          resumed, quiet=True)
     assert result2["resumed_from"] == str(ckpt) and result2["steps"] == 26
     a, b = weights(full / "checkpoints" / "step-26"), weights(resumed / "checkpoints" / "step-26")
     assert a.keys() == b.keys()
