@@ -32,7 +32,13 @@ def prepare_stage(cfg: Config, spark=None) -> dict:
 
     rd = run_dir(cfg)
     started = time.perf_counter()
-    manifest = prepare(cfg, str(rd / "data"), spark=spark, progress=lambda m: say(f"prepare: {m}"))
+    try:
+        manifest = prepare(cfg, str(rd / "data"), spark=spark, progress=lambda m: say(f"prepare: {m}"))
+    finally:
+        if spark is None:
+            # Nothing later needs the session we started: its JVM would keep memory and wake-ups
+            # away from the training workers.
+            stop_spark()
     save_config(cfg, rd)
     splits = ", ".join(f"{k} {v.rows}" for k, v in manifest.splits.items())
     rejected = sum(manifest.counts.get("rows_rejected", {}).values())
@@ -40,6 +46,16 @@ def prepare_stage(cfg: Config, spark=None) -> dict:
         f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
     splits = {k: v.rows for k, v in manifest.splits.items()}
     return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
+
+
+def stop_spark() -> None:
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        return
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
 
 
 def check_trainable(cfg: Config) -> None:
