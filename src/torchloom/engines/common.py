@@ -128,9 +128,11 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, reporter=None, capt
 
 
 def read_result(run_dir: str | Path, launch_id: str) -> dict:
+    """Rank 0's result of this launch; without one, the first worker error (or a pointer to the logs)."""
     path = result_file(run_dir, launch_id)
     if not path.is_file():
-        raise TrainingFailed(f"training ended without a result from rank 0; see the logs in {logs_dir(run_dir)}")
+        raise_worker_failure(run_dir, f"training ended without a result from rank 0; see the logs in"
+                                      f" {logs_dir(run_dir)}")
     return json.loads(path.read_text())
 
 

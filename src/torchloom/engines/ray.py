@@ -19,7 +19,6 @@ from pathlib import Path
 from torchloom.config import Config, to_dict
 from torchloom.engines.common import (
     LogTailer,
-    TrainingFailed,
     clear_errors,
     new_launch_id,
     raise_worker_failure,
@@ -120,8 +119,4 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
             stream.close()
         if started_local:
             ray.shutdown()
-    try:
-        return read_result(run_dir, launch_id)
-    except TrainingFailed:
-        raise_worker_failure(run_dir, "training on Ray ended without a result from rank 0")
-        raise
+    return read_result(run_dir, launch_id)

@@ -18,7 +18,6 @@ from pathlib import Path
 from torchloom.config import Config, to_dict
 from torchloom.engines.common import (
     LogTailer,
-    TrainingFailed,
     clear_errors,
     new_launch_id,
     raise_worker_failure,
@@ -94,8 +93,4 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     finally:
         if quiet:
             stream.close()
-    try:
-        return read_result(run_dir, launch_id)
-    except TrainingFailed:
-        raise_worker_failure(run_dir, "training on Spark ended without a result from rank 0")
-        raise
+    return read_result(run_dir, launch_id)
