@@ -114,7 +114,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, reporter=None, capt
             raise
         path.write_text(json.dumps({
             "rank": rank,
-            "time": time.time(),
+            "time": getattr(e, "torchloom_time", time.time()),
             "type": type(e).__name__,
             "user_error": isinstance(e, UserError),
             "message": str(e),
@@ -136,6 +136,15 @@ def read_result(run_dir: str | Path, launch_id: str) -> dict:
     return json.loads(path.read_text())
 
 
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
+             "NCCL communicator was aborted", "Socket Timeout")
+
+
+def is_peer_loss(message: str) -> bool:
+    """A collective that failed because another rank went away: a consequence, not a cause."""
+    return any(p in message for p in PEER_LOSS)
+
+
 def raise_worker_failure(run_dir: str | Path, fallback: str) -> None:
     """Turn the first recorded worker error into the error the user sees."""
     logs = logs_dir(run_dir)
@@ -149,7 +158,8 @@ def raise_worker_failure(run_dir: str | Path, fallback: str) -> None:
         raise TrainingFailed(fallback)
     # The root cause is the first error: the other ranks typically fail after it, in a collective
     # whose peer went away.
-    first = min(errors, key=lambda e: (e["type"] == "RestartLimit", e.get("time", 0.0), e["rank"]))
+    first = min(errors, key=lambda e: (e["type"] == "RestartLimit", is_peer_loss(e["message"]), e.get("time", 0.0),
+                                       e["rank"]))
     if first.get("user_error"):
         raise UserError(first["message"])
     raise TrainingFailed(

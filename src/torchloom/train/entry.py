@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from torchloom.config import Config, from_dict
@@ -26,5 +27,13 @@ def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = Non
     d = setup(cfg.engine.device, worker_threads(cfg))
     try:
         return Trainer(cfg, d, run_dir, reporter).fit()
+    except BaseException as e:
+        # When it failed, before teardown: the other ranks fail as soon as this one leaves the
+        # process group, and the driver reports the earliest failure as the cause.
+        try:
+            e.torchloom_time = time.time()
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+        raise
     finally:
         teardown(d)
