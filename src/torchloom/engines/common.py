@@ -101,30 +101,37 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, reporter=None, capt
             if not cfg_dict["train"]["resume"]:
                 cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
             print(f"restart {starts}: resuming from the latest checkpoint in {run_dir}/checkpoints", flush=True)
-        result = run(cfg_dict, run_dir, reporter)
+        result = run(cfg_dict, run_dir, reporter, on_error=lambda e: record_error(run_dir, rank, e))
         if rank == 0:
             tmp = result_file(run_dir, launch_id).with_suffix(".tmp")
             tmp.write_text(json.dumps(result))
             os.replace(tmp, result_file(run_dir, launch_id))
         return result
     except BaseException as e:
-        path = error_file(run_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.exists():  # a restarted attempt failed too: the first failure is the one to report
-            raise
-        path.write_text(json.dumps({
-            "rank": rank,
-            "time": getattr(e, "torchloom_time", time.time()),
-            "type": type(e).__name__,
-            "user_error": isinstance(e, UserError),
-            "message": str(e),
-            "traceback": traceback.format_exc(),
-        }))
+        record_error(run_dir, rank, e)
         raise
     finally:
         if capture:
             sys.stdout.flush()
             sys.stderr.flush()
+
+
+def record_error(run_dir: str | Path, rank: int, e: BaseException) -> None:
+    """Write this rank's error for the driver; the first one stays (a restarted attempt may fail too)."""
+    path = error_file(run_dir, rank)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({
+        "rank": rank,
+        "time": getattr(e, "torchloom_time", time.time()),
+        "type": type(e).__name__,
+        "user_error": isinstance(e, UserError),
+        "message": str(e),
+        "traceback": "".join(traceback.format_exception(e)),
+    }))
+    os.replace(tmp, path)
 
 
 def read_result(run_dir: str | Path, launch_id: str) -> dict:

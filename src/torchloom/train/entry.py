@@ -18,7 +18,7 @@ def worker_threads(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = None) -> dict:
+def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = None, on_error=None) -> dict:
     """Train on this rank: join the process group, build, fit, leave. Returns this rank's result."""
     from torchloom.train.loop import Trainer
 
@@ -34,6 +34,9 @@ def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = Non
             e.torchloom_time = time.time()
         except AttributeError:  # an exception type that takes no attributes
             pass
+        if on_error is not None:
+            # Record it now: once this rank leaves, a launcher may kill it before the error surfaces.
+            on_error(e)
         raise
     finally:
         teardown(d)
