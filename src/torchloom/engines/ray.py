@@ -106,7 +106,10 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
                 name=f"torchloom-{launch_id}", storage_path=str(run_dir / "ray"),
                 failure_config=FailureConfig(max_failures=cfg.engine.max_restarts),
                 # workers time their first step from the launch
-                worker_runtime_env={"env_vars": {"TORCHLOOM_LAUNCH_TIME": str(time.time())}},
+                worker_runtime_env={"env_vars": {
+                    "TORCHLOOM_LAUNCH_TIME": str(time.time()),
+                    **({"TORCHLOOM_FAULT": os.environ["TORCHLOOM_FAULT"]} if "TORCHLOOM_FAULT" in os.environ else {}),
+                }},
             ),
         )
         with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):

@@ -28,8 +28,17 @@ from torchloom.engines.common import (
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
 
+# Passed to every worker with the job: executors are long-lived processes started with whatever
+# environment the session had, not the driver's environment at launch.
+FORWARDED_ENV = ("TORCHLOOM_FAULT", "TORCHLOOM_LAUNCH_TIME", "HF_HUB_OFFLINE")
 
-def _entry(cfg_dict: dict, run_dir: str, launch_id: str) -> None:
+
+def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict) -> None:
+    for key in FORWARDED_ENV:
+        if key in env:
+            os.environ[key] = env[key]
+        else:
+            os.environ.pop(key, None)
     # Output goes to the run's log files: Spark would otherwise print it twice on local[N] and keep
     # it in executor work dirs on a cluster. The driver tails the files.
     run_worker(cfg_dict, run_dir, launch_id, capture=True)
@@ -82,7 +91,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
             distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
             try:
                 with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):
-                    distributor.run(_entry, to_dict(cfg), str(run_dir), launch_id)
+                    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
+                    distributor.run(_entry, to_dict(cfg), str(run_dir), launch_id, env)
                 break
             except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
                 if attempt + 1 < attempts:
