@@ -16,6 +16,7 @@ from torchloom.engines.common import (
     raise_worker_failure,
     read_result,
     run_worker,
+    tail_text,
 )
 from torchloom.engines.progress import ProgressMonitor
 
@@ -29,10 +30,7 @@ def _entry(cfg_dict: dict, run_dir: str, launch_id: str) -> dict:
 def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
     """The end of the newest stderr log of a local rank (torch elastic writes attempt_N/<rank>/)."""
     logs = sorted(log_dir.glob(f"*/attempt_*/{rank}/stderr.log"), key=lambda p: p.stat().st_mtime)
-    if not logs:
-        return "(no log)"
-    text = logs[-1].read_text(errors="replace").splitlines()[-lines:]
-    return "\n".join(text) or "(empty log)"
+    return tail_text(logs[-1], lines) if logs else "(no log)"
 
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
