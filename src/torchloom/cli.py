@@ -209,7 +209,10 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.command == "prepare":
         pipeline.prepare_stage(cfg)
     elif args.command == "train":
-        pipeline.train_stage(cfg)
+        from torchloom import tracking
+
+        with tracking.start(cfg, "train") as tracker:
+            pipeline.train_stage(cfg, tracker=tracker)
     elif args.command == "export":
         pipeline.export_stage(cfg)
     elif args.command == "evaluate":

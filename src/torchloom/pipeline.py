@@ -27,7 +27,7 @@ def save_config(cfg: Config, rd: Path) -> None:
     config_mod.save(cfg, rd / "config.toml")
 
 
-def prepare_stage(cfg: Config, spark=None) -> dict:
+def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     from torchloom.etl.prepare import prepare
 
     rd = run_dir(cfg)
@@ -45,6 +45,12 @@ def prepare_stage(cfg: Config, spark=None) -> dict:
     say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} rejected,"
         f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
     splits = {k: v.rows for k, v in manifest.splits.items()}
+    if tracker is not None:
+        tracker.set_tags({"data_fingerprint": manifest.fingerprint})
+        tracker.log_metrics({"rows_read": manifest.counts.get("rows_read", 0), "rows_rejected": rejected,
+                             "duplicates_removed": manifest.counts.get("duplicates_removed", 0),
+                             **{f"rows_{k}": v for k, v in splits.items()}})
+        tracker.log_artifact(Path(manifest.root) / "manifest.json")
     return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
 
 
@@ -94,16 +100,46 @@ def launch(cfg: Config, rd: Path, quiet: bool, spark=None) -> dict:
     return local.train(cfg, rd, quiet=quiet)
 
 
-def train_stage(cfg: Config, quiet: bool = False, spark=None) -> dict:
+def write_hooks(rd: Path, hooks: dict) -> None:
+    """What the workers' rank 0 (or every rank) must call out to: MLflow, a pruner (train/reporter.py)."""
+    from torchloom.train.reporter import HOOKS_FILE
+
+    path = rd / HOOKS_FILE
+    if hooks:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(hooks))
+        os.replace(tmp, path)
+    elif path.exists():
+        path.unlink()
+
+
+def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None) -> dict:
     check_trainable(cfg)
     rd = run_dir(cfg)
     save_config(cfg, rd)
+    from torchloom.tracking import NullTracker
+
+    tracker = tracker or NullTracker()
+    if tracker.enabled:
+        from torchloom import manifest as manifest_mod
+
+        tracker.set_tags({"data_fingerprint": manifest_mod.read(rd / "data").fingerprint})
+    write_hooks(rd, {**(hooks or {}), **tracker.worker_hooks()})
     say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, precision {cfg.train.precision},"
         f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd / 'logs'}")
     started = time.perf_counter()
-    result = launch(cfg, rd, quiet, spark)
+    try:
+        result = launch(cfg, rd, quiet, spark)
+    finally:
+        write_hooks(rd, {})  # a later run must not report into this run's MLflow run or trial
     result["wall_s"] = round(time.perf_counter() - started, 2)
     (rd / "train_result.json").write_text(json.dumps(result, indent=2))
+    tracker.log_metrics({"train_samples_per_s": result["samples_per_s"], "train_steps": result["steps"],
+                         "train_first_step_s": result["first_step_s"], "train_wall_s": result["wall_s"]})
+    if isinstance(result.get("best_metric"), (int, float)):
+        tracker.log_metrics({f"best_val_{cfg.train.metric}": result["best_metric"]}, step=result["best_step"])
+    for name in ("config.toml", "metrics.jsonl", "train_result.json"):
+        tracker.log_artifact(rd / name)
     say(f"train: {result['steps']} steps in {result['train_s']:.1f} s ({result['samples_per_s']:.1f} samples/s);"
         f" validation {result.get('last_eval') or '-'}")
     return result
@@ -124,7 +160,7 @@ def select_checkpoint(cfg: Config) -> Path:
     return last
 
 
-def export_stage(cfg: Config) -> dict:
+def export_stage(cfg: Config, tracker=None) -> dict:
     from torchloom import __version__
     from torchloom import manifest as manifest_mod
     from torchloom.embedded import model_path
@@ -146,10 +182,12 @@ def export_stage(cfg: Config) -> dict:
         "max_length": m.tokenizer.get("max_length"),
     })
     say(f"export: {ckpt.name} -> {out}")
+    if tracker is not None and tracker.enabled and cfg.tracking.log_model:
+        tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out}
 
 
-def evaluate_stage(cfg: Config, extra: dict | None = None) -> dict:
+def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None) -> dict:
     from torchloom.evaluate.report import write_report
     from torchloom.evaluate.run import evaluate_model_dir
 
@@ -168,6 +206,11 @@ def evaluate_stage(cfg: Config, extra: dict | None = None) -> dict:
     labels = manifest_mod.read(rd / "data").labels
     write_report(str(rd), metrics, split=cfg.eval.split, label_names=labels, misclassified=misclassified,
                  metrics_jsonl_path=str(rd / "metrics.jsonl"), extra={"evaluate_s": seconds, **(extra or {})})
+    if tracker is not None:
+        tracker.log_metrics({f"{cfg.eval.split}_{k}": v for k, v in metrics.items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        for name in ("report.md", "report.json", "plots"):
+            tracker.log_artifact(rd / name, "plots" if name == "plots" else None)
     say(f"evaluate ({cfg.eval.split}, {metrics['n']} rows): accuracy {metrics['accuracy']:.4f},"
         f" macro-F1 {metrics['macro_f1']:.4f}; report {rd / 'report.md'}")
     return {"seconds": seconds, "metrics": metrics}
@@ -182,6 +225,13 @@ def run_all(cfg: Config) -> dict:
         )
     if rd.exists() and cfg.output.overwrite and not cfg.train.resume:
         shutil.rmtree(rd)
+    from torchloom import tracking
+
+    with tracking.start(cfg, "run") as tracker:
+        return _run_all(cfg, rd, tracker)
+
+
+def _run_all(cfg: Config, rd: Path, tracker) -> dict:
     started = time.perf_counter()
     timings: dict[str, float] = {}
     spark = None
@@ -192,11 +242,11 @@ def run_all(cfg: Config) -> dict:
     if cfg.train.resume and (rd / "data" / "manifest.json").is_file():
         say("run: resuming; reusing the prepared data in " + str(rd / "data"))
     else:
-        timings["prepare_s"] = prepare_stage(cfg, spark=spark)["seconds"]
-    result = train_stage(cfg, spark=spark)
+        timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+    result = train_stage(cfg, spark=spark, tracker=tracker)
     timings["train_s"] = result["wall_s"]
-    timings["export_s"] = export_stage(cfg)["seconds"]
-    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result})
+    timings["export_s"] = export_stage(cfg, tracker=tracker)["seconds"]
+    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result}, tracker=tracker)
     timings["evaluate_s"] = ev["seconds"]
     timings["total_s"] = round(time.perf_counter() - started, 2)
     summary = {
@@ -208,12 +258,17 @@ def run_all(cfg: Config) -> dict:
         "report": str(rd / "report.md"),
     }
     (rd / "summary.json").write_text(json.dumps(summary, indent=2))
+    tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
+    tracker.log_artifact(rd / "summary.json")
+    if tracker.enabled:
+        summary["mlflow_run_id"] = tracker.run_id
     stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
     print(
         f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})\n"
         f"  test accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}\n"
         f"  model   {summary['model_dir']}\n  report  {summary['report']}\n"
-        f"  plots   {rd / 'plots'}\n  predict torchloom predict --model {summary['model_dir']} \"some text\"",
+        f"  plots   {rd / 'plots'}\n  predict torchloom predict --model {summary['model_dir']} \"some text\""
+        + (f"\n  mlflow  run {tracker.run_id} in {tracker.uri}" if tracker.enabled else ""),
         flush=True,
     )
     return summary

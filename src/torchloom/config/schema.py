@@ -92,6 +92,36 @@ class OutputConfig:
 
 
 @dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # "": $MLFLOW_TRACKING_URI, else sqlite:///<working dir>/mlflow.db; or http://host:5000, a database URL,
+    # or a directory to keep mlflow.db in
+    uri: str = ""
+    experiment: str = "torchloom"
+    run_name: str = ""  # "": the run dir's name
+    log_model: bool = True  # the exported model as an MLflow pyfunc model
+
+
+@dataclass
+class TuneConfig:
+    backend: str = field(default="auto", metadata=choices("auto", "ray", "optuna"))  # auto: ray when installed
+    # config key -> distribution: uniform(a, b), loguniform(a, b), int(a, b), logint(a, b), choice(x, y, ...)
+    space: dict = field(default_factory=lambda: {"train.lr": "loguniform(1e-5, 3e-4)",
+                                                 "train.warmup_ratio": "uniform(0, 0.2)"})
+    trials: int = field(default=8, metadata={"min": 1})  # for the whole study, however many processes run it
+    max_concurrent: int = field(default=0, metadata={"min": 0})  # ray: trials at once; 0: cores // workers
+    time_budget_s: float = field(default=0.0, metadata={"min": 0.0})  # 0: no limit
+    metric: str = field(default="macro_f1", metadata=choices("macro_f1", "accuracy", "loss"))  # on validation
+    mode: str = field(default="auto", metadata=choices("auto", "max", "min"))  # auto: min for loss, else max
+    scheduler: str = field(default="asha", metadata=choices("asha", "hyperband", "none"))  # early stopping
+    grace_period: int = field(default=1, metadata={"min": 1})  # evaluations before a trial can be stopped
+    reduction_factor: int = field(default=2, metadata={"min": 2})
+    storage: str = ""  # optuna: "" is sqlite:///<output.dir>/optuna.db; or any database URL (postgresql://...)
+    study_name: str = ""  # "": the output dir's name
+    seed: int = 42
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -100,3 +130,5 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)

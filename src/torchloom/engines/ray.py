@@ -28,9 +28,10 @@ from torchloom.engines.common import (
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
+from torchloom.train.reporter import Reporter
 
 
-class RayReporter:
+class RayReporter(Reporter):
     """Ray's report must be called the same number of times on every rank: the loop does so."""
 
     def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
@@ -63,6 +64,15 @@ def init_ray(address: str) -> bool:
     return True
 
 
+def in_tune_trial() -> bool:
+    """True inside a Ray Tune trial (torchloom tune): the workers' reports must reach Tune too."""
+    try:
+        from ray.tune.trainable.trainable_fn_utils import _in_tune_session
+    except ImportError:
+        return False
+    return _in_tune_session()
+
+
 def scaling(cfg: Config, started_local: bool):
     import ray
     from ray.train import ScalingConfig
@@ -77,6 +87,14 @@ def scaling(cfg: Config, started_local: bool):
         # On a local instance split the cores, leaving a sliver for Ray's own controller actor.
         cpus = 0.99 * (os.cpu_count() or 1) / cfg.engine.workers if started_local else 1.0
     return ScalingConfig(num_workers=cfg.engine.workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus})
+
+
+def tune_callbacks() -> list:
+    if not in_tune_trial():
+        return []
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    return [TuneReportCallback()]  # rank 0's eval metrics to the trial, for the scheduler (ASHA)
 
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
@@ -105,6 +123,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
             run_config=RunConfig(
                 name=f"torchloom-{launch_id}", storage_path=str(run_dir / "ray"),
                 failure_config=FailureConfig(max_failures=cfg.engine.max_restarts),
+                callbacks=tune_callbacks(),
                 # workers time their first step from the launch
                 worker_runtime_env={"env_vars": {
                     "TORCHLOOM_LAUNCH_TIME": str(time.time()),

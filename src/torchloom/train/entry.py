@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict
 from torchloom.train.distributed import setup, teardown
-from torchloom.train.reporter import Reporter
+from torchloom.train.reporter import Reporter, worker_reporter
 
 
 def worker_threads(cfg: Config) -> int:
@@ -25,6 +25,7 @@ def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = Non
     if isinstance(cfg, dict):
         cfg = from_dict(cfg)
     d = setup(cfg.engine.device, worker_threads(cfg))
+    reporter = worker_reporter(run_dir, d.rank, reporter)
     try:
         return Trainer(cfg, d, run_dir, reporter).fit()
     except BaseException as e:
@@ -39,4 +40,7 @@ def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = Non
             on_error(e)
         raise
     finally:
-        teardown(d)
+        try:
+            reporter.close()  # e.g. flush the MLflow queue
+        finally:
+            teardown(d)

@@ -48,6 +48,7 @@ class TrainState:
     best_step: int = -1
     evals_without_improvement: int = 0
     stopped_early: bool = False
+    stop_reason: str = ""  # why training ended before total_steps: early_stopping, or who asked (e.g. pruned)
     last_eval_step: int = -1
     last_checkpoint_step: int = -1
 
@@ -163,6 +164,7 @@ class Trainer:
         if self.d.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            self.reporter.log(record)  # e.g. MLflow, from rank 0 only
 
     def progress(self, **fields) -> None:
         # The driver tails this file to draw the live bar, whatever engine runs the workers.
@@ -192,13 +194,20 @@ class Trainer:
             s.evals_without_improvement += 1
             patience = self.tc.early_stopping_patience
             s.stopped_early = patience > 0 and s.evals_without_improvement >= patience
+            if s.stopped_early:
+                s.stop_reason = "early_stopping"
         record = {"kind": "eval", "step": s.step, "epoch": self.epoch_float(), **self.last_eval_summary(),
                   "weighted_f1": m["weighted_f1"]}
         self.log(record)
         saved = None
         if s.best_step == s.step and s.last_checkpoint_step != s.step:
             saved = str(self.save_checkpoint())  # the best model always has a checkpoint
-        self.reporter.report(record, saved)
+        stop = self.reporter.report(record, saved)
+        if self.reporter.may_stop:
+            # Every rank must leave the loop at the same step: rank 0's answer (a pruner's) decides.
+            stop = all_reduce_sum(self.d, [1.0 if (stop and self.d.is_main) else 0.0])[0] > 0
+            if stop and not s.stopped_early:
+                s.stopped_early, s.stop_reason = True, self.reporter.stop_reason
 
     def epoch_float(self) -> float:
         done = self.loader.state_dict()["batches_yielded"] / max(1, len(self.loader))
@@ -322,6 +331,7 @@ class Trainer:
             "first_step_s": round(first_step_s or 0.0, 2),
             "samples_per_s": round(s.samples_seen / train_s, 2) if train_s > 0 else 0.0,
             "stopped_early": s.stopped_early,
+            "stop_reason": s.stop_reason,
             "best_metric": s.best_metric,
             "best_step": s.best_step,
             "best_checkpoint": str(best) if best else None,

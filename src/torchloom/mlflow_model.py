@@ -1,0 +1,70 @@
+"""The exported model as an MLflow pyfunc model, served by `mlflow models serve` or loaded with
+`mlflow.pyfunc.load_model`: input a table with a `text` column (or a list of strings), output one row
+per text with `label`, `score` and one `p_<label>` column per label, the same numbers as
+`torchloom predict` (the model dir itself travels as an artifact)."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from pathlib import Path
+
+try:
+    from mlflow.pyfunc import PythonModel
+except ImportError:  # only needed when MLflow is installed
+    PythonModel = object
+
+
+class TextClassifier(PythonModel):
+    def load_context(self, context) -> None:
+        from torchloom.model.predict import Predictor
+
+        self.predictor = Predictor(context.artifacts["model_dir"], device="cpu")
+
+    def predict(self, context, model_input, params=None):
+        import pandas as pd
+
+        if isinstance(model_input, pd.DataFrame):
+            column = "text" if "text" in model_input.columns else model_input.columns[0]
+            texts = [str(t) for t in model_input[column].tolist()]
+        elif isinstance(model_input, str):
+            texts = [model_input]
+        else:
+            texts = [str(t) for t in model_input]
+        rows = []
+        for pred in self.predictor.predict(texts):
+            row = {"label": pred["label"], "score": pred["score"]}
+            row.update({f"p_{k}": v for k, v in pred["probabilities"].items()})
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+
+def requirements() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = []
+    for pkg in ("torchloom", "torch", "transformers", "tokenizers", "pandas"):
+        try:
+            v = version(pkg)
+        except PackageNotFoundError:
+            continue
+        out.append(f"{pkg}=={v.split('+')[0]}" if pkg != "torchloom" else f"{pkg}=={v}")
+    return out
+
+
+def log_model(tracker, model_dir: Path) -> None:
+    import mlflow.pyfunc
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, Schema
+
+    signature = ModelSignature(inputs=Schema([ColSpec("string", "text")]),
+                               outputs=Schema([ColSpec("string", "label"), ColSpec("double", "score")]))
+    code = Path(__file__).with_name("mlflow_pyfunc.py")
+    with tempfile.TemporaryDirectory(prefix="torchloom-mlflow-") as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # advice about type hints and input examples, once per model
+        path = Path(tmp) / "model"
+        mlflow.pyfunc.save_model(
+            path=str(path), python_model=str(code), artifacts={"model_dir": str(model_dir)},
+            signature=signature, pip_requirements=requirements(),
+        )
+        tracker.client.log_artifacts(tracker.run_id, str(path), "model")

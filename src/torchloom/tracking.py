@@ -1,0 +1,309 @@
+"""Experiment tracking in MLflow: one MLflow run per training job, whatever engine runs it.
+
+The driver (the `torchloom` process) opens the run, logs the flattened config as params and the
+tags, and later the artifacts, the summary metrics and the exported model as an MLflow pyfunc
+model. Per-step metrics come from rank 0 of the workers, which reads the run id from hooks.json in
+the run directory and logs from a background thread (training never waits on the tracking store).
+Nested runs: a tune study's run is the parent of one run per trial.
+
+Store: `tracking.uri` if given, else $MLFLOW_TRACKING_URI, else `sqlite:///<cwd>/mlflow.db` with
+artifacts beside it in mlartifacts/ (mlflow-skinny has no plain file store). A bare path is read as
+a directory to keep mlflow.db in, or as the database file when it ends in .db.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from torchloom.config import Config, to_dict
+from torchloom.errors import UserError
+from torchloom.train.reporter import Reporter
+
+SCHEMES = ("sqlite:", "http:", "https:", "databricks", "postgresql", "mysql", "mssql")
+
+
+def resolve_uri(uri: str) -> str:
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+    if not uri:
+        return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+    if uri.startswith("file:"):
+        uri = uri[len("file:"):].lstrip("/")
+        uri = "/" + uri
+    if uri.startswith(SCHEMES):
+        return uri
+    p = Path(uri).expanduser().resolve()
+    return f"sqlite:///{p if p.suffix == '.db' else p / 'mlflow.db'}"
+
+
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment keeps artifacts: beside a sqlite database; else the server decides."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    return None
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and key.count(".") < 1:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = str(v)[:6000]
+    return out
+
+
+def git_commit(cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def metric_items(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record as MLflow metrics: train_* per logged step, val_* per evaluation."""
+    prefix = "val_" if record.get("kind") == "eval" else "train_"
+    out = {}
+    for k, v in record.items():
+        if k in ("kind", "step") or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        name = k if k in ("lr", "epoch", "grad_norm", "samples_per_s") else prefix + k
+        out[name] = float(v)
+    return out
+
+
+def _quiet_mlflow() -> None:
+    import logging
+
+    for name in ("mlflow", "alembic", "mlflow.store.db.utils"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+class NullTracker:
+    enabled = False
+    run_id = None
+    uri = None
+
+    def worker_hooks(self) -> dict:
+        return {}
+
+    def set_tags(self, tags: dict) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        pass
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        pass
+
+    def log_model(self, model_dir: str | Path) -> None:
+        pass
+
+    def child(self, cfg: Config, run_name: str) -> NullTracker:
+        return self
+
+    def finish(self, status: str = "FINISHED") -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        pass
+
+
+class Tracker(NullTracker):
+    """The driver's handle on one MLflow run."""
+
+    enabled = True
+
+    def __init__(self, client, uri: str, experiment_id: str, run_id: str, cfg: Config):
+        self.client, self.uri, self.experiment_id, self.run_id, self.cfg = client, uri, experiment_id, run_id, cfg
+        self._finished = False
+
+    @classmethod
+    def start(cls, cfg: Config, kind: str, run_name: str | None = None, parent: Tracker | None = None,
+              extra_tags: dict | None = None, parent_run_id: str | None = None) -> NullTracker:
+        tc = cfg.tracking
+        if not tc.enabled:
+            return NullTracker()
+        try:
+            from mlflow import MlflowClient
+        except ImportError:
+            if tc.uri:
+                raise UserError("tracking.uri is set but MLflow is not installed; pip install 'torchloom[track]'"
+                                " or pass --tracking.enabled false") from None
+            print("torchloom: tracking: MLflow is not installed, so this run is not tracked"
+                  " (pip install 'torchloom[track]'; --tracking.enabled false silences this)", file=sys.stderr)
+            return NullTracker()
+        _quiet_mlflow()
+        uri = resolve_uri(tc.uri)
+        if uri.startswith("sqlite:///"):
+            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            client = MlflowClient(tracking_uri=uri)
+            exp = client.get_experiment_by_name(tc.experiment)
+            if exp is None:
+                try:
+                    exp_id = client.create_experiment(tc.experiment, artifact_location=artifact_root(uri))
+                except Exception:  # another process created it meanwhile
+                    exp = client.get_experiment_by_name(tc.experiment)
+                    if exp is None:
+                        raise
+                    exp_id = exp.experiment_id
+            else:
+                exp_id = exp.experiment_id
+            from torchloom import __version__
+
+            tags = {
+                "torchloom.kind": kind,
+                "torchloom.version": __version__,
+                "engine": cfg.engine.name,
+                "world_size": str(cfg.engine.workers),
+                **(extra_tags or {}),
+            }
+            commit = git_commit()
+            if commit:
+                tags["mlflow.source.git.commit"] = commit
+            if parent is not None and parent.enabled:
+                parent_run_id = parent.run_id
+            if parent_run_id:
+                tags["mlflow.parentRunId"] = parent_run_id
+            name = run_name or tc.run_name or Path(cfg.output.dir).name
+            run = client.create_run(exp_id, run_name=name, tags=tags)
+        except UserError:
+            raise
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"tracking.uri {uri}: cannot use this MLflow store ({first[:200]}); start the server,"
+                            " fix the URI, or pass --tracking.enabled false") from None
+        tracker = cls(client, uri, exp_id, run.info.run_id, cfg)
+        tracker.log_params(to_dict(cfg))
+        return tracker
+
+    def _guard(self, what: str, fn, *args) -> None:
+        """Tracking never costs the user a finished training: a failing store is a warning."""
+        try:
+            fn(*args)
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"torchloom: tracking: could not log {what} to {self.uri} ({first[:200]})", file=sys.stderr)
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in sorted(flatten(params).items())]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def worker_hooks(self) -> dict:
+        return {"mlflow": {"uri": self.uri, "run_id": self.run_id}}
+
+    def set_tags(self, tags: dict) -> None:
+        for k, v in tags.items():
+            self._guard(f"tag {k}", self.client.set_tag, self.run_id, k, str(v))
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step or 0) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if items:
+            self._guard("metrics", self.client.log_batch, self.run_id, items)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        p = Path(path)
+        if p.is_dir():
+            self._guard(p.name, self.client.log_artifacts, self.run_id, str(p), artifact_path)
+        elif p.is_file():
+            self._guard(p.name, self.client.log_artifact, self.run_id, str(p), artifact_path)
+
+    def log_model(self, model_dir: str | Path) -> None:
+        """The exported model as an MLflow pyfunc model: `mlflow models serve -m runs:/<id>/model`."""
+        from torchloom.mlflow_model import log_model
+
+        self._guard("the model", log_model, self, Path(model_dir))
+
+    def child(self, cfg: Config, run_name: str) -> NullTracker:
+        return Tracker.start(cfg, "trial", run_name=run_name, parent=self)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if not self._finished:
+            self._finished = True
+            self._guard("the run's end", self.client.set_terminated, self.run_id, status)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish("FINISHED")
+        else:
+            self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+
+def start(cfg: Config, kind: str, **kwargs) -> NullTracker:
+    return Tracker.start(cfg, kind, **kwargs)
+
+
+class WorkerLogger(Reporter):
+    """Rank 0's per-step metrics to the driver's MLflow run, from a background thread."""
+
+    def __init__(self, uri: str, run_id: str):
+        self.uri, self.run_id = uri, run_id
+        self.queue: queue.Queue = queue.Queue()
+        self.failed: str | None = None
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="torchloom-mlflow")
+        self.thread.start()
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
+        return None
+
+    def log(self, record: dict) -> None:
+        if self.failed is None:
+            self.queue.put(record)
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        try:
+            _quiet_mlflow()
+            from mlflow import MlflowClient
+            from mlflow.entities import Metric
+
+            client = MlflowClient(tracking_uri=self.uri)
+        except Exception as e:  # never fail training over tracking
+            self._fail(e)
+            return
+        done = False
+        while not done:
+            records = [self.queue.get()]
+            while True:  # whatever queued meanwhile goes in the same batch
+                try:
+                    records.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            if records[-1] is None or None in records:
+                done = True
+            now = int(time.time() * 1000)
+            metrics = [Metric(k, v, now, int(r.get("step", 0))) for r in records if r is not None
+                       for k, v in metric_items(r).items()]
+            try:
+                for i in range(0, len(metrics), 1000):
+                    client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            except Exception as e:
+                self._fail(e)
+                return
+
+    def _fail(self, e: Exception) -> None:
+        self.failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"torchloom: tracking: MLflow logging stopped ({self.failed}); training goes on", file=sys.stderr,
+              flush=True)
