@@ -100,7 +100,23 @@ def validate(cfg: Config) -> Config:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
+    validate_strategy(cfg)
     return cfg
+
+
+def validate_strategy(cfg: Config) -> None:
+    tc = cfg.train
+    if tc.strategy != "ddp" and tc.precision == "fp16":
+        raise UserError(f"config train.precision: fp16 (with a gradient scaler) runs with train.strategy ddp only;"
+                        f" use bf16 with train.strategy {tc.strategy}")
+    if tc.strategy == "pipeline":
+        stages = tc.pipeline_stages or cfg.engine.workers
+        if stages != cfg.engine.workers:
+            raise UserError(f"config train.pipeline_stages {stages}: must equal engine.workers {cfg.engine.workers}"
+                            " (one stage per worker; pipelines side by side are not supported); set them equal")
+        if stages < 2:
+            raise UserError("config train.strategy pipeline: needs 2 or more stages, one per worker;"
+                            " set engine.workers to 2 or more")
 
 
 def load_toml(cfg: Config, path: str | Path) -> None:

@@ -3,9 +3,12 @@
 Layout of `<run>/checkpoints/step-N/`:
   model.safetensors   the unwrapped model's weights (no `module.` prefixes)
   optimizer.pt        optimizer state
+  sharded/            instead of the two above when each rank holds part of the model (train.strategy
+                      fsdp or pipeline): a torch.distributed.checkpoint directory, one file per rank,
+                      with "model.<name>" and "optimizer.<state|param_groups>.<name>.<key>" entries
   trainer.pt          scheduler, grad scaler, loader position, counters, best metric
   rng-rank{R}.pt      each rank's RNG states (dropout draws differ per rank)
-  meta.json           step, epoch, world size, metric values (for people and tools)
+  meta.json           step, epoch, world size, strategy, metric values (for people and tools)
 
 A checkpoint is written under `.step-N.tmp` and renamed when every rank has finished writing,
 so a directory named `step-N` is always complete.
@@ -18,6 +21,7 @@ import os
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from torchloom.errors import UserError
 from torchloom.train.distributed import Dist
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+SHARDED_DIR = "sharded"
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -84,9 +89,28 @@ def latest(root: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def sharded_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # One entry per parameter in the optimizer's state too: pipeline stages hold different parameters,
+    # and entries under one name (the param_groups list) would be written by one rank only.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def sharded_state(model, optimizer) -> dict[str, Any]:
+    """This rank's shards of the model and optimizer state, under the model's own parameter names."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=sharded_options())
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
 def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_state: dict, meta: dict,
-         keep_last: int, keep: set[int]) -> Path:
-    """Collective: every rank calls it. Returns the final directory."""
+         keep_last: int, keep: set[int], sharded: bool = False) -> Path:
+    """Collective: every rank calls it. Returns the final directory.
+
+    sharded: every rank writes its part of the model and optimizer (torch.distributed.checkpoint).
+    """
     root = Path(root)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
@@ -96,11 +120,17 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         tmp.mkdir()
     d.barrier()
     torch.save(rng_state(), tmp / f"rng-rank{d.rank}.pt")
+    if sharded:
+        from torch.distributed import checkpoint as dcp
+
+        dcp.save(sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED_DIR)
     if d.is_main:
-        save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if not sharded:
+            save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": d.world_size, **meta}, indent=2))
+        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
+                                                   **meta}, indent=2))
     d.barrier()
     if d.is_main:
         if final.exists():
@@ -134,11 +164,27 @@ def resolve(resume: str, root: str | Path) -> Path | None:
     return p
 
 
-def load(d: Dist, path: Path, *, model, optimizer) -> dict:
-    """Load weights, optimizer and this rank's RNG; returns the trainer state."""
+def load(d: Dist, path: Path, *, model, optimizer, sharded: bool = False) -> dict:
+    """Load weights, optimizer and this rank's RNG; returns the trainer state.
+
+    sharded: the run holds the model in parts (see save); the checkpoint must be sharded too.
+    """
     meta = json.loads((path / "meta.json").read_text())
-    unwrap(model).load_state_dict(load_file(str(path / "model.safetensors"), device=str(d.device)))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=d.device, weights_only=True))
+    if meta.get("sharded", False) != sharded:
+        written = meta.get("strategy", "ddp")
+        raise UserError(f"train.resume {path}: written by train.strategy {written} on {meta.get('world_size')}"
+                        f" workers, which this run cannot load; resume with train.strategy {written}")
+    if sharded:
+        from torch.distributed import checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = sharded_state(model, optimizer)  # the shapes and shards to load into
+        dcp.load(state, checkpoint_id=path / SHARDED_DIR)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=sharded_options())
+    else:
+        unwrap(model).load_state_dict(load_file(str(path / "model.safetensors"), device=str(d.device)))
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=d.device, weights_only=True))
     trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     rng_file = path / f"rng-rank{d.rank}.pt"
     if meta.get("world_size") == d.world_size and rng_file.is_file():
@@ -147,4 +193,19 @@ def load(d: Dist, path: Path, *, model, optimizer) -> dict:
 
 
 def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(path) / "model.safetensors"))
+    """The whole model's weights from a checkpoint, gathered into this process when it is sharded."""
+    path = Path(path)
+    if not (path / SHARDED_DIR).is_dir():
+        return load_file(str(path / "model.safetensors"))
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(path / SHARDED_DIR))
+    entries = reader.read_metadata().state_dict_metadata
+    state = {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in entries.items()
+             if name.startswith("model.") and isinstance(entry, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        # no_dist: this process reads every rank's file itself; torch warns that it assumes so even when told.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {name.removeprefix("model."): tensor for name, tensor in state.items()}

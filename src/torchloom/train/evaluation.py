@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from torchloom.data.loader import eval_batches
+from torchloom.data.loader import eval_batches, rank_range
 from torchloom.evaluate.metrics import classification_metrics
 from torchloom.manifest import Manifest
 from torchloom.train.distributed import Dist, all_gather_objects
+
+if TYPE_CHECKING:
+    from torchloom.train.parallelize import Parallel
 
 
 def autocast(device: torch.device, precision: str):
@@ -20,18 +26,40 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def in_lockstep(batches: Iterator[dict], count: int) -> Iterator[dict]:
+    """`batches`, then one-token filler batches (no labels) up to `count` in all."""
+    n = 0
+    for batch in batches:
+        n += 1
+        yield batch
+    empty = torch.zeros(0, dtype=torch.int64)
+    for _ in range(count - n):
+        yield {"input_ids": torch.zeros(1, 1, dtype=torch.int64), "attention_mask": torch.ones(1, 1, dtype=torch.int64),
+               "labels": empty, "index": empty}
+
+
 @torch.inference_mode()
 def predict_split(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
-                  precision: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This rank's (probabilities, labels, row indices) for its contiguous share of `split`."""
+                  precision: str, par: Parallel | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's (probabilities, labels, row indices) for its contiguous share of `split`.
+
+    par: how training parallelised `model`. Shares go to data-parallel ranks: under FSDP every rank runs
+    as many forwards as the largest share (each one all-gathers), a pipeline's stages all run the whole
+    split and its last stage returns it, the others nothing.
+    """
+    rank, world = (par.dp_rank, par.dp_size) if par is not None else (d.rank, d.world_size)
+    batches = eval_batches(manifest, split, rank, world, batch_size)
+    if par is not None and par.eval_in_lockstep:
+        batches = in_lockstep(batches, math.ceil(rank_range(manifest.split(split).rows, world, 0)[1] / batch_size))
     was_training = model.training
     model.eval()
     probs, labels, index = [], [], []
-    for batch in eval_batches(manifest, split, d.rank, d.world_size, batch_size):
+    for batch in batches:
+        ids, mask = batch["input_ids"].to(d.device), batch["attention_mask"].to(d.device)
         with autocast(d.device, precision):
-            logits = model(
-                input_ids=batch["input_ids"].to(d.device), attention_mask=batch["attention_mask"].to(d.device)
-            ).logits
+            logits = par.logits(ids, mask) if par is not None else model(input_ids=ids, attention_mask=mask).logits
+        if logits is None or not len(batch["labels"]):
+            continue  # not the last pipeline stage, or a filler batch
         probs.append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
         labels.append(batch["labels"].numpy())
         index.append(batch["index"].numpy())
@@ -42,9 +70,9 @@ def predict_split(d: Dist, model: torch.nn.Module, manifest: Manifest, split: st
 
 
 def evaluate(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
-             precision: str) -> dict:
+             precision: str, par: Parallel | None = None) -> dict:
     """Collective: every rank calls it and every rank returns the same metrics."""
-    probs, labels, _ = predict_split(d, model, manifest, split, batch_size, precision)
+    probs, labels, _ = predict_split(d, model, manifest, split, batch_size, precision, par)
     parts = all_gather_objects(d, (probs, labels))
     all_probs = np.concatenate([p for p, _ in parts])
     all_labels = np.concatenate([y for _, y in parts])

@@ -1,11 +1,15 @@
 """The training loop, top to bottom: what one optimizer step does on every rank.
 
 Batch arithmetic: `train.batch_size` is global (samples per optimizer step over all ranks), so a
-rank's micro-batch is batch_size / (world_size * grad_accum). Each micro-batch's summed loss is
-divided by the number of rows the whole step sees (known on every rank without communication,
-see ShardedLoader.global_batch_rows) and multiplied by world_size, because DDP averages gradients
-over ranks: the result is the gradient of the mean loss over the global batch, exactly what one
-process on the combined batch computes.
+rank's micro-batch is batch_size / (dp * grad_accum), dp being the number of data-parallel replicas:
+world_size under ddp and fsdp, 1 under pipeline (whose stages all read the same batches). Each
+micro-batch's summed loss is divided by the number of rows the whole step sees (known on every rank
+without communication, see ShardedLoader.global_batch_rows) and multiplied by dp, because DDP and
+FSDP average gradients over ranks: the result is the gradient of the mean loss over the global batch,
+exactly what one process on the combined batch computes.
+
+How the model is spread over the ranks is parallelize()'s business (train/parallelize.py); here it
+shows only as `self.par`: the gradient sync of a micro-step, the clipping, and the pipeline's step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import math
 import os
 import random
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,13 +57,24 @@ class TrainState:
 
 
 def micro_batch_size(cfg: Config, world_size: int) -> int:
-    per_step = world_size * cfg.train.grad_accum
-    if cfg.train.batch_size % per_step:
+    """Rows per micro-step on one data-parallel rank."""
+    tc = cfg.train
+    if tc.strategy == "pipeline":
+        per_step = tc.grad_accum * tc.microbatches  # one replica; each micro-step cut into micro-batches
+        if tc.batch_size % per_step:
+            raise UserError(
+                f"config train.batch_size {tc.batch_size}: with train.strategy pipeline it must be a multiple of"
+                f" train.grad_accum x train.microbatches = {per_step}; choose e.g."
+                f" {per_step * max(1, tc.batch_size // per_step)}"
+            )
+        return tc.batch_size // tc.grad_accum
+    per_step = world_size * tc.grad_accum
+    if tc.batch_size % per_step:
         raise UserError(
-            f"config train.batch_size {cfg.train.batch_size}: must be a multiple of engine.workers x"
-            f" train.grad_accum = {per_step}; choose e.g. {per_step * max(1, cfg.train.batch_size // per_step)}"
+            f"config train.batch_size {tc.batch_size}: must be a multiple of engine.workers x"
+            f" train.grad_accum = {per_step}; choose e.g. {per_step * max(1, tc.batch_size // per_step)}"
         )
-    return cfg.train.batch_size // per_step
+    return tc.batch_size // per_step
 
 
 def seed_everything(seed: int) -> None:
@@ -95,9 +109,13 @@ class Trainer:
         seed_everything(self.tc.seed)
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off
+        self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
+        # Before the optimizer is built: FSDP replaces the parameters, a pipeline stage drops the others'.
+        self.par = parallelize(self.model, d, self.tc, self.manifest.tokenizer.get("max_length"), self.loss_weights)
+        self.micro_batch = micro_batch_size(cfg, d.world_size)
         self.loader = ShardedLoader(
-            self.manifest, "train", rank=d.rank, world_size=d.world_size,
-            batch_size=micro_batch_size(cfg, d.world_size), seed=self.tc.seed,
+            self.manifest, "train", rank=self.par.dp_rank, world_size=self.par.dp_size,
+            batch_size=self.micro_batch, seed=self.tc.seed,
             shuffle_buffer=self.tc.shuffle_buffer, length_bucketing=self.tc.length_bucketing,
             pad_id=self.model.config.pad_token_id or 0,
         )
@@ -109,8 +127,6 @@ class Trainer:
         )
         use_scaler = self.tc.precision == "fp16" and d.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
-        self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
-        self.ddp_model = parallelize(self.model, d, self.tc.strategy)
         self.state = TrainState()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.metrics_path = self.run_dir / "metrics.jsonl"
@@ -124,7 +140,7 @@ class Trainer:
             if self.d.is_main and self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run starts a fresh log
             return None
-        ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer)
+        ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
         self.scheduler.load_state_dict(ts["scheduler"])
         if self.scaler is not None and ts.get("scaler"):
             self.scaler.load_state_dict(ts["scaler"])
@@ -152,11 +168,11 @@ class Trainer:
             "state": asdict(s),
         }
         meta = {"epoch": s.epoch, "samples_seen": s.samples_seen, "best_step": s.best_step,
-                "eval": self.last_eval_summary()}
+                "strategy": self.par.strategy, "eval": self.last_eval_summary()}
         keep = {s.best_step} if s.best_step >= 0 else set()
         return checkpoint.save(
             self.d, self.ckpt_root, s.step, model=self.model, optimizer=self.optimizer,
-            trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep,
+            trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
         )
 
     # -- logging -------------------------------------------------------------------------------
@@ -185,7 +201,7 @@ class Trainer:
         if self.manifest.split("val").rows == 0:
             return
         self.progress(phase="eval", step=s.step, epoch=self.epoch_float())
-        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.tc.precision)
+        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.tc.precision, self.par)
         self.last_eval = m
         value = m[self.tc.metric]
         if better(self.tc.metric, value, s.best_metric):
@@ -216,28 +232,23 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[dict], first_batch_index: int) -> tuple[torch.Tensor, int]:
         """Forward and backward over the micro-batches of one optimizer step, then the update."""
-        d, model = self.d, self.ddp_model
+        d, par = self.d, self.par
         step_rows = sum(self.loader.global_batch_rows(first_batch_index + i) for i in range(len(micro_batches)))
+        loss_scale = par.dp_size / step_rows
         loss_sum = torch.zeros((), device=d.device)
         for i, batch in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             # Skip the gradient all-reduce on all but the last micro-step: it would be redone anyway.
-            sync = nullcontext() if (last or not d.enabled) else model.no_sync()
-            with sync:
-                with autocast(d.device, self.tc.precision):
-                    logits = model(
-                        input_ids=batch["input_ids"].to(d.device, non_blocking=True),
-                        attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
-                    ).logits
-                labels = batch["labels"].to(d.device, non_blocking=True)
-                summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
-                loss = summed * (d.world_size / step_rows)
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            with par.grad_sync(last or not d.enabled):
+                if par.pipeline is not None:
+                    summed = par.pipeline.step(batch, self.micro_batch, loss_scale)
+                else:
+                    summed = self.forward_backward(batch, loss_scale)
             loss_sum += summed.detach()
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        grad_norm = par.clip_grad_norm_(clip)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -249,6 +260,20 @@ class Trainer:
         self.state.samples_seen += step_rows
         self._grad_norm = grad_norm
         return loss_sum, step_rows
+
+    def forward_backward(self, batch: dict, loss_scale: float) -> torch.Tensor:
+        """One micro-batch through the (data-parallel) model; returns its summed loss."""
+        d = self.d
+        with autocast(d.device, self.tc.precision):
+            logits = self.par.module(
+                input_ids=batch["input_ids"].to(d.device, non_blocking=True),
+                attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
+            ).logits
+        labels = batch["labels"].to(d.device, non_blocking=True)
+        summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
+        loss = summed * loss_scale
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return summed
 
     def fit(self) -> dict:
         tc, s, d = self.tc, self.state, self.d
