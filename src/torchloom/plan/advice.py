@@ -21,7 +21,7 @@ GIB = 2**30
 SIMPLER_WITHIN = 1.10
 
 
-# How torchloom runs each strategy (issue 6 parts 3-5); ZeRO-1/2 have no switch of their own.
+# How torchloom runs each strategy; ZeRO-1/2 have no switch of their own.
 RUN_WITH = {
     "ddp": "--train.strategy ddp",
     "ddp+ckpt": "--train.strategy ddp --train.activation_checkpointing true",
@@ -104,14 +104,20 @@ def choose(job: Job, strategies: list[Strategy]) -> tuple[Strategy | None, list[
     if gpu and pick.max_micro_batch >= 2 * job.micro_batch and pick.name != "pipeline":
         reasons.append(f"memory allows micro-batch up to {pick.max_micro_batch}: a larger one uses the device"
                        " better and all-reduces less often per sample")
-    if pick.name in RUN_WITH:
+    if pick.name == "pipeline":
+        pp = pick.pipeline
+        reasons.append(f"in torchloom: torchloom train {RUN_WITH['pipeline']} --train.pipeline_stages {pp['stages']}"
+                       f" --train.microbatches {pp['microbatches']} --engine.workers {pp['stages']}")
+        if pp["replicas"] > 1:
+            reasons.append(f"this estimate runs {pp['replicas']} pipelines side by side (data x pipeline parallel);"
+                           f" torchloom runs one, on {pp['stages']} workers")
+    elif pick.name in RUN_WITH:
         reasons.append(f"in torchloom: torchloom train {RUN_WITH[pick.name]}")
     else:
         zero3 = by_name["zero3"]
         reasons.append(f"torchloom shards as zero3 (--train.strategy fsdp), {zero3.total_s / pick.total_s - 1:.0%}"
                        " slower here; DeepSpeed runs ZeRO stages 1 and 2 as such")
     if pick.name == "pipeline":
-        pp = pick.pipeline
         reasons.append(f"pipeline bubble {pp['bubble']:.0%} with P={pp['stages']}, M={pp['microbatches']}:"
                        " more micro-batches shrink it")
     return pick, reasons
