@@ -131,12 +131,15 @@ def parallelize(model: torch.nn.Module, d: Dist, tc, manifest_max_length: int | 
     if not d.enabled:
         return Parallel(tc.strategy, model, model, 0, 1, sharded=False)
     if tc.strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # On this worker's device type: torch's default mesh would be cuda on a GPU machine told to use the CPU.
+        mesh = init_device_mesh(d.device.type, (d.world_size,))
         # Layers first, then the root (embeddings, pooler, head): each layer is one all-gather unit.
         for layer in transformer_layers(model):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return Parallel("fsdp", model, model, d.rank, d.world_size, sharded=True)
     ddp = DistributedDataParallel(
         model,
