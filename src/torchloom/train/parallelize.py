@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from torchloom.config.schema import TrainConfig
 from torchloom.errors import UserError
 from torchloom.train.distributed import Dist
 from torchloom.train.pipeline_parallel import Pipeline
@@ -109,9 +110,9 @@ def checkpoint_layers(model: torch.nn.Module) -> None:
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
 
-def parallelize(model: torch.nn.Module, d: Dist, tc, manifest_max_length: int | None = None,
+def parallelize(model: torch.nn.Module, d: Dist, tc: TrainConfig, manifest_max_length: int | None = None,
                 loss_weights: torch.Tensor | None = None) -> Parallel:
-    """Apply train.activation_checkpointing and train.strategy (tc is the TrainConfig) to `model`, in place.
+    """Apply train.activation_checkpointing and train.strategy to `model`, in place.
 
     manifest_max_length: tokens per row after prepare; pipeline stages pad every batch to it.
     loss_weights: class weights of the loss, which a pipeline's last stage computes.
