@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -350,7 +350,7 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     import torch
 
-    header = (f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC with `benchmarks/serve.py` on {os.cpu_count()}"
+    header = (f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/serve.py` on {os.cpu_count()}"
               f" cores ({cpu}), no GPU, torch {torch.__version__}, Python {platform.python_version()}."
               f" Model: all-MiniLM-L6-v2 + fresh 5-label head, max_length 128; one BBC News headline + lede"
               f" (<= {TEXT_CHARS} chars) per request; load generator on the same cores (aiohttp, loopback),"

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from torchloom.config.schema import Config
 from torchloom.errors import UserError

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def export_model(
         info = {
             "format_version": EXPORT_FORMAT_VERSION,
             "torchloom_version": torchloom.__version__,
-            "exported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "exported_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "labels": list(labels),
             **(extra_info or {}),
         }

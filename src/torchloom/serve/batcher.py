@@ -154,7 +154,7 @@ class MicroBatcher:
             self._wakeup.clear()
             try:
                 await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _run_batch(self, batch: list[_Chunk]) -> None:

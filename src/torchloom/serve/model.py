@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ def model_identity(model_dir: str, info: dict[str, Any], labels: list[str]) -> M
     version = info.get("version") or info.get("exported_at")
     if not version:
         mtime = (path / "config.json").stat().st_mtime
-        version = datetime.fromtimestamp(mtime, timezone.utc).isoformat(timespec="seconds")
+        version = datetime.fromtimestamp(mtime, UTC).isoformat(timespec="seconds")
     return ModelIdentity(name=str(name), version=str(version), labels=tuple(labels))
 
 
