@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Runs tracked by default (tracking.enabled) go to a throw-away MLflow store, not the working directory.
+_mlflow_dir = tempfile.mkdtemp(prefix="torchloom-test-mlflow-")
+atexit.register(shutil.rmtree, _mlflow_dir, ignore_errors=True)
+os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,9 @@ from torchloom.model.tiny import write_tiny_model
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchloom(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def torchloom(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+                          timeout=timeout, env={**ENV, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +47,12 @@ def reviews_csv(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tiny, reviews_csv):
     rd = tmp_path_factory.mktemp("runs") / "reviews"
+    store = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
     proc = torchloom(
         "run", "--data.path", str(reviews_csv), "--data.text_column", "body", "--data.label_column", "topic",
         "--model.path", tiny, "--output.dir", str(rd), "--prepare.spark_master", "local[2]",
         "--train.epochs", "3", "--train.batch_size", "8", "--train.lr", "3e-3", "--train.precision", "fp32",
+        "--train.log_every", "2", "--tracking.uri", store, "--tracking.experiment", "cli-tests",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return rd, proc
@@ -72,6 +75,52 @@ def test_run_writes_every_output_and_a_summary(finished_run):
     # the words give the topic away: even the tiny model must learn it
     assert report["metrics"]["accuracy"] >= 0.9, report["metrics"]["accuracy"]
     assert summary["accuracy"] == report["metrics"]["accuracy"]
+
+
+def test_run_is_one_mlflow_run_with_config_metrics_artifacts_and_a_servable_model(finished_run):
+    mlflow = pytest.importorskip("mlflow")
+    import pandas as pd
+    from mlflow import MlflowClient
+
+    from torchloom.model.predict import Predictor
+
+    rd, proc = finished_run
+    summary = json.loads((rd / "summary.json").read_text())
+    uri = tomllib.loads((rd / "config.toml").read_text())["tracking"]["uri"]
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("cli-tests")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1, "one MLflow run per job, not one per rank"
+    run = runs[0]
+    assert run.info.run_id == summary["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert f"mlflow  run {run.info.run_id}" in proc.stdout
+    assert run.data.params["train.lr"] == "0.003" and run.data.params["engine.workers"] == "2"
+    tags = run.data.tags
+    assert tags["engine"] == "local" and tags["world_size"] == "2" and tags["torchloom.version"]
+    manifest = json.loads((rd / "data" / "manifest.json").read_text())
+    assert tags["data_fingerprint"] == manifest["fingerprint"]
+    # Per-step metrics come from rank 0 alone: one point per logged step, none twice.
+    logged = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in logged if r["kind"] == "train"]
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert sorted(m.step for m in history) == train_steps and len(train_steps) > 3
+    evals = {r["step"]: r["macro_f1"] for r in logged if r["kind"] == "eval"}
+    assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_macro_f1")} == evals
+    assert run.data.metrics["test_accuracy"] == summary["accuracy"]
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config.toml", "metrics.jsonl", "manifest.json", "report.md", "report.json", "plots",
+            "model"} <= artifacts
+    # The logged model is an MLflow pyfunc model giving what torchloom's own predictor gives.
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        model = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model")
+    finally:
+        os.environ["MLFLOW_TRACKING_URI"] = ENV["MLFLOW_TRACKING_URI"]
+    texts = ["bank shares profit market price", "guitar band song album concert", "match goal team"]
+    out = model.predict(pd.DataFrame({"text": texts}))
+    expected = Predictor(str(rd / "model")).predict(texts)
+    assert list(out["label"]) == [e["label"] for e in expected]
+    assert all(abs(a - e["score"]) < 1e-5 for a, e in zip(out["score"], expected))
 
 
 def test_predict_cli_uses_the_exported_model(finished_run, tmp_path):

@@ -17,6 +17,7 @@ COMMANDS = {
     "evaluate": "score the exported model on a split: report.md, report.json, plots/",
     "predict": "predict labels with an exported model: texts as JSON lines, or a whole file to Parquet (--output)",
     "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--engine ray)",
+    "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
 }
@@ -46,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
             add_serve_arguments(sp)
             continue
         sp.add_argument("--config", help="a TOML file with [section] tables")
-        if name in ("run", "prepare", "train"):
+        if name in ("run", "prepare", "train", "tune"):
             sp.add_argument("--overwrite", action="store_true", help="same as --output.overwrite true")
         if name in ("run", "train"):
             sp.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
@@ -219,6 +220,10 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         pipeline.evaluate_stage(cfg)
     elif args.command == "run":
         pipeline.run_all(cfg)
+    elif args.command == "tune":
+        from torchloom.tune.study import run as tune_run
+
+        tune_run(cfg)
     return 0
 
 

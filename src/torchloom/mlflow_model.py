@@ -14,8 +14,11 @@ try:
 except ImportError:  # only needed when MLflow is installed
     PythonModel = object
 
-
 class TextClassifier(PythonModel):
+    # The input is deliberately loose (a table with a text column, or a list of texts): no type-hint
+    # validation, and no warning at class definition suggesting it.
+    _skip_type_hint_validation = True
+
     def load_context(self, context) -> None:
         from torchloom.model.predict import Predictor
 

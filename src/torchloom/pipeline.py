@@ -257,11 +257,12 @@ def _run_all(cfg: Config, rd: Path, tracker) -> dict:
         "model_dir": str(rd / "model"),
         "report": str(rd / "report.md"),
     }
+    if tracker.enabled:
+        summary["mlflow_run_id"] = tracker.run_id
+        summary["mlflow_uri"] = tracker.uri
     (rd / "summary.json").write_text(json.dumps(summary, indent=2))
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
     tracker.log_artifact(rd / "summary.json")
-    if tracker.enabled:
-        summary["mlflow_run_id"] = tracker.run_id
     stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
     print(
         f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})\n"
