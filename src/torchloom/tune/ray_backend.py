@@ -1,0 +1,182 @@
+"""The Ray Tune backend: an Optuna (TPE) search with an ASHA scheduler, each trial a distributed
+Ray Train run (Train inside Tune: a function trainable that builds a TorchTrainer and fits it).
+
+Every rank reports each validation result through ray.train.report; the TuneReportCallback hands
+rank 0's to the trial, so ASHA can stop a bad trial at any evaluation (`tune.grace_period` of them
+first). An interrupted study resumes (Tuner.restore): unfinished trials restart from their own
+latest checkpoint. Resources: each trial takes a sliver of a CPU for itself and its workers
+`engine.cpus_per_worker` each (on a local instance: the cores shared by `tune.max_concurrent` trials).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchloom.config import Config, from_dict, to_dict
+from torchloom.engines.common import replace_engine
+from torchloom.tune import study as study_mod
+from torchloom.tune.space import Param
+
+TRIAL_CPU = 0.01  # the trial's own process mostly waits for its TorchTrainer
+
+
+def concurrency(cfg: Config) -> int:
+    if cfg.tune.max_concurrent:
+        return cfg.tune.max_concurrent
+    import ray
+
+    cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
+    return max(1, min(cfg.tune.trials, cpus // cfg.engine.workers))
+
+
+def trial_engine(cfg: Config, concurrent: int, started_local: bool) -> Config:
+    """The engine settings of each trial: Ray, with CPUs shared out so `concurrent` trials fit."""
+    cpus = cfg.engine.cpus_per_worker
+    if not cpus:
+        if started_local:
+            total = os.cpu_count() or 1
+            cpus = round((0.98 * total - concurrent * TRIAL_CPU) / (concurrent * cfg.engine.workers), 3)
+        else:
+            cpus = 1.0
+    threads = cfg.engine.threads_per_worker or max(1, int(cpus + 0.01))
+    return replace_engine(cfg, name="ray", cpus_per_worker=cpus, threads_per_worker=threads)
+
+
+def _trainable(config: dict) -> None:
+    """One trial, in a Ray Tune trial process: train on Ray Train workers; Tune sees every eval."""
+    from ray import tune
+
+    from torchloom.pipeline import env_defaults
+
+    env_defaults()
+    ctx = tune.get_context()
+    cfg = from_dict(config["__cfg"])
+    sd = Path(config["__study_dir"])
+    values = {k: v for k, v in config.items() if not k.startswith("__")}
+    name = f"trial-{ctx.get_trial_id()}"
+    study_mod.run_trial(cfg, sd, name, values, config.get("__parent_run_id"))
+
+
+class _Progress:
+    """One line per trial event on the driver's terminal, instead of Tune's wide tables."""
+
+    def __init__(self, metric: str):
+        from ray.tune import Callback
+
+        class Cb(Callback):
+            def on_trial_result(self, iteration, trials, trial, result, **info):
+                value = result.get(metric)
+                shown = f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+                study_mod.say(f"trial-{trial.trial_id} eval {result.get('training_iteration')} at step"
+                              f" {result.get('step', '?')}: {metric} {shown}")
+
+            def on_trial_error(self, iteration, trials, trial, **info):
+                study_mod.say(f"trial-{trial.trial_id} failed; see {trial.local_path or 'its logs'}")
+
+        self.callback = Cb()
+
+
+def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -> None:
+    import logging
+
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.optuna import OptunaSearch
+
+    from torchloom.engines.ray import init_ray
+
+    tc = cfg.tune
+    metric, mode = tc.metric, study_mod.mode_of(cfg)
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our one line per event instead of Tune's tables
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # torchloom writes its own results
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    started_local = init_ray(cfg.engine.ray_address)
+    try:
+        logging.getLogger("ray.tune").setLevel(logging.WARNING)
+        concurrent = concurrency(cfg)
+        trial_cfg = trial_engine(cfg, concurrent, started_local)
+        fixed = {"__cfg": to_dict(trial_cfg), "__study_dir": str(sd), "__parent_run_id": parent_run_id}
+        trainable = tune.with_resources(_trainable, {"CPU": TRIAL_CPU})
+        storage = sd / "ray"
+        path = storage / "tune"
+        if tune.Tuner.can_restore(str(path)):
+            study_mod.say(f"resuming the Ray Tune study in {path}")
+            tuner = tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True,
+                                       resume_errored=True, param_space=fixed)
+        else:
+            if tc.scheduler == "asha":
+                scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=tc.grace_period,
+                                          reduction_factor=tc.reduction_factor, max_t=10_000)
+            elif tc.scheduler == "hyperband":
+                scheduler = HyperBandScheduler(time_attr="training_iteration", max_t=max(tc.grace_period * 27, 81),
+                                               reduction_factor=tc.reduction_factor)
+            else:
+                scheduler = FIFOScheduler()
+            searcher = ConcurrencyLimiter(OptunaSearch(seed=tc.seed), max_concurrent=concurrent)
+            tuner = tune.Tuner(
+                trainable,
+                param_space={**{p.key: p.ray_domain() for p in params}, **fixed},
+                tune_config=tune.TuneConfig(
+                    metric=metric, mode=mode, num_samples=tc.trials, search_alg=searcher, scheduler=scheduler,
+                    time_budget_s=tc.time_budget_s or None,
+                ),
+                run_config=tune.RunConfig(
+                    name="tune", storage_path=str(storage), verbose=0, callbacks=[_Progress(metric).callback],
+                    failure_config=tune.FailureConfig(max_failures=0),
+                ),
+            )
+        study_mod.say(f"{concurrent} trial(s) at a time, {trial_cfg.engine.workers} Ray Train workers each with"
+                      f" {trial_cfg.engine.cpus_per_worker:g} CPUs")
+        grid = tuner.fit()
+    finally:
+        if started_local:
+            import ray
+
+            ray.shutdown()
+    settle(cfg, sd, grid)
+
+
+def trial_name_of(result) -> str | None:
+    tid = (result.metrics or {}).get("trial_id")
+    if not tid and result.path:
+        parts = Path(result.path).name.split("_")  # _trainable_<id>_<n>_...
+        tid = parts[2] if len(parts) > 2 else None
+    return f"trial-{tid}" if tid else None
+
+
+def settle(cfg: Config, sd: Path, grid) -> None:
+    """Record how each trial ended, as Tune saw it. A trial ASHA stopped never wrote its own end, or
+    wrote "failed" when its Ray Train run was torn down under it: both are "stopped early", and
+    their MLflow runs end as KILLED."""
+    import json
+
+    from torchloom import tracking
+
+    for result in grid:
+        name = trial_name_of(result)
+        td = study_mod.trial_dir(sd, name) if name else None
+        if td is None or not (td / "trial.json").is_file():
+            continue
+        own = json.loads((td / "trial_result.json").read_text()) if (td / "trial_result.json").is_file() else {}
+        if own.get("status") == "completed":
+            continue
+        if result.error is not None:
+            if own.get("status") == "failed":
+                continue
+            status, mlflow_status = "failed", "FAILED"
+            extra = {"error": str(result.error).splitlines()[0] if str(result.error) else "failed"}
+        else:
+            status, mlflow_status, extra = "stopped early", "KILLED", {"stop_reason": "scheduler"}
+        study_mod.finish_trial(td, status, extra)
+        run_id = json.loads((td / "trial.json").read_text()).get("mlflow_run_id")
+        if run_id and cfg.tracking.enabled:
+            try:
+                from mlflow import MlflowClient
+
+                MlflowClient(tracking_uri=tracking.resolve_uri(cfg.tracking.uri)).set_terminated(run_id, mlflow_status)
+            except Exception:  # the study's result does not depend on it
+                pass
