@@ -32,6 +32,7 @@ class Predictor:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars on every load
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise UserError(f"model dir {model_dir}: no config.json there; pass a directory written by"
