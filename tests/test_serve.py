@@ -433,6 +433,39 @@ def test_batcher_merges_requests_splits_large_ones_and_keeps_order():
     assert sum(len(c) for c in calls) == 10
 
 
+def test_batcher_does_not_make_a_lone_client_wait_for_peers_but_merges_a_crowd():
+    sizes: list[int] = []
+
+    def predict(texts):
+        sizes.append(len(texts))
+        time.sleep(0.005)
+        return texts
+
+    async def lone(b):
+        started = time.monotonic()
+        for i in range(5):
+            assert await b.submit([str(i)]) == [str(i)]
+        return time.monotonic() - started
+
+    async def crowd(b, n):
+        async def client(k):
+            for i in range(5):
+                assert await b.submit([f"{k}-{i}"]) == [f"{k}-{i}"]
+        await asyncio.gather(*(client(k) for k in range(n)))
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=8, max_wait_ms=1000, max_queue=100)
+        await b.start()
+        alone = await lone(b)  # waiting max_wait for nobody would take 5 s
+        sizes.clear()
+        await crowd(b, 16)
+        await b.close()
+        return alone
+
+    assert run_async(main()) < 1.0
+    assert max(sizes) == 8 and sum(sizes) == 80
+
+
 def test_batcher_refuses_when_full_and_after_close():
     release = threading.Event()
 

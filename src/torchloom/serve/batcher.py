@@ -2,7 +2,9 @@
 
 Requests are cut into chunks of at most `max_batch_size` texts and queued. A batch is the oldest chunks
 that fit in `max_batch_size` texts; it goes to the model once it is full or its oldest chunk has waited
-`max_wait_ms`. The model runs on a single worker thread so batches never compete for the cores, and the
+`max_wait_ms`, and at once when nobody else is likely to join it: the batcher keeps a moving average of
+how many other requests were in flight when each one arrived, and below one (a lone client, or light
+load) waiting would only add latency, so it does not wait. The model runs on a single worker thread so batches never compete for the cores, and the
 event loop stays free to accept requests meanwhile. The queue is bounded in texts: a request that would
 overfill it is refused at once (the server answers 503) instead of growing memory and latency.
 """
@@ -69,6 +71,8 @@ class MicroBatcher:
         self._closing = False
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._in_flight = 0  # requests submitted and not yet answered
+        self._concurrency = 0.0  # moving average of other requests in flight at each arrival
 
     @property
     def queue_depth(self) -> int:
@@ -91,11 +95,16 @@ class MicroBatcher:
         loop = asyncio.get_running_loop()
         chunks = [_Chunk(texts[i:i + self.max_batch_size], loop.create_future())
                   for i in range(0, len(texts), self.max_batch_size)]
+        self._concurrency = 0.9 * self._concurrency + 0.1 * self._in_flight
         self._queue.extend(chunks)
         self._pending += len(texts)
         self._wakeup.set()
         # A cancelled request (client gone) cancels its chunks; the batcher then skips them.
-        parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
+        self._in_flight += 1
+        try:
+            parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
+        finally:
+            self._in_flight -= 1
         for part in parts:
             if isinstance(part, BaseException):
                 raise part
@@ -148,6 +157,8 @@ class MicroBatcher:
                 size += len(chunk.texts)
             if full or size >= self.max_batch_size or self._closing or not batch:
                 return batch
+            if self._concurrency < 0.5:
+                return batch  # light load: nobody is likely to join within max_wait
             remaining = batch[0].queued_at + self.max_wait - time.monotonic()
             if remaining <= 0:
                 return batch

@@ -29,10 +29,14 @@ def storage_url(cfg: Config, sd: Path) -> str:
 def make_storage(url: str):
     import optuna
 
+    # A process that dies mid-trial stops its heartbeat: after the grace period the trial is marked
+    # failed and queued again with the same parameters, so an interrupted study resumes.
+    heartbeat = {"heartbeat_interval": 30, "grace_period": 120,
+                 "failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
     if url.startswith("sqlite"):
         # Several processes share the file: wait for the lock rather than fail on "database is locked".
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}})
-    return optuna.storages.RDBStorage(url)
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}}, **heartbeat)
+    return optuna.storages.RDBStorage(url, **heartbeat)
 
 
 def make_pruner(scheduler: str, grace_period: int, reduction_factor: int):
@@ -108,7 +112,10 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
         return value
 
     def enough(st: optuna.Study) -> bool:
-        return len(st.get_trials(deepcopy=False)) >= tc.trials
+        trials = st.get_trials(deepcopy=False)
+        counted = [t for t in trials if t.state != optuna.trial.TrialState.FAIL]
+        # Failed trials do not count, but a study whose trials keep failing must end too.
+        return len(counted) >= tc.trials or len(trials) >= 2 * tc.trials
 
     if enough(study):
         study_mod.say(f"the study already holds {len(study.trials)} trials (tune.trials {tc.trials})")
