@@ -188,7 +188,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """The default engine with a wait long enough that concurrent requests always share a batch."""
-    s = Server(model_dir, "--max-wait-ms", "100", "--max-texts-per-request", "8", "--max-text-chars", "500",
+    s = Server(model_dir, "--max-wait-ms", "100", "--fixed-wait", "--max-texts-per-request", "8",
+               "--max-text-chars", "500",
                "--api-key", API_KEY, "--device", "cpu", log_dir=tmp_path_factory.mktemp("server"))
     yield s
     assert s.terminate() == 0, s.stderr()[-3000:]
@@ -309,7 +310,7 @@ def test_metrics_are_prometheus_text(server):
 @pytest.fixture(scope="module")
 def slow_server(faulty_model_dir, tmp_path_factory):
     """A 4-text queue and batches that wait 1.5 s to fill: a full queue is easy to reach on purpose."""
-    s = Server(faulty_model_dir, "--max-queue", "4", "--max-batch-size", "8", "--max-wait-ms", "1500",
+    s = Server(faulty_model_dir, "--max-queue", "4", "--max-batch-size", "8", "--max-wait-ms", "1500", "--fixed-wait",
                "--device", "cpu", log_dir=tmp_path_factory.mktemp("slow"))
     yield s
     assert s.terminate() == 0, s.stderr()[-3000:]
@@ -361,7 +362,7 @@ def test_model_error_is_500_with_a_logged_id_and_only_fails_its_own_request(slow
 
 @needs_http
 def test_sigterm_finishes_the_request_in_flight_then_exits_0(model_dir, tmp_path):
-    s = Server(model_dir, "--max-wait-ms", "1500", "--device", "cpu", log_dir=tmp_path)
+    s = Server(model_dir, "--max-wait-ms", "1500", "--fixed-wait", "--device", "cpu", log_dir=tmp_path)
     try:
         thread, result = post_in_thread(s, ["in flight"])
         wait_for(lambda: queue_depth(s) == 1)

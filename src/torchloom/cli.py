@@ -161,6 +161,9 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-batch-size", type=int, default=32, help="texts per model forward (default 32)")
     sp.add_argument("--max-wait-ms", type=float, default=5.0,
                     help="how long a text waits for its batch to fill (default 5)")
+    sp.add_argument("--fixed-wait", action="store_true",
+                    help="always wait --max-wait-ms for a batch to fill, even when no other request is in flight"
+                         " (default: adaptive, a lone request goes at once)")
     sp.add_argument("--max-queue", type=int, default=1024,
                     help="texts waiting for the model; past this requests get 503 (default 1024)")
     sp.add_argument("--max-texts-per-request", type=int, default=256)
@@ -181,6 +184,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     settings = ServeSettings(
         model_dir=args.model_dir, host=args.host, port=args.port, engine=args.engine, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+        fixed_wait=args.fixed_wait,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision,
     ).check()

@@ -4,8 +4,9 @@ Requests are cut into chunks of at most `max_batch_size` texts and queued. A bat
 that fit in `max_batch_size` texts; it goes to the model once it is full or its oldest chunk has waited
 `max_wait_ms`, and at once when nobody else is likely to join it: the batcher keeps a moving average of
 how many other requests were in flight when each one arrived, and below one (a lone client, or light
-load) waiting would only add latency, so it does not wait. The model runs on a single worker thread so batches never compete for the cores, and the
-event loop stays free to accept requests meanwhile. The queue is bounded in texts: a request that would
+load) waiting would only add latency, so it does not wait (unless adaptive_wait is off). The model
+runs on a single worker thread so batches never compete for the cores, and the event loop stays free
+to accept requests meanwhile. The queue is bounded in texts: a request that would
 overfill it is refused at once (the server answers 503) instead of growing memory and latency.
 """
 
@@ -57,13 +58,15 @@ class MicroBatcher:
     """Runs `predict(texts) -> results` (one result per text, in order) on merged batches from many callers."""
 
     def __init__(self, predict: Callable[[list[str]], list[Any]], max_batch_size: int = 32,
-                 max_wait_ms: float = 5.0, max_queue: int = 1024, metrics: ServeMetrics | None = None) -> None:
+                 max_wait_ms: float = 5.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
+                 adaptive_wait: bool = True) -> None:
         if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
             raise ValueError("max_batch_size and max_queue must be >= 1 and max_wait_ms >= 0")
         self._predict = predict
         self.max_batch_size = max_batch_size
         self.max_wait = max_wait_ms / 1000
         self.max_queue = max_queue
+        self.adaptive_wait = adaptive_wait
         self.metrics = metrics or ServeMetrics()
         self._queue: deque[_Chunk] = deque()
         self._pending = 0  # texts accepted and not yet handed to the model
@@ -157,7 +160,7 @@ class MicroBatcher:
                 size += len(chunk.texts)
             if full or size >= self.max_batch_size or self._closing or not batch:
                 return batch
-            if self._concurrency < 0.5:
+            if self.adaptive_wait and self._concurrency < 0.5:
                 return batch  # light load: nobody is likely to join within max_wait
             remaining = batch[0].queued_at + self.max_wait - time.monotonic()
             if remaining <= 0:

@@ -30,7 +30,7 @@ class LocalBackend:
         self.identity = model.identity
         self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth)
         self.batcher = MicroBatcher(model.predict, settings.max_batch_size, settings.max_wait_ms,
-                                    settings.max_queue, self.metrics)
+                                    settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait)
         self._ready = False
         self._warm_up_task: asyncio.Task | None = None
 

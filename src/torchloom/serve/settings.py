@@ -20,6 +20,7 @@ class ServeSettings:
     replicas: int = 1  # ray only
     max_batch_size: int = 32  # texts per model forward
     max_wait_ms: float = 5.0  # how long the oldest queued text waits for a batch to fill
+    fixed_wait: bool = False  # wait max_wait_ms even when no other request is in flight (default: adaptive)
     max_queue: int = 1024  # texts accepted and waiting; more -> 503
     max_texts_per_request: int = 256
     max_text_chars: int = 20_000
