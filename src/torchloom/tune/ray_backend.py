@@ -11,6 +11,7 @@ latest checkpoint. Resources: each trial takes a sliver of a CPU for itself and 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from torchloom.config import Config, from_dict, to_dict
@@ -103,10 +104,11 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
         trainable = tune.with_resources(_trainable, {"CPU": TRIAL_CPU})
         storage = sd / "ray"
         path = storage / "tune"
+        param_space = {**{p.key: p.ray_domain() for p in params}, **fixed}
         if tune.Tuner.can_restore(str(path)):
             study_mod.say(f"resuming the Ray Tune study in {path}")
             tuner = tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True, param_space=fixed)
+                                       resume_errored=True, param_space=param_space)
         else:
             if tc.scheduler == "asha":
                 scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=tc.grace_period,
@@ -119,7 +121,7 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
             searcher = ConcurrencyLimiter(OptunaSearch(seed=tc.seed), max_concurrent=concurrent)
             tuner = tune.Tuner(
                 trainable,
-                param_space={**{p.key: p.ray_domain() for p in params}, **fixed},
+                param_space=param_space,
                 tune_config=tune.TuneConfig(
                     metric=metric, mode=mode, num_samples=tc.trials, search_alg=searcher, scheduler=scheduler,
                     time_budget_s=tc.time_budget_s or None,
@@ -131,13 +133,32 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
             )
         study_mod.say(f"{concurrent} trial(s) at a time, {trial_cfg.engine.workers} Ray Train workers each with"
                       f" {trial_cfg.engine.cpus_per_worker:g} CPUs")
+        started = time.monotonic()
         grid = tuner.fit()
     finally:
         if started_local:
             import ray
 
             ray.shutdown()
+    statuses = trial_statuses(grid)
+    unfinished = [tid for tid, status in statuses.items() if status not in ("TERMINATED", "ERROR")]
+    out_of_time = bool(tc.time_budget_s) and time.monotonic() - started >= tc.time_budget_s
+    if unfinished or (len(statuses) < tc.trials and not out_of_time):
+        # Tune caught Ctrl+C (or lost its driver) and saved its state: nothing is settled, so the same
+        # command resumes the study where it stopped.
+        done = len(statuses) - len(unfinished)
+        study_mod.say(f"interrupted after {done} of {tc.trials} trials; run the same command again to resume"
+                      " the study")
+        raise KeyboardInterrupt
     settle(cfg, sd, grid)
+
+
+def trial_statuses(grid) -> dict[str, str]:
+    """Tune's status of each trial (TERMINATED, ERROR, RUNNING, PENDING, PAUSED)."""
+    try:
+        return {t.trial_id: t.status for t in grid._experiment_analysis.trials}
+    except AttributeError:  # another Ray version: every trial the grid holds ended
+        return {trial_name_of(r) or str(i): ("ERROR" if r.error else "TERMINATED") for i, r in enumerate(grid)}
 
 
 def trial_name_of(result) -> str | None:
@@ -162,8 +183,8 @@ def settle(cfg: Config, sd: Path, grid) -> None:
         if td is None or not (td / "trial.json").is_file():
             continue
         own = json.loads((td / "trial_result.json").read_text()) if (td / "trial_result.json").is_file() else {}
-        if own.get("status") == "completed":
-            continue
+        if own.get("status") in ("completed", "interrupted"):
+            continue  # an interrupted trial Tune did not resume keeps saying so
         if result.error is not None:
             if own.get("status") == "failed":
                 continue

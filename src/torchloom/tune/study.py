@@ -206,6 +206,9 @@ def run_trial(cfg: Config, sd: Path, name: str, values: dict, parent_run_id: str
     with tracker:
         try:
             result = pipeline.train_stage(trial_cfg, quiet=quiet, tracker=tracker, hooks=hooks)
+        except KeyboardInterrupt:
+            finish_trial(td, "interrupted")
+            raise
         except BaseException as e:
             finish_trial(td, "failed", {"error": str(e).splitlines()[0] if str(e) else type(e).__name__})
             raise
