@@ -15,7 +15,6 @@ import pytest
 
 from torchloom.config import build
 from torchloom.errors import UserError
-from torchloom.model.tiny import write_tiny_model
 from torchloom.tune import space
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -27,21 +26,19 @@ def torchloom(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
+def tiny(tiny_model_dir):
+    return tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def topics_csv(tmp_path_factory):
+    """Three topics whose words give them away, 30 rows each."""
     path = tmp_path_factory.mktemp("csv") / "topics.csv"
-    words = {"sport": "match goal team win league", "money": "bank market price shares profit",
+    vocab = {"sport": "match goal team win league", "money": "bank market price shares profit",
              "music": "album song band concert guitar"}
+    rows = [[f"{v} number {i} {' '.join(reversed(v.split()))}", k] for k, v in vocab.items() for i in range(30)]
     with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["text", "label"])
-        for label, vocab in words.items():
-            for i in range(30):
-                w.writerow([f"{vocab} number {i} " + " ".join(reversed(vocab.split())), label])
+        csv.writer(f).writerows([["text", "label"], *rows])
     return path
 
 
