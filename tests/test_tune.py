@@ -186,3 +186,20 @@ def test_optuna_study_in_sqlite_shared_by_two_concurrent_processes(tmp_path, tin
     assert dirs == [f"trial-{t.number:03d}" for t in study.trials]
     # the data was prepared once, by one of them
     assert sum("reusing the prepared data" in err for _, err in outputs) == 1
+
+
+@pytest.mark.gpu
+def test_ray_study_trials_train_on_gpus(tmp_path, tiny, topics_csv):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("ray.tune")
+    out = tmp_path / "study"
+    proc = torchloom("tune", *common(topics_csv, tiny, out), "--tune.backend", "ray", "--engine.workers", "1",
+                     "--engine.device", "cuda", "--tune.trials", "2", "--train.epochs", "1",
+                     "--train.precision", "bf16", "--tracking.enabled", "false",
+                     "--tune.space", '{"train.lr" = "loguniform(1e-4, 1e-2)"}')
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for td in (out / "trials").iterdir():
+        result = json.loads((td / "train_result.json").read_text())
+        assert result["device"].startswith("cuda")

@@ -186,7 +186,7 @@ class Tracker(NullTracker):
             raise UserError(f"tracking.uri {uri}: cannot use this MLflow store ({first[:200]}); start the server,"
                             " fix the URI, or pass --tracking.enabled false") from None
         tracker = cls(client, uri, exp_id, run.info.run_id, cfg)
-        tracker.log_params(to_dict(cfg))
+        tracker._guard("the config as params", tracker.log_params, to_dict(cfg))
         return tracker
 
     def _guard(self, what: str, fn, *args) -> None:

@@ -27,8 +27,12 @@ def concurrency(cfg: Config) -> int:
         return cfg.tune.max_concurrent
     import ray
 
-    cpus = int(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-    return max(1, min(cfg.tune.trials, cpus // cfg.engine.workers))
+    resources = ray.cluster_resources()
+    fit = int(resources.get("CPU", os.cpu_count() or 1)) // cfg.engine.workers
+    gpus = int(resources.get("GPU", 0))
+    if cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus >= cfg.engine.workers):
+        fit = gpus // cfg.engine.workers  # each worker of each trial takes a whole GPU
+    return max(1, min(cfg.tune.trials, fit))
 
 
 def trial_engine(cfg: Config, concurrent: int, started_local: bool) -> Config:
