@@ -173,6 +173,17 @@ def trial_name_of(result) -> str | None:
     return f"trial-{tid}" if tid else None
 
 
+def ran_to_the_end(td: Path) -> bool:
+    import json
+
+    progress = td / "progress.json"
+    if not progress.is_file():
+        return False
+    total = json.loads(progress.read_text()).get("total_steps") or 0
+    steps = max((r.get("step", 0) for r in study_mod.eval_history(td)), default=0)
+    return 0 < total <= steps
+
+
 def settle(cfg: Config, sd: Path, grid) -> None:
     """Record how each trial ended, as Tune saw it. A trial ASHA stopped never wrote its own end, or
     wrote "failed" when its Ray Train run was torn down under it: both are "stopped early", and
@@ -194,6 +205,9 @@ def settle(cfg: Config, sd: Path, grid) -> None:
                 continue
             status, mlflow_status = "failed", "FAILED"
             extra = {"error": str(result.error).splitlines()[0] if str(result.error) else "failed"}
+        elif ran_to_the_end(td):
+            # The scheduler's stop reached a trial that had already trained every step.
+            status, mlflow_status, extra = "completed", "FINISHED", {"stop_reason": ""}
         else:
             status, mlflow_status, extra = "stopped early", "KILLED", {"stop_reason": "scheduler"}
         study_mod.finish_trial(td, status, extra)
