@@ -101,9 +101,10 @@ def ray_study(tmp_path_factory, tiny, topics_csv):
     store = f"sqlite:///{root / 'mlflow.db'}"
     out = root / "study"
     # Validation loss separates trials even when a tiny learning rate leaves accuracy flat; the
-    # range spans learning rates that barely move the model, so ASHA has something to stop.
+    # range spans learning rates that barely move the model, so ASHA has something to stop. One trial
+    # at a time makes ASHA's decisions independent of which concurrent trial reports first.
     proc = torchloom("tune", *common(topics_csv, tiny, out), "--tune.backend", "ray", "--engine.workers", "2",
-                     "--tune.trials", "4", "--tune.max_concurrent", "4", "--tune.metric", "loss",
+                     "--tune.trials", "4", "--tune.max_concurrent", "1", "--tune.metric", "loss",
                      "--train.epochs", "1", "--train.eval_every", "2",
                      "--tune.space", '{"train.lr" = "loguniform(1e-7, 2e-2)"}',
                      "--tracking.uri", store, "--tracking.experiment", "tune-tests")
@@ -167,7 +168,7 @@ def test_optuna_study_in_sqlite_shared_by_two_concurrent_processes(tmp_path, tin
     optuna = pytest.importorskip("optuna")
     out = tmp_path / "study"
     args = [sys.executable, "-m", "torchloom", "tune", *common(topics_csv, tiny, out), "--tune.backend", "optuna",
-            "--engine.workers", "1", "--tune.trials", "4", "--train.epochs", "1", "--tracking.enabled", "false",
+            "--engine.workers", "1", "--tune.trials", "3", "--train.epochs", "1", "--tracking.enabled", "false",
             "--tune.space", '{"train.lr" = "loguniform(1e-4, 1e-2)", "train.warmup_ratio" = "uniform(0, 0.2)"}']
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
              for _ in range(2)]
@@ -179,7 +180,7 @@ def test_optuna_study_in_sqlite_shared_by_two_concurrent_processes(tmp_path, tin
     assert all(n >= 1 for n in ran), ran
     study = optuna.load_study(study_name="study", storage=f"sqlite:///{out / 'optuna.db'}")
     finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(study.trials) == sum(ran) and 4 <= len(study.trials) <= 5
+    assert len(study.trials) == sum(ran) and 3 <= len(study.trials) <= 4
     assert len(finished) == len(study.trials)
     assert {t.number for t in study.trials} == set(range(len(study.trials)))
     dirs = sorted(p.name for p in (out / "trials").iterdir())
