@@ -79,6 +79,32 @@ class PruningReporter(Reporter):
         return self.trial.should_prune()
 
 
+def open_study(url: str, name: str, direction: str, tc, sd: Path):
+    """Create or load the study. Processes starting together would race to create the database's
+    tables (a UNIQUE failure on alembic_version): those sharing the study dir take turns on a lock file;
+    others, on a remote database, retry."""
+    import fcntl
+    import time
+
+    import optuna
+    import sqlalchemy.exc
+
+    for attempt in range(5):
+        try:
+            with open(sd / ".storage.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                return optuna.create_study(
+                    study_name=name, storage=make_storage(url), load_if_exists=True, direction=direction,
+                    sampler=optuna.samplers.TPESampler(seed=tc.seed,
+                                                       n_startup_trials=min(10, max(2, tc.trials // 2))),
+                    pruner=make_pruner(tc.scheduler, tc.grace_period, tc.reduction_factor),
+                )
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError):
+            if attempt == 4:
+                raise
+            time.sleep(1 + attempt)
+
+
 def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -> None:
     import optuna
 
@@ -87,12 +113,7 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
     url = storage_url(cfg, sd)
     name = study_mod.study_name(cfg)
     direction = "maximize" if study_mod.mode_of(cfg) == "max" else "minimize"
-    storage = make_storage(url)
-    study = optuna.create_study(
-        study_name=name, storage=storage, load_if_exists=True, direction=direction,
-        sampler=optuna.samplers.TPESampler(seed=tc.seed, n_startup_trials=min(10, max(2, tc.trials // 2))),
-        pruner=make_pruner(tc.scheduler, tc.grace_period, tc.reduction_factor),
-    )
+    study = open_study(url, name, direction, tc, sd)
     hooks_base = {"storage": url, "study_name": name, "metric": tc.metric, "scheduler": tc.scheduler,
                   "grace_period": tc.grace_period, "reduction_factor": tc.reduction_factor}
 
