@@ -1,12 +1,17 @@
 """The same short training on each engine, next to the bare launchers, in one sitting.
 
-    .venv/bin/python benchmarks/engines.py [--steps 40] [--engines local,spark,ray]
+    .venv/bin/python benchmarks/engines.py [--steps 40] [--engines local,spark,ray] [--rounds 3]
 
 For each engine: torchloom train (MiniLM on BBC News, 2 workers, global batch 16, bf16) and the bare
 launcher running the same minimal loop (benchmarks/bare_ddp.py): torchrun, TorchDistributor.run
 (local_mode), TorchTrainer.fit on a local Ray instance. Prints time to first step (from the launch
 call), steady-state samples/s (after 3 steps), total wall time and, for torchloom, the final
 validation accuracy; then the ratios the targets are about.
+
+Rounds are interleaved (every launcher once per round, in the same order) and each figure is the
+median over rounds: on a shared 2-core VM one launch can run 20% slower than the next for reasons
+that have nothing to do with the launcher, and a single sequential pass charges that drift to
+whichever engine happened to run last.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,10 +104,16 @@ def bare_ray(data: Path, model: str, steps: int) -> dict:
     return {**json.loads(out.read_text()), "total_s": time.time() - launched}
 
 
+def median(results: list[dict]) -> dict:
+    """Each figure's median over the rounds (figures of different rounds may mix: that is the point)."""
+    return {key: statistics.median(r[key] for r in results) for key in results[0]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--engines", default="local,spark,ray")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(), "torchloom-bench", "bbc"))
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -114,13 +126,19 @@ def main() -> None:
     model, data = demo_model_path(), run_dir / "data"
     bare = {"local": ("torchrun", bare_torchrun), "spark": ("TorchDistributor.run", bare_spark),
             "ray": ("TorchTrainer.fit", bare_ray)}
-    rows = []
-    for engine in a.engines.split(","):
-        name, fn = bare[engine]
-        b = fn(data, model, a.steps)
-        t = torchloom_run(engine, run_dir, a.steps)
-        rows.append((engine, name, b, t))
-    print(f"\nMiniLM on BBC News, 2 workers, global batch 16, bf16, {a.steps} steps, {os.cpu_count()} cores")
+    engines = a.engines.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for r in range(a.rounds):
+        for engine in engines:
+            name, fn = bare[engine]
+            runs.setdefault((engine, "bare"), []).append(fn(data, model, a.steps))
+            runs.setdefault((engine, "torchloom"), []).append(torchloom_run(engine, run_dir, a.steps))
+        print(f"round {r + 1}: " + "  ".join(f"{e}/{k} {v[-1]['samples_per_s']:.2f}" for (e, k), v in runs.items()),
+              flush=True)
+    rows = [(engine, bare[engine][0], median(runs[(engine, "bare")]), median(runs[(engine, "torchloom")]))
+            for engine in engines]
+    print(f"\nMiniLM on BBC News, 2 workers, global batch 16, bf16, {a.steps} steps, {os.cpu_count()} cores,"
+          f" median of {a.rounds} interleaved rounds")
     print(f"{'engine':7} {'launcher':22} {'first step s':>12} {'samples/s':>10} {'total s':>8} {'val acc':>8}")
     for engine, name, b, t in rows:
         label = "bare " + name

@@ -195,7 +195,8 @@ def test_predictions_are_in_input_order_and_match_the_model(exported, model, bas
         got = torch.tensor([result["probabilities"][label] for label in LABELS])
         assert torch.allclose(got, probs, atol=1e-5)
         assert result["label"] == LABELS[int(probs.argmax())]
-        assert result["score"] == pytest.approx(float(probs.max()), abs=1e-6)
+        # Batches of 2 against one batch of all: padding changes the float order, as on the line above.
+        assert result["score"] == pytest.approx(float(probs.max()), abs=1e-5)
         assert sum(result["probabilities"].values()) == pytest.approx(1.0, abs=1e-5)
     assert len({r["label"] for r in results}) > 1
     # Batch size changes the batching and padding, never the answers.
