@@ -292,3 +292,35 @@ def test_bbc_news_demo(spark, tiny_model_dir, tmp_path):
     assert m.counts["rows_rejected"]["invalid_utf8"] == 1  # sports/199.txt holds a Latin-1 byte
     assert m.counts["duplicates_removed"] == 100
     assert m.counts["rows_kept"] == 2124 == sum(m.counts["splits"].values())
+
+
+def window_split_oracle(kept, plans, seed: int) -> dict:
+    """The split by definition: rank every class in one window ordered by (seeded hash, text)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    ends = {p.label: (p.test, p.test + p.val) for p in plans}
+    order = Window.partitionBy("label").orderBy(F.xxhash64(F.lit(seed), F.col("text")), F.col("text"))
+    out = {}
+    for r in kept.withColumn("rank", F.row_number().over(order)).collect():
+        test_end, val_end = ends[r.label]
+        out[(r.text, r.label)] = "test" if r.rank <= test_end else "val" if r.rank <= val_end else "train"
+    return out
+
+
+@pytest.mark.parametrize("max_groups", [None, 16])
+def test_bucketed_split_ranks_equal_one_window_per_class(spark, monkeypatch, max_groups):
+    from torchloom.etl import split as split_mod
+
+    if max_groups:  # 4 buckets per class: several rows share a bucket, so offsets and in-bucket order both count
+        monkeypatch.setattr(split_mod, "MAX_RANK_GROUPS", max_groups)
+    sizes = {"a": 151, "b": 40, "c": 9}
+    rows = [(f"{label} text number {i} with words {i * 31 % 17}", label) for label, n in sizes.items()
+            for i in range(n)]
+    kept = spark.createDataFrame(rows, "text string, label string").repartition(5)
+    plans = split_mod.plan_split(sizes, 0.1, 0.2, "test")
+    got = {(r.text, r.label): r.split for r in split_mod.assign_splits(kept, plans, seed=3).collect()}
+    assert got == window_split_oracle(kept, plans, seed=3)
+    for p in plans:
+        mine = [s for (_, label), s in got.items() if label == p.label]
+        assert (mine.count("train"), mine.count("val"), mine.count("test")) == (p.train, p.val, p.test)

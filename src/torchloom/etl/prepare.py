@@ -147,7 +147,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         labels = [plan.label for plan in plans]
         say(f"kept {rows_kept} rows in {len(labels)} classes: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
-        _write_rejected(marked, tmp / "rejected")
+        _write_rejected(marked, tmp / "rejected", n_rejected)
         timings["dedup_split"] = time.perf_counter() - t
 
         # split + tokenize + write: one job; rows spread by text hash so tokenizing uses every core.
@@ -209,14 +209,19 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
     )
 
 
-def _write_rejected(marked, out: Path) -> None:
+REJECTED_ROWS_PER_FILE = 1_000_000
+
+
+def _write_rejected(marked, out: Path, rows: int) -> None:
     """Rejected rows, with the original text and the reason, as Parquet under `out`."""
     from pyspark.sql import functions as F
 
     rejected = marked.filter(F.col("status").isin(*REASONS)).select(
         F.col("raw").alias("text"), "label", F.col("status").alias("reason"), "source"
     )
-    rejected.coalesce(1).write.parquet(str(out))
+    # repartition, not coalesce: coalesce(1) would scan every input row in one task to find the few
+    # rejected ones; this scans on every core and moves only the rejected rows.
+    rejected.repartition(max(1, math.ceil(rows / REJECTED_ROWS_PER_FILE))).write.parquet(str(out))
     _tidy(out)
 
 
