@@ -10,6 +10,7 @@ test accuracy side by side with the ratio. Needs `accelerate` for the HF Trainer
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,6 +28,10 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("extra", nargs="*", help="extra torchloom overrides, e.g. --train.lr=1e-4")
     a = p.parse_args()
+    if not a.skip_hf and importlib.util.find_spec("accelerate") is None:
+        # Before the 4-minute torchloom run, not after it: the HF Trainer refuses to start without it.
+        sys.exit("benchmarks/e2e.py: the HF Trainer baseline needs accelerate; install it with"
+                 " .venv/bin/pip install -c constraints.txt -e '.[bench]' (or pass --skip-hf)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from torchloom.embedded import demo_model_path
 
