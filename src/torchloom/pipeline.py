@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from torchloom import config as config_mod
@@ -101,7 +102,7 @@ def launch(cfg: Config, rd: Path, quiet: bool, spark=None) -> dict:
 
 
 def write_hooks(rd: Path, hooks: dict) -> None:
-    """What the workers' rank 0 (or every rank) must call out to: MLflow, a pruner (train/reporter.py)."""
+    """What the workers must call out to, e.g. an Optuna pruner (train/reporter.py)."""
     from torchloom.train.reporter import HOOKS_FILE
 
     path = rd / HOOKS_FILE
@@ -117,21 +118,29 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     check_trainable(cfg)
     rd = run_dir(cfg)
     save_config(cfg, rd)
-    from torchloom.tracking import NullTracker
+    from torchloom.tracking import MetricsForwarder, NullTracker
+    from torchloom.train.loop import reset_metrics_log
 
     tracker = tracker or NullTracker()
     if tracker.enabled:
         from torchloom import manifest as manifest_mod
 
         tracker.set_tags({"data_fingerprint": manifest_mod.read(rd / "data").fingerprint})
-    write_hooks(rd, {**(hooks or {}), **tracker.worker_hooks()})
+    write_hooks(rd, hooks or {})
+    # Before any worker starts, so the driver never forwards another run's lines to this run's tracker.
+    resume_step = resumed_step(cfg)
+    reset_metrics_log(rd / "metrics.jsonl", resume_step)
     say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, precision {cfg.train.precision},"
         f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd / 'logs'}")
     started = time.perf_counter()
+    forward = nullcontext()
+    if tracker.enabled:
+        forward = MetricsForwarder(tracker, rd / "metrics.jsonl", -1 if resume_step is None else resume_step)
     try:
-        result = launch(cfg, rd, quiet, spark)
+        with forward:  # rank 0's per-step metrics to MLflow, from here: the workers never import MLflow
+            result = launch(cfg, rd, quiet, spark)
     finally:
-        write_hooks(rd, {})  # a later run must not report into this run's MLflow run or trial
+        write_hooks(rd, {})  # a later run must not report into this run's trial
     result["wall_s"] = round(time.perf_counter() - started, 2)
     (rd / "train_result.json").write_text(json.dumps(result, indent=2))
     tracker.log_metrics({"train_samples_per_s": result["samples_per_s"], "train_steps": result["steps"],
@@ -143,6 +152,14 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     say(f"train: {result['steps']} steps in {result['train_s']:.1f} s ({result['samples_per_s']:.1f} samples/s);"
         f" validation {result.get('last_eval') or '-'}")
     return result
+
+
+def resumed_step(cfg: Config) -> int | None:
+    """The step of the checkpoint train.resume names (None: a fresh start)."""
+    from torchloom.train import checkpoint
+
+    path = checkpoint.resolve(cfg.train.resume, run_dir(cfg) / "checkpoints")
+    return None if path is None else int(json.loads((path / "meta.json").read_text())["step"])
 
 
 def select_checkpoint(cfg: Config) -> Path:

@@ -2,8 +2,9 @@
 
 The driver (the `torchloom` process) opens the run, logs the flattened config as params and the
 tags, and later the artifacts, the summary metrics and the exported model as an MLflow pyfunc
-model. Per-step metrics come from rank 0 of the workers, which reads the run id from hooks.json in
-the run directory and logs from a background thread (training never waits on the tracking store).
+model. Per-step metrics are what rank 0 writes to metrics.jsonl in the run directory: the driver
+forwards new lines every few seconds (MetricsForwarder), so workers never import MLflow and training
+never waits on the tracking store.
 Nested runs: a tune study's run is the parent of one run per trial.
 
 Store: `tracking.uri` if given, else $MLFLOW_TRACKING_URI, else `sqlite:///<cwd>/mlflow.db` with
@@ -13,8 +14,8 @@ a directory to keep mlflow.db in, or as the database file when it ends in .db.
 
 from __future__ import annotations
 
+import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -23,7 +24,6 @@ from pathlib import Path
 
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError
-from torchloom.train.reporter import Reporter
 
 SCHEMES = ("sqlite:", "http:", "https:", "databricks", "postgresql", "mysql", "mssql")
 
@@ -91,9 +91,6 @@ class NullTracker:
     enabled = False
     run_id = None
     uri = None
-
-    def worker_hooks(self) -> dict:
-        return {}
 
     def set_tags(self, tags: dict) -> None:
         pass
@@ -204,9 +201,6 @@ class Tracker(NullTracker):
         for i in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[i:i + 100])
 
-    def worker_hooks(self) -> dict:
-        return {"mlflow": {"uri": self.uri, "run_id": self.run_id}}
-
     def set_tags(self, tags: dict) -> None:
         for k, v in tags.items():
             self._guard(f"tag {k}", self.client.set_tag, self.run_id, k, str(v))
@@ -252,58 +246,65 @@ def start(cfg: Config, kind: str, **kwargs) -> NullTracker:
     return Tracker.start(cfg, kind, **kwargs)
 
 
-class WorkerLogger(Reporter):
-    """Rank 0's per-step metrics to the driver's MLflow run, from a background thread."""
+class MetricsForwarder:
+    """Copies the records rank 0 appends to metrics.jsonl into the driver's MLflow run, every few seconds.
 
-    def __init__(self, uri: str, run_id: str):
-        self.uri, self.run_id = uri, run_id
-        self.queue: queue.Queue = queue.Queue()
-        self.failed: str | None = None
-        self.thread = threading.Thread(target=self._loop, daemon=True, name="torchloom-mlflow")
-        self.thread.start()
+    The driver already has MLflow loaded; a worker would have to import it (about 2 s of a core on
+    rank 0 while the other ranks wait for it at the first collective) and hold a store connection.
 
-    def report(self, metrics: dict, checkpoint_dir: str | None) -> None:
-        return None
+    Only records past `after_step` go out (on a resume, the checkpoint's step: earlier records were
+    this log's history, tracked by the run that wrote them), and each (kind, step) once: a worker
+    restarted from a checkpoint rewrites the file and logs steps after it again.
+    """
 
-    def log(self, record: dict) -> None:
-        if self.failed is None:
-            self.queue.put(record)
+    def __init__(self, tracker: Tracker, metrics_path: str | Path, after_step: int = -1, interval: float = 2.0):
+        self.tracker, self.path, self.after_step, self.interval = tracker, Path(metrics_path), after_step, interval
+        self.sent: set[tuple[str, int]] = set()
+        self.failed = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="torchloom-mlflow")
 
-    def close(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=60)
+    def __enter__(self) -> MetricsForwarder:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+        self.poll()  # what the workers wrote last
 
     def _loop(self) -> None:
-        try:
-            _quiet_mlflow()
-            from mlflow import MlflowClient
-            from mlflow.entities import Metric
+        while not self._stop.wait(self.interval):
+            self.poll()
 
-            client = MlflowClient(tracking_uri=self.uri)
-        except Exception as e:  # never fail training over tracking
-            self._fail(e)
+    def poll(self) -> None:
+        if self.failed:
             return
-        done = False
-        while not done:
-            records = [self.queue.get()]
-            while True:  # whatever queued meanwhile goes in the same batch
-                try:
-                    records.append(self.queue.get_nowait())
-                except queue.Empty:
-                    break
-            if records[-1] is None or None in records:
-                done = True
-            now = int(time.time() * 1000)
-            metrics = [Metric(k, v, now, int(r.get("step", 0))) for r in records if r is not None
-                       for k, v in metric_items(r).items()]
-            try:
-                for i in range(0, len(metrics), 1000):
-                    client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
-            except Exception as e:
-                self._fail(e)
-                return
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError:
+            return  # not written yet
+        from mlflow.entities import Metric
 
-    def _fail(self, e: Exception) -> None:
-        self.failed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"torchloom: tracking: MLflow logging stopped ({self.failed}); training goes on", file=sys.stderr,
-              flush=True)
+        now = int(time.time() * 1000)
+        metrics, keys = [], []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line rank 0 is still writing
+            key = (record.get("kind", ""), int(record.get("step", 0)))
+            if key[1] <= self.after_step or key in self.sent:
+                continue
+            keys.append(key)
+            metrics += [Metric(k, v, now, key[1]) for k, v in metric_items(record).items()]
+        try:
+            for i in range(0, len(metrics), 1000):
+                self.tracker.client.log_batch(self.tracker.run_id, metrics=metrics[i:i + 1000])
+        except Exception as e:  # never fail training over tracking
+            self.failed = True
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"torchloom: tracking: MLflow logging of step metrics stopped ({first[:200]}); training goes on",
+                  file=sys.stderr, flush=True)
+            return
+        self.sent.update(keys)

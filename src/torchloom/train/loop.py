@@ -98,6 +98,21 @@ def better(metric: str, new: float, best: float | None) -> bool:
     return new < best if metric == "loss" else new > best
 
 
+def reset_metrics_log(path: Path, resume_step: int | None) -> None:
+    """A fresh run (resume_step None) starts a fresh metrics.jsonl; a resumed one keeps the lines up to
+    its checkpoint, since the interrupted run's later lines are about to be logged again."""
+    if not path.exists():
+        return
+    if resume_step is None:
+        path.unlink()
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class Trainer:
     """Built once per rank from the config; `fit()` runs the loop and returns rank-local results."""
 
@@ -137,8 +152,8 @@ class Trainer:
     def _maybe_resume(self) -> str | None:
         path = checkpoint.resolve(self.tc.resume, self.ckpt_root)
         if path is None:
-            if self.d.is_main and self.metrics_path.exists():
-                self.metrics_path.unlink()  # a fresh run starts a fresh log
+            if self.d.is_main:
+                reset_metrics_log(self.metrics_path, None)
             return None
         ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
         self.scheduler.load_state_dict(ts["scheduler"])
@@ -147,16 +162,8 @@ class Trainer:
         self.loader.load_state_dict(ts["loader"])
         self.state = TrainState(**ts["state"])
         if self.d.is_main:
-            self._truncate_metrics(self.state.step)
+            reset_metrics_log(self.metrics_path, self.state.step)
         return str(path)
-
-    def _truncate_metrics(self, step: int) -> None:
-        # Lines the interrupted run logged after this checkpoint would be logged again.
-        if not self.metrics_path.exists():
-            return
-        kept = [line for line in self.metrics_path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
     def save_checkpoint(self) -> Path:
         s = self.state
@@ -180,7 +187,7 @@ class Trainer:
         if self.d.is_main:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            self.reporter.log(record)  # e.g. MLflow, from rank 0 only
+            self.reporter.log(record)  # rank 0 only; MLflow reads the file instead (tracking.MetricsForwarder)
 
     def progress(self, **fields) -> None:
         # The driver tails this file to draw the live bar, whatever engine runs the workers.

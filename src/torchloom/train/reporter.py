@@ -1,4 +1,4 @@
-"""The one place engine- and tool-specific calls enter the loop: Ray's report, MLflow, a pruner.
+"""The one place engine- and tool-specific calls enter the loop: Ray's report, an Optuna pruner.
 
 The loop calls, on every rank:
   report(eval_record, checkpoint_dir) at every evaluation, the same number of times on each rank;
@@ -73,10 +73,6 @@ def worker_reporter(run_dir: str | Path, rank: int, engine_reporter: Reporter | 
     """The engine's reporter plus what the driver asked for in hooks.json (the same on every rank)."""
     hooks = read_hooks(run_dir)
     reporters = [engine_reporter] if engine_reporter is not None else []
-    if "mlflow" in hooks and rank == 0:
-        from torchloom.tracking import WorkerLogger
-
-        reporters.append(WorkerLogger(**hooks["mlflow"]))
     if "optuna" in hooks:
         from torchloom.tune.optuna_backend import PruningReporter
 
