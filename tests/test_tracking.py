@@ -11,6 +11,7 @@ pytest.importorskip("mlflow")
 
 from torchloom.config import Config  # noqa: E402
 from torchloom.tracking import MetricsForwarder, Tracker  # noqa: E402
+from torchloom.train.loop import reset_metrics_log  # noqa: E402
 
 
 def record(kind: str, step: int, value: float) -> str:
@@ -39,10 +40,11 @@ def test_forwards_each_step_once_after_the_resume_point(tracker, tmp_path):
     fwd.poll()
     assert history(tracker, "train_loss") == [(20, 0.8)]
     assert history(tracker, "val_macro_f1") == [(20, 0.5)]
-    # A worker restarted from the step-10 checkpoint rewrites the file and logs step 20 again, then
-    # goes on; the last line is still being written.
-    path.write_text(record("train", 10, 1.0) + record("train", 20, 0.8) + record("train", 30, 0.6)
-                    + record("train", 40, 0.4)[:15])
+    # A worker restarted from the step-10 checkpoint rewrites the file as the Trainer does and logs
+    # step 20 again, then goes on; the last line is still being written.
+    reset_metrics_log(path, 10)
+    with open(path, "a") as f:
+        f.write(record("train", 20, 0.8) + record("train", 30, 0.6) + record("train", 40, 0.4)[:15])
     fwd.poll()
     assert history(tracker, "train_loss") == [(20, 0.8), (30, 0.6)]
     with open(path, "a") as f:

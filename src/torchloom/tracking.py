@@ -261,6 +261,7 @@ class MetricsForwarder:
         self.tracker, self.path, self.after_step, self.interval = tracker, Path(metrics_path), after_step, interval
         self.sent: set[tuple[str, int]] = set()
         self.failed = False
+        self._file: tuple[int, int] = (-1, 0)  # (inode, bytes read): only new lines are parsed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="torchloom-mlflow")
 
@@ -277,13 +278,24 @@ class MetricsForwarder:
         while not self._stop.wait(self.interval):
             self.poll()
 
+    def _new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as f:
+                inode = os.fstat(f.fileno()).st_ino
+                # The log is rewritten (a new file) when a worker resumes: read it again from the start.
+                offset = self._file[1] if inode == self._file[0] else 0
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return []  # not written yet
+        complete = data[:data.rfind(b"\n") + 1]  # a last line still being written waits for the next poll
+        self._file = (inode, offset + len(complete))
+        return complete.decode("utf-8", errors="replace").splitlines()
+
     def poll(self) -> None:
         if self.failed:
             return
-        try:
-            lines = self.path.read_text().splitlines()
-        except OSError:
-            return  # not written yet
+        lines = self._new_lines()
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -292,7 +304,7 @@ class MetricsForwarder:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line rank 0 is still writing
+                continue
             key = (record.get("kind", ""), int(record.get("step", 0)))
             if key[1] <= self.after_step or key in self.sent:
                 continue
