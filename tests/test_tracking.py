@@ -10,13 +10,14 @@ import pytest
 pytest.importorskip("mlflow")
 
 from torchloom.config import Config  # noqa: E402
-from torchloom.tracking import MetricsForwarder, Tracker  # noqa: E402
+from torchloom.tracking import MetricsForwarder, Tracker, forward_missing  # noqa: E402
 from torchloom.train.loop import reset_metrics_log  # noqa: E402
 
 
 def record(kind: str, step: int, value: float) -> str:
+    # as the loop writes them: every record has a loss
     key = "loss" if kind == "train" else "macro_f1"
-    return json.dumps({"kind": kind, "step": step, key: value}) + "\n"
+    return json.dumps({"kind": kind, "step": step, "loss": value, key: value}) + "\n"
 
 
 @pytest.fixture
@@ -66,3 +67,15 @@ def test_a_failing_store_is_a_warning_not_an_error(tracker, tmp_path, capsys):
     assert "MLflow logging of step metrics stopped" in capsys.readouterr().err
     fwd.poll()  # and stays quiet afterwards
     assert capsys.readouterr().err == ""
+
+
+def test_forward_missing_sends_what_a_killed_process_did_not(tracker, tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(record("train", 10, 1.0) + record("eval", 10, 0.4))
+    MetricsForwarder(tracker, path).poll()
+    # The process dies after writing two more records, before its next poll; its parent catches up.
+    with open(path, "a") as f:
+        f.write(record("train", 20, 0.7) + record("eval", 20, 0.6))
+    forward_missing(tracker.client, tracker.run_id, path)
+    assert history(tracker, "train_loss") == [(10, 1.0), (20, 0.7)]
+    assert history(tracker, "val_macro_f1") == [(10, 0.4), (20, 0.6)]

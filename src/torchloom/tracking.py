@@ -320,3 +320,15 @@ class MetricsForwarder:
                   file=sys.stderr, flush=True)
             return
         self.sent.update(keys)
+
+
+def forward_missing(client, run_id: str, metrics_path: str | Path) -> None:
+    """Log the records of metrics_path that the run lacks: for a process killed before its
+    forwarder's last poll (a trial Ray Tune's scheduler stopped), called by whoever outlives it."""
+    from types import SimpleNamespace
+
+    forwarder = MetricsForwarder(SimpleNamespace(client=client, run_id=run_id), metrics_path)
+    # Every train and eval record carries a loss: the steps logged so far, per kind.
+    for kind, name in (("train", "train_loss"), ("eval", "val_loss")):
+        forwarder.sent.update((kind, m.step) for m in client.get_metric_history(run_id, name))
+    forwarder.poll()

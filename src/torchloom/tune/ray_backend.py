@@ -216,6 +216,9 @@ def settle(cfg: Config, sd: Path, grid) -> None:
             try:
                 from mlflow import MlflowClient
 
-                MlflowClient(tracking_uri=tracking.resolve_uri(cfg.tracking.uri)).set_terminated(run_id, mlflow_status)
+                client = MlflowClient(tracking_uri=tracking.resolve_uri(cfg.tracking.uri))
+                # Tune ended the trial's process, maybe before its forwarder sent the last evaluations.
+                tracking.forward_missing(client, run_id, td / "metrics.jsonl")
+                client.set_terminated(run_id, mlflow_status)
             except Exception:  # the study's result does not depend on it
                 pass
