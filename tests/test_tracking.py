@@ -37,7 +37,7 @@ def test_forwards_each_step_once_after_the_resume_point(tracker, tmp_path):
     path = tmp_path / "metrics.jsonl"
     # A resumed run: lines up to its checkpoint (step 10) belong to the run that wrote them.
     path.write_text(record("train", 10, 1.0) + record("train", 20, 0.8) + record("eval", 20, 0.5))
-    fwd = MetricsForwarder(tracker, path, after_step=10)
+    fwd = MetricsForwarder(tracker.client, tracker.run_id, path, after_step=10)
     fwd.poll()
     assert history(tracker, "train_loss") == [(20, 0.8)]
     assert history(tracker, "val_macro_f1") == [(20, 0.5)]
@@ -61,7 +61,7 @@ def test_a_failing_store_is_a_warning_not_an_error(tracker, tmp_path, capsys):
     path.write_text(record("train", 10, 1.0))
     tracker.finish()
     tracker.client.delete_run(tracker.run_id)  # logging to a deleted run fails
-    fwd = MetricsForwarder(tracker, path)
+    fwd = MetricsForwarder(tracker.client, tracker.run_id, path)
     fwd.poll()
     assert fwd.failed
     assert "MLflow logging of step metrics stopped" in capsys.readouterr().err
@@ -72,7 +72,7 @@ def test_a_failing_store_is_a_warning_not_an_error(tracker, tmp_path, capsys):
 def test_forward_missing_sends_what_a_killed_process_did_not(tracker, tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(record("train", 10, 1.0) + record("eval", 10, 0.4))
-    MetricsForwarder(tracker, path).poll()
+    MetricsForwarder(tracker.client, tracker.run_id, path).poll()
     # The process dies after writing two more records, before its next poll; its parent catches up.
     with open(path, "a") as f:
         f.write(record("train", 20, 0.7) + record("eval", 20, 0.6))

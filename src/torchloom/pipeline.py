@@ -135,7 +135,8 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     started = time.perf_counter()
     forward = nullcontext()
     if tracker.enabled:
-        forward = MetricsForwarder(tracker, rd / "metrics.jsonl", -1 if resume_step is None else resume_step)
+        after = -1 if resume_step is None else resume_step
+        forward = MetricsForwarder(tracker.client, tracker.run_id, rd / "metrics.jsonl", after)
     try:
         with forward:  # rank 0's per-step metrics to MLflow, from here: the workers never import MLflow
             result = launch(cfg, rd, quiet, spark)

@@ -257,8 +257,9 @@ class MetricsForwarder:
     restarted from a checkpoint rewrites the file and logs steps after it again.
     """
 
-    def __init__(self, tracker: Tracker, metrics_path: str | Path, after_step: int = -1, interval: float = 2.0):
-        self.tracker, self.path, self.after_step, self.interval = tracker, Path(metrics_path), after_step, interval
+    def __init__(self, client, run_id: str, metrics_path: str | Path, after_step: int = -1, interval: float = 2.0):
+        self.client, self.run_id = client, run_id
+        self.path, self.after_step, self.interval = Path(metrics_path), after_step, interval
         self.sent: set[tuple[str, int]] = set()
         self.failed = False
         self._file: tuple[int, int] = (-1, 0)  # (inode, bytes read): only new lines are parsed
@@ -312,7 +313,7 @@ class MetricsForwarder:
             metrics += [Metric(k, v, now, key[1]) for k, v in metric_items(record).items()]
         try:
             for i in range(0, len(metrics), 1000):
-                self.tracker.client.log_batch(self.tracker.run_id, metrics=metrics[i:i + 1000])
+                self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
         except Exception as e:  # never fail training over tracking
             self.failed = True
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -325,9 +326,7 @@ class MetricsForwarder:
 def forward_missing(client, run_id: str, metrics_path: str | Path) -> None:
     """Log the records of metrics_path that the run lacks: for a process killed before its
     forwarder's last poll (a trial Ray Tune's scheduler stopped), called by whoever outlives it."""
-    from types import SimpleNamespace
-
-    forwarder = MetricsForwarder(SimpleNamespace(client=client, run_id=run_id), metrics_path)
+    forwarder = MetricsForwarder(client, run_id, metrics_path)
     # Every train and eval record carries a loss: the steps logged so far, per kind.
     for kind, name in (("train", "train_loss"), ("eval", "val_loss")):
         forwarder.sent.update((kind, m.step) for m in client.get_metric_history(run_id, name))
