@@ -52,25 +52,47 @@ def reason_for(raw: str | None, valid_utf8: bool, text: str | None, label: str |
     return None
 
 
+def _decoded(column) -> tuple[list, list[bool] | None]:
+    """A text column's values as str (None for null) and, only if some row is not UTF-8, per-row validity.
+
+    The fast path converts the whole column in C; a column holding invalid UTF-8 (possible from the
+    text source, see decode) falls back to decoding row by row.
+    """
+    import pyarrow as pa
+
+    try:
+        column.validate(full=True)  # checks that every value is UTF-8
+    except pa.ArrowInvalid:
+        decoded = [decode(value) for value in column.cast(pa.binary()).to_pylist()]
+        return [text for text, _ in decoded], [valid for _, valid in decoded]
+    return column.to_pylist(), None
+
+
 def clean_batches(min_chars: int, max_chars: int):
     """A mapInArrow function: (text, label, source) -> CLEANED_SCHEMA."""
 
     def run(batches: Iterator) -> Iterator:
         import pyarrow as pa
+        import pyarrow.compute as pc
 
+        labels_seen: dict[str | None, str | None] = {}  # a handful of distinct labels: clean each once
         for batch in batches:
-            # As binary: a string column may hold bytes that are not UTF-8 (see decode).
-            raw_bytes = batch.column("text").cast(pa.binary()).to_pylist()
-            labels = batch.column("label").cast(pa.binary()).to_pylist()
-            raws, texts, clean_labels, reasons = [], [], [], []
-            for value, label_bytes in zip(raw_bytes, labels):
-                raw, valid = decode(value)
+            text_column = batch.column("text").cast(pa.string())
+            raws, valid = _decoded(text_column)
+            if valid is None:  # valid UTF-8 throughout; the CSV and JSON readers mark bad bytes with U+FFFD
+                replaced = pc.match_substring(text_column, "\ufffd").to_pylist()
+                valid = [not r for r in replaced]
+            label_values, _ = _decoded(batch.column("label").cast(pa.string()))
+            texts, clean_labels, reasons = [], [], []
+            for raw, ok, label_value in zip(raws, valid, label_values):
                 text = clean_text(raw) if raw is not None else None
-                label = clean_label(decode(label_bytes)[0])
-                raws.append(raw)
+                if label_value in labels_seen:
+                    label = labels_seen[label_value]
+                else:
+                    label = labels_seen[label_value] = clean_label(label_value)
                 texts.append(text)
                 clean_labels.append(label)
-                reasons.append(reason_for(raw, valid, text, label, min_chars, max_chars))
+                reasons.append(reason_for(raw, ok, text, label, min_chars, max_chars))
             yield pa.RecordBatch.from_arrays(
                 [pa.array(raws, pa.string()), pa.array(texts, pa.string()), pa.array(clean_labels, pa.string()),
                  batch.column("source"), pa.array(reasons, pa.string())],
