@@ -90,6 +90,8 @@ def main() -> None:
           f" {base_s / t['total']:11.2f}")
     tok_s = t["tokenize_write"]
     print(f"{'torchloom prepare, tokenize+write stage':44} {tok_s:8.1f} {rows / tok_s:9,.0f} {base_s / tok_s:11.2f}")
+    print(f"{'  of which read+clean+dedup+counts':44} {t['read_clean_dedup']:8.1f}")
+    print(f"{'  of which rejected rows written':44} {t['write_rejected']:8.1f}")
     print(f"{'Spark session start-up (apart)':44} {spark_s:8.1f}")
     spark.stop()
 

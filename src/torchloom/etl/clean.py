@@ -10,6 +10,8 @@ from torchloom.textclean import clean_text
 # Every reason a row can be rejected for; manifest.counts["rows_rejected"] always lists all of them.
 REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short", "too_long", "conflicting_labels")
 
+# raw is the input text only where cleaning changed it (null where it equals text): it is kept for
+# the rejected rows' output, and leaving out the copies halves what the dedup shuffle and cache hold.
 CLEANED_SCHEMA = "raw string, text string, label string, source string, reason string"
 
 def clean_label(label: str | None) -> str | None:
@@ -83,9 +85,10 @@ def clean_batches(min_chars: int, max_chars: int):
                 replaced = pc.match_substring(text_column, "\ufffd").to_pylist()
                 valid = [not r for r in replaced]
             label_values, _ = _decoded(batch.column("label").cast(pa.string()))
-            texts, clean_labels, reasons = [], [], []
+            changed, texts, clean_labels, reasons = [], [], [], []
             for raw, ok, label_value in zip(raws, valid, label_values):
                 text = clean_text(raw) if raw is not None else None
+                changed.append(raw if raw != text else None)
                 if label_value in labels_seen:
                     label = labels_seen[label_value]
                 else:
@@ -94,7 +97,7 @@ def clean_batches(min_chars: int, max_chars: int):
                 clean_labels.append(label)
                 reasons.append(reason_for(raw, ok, text, label, min_chars, max_chars))
             yield pa.RecordBatch.from_arrays(
-                [pa.array(raws, pa.string()), pa.array(texts, pa.string()), pa.array(clean_labels, pa.string()),
+                [pa.array(changed, pa.string()), pa.array(texts, pa.string()), pa.array(clean_labels, pa.string()),
                  batch.column("source"), pa.array(reasons, pa.string())],
                 names=["raw", "text", "label", "source", "reason"],
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -19,7 +20,15 @@ from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, REASONS, clean_batches
 from torchloom.etl.read import check_exists, read_input, resolve_format
 from torchloom.etl.session import default_partitions, get_spark
-from torchloom.etl.split import DUPLICATE, KEPT, assign_splits, mark_duplicates, plan_split
+from torchloom.etl.split import (
+    DUPLICATE,
+    KEPT,
+    assign_splits,
+    mark_duplicates,
+    plan_split,
+    rank_bucket,
+    rank_hash,
+)
 from torchloom.etl.tokenize import TOKENIZED_SCHEMA, read_tokenizer_json, tokenize_batches, tokenizer_info
 from torchloom.manifest import SPLITS, Manifest, Shard, Split
 
@@ -97,43 +106,40 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
     cached = []
     broadcast = None
     try:
-        # read + clean: one pass over the input, cached so nothing below reads it again.
+        # read + clean + dedup + every count: one job. The rows marked kept/duplicate/rejected are
+        # cached for the two writes below; rows per (label, split-rank bucket) come with the counts.
         t = time.perf_counter()
         say(f"reading {data_path} ({fmt})")
-        raw = read_input(spark, cfg.data, data_path, fmt)
+        raw = _spread(read_input(spark, cfg.data, data_path, fmt), spark.sparkContext.defaultParallelism)
         cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars), CLEANED_SCHEMA)
-        cleaned = cleaned.persist(StorageLevel.MEMORY_AND_DISK)
-        cached.append(cleaned)
-        rows_read = cleaned.count()
-        timings["read_clean"] = time.perf_counter() - t
-        say(f"read {rows_read} rows in {timings['read_clean']:.1f}s")
-        if rows_read == 0:
-            raise UserError(f"data.path {data_path}: no rows read ({fmt}); check the path and --data.format")
-
-        # conflicts, duplicates and every count in one aggregation over the cached rows.
-        t = time.perf_counter()
         marked = mark_duplicates(cleaned).persist(StorageLevel.MEMORY_AND_DISK)
         cached.append(marked)
         kept_col = F.col("status") == KEPT
         stats = (
-            marked.groupBy("status", "label")
+            marked.groupBy("status", "label", F.when(kept_col, rank_bucket(rank_hash(p.seed))).alias("bucket"))
             .agg(F.count(F.lit(1)).alias("n"),
                  F.sum(F.when(kept_col, F.xxhash64("text", "label").cast("decimal(38,0)"))).alias("h"))
-            .collect()
+            .toArrow().to_pylist()
         )
-        cleaned.unpersist()
+        rows_read = sum(row["n"] for row in stats)
         rejected = dict.fromkeys(REASONS, 0)
         duplicates = 0
         per_label: dict[str, int] = {}
+        buckets: dict[tuple[str, int], int] = {}
         content_sum = 0
         for row in stats:
-            if row.status == KEPT:
-                per_label[row.label] = row.n
-                content_sum += int(row.h)
-            elif row.status == DUPLICATE:
-                duplicates += row.n
+            if row["status"] == KEPT:
+                per_label[row["label"]] = per_label.get(row["label"], 0) + row["n"]
+                buckets[(row["label"], row["bucket"])] = row["n"]
+                content_sum += int(row["h"])
+            elif row["status"] == DUPLICATE:
+                duplicates += row["n"]
             else:
-                rejected[row.status] += row.n
+                rejected[row["status"]] += row["n"]
+        timings["read_clean_dedup"] = time.perf_counter() - t
+        say(f"read {rows_read} rows in {timings['read_clean_dedup']:.1f}s")
+        if rows_read == 0:
+            raise UserError(f"data.path {data_path}: no rows read ({fmt}); check the path and --data.format")
         rows_kept = sum(per_label.values())
         n_rejected = sum(rejected.values())
         reasons = ", ".join(f"{k} {v}" for k, v in rejected.items() if v) or "none"
@@ -147,24 +153,31 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         labels = [plan.label for plan in plans]
         say(f"kept {rows_kept} rows in {len(labels)} classes: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
+        t = time.perf_counter()
         _write_rejected(marked, tmp / "rejected", n_rejected)
-        timings["dedup_split"] = time.perf_counter() - t
+        timings["write_rejected"] = time.perf_counter() - t
 
-        # split + tokenize + write: one job; rows spread by text hash so tokenizing uses every core.
+        # split + tokenize + write: one job. The split's window shuffle makes the `parts` partitions
+        # (one shard per split each); inside a partition rows are put in a seeded pseudo-random
+        # order, so shards are not runs of one class (the loader shuffles within bounded windows)
+        # and the same input and seed give the same shards. Up to 3 concurrent writers per task (one
+        # per split) spare the writer's sort by split, which would also undo that order.
         t = time.perf_counter()
         broadcast = spark.sparkContext.broadcast(tokenizer_json)
         info = tokenizer_info(model_dir, tokenizer_json, p.max_length)
         parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
-        assigned = assign_splits(marked.filter(kept_col), plans, p.seed)
-        tokenized = assigned.repartition(parts, "text").mapInArrow(
+        assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
+        order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
+        tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
             tokenize_batches(broadcast, info["hash"], p.max_length), TOKENIZED_SCHEMA
         )
         spark_out = tmp / "_spark"
-        (
-            tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
-            .partitionBy("split")
-            .parquet(str(spark_out))
-        )
+        with _sql_conf(spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
+            (
+                tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
+                .partitionBy("split")
+                .parquet(str(spark_out))
+            )
         expected = {
             "train": {plan.label: plan.train for plan in plans},
             "val": {plan.label: plan.val for plan in plans},
@@ -212,12 +225,48 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
 REJECTED_ROWS_PER_FILE = 1_000_000
 
 
+@contextlib.contextmanager
+def _sql_conf(spark, values: dict[str, str]):
+    """Set session SQL conf for the block, then restore what was there."""
+    before = {key: spark.conf.get(key, None) for key in values}
+    for key, value in values.items():
+        spark.conf.set(key, value)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
+def _spread(raw, cores: int):
+    """`raw` over at least `cores` partitions, so that cleaning (Python) runs on every core.
+
+    A CSV read with multiLine (needed for quoted line breaks) is one task per file, so one big file
+    was cleaned on one core while the others waited. Hash-partitioning on the raw text costs a
+    shuffle of the input but no sort, and gives the same rows to the same partitions on every run.
+    """
+    if raw.rdd.getNumPartitions() >= cores:
+        return raw
+    return raw.repartition(cores, "text")
+
+
 def _write_rejected(marked, out: Path, rows: int) -> None:
     """Rejected rows, with the original text and the reason, as Parquet under `out`."""
     from pyspark.sql import functions as F
 
+    if rows == 0:  # nothing to find: an empty file with the schema, without a Spark job over every row
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        out.mkdir()
+        schema = pa.schema([(name, pa.string()) for name in ("text", "label", "reason", "source")])
+        pq.write_table(schema.empty_table(), out / "part-00000.parquet")
+        return
     rejected = marked.filter(F.col("status").isin(*REASONS)).select(
-        F.col("raw").alias("text"), "label", F.col("status").alias("reason"), "source"
+        F.coalesce("raw", "text").alias("text"), "label", F.col("status").alias("reason"), "source"
     )
     # repartition, not coalesce: coalesce(1) would scan every input row in one task to find the few
     # rejected ones; this scans on every core and moves only the rejected rows.

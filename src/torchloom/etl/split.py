@@ -23,7 +23,7 @@ def mark_duplicates(cleaned):
     by_text = Window.partitionBy("text")
     # Which copy of a duplicate stays does not matter (they are equal after cleaning); ordering by
     # source and raw text only makes the rejected/kept bookkeeping repeatable.
-    by_text_label = Window.partitionBy("text", "label").orderBy("source", "raw")
+    by_text_label = Window.partitionBy("text", "label").orderBy("source", "raw")  # raw: null if == text
     n_labels = F.size(F.collect_set(F.when(valid, F.col("label"))).over(by_text))
     copy = F.row_number().over(by_text_label)
     status = (
@@ -76,16 +76,37 @@ def plan_split(per_label: dict[str, int], val_fraction: float, test_fraction: fl
     return plans
 
 
-# At most this many (label, hash bucket) groups: their row counts are collected on the driver.
-MAX_RANK_GROUPS = 1 << 16
+# Each class is cut into 2**RANK_BUCKET_BITS buckets by the top bits of the split hash. The bucket
+# sizes travel to the driver (at most classes x 256 rows); 100 M rows in 5 classes make buckets of
+# ~80,000 rows, each ranked by one task.
+RANK_BUCKET_BITS = 8
 
 
-def rank_bucket_bits(n_labels: int) -> int:
-    """Bits of the row hash that cut each class into buckets, so labels x buckets <= MAX_RANK_GROUPS."""
-    return max(0, MAX_RANK_GROUPS.bit_length() - 1 - max(0, n_labels - 1).bit_length())
+def rank_hash(seed: int):
+    """The seeded 64-bit hash of the cleaned text that orders the rows of a class for the split."""
+    from pyspark.sql import functions as F
+
+    return F.xxhash64(F.lit(seed), F.col("text"))
 
 
-def assign_splits(kept, plans: list[ClassSplit], seed: int):
+def rank_bucket(h):
+    """The bucket of a row with split hash `h`: its top bits, so a bucket's rows all sort before the next's."""
+    from pyspark.sql import functions as F
+
+    # Arithmetic shift of a signed 64-bit hash: the bucket grows with h.
+    return F.shiftright(h, 64 - RANK_BUCKET_BITS) if RANK_BUCKET_BITS else F.lit(0).cast("long")
+
+
+def bucket_sizes(kept, seed: int) -> dict[tuple[str, int], int]:
+    """Rows per (label, bucket) of `kept`: what assign_splits needs when no earlier job counted them."""
+    from pyspark.sql import functions as F
+
+    counted = kept.groupBy("label", rank_bucket(rank_hash(seed)).alias("bucket")).agg(F.count(F.lit(1)).alias("n"))
+    return {(r.label, r.bucket): r.n for r in counted.collect()}
+
+
+def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[str, int], int] | None = None,
+                  partitions: int | None = None):
     """Add label_id and split to the kept rows; membership depends only on seed, text and label.
 
     Within each label, rows are ordered by a seeded hash of the cleaned text (the text itself breaks
@@ -93,33 +114,48 @@ def assign_splits(kept, plans: list[ClassSplit], seed: int):
 
     Ranking a whole class in one window would put each class on one task: one core sorting 20 million
     rows of a 100-million-row, 5-class input. Instead each class is cut into buckets by the top bits
-    of the same hash (a bucket's rows all sort before the next bucket's), the buckets' sizes are
-    counted, and a row's rank is its bucket's offset in the class plus its place inside the bucket:
-    the same ranks, from windows spread over every task.
+    of the same hash, and a row's rank is its bucket's offset in the class (from `sizes`, the rows
+    per (label, bucket), counted by the caller's statistics job or here) plus its place inside the
+    bucket: the same ranks, from windows spread over every task. With `partitions`, the rows come
+    out in that many partitions, hashed on (label, bucket): the window's own shuffle, so a caller
+    that wants a given number of output partitions needs no second one.
     """
+    import pyarrow as pa
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    spark = kept.sparkSession
-    bits = rank_bucket_bits(len(plans))
-    labels = spark.createDataFrame([(p.label, i) for i, p in enumerate(plans)], "label string, label_id int")
+    if sizes is None:
+        sizes = bucket_sizes(kept, seed)
+    ids = {p.label: i for i, p in enumerate(plans)}
+    # Offsets as a small Arrow table: Spark builds it in the JVM (a Python list would start Python
+    # workers just to unpickle it); label ids from a literal map, so no join for them.
+    label_ids, buckets, offsets, test_ends, val_ends = [], [], [], [], []
+    before, current = 0, None
+    for label, bucket in sorted(sizes, key=lambda k: (ids[k[0]], k[1])):
+        if label != current:
+            before, current = 0, label
+        plan = plans[ids[label]]
+        label_ids.append(ids[label])
+        buckets.append(bucket)
+        offsets.append(before)
+        test_ends.append(plan.test)
+        val_ends.append(plan.test + plan.val)
+        before += sizes[(label, bucket)]
+    table = kept.sparkSession.createDataFrame(pa.table({
+        "label_id": pa.array(label_ids, pa.int32()), "bucket": pa.array(buckets, pa.int64()),
+        "offset": pa.array(offsets, pa.int64()), "test_end": pa.array(test_ends, pa.int64()),
+        "val_end": pa.array(val_ends, pa.int64()),
+    }))
+    label_map = F.create_map(*[F.lit(x) for p in plans for x in (p.label, ids[p.label])])
+    h = rank_hash(seed)
     keyed = (
         kept.select("text", "label")
-        .join(F.broadcast(labels), "label")
-        .withColumn("h", F.xxhash64(F.lit(seed), F.col("text")))
-        # Arithmetic shift of a signed 64-bit hash: the bucket grows with h, so buckets sort like rows.
-        .withColumn("bucket", F.shiftright(F.col("h"), 64 - bits) if bits else F.lit(0))
+        .withColumn("label_id", label_map[F.col("label")].cast("int"))
+        .withColumn("h", h)
+        .withColumn("bucket", rank_bucket(F.col("h")))
     )
-    sizes = sorted((r.label_id, r.bucket, r.n) for r in keyed.groupBy("label_id", "bucket")
-                   .agg(F.count(F.lit(1)).alias("n")).collect())
-    offsets, before, current = [], 0, None
-    for label_id, bucket, n in sizes:
-        if label_id != current:
-            before, current = 0, label_id
-        plan = plans[label_id]
-        offsets.append((label_id, bucket, before, plan.test, plan.test + plan.val))
-        before += n
-    table = spark.createDataFrame(offsets, "label_id int, bucket long, offset long, test_end long, val_end long")
+    if partitions:
+        keyed = keyed.repartition(partitions, "label_id", "bucket")
     order = Window.partitionBy("label_id", "bucket").orderBy("h", "text")
     rank = F.col("offset") + F.row_number().over(order)
     split = (
