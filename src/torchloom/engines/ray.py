@@ -44,6 +44,12 @@ def _entry(config: dict) -> None:
     import logging
 
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # one INFO line per report and rank otherwise
+    try:  # Train v2 logs "Reporting training result ..." per rank on a logger named by its file path
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:
+        pass
     run_worker(config["cfg"], config["run_dir"], config["launch_id"], reporter=RayReporter(), capture=True)
 
 
