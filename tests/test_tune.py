@@ -163,6 +163,25 @@ def test_ray_study_trials_are_nested_mlflow_runs(ray_study):
     assert parent.data.tags["best_trial"] == json.loads((out / "study.json").read_text())["best_trial"]
 
 
+def test_study_dir_opened_by_many_at_once_is_one_study_and_a_foreign_dir_is_refused(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchloom.tune.study import open_study_dir
+
+    for i in range(30):  # every opener joins one study; only one of them created it
+        cfg = build(None, ["--output.dir", str(tmp_path / f"study{i}")])
+        with ThreadPoolExecutor(6) as pool:
+            opened = list(pool.map(open_study_dir, [cfg] * 6, ["optuna"] * 6))
+        assert sorted(resuming for _, resuming in opened) == [False] + [True] * 5
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="exists and is not a tune study"):
+        open_study_dir(build(None, ["--output.dir", str(foreign)]), "optuna")
+    with pytest.raises(UserError, match="holds a optuna study"):
+        open_study_dir(build(None, ["--output.dir", str(tmp_path / "study0")]), "ray")
+
+
 # -- Optuna: one study in sqlite, driven by two processes at once --------------------------------
 def test_optuna_study_in_sqlite_shared_by_two_concurrent_processes(tmp_path, tiny, topics_csv):
     optuna = pytest.importorskip("optuna")

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -82,23 +83,38 @@ def choose_backend(cfg: Config) -> str:
 
 # -- the study directory ------------------------------------------------------------------------
 def open_study_dir(cfg: Config, backend: str) -> tuple[Path, bool]:
-    """(study dir, resuming?) after checking what is there."""
+    """(study dir, resuming?) after checking what is there.
+
+    Several `torchloom tune` processes may open one study at the same moment: the marker is created
+    exclusively (the first one wins, the others join its study), and a directory counts as someone
+    else's only if one listing of it shows files but neither the marker nor the prepared data.
+    """
     sd = pipeline.run_dir(cfg)
     marker = sd / STUDY_FILE
     if sd.exists() and cfg.output.overwrite:
         shutil.rmtree(sd)
-    if marker.is_file():
-        old = json.loads(marker.read_text())
-        if old.get("backend") != backend:
-            raise UserError(f"output.dir {sd}: holds a {old.get('backend')} study; use tune.backend"
-                            f" {old.get('backend')} to resume it, or --overwrite to start afresh")
-        return sd, True
-    if sd.exists() and any(not p.name.startswith(".") for p in sd.iterdir()) and not (sd / "data").is_dir():
-        raise UserError(f"output.dir {sd}: exists and is not a tune study; pass another --output.dir or --overwrite")
-    sd.mkdir(parents=True, exist_ok=True)
-    write_json(marker, {"backend": backend, "study_name": study_name(cfg), "created": time.time(),
-                        "metric": cfg.tune.metric, "mode": mode_of(cfg)})
-    return sd, False
+    resuming = True
+    if not marker.is_file():
+        names = {p.name for p in sd.iterdir() if not p.name.startswith(".")} if sd.exists() else set()
+        if names and STUDY_FILE not in names and "data" not in names:
+            raise UserError(f"output.dir {sd}: exists and is not a tune study;"
+                            " pass another --output.dir or --overwrite")
+        sd.mkdir(parents=True, exist_ok=True)
+        tmp = sd / f".{STUDY_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(json.dumps({"backend": backend, "study_name": study_name(cfg), "created": time.time(),
+                                   "metric": cfg.tune.metric, "mode": mode_of(cfg)}, indent=2))
+        try:
+            os.link(tmp, marker)  # fails if another process made the marker first
+            resuming = False
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    old = json.loads(marker.read_text())
+    if old.get("backend") != backend:
+        raise UserError(f"output.dir {sd}: holds a {old.get('backend')} study; use tune.backend"
+                        f" {old.get('backend')} to resume it, or --overwrite to start afresh")
+    return sd, resuming
 
 
 def write_json(path: Path, data: Any) -> None:
