@@ -54,20 +54,22 @@ def reason_for(raw: str | None, valid_utf8: bool, text: str | None, label: str |
     return None
 
 
-def _decoded(column) -> tuple[list, list[bool] | None]:
-    """A text column's values as str (None for null) and, only if some row is not UTF-8, per-row validity.
+def _decoded(column) -> tuple[list, list[bool]]:
+    """A text column's values as str (None for null) and whether each was valid UTF-8 (see decode).
 
     The fast path converts the whole column in C; a column holding invalid UTF-8 (possible from the
-    text source, see decode) falls back to decoding row by row.
+    text source) falls back to decoding row by row.
     """
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     try:
         column.validate(full=True)  # checks that every value is UTF-8
     except pa.ArrowInvalid:
         decoded = [decode(value) for value in column.cast(pa.binary()).to_pylist()]
         return [text for text, _ in decoded], [valid for _, valid in decoded]
-    return column.to_pylist(), None
+    # the CSV and JSON readers mark bytes that were not UTF-8 with U+FFFD
+    return column.to_pylist(), [not r for r in pc.match_substring(column, "\ufffd").to_pylist()]
 
 
 def clean_batches(min_chars: int, max_chars: int):
@@ -75,15 +77,10 @@ def clean_batches(min_chars: int, max_chars: int):
 
     def run(batches: Iterator) -> Iterator:
         import pyarrow as pa
-        import pyarrow.compute as pc
 
         labels_seen: dict[str | None, str | None] = {}  # a handful of distinct labels: clean each once
         for batch in batches:
-            text_column = batch.column("text").cast(pa.string())
-            raws, valid = _decoded(text_column)
-            if valid is None:  # valid UTF-8 throughout; the CSV and JSON readers mark bad bytes with U+FFFD
-                replaced = pc.match_substring(text_column, "\ufffd").to_pylist()
-                valid = [not r for r in replaced]
+            raws, valid = _decoded(batch.column("text").cast(pa.string()))
             label_values, _ = _decoded(batch.column("label").cast(pa.string()))
             changed, texts, clean_labels, reasons = [], [], [], []
             for raw, ok, label_value in zip(raws, valid, label_values):

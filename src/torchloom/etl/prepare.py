@@ -259,14 +259,14 @@ def _write_rejected(marked, out: Path, rows: int) -> None:
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
 
-    if rows == 0:  # nothing to find: an empty file with the schema, without a Spark job over every row
-        out.mkdir()
-        schema = pa.schema([(name, pa.string()) for name in ("text", "label", "reason", "source")])
-        pq.write_table(schema.empty_table(), out / "part-00000.parquet")
-        return
     rejected = marked.filter(F.col("status").isin(*REASONS)).select(
         F.coalesce("raw", "text").alias("text"), "label", F.col("status").alias("reason"), "source"
     )
+    if rows == 0:  # nothing to find: an empty file with the schema, without a Spark job over every row
+        out.mkdir()
+        schema = pa.schema([(name, pa.string()) for name in rejected.columns])
+        pq.write_table(schema.empty_table(), out / "part-00000.parquet")
+        return
     if rows <= REJECTED_ROWS_PER_FILE // 10:
         # A few rows: fetched and written by the driver (one scan of the cached rows; a Spark write
         # job with its shuffle and commit took 1.1 s for BBC News's one rejected file).

@@ -101,8 +101,8 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[Path, bool]:
                             " pass another --output.dir or --overwrite")
         sd.mkdir(parents=True, exist_ok=True)
         tmp = sd / f".{STUDY_FILE}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(json.dumps({"backend": backend, "study_name": study_name(cfg), "created": time.time(),
-                                   "metric": cfg.tune.metric, "mode": mode_of(cfg)}, indent=2))
+        write_json(tmp, {"backend": backend, "study_name": study_name(cfg), "created": time.time(),
+                         "metric": cfg.tune.metric, "mode": mode_of(cfg)})
         try:
             os.link(tmp, marker)  # fails if another process made the marker first
             resuming = False
