@@ -108,8 +108,12 @@ def test_killed_worker_is_survived_and_weights_equal_the_local_engine(engine, se
     assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
     # every rank's output reached the run's log files
     assert (rd / "logs" / "rank-0.log").is_file() and (rd / "logs" / "rank-1.log").is_file()
-    for rank in (0, 1):  # and not Ray Train's per-report INFO line (a dict per rank and evaluation)
-        assert "Reporting training result" not in (rd / "logs" / f"rank-{rank}.log").read_text()
+    for rank in (0, 1):
+        text = (rd / "logs" / f"rank-{rank}.log").read_text()
+        assert "Reporting training result" not in text  # Ray Train's per-report INFO line (a dict per rank)
+        # each rank says where it runs; workers at full CPU priority (Ray's default niceness is 15)
+        assert f"rank {rank} of 2 on " in text and "1 torch thread" in text
+        assert "niceness" not in text
 
 
 @pytest.mark.parametrize("engine", ["spark", "ray"])

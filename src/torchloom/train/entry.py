@@ -18,6 +18,20 @@ def worker_threads(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
+def placement(d) -> str:
+    """One line per rank at start: where it runs and with what (the driver shows it prefixed by rank)."""
+    import socket
+
+    import torch
+
+    line = (f"rank {d.rank} of {d.world_size} on {socket.gethostname()} (pid {os.getpid()}): {d.device},"
+            f" {torch.get_num_threads()} torch thread{'s' if torch.get_num_threads() != 1 else ''}")
+    niceness = os.nice(0) if hasattr(os, "nice") else 0
+    if niceness > 0:  # e.g. Ray's default for worker processes: every normal-priority process preempts it
+        line += f", niceness {niceness} (lower CPU priority than the processes around it)"
+    return line
+
+
 def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = None, on_error=None) -> dict:
     """Train on this rank: join the process group, build, fit, leave. Returns this rank's result."""
     from torchloom.train.loop import Trainer
@@ -25,6 +39,7 @@ def run(cfg: Config | dict, run_dir: str | Path, reporter: Reporter | None = Non
     if isinstance(cfg, dict):
         cfg = from_dict(cfg)
     d = setup(cfg.engine.device, worker_threads(cfg))
+    print(placement(d), flush=True)
     reporter = worker_reporter(run_dir, d.rank, reporter)
     try:
         return Trainer(cfg, d, run_dir, reporter).fit()
