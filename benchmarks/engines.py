@@ -6,7 +6,8 @@ For each engine: torchloom train (MiniLM on BBC News, 2 workers, global batch 16
 launcher running the same minimal loop (benchmarks/bare_ddp.py): torchrun, TorchDistributor.run
 (local_mode), TorchTrainer.fit on a local Ray instance. Prints time to first step (from the launch
 call), steady-state samples/s (after 3 steps), total wall time and, for torchloom, the final
-validation accuracy; then the ratios the targets are about.
+validation accuracy; then the ratios the targets are about, steady state both as the ratio of the
+medians and as the median of the per-round ratios (each pairs two runs of the same round).
 
 Rounds are interleaved (every launcher once per round, in the same order) and each figure is the
 median over rounds: on a shared 2-core VM one launch can run 20% slower than the next for reasons
@@ -150,7 +151,11 @@ def main() -> None:
     for engine, _, b, t in rows:
         line = f"{engine:7} start-up torchloom/bare {t['first_step_s'] / b['first_step_s']:.2f}"
         if local is not None:
-            line += f"   steady samples/s vs torchloom local {t['samples_per_s'] / local['samples_per_s']:.3f}"
+            # Paired within each round too: a round's drift then hits both sides of its ratio alike.
+            paired = [x["samples_per_s"] / y["samples_per_s"]
+                      for x, y in zip(runs[(engine, "torchloom")], runs[("local", "torchloom")])]
+            line += (f"   steady samples/s vs torchloom local {t['samples_per_s'] / local['samples_per_s']:.3f}"
+                     f" (per round {', '.join(f'{x:.2f}' for x in paired)}; median {statistics.median(paired):.3f})")
         print(line)
 
 
