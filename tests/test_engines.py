@@ -114,6 +114,8 @@ def test_killed_worker_is_survived_and_weights_equal_the_local_engine(engine, se
         # each rank says where it runs; workers at full CPU priority (Ray's default niceness is 15)
         assert f"rank {rank} of 2 on " in text and "1 torch thread" in text
         assert "niceness" not in text
+        starts = [x for x in text.splitlines() if x.startswith(f"rank {rank} of 2 on ")]
+        assert starts and len(starts) == len(set(starts))  # once per process: no line written twice
 
 
 @pytest.mark.parametrize("engine", ["spark", "ray"])

@@ -136,6 +136,9 @@ def test_ray_asha_study_stops_a_trial_early_and_exports_the_best(ray_study):
     for r in rows:
         td = Path(r["run_dir"])
         assert (td / "data" / "manifest.json").is_file() and (td / "metrics.jsonl").is_file()
+        # the trials' train workers run at full CPU priority on the study's own Ray instance
+        log = (td / "logs" / "rank-1.log").read_text()
+        assert log.count("rank 1 of 2 on ") == 1 and "niceness" not in log  # and printed once
 
 
 def test_ray_study_trials_are_nested_mlflow_runs(ray_study):

@@ -53,6 +53,10 @@ def _entry(config: dict) -> None:
     run_worker(config["cfg"], config["run_dir"], config["launch_id"], reporter=RayReporter(), capture=True)
 
 
+# Set in every task and actor of a Ray instance torchloom started (e.g. the trials of a local Tune study).
+OWN_INSTANCE = "TORCHLOOM_OWN_RAY_INSTANCE"
+
+
 def init_ray(address: str) -> bool:
     """Connect to (or start) Ray; returns True when this call started a local instance."""
     import ray
@@ -71,7 +75,8 @@ def init_ray(address: str) -> bool:
     os.environ.update(malloc)
     try:
         ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}})
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled",
+                                                   OWN_INSTANCE: "1"}})
     finally:
         for k, v in saved.items():
             if v is None:
@@ -115,7 +120,8 @@ def worker_priority(started_local: bool) -> dict:
     torchloom started for this job the workers are the job, so they run at 0 like the rest (the way
     Ray's own job supervisor does). On a shared cluster Ray's default stays.
     """
-    return {"RAY_worker_niceness": "0"} if started_local else {}
+    own = started_local or os.environ.get(OWN_INSTANCE) == "1"  # or inside a trial of our own instance
+    return {"RAY_worker_niceness": "0"} if own else {}
 
 
 def worker_malloc() -> dict:
@@ -170,6 +176,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
                     "TORCHLOOM_LAUNCH_TIME": str(time.time()),  # workers time their first step from the launch
                     **worker_priority(started_local),
                     **worker_malloc(),
+                    # Train v2 sends each print to its logger as well, and so to our rank log a second time
+                    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                     **({"TORCHLOOM_FAULT": os.environ["TORCHLOOM_FAULT"]} if "TORCHLOOM_FAULT" in os.environ else {}),
                 }},
             ),
