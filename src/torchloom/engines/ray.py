@@ -75,8 +75,7 @@ def init_ray(address: str) -> bool:
     os.environ.update(malloc)
     try:
         ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled",
-                                                   OWN_INSTANCE: "1"}})
+                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", OWN_INSTANCE: "1"}})
     finally:
         for k, v in saved.items():
             if v is None:
