@@ -104,7 +104,7 @@ def test_killed_worker_is_survived_and_weights_equal_the_local_engine(engine, se
     fault("rank=1,step=8,kind=kill")
     rd, result = run_on(engine, setup, f"{engine}-kill", "--engine.max_restarts", "2")
     assert (rd / "logs" / "fault-fired-rank1-step8").exists()
-    assert result["steps"] == 13 and result["resumed_from"].endswith("step-5")
+    assert result.steps == 13 and result.resumed_from.endswith("step-5")
     assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
     # every rank's output reached the run's log files
     assert (rd / "logs" / "rank-0.log").is_file() and (rd / "logs" / "rank-1.log").is_file()
@@ -149,6 +149,7 @@ def test_torchrun_on_the_worker_module_gives_the_same_weights(setup, tmp_path):
     rd.mkdir()
     shutil.copytree(setup["data"], rd / "data")
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                    "-m", "torchloom.train.worker", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON],
+                    "-m", "torchloom.engines.torchrun", "--output.dir", str(rd), "--model.path", setup["model"],
+                    *COMMON],
                    check=True, capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")

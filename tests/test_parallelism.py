@@ -121,7 +121,7 @@ def test_fsdp_resumed_from_a_sharded_checkpoint_ends_bit_identical(fsdp_runs, tm
                                  "--train.eval_every", "4", "--train.keep_last", "10", "--train.strategy", "fsdp",
                                  "--train.activation_checkpointing", "true", "--train.resume", str(ckpt)),
                          rd, quiet=True)
-    assert result["resumed_from"] == str(ckpt) and result["steps"] == 13
+    assert result.resumed_from == str(ckpt) and result.steps == 13
     a = checkpoint.load_weights(full / "checkpoints" / "step-13")
     b = checkpoint.load_weights(rd / "checkpoints" / "step-13")
     assert a.keys() == b.keys()
@@ -169,7 +169,7 @@ def test_pipeline_two_stages_equal_one_process_and_export(tmp_path, data_dir, ti
     cfg = cfg_for(rd, tiny, "--train.precision", "fp32", "--train.strategy", "pipeline",
                   "--train.pipeline_stages", "2", "--train.microbatches", "2", "--train.select", "last")
     result = local.train(cfg, rd, quiet=True)
-    assert result["steps"] == 13
+    assert result.steps == 13
     step13 = rd / "checkpoints" / "step-13"
     assert sorted(os.listdir(step13 / "sharded")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
@@ -249,7 +249,7 @@ def test_activation_checkpointing_lowers_peak_memory_at_equal_results(tmp_path):
         cfg = build(None, ["--output.dir", str(rd), "--model.path", model, "--train.batch_size", "16",
                            "--train.precision", "fp32", "--engine.workers", "1",
                            "--train.activation_checkpointing", ac])
-        trainer = Trainer(cfg, ONE_PROCESS, rd)
+        trainer = Trainer(cfg, ONE_PROCESS)
         trainer.loader.set_epoch(0)
         batches = iter(trainer.loader)
         trainer.train_step([next(batches)], 0)  # the optimizer's state exists from here on
@@ -320,5 +320,5 @@ def test_gpu_strategies_train(tmp_path, data_dir, tiny, strategy):
     cfg = cfg_for(rd, tiny, "--train.strategy", strategy, "--engine.device", "cuda", "--train.max_steps", "4",
                   "--train.activation_checkpointing", "true")
     result = local.train(cfg, rd, quiet=True)
-    assert result["device"].startswith("cuda") and result["steps"] == 4
+    assert result.device.startswith("cuda") and result.steps == 4
     assert checkpoint.load_weights(rd / "checkpoints" / "step-4")

@@ -11,7 +11,7 @@ pytest.importorskip("mlflow")
 
 from torchloom.config import Config  # noqa: E402
 from torchloom.tracking import MetricsForwarder, Tracker, forward_missing  # noqa: E402
-from torchloom.train.loop import reset_metrics_log  # noqa: E402
+from torchloom.rundir import RunDir  # noqa: E402
 
 
 def record(kind: str, step: int, value: float) -> str:
@@ -43,7 +43,7 @@ def test_forwards_each_step_once_after_the_resume_point(tracker, tmp_path):
     assert history(tracker, "val_macro_f1") == [(20, 0.5)]
     # A worker restarted from the step-10 checkpoint rewrites the file as the Trainer does and logs
     # step 20 again, then goes on; the last line is still being written.
-    reset_metrics_log(path, 10)
+    RunDir(tmp_path).reset_metrics(10)
     with open(path, "a") as f:
         f.write(record("train", 20, 0.8) + record("train", 30, 0.6) + record("train", 40, 0.4)[:15])
     fwd.poll()

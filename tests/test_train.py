@@ -63,7 +63,7 @@ def test_ddp_two_ranks_equal_one_process_on_the_combined_batch(tmp_path, data_di
     steps = 6
     cfg = cfg_for(rd, models["no_dropout"], "--train.max_steps", str(steps), "--train.warmup_ratio", "0.3")
     result = local.train(cfg, rd, quiet=True)
-    assert result["steps"] == steps and result["world_size"] == 2
+    assert result.steps == steps and result.world_size == 2
     ddp = weights(rd / "checkpoints" / f"step-{steps}")
 
     # The reference: one process, plain PyTorch, each step on the union of both ranks' micro-batches.
@@ -101,14 +101,14 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, data_dir, models):
     full = new_run(tmp_path, data_dir, "full")
     result = local.train(cfg_for(full, models["dropout"], "--train.checkpoint_every", "5", "--train.keep_last", "10",
                                  "--train.eval_every", "4"), full, quiet=True)
-    assert result["steps"] == 26
+    assert result.steps == 26
     resumed = new_run(tmp_path, data_dir, "resumed")
     ckpt = full / "checkpoints" / "step-10"
     assert json.loads((ckpt / "meta.json").read_text())["epoch"] == 0
     result2 = local.train(cfg_for(resumed, models["dropout"], "--train.checkpoint_every", "5",
                                   "--train.keep_last", "10", "--train.eval_every", "4", "--train.resume", str(ckpt)),
                           resumed, quiet=True)
-    assert result2["resumed_from"] == str(ckpt) and result2["steps"] == 26
+    assert result2.resumed_from == str(ckpt) and result2.steps == 26
     a, b = weights(full / "checkpoints" / "step-26"), weights(resumed / "checkpoints" / "step-26")
     assert a.keys() == b.keys()
     for k in a:
@@ -124,8 +124,8 @@ def test_checkpoints_are_complete_and_pruned(tmp_path, data_dir, models):
                          quiet=True)
     found = [s for s, _ in checkpoint.list_checkpoints(rd / "checkpoints")]
     # the last one, plus the best on validation when it is another
-    assert found[-1] == result["steps"] == 39
-    assert set(found) <= {result["best_step"], 39} and len(found) <= 2
+    assert found[-1] == result.steps == 39
+    assert set(found) <= {result.best_step, 39} and len(found) <= 2
     assert not list((rd / "checkpoints").glob(".*tmp"))
     for step in found:
         files = {p.name for p in (rd / "checkpoints" / f"step-{step}").iterdir()}
@@ -158,7 +158,7 @@ def test_gpu_fp16_with_grad_scaler_trains(tmp_path, data_dir, models):
     cfg = cfg_for(rd, models["dropout"], "--train.precision", "fp16", "--engine.device", "cuda",
                   "--engine.workers", str(n), "--train.max_steps", "4")
     result = local.train(cfg, rd, quiet=True)
-    assert result["device"].startswith("cuda") and result["steps"] == 4
+    assert result.device.startswith("cuda") and result.steps == 4
 
 
 def test_a_failing_rank_becomes_the_error_with_its_traceback(tmp_path, data_dir, models):
@@ -190,7 +190,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_d
     finally:
         del os.environ["TORCHLOOM_FAULT"]
     assert (rd / "logs" / "fault-fired-rank1-step8").exists()
-    assert result["resumed_from"].endswith("step-5") and result["steps"] == 13
+    assert result.resumed_from.endswith("step-5") and result.steps == 13
     a, b = weights(ref / "checkpoints" / "step-13"), weights(rd / "checkpoints" / "step-13")
     for k in a:
         assert torch.equal(a[k], b[k]), k

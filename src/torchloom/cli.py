@@ -85,9 +85,9 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def _is_model_dir(path: str) -> bool:
-    from pathlib import Path
+    from torchloom.model.export import is_exported
 
-    return (Path(path) / "config.json").is_file()
+    return is_exported(path)
 
 
 def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
@@ -139,9 +139,9 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
     if args.engine == "spark":
         from torchloom.config.schema import PrepareConfig
         from torchloom.etl.session import get_spark
-        from torchloom.serve.model import check_model_dir
+        from torchloom.model.export import check_exported
 
-        check_model_dir(model)
+        check_exported(model)
         spark = get_spark(PrepareConfig(spark_master=args.spark_master))
         result = batch.predict_spark(spark, model, args.input, args.output, **options)
     else:
@@ -175,12 +175,12 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
-    from torchloom.serve.model import check_model_dir
+    from torchloom.model.export import check_exported
     from torchloom.serve.settings import ServeSettings
 
     if rest:
         raise UserError(f"serve: unexpected arguments {' '.join(rest)}; see torchloom serve --help")
-    check_model_dir(args.model_dir)
+    check_exported(args.model_dir)
     settings = ServeSettings(
         model_dir=args.model_dir, host=args.host, port=args.port, engine=args.engine, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from torchloom.config.schema import Config
+from torchloom.config.schema import Config, TrainConfig
 from torchloom.errors import UserError
 
 
@@ -100,7 +100,31 @@ def validate(cfg: Config) -> Config:
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
     validate_strategy(cfg)
+    micro_batch_size(cfg.train, cfg.engine.workers)
     return cfg
+
+
+def micro_batch_size(tc: TrainConfig, world_size: int) -> int:
+    """Rows per micro-step on one data-parallel rank; a batch that does not divide is a config error.
+
+    The trainer asks again with the world size the engine really started (torchrun on several nodes).
+    """
+    if tc.strategy == "pipeline":
+        per_step = tc.grad_accum * tc.microbatches  # one replica; each micro-step cut into micro-batches
+        if tc.batch_size % per_step:
+            raise UserError(
+                f"config train.batch_size {tc.batch_size}: with train.strategy pipeline it must be a multiple of"
+                f" train.grad_accum x train.microbatches = {per_step}; choose e.g."
+                f" {per_step * max(1, tc.batch_size // per_step)}"
+            )
+        return tc.batch_size // tc.grad_accum
+    per_step = world_size * tc.grad_accum
+    if tc.batch_size % per_step:
+        raise UserError(
+            f"config train.batch_size {tc.batch_size}: must be a multiple of engine.workers x"
+            f" train.grad_accum = {per_step}; choose e.g. {per_step * max(1, tc.batch_size // per_step)}"
+        )
+    return tc.batch_size // per_step
 
 
 def validate_strategy(cfg: Config) -> None:

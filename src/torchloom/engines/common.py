@@ -1,15 +1,24 @@
-"""What every engine shares: the worker wrapper, and what the driver reads back from the run dir.
+"""What every engine shares: the worker side of the driver <-> worker protocol, and the driver's reading of it.
 
 Whatever started them, workers talk to the driver only through files in the run directory (shared
-storage on a cluster), so the three engines behave the same:
+storage on a cluster), so the three engines behave the same. rundir.py names the files; this module
+owns what they mean:
+  hooks.json                 written by the driver before a launch: reporters the workers must add
+                             (e.g. an Optuna pruner), as {"reporters": [{"class": "module:Name", "args": {...}}]}
+  progress.json              rewritten by rank 0 at every log step; the driver draws it (engines/progress.py)
   logs/error-rank{R}.json    a failed rank's error and traceback (the driver raises the first)
-  logs/result-{launch}.json  rank 0's result of one launch
+  logs/result-{launch}.json  rank 0's TrainResult of one launch
   logs/rank-{R}.log          a rank's stdout and stderr, when the engine does not collect them itself
-  logs/launch-{launch}-rank{R}  "this rank has started in this launch": a second start is a restart
+  logs/launch-{launch}-rank{R}  how often this rank started in this launch: a second start is a restart
+
+`run_worker` is the one function every launcher runs in every worker: it counts restarts, assembles
+the reporter handed to the training entry, records a failure, and writes the result.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -20,6 +29,9 @@ import uuid
 from pathlib import Path
 
 from torchloom.errors import UserError
+from torchloom.rundir import RunDir, read_json, write_json
+from torchloom.train.reporter import Reporter, combine
+from torchloom.train.result import TrainResult
 
 
 class TrainingFailed(Exception):
@@ -34,8 +46,6 @@ class RestartLimit(RuntimeError):
 
 def replace_engine(cfg, **changes):
     """A copy of cfg with engine fields changed (the caller's config stays as the user gave it)."""
-    import dataclasses
-
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **changes))
 
 
@@ -43,32 +53,13 @@ def new_launch_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def logs_dir(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "logs"
-
-
-def error_file(run_dir: str | Path, rank: int) -> Path:
-    return logs_dir(run_dir) / f"error-rank{rank}.json"
-
-
-def result_file(run_dir: str | Path, launch_id: str) -> Path:
-    return logs_dir(run_dir) / f"result-{launch_id}.json"
-
-
-def clear_errors(run_dir: str | Path) -> None:
-    logs = logs_dir(run_dir)
-    if logs.is_dir():
-        for p in logs.glob("error-rank*.json"):
-            p.unlink()
-
-
 def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def capture_output(run_dir: str | Path, rank: int) -> None:
+def capture_output(rd: RunDir, rank: int) -> None:
     """Send this process's stdout and stderr (Python's and native code's) to logs/rank-{rank}.log."""
-    path = logs_dir(run_dir) / f"rank-{rank}.log"
+    path = rd.rank_log(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -80,18 +71,69 @@ def capture_output(run_dir: str | Path, rank: int) -> None:
     sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, reporter=None, capture: bool = False) -> dict:
+# -- the reporters a worker gets -----------------------------------------------------------------
+class ProgressFile(Reporter):
+    """Rank 0's progress, for the driver's live bar, whatever engine runs the workers."""
+
+    def __init__(self, rd: RunDir):
+        self.path = rd.progress
+
+    def progress(self, fields: dict) -> None:
+        write_json(self.path, fields, indent=None)
+
+
+class ErrorFile(Reporter):
+    """Records this rank's failure where the driver looks for it, before the rank leaves the group."""
+
+    def __init__(self, rd: RunDir, rank: int):
+        self.rd, self.rank = rd, rank
+
+    def failed(self, error: BaseException) -> None:
+        record_error(self.rd, self.rank, error)
+
+
+def hooked_reporters(rd: RunDir, rank: int) -> list[Reporter]:
+    """The reporters the driver asked for in hooks.json; each class is built with rank= and its args."""
+    out = []
+    for spec in rd.read_hooks().get("reporters", []):
+        module, _, name = spec["class"].partition(":")
+        if not module.startswith("torchloom."):
+            raise UserError(f"{rd.hooks}: reporter {spec['class']!r} is not torchloom's; remove the file")
+        cls = getattr(importlib.import_module(module), name)
+        out.append(cls(rank=rank, **spec.get("args", {})))
+    return out
+
+
+def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = None) -> Reporter:
+    """Everything one rank reports to: the driver's files, the engine's own reporter, the driver's hooks, faults."""
+    from torchloom.engines import faults
+
+    return combine([ErrorFile(rd, rank), ProgressFile(rd), engine_reporter, *hooked_reporters(rd, rank),
+                    faults.from_env(rd, rank)])
+
+
+# -- the worker ----------------------------------------------------------------------------------
+def count_start(rd: RunDir, launch_id: str, rank: int) -> int:
+    """How often this rank started before in this launch (0: first start)."""
+    marker = rd.launch_marker(launch_id, rank)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    starts = int(marker.read_text() or 0) if marker.exists() else 0
+    marker.write_text(str(starts + 1))
+    return starts
+
+
+def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Reporter | None = None,
+               capture: bool = False, launched_at: float | None = None) -> TrainResult:
     """Train on this rank; record a failure where the driver looks for it, and re-raise it."""
     from torchloom.train.entry import run
 
+    rd = RunDir(run_dir)
     rank = env_rank()
     if capture:
-        capture_output(run_dir, rank)
+        capture_output(rd, rank)
     try:
-        marker = logs_dir(run_dir) / f"launch-{launch_id}-rank{rank}"
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        starts = int(marker.read_text() or 0) if marker.exists() else 0
-        marker.write_text(str(starts + 1))
+        cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
+        starts = count_start(rd, launch_id, rank)
         if starts:
             # The engine (torch elastic, Ray, Spark's own stage retry or torchloom's) restarted this
             # worker after a failure. Whoever restarts, engine.max_restarts bounds how often.
@@ -100,15 +142,13 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, reporter=None, capt
                 raise RestartLimit(f"rank {rank} was restarted {starts} times; engine.max_restarts is {limit}")
             if not cfg_dict["train"]["resume"]:
                 cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
-            print(f"restart {starts}: resuming from the latest checkpoint in {run_dir}/checkpoints", flush=True)
-        result = run(cfg_dict, run_dir, reporter, on_error=lambda e: record_error(run_dir, rank, e))
+            print(f"restart {starts}: resuming from the latest checkpoint in {rd.checkpoints}", flush=True)
+        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter), launched_at=launched_at)
         if rank == 0:
-            tmp = result_file(run_dir, launch_id).with_suffix(".tmp")
-            tmp.write_text(json.dumps(result))
-            os.replace(tmp, result_file(run_dir, launch_id))
+            write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
         return result
     except BaseException as e:
-        record_error(run_dir, rank, e)
+        record_error(rd, rank, e)
         raise
     finally:
         if capture:
@@ -116,31 +156,29 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, reporter=None, capt
             sys.stderr.flush()
 
 
-def record_error(run_dir: str | Path, rank: int, e: BaseException) -> None:
+def record_error(rd: RunDir, rank: int, e: BaseException) -> None:
     """Write this rank's error for the driver; the first one stays (a restarted attempt may fail too)."""
-    path = error_file(run_dir, rank)
+    path = rd.error_file(rank)
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
+    write_json(path, {
         "rank": rank,
-        "time": getattr(e, "torchloom_time", time.time()),
+        "time": time.time(),
         "type": type(e).__name__,
         "user_error": isinstance(e, UserError),
         "message": str(e),
         "traceback": "".join(traceback.format_exception(e)),
-    }))
-    os.replace(tmp, path)
+    }, indent=None)
 
 
-def read_result(run_dir: str | Path, launch_id: str) -> dict:
+# -- the driver's side ---------------------------------------------------------------------------
+def read_result(rd: RunDir, launch_id: str) -> TrainResult:
     """Rank 0's result of this launch; without one, the first worker error (or a pointer to the logs)."""
-    path = result_file(run_dir, launch_id)
+    path = rd.result_file(launch_id)
     if not path.is_file():
-        raise_worker_failure(run_dir, f"training ended without a result from rank 0; see the logs in"
-                                      f" {logs_dir(run_dir)}")
-    return json.loads(path.read_text())
+        raise_worker_failure(rd, f"training ended without a result from rank 0; see the logs in {rd.logs}")
+    return TrainResult.from_dict(read_json(path))
 
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
@@ -152,11 +190,10 @@ def is_peer_loss(message: str) -> bool:
     return any(p in message for p in PEER_LOSS)
 
 
-def raise_worker_failure(run_dir: str | Path, fallback: str) -> None:
+def raise_worker_failure(rd: RunDir, fallback: str) -> None:
     """Turn the first recorded worker error into the error the user sees."""
-    logs = logs_dir(run_dir)
     errors = []
-    for p in sorted(logs.glob("error-rank*.json")) if logs.is_dir() else []:
+    for p in rd.error_files():
         try:
             errors.append(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError):
@@ -184,8 +221,8 @@ def tail_text(path: Path, lines: int = 20) -> str:
 class LogTailer:
     """Copies new lines of logs/rank-*.log to the driver's stderr, each prefixed `[rankN] `."""
 
-    def __init__(self, run_dir: str | Path, stream=None, interval: float = 0.5):
-        self.dir = logs_dir(run_dir)
+    def __init__(self, rd: RunDir, stream=None, interval: float = 0.5):
+        self.rd = rd
         self.stream = stream or sys.stderr
         self.interval = interval
         self._offsets: dict[Path, int] = {}
@@ -195,7 +232,7 @@ class LogTailer:
 
     def __enter__(self) -> LogTailer:
         # Only what this launch writes: start at the current end of existing logs.
-        for p in self.dir.glob("rank-*.log"):
+        for p in self.rd.rank_logs():
             self._offsets[p] = p.stat().st_size
         self._thread.start()
         return self
@@ -210,7 +247,7 @@ class LogTailer:
             self.poll()
 
     def poll(self) -> None:
-        for p in sorted(self.dir.glob("rank-*.log")):
+        for p in self.rd.rank_logs():
             start = self._offsets.get(p, 0)
             try:
                 with open(p, "rb") as f:

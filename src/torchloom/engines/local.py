@@ -10,21 +10,16 @@ import uuid
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.engines.common import (
-    clear_errors,
-    new_launch_id,
-    raise_worker_failure,
-    read_result,
-    run_worker,
-    tail_text,
-)
+from torchloom.engines.common import new_launch_id, raise_worker_failure, read_result, run_worker, tail_text
 from torchloom.engines.progress import ProgressMonitor
+from torchloom.rundir import RunDir
+from torchloom.train.result import TrainResult
 
 
-def _entry(cfg_dict: dict, run_dir: str, launch_id: str) -> dict:
+def _entry(cfg_dict: dict, run_dir: str, launch_id: str, launched_at: float) -> TrainResult:
     # torch elastic restarts every worker after a failure; run_worker sees the restart and resumes
     # from the latest complete checkpoint instead of starting over.
-    return run_worker(cfg_dict, run_dir, launch_id)
+    return run_worker(cfg_dict, run_dir, launch_id, launched_at=launched_at)
 
 
 def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
@@ -33,19 +28,19 @@ def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
     return tail_text(logs[-1], lines) if logs else "(no log)"
 
 
-def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers local processes; returns rank 0's result."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    run_dir = Path(run_dir).resolve()
-    log_dir = run_dir / "logs" / "workers"
+    rd = RunDir(run_dir)
+    log_dir = rd.worker_logs
     log_dir.mkdir(parents=True, exist_ok=True)
-    clear_errors(run_dir)
+    rd.clear_errors()
     launch_id = new_launch_id()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ["TORCHLOOM_LAUNCH_TIME"] = str(time.time())  # workers measure time to first step from here
+    launched_at = time.time()  # workers measure time to their first step from here
     launch = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -67,15 +62,15 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
     level = elastic_log.level
     elastic_log.setLevel(logging.CRITICAL)
     try:
-        with ProgressMonitor(run_dir, stream=stream):
-            elastic_launch(launch, _entry)(to_dict(cfg), str(run_dir), launch_id)
+        with ProgressMonitor(rd, stream=stream):
+            elastic_launch(launch, _entry)(to_dict(cfg), str(rd.root), launch_id, launched_at)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
-        raise_worker_failure(run_dir, f"training failed on rank {rank} ({how});"
+        raise_worker_failure(rd, f"training failed on rank {rank} ({how});"
                                       f" its last output:\n{tail_log(log_dir, rank)}")
     finally:
         elastic_log.setLevel(level)
         if quiet:
             stream.close()
-    return read_result(run_dir, launch_id)
+    return read_result(rd, launch_id)

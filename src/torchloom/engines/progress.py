@@ -6,7 +6,8 @@ import json
 import sys
 import threading
 import time
-from pathlib import Path
+
+from torchloom.rundir import RunDir
 
 
 def fmt_time(seconds: float) -> str:
@@ -27,8 +28,8 @@ def render(p: dict) -> str:
 class ProgressMonitor:
     """Polls `<run>/progress.json`; a live line on a terminal, a plain line every `every` s otherwise."""
 
-    def __init__(self, run_dir: str | Path, every: float = 15.0, stream=None):
-        self.path = Path(run_dir) / "progress.json"
+    def __init__(self, rd: RunDir, every: float = 15.0, stream=None):
+        self.path = rd.progress
         self.stream = stream or sys.stderr
         self.every = every
         self.tty = self.stream.isatty()

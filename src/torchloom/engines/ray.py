@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
+from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
-    clear_errors,
     new_launch_id,
     raise_worker_failure,
     read_result,
@@ -28,7 +28,9 @@ from torchloom.engines.common import (
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
+from torchloom.rundir import RunDir
 from torchloom.train.reporter import Reporter
+from torchloom.train.result import TrainResult
 
 
 class RayReporter(Reporter):
@@ -50,7 +52,8 @@ def _entry(config: dict) -> None:
         logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     except ImportError:
         pass
-    run_worker(config["cfg"], config["run_dir"], config["launch_id"], reporter=RayReporter(), capture=True)
+    run_worker(config["cfg"], config["run_dir"], config["launch_id"], engine_reporter=RayReporter(), capture=True,
+               launched_at=config["launched_at"])
 
 
 # Set in every task and actor of a Ray instance torchloom started (e.g. the trials of a local Tune study).
@@ -144,7 +147,7 @@ def tune_callbacks() -> list:
     return [TuneReportCallback()]  # rank 0's eval metrics to the trial, for the scheduler (ASHA)
 
 
-def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers Ray Train workers; returns rank 0's result."""
     try:
         import ray
@@ -153,9 +156,9 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
     except ImportError:
         raise missing_extra("ray", "ray") from None
 
-    run_dir = Path(run_dir).resolve()
+    rd = RunDir(run_dir)
     launch_id = new_launch_id()
-    clear_errors(run_dir)
+    rd.clear_errors()
     started_local = init_ray(cfg.engine.ray_address)
     scaling_config = scaling(cfg, started_local)
     if not cfg.engine.threads_per_worker:
@@ -165,30 +168,30 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> dict:
     try:
         trainer = TorchTrainer(
             _entry,
-            train_loop_config={"cfg": to_dict(cfg), "run_dir": str(run_dir), "launch_id": launch_id},
+            train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": launch_id,
+                               "launched_at": time.time()},  # workers time their first step from the launch
             scaling_config=scaling_config,
             run_config=RunConfig(
-                name=f"torchloom-{launch_id}", storage_path=str(run_dir / "ray"),
+                name=f"torchloom-{launch_id}", storage_path=str(rd.ray_storage),
                 failure_config=FailureConfig(max_failures=cfg.engine.max_restarts),
                 callbacks=tune_callbacks(),
                 worker_runtime_env={"env_vars": {
-                    "TORCHLOOM_LAUNCH_TIME": str(time.time()),  # workers time their first step from the launch
                     **worker_priority(started_local),
                     **worker_malloc(),
                     # Train v2 sends each print to its logger as well, and so to our rank log a second time
                     "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                    **({"TORCHLOOM_FAULT": os.environ["TORCHLOOM_FAULT"]} if "TORCHLOOM_FAULT" in os.environ else {}),
+                    **({faults.ENV: os.environ[faults.ENV]} if faults.ENV in os.environ else {}),
                 }},
             ),
         )
-        with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):
+        with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
             try:
                 trainer.fit()
             except Exception as e:
-                raise_worker_failure(run_dir, f"training on Ray failed: {str(e).splitlines()[0] if str(e) else e!r}")
+                raise_worker_failure(rd, f"training on Ray failed: {str(e).splitlines()[0] if str(e) else e!r}")
     finally:
         if quiet:
             stream.close()
         if started_local:
             ray.shutdown()
-    return read_result(run_dir, launch_id)
+    return read_result(rd, launch_id)

@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
+from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
-    clear_errors,
     new_launch_id,
     raise_worker_failure,
     read_result,
@@ -27,13 +27,15 @@ from torchloom.engines.common import (
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
+from torchloom.rundir import RunDir
+from torchloom.train.result import TrainResult
 
 # Passed to every worker with the job: executors are long-lived processes started with whatever
 # environment the session had, not the driver's environment at launch.
-FORWARDED_ENV = ("TORCHLOOM_FAULT", "TORCHLOOM_LAUNCH_TIME", "HF_HUB_OFFLINE")
+FORWARDED_ENV = (faults.ENV, "HF_HUB_OFFLINE")
 
 
-def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict) -> None:
+def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict, launched_at: float) -> None:
     for key in FORWARDED_ENV:
         if key in env:
             os.environ[key] = env[key]
@@ -41,7 +43,7 @@ def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict) -> None:
             os.environ.pop(key, None)
     # Output goes to the run's log files: Spark would otherwise print it twice on local[N] and keep
     # it in executor work dirs on a cluster. The driver tails the files.
-    run_worker(cfg_dict, run_dir, launch_id, capture=True)
+    run_worker(cfg_dict, run_dir, launch_id, capture=True, launched_at=launched_at)
 
 
 def is_local_master(master: str) -> bool:
@@ -61,7 +63,7 @@ def wants_gpu(cfg: Config, spark) -> bool:
     return has
 
 
-def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> dict:
+def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> TrainResult:
     """Train with cfg.engine.workers processes launched by TorchDistributor; returns rank 0's result."""
     try:
         from pyspark.ml.torch.distributor import TorchDistributor
@@ -69,7 +71,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
         raise missing_extra("pyspark", "spark") from None
     from torchloom.etl.session import get_spark
 
-    run_dir = Path(run_dir).resolve()
+    rd = RunDir(run_dir)
     spark = spark or get_spark(cfg.prepare)
     master = spark.sparkContext.master
     local_mode = is_local_master(master)
@@ -80,27 +82,27 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["TORCHLOOM_LAUNCH_TIME"] = str(time.time())  # local-mode workers time their first step from here
+    launched_at = time.time()  # workers time their first step from here
     logging.getLogger("TorchDistributor").setLevel(logging.WARNING)
     launch_id = new_launch_id()
     stream = open(os.devnull, "w") if quiet else sys.stderr
     attempts = cfg.engine.max_restarts + 1
     try:
         for attempt in range(attempts):
-            clear_errors(run_dir)
+            rd.clear_errors()
             distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
             try:
-                with ProgressMonitor(run_dir, stream=stream), LogTailer(run_dir, stream=stream):
+                with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
                     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-                    distributor.run(_entry, to_dict(cfg), str(run_dir), launch_id, env)
+                    distributor.run(_entry, to_dict(cfg), str(rd.root), launch_id, env, launched_at)
                 break
             except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
                 if attempt + 1 < attempts:
                     print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({type(e).__name__});"
                           " re-running the workers from the latest checkpoint", file=sys.stderr, flush=True)
                     continue
-                raise_worker_failure(run_dir, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}")
+                raise_worker_failure(rd, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}")
     finally:
         if quiet:
             stream.close()
-    return read_result(run_dir, launch_id)
+    return read_result(rd, launch_id)

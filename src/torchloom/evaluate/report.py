@@ -15,6 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from torchloom.rundir import RunDir
+from torchloom.rundir import write_atomic as _atomic_write
+
 # Keys of report.json that `extra` may not override.
 RESERVED_KEYS = ("split", "label_names", "metrics", "files")
 MISCLASSIFIED_SHOWN = 10  # examples quoted in report.md; all of them are in misclassified.jsonl
@@ -22,7 +25,7 @@ TEXT_SHOWN_CHARS = 160
 
 
 def write_report(
-    run_dir: str | Path,
+    run_dir: str | Path | RunDir,
     metrics: dict[str, Any],
     *,
     split: str,
@@ -34,28 +37,29 @@ def write_report(
     """Write the report files into `run_dir`; returns {kind: path} of the files written.
 
     metrics: from `classification_metrics`. misclassified: dicts with text, true, predicted, score.
-    metrics_jsonl_path: the training log for the loss plot (skipped when missing or empty).
+    metrics_jsonl_path: the training log for the loss plot (default: the run's metrics.jsonl; skipped when
+    missing or empty).
     extra: more top-level entries of report.json, e.g. timings and a config summary.
     """
     extra = dict(extra or {})
     clash = sorted(set(extra) & set(RESERVED_KEYS))
     if clash:
         raise ValueError(f"extra may not set {', '.join(clash)}: report.json uses those keys")
-    run = Path(run_dir)
-    plots = run / "plots"
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    run, plots = rd.root, rd.plots
     plots.mkdir(parents=True, exist_ok=True)
 
     written: dict[str, str] = {}
-    _atomic_write(run / "misclassified.jsonl", "".join(
+    _atomic_write(rd.misclassified, "".join(
         json.dumps(_jsonable(row), ensure_ascii=False) + "\n" for row in misclassified
     ).encode("utf-8"))
-    written["misclassified"] = str(run / "misclassified.jsonl")
+    written["misclassified"] = str(rd.misclassified)
 
     _atomic_write(plots / "confusion.png", plot_confusion(metrics["confusion_matrix"], label_names))
     written["confusion_plot"] = str(plots / "confusion.png")
     _atomic_write(plots / "calibration.png", plot_calibration(metrics["reliability"], metrics["ece"]))
     written["calibration_plot"] = str(plots / "calibration.png")
-    history = read_metrics_jsonl(metrics_jsonl_path) if metrics_jsonl_path else []
+    history = read_metrics_jsonl(metrics_jsonl_path or rd.metrics)
     loss_png = plot_loss(history)
     if loss_png is not None:
         _atomic_write(plots / "loss.png", loss_png)
@@ -63,13 +67,13 @@ def write_report(
 
     files = {kind: os.path.relpath(path, run) for kind, path in written.items()}
     report = {"split": split, "label_names": list(label_names), "metrics": metrics, "files": files, **extra}
-    _atomic_write(run / "report.json",
+    _atomic_write(rd.report_json,
                   (json.dumps(_jsonable(report), indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
-    written["report_json"] = str(run / "report.json")
+    written["report_json"] = str(rd.report_json)
     markdown = render_markdown(metrics, split=split, label_names=label_names,
                                misclassified=misclassified, files=files, extra=extra)
-    _atomic_write(run / "report.md", markdown.encode("utf-8"))
-    written["report_md"] = str(run / "report.md")
+    _atomic_write(rd.report_md, markdown.encode("utf-8"))
+    written["report_md"] = str(rd.report_md)
     return written
 
 
@@ -268,15 +272,6 @@ def _png(fig) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     return buffer.getvalue()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _has(row: dict[str, Any], *keys: str) -> bool:

@@ -12,7 +12,7 @@ from torchloom.config import Config
 from torchloom.evaluate.metrics import classification_metrics
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
-from torchloom.pipeline import run_dir
+from torchloom.rundir import RunDir
 from torchloom.train.distributed import Dist
 from torchloom.train.evaluation import predict_split
 
@@ -38,7 +38,7 @@ def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
     from transformers import AutoModelForSequenceClassification
 
     torch.set_num_threads(os.cpu_count() or 1)
-    manifest = read_manifest(run_dir(cfg) / "data")
+    manifest = read_manifest(RunDir(cfg.output.dir).data)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
     precision = cfg.train.precision if cfg.train.precision != "fp16" or device.type == "cuda" else "bf16"

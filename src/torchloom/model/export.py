@@ -21,6 +21,19 @@ EXPORT_FORMAT_VERSION = 1
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
+def is_exported(path: str | Path) -> bool:
+    """A Hugging Face model directory (what `torchloom export` writes): it has a config.json."""
+    return (Path(path) / "config.json").is_file()
+
+
+def check_exported(model_dir: str | Path,
+                   fix: str = "pass a directory written by torchloom export (usually <run>/model)") -> Path:
+    """The one check every reader of an exported model makes; `fix` says what to do instead."""
+    if not is_exported(model_dir):
+        raise UserError(f"model dir {model_dir}: no config.json there; {fix}")
+    return Path(model_dir)
+
+
 def unwrap_model(model):
     """The plain model inside DDP / DataParallel (`.module`) and torch.compile (`._orig_mod`) wrappers."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel

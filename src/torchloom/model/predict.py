@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
-from torchloom.model.export import read_export_info
+from torchloom.model.export import check_exported, read_export_info
 from torchloom.textclean import clean_text
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,10 +33,7 @@ class Predictor:
 
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars on every load
-        path = Path(model_dir)
-        if not (path / "config.json").is_file():
-            raise UserError(f"model dir {model_dir}: no config.json there; pass a directory written by"
-                            " torchloom export (usually <run>/model)")
+        path = check_exported(model_dir)
         if batch_size < 1:
             raise UserError(f"batch_size {batch_size}: must be at least 1")
         info = read_export_info(path)

@@ -266,9 +266,9 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     from pyspark.errors import AnalysisException
     from pyspark.sql.types import DoubleType, MapType, StringType, StructField, StructType
 
-    from torchloom.serve.model import check_model_dir
+    from torchloom.model.export import check_exported
 
-    check_model_dir(model_dir)
+    check_exported(model_dir)
     _check_paths(input_path, output_path, overwrite, local_only=False)
     model_dir = os.path.abspath(model_dir)  # executors may run elsewhere in the same file system
     fmt = input_format(input_path) if "://" not in input_path else FORMATS.get(Path(input_path).suffix, "parquet")

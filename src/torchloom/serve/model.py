@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
+from torchloom.model.export import check_exported
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -23,14 +24,6 @@ class ModelIdentity:
     name: str
     version: str
     labels: tuple[str, ...]
-
-
-def check_model_dir(model_dir: str) -> Path:
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise UserError(f"model dir {model_dir}: no config.json there; pass a directory written by"
-                        " torchloom export (usually <run>/model)")
-    return path
 
 
 def model_identity(model_dir: str, info: dict[str, Any], labels: list[str]) -> ModelIdentity:
@@ -88,7 +81,7 @@ class ServedModel:
 
         from torchloom.model.predict import Predictor
 
-        check_model_dir(model_dir)
+        check_exported(model_dir)
         transformers.utils.logging.disable_progress_bar()
         if threads:
             # One inference stream owns the cores; more threads than cores only adds contention.

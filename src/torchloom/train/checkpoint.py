@@ -34,6 +34,7 @@ from torchloom.train.distributed import Dist
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SHARDED_DIR = "sharded"
+META = "meta.json"  # written last: a directory without it is not a checkpoint
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -79,7 +80,7 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and (p / "meta.json").is_file():
+        if m and (p / META).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
@@ -129,7 +130,7 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
             save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer.pt")
-        (tmp / "meta.json").write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
+        (tmp / META).write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
                                                    **meta}, indent=2))
     d.barrier()
     if d.is_main:
@@ -149,6 +150,35 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def read_meta(path: str | Path) -> dict:
+    """A checkpoint's meta.json: step, epoch, world size, strategy, best step, validation metrics."""
+    return json.loads((Path(path) / META).read_text())
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / META).is_file()
+
+
+def resume_step(resume: str, root: str | Path) -> int | None:
+    """The step of the checkpoint train.resume names (None: a fresh start)."""
+    path = resolve(resume, root)
+    return None if path is None else int(read_meta(path)["step"])
+
+
+def select(root: str | Path, which: str) -> Path:
+    """The checkpoint to export: `best` (by the validation metric; the last when none was best) or `last`."""
+    root = Path(root)
+    last = latest(root)
+    if last is None:
+        raise UserError(f"{root}: no checkpoint; run torchloom train first")
+    if which == "best":
+        best_step = read_meta(last).get("best_step", -1)
+        best = root / f"step-{best_step}"
+        if best_step >= 0 and is_checkpoint(best):
+            return best
+    return last
+
+
 def resolve(resume: str, root: str | Path) -> Path | None:
     """`latest` or a path -> a complete checkpoint directory (None: latest requested, none there)."""
     if not resume:
@@ -156,7 +186,7 @@ def resolve(resume: str, root: str | Path) -> Path | None:
     if resume == "latest":
         return latest(root)
     p = Path(resume)
-    if not (p / "meta.json").is_file():
+    if not (p / META).is_file():
         raise UserError(
             f"train.resume {resume}: not a complete checkpoint directory (no meta.json);"
             f" pass 'latest' or a checkpoints/step-N directory"
@@ -169,7 +199,7 @@ def load(d: Dist, path: Path, *, model, optimizer, sharded: bool = False) -> dic
 
     sharded: the run holds the model in parts (see save); the checkpoint must be sharded too.
     """
-    meta = json.loads((path / "meta.json").read_text())
+    meta = read_meta(path)
     if meta.get("sharded", False) != sharded:
         written = meta.get("strategy", "ddp")
         raise UserError(f"train.resume {path}: written by train.strategy {written} on {meta.get('world_size')}"

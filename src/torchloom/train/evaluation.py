@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,16 +13,10 @@ from torchloom.data.loader import eval_batches, rank_range
 from torchloom.evaluate.metrics import classification_metrics
 from torchloom.manifest import Manifest
 from torchloom.train.distributed import Dist, all_gather_objects
+from torchloom.train.precision import autocast
 
 if TYPE_CHECKING:
     from torchloom.train.parallelize import Parallel
-
-
-def autocast(device: torch.device, precision: str):
-    if precision == "fp32":
-        return nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def in_lockstep(batches: Iterator[dict], count: int) -> Iterator[dict]:

@@ -14,30 +14,32 @@ shows only as `self.par`: the gradient sync of a micro-step, the clipping, and t
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
-import os
 import random
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torchloom.config import Config
+from torchloom.config import Config, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
-from torchloom.errors import UserError
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
-from torchloom.train import checkpoint, faults, optim
+from torchloom.rundir import RunDir
+from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist, all_reduce_sum
-from torchloom.train.evaluation import autocast, evaluate
+from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
-from torchloom.train.reporter import NullReporter, Reporter
+from torchloom.train.precision import autocast, grad_scaler
+from torchloom.train.reporter import Reporter
+from torchloom.train.result import TrainResult
 
 
 @dataclass
@@ -54,27 +56,6 @@ class TrainState:
     stop_reason: str = ""  # why training ended before total_steps: early_stopping, or who asked (e.g. pruned)
     last_eval_step: int = -1
     last_checkpoint_step: int = -1
-
-
-def micro_batch_size(cfg: Config, world_size: int) -> int:
-    """Rows per micro-step on one data-parallel rank."""
-    tc = cfg.train
-    if tc.strategy == "pipeline":
-        per_step = tc.grad_accum * tc.microbatches  # one replica; each micro-step cut into micro-batches
-        if tc.batch_size % per_step:
-            raise UserError(
-                f"config train.batch_size {tc.batch_size}: with train.strategy pipeline it must be a multiple of"
-                f" train.grad_accum x train.microbatches = {per_step}; choose e.g."
-                f" {per_step * max(1, tc.batch_size // per_step)}"
-            )
-        return tc.batch_size // tc.grad_accum
-    per_step = world_size * tc.grad_accum
-    if tc.batch_size % per_step:
-        raise UserError(
-            f"config train.batch_size {tc.batch_size}: must be a multiple of engine.workers x"
-            f" train.grad_accum = {per_step}; choose e.g. {per_step * max(1, tc.batch_size // per_step)}"
-        )
-    return tc.batch_size // per_step
 
 
 def seed_everything(seed: int) -> None:
@@ -98,36 +79,41 @@ def better(metric: str, new: float, best: float | None) -> bool:
     return new < best if metric == "loss" else new > best
 
 
-def reset_metrics_log(path: Path, resume_step: int | None) -> None:
-    """A fresh run (resume_step None) starts a fresh metrics.jsonl; a resumed one keeps the lines up to
-    its checkpoint, since the interrupted run's later lines are about to be logged again."""
-    if not path.exists():
-        return
-    if resume_step is None:
-        path.unlink()
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+@dataclass
+class LogWindow:
+    """Loss and rows since the last log step (the loss stays on the device until it is logged)."""
+
+    loss: torch.Tensor
+    rows: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss_sum: torch.Tensor, rows: int) -> None:
+        self.loss += loss_sum
+        self.rows += rows
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.rows, self.steps, self.start = 0, 0, time.perf_counter()
 
 
 class Trainer:
-    """Built once per rank from the config; `fit()` runs the loop and returns rank-local results."""
+    """Built once per rank from the config; `fit()` runs the loop and returns this rank's result."""
 
-    def __init__(self, cfg: Config, d: Dist, run_dir: str | Path, reporter: Reporter | None = None):
-        self.cfg, self.d, self.run_dir = cfg, d, Path(run_dir)
-        self.reporter = reporter or NullReporter()
-        self.tc = cfg.train
-        self.manifest = read_manifest(self.run_dir / "data")
+    def __init__(self, cfg: Config, d: Dist, reporter: Reporter | None = None, launched_at: float | None = None):
+        self.cfg, self.d, self.tc = cfg, d, cfg.train
+        self.rd = RunDir(cfg.output.dir)
+        self.reporter = reporter or Reporter()
+        self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
+        self.manifest = read_manifest(self.rd.data)
         seed_everything(self.tc.seed)
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off
         self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
         # Before the optimizer is built: FSDP replaces the parameters, a pipeline stage drops the others'.
         self.par = parallelize(self.model, d, self.tc, self.manifest.tokenizer.get("max_length"), self.loss_weights)
-        self.micro_batch = micro_batch_size(cfg, d.world_size)
+        self.micro_batch = micro_batch_size(self.tc, d.world_size)
         self.loader = ShardedLoader(
             self.manifest, "train", rank=self.par.dp_rank, world_size=self.par.dp_size,
             batch_size=self.micro_batch, seed=self.tc.seed,
@@ -140,61 +126,134 @@ class Trainer:
         self.optimizer, self.scheduler = optim.build(
             self.model, self.tc.lr, self.tc.weight_decay, self.total_steps, warmup, self.tc.schedule, d.device
         )
-        use_scaler = self.tc.precision == "fp16" and d.device.type == "cuda"
-        self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
+        self.scaler = grad_scaler(self.tc.precision, d.device)
         self.state = TrainState()
-        self.ckpt_root = self.run_dir / "checkpoints"
-        self.metrics_path = self.run_dir / "metrics.jsonl"
         self.last_eval: dict | None = None
+        self.first_step_s: float | None = None
         self.resumed_from = self._maybe_resume()
 
-    # -- resume and checkpoints ---------------------------------------------------------------
-    def _maybe_resume(self) -> str | None:
-        path = checkpoint.resolve(self.tc.resume, self.ckpt_root)
-        if path is None:
-            if self.d.is_main:
-                reset_metrics_log(self.metrics_path, None)
-            return None
-        ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
-        self.scheduler.load_state_dict(ts["scheduler"])
-        if self.scaler is not None and ts.get("scaler"):
-            self.scaler.load_state_dict(ts["scaler"])
-        self.loader.load_state_dict(ts["loader"])
-        self.state = TrainState(**ts["state"])
-        if self.d.is_main:
-            reset_metrics_log(self.metrics_path, self.state.step)
-        return str(path)
+    # -- the loop ------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Every optimizer step, then maybe log, evaluate, checkpoint; at the end a last eval and checkpoint."""
+        s, tc = self.state, self.tc
+        started = time.perf_counter()
+        window = LogWindow(torch.zeros((), device=self.d.device))
+        steps = self.optimizer_steps()
+        while s.step < self.total_steps and not s.stopped_early:
+            micro_batches, first_index, epoch_ends = next(steps)
+            loss_sum, rows, grad_norm = self.train_step(micro_batches, first_index)
+            self.reporter.step_done(s.step)
+            if self.first_step_s is None:
+                self.first_step_s = self.seconds_since_launch(started)
+            window.add(loss_sum, rows)
+            if s.step % tc.log_every == 0 or s.step == self.total_steps:
+                self.log_train(window, grad_norm)
+            if (tc.eval_every and s.step % tc.eval_every == 0) or (epoch_ends and s.last_eval_step != s.step):
+                self.run_eval()
+            every = tc.checkpoint_every
+            if s.last_checkpoint_step != s.step and ((every and s.step % every == 0) or (epoch_ends and not every)):
+                self.save_checkpoint()
+        if s.last_eval_step != s.step:
+            self.run_eval()
+        if s.last_checkpoint_step != s.step:
+            self.save_checkpoint()
+        return self.result(time.perf_counter() - started)
 
-    def save_checkpoint(self) -> Path:
-        s = self.state
-        s.last_checkpoint_step = s.step
-        trainer_state = {
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "loader": self.loader.state_dict(),
-            "state": asdict(s),
-        }
-        meta = {"epoch": s.epoch, "samples_seen": s.samples_seen, "best_step": s.best_step,
-                "strategy": self.par.strategy, "eval": self.last_eval_summary()}
-        keep = {s.best_step} if s.best_step >= 0 else set()
-        return checkpoint.save(
-            self.d, self.ckpt_root, s.step, model=self.model, optimizer=self.optimizer,
-            trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
-        )
+    def seconds_since_launch(self, fit_started: float) -> float:
+        """From the engine's launch when it said when (start-up included), else from the start of fit()."""
+        return time.time() - self.launched_at if self.launched_at else time.perf_counter() - fit_started
+
+    def optimizer_steps(self) -> Iterator[tuple[list[dict], int, bool]]:
+        """(micro-batches, index of the first in its epoch, whether the epoch ends with them) for each
+        optimizer step, epoch after epoch. A resumed loader continues mid-epoch where it stopped."""
+        loader = self.loader
+        while True:
+            position = loader.state_dict()["batches_yielded"]
+            if position == 0 or loader.epoch_finished:
+                if loader.epoch_finished:
+                    self.state.epoch += 1  # the last epoch ended (at a checkpoint taken right at its end)
+                loader.set_epoch(self.state.epoch)
+                position = 0
+            batches = iter(loader)
+            # The last step of an epoch may take fewer micro-batches than grad_accum.
+            while group := list(itertools.islice(batches, self.tc.grad_accum)):
+                yield group, position, loader.epoch_finished
+                position += len(group)
+
+    def train_step(self, micro_batches: list[dict], first_batch_index: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Forward and backward over the micro-batches of one optimizer step, then the update.
+        Returns the summed loss, the rows of the whole (global) step and the gradient norm."""
+        d, par = self.d, self.par
+        step_rows = sum(self.loader.global_batch_rows(first_batch_index + i) for i in range(len(micro_batches)))
+        loss_scale = par.dp_size / step_rows
+        loss_sum = torch.zeros((), device=d.device)
+        for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            # Skip the gradient all-reduce on all but the last micro-step: it would be redone anyway.
+            with par.grad_sync(last or not d.enabled):
+                if par.pipeline is not None:
+                    summed = par.pipeline.step(batch, self.micro_batch, loss_scale)
+                else:
+                    summed = self.forward_backward(batch, loss_scale)
+            loss_sum += summed.detach()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = par.clip_grad_norm_(self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.state.step += 1
+        self.state.samples_seen += step_rows
+        return loss_sum, step_rows, grad_norm
+
+    def forward_backward(self, batch: dict, loss_scale: float) -> torch.Tensor:
+        """One micro-batch through the (data-parallel) model; returns its summed loss."""
+        d = self.d
+        with autocast(d.device, self.tc.precision):
+            logits = self.par.module(
+                input_ids=batch["input_ids"].to(d.device, non_blocking=True),
+                attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
+            ).logits
+        labels = batch["labels"].to(d.device, non_blocking=True)
+        summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
+        loss = summed * loss_scale
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        return summed
 
     # -- logging -------------------------------------------------------------------------------
+    def log_train(self, window: LogWindow, grad_norm: torch.Tensor) -> None:
+        """Collective: the window's mean loss over all ranks (one small all-reduce, at log steps only)."""
+        s = self.state
+        loss = all_reduce_sum(self.d, [float(window.loss)])[0] / max(1, window.rows)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {s.step}; lower train.lr or use train.precision fp32")
+        elapsed = time.perf_counter() - window.start
+        rate = window.rows / elapsed if elapsed > 0 else 0.0
+        lr = self.scheduler.get_last_lr()[0]
+        self.log({"kind": "train", "step": s.step, "epoch": self.epoch_float(), "loss": round(loss, 6), "lr": lr,
+                  "grad_norm": round(float(grad_norm), 6), "samples_per_s": round(rate, 2)})
+        eta = (self.total_steps - s.step) * elapsed / max(1, window.steps)
+        self.progress(phase="train", step=s.step, epoch=self.epoch_float(), loss=loss, lr=lr,
+                      samples_per_s=rate, eta_s=eta)
+        window.reset()
+
     def log(self, record: dict) -> None:
         if self.d.is_main:
-            with open(self.metrics_path, "a") as f:
+            with open(self.rd.metrics, "a") as f:
                 f.write(json.dumps(record) + "\n")
             self.reporter.log(record)  # rank 0 only; MLflow reads the file instead (tracking.MetricsForwarder)
 
     def progress(self, **fields) -> None:
-        # The driver tails this file to draw the live bar, whatever engine runs the workers.
         if self.d.is_main:
-            tmp = self.run_dir / ".progress.json.tmp"
-            tmp.write_text(json.dumps({"total_steps": self.total_steps, **fields}))
-            os.replace(tmp, self.run_dir / "progress.json")
+            self.reporter.progress({"total_steps": self.total_steps, **fields})
+
+    def epoch_float(self) -> float:
+        done = self.loader.state_dict()["batches_yielded"] / max(1, len(self.loader))
+        return round(self.state.epoch + min(1.0, done), 4)
 
     def last_eval_summary(self) -> dict:
         if not self.last_eval:
@@ -203,6 +262,7 @@ class Trainer:
 
     # -- evaluation ----------------------------------------------------------------------------
     def run_eval(self) -> None:
+        """Collective: validate, track the best, maybe stop early; the best model always gets a checkpoint."""
         s = self.state
         s.last_eval_step = s.step
         if self.manifest.split("val").rows == 0:
@@ -224,7 +284,7 @@ class Trainer:
         self.log(record)
         saved = None
         if s.best_step == s.step and s.last_checkpoint_step != s.step:
-            saved = str(self.save_checkpoint())  # the best model always has a checkpoint
+            saved = str(self.save_checkpoint())
         stop = self.reporter.report(record, saved)
         if self.reporter.may_stop:
             # Every rank must leave the loop at the same step: rank 0's answer (a pruner's) decides.
@@ -232,144 +292,49 @@ class Trainer:
             if stop and not s.stopped_early:
                 s.stopped_early, s.stop_reason = True, self.reporter.stop_reason
 
-    def epoch_float(self) -> float:
-        done = self.loader.state_dict()["batches_yielded"] / max(1, len(self.loader))
-        return round(self.state.epoch + min(1.0, done), 4)
+    # -- resume and checkpoints ---------------------------------------------------------------
+    def _maybe_resume(self) -> str | None:
+        path = checkpoint.resolve(self.tc.resume, self.rd.checkpoints)
+        if path is None:
+            if self.d.is_main:
+                self.rd.reset_metrics(None)
+            return None
+        ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
+        self.scheduler.load_state_dict(ts["scheduler"])
+        if self.scaler is not None and ts.get("scaler"):
+            self.scaler.load_state_dict(ts["scaler"])
+        self.loader.load_state_dict(ts["loader"])
+        self.state = TrainState(**ts["state"])
+        if self.d.is_main:
+            self.rd.reset_metrics(self.state.step)
+        return str(path)
 
-    # -- the loop ------------------------------------------------------------------------------
-    def train_step(self, micro_batches: list[dict], first_batch_index: int) -> tuple[torch.Tensor, int]:
-        """Forward and backward over the micro-batches of one optimizer step, then the update."""
-        d, par = self.d, self.par
-        step_rows = sum(self.loader.global_batch_rows(first_batch_index + i) for i in range(len(micro_batches)))
-        loss_scale = par.dp_size / step_rows
-        loss_sum = torch.zeros((), device=d.device)
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # Skip the gradient all-reduce on all but the last micro-step: it would be redone anyway.
-            with par.grad_sync(last or not d.enabled):
-                if par.pipeline is not None:
-                    summed = par.pipeline.step(batch, self.micro_batch, loss_scale)
-                else:
-                    summed = self.forward_backward(batch, loss_scale)
-            loss_sum += summed.detach()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        clip = self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf")
-        grad_norm = par.clip_grad_norm_(clip)
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.state.step += 1
-        self.state.samples_seen += step_rows
-        self._grad_norm = grad_norm
-        return loss_sum, step_rows
-
-    def forward_backward(self, batch: dict, loss_scale: float) -> torch.Tensor:
-        """One micro-batch through the (data-parallel) model; returns its summed loss."""
-        d = self.d
-        with autocast(d.device, self.tc.precision):
-            logits = self.par.module(
-                input_ids=batch["input_ids"].to(d.device, non_blocking=True),
-                attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
-            ).logits
-        labels = batch["labels"].to(d.device, non_blocking=True)
-        summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
-        loss = summed * loss_scale
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        return summed
-
-    def fit(self) -> dict:
-        tc, s, d = self.tc, self.state, self.d
-        started = time.perf_counter()
-        window_loss, window_rows, window_start, window_steps = 0.0, 0, time.perf_counter(), 0
-        first_step_s = None
-        loss_acc = torch.zeros((), device=d.device)
-        while s.step < self.total_steps and not s.stopped_early:
-            position = self.loader.state_dict()["batches_yielded"]
-            if position == 0 or position >= len(self.loader):
-                if position >= len(self.loader):
-                    s.epoch += 1  # a checkpoint taken right at an epoch's end
-                self.loader.set_epoch(s.epoch)
-                position = 0
-            batches = iter(self.loader)
-            exhausted = False
-            while s.step < self.total_steps and not s.stopped_early:
-                group = []
-                for _ in range(tc.grad_accum):
-                    batch = next(batches, None)
-                    if batch is None:
-                        exhausted = True
-                        break
-                    group.append(batch)
-                if not group:
-                    break
-                loss_sum, rows = self.train_step(group, position)
-                position += len(group)
-                faults.maybe_fire(d.rank, s.step, self.run_dir)
-                if first_step_s is None:
-                    # From the engine's launch when it says when that was, else from the start of fit().
-                    launched = float(os.environ.get("TORCHLOOM_LAUNCH_TIME", "0"))
-                    first_step_s = time.time() - launched if launched else time.perf_counter() - started
-                loss_acc += loss_sum
-                window_rows += rows
-                window_steps += 1
-                if s.step % tc.log_every == 0 or s.step == self.total_steps:
-                    # One small all-reduce at log steps only, on every rank at the same step.
-                    local = float(loss_acc)
-                    window_loss = all_reduce_sum(d, [local])[0] / max(1, window_rows)
-                    if not math.isfinite(window_loss):
-                        raise FloatingPointError(
-                            f"loss is {window_loss} at step {s.step}; lower train.lr or use train.precision fp32"
-                        )
-                    elapsed = time.perf_counter() - window_start
-                    rate = window_rows / elapsed if elapsed > 0 else 0.0
-                    lr = self.scheduler.get_last_lr()[0]
-                    self.log({"kind": "train", "step": s.step, "epoch": self.epoch_float(),
-                              "loss": round(window_loss, 6), "lr": lr,
-                              "grad_norm": round(float(self._grad_norm), 6), "samples_per_s": round(rate, 2)})
-                    eta = (self.total_steps - s.step) * elapsed / max(1, window_steps)
-                    self.progress(phase="train", step=s.step, epoch=self.epoch_float(), loss=window_loss,
-                                  lr=lr, samples_per_s=rate, eta_s=eta)
-                    loss_acc.zero_()
-                    window_rows, window_steps, window_start = 0, 0, time.perf_counter()
-                if tc.eval_every and s.step % tc.eval_every == 0:
-                    self.run_eval()
-                if tc.checkpoint_every and s.step % tc.checkpoint_every == 0 and s.last_checkpoint_step != s.step:
-                    self.save_checkpoint()
-                if exhausted:
-                    break
-            epoch_done = exhausted or self.loader.state_dict()["batches_yielded"] >= len(self.loader)
-            if epoch_done:
-                if s.last_eval_step != s.step:
-                    self.run_eval()
-                if not tc.checkpoint_every and s.last_checkpoint_step != s.step:
-                    self.save_checkpoint()
-        if s.last_eval_step != s.step:
-            self.run_eval()
-        if s.last_checkpoint_step != s.step:
-            self.save_checkpoint()
-        train_s = time.perf_counter() - started
-        best = self.ckpt_root / f"step-{s.best_step}" if s.best_step >= 0 else None
-        return {
-            "steps": s.step,
-            "total_steps": self.total_steps,
-            "epochs": self.epoch_float(),
-            "samples_seen": s.samples_seen,
-            "train_s": round(train_s, 2),
-            "first_step_s": round(first_step_s or 0.0, 2),
-            "samples_per_s": round(s.samples_seen / train_s, 2) if train_s > 0 else 0.0,
-            "stopped_early": s.stopped_early,
-            "stop_reason": s.stop_reason,
-            "best_metric": s.best_metric,
-            "best_step": s.best_step,
-            "best_checkpoint": str(best) if best else None,
-            "last_checkpoint": str(self.ckpt_root / f"step-{s.step}"),
-            "last_eval": self.last_eval_summary(),
-            "resumed_from": self.resumed_from,
-            "world_size": d.world_size,
-            "device": str(d.device),
+    def save_checkpoint(self) -> str:
+        s = self.state
+        s.last_checkpoint_step = s.step
+        trainer_state = {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "loader": self.loader.state_dict(),
+            "state": asdict(s),
         }
+        meta = {"epoch": s.epoch, "samples_seen": s.samples_seen, "best_step": s.best_step,
+                "strategy": self.par.strategy, "eval": self.last_eval_summary()}
+        keep = {s.best_step} if s.best_step >= 0 else set()
+        return str(checkpoint.save(
+            self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
+            trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
+        ))
+
+    def result(self, train_s: float) -> TrainResult:
+        s = self.state
+        return TrainResult(
+            steps=s.step, total_steps=self.total_steps, epochs=self.epoch_float(), samples_seen=s.samples_seen,
+            train_s=round(train_s, 2), first_step_s=round(self.first_step_s or 0.0, 2),
+            samples_per_s=round(s.samples_seen / train_s, 2) if train_s > 0 else 0.0,
+            stopped_early=s.stopped_early, stop_reason=s.stop_reason, best_metric=s.best_metric,
+            best_step=s.best_step,
+            best_checkpoint=str(self.rd.checkpoint(s.best_step)) if s.best_step >= 0 else None,
+            last_checkpoint=str(self.rd.checkpoint(s.step)), last_eval=self.last_eval_summary(),
+            resumed_from=self.resumed_from, world_size=self.d.world_size, device=str(self.d.device),
+        )

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from torchloom.errors import UserError
 from torchloom.train.distributed import Dist
-from torchloom.train.evaluation import autocast
+from torchloom.train.precision import autocast
 
 IGNORE_INDEX = -100  # the label of padding rows
 

@@ -1,20 +1,20 @@
-"""The one place engine- and tool-specific calls enter the loop: Ray's report, an Optuna pruner.
+"""The only way anything leaves the training loop: progress, metrics, Ray's report, a pruner, test faults.
 
 The loop calls, on every rank:
   report(eval_record, checkpoint_dir) at every evaluation, the same number of times on each rank;
     a true result asks training to stop (only rank 0's answer counts, and only when may_stop);
+  step_done(step) after every optimizer step;
+  failed(error) when the rank fails, before it leaves the process group;
 and on rank 0 only:
-  log(record) for every line written to metrics.jsonl (train and eval records).
+  log(record) for every line written to metrics.jsonl (train and eval records);
+  progress(fields) at every log step and when an evaluation starts.
 close() is called once when the rank's training ends, successfully or not.
 
-Driver-side tools reach the workers through `hooks.json` in the run directory (see worker_reporter),
-so they work the same whichever engine started the workers.
+Which reporters a worker gets is the launcher's business (engines/common.py assembles them); the
+loop knows only this interface.
 """
 
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 
 class Reporter:
@@ -27,15 +27,21 @@ class Reporter:
     def log(self, record: dict) -> None:
         return None
 
+    def progress(self, fields: dict) -> None:
+        return None
+
+    def step_done(self, step: int) -> None:
+        return None
+
+    def failed(self, error: BaseException) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
 
-NullReporter = Reporter
-
-
 class Reporters(Reporter):
-    """Several reporters as one: each sees every call; any one of them may ask to stop."""
+    """Several reporters as one: each sees every call, in order; any one of them may ask to stop."""
 
     def __init__(self, reporters: list[Reporter]):
         self.reporters = reporters
@@ -54,29 +60,31 @@ class Reporters(Reporter):
         for r in self.reporters:
             r.log(record)
 
-    def close(self) -> None:
+    def progress(self, fields: dict) -> None:
         for r in self.reporters:
-            r.close()
+            r.progress(fields)
+
+    def step_done(self, step: int) -> None:
+        for r in self.reporters:
+            r.step_done(step)
+
+    def failed(self, error: BaseException) -> None:
+        for r in self.reporters:
+            r.failed(error)
+
+    def close(self) -> None:
+        errors = []
+        for r in self.reporters:
+            try:
+                r.close()
+            except Exception as e:  # every reporter gets closed; the first failure is raised after
+                errors.append(e)
+        if errors:
+            raise errors[0]
 
 
-HOOKS_FILE = "hooks.json"
-
-
-def read_hooks(run_dir: str | Path) -> dict:
-    path = Path(run_dir) / HOOKS_FILE
-    if not path.is_file():
-        return {}
-    return json.loads(path.read_text())
-
-
-def worker_reporter(run_dir: str | Path, rank: int, engine_reporter: Reporter | None = None) -> Reporter:
-    """The engine's reporter plus what the driver asked for in hooks.json (the same on every rank)."""
-    hooks = read_hooks(run_dir)
-    reporters = [engine_reporter] if engine_reporter is not None else []
-    if "optuna" in hooks:
-        from torchloom.tune.optuna_backend import PruningReporter
-
-        reporters.append(PruningReporter(rank=rank, **hooks["optuna"]))
-    if len(reporters) == 1:
-        return reporters[0]
-    return Reporters(reporters) if reporters else Reporter()
+def combine(reporters: list[Reporter | None]) -> Reporter:
+    present = [r for r in reporters if r is not None]
+    if not present:
+        return Reporter()
+    return present[0] if len(present) == 1 else Reporters(present)

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict, to_dict
 from torchloom.engines.common import replace_engine
-from torchloom.tune import study as study_mod
+from torchloom.rundir import RunDir, StudyDir
+from torchloom.tune import trial as trial_mod
+from torchloom.tune.common import mode_of, say
 from torchloom.tune.space import Param
 
 TRIAL_CPU = 0.01  # the trial's own process mostly waits for its TorchTrainer
@@ -57,10 +59,10 @@ def _trainable(config: dict) -> None:
     env_defaults()
     ctx = tune.get_context()
     cfg = from_dict(config["__cfg"])
-    sd = Path(config["__study_dir"])
+    sd = StudyDir(config["__study_dir"])
     values = {k: v for k, v in config.items() if not k.startswith("__")}
     name = f"trial-{ctx.get_trial_id()}"
-    study_mod.run_trial(cfg, sd, name, values, config.get("__parent_run_id"))
+    trial_mod.run_trial(cfg, sd, name, values, config.get("__parent_run_id"))
 
 
 class _Progress:
@@ -73,16 +75,16 @@ class _Progress:
             def on_trial_result(self, iteration, trials, trial, result, **info):
                 value = result.get(metric)
                 shown = f"{value:.4f}" if isinstance(value, (int, float)) else "-"
-                study_mod.say(f"trial-{trial.trial_id} eval {result.get('training_iteration')} at step"
+                say(f"trial-{trial.trial_id} eval {result.get('training_iteration')} at step"
                               f" {result.get('step', '?')}: {metric} {shown}")
 
             def on_trial_error(self, iteration, trials, trial, **info):
-                study_mod.say(f"trial-{trial.trial_id} failed; see {trial.local_path or 'its logs'}")
+                say(f"trial-{trial.trial_id} failed; see {trial.local_path or 'its logs'}")
 
         self.callback = Cb()
 
 
-def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -> None:
+def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | None) -> None:
     import logging
 
     from ray import tune
@@ -93,7 +95,7 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
     from torchloom.engines.ray import init_ray
 
     tc = cfg.tune
-    metric, mode = tc.metric, study_mod.mode_of(cfg)
+    metric, mode = tc.metric, mode_of(cfg)
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our one line per event instead of Tune's tables
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # torchloom writes its own results
     import optuna
@@ -104,13 +106,13 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
         logging.getLogger("ray.tune").setLevel(logging.WARNING)
         concurrent = concurrency(cfg)
         trial_cfg = trial_engine(cfg, concurrent, started_local)
-        fixed = {"__cfg": to_dict(trial_cfg), "__study_dir": str(sd), "__parent_run_id": parent_run_id}
+        fixed = {"__cfg": to_dict(trial_cfg), "__study_dir": str(sd.root), "__parent_run_id": parent_run_id}
         trainable = tune.with_resources(_trainable, {"CPU": TRIAL_CPU})
-        storage = sd / "ray"
-        path = storage / "tune"
+        storage = sd.ray_storage
+        path = sd.ray_tune
         param_space = {**{p.key: p.ray_domain() for p in params}, **fixed}
         if tune.Tuner.can_restore(str(path)):
-            study_mod.say(f"resuming the Ray Tune study in {path}")
+            say(f"resuming the Ray Tune study in {path}")
             tuner = tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True,
                                        resume_errored=True, param_space=param_space)
         else:
@@ -135,7 +137,7 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
                     failure_config=tune.FailureConfig(max_failures=0),
                 ),
             )
-        study_mod.say(f"{concurrent} trial(s) at a time, {trial_cfg.engine.workers} Ray Train workers each with"
+        say(f"{concurrent} trial(s) at a time, {trial_cfg.engine.workers} Ray Train workers each with"
                       f" {trial_cfg.engine.cpus_per_worker:g} CPUs")
         started = time.monotonic()
         grid = tuner.fit()
@@ -151,7 +153,7 @@ def run(cfg: Config, sd: Path, params: list[Param], parent_run_id: str | None) -
         # Tune caught Ctrl+C (or lost its driver) and saved its state: nothing is settled, so the same
         # command resumes the study where it stopped.
         done = len(statuses) - len(unfinished)
-        study_mod.say(f"interrupted after {done} of {tc.trials} trials; run the same command again to resume"
+        say(f"interrupted after {done} of {tc.trials} trials; run the same command again to resume"
                       " the study")
         raise KeyboardInterrupt
     settle(cfg, sd, grid)
@@ -173,31 +175,29 @@ def trial_name_of(result) -> str | None:
     return f"trial-{tid}" if tid else None
 
 
-def ran_to_the_end(td: Path) -> bool:
-    import json
+def ran_to_the_end(td: RunDir) -> bool:
+    from torchloom.rundir import read_json
 
-    progress = td / "progress.json"
-    if not progress.is_file():
+    if not td.progress.is_file():
         return False
-    total = json.loads(progress.read_text()).get("total_steps") or 0
-    steps = max((r.get("step", 0) for r in study_mod.eval_history(td)), default=0)
+    total = read_json(td.progress).get("total_steps") or 0
+    steps = max((r.get("step", 0) for r in trial_mod.eval_history(td)), default=0)
     return 0 < total <= steps
 
 
-def settle(cfg: Config, sd: Path, grid) -> None:
+def settle(cfg: Config, sd: StudyDir, grid) -> None:
     """Record how each trial ended, as Tune saw it. A trial ASHA stopped never wrote its own end, or
     wrote "failed" when its Ray Train run was torn down under it: both are "stopped early", and
     their MLflow runs end as KILLED."""
-    import json
 
     from torchloom import tracking
 
     for result in grid:
         name = trial_name_of(result)
-        td = study_mod.trial_dir(sd, name) if name else None
-        if td is None or not (td / "trial.json").is_file():
+        td = sd.trial(name) if name else None
+        if td is None or not td.trial_info.is_file():
             continue
-        own = json.loads((td / "trial_result.json").read_text()) if (td / "trial_result.json").is_file() else {}
+        info, own = trial_mod.read_trial(td)
         if own.get("status") in ("completed", "interrupted"):
             continue  # an interrupted trial Tune did not resume keeps saying so
         if result.error is not None:
@@ -210,15 +210,15 @@ def settle(cfg: Config, sd: Path, grid) -> None:
             status, mlflow_status, extra = "completed", "FINISHED", {"stop_reason": ""}
         else:
             status, mlflow_status, extra = "stopped early", "KILLED", {"stop_reason": "scheduler"}
-        study_mod.finish_trial(td, status, extra)
-        run_id = json.loads((td / "trial.json").read_text()).get("mlflow_run_id")
+        trial_mod.finish_trial(td, status, extra)
+        run_id = info.get("mlflow_run_id")
         if run_id and cfg.tracking.enabled:
             try:
                 from mlflow import MlflowClient
 
                 client = MlflowClient(tracking_uri=tracking.resolve_uri(cfg.tracking.uri))
                 # Tune ended the trial's process, maybe before its forwarder sent the last evaluations.
-                tracking.forward_missing(client, run_id, td / "metrics.jsonl")
+                tracking.forward_missing(client, run_id, td.metrics)
                 client.set_terminated(run_id, mlflow_status)
             except Exception:  # the study's result does not depend on it
                 pass

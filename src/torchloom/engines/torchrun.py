@@ -1,6 +1,6 @@
-"""One worker, for launchers torchloom does not drive itself (torchrun on each node of a cluster).
+"""The torchrun engine: one worker, for launchers torchloom does not drive itself (torchrun on each node).
 
-    torchrun --nnodes N --nproc-per-node 8 ... -m torchloom.train.worker --output.dir RUN [--config F] [--k v ...]
+    torchrun --nnodes N --nproc-per-node 8 ... -m torchloom.engines.torchrun --output.dir RUN [--config F] [--k v ...]
 
 The same config options as `torchloom train`; the run directory must hold prepared data and be on
 storage every node sees. A restart by torchrun (--max-restarts) resumes from the latest checkpoint.
@@ -14,7 +14,7 @@ import sys
 from torchloom.config import build, to_dict
 from torchloom.engines.common import run_worker
 from torchloom.errors import UserError
-from torchloom.pipeline import env_defaults, run_dir
+from torchloom.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--config")
         config_file = argv[i + 1] if i + 1 < len(argv) else None
         del argv[i:i + 2]
-    env_defaults()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         cfg = build(config_file, argv)
     except UserError as e:
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
-    run_worker(to_dict(cfg), str(run_dir(cfg)), launch_id)
+    run_worker(to_dict(cfg), str(RunDir(cfg.output.dir).root), launch_id)
     return 0
 
 

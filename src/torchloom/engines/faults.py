@@ -1,0 +1,49 @@
+"""Fault injection for tests of failure handling: make one rank raise or die at a given step.
+
+Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" (or kind=kill for SIGKILL) in the environment of the
+job. A fault fires once per run directory (a marker file records it), so a job that restarts and
+resumes from a checkpoint does not hit it again. The launcher adds a FaultInjector to the worker's
+reporter only when the variable is set; the training loop knows nothing of it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from torchloom.rundir import RunDir
+from torchloom.train.reporter import Reporter
+
+ENV = "TORCHLOOM_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def parse(spec: str) -> dict[str, str]:
+    return dict(part.split("=", 1) for part in spec.split(",") if "=" in part)
+
+
+class FaultInjector(Reporter):
+    def __init__(self, spec: str, rd: RunDir, rank: int):
+        f = parse(spec)
+        self.spec, self.rd, self.rank = spec, rd, rank
+        self.at_rank, self.at_step, self.kind = int(f.get("rank", -1)), int(f.get("step", -1)), f.get("kind", "raise")
+
+    def step_done(self, step: int) -> None:
+        if self.at_rank != self.rank or self.at_step != step:
+            return
+        marker = self.rd.fault_marker(self.rank, step)
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(self.spec)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
+
+
+def from_env(rd: RunDir, rank: int) -> FaultInjector | None:
+    spec = os.environ.get(ENV)
+    return FaultInjector(spec, rd, rank) if spec else None

@@ -1,0 +1,259 @@
+"""The contract of one run directory: every path in it, who writes it, and one `write_atomic`.
+
+    runs/<name>/
+      config.toml           driver, each stage       the resolved config, exactly what ran
+      data/                 prepare                  manifest.json, train/ val/ test/ shards, rejected/
+      checkpoints/step-N/   train workers            see train/checkpoint.py (meta.json is written last)
+      metrics.jsonl         train rank 0             one line per log step and per evaluation
+      train_result.json     driver                   rank 0's TrainResult plus the wall time
+      model/                export                   the Hugging Face model directory
+      report.md report.json misclassified.jsonl plots/     evaluate
+      summary.json          run                      what `torchloom run` printed at the end
+    and the driver <-> worker protocol (shared storage on a cluster; see engines/common.py):
+      hooks.json            driver, before a launch  what workers must call out to (an Optuna pruner)
+      progress.json         train rank 0             the live progress the driver draws
+      logs/rank-R.log       engines                  a rank's stdout and stderr (Spark, Ray)
+      logs/workers/         local engine             torch elastic's per-attempt logs
+      logs/error-rankR.json a failed rank            its error and traceback; the driver raises the first
+      logs/result-L.json    rank 0                   the TrainResult of launch L
+      logs/launch-L-rankR   every rank               how often rank R started in launch L (restarts)
+      ray/                  ray engine               Ray Train's own storage
+      trial.json trial_result.json   tune                 a trial's parameters, and how it ended
+
+Nothing heavy is imported here: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write to a temporary name beside `path`, then rename: readers see the old file or the new, never half."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data, encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json(path: str | Path, data: Any, indent: int | None = 2) -> Path:
+    return write_atomic(path, json.dumps(data, indent=indent, default=str))
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+class RunDir:
+    """Named paths of one run directory (it need not exist yet)."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    # -- what the stages write ------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.root / "config.toml"
+
+    @property
+    def data(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def manifest(self) -> Path:
+        return self.data / "manifest.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def train_result(self) -> Path:
+        return self.root / "train_result.json"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def report_md(self) -> Path:
+        return self.root / "report.md"
+
+    @property
+    def report_json(self) -> Path:
+        return self.root / "report.json"
+
+    @property
+    def misclassified(self) -> Path:
+        return self.root / "misclassified.jsonl"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+    # -- the driver <-> worker protocol ---------------------------------------------------------
+    @property
+    def hooks(self) -> Path:
+        return self.root / "hooks.json"
+
+    @property
+    def progress(self) -> Path:
+        return self.root / "progress.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def worker_logs(self) -> Path:
+        return self.logs / "workers"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def rank_logs(self) -> list[Path]:
+        return sorted(self.logs.glob("rank-*.log")) if self.logs.is_dir() else []
+
+    def error_file(self, rank: int) -> Path:
+        return self.logs / f"error-rank{rank}.json"
+
+    def error_files(self) -> list[Path]:
+        return sorted(self.logs.glob("error-rank*.json")) if self.logs.is_dir() else []
+
+    def result_file(self, launch_id: str) -> Path:
+        return self.logs / f"result-{launch_id}.json"
+
+    def launch_marker(self, launch_id: str, rank: int) -> Path:
+        return self.logs / f"launch-{launch_id}-rank{rank}"
+
+    def fault_marker(self, rank: int, step: int) -> Path:
+        return self.logs / f"fault-fired-rank{rank}-step{step}"
+
+    @property
+    def ray_storage(self) -> Path:
+        return self.root / "ray"
+
+    # -- a tune trial's run dir --------------------------------------------------------------
+    @property
+    def trial_info(self) -> Path:
+        return self.root / "trial.json"  # the trial's parameters and MLflow run
+
+    @property
+    def trial_result(self) -> Path:
+        return self.root / "trial_result.json"  # how the trial ended
+
+    # -- operations on the protocol files -------------------------------------------------------
+    def write_hooks(self, hooks: dict) -> None:
+        """What the workers of the next launch must call out to; {} removes it."""
+        if hooks:
+            write_json(self.hooks, hooks, indent=None)
+        else:
+            self.hooks.unlink(missing_ok=True)
+
+    def read_hooks(self) -> dict:
+        return read_json(self.hooks) if self.hooks.is_file() else {}
+
+    def clear_errors(self) -> None:
+        for p in self.error_files():
+            p.unlink(missing_ok=True)
+
+    def reset_metrics(self, resume_step: int | None) -> None:
+        """A fresh run (resume_step None) starts a fresh metrics.jsonl; a resumed one keeps the lines up to
+        its checkpoint, since the interrupted run's later lines are about to be logged again."""
+        path = self.metrics
+        if not path.exists():
+            return
+        if resume_step is None:
+            path.unlink()
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        write_atomic(path, "".join(line + "\n" for line in kept))
+
+    def metric_records(self, kind: str | None = None) -> list[dict]:
+        """The lines of metrics.jsonl (of one kind: train or eval); a torn last line is skipped."""
+        if not self.metrics.is_file():
+            return []
+        out = []
+        for line in self.metrics.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if kind is None or rec.get("kind") == kind:
+                out.append(rec)
+        return out
+
+
+class StudyDir(RunDir):
+    """A `torchloom tune` study: the prepared data once, and one ordinary run directory per trial."""
+
+    @property
+    def marker(self) -> Path:
+        return self.root / "study.json"
+
+    @property
+    def trials(self) -> Path:
+        return self.root / "trials"
+
+    def trial(self, name: str) -> RunDir:
+        return RunDir(self.trials / name)
+
+    @property
+    def results_csv(self) -> Path:
+        return self.root / "results.csv"
+
+    @property
+    def results_png(self) -> Path:
+        return self.root / "results.png"
+
+    @property
+    def best_config(self) -> Path:
+        return self.root / "best_config.toml"
+
+    @property
+    def prepare_key(self) -> Path:
+        return self.data / "prepare_key.txt"
+
+    @property
+    def optuna_db(self) -> Path:
+        return self.root / "optuna.db"
+
+    @property
+    def ray_tune(self) -> Path:
+        return self.ray_storage / "tune"
+
+    def lock(self, name: str) -> Path:
+        """A lock file that processes sharing the study take turns on (prepare, report, storage)."""
+        return self.root / f".{name}.lock"
+

@@ -1,0 +1,36 @@
+"""What one training run returns (rank 0's is the job's): a typed record, written as JSON by the workers."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TrainResult:
+    steps: int  # optimizer steps done, resumed ones included
+    total_steps: int
+    epochs: float  # epochs done, fractional
+    samples_seen: int
+    train_s: float  # this launch's time in fit()
+    first_step_s: float  # from the engine's launch (or fit's start) to the end of the first step
+    samples_per_s: float
+    stopped_early: bool
+    stop_reason: str  # early_stopping, or who asked (e.g. pruned); "" when all steps ran
+    best_metric: float | None
+    best_step: int
+    best_checkpoint: str | None
+    last_checkpoint: str
+    last_eval: dict = field(default_factory=dict)  # loss, accuracy, macro_f1 of the last validation
+    resumed_from: str | None = None
+    world_size: int = 1
+    device: str = "cpu"
+    wall_s: float = 0.0  # the driver's wall time for the whole launch; 0 until the driver sets it
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainResult:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})

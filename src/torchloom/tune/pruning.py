@@ -1,0 +1,70 @@
+"""Optuna pruning from inside a training job: a leaf that imports only the reporter interface and optuna.
+
+The driver (optuna_backend) names PruningReporter in the run's hooks.json; every worker builds one,
+and rank 0 reports each validation result to the trial and asks its pruner. The loop stops every
+rank at that evaluation when the answer is yes.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torchloom.train.reporter import Reporter
+
+
+def make_storage(url: str):
+    import optuna
+
+    # A process that dies mid-trial stops its heartbeat: after the grace period the trial is marked
+    # failed and queued again with the same parameters, so an interrupted study resumes.
+    heartbeat = {"heartbeat_interval": 30, "grace_period": 120,
+                 "failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
+    if url.startswith("sqlite"):
+        # Several processes share the file: wait for the lock rather than fail on "database is locked".
+        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}}, **heartbeat)
+    return optuna.storages.RDBStorage(url, **heartbeat)
+
+
+def make_pruner(scheduler: str, grace_period: int, reduction_factor: int):
+    import optuna
+
+    if scheduler == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=grace_period, reduction_factor=reduction_factor)
+    if scheduler == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=grace_period, reduction_factor=reduction_factor)
+    return optuna.pruners.NopPruner()
+
+
+class PruningReporter(Reporter):
+    """In the workers: rank 0 reports each evaluation to the Optuna trial and asks its pruner."""
+
+    @classmethod
+    def hook(cls, **args) -> dict:
+        """The hooks.json entry that has every worker build one of these (engines/common.py)."""
+        return {"class": f"{cls.__module__}:{cls.__name__}", "args": args}
+
+    may_stop = True
+    stop_reason = "pruned"
+
+    def __init__(self, rank: int, storage: str, study_name: str, trial_id: int, metric: str,
+                 scheduler: str, grace_period: int, reduction_factor: int):
+        self.rank, self.metric = rank, metric
+        self.evals = 0
+        self.trial = None
+        if rank == 0:
+            import optuna
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            study = optuna.load_study(study_name=study_name, storage=make_storage(storage),
+                                      pruner=make_pruner(scheduler, grace_period, reduction_factor))
+            self.trial = optuna.trial.Trial(study, trial_id)
+
+    def report(self, metrics: dict, checkpoint_dir: str | None) -> bool:
+        self.evals += 1
+        if self.trial is None:
+            return False
+        value = metrics.get(self.metric)
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return False
+        self.trial.report(float(value), self.evals)
+        return self.trial.should_prune()

@@ -1,0 +1,34 @@
+"""The layering holds: the contracts in pyproject.toml (lint-imports) and what each import costs at import time."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def loaded_after(module: str) -> set[str]:
+    code = f"import sys, {module}; print(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, cwd=ROOT)
+    return set(out.stdout.split())
+
+
+@pytest.mark.parametrize("module", ["torchloom.plan.command", "torchloom.rundir", "torchloom.manifest",
+                                    "torchloom.config", "torchloom.cli"])
+def test_light_modules_load_no_heavy_package(module):
+    heavy = loaded_after(module) & {"torch", "pyspark", "ray", "transformers", "mlflow", "optuna"}
+    assert not heavy, f"importing {module} loads {sorted(heavy)}"
+
+
+def test_import_contracts_hold():
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    if lint is None:
+        pytest.skip("import-linter is not installed (pip install -e '.[dev]')")
+    out = subprocess.run([lint], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "BROKEN" not in out.stdout and " kept, 0 broken" in out.stdout
