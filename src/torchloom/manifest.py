@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
+from torchloom.rundir import MANIFEST_FILE, RunDir, write_atomic
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -72,11 +73,7 @@ class Manifest:
         return json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False)
 
     def write(self, directory: str | Path) -> Path:
-        path = Path(directory) / "manifest.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json() + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        return write_atomic(Path(directory) / MANIFEST_FILE, self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], root: str = "") -> Manifest:
@@ -95,9 +92,9 @@ class Manifest:
 def read(directory: str | Path) -> Manifest:
     """Read `<directory>/manifest.json` (directory is a prepared data dir or a run dir)."""
     d = Path(directory)
-    if (d / "data" / "manifest.json").is_file():
-        d = d / "data"
-    path = d / "manifest.json"
+    if RunDir(d).manifest.is_file():
+        d = RunDir(d).data
+    path = d / MANIFEST_FILE
     if not path.is_file():
         raise UserError(f"{directory}: no prepared data (manifest.json) here; run torchloom prepare first")
     try:

@@ -31,6 +31,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+MANIFEST_FILE = "manifest.json"  # in a prepared data dir: what it holds (manifest.py)
+
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
     """Write to a temporary name beside `path`, then rename: readers see the old file or the new, never half."""
@@ -78,7 +80,7 @@ class RunDir:
 
     @property
     def manifest(self) -> Path:
-        return self.data / "manifest.json"
+        return self.data / MANIFEST_FILE
 
     @property
     def checkpoints(self) -> Path:

@@ -11,6 +11,7 @@ import warnings
 
 from torchloom.config.schema import PrepareConfig
 from torchloom.errors import missing_extra
+from torchloom.rundir import write_atomic
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
 _LOG4J2 = """\
@@ -36,10 +37,7 @@ def _log4j_file() -> str:
     digest = hashlib.sha256(_LOG4J2.encode()).hexdigest()[:12]  # a changed config gets a new file
     path = os.path.join(tempfile.gettempdir(), f"torchloom-log4j2-{os.getuid()}-{digest}.properties")
     if not os.path.isfile(path):
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(_LOG4J2)
-        os.replace(tmp, path)
+        write_atomic(path, _LOG4J2)
     return path
 
 
