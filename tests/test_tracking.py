@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("mlflow")
 
 from torchloom.config import Config  # noqa: E402
-from torchloom.tracking import MetricsForwarder, Tracker, forward_missing  # noqa: E402
 from torchloom.rundir import RunDir  # noqa: E402
+from torchloom.tracking import MetricsForwarder, Tracker, forward_missing  # noqa: E402
 
 
 def record(kind: str, step: int, value: float) -> str:
