@@ -32,3 +32,28 @@ def test_import_contracts_hold():
     out = subprocess.run([lint], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "BROKEN" not in out.stdout and " kept, 0 broken" in out.stdout
+
+
+def test_no_import_cycles_between_modules():
+    # Lazy imports inside functions count too: a cycle through one is still a tangle to read.
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("torchloom")
+    modules = sorted(m for m in graph.modules if m.startswith("torchloom"))
+    imports = {m: [x for x in graph.find_modules_directly_imported_by(m) if x.startswith("torchloom")]
+               for m in modules}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for n in imports[m]:
+            if state.get(n) == 1:
+                return path[path.index(n):] + [m, n] if n in path else [m, n]
+            if n not in state and (cycle := visit(n, path + [m])):
+                return cycle
+        state[m] = 2
+        return None
+
+    for m in modules:
+        if m not in state:
+            cycle = visit(m, [])
+            assert cycle is None, " -> ".join(cycle)

@@ -1,0 +1,62 @@
+"""The run directory's contract: atomic writes, the metrics log on resume, hooks the workers obey."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchloom.engines.common import hooked_reporters, worker_reporter
+from torchloom.errors import UserError
+from torchloom.rundir import RunDir, write_atomic
+from torchloom.train.reporter import Reporters
+from torchloom.tune.pruning import PruningReporter
+
+
+def test_write_atomic_replaces_whole_and_leaves_no_temporary_on_failure(tmp_path):
+    target = tmp_path / "f.json"
+    write_atomic(target, "old")
+    write_atomic(target, b"new")
+    assert target.read_text() == "new"
+    with pytest.raises(TypeError):
+        write_atomic(target, 42)  # neither str nor bytes: nothing written, the old file stays
+    assert target.read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.json"]
+
+
+def test_reset_metrics_keeps_lines_up_to_the_resumed_step_and_fresh_start_removes_the_file(tmp_path):
+    rd = RunDir(tmp_path)
+    rd.metrics.write_text("".join(json.dumps({"kind": k, "step": s}) + "\n"
+                                  for k, s in [("train", 10), ("eval", 10), ("train", 20)]))
+    rd.reset_metrics(10)
+    assert [r["step"] for r in rd.metric_records()] == [10, 10]
+    assert [r["kind"] for r in rd.metric_records("eval")] == ["eval"]
+    rd.reset_metrics(None)
+    assert not rd.metrics.exists() and rd.metric_records() == []
+
+
+def test_hooks_build_the_named_reporter_on_every_rank_and_refuse_foreign_code(tmp_path):
+    rd = RunDir(tmp_path)
+    # rank 1 of an Optuna trial builds a pruning reporter that opens no storage (rank 0 does)
+    rd.write_hooks({"reporters": [PruningReporter.hook(storage="sqlite:///x.db", study_name="s", trial_id=0,
+                                                       metric="macro_f1", scheduler="asha", grace_period=1,
+                                                       reduction_factor=2)]})
+    reporter = worker_reporter(rd, rank=1)
+    assert isinstance(reporter, Reporters) and reporter.may_stop
+    assert any(isinstance(r, PruningReporter) for r in reporter.reporters)
+    rd.write_hooks({"reporters": [{"class": "os:system", "args": {}}]})
+    with pytest.raises(UserError, match="not torchloom's"):
+        hooked_reporters(rd, rank=0)
+    rd.write_hooks({})
+    assert not rd.hooks.exists() and hooked_reporters(rd, rank=0) == []
+
+
+def test_progress_and_errors_reach_the_driver_files(tmp_path):
+    rd = RunDir(tmp_path)
+    reporter = worker_reporter(rd, rank=0)
+    reporter.progress({"total_steps": 10, "step": 3, "phase": "train"})
+    assert json.loads(rd.progress.read_text())["step"] == 3
+    reporter.failed(ValueError("boom"))
+    reporter.failed(RuntimeError("later"))  # the first error stays
+    err = json.loads(rd.error_file(0).read_text())
+    assert err["type"] == "ValueError" and err["message"] == "boom" and "ValueError: boom" in err["traceback"]
