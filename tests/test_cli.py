@@ -168,9 +168,9 @@ def test_user_errors_are_one_line_with_exit_2(args, needle):
 
 
 def test_config_prints_toml_that_loads_back(tmp_path):
-    proc = torchloom("config", "--train.lr", "3e-5", "--engine.workers", "3")
+    proc = torchloom("config", "--train.lr", "3e-5", "--engine.workers", "4")
     assert proc.returncode == 0
     path = tmp_path / "run.toml"
     path.write_text(proc.stdout)
     again = torchloom("config", "--config", str(path))
-    assert again.stdout == proc.stdout and "lr = 3e-05" in proc.stdout and "workers = 3" in proc.stdout
+    assert again.stdout == proc.stdout and "lr = 3e-05" in proc.stdout and "workers = 4" in proc.stdout

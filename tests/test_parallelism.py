@@ -283,13 +283,23 @@ def test_strategy_config_errors_are_one_line(overrides, message):
 
 
 def test_pipeline_batch_must_split_into_microbatches():
-    from torchloom.train.loop import micro_batch_size
+    from torchloom.config import micro_batch_size
 
-    cfg = build(None, ["--train.strategy", "pipeline", "--train.batch_size", "12", "--train.microbatches", "8"])
     with pytest.raises(UserError, match="multiple of train.grad_accum x train.microbatches = 8"):
-        micro_batch_size(cfg, 2)
+        build(None, ["--train.strategy", "pipeline", "--train.batch_size", "12", "--train.microbatches", "8"])
     cfg = build(None, ["--train.strategy", "pipeline", "--train.batch_size", "12", "--train.microbatches", "3"])
-    assert micro_batch_size(cfg, 2) == 12  # one replica: the whole batch goes down the pipeline
+    assert micro_batch_size(cfg.train, 2) == 12  # one replica: the whole batch goes down the pipeline
+
+
+def test_batch_that_does_not_split_over_the_workers_is_a_config_error():
+    from torchloom.config import micro_batch_size
+
+    with pytest.raises(UserError, match="must be a multiple of engine.workers x train.grad_accum = 3"):
+        build(None, ["--engine.workers", "3"])  # the default global batch is 16
+    cfg = build(None, ["--engine.workers", "4", "--train.grad_accum", "2"])
+    assert micro_batch_size(cfg.train, 4) == 2
+    with pytest.raises(UserError, match="= 6"):  # the world size torchrun really started is checked too
+        micro_batch_size(cfg.train, 3)
 
 
 def test_plan_advice_flags_are_real_config(capsys):

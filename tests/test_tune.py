@@ -57,7 +57,7 @@ def common(csv_path, tiny, out) -> list[str]:
     ({"nope": "uniform(0, 1)"}, "unknown config key"),
     ({"output.dir": "choice('a', 'b')"}, "cannot be tuned"),
     ({"train.epochs": "uniform(1, 3)"}, "integer setting"),
-    ({"train.batch_size": "choice(16, 15)"}, "not a multiple"),
+    ({"train.batch_size": "choice(16, 15)"}, "must be a multiple"),
     ({"train.lr": "uniform(-1, 1)"}, "train.lr"),
     ({"train.lr": "1e-4"}, "not a distribution"),
 ])
