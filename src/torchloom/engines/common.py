@@ -21,6 +21,8 @@ import dataclasses
 import importlib
 import json
 import os
+import re
+import socket
 import sys
 import threading
 import time
@@ -122,13 +124,34 @@ def count_start(rd: RunDir, launch_id: str, rank: int) -> int:
     return starts
 
 
+class RunDirNotVisible(UserError):
+    """This host does not see the run directory the driver prepared (no shared storage, another path)."""
+
+
+def check_visible(rd: RunDir) -> None:
+    """The driver prepared the data before any launch, so a worker that cannot see it is on a host
+    without the shared storage; failing here takes seconds, while waiting for peers would hang."""
+    if not rd.manifest.is_file():
+        raise RunDirNotVisible(
+            f"output.dir {rd.root}: not visible on host {socket.gethostname()} (no {rd.manifest.name} under"
+            f" {rd.data}); put the run directory on storage every host mounts at the same path")
+
+
+def worker_user_error(text: str) -> str | None:
+    """The one-line message of a worker's UserError in an engine's error text (Spark, Ray and torchrun
+    put the worker's traceback in theirs), for when the worker could not write its error file."""
+    found = re.findall(r"(?:UserError|RunDirNotVisible): (.+)", text)
+    return found[-1].strip() if found else None
+
+
 def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Reporter | None = None,
-               capture: bool = False, launched_at: float | None = None) -> TrainResult:
+               capture: bool = False, launched_at: float | None = None, device: str | None = None) -> TrainResult:
     """Train on this rank; record a failure where the driver looks for it, and re-raise it."""
     from torchloom.train.entry import run
 
     rd = RunDir(run_dir)
     rank = env_rank()
+    check_visible(rd)  # before anything is written: on a host without the shared storage it would land locally
     if capture:
         capture_output(rd, rank)
     try:
@@ -143,7 +166,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             if not cfg_dict["train"]["resume"]:
                 cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
             print(f"restart {starts}: resuming from the latest checkpoint in {rd.checkpoints}", flush=True)
-        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter), launched_at=launched_at)
+        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter), launched_at=launched_at, device=device)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
         return result
@@ -190,8 +213,12 @@ def is_peer_loss(message: str) -> bool:
     return any(p in message for p in PEER_LOSS)
 
 
-def raise_worker_failure(rd: RunDir, fallback: str) -> None:
-    """Turn the first recorded worker error into the error the user sees."""
+def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> None:
+    """Turn the first recorded worker error into the error the user sees.
+
+    engine_error: the engine's own error text, searched for a worker's UserError when no rank could
+    record one (a host that does not see the run directory).
+    """
     errors = []
     for p in rd.error_files():
         try:
@@ -199,6 +226,9 @@ def raise_worker_failure(rd: RunDir, fallback: str) -> None:
         except (OSError, json.JSONDecodeError):
             continue
     if not errors:
+        message = worker_user_error(engine_error)
+        if message:
+            raise UserError(message)
         raise TrainingFailed(fallback)
     # The root cause is the first error: the other ranks typically fail after it, in a collective
     # whose peer went away.

@@ -12,6 +12,7 @@ from pathlib import Path
 from torchloom.config import Config, to_dict
 from torchloom.engines.common import new_launch_id, raise_worker_failure, read_result, run_worker, tail_text
 from torchloom.engines.progress import ProgressMonitor
+from torchloom.errors import UserError
 from torchloom.rundir import RunDir
 from torchloom.train.result import TrainResult
 
@@ -28,12 +29,26 @@ def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
     return tail_text(logs[-1], lines) if logs else "(no log)"
 
 
+def check_gpus(cfg: Config) -> None:
+    """One process per GPU: more local workers than visible GPUs is refused before anything starts."""
+    import torch
+
+    if cfg.engine.device == "cpu" or not torch.cuda.is_available():
+        return
+    count = torch.cuda.device_count()
+    if cfg.engine.workers > count:
+        raise UserError(f"engine.workers {cfg.engine.workers}: this machine has {count} visible GPU"
+                        f"{'s' if count != 1 else ''} and each worker takes one; set --engine.workers {count}"
+                        " or --engine.device cpu")
+
+
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers local processes; returns rank 0's result."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    check_gpus(cfg)
     rd = RunDir(run_dir)
     log_dir = rd.worker_logs
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -9,8 +9,10 @@ complete checkpoint in the run directory, which must be on storage every node se
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import sys
 import tempfile
 import time
@@ -52,8 +54,13 @@ def _entry(config: dict) -> None:
         logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     except ImportError:
         pass
+    device = "cpu"
+    if config["use_gpu"]:  # the GPU Ray assigned this worker, not one picked by LOCAL_RANK
+        import ray.train.torch
+
+        device = str(ray.train.torch.get_device())
     run_worker(config["cfg"], config["run_dir"], config["launch_id"], engine_reporter=RayReporter(), capture=True,
-               launched_at=config["launched_at"])
+               launched_at=config["launched_at"], device=device)
 
 
 # Set in every task and actor of a Ray instance torchloom started (e.g. the trials of a local Tune study).
@@ -61,24 +68,36 @@ OWN_INSTANCE = "TORCHLOOM_OWN_RAY_INSTANCE"
 
 
 def init_ray(address: str) -> bool:
-    """Connect to (or start) Ray; returns True when this call started a local instance."""
+    """Connect to (or start) Ray; returns True when this call started a local instance.
+
+    A cluster is joined with whatever authentication it runs (its token in ~/.ray/auth_token,
+    RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, as Ray reads them). A local instance binds 127.0.0.1 only
+    and keeps Ray's token authentication on, with a random token of its own held in this process's
+    environment (which the instance's processes inherit), so nothing is written to ~/.ray.
+    """
     import ray
 
     if ray.is_initialized():
         return False
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # else the first init writes ~/.ray/auth_token
     if address:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         return False
     # Unix socket paths are limited to 107 bytes, so Ray's session dir cannot live in a deep run dir.
     temp = Path(tempfile.gettempdir()) / f"torchloom-ray-{os.getuid()}"
+    if "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
+        # Ray turns token authentication on for a new local instance (and refreshes the mode it read at
+        # import); with a token in the environment it writes none to ~/.ray. A RAY_AUTH_MODE of the
+        # user's is theirs to keep.
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     # The instance's processes (raylet, GCS, dashboard, Ray's actors) inherit this environment.
-    malloc = worker_malloc()
-    saved = {k: os.environ.get(k) for k in malloc}
-    os.environ.update(malloc)
+    env = {**worker_malloc(), **LOOPBACK_ONLY}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", OWN_INSTANCE: "1"}})
+        with loopback_node():
+            ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False,
+                     logging_level=logging.WARNING,
+                     runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", OWN_INSTANCE: "1"}})
     finally:
         for k, v in saved.items():
             if v is None:
@@ -86,6 +105,30 @@ def init_ray(address: str) -> bool:
             else:
                 os.environ[k] = v
     return True
+
+
+# Ray replaces a node IP of 127.0.0.1 by the machine's routable address, and then its GCS, raylet and
+# workers listen on every interface, unless clusters are off, as Ray has them on macOS and Windows:
+# then the node is 127.0.0.1 and every server binds loopback (measured with Ray 2.60).
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@contextlib.contextmanager
+def loopback_node():
+    """This process's Ray, for the start of a local instance: no cluster, so the node is 127.0.0.1.
+    Ray reads the switch at import, so the already imported flag is set too, and restored after."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # another Ray layout: the environment variable alone (read by the new processes)
+        yield
+        return
+    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        if before is not None:
+            ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def in_tune_trial() -> bool:
@@ -169,6 +212,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
         trainer = TorchTrainer(
             _entry,
             train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": launch_id,
+                               "use_gpu": scaling_config.use_gpu,
                                "launched_at": time.time()},  # workers time their first step from the launch
             scaling_config=scaling_config,
             run_config=RunConfig(
@@ -188,7 +232,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
             try:
                 trainer.fit()
             except Exception as e:
-                raise_worker_failure(rd, f"training on Ray failed: {str(e).splitlines()[0] if str(e) else e!r}")
+                raise_worker_failure(rd, f"training on Ray failed: {str(e).splitlines()[0] if str(e) else e!r}", str(e))
     finally:
         if quiet:
             stream.close()

@@ -24,6 +24,7 @@ from torchloom.engines.common import (
     read_result,
     replace_engine,
     run_worker,
+    worker_user_error,
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
@@ -63,6 +64,30 @@ def wants_gpu(cfg: Config, spark) -> bool:
     return has
 
 
+def _sees(manifest: str):
+    def check(batches):
+        import socket
+
+        import pandas as pd
+
+        for _ in batches:
+            yield pd.DataFrame({"host": [socket.gethostname()], "visible": [os.path.isfile(manifest)]})
+    return check
+
+
+def check_executors_see(spark, rd: RunDir, workers: int) -> None:
+    """Before the launch: a barrier stage of `workers` tasks (placed as the training's will be) reports
+    each task's host and whether it sees the run directory. A host without it fails the launch in
+    seconds with one line, where the training processes would fail one by one, retried."""
+    rows = (spark.range(0, workers, 1, workers)
+            .mapInPandas(_sees(str(rd.manifest)), schema="host string, visible boolean", barrier=True).collect())
+    blind = sorted({r.host for r in rows if not r.visible})
+    if blind:
+        raise UserError(f"output.dir {rd.root}: not visible on host{'s' if len(blind) > 1 else ''} {', '.join(blind)}"
+                        f" (no {rd.manifest.name} under {rd.data}); put the run directory on storage every host"
+                        " mounts at the same path")
+
+
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> TrainResult:
     """Train with cfg.engine.workers processes launched by TorchDistributor; returns rank 0's result."""
     try:
@@ -76,6 +101,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     master = spark.sparkContext.master
     local_mode = is_local_master(master)
     use_gpu = wants_gpu(cfg, spark)
+    if not use_gpu:
+        cfg = replace_engine(cfg, device="cpu")  # a host's GPUs that Spark did not give the task stay unused
     if not cfg.engine.threads_per_worker and not local_mode:
         # an executor task owns spark.task.cpus cores, whatever the host has
         cfg = replace_engine(cfg, threads_per_worker=int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
@@ -83,6 +110,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launched_at = time.time()  # workers time their first step from here
+    if not local_mode:
+        check_executors_see(spark, rd, cfg.engine.workers)
     logging.getLogger("TorchDistributor").setLevel(logging.WARNING)
     launch_id = new_launch_id()
     stream = open(os.devnull, "w") if quiet else sys.stderr
@@ -97,11 +126,11 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
                     distributor.run(_entry, to_dict(cfg), str(rd.root), launch_id, env, launched_at)
                 break
             except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
-                if attempt + 1 < attempts:
+                if attempt + 1 < attempts and not worker_user_error(str(e)):  # a user error comes back the same
                     print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({type(e).__name__});"
                           " re-running the workers from the latest checkpoint", file=sys.stderr, flush=True)
                     continue
-                raise_worker_failure(rd, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}")
+                raise_worker_failure(rd, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}", str(e))
     finally:
         if quiet:
             stream.close()

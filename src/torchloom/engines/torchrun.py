@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
-    run_worker(to_dict(cfg), str(RunDir(cfg.output.dir).root), launch_id)
+    try:
+        run_worker(to_dict(cfg), str(RunDir(cfg.output.dir).root), launch_id)
+    except UserError as e:  # one line, not a traceback; torchrun reports the exit code
+        print(f"torchloom: error: {e}", file=sys.stderr, flush=True)
+        return 2
     return 0
 
 

@@ -41,6 +41,12 @@ def _log4j_file() -> str:
     return path
 
 
+def runs_on_this_machine(master: str) -> bool:
+    """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback."""
+    master = master.strip()
+    return master == "local" or master.startswith(("local[", "local-cluster["))
+
+
 def local_cores(master: str) -> int:
     """Cores a local master uses (local[N], local[*], local); the machine's cores for anything else."""
     m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", master.strip())
@@ -72,7 +78,11 @@ def get_spark(cfg: PrepareConfig | None = None):
     # Spark's Python workers would run `python3` from PATH, not this interpreter (see PITFALLS.md).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if runs_on_this_machine(cfg.spark_master):
+        # Else Spark binds the machine's external address (see PITFALLS.md). Never for a cluster master:
+        # there the driver must advertise an address the executors can reach (its host name's, or the
+        # SPARK_LOCAL_IP / spark.driver.host the user sets).
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
     conf = {
         "spark.app.name": "torchloom",

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from torchloom.errors import UserError
+
 
 @dataclass
 class Dist:
@@ -34,29 +36,43 @@ class Dist:
                 dist.barrier()
 
 
-def pick_device(kind: str, local_rank: int) -> torch.device:
-    """`auto` takes this worker's GPU when there is one; `cuda` insists on it."""
+def pick_device(kind: str, local_rank: int, assigned: str | None = None) -> torch.device:
+    """One GPU per process: `assigned` (the device the engine gave this rank, e.g. Ray's) wins; else
+    `auto` takes the GPU of this local rank when the host has GPUs, and `cuda` insists on it.
+
+    Two ranks never share a GPU (NCCL refuses it): a local rank beyond the host's GPUs is an error.
+    """
+    if assigned:
+        return torch.device(assigned)
     if kind == "cpu":
         return torch.device("cpu")
     if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise UserError(f"engine.workers: local rank {local_rank} but this host has {count} visible GPU"
+                            f"{'s' if count != 1 else ''}; run at most {count} workers per host (one per GPU)"
+                            " or set engine.device cpu")
+        return torch.device("cuda", local_rank)
     if kind == "cuda":
-        raise RuntimeError("engine.device = cuda but torch sees no CUDA device on this worker")
+        raise UserError("engine.device cuda: torch sees no CUDA device on this worker; use engine.device cpu or auto")
     return torch.device("cpu")
 
 
-def setup(device_kind: str, threads: int) -> Dist:
-    """Join the process group the engine described (env vars) or use the one it already made."""
+def setup(device_kind: str, threads: int, assigned: str | None = None) -> Dist:
+    """Join the process group the engine described (env vars) or use the one it already made.
+
+    assigned: the device the engine gave this rank (None: chosen from device_kind and LOCAL_RANK).
+    """
     if threads > 0:
         torch.set_num_threads(threads)
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        return Dist(rank, world, local_rank, pick_device(device_kind, local_rank), owns_group=False)
+        return Dist(rank, world, local_rank, pick_device(device_kind, local_rank, assigned), owns_group=False)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = pick_device(device_kind, local_rank)
+    device = pick_device(device_kind, local_rank, assigned)
     if world > 1:
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -31,17 +31,19 @@ def placement(d: Dist) -> str:
     return line
 
 
-def run(cfg: Config | dict, reporter: Reporter | None = None, *, launched_at: float | None = None) -> TrainResult:
+def run(cfg: Config | dict, reporter: Reporter | None = None, *, launched_at: float | None = None,
+        device: str | None = None) -> TrainResult:
     """Train on this rank: join the process group the engine described, fit, leave. Returns this rank's result.
 
     cfg.output.dir is the run directory (an absolute path the launcher resolved); `launched_at` is the
-    wall-clock time the engine launched the job, from which the time to the first step is measured.
+    wall-clock time the engine launched the job, from which the time to the first step is measured;
+    `device` is the device the engine assigned this rank (Ray Train's), else engine.device decides.
     """
     from torchloom.train.loop import Trainer
 
     cfg = from_dict(cfg) if isinstance(cfg, dict) else cfg
     reporter = reporter or Reporter()
-    d = setup(cfg.engine.device, worker_threads(cfg))
+    d = setup(cfg.engine.device, worker_threads(cfg), device)
     print(placement(d), flush=True)
     try:
         return Trainer(cfg, d, reporter, launched_at=launched_at).fit()

@@ -1,0 +1,204 @@
+"""torchloom across hosts: torchrun multi-node, a Spark standalone cluster and a Ray cluster, each on
+hosts made of network namespaces (cluster/netns.py), each training to the local engine's weights.
+
+Every process, the driver included, runs inside the namespaces; the hosts share the filesystem (the
+run directory), as hosts on NFS would. CPU, fp32, one thread per rank: results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.netns import Cluster, Host, unavailable
+from torchloom.config import build
+from torchloom.data.synthetic import write_synthetic_dataset
+from torchloom.engines import local
+from torchloom.model.tiny import write_tiny_model
+from torchloom.train import checkpoint
+
+reason = unavailable()
+if reason:
+    pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
+
+# 103 rows, 2 ranks, micro-batch 4: 13 steps per epoch, checkpoints every 5 (as tests/test_engines.py).
+COMMON = ["--train.precision", "fp32", "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2",
+          "--engine.threads_per_worker", "1", "--train.epochs", "1", "--train.checkpoint_every", "5",
+          "--train.keep_last", "5", "--engine.device", "cpu", "--tracking.enabled", "false"]
+LAST = "step-13"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multihost")
+    model = write_tiny_model(root / "tiny")
+    data = root / "data"
+    write_synthetic_dataset(data, rows={"train": 103, "val": 21, "test": 19})
+    ref = new_run(root, data, "ref")
+    local.train(build(None, ["--output.dir", str(ref), "--model.path", model, *COMMON]), ref, quiet=True)
+    return {"root": root, "model": model, "data": data, "ref": ref}
+
+
+def new_run(root: Path, data: Path, name: str) -> Path:
+    rd = root / name
+    rd.mkdir()
+    shutil.copytree(data, rd / "data")
+    return rd
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without anything that would pin Spark or Ray to the root namespace's setup."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SPARK_", "PYSPARK_", "RAY_", "MASTER_", "TORCHELASTIC_", "TORCHLOOM_"))}
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME="eth0",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    wa, wb = checkpoint.load_weights(a), checkpoint.load_weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def rank_hosts(text: str) -> dict[int, str]:
+    """{rank: host} from each rank's first log line ("rank R of W on HOST (pid P): ...")."""
+    return {int(r): h for r, h in re.findall(r"rank (\d+) of \d+ on (\S+) \(pid", text)}
+
+
+def wait_for(what: str, check, timeout: float, logs: list[Path]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.5)
+    tails = "\n".join(f"--- {p}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+                      for p in logs if p.is_file())
+    raise AssertionError(f"{what}: not within {timeout:.0f} s\n{tails}")
+
+
+def torchloom(host: Host, args: list[str], env: dict, timeout: float, log: Path,
+              expect: int = 0) -> subprocess.CompletedProcess:
+    proc = host.run([sys.executable, "-m", "torchloom", *args], env=env, timeout=timeout)
+    log.write_text(proc.stdout + proc.stderr)
+    where = f"torchloom {args[0]} on {host.name}: exit {proc.returncode}"
+    assert proc.returncode == expect, f"{where}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def private_run(setup, tmp_path: Path, hosts: list[Host]) -> Path:
+    """A prepared run directory that these hosts do not see (storage only the driver's host mounts)."""
+    private = tmp_path / "private"
+    private.mkdir()
+    for h in hosts:
+        h.hidden.append(str(private))
+    return new_run(private, setup["data"], "run")
+
+
+def assert_not_visible_error(proc: subprocess.CompletedProcess, rd: Path, hosts: list[Host], seconds: float):
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "not visible on host" in lines[-1] and str(rd) in lines[-1], proc.stderr[-3000:]
+    assert any(h.name in lines[-1] for h in hosts)
+    assert seconds < 90  # seconds after the launch, not a collective's timeout
+
+
+def test_torchrun_multi_node_across_two_hosts_trains_the_local_weights(setup, tmp_path):
+    rd = new_run(setup["root"], setup["data"], "torchrun")
+    with Cluster(["b", "c"]) as hosts:
+        b, c = hosts["b"], hosts["c"]
+        env = clean_env(TMPDIR=str(tmp_path))
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{b.name}:29400", "--rdzv-id", "tl-multinode",
+                "--max-restarts", "0", "-m", "torchloom.engines.torchrun", "--output.dir", str(rd),
+                "--model.path", setup["model"], *COMMON]
+        logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c)}
+        procs = [h.popen(argv, log=logs[h.name], env=env) for h in (b, c)]
+        for p in procs:
+            p.wait(timeout=300)
+        text = "".join(p.read_text(errors="replace") for p in logs.values())
+        assert all(p.returncode == 0 for p in procs), text[-4000:]
+    assert set(rank_hosts(text).values()) == {b.name, c.name}  # one rank on each host
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
+def spark_class() -> str:
+    import pyspark
+
+    return str(Path(pyspark.__file__).parent / "bin" / "spark-class")
+
+
+def test_spark_standalone_master_and_two_worker_hosts_trains_the_local_weights(setup, tmp_path):
+    rd = new_run(setup["root"], setup["data"], "spark")
+    with Cluster(["a", "b", "c"]) as hosts:
+        a, b, c = hosts["a"], hosts["b"], hosts["c"]
+        env = clean_env(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", TMPDIR=str(tmp_path))
+        master_log = tmp_path / "master.log"
+        a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
+                 "--webui-port", "8080"], log=master_log, env=env)
+        hidden_rd = private_run(setup, tmp_path, [b, c])
+        worker_logs = []
+        for h in (b, c):
+            worker_logs.append(tmp_path / f"worker-{h.name}.log")
+            h.popen([spark_class(), "org.apache.spark.deploy.worker.Worker", f"spark://{a.name}:7077",
+                     "--host", h.name, "--cores", "1", "--memory", "1500m", "--webui-port", "8081",
+                     "--work-dir", str(tmp_path / f"work-{h.name}")], log=worker_logs[-1], env=env)
+        wait_for("two Spark workers registered with the master",
+                 lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 2,
+                 120, [master_log, *worker_logs])
+        # the driver on host a: it must advertise a's address (not loopback) for the executors to connect
+        spark_args = ["--engine.name", "spark", "--prepare.spark_master", f"spark://{a.name}:7077",
+                      "--model.path", setup["model"], *COMMON]
+        proc = torchloom(a, ["train", "--output.dir", str(rd), *spark_args], env, 420, tmp_path / "driver.log")
+        # a run directory the executors' hosts do not see: one line naming the host and the path, at once
+        started = time.monotonic()
+        hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), *spark_args], env, 300,
+                           tmp_path / "driver-hidden.log", expect=2)
+        assert_not_visible_error(hidden, hidden_rd, [b, c], time.monotonic() - started)
+    ranks = rank_hosts(proc.stderr + "".join(p.read_text() for p in rd.glob("logs/rank-*.log")))
+    assert set(ranks.values()) == {b.name, c.name}  # one rank per executor host
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
+def test_ray_cluster_head_and_two_nodes_trains_the_local_weights(setup, tmp_path):
+    rd = new_run(setup["root"], setup["data"], "ray")
+    with Cluster(["a", "b", "c"]) as hosts:
+        a, b, c = hosts["a"], hosts["b"], hosts["c"]
+        # token authentication on, as on a real cluster; every node and the driver hold the token
+        env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
+        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, b, c)}  # short: socket paths <= 107 bytes
+        hidden_rd = private_run(setup, tmp_path, [b, c])
+        try:
+            head = a.run(["ray", "start", "--head", "--node-ip-address", a.address, "--port", "6379",
+                          "--num-cpus", "0", "--temp-dir", temps[a.name], "--disable-usage-stats"],
+                         env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}, timeout=120)
+            assert head.returncode == 0, head.stderr[-3000:]
+            for h in (b, c):
+                node = h.run(["ray", "start", "--address", f"{a.address}:6379", "--node-ip-address", h.address,
+                              "--num-cpus", "1", "--temp-dir", temps[h.name]],
+                             env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}, timeout=120)
+                assert node.returncode == 0, node.stderr[-3000:]
+            ray_args = ["--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
+                        "--engine.cpus_per_worker", "1", "--model.path", setup["model"], *COMMON]
+            proc = torchloom(a, ["train", "--output.dir", str(rd), *ray_args], env, 420, tmp_path / "driver.log")
+            started = time.monotonic()
+            hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), *ray_args], env, 300,
+                               tmp_path / "driver-hidden.log", expect=2)
+            assert_not_visible_error(hidden, hidden_rd, [b, c], time.monotonic() - started)
+        finally:
+            for t in temps.values():
+                shutil.rmtree(t, ignore_errors=True)
+    ranks = rank_hosts(proc.stderr + "".join(p.read_text() for p in rd.glob("logs/rank-*.log")))
+    assert set(ranks.values()) == {b.name, c.name}  # the head has no CPUs: the workers are on b and c
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
