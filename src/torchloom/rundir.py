@@ -17,6 +17,7 @@
       logs/error-rankR.json a failed rank            its error and traceback; the driver raises the first
       logs/result-L.json    rank 0                   the TrainResult of launch L
       logs/launch-L-rankR   every rank               how often rank R started in launch L (restarts)
+      logs/placement-L-rankR-startN.json  every rank  host and pid of rank R's Nth start (who was lost)
       ray/                  ray engine               Ray Train's own storage
       trial.json trial_result.json   tune                 a trial's parameters, and how it ended
 
@@ -155,6 +156,12 @@ class RunDir:
 
     def launch_marker(self, launch_id: str, rank: int) -> Path:
         return self.logs / f"launch-{launch_id}-rank{rank}"
+
+    def placement_file(self, launch_id: str, rank: int, start: int) -> Path:
+        return self.logs / f"placement-{launch_id}-rank{rank}-start{start}.json"
+
+    def placements(self, launch_id: str, start: int) -> list[Path]:
+        return sorted(self.logs.glob(f"placement-{launch_id}-rank*-start{start}.json")) if self.logs.is_dir() else []
 
     def fault_marker(self, rank: int, step: int) -> Path:
         return self.logs / f"fault-fired-rank{rank}-step{step}"

@@ -7,6 +7,7 @@ run directory), as hosts on NFS would. CPU, fp32, one thread per rank: results a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -133,6 +134,22 @@ def test_torchrun_multi_node_across_two_hosts_trains_the_local_weights(setup, tm
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
 
 
+def write_csv(path: Path) -> Path:
+    """120 usable rows of 3 topics, plus one without text and one without a label (set aside)."""
+    import csv
+
+    words = {"sport": "match goal team", "tech": "chip software data", "money": "bank price market"}
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["body", "topic"])
+        for label, vocab in words.items():
+            for i in range(40):
+                w.writerow([f"{vocab} number {i} " + " ".join(reversed(vocab.split())), label])
+        w.writerow(["", "sport"])
+        w.writerow(["a text without a label", ""])
+    return path
+
+
 def spark_class() -> str:
     import pyspark
 
@@ -158,7 +175,8 @@ def test_spark_standalone_master_and_two_worker_hosts_trains_the_local_weights(s
                  lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 2,
                  120, [master_log, *worker_logs])
         # the driver on host a: it must advertise a's address (not loopback) for the executors to connect
-        spark_args = ["--engine.name", "spark", "--prepare.spark_master", f"spark://{a.name}:7077",
+        spark_args = ["--data.text_column", "body", "--data.label_column", "topic", "--engine.name", "spark",
+                      "--prepare.spark_master", f"spark://{a.name}:7077",
                       "--model.path", setup["model"], *COMMON]
         proc = torchloom(a, ["train", "--output.dir", str(rd), *spark_args], env, 420, tmp_path / "driver.log")
         # a run directory the executors' hosts do not see: one line naming the host and the path, at once
@@ -166,9 +184,21 @@ def test_spark_standalone_master_and_two_worker_hosts_trains_the_local_weights(s
         hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), *spark_args], env, 300,
                            tmp_path / "driver-hidden.log", expect=2)
         assert_not_visible_error(hidden, hidden_rd, [b, c], time.monotonic() - started)
-    ranks = rank_hosts(proc.stderr + "".join(p.read_text() for p in rd.glob("logs/rank-*.log")))
-    assert set(ranks.values()) == {b.name, c.name}  # one rank per executor host
+        # the whole job from a CSV: prepare on the executors, then training, export and evaluation
+        csv = write_csv(tmp_path / "texts.csv")
+        run_rd = tmp_path / "run"
+        full = torchloom(a, ["run", "--data.path", str(csv), "--output.dir", str(run_rd),
+                             "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}', *spark_args],
+                         env, 480, tmp_path / "driver-run.log")
+    # every rank's output reached the driver's terminal and the run directory
+    for r in (0, 1):
+        assert f"[rank{r}] rank {r} of 2 on" in proc.stderr, proc.stderr[-2000:]
+        assert (rd / "logs" / f"rank-{r}.log").is_file()
+    assert set(rank_hosts(proc.stderr).values()) == {b.name, c.name}  # one rank per executor host
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+    assert "test accuracy" in full.stdout and (run_rd / "model" / "config.json").is_file()
+    manifest = json.loads((run_rd / "data" / "manifest.json").read_text())
+    assert manifest["counts"]["rows_read"] == 122 and sum(manifest["counts"]["rows_rejected"].values()) == 2
 
 
 def test_ray_cluster_head_and_two_nodes_trains_the_local_weights(setup, tmp_path):
@@ -201,4 +231,53 @@ def test_ray_cluster_head_and_two_nodes_trains_the_local_weights(setup, tmp_path
                 shutil.rmtree(t, ignore_errors=True)
     ranks = rank_hosts(proc.stderr + "".join(p.read_text() for p in rd.glob("logs/rank-*.log")))
     assert set(ranks.values()) == {b.name, c.name}  # the head has no CPUs: the workers are on b and c
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
+def start_ray(hosts: list[Host], head: Host, env: dict, temps: dict, cpus: int = 1) -> None:
+    env = {**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    out = head.run(["ray", "start", "--head", "--node-ip-address", head.address, "--port", "6379", "--num-cpus", "0",
+                    "--temp-dir", temps[head.name], "--disable-usage-stats"], env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for h in hosts:
+        out = h.run(["ray", "start", "--address", f"{head.address}:6379", "--node-ip-address", h.address,
+                     "--num-cpus", str(cpus), "--temp-dir", temps[h.name]], env=env, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_ray_survives_the_loss_of_a_host_and_trains_the_local_weights(setup, tmp_path):
+    # rank 1 stops answering at step 8 (after the step-5 checkpoint); then its whole host goes: every
+    # process SIGKILLed, the link down. Ray restarts the workers on the two nodes that are left, and
+    # they resume from the checkpoint: the same weights as the uninterrupted local run.
+    rd = new_run(setup["root"], setup["data"], "ray-loss")
+    with Cluster(["a", "b", "c", "d"]) as hosts:
+        a, nodes = hosts["a"], [hosts["b"], hosts["c"], hosts["d"]]
+        env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
+                        TORCHLOOM_FAULT="rank=1,step=8,kind=hang")
+        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, *nodes)}
+        try:
+            start_ray(nodes, a, env, temps)
+            args = ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
+                    "--engine.cpus_per_worker", "1", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
+                    "--engine.collective_timeout_s", "15", "--engine.max_restarts", "3"]
+            log = tmp_path / "driver.log"
+            driver = a.popen([sys.executable, "-m", "torchloom", *args], log=log, env=env)
+            wait_for("rank 1 to stop at step 8", lambda: (rd / "logs" / "fault-fired-rank1-step8").exists(), 240,
+                     [log])
+            lost_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
+            lost = next(h for h in nodes if h.name == lost_name)
+            lost.link_down()  # first: no FIN or RST reaches the others, as when a host loses power
+            lost.kill_all()
+            lost_at = time.monotonic()
+            wait_for("the survivor to notice", lambda: (rd / "logs" / "error-rank0.json").exists(), 60, [log])
+            noticed_s = time.monotonic() - lost_at
+            driver.wait(timeout=420)
+            text = log.read_text(errors="replace")
+            assert driver.returncode == 0, text[-4000:]
+        finally:
+            for t in temps.values():
+                shutil.rmtree(t, ignore_errors=True)
+    assert noticed_s < 60  # the collective timeout (15 s here), not the 30-minute default
+    assert f"rank 1 on host {lost_name} stopped answering (lost); resuming from the latest checkpoint" in text, \
+        text[-3000:]
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)

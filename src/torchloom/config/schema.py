@@ -86,6 +86,9 @@ class EngineConfig:
     max_restarts: int = field(default=2, metadata={"min": 0})  # worker failures survived by resuming
     ray_address: str = ""  # "": start a local Ray instance; "auto" or "ray://host:10001": a cluster
     cpus_per_worker: float = field(default=0.0, metadata={"min": 0.0})  # Ray; 0: cores / workers locally, else 1
+    # A collective that waits longer than this fails: how soon a lost host or a hung peer is noticed.
+    # Checkpoint writes wait on a separate, 30-minute barrier, so a slow disk does not trip it.
+    collective_timeout_s: float = field(default=60.0, metadata={"min": 5.0})
 
 
 @dataclass

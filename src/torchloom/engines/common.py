@@ -144,6 +144,32 @@ def worker_user_error(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def record_placement(rd: RunDir, launch_id: str, rank: int, start: int) -> None:
+    write_json(rd.placement_file(launch_id, rank, start), {"rank": rank, "host": socket.gethostname(),
+                                                           "pid": os.getpid(), "time": time.time()}, indent=None)
+
+
+def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
+    """The ranks of the given start of this launch that vanished: they left no error of their own
+    (a failing rank records one before it leaves), as a rank whose host died or was cut off."""
+    lost = []
+    for p in rd.placements(launch_id, start):
+        try:
+            placed = read_json(p)
+        except (OSError, ValueError):
+            continue
+        if not rd.error_file(placed["rank"]).exists():
+            lost.append(placed)
+    return lost
+
+
+def describe_loss(rd: RunDir, launch_id: str, start: int) -> str:
+    lost = lost_ranks(rd, launch_id, start)
+    if not lost:
+        return ""
+    return "; ".join(f"rank {p['rank']} on host {p['host']} stopped answering (lost)" for p in lost)
+
+
 def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Reporter | None = None,
                capture: bool = False, launched_at: float | None = None, device: str | None = None) -> TrainResult:
     """Train on this rank; record a failure where the driver looks for it, and re-raise it."""
@@ -157,6 +183,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     try:
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
         starts = count_start(rd, launch_id, rank)
+        record_placement(rd, launch_id, rank, starts)
         if starts:
             # The engine (torch elastic, Ray, Spark's own stage retry or torchloom's) restarted this
             # worker after a failure. Whoever restarts, engine.max_restarts bounds how often.
@@ -165,7 +192,9 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
                 raise RestartLimit(f"rank {rank} was restarted {starts} times; engine.max_restarts is {limit}")
             if not cfg_dict["train"]["resume"]:
                 cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
-            print(f"restart {starts}: resuming from the latest checkpoint in {rd.checkpoints}", flush=True)
+            loss = describe_loss(rd, launch_id, starts - 1)
+            print(f"restart {starts}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
+                  f" {rd.checkpoints}", flush=True)
         result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter), launched_at=launched_at, device=device)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)

@@ -1,7 +1,7 @@
 """Fault injection for tests of failure handling: make one rank raise or die at a given step.
 
-Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" (or kind=kill for SIGKILL) in the environment of the
-job. A fault fires once per run directory (a marker file records it), so a job that restarts and
+Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" (or host=NAME instead of rank=R) (kind=kill: SIGKILL; kind=hang: stop answering, as a
+rank on a host that lost power or network does) in the environment of the job. A fault fires once per run directory (a marker file records it), so a job that restarts and
 resumes from a checkpoint does not hit it again. The launcher adds a FaultInjector to the worker's
 reporter only when the variable is set; the training loop knows nothing of it.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 
 from torchloom.rundir import RunDir
 from torchloom.train.reporter import Reporter
@@ -30,9 +32,14 @@ class FaultInjector(Reporter):
         f = parse(spec)
         self.spec, self.rd, self.rank = spec, rd, rank
         self.at_rank, self.at_step, self.kind = int(f.get("rank", -1)), int(f.get("step", -1)), f.get("kind", "raise")
+        self.at_host = f.get("host")  # instead of a rank: whichever rank runs on this host
 
     def step_done(self, step: int) -> None:
-        if self.at_rank != self.rank or self.at_step != step:
+        if self.at_step != step:
+            return
+        if self.at_host is not None and self.at_host != socket.gethostname():
+            return
+        if self.at_host is None and self.at_rank != self.rank:
             return
         marker = self.rd.fault_marker(self.rank, step)
         if marker.exists():
@@ -41,6 +48,9 @@ class FaultInjector(Reporter):
         marker.write_text(self.spec)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            while True:  # the test takes the whole host away from here
+                time.sleep(60)
         raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
 
 

@@ -88,7 +88,7 @@ def init_ray(address: str) -> bool:
         # Ray turns token authentication on for a new local instance (and refreshes the mode it read at
         # import); with a token in the environment it writes none to ~/.ray. A RAY_AUTH_MODE of the
         # user's is theirs to keep.
-        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+        os.environ["RAY_AUTH_TOKEN"] = process_token()
     # The instance's processes (raylet, GCS, dashboard, Ray's actors) inherit this environment.
     env = {**worker_malloc(), **LOOPBACK_ONLY}
     saved = {k: os.environ.get(k) for k in env}
@@ -105,6 +105,16 @@ def init_ray(address: str) -> bool:
             else:
                 os.environ[k] = v
     return True
+
+
+_TOKEN: list[str] = []
+
+
+def process_token() -> str:
+    """One token per process: Ray keeps the first token it loads for the life of the process."""
+    if not _TOKEN:
+        _TOKEN.append(secrets.token_hex(32))
+    return _TOKEN[0]
 
 
 # Ray replaces a node IP of 127.0.0.1 by the machine's routable address, and then its GCS, raylet and
@@ -195,7 +205,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     try:
         import ray
         from ray.train import FailureConfig, RunConfig
-        from ray.train.torch import TorchTrainer
+        from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
         raise missing_extra("ray", "ray") from None
 
@@ -211,6 +221,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     try:
         trainer = TorchTrainer(
             _entry,
+            torch_config=TorchConfig(timeout_s=int(cfg.engine.collective_timeout_s)),  # Ray makes the group
             train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": launch_id,
                                "use_gpu": scaling_config.use_gpu,
                                "launched_at": time.time()},  # workers time their first step from the launch

@@ -19,6 +19,7 @@ from torchloom.config import Config, to_dict
 from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
+    describe_loss,
     new_launch_id,
     raise_worker_failure,
     read_result,
@@ -127,8 +128,10 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
                 break
             except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
                 if attempt + 1 < attempts and not worker_user_error(str(e)):  # a user error comes back the same
-                    print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({type(e).__name__});"
-                          " re-running the workers from the latest checkpoint", file=sys.stderr, flush=True)
+                    loss = describe_loss(rd, launch_id, attempt)
+                    print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
+                          f" ({loss or type(e).__name__}); re-running the workers from the latest checkpoint",
+                          file=sys.stderr, flush=True)
                     continue
                 raise_worker_failure(rd, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}", str(e))
     finally:

@@ -119,7 +119,7 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-    d.barrier()
+    d.io_barrier()
     torch.save(rng_state(), tmp / f"rng-rank{d.rank}.pt")
     if sharded:
         from torch.distributed import checkpoint as dcp
@@ -132,13 +132,13 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         torch.save(trainer_state, tmp / "trainer.pt")
         (tmp / META).write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
                                                    **meta}, indent=2))
-    d.barrier()
+    d.io_barrier()
     if d.is_main:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
         prune(root, keep_last, keep | {step})
-    d.barrier()
+    d.io_barrier()
     return final
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ class Dist:
     local_rank: int
     device: torch.device
     owns_group: bool  # we initialised the process group, so we destroy it
+    io_group: Any = None  # gloo, 30-minute timeout: barriers around checkpoint writes
 
     @property
     def is_main(self) -> bool:
@@ -27,6 +29,11 @@ class Dist:
     @property
     def enabled(self) -> bool:
         return self.world_size > 1
+
+    def io_barrier(self) -> None:
+        """A barrier that waits for slow I/O (a checkpoint being written) longer than collectives may."""
+        if self.enabled:
+            dist.barrier(group=self.io_group)
 
     def barrier(self) -> None:
         if self.enabled:
@@ -58,17 +65,27 @@ def pick_device(kind: str, local_rank: int, assigned: str | None = None) -> torc
     return torch.device("cpu")
 
 
-def setup(device_kind: str, threads: int, assigned: str | None = None) -> Dist:
+IO_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def io_group(world: int):
+    # Every rank creates it, in the same order, right after the process group.
+    return dist.new_group(backend="gloo", timeout=IO_TIMEOUT) if world > 1 else None
+
+
+def setup(device_kind: str, threads: int, assigned: str | None = None, timeout_s: float = 1800.0) -> Dist:
     """Join the process group the engine described (env vars) or use the one it already made.
 
     assigned: the device the engine gave this rank (None: chosen from device_kind and LOCAL_RANK).
+    timeout_s: how long a collective may wait for a peer before it fails (a peer that died).
     """
     if threads > 0:
         torch.set_num_threads(threads)
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        return Dist(rank, world, local_rank, pick_device(device_kind, local_rank, assigned), owns_group=False)
+        return Dist(rank, world, local_rank, pick_device(device_kind, local_rank, assigned), owns_group=False,
+                    io_group=io_group(world))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -77,13 +94,14 @@ def setup(device_kind: str, threads: int, assigned: str | None = None) -> Dist:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        # A long timeout: rank 0 may be writing a checkpoint while the others wait in a barrier.
-        timeout = datetime.timedelta(minutes=30)
+        # Collectives give up on a dead peer after timeout_s; the rendezvous store waits as long as
+        # the slowest start may take.
         dist.init_process_group(
-            backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
-            store=attempt_store(rank, world, timeout), rank=rank, world_size=world,
+            backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+            store=attempt_store(rank, world, IO_TIMEOUT), rank=rank, world_size=world,
         )
-    return Dist(rank, world, local_rank, device, owns_group=world > 1)
+    return Dist(rank, world, local_rank, device, owns_group=world > 1, io_group=io_group(world))
 
 
 def attempt_store(rank: int, world: int, timeout: datetime.timedelta):

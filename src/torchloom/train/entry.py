@@ -43,7 +43,7 @@ def run(cfg: Config | dict, reporter: Reporter | None = None, *, launched_at: fl
 
     cfg = from_dict(cfg) if isinstance(cfg, dict) else cfg
     reporter = reporter or Reporter()
-    d = setup(cfg.engine.device, worker_threads(cfg), device)
+    d = setup(cfg.engine.device, worker_threads(cfg), device, cfg.engine.collective_timeout_s)
     print(placement(d), flush=True)
     try:
         return Trainer(cfg, d, reporter, launched_at=launched_at).fit()
