@@ -1,9 +1,11 @@
 """Fault injection for tests of failure handling: make one rank raise or die at a given step.
 
-Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" (or host=NAME instead of rank=R) (kind=kill: SIGKILL; kind=hang: stop answering, as a
-rank on a host that lost power or network does) in the environment of the job. A fault fires once per run directory (a marker file records it), so a job that restarts and
-resumes from a checkpoint does not hit it again. The launcher adds a FaultInjector to the worker's
-reporter only when the variable is set; the training loop knows nothing of it.
+Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" in the environment of the job; host=NAME instead of
+rank=R picks whichever rank runs on that host. kind=raise raises, kind=kill is SIGKILL, kind=hang stops
+answering (as a rank on a host that lost power or network does). A fault fires once per run directory
+(a marker file records it), so a job that restarts and resumes from a checkpoint does not hit it again.
+The launcher adds a FaultInjector to the worker's reporter only when the variable is set; the
+training loop knows nothing of it.
 """
 
 from __future__ import annotations

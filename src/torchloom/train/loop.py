@@ -288,7 +288,8 @@ class Trainer:
         stop = self.reporter.report(record, saved)
         if self.reporter.may_stop:
             # Every rank must leave the loop at the same step: rank 0's answer (a pruner's) decides.
-            stop = all_reduce_sum(self.d, [1.0 if (stop and self.d.is_main) else 0.0])[0] > 0
+            # Rank 0 may have waited on the tuner's database meanwhile: not under the collective timeout.
+            stop = all_reduce_sum(self.d, [1.0 if (stop and self.d.is_main) else 0.0], slow=True)[0] > 0
             if stop and not s.stopped_early:
                 s.stopped_early, s.stop_reason = True, self.reporter.stop_reason
 
