@@ -8,38 +8,19 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
+from engine_reference import COMMON, assert_same_weights, reference
 
 from torchloom.config import build
-from torchloom.data.synthetic import write_synthetic_dataset
-from torchloom.engines import local
 from torchloom.engines.common import TrainingFailed
-from torchloom.model.tiny import write_tiny_model
-from torchloom.train import checkpoint
 
 pytest.importorskip("pyspark")
 pytest.importorskip("ray")
 
-# 103 rows, 2 ranks, micro-batch 4: 13 steps per epoch, checkpoints every 5.
-COMMON = ["--train.precision", "fp32", "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2",
-          "--engine.threads_per_worker", "1", "--train.epochs", "1", "--train.checkpoint_every", "5",
-          "--train.keep_last", "5", "--engine.device", "cpu"]
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engines")
-    model = write_tiny_model(root / "tiny")
-    data = root / "data"
-    write_synthetic_dataset(data, rows={"train": 103, "val": 21, "test": 19})
-    ref = root / "ref"
-    ref.mkdir()
-    shutil.copytree(data, ref / "data")
-    local.train(build(None, ["--output.dir", str(ref), "--model.path", model, *COMMON]), ref, quiet=True)
-    return {"root": root, "model": model, "data": data, "ref": ref}
+    return reference(tmp_path_factory.mktemp("engines"))
 
 
 @pytest.fixture
@@ -89,13 +70,6 @@ def stop_sessions():
     yield
     if "local-cluster" in _sessions:
         _sessions.pop("local-cluster").stop()
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = checkpoint.load_weights(a), checkpoint.load_weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
 
 
 @pytest.mark.parametrize("engine", ["spark", "ray"])

@@ -19,42 +19,21 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from engine_reference import COMMON as ENGINE_COMMON
+from engine_reference import LAST, assert_same_weights, new_run, reference
 
 from cluster.netns import Cluster, Host, unavailable
-from torchloom.config import build
-from torchloom.data.synthetic import write_synthetic_dataset
-from torchloom.engines import local
-from torchloom.model.tiny import write_tiny_model
-from torchloom.train import checkpoint
 
 reason = unavailable()
 if reason:
     pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
 
-# 103 rows, 2 ranks, micro-batch 4: 13 steps per epoch, checkpoints every 5 (as tests/test_engines.py).
-COMMON = ["--train.precision", "fp32", "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2",
-          "--engine.threads_per_worker", "1", "--train.epochs", "1", "--train.checkpoint_every", "5",
-          "--train.keep_last", "5", "--engine.device", "cpu", "--tracking.enabled", "false"]
-LAST = "step-13"
+COMMON = [*ENGINE_COMMON, "--tracking.enabled", "false"]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multihost")
-    model = write_tiny_model(root / "tiny")
-    data = root / "data"
-    write_synthetic_dataset(data, rows={"train": 103, "val": 21, "test": 19})
-    ref = new_run(root, data, "ref")
-    local.train(build(None, ["--output.dir", str(ref), "--model.path", model, *COMMON]), ref, quiet=True)
-    return {"root": root, "model": model, "data": data, "ref": ref}
-
-
-def new_run(root: Path, data: Path, name: str) -> Path:
-    rd = root / name
-    rd.mkdir()
-    shutil.copytree(data, rd / "data")
-    return rd
+    return reference(tmp_path_factory.mktemp("multihost"))
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -64,13 +43,6 @@ def clean_env(**extra: str) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME="eth0",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = checkpoint.load_weights(a), checkpoint.load_weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
 
 
 def rank_hosts(text: str) -> dict[int, str]:
