@@ -253,3 +253,44 @@ def test_ray_survives_the_loss_of_a_host_and_trains_the_local_weights(setup, tmp
     assert f"rank 1 on host {lost_name} stopped answering (lost); resuming from the latest checkpoint" in text, \
         text[-3000:]
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
+def test_spark_survives_the_loss_of_a_worker_host_and_trains_the_local_weights(setup, tmp_path):
+    # Three worker hosts for two ranks. Rank 1 stops answering at step 8 (after the step-5 checkpoint),
+    # then its host is cut off (link down, every process killed). The survivor's collective times out,
+    # the barrier stage fails, and torchloom re-runs it on the executors left, from the checkpoint.
+    rd = new_run(setup["root"], setup["data"], "spark-loss")
+    with Cluster(["a", "b", "c", "d"]) as hosts:
+        a, workers = hosts["a"], [hosts["b"], hosts["c"], hosts["d"]]
+        env = clean_env(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", TMPDIR=str(tmp_path),
+                        SPARK_MASTER_OPTS="-Dspark.worker.timeout=15")
+        master_log = tmp_path / "master.log"
+        a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
+                 "--webui-port", "8080"], log=master_log, env=env)
+        for h in workers:
+            h.popen([spark_class(), "org.apache.spark.deploy.worker.Worker", f"spark://{a.name}:7077",
+                     "--host", h.name, "--cores", "1", "--memory", "1500m", "--webui-port", "8081",
+                     "--work-dir", str(tmp_path / f"work-{h.name}")], log=tmp_path / f"worker-{h.name}.log", env=env)
+        wait_for("three Spark workers registered with the master",
+                 lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 3,
+                 120, [master_log])
+        conf = ('{"spark.network.timeout" = "20s", "spark.network.timeoutInterval" = "5s",'
+                ' "spark.executor.heartbeatInterval" = "4s"}')
+        log = tmp_path / "driver.log"
+        driver = a.popen([sys.executable, "-m", "torchloom", "train", "--engine.name", "spark",
+                          "--prepare.spark_master", f"spark://{a.name}:7077", "--prepare.spark_conf", conf,
+                          "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
+                          "--engine.collective_timeout_s", "15", "--engine.max_restarts", "3"],
+                         log=log, env={**env, "TORCHLOOM_FAULT": "rank=1,step=8,kind=hang"})
+        wait_for("rank 1 to stop at step 8", lambda: (rd / "logs" / "fault-fired-rank1-step8").exists(), 240,
+                 [log])
+        lost_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
+        lost = next(h for h in workers if h.name == lost_name)
+        lost.link_down()
+        lost.kill_all()
+        driver.wait(timeout=480)
+        text = log.read_text(errors="replace")
+        assert driver.returncode == 0, text[-4000:]
+    assert f"(rank 1 on host {lost_name} stopped answering (lost)); re-running the workers" in text, text[-3000:]
+    assert f"restart 1: rank 1 on host {lost_name} stopped answering (lost); resuming" in text, text[-3000:]
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)

@@ -118,8 +118,10 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     stream = open(os.devnull, "w") if quiet else sys.stderr
     attempts = cfg.engine.max_restarts + 1
     try:
+        # Errors stay across the attempts of this launch, as under torch elastic and Ray: the first
+        # one is the cause, and a restarted rank tells a peer that failed from one that vanished.
+        rd.clear_errors()
         for attempt in range(attempts):
-            rd.clear_errors()
             distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
             try:
                 with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
