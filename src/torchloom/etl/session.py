@@ -30,6 +30,8 @@ logger.sparkenv.name = org.apache.spark.SparkEnv
 logger.sparkenv.level = error
 logger.filesink.name = org.apache.spark.sql.execution.streaming.sinks.FileStreamSink
 logger.filesink.level = error
+logger.standalone.name = org.apache.spark.scheduler.cluster.StandaloneSchedulerBackend$StandaloneDriverEndpoint
+logger.standalone.level = error
 """
 
 
