@@ -16,8 +16,8 @@
       logs/workers/         local engine             torch elastic's per-attempt logs
       logs/error-rankR.json a failed rank            its error and traceback; the driver raises the first
       logs/result-L.json    rank 0                   the TrainResult of launch L
-      logs/launch-L-rankR   every rank               how often rank R started in launch L (restarts)
-      logs/placement-L-rankR-startN.json  every rank  host and pid of rank R's Nth start (who was lost)
+      logs/placement-L-rankR-startN.json  every rank  host and pid of rank R's Nth start in launch L
+                                                     (a second start is a restart; who was lost)
       ray/                  ray engine               Ray Train's own storage
       trial.json trial_result.json   tune                 a trial's parameters, and how it ended
 
@@ -56,6 +56,23 @@ def write_json(path: str | Path, data: Any, indent: int | None = 2) -> Path:
 
 def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file; [] when it is missing. Unparsable lines (a line still being
+    written by a live run) are skipped."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    rows = []
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
 class RunDir:
@@ -154,14 +171,13 @@ class RunDir:
     def result_file(self, launch_id: str) -> Path:
         return self.logs / f"result-{launch_id}.json"
 
-    def launch_marker(self, launch_id: str, rank: int) -> Path:
-        return self.logs / f"launch-{launch_id}-rank{rank}"
-
     def placement_file(self, launch_id: str, rank: int, start: int) -> Path:
         return self.logs / f"placement-{launch_id}-rank{rank}-start{start}.json"
 
-    def placements(self, launch_id: str, start: int) -> list[Path]:
-        return sorted(self.logs.glob(f"placement-{launch_id}-rank*-start{start}.json")) if self.logs.is_dir() else []
+    def placements(self, launch_id: str, start: int | str = "*", rank: int | str = "*") -> list[Path]:
+        """Placement files of this launch; `start` or `rank` narrow them down."""
+        pattern = f"placement-{launch_id}-rank{rank}-start{start}.json"
+        return sorted(self.logs.glob(pattern)) if self.logs.is_dir() else []
 
     def fault_marker(self, rank: int, step: int) -> Path:
         return self.logs / f"fault-fired-rank{rank}-step{step}"
@@ -208,20 +224,8 @@ class RunDir:
         write_atomic(path, "".join(line + "\n" for line in kept))
 
     def metric_records(self, kind: str | None = None) -> list[dict]:
-        """The lines of metrics.jsonl (of one kind: train or eval); a torn last line is skipped."""
-        if not self.metrics.is_file():
-            return []
-        out = []
-        for line in self.metrics.read_text().splitlines():
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if kind is None or rec.get("kind") == kind:
-                out.append(rec)
-        return out
+        """The lines of metrics.jsonl (of one kind: train or eval)."""
+        return [r for r in read_jsonl(self.metrics) if kind is None or r.get("kind") == kind]
 
 
 class StudyDir(RunDir):

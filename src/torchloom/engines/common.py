@@ -9,7 +9,8 @@ owns what they mean:
   logs/error-rank{R}.json    a failed rank's error and traceback (the driver raises the first)
   logs/result-{launch}.json  rank 0's TrainResult of one launch
   logs/rank-{R}.log          a rank's stdout and stderr, when the engine does not collect them itself
-  logs/launch-{launch}-rank{R}  how often this rank started in this launch: a second start is a restart
+  logs/placement-{launch}-rank{R}-start{N}.json  where rank R ran at its Nth start in this launch: a
+                             second start is a restart; a rank that left no error file was lost
 
 `run_worker` is the one function every launcher runs in every worker: it counts restarts, assembles
 the reporter handed to the training entry, records a failure, and writes the result.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import re
 import socket
@@ -115,26 +115,21 @@ def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = No
 
 
 # -- the worker ----------------------------------------------------------------------------------
-def count_start(rd: RunDir, launch_id: str, rank: int) -> int:
-    """How often this rank started before in this launch (0: first start)."""
-    marker = rd.launch_marker(launch_id, rank)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    starts = int(marker.read_text() or 0) if marker.exists() else 0
-    marker.write_text(str(starts + 1))
-    return starts
-
-
 class RunDirNotVisible(UserError):
     """This host does not see the run directory the driver prepared (no shared storage, another path)."""
+
+
+def not_visible(rd: RunDir, hosts: list[str]) -> RunDirNotVisible:
+    return RunDirNotVisible(
+        f"output.dir {rd.root}: not visible on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} (no"
+        f" {rd.manifest.name} under {rd.data}); put the run directory on storage every host mounts at the same path")
 
 
 def check_visible(rd: RunDir) -> None:
     """The driver prepared the data before any launch, so a worker that cannot see it is on a host
     without the shared storage; failing here takes seconds, while waiting for peers would hang."""
     if not rd.manifest.is_file():
-        raise RunDirNotVisible(
-            f"output.dir {rd.root}: not visible on host {socket.gethostname()} (no {rd.manifest.name} under"
-            f" {rd.data}); put the run directory on storage every host mounts at the same path")
+        raise not_visible(rd, [socket.gethostname()])
 
 
 def worker_user_error(text: str) -> str | None:
@@ -144,9 +139,13 @@ def worker_user_error(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def record_placement(rd: RunDir, launch_id: str, rank: int, start: int) -> None:
+def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
+    """Record where this rank starts; returns how often it started before in this launch (0: first)."""
+    start = len(rd.placements(launch_id, rank=rank))
+    rd.logs.mkdir(parents=True, exist_ok=True)
     write_json(rd.placement_file(launch_id, rank, start), {"rank": rank, "host": socket.gethostname(),
                                                            "pid": os.getpid(), "time": time.time()}, indent=None)
+    return start
 
 
 def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
@@ -182,8 +181,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         capture_output(rd, rank)
     try:
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
-        starts = count_start(rd, launch_id, rank)
-        record_placement(rd, launch_id, rank, starts)
+        starts = record_start(rd, launch_id, rank)
         if starts:
             # The engine (torch elastic, Ray, Spark's own stage retry or torchloom's) restarted this
             # worker after a failure. Whoever restarts, engine.max_restarts bounds how often.
@@ -251,8 +249,8 @@ def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> N
     errors = []
     for p in rd.error_files():
         try:
-            errors.append(json.loads(p.read_text()))
-        except (OSError, json.JSONDecodeError):
+            errors.append(read_json(p))
+        except (OSError, ValueError):
             continue
     if not errors:
         message = worker_user_error(engine_error)

@@ -21,6 +21,7 @@ from torchloom.engines.common import (
     LogTailer,
     describe_loss,
     new_launch_id,
+    not_visible,
     raise_worker_failure,
     read_result,
     replace_engine,
@@ -84,9 +85,7 @@ def check_executors_see(spark, rd: RunDir, workers: int) -> None:
             .mapInPandas(_sees(str(rd.manifest)), schema="host string, visible boolean", barrier=True).collect())
     blind = sorted({r.host for r in rows if not r.visible})
     if blind:
-        raise UserError(f"output.dir {rd.root}: not visible on host{'s' if len(blind) > 1 else ''} {', '.join(blind)}"
-                        f" (no {rd.manifest.name} under {rd.data}); put the run directory on storage every host"
-                        " mounts at the same path")
+        raise not_visible(rd, blind)
 
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> TrainResult:

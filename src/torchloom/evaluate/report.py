@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from torchloom.rundir import RunDir
+from torchloom.rundir import read_jsonl as read_metrics_jsonl
 from torchloom.rundir import write_atomic as _atomic_write
 
 # Keys of report.json that `extra` may not override.
@@ -45,7 +46,7 @@ def write_report(
     clash = sorted(set(extra) & set(RESERVED_KEYS))
     if clash:
         raise ValueError(f"extra may not set {', '.join(clash)}: report.json uses those keys")
-    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    rd = RunDir(run_dir)
     run, plots = rd.root, rd.plots
     plots.mkdir(parents=True, exist_ok=True)
 
@@ -154,23 +155,6 @@ def render_markdown(
                          f"{_fmt(row.get('score'))} | {_cell(text)} |")
         lines.append("")
     return "\n".join(lines)
-
-
-def read_metrics_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a metrics.jsonl; [] when it is missing. Unparsable lines (a line still being
-    written by a live run) are skipped."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    rows = []
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def plot_confusion(confusion: list[list[int]], label_names: list[str]) -> bytes:

@@ -35,12 +35,6 @@ class Dist:
         if self.enabled:
             dist.barrier(group=self.io_group)
 
-    def barrier(self) -> None:
-        if self.enabled:
-            if self.device.type == "cuda":
-                dist.barrier(device_ids=[self.device.index])
-            else:
-                dist.barrier()
 
 
 def pick_device(kind: str, local_rank: int, assigned: str | None = None) -> torch.device:
