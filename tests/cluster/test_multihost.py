@@ -87,15 +87,20 @@ def assert_not_visible_error(proc: subprocess.CompletedProcess, rd: Path, hosts:
     assert seconds < 90  # seconds after the launch, not a collective's timeout
 
 
+def torchrun_argv(rd: Path, setup, endpoint: str, run_id: str, restarts: int, *extra: str) -> list[str]:
+    """The multi-node command of docs/engines.md, one node per host."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{endpoint}:29400", "--rdzv-id", run_id,
+            "--max-restarts", str(restarts), "-m", "torchloom.engines.torchrun", "--output.dir", str(rd),
+            "--model.path", setup["model"], *COMMON, *extra]
+
+
 def test_torchrun_multi_node_across_two_hosts_trains_the_local_weights(setup, tmp_path):
     rd = new_run(setup["root"], setup["data"], "torchrun")
     with Cluster(["b", "c"]) as hosts:
         b, c = hosts["b"], hosts["c"]
-        env = clean_env(TMPDIR=str(tmp_path))
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{b.name}:29400", "--rdzv-id", "tl-multinode",
-                "--max-restarts", "0", "-m", "torchloom.engines.torchrun", "--output.dir", str(rd),
-                "--model.path", setup["model"], *COMMON]
+        env = clean_env(TMPDIR=str(tmp_path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        argv = torchrun_argv(rd, setup, b.name, "tl-multinode", 0)
         logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c)}
         procs = [h.popen(argv, log=logs[h.name], env=env) for h in (b, c)]
         for p in procs:
@@ -103,6 +108,36 @@ def test_torchrun_multi_node_across_two_hosts_trains_the_local_weights(setup, tm
         text = "".join(p.read_text(errors="replace") for p in logs.values())
         assert all(p.returncode == 0 for p in procs), text[-4000:]
     assert set(rank_hosts(text).values()) == {b.name, c.name}  # one rank on each host
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
+def test_torchrun_survives_the_loss_of_a_host_when_a_replacement_joins(setup, tmp_path):
+    # Nodes on b (which hosts the rendezvous store) and c. The rank on c stops answering at step 8
+    # (after the step-5 checkpoint), then c goes: link down, every process killed. A replacement node
+    # starts on d with the same command, as a scheduler would start one; torchrun on b restarts its
+    # worker, the two nodes meet in a new rendezvous round and resume from the checkpoint.
+    rd = new_run(setup["root"], setup["data"], "torchrun-loss")
+    with Cluster(["b", "c", "d"]) as hosts:
+        b, c, d = hosts["b"], hosts["c"], hosts["d"]
+        env = clean_env(TMPDIR=str(tmp_path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                        TORCHLOOM_FAULT=f"host={c.name},step=8,kind=hang")
+        argv = torchrun_argv(rd, setup, b.name, "tl-loss", 3, "--engine.collective_timeout_s", "15")
+        logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c, d)}
+        survivor = b.popen(argv, log=logs[b.name], env=env)
+        c.popen(argv, log=logs[c.name], env=env)
+        wait_for("the rank on c to stop at step 8", lambda: any((rd / "logs").glob("fault-fired-*")), 240,
+                 list(logs.values()))
+        c.link_down()
+        c.kill_all()
+        replacement = d.popen(argv, log=logs[d.name], env=env)
+        for p in (survivor, replacement):
+            p.wait(timeout=300)
+        text = {h: p.read_text(errors="replace") for h, p in logs.items()}
+        assert survivor.returncode == 0 and replacement.returncode == 0, text[b.name][-3000:] + text[d.name][-3000:]
+    lost = f"restart 1: rank 1 on host {c.name} stopped answering (lost); resuming"
+    assert lost in text[b.name], text[b.name][-3000:]
+    assert "Traceback" not in text[b.name], text[b.name][-3000:]  # the survivor's collective error is one line
+    assert rank_hosts(text[d.name]) == {1: d.name}
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
 
 

@@ -10,7 +10,8 @@ owns what they mean:
   logs/result-{launch}.json  rank 0's TrainResult of one launch
   logs/rank-{R}.log          a rank's stdout and stderr, when the engine does not collect them itself
   logs/placement-{launch}-rank{R}-start{N}.json  where rank R ran at its Nth start in this launch: a
-                             second start is a restart; a rank that left no error file was lost
+                             second start is a restart; a rank that left no error file and was not
+                             stopped by its launcher ("stopped": true, written on SIGTERM) was lost
 
 `run_worker` is the one function every launcher runs in every worker: it counts restarts, assembles
 the reporter handed to the training entry, records a failure, and writes the result.
@@ -22,6 +23,7 @@ import dataclasses
 import importlib
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -157,9 +159,34 @@ def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
             placed = read_json(p)
         except (OSError, ValueError):
             continue
-        if not rd.error_file(placed["rank"]).exists():
+        if not placed.get("stopped") and not rd.error_file(placed["rank"]).exists():
             lost.append(placed)
     return lost
+
+
+def note_stop_signal(placement: Path) -> None:
+    """When the launcher stops this rank with SIGTERM (torch elastic does, after another rank failed or
+    when a node joins), mark its placement file "stopped" and exit, so the next start does not report
+    it lost. Python runs a signal handler only between bytecodes, and a rank blocked in a collective
+    would not run one until the collective times out; so the signal wakes a thread, which records the
+    stop and exits at once. Only from the main thread (Ray runs the training function in another)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    wake, wakeup = os.pipe()  # plain descriptors: they stay open for the life of the process
+    os.set_blocking(wakeup, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a Python-level handler makes the C handler write to the fd
+    signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while data := os.read(wake, 64):
+            if signal.SIGTERM in data:
+                try:
+                    write_json(placement, {**read_json(placement), "stopped": True, "stopped_at": time.time()},
+                               indent=None)
+                finally:
+                    os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="torchloom-sigterm", daemon=True).start()
 
 
 def describe_loss(rd: RunDir, launch_id: str, start: int) -> str:
@@ -182,6 +209,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     try:
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
         starts = record_start(rd, launch_id, rank)
+        note_stop_signal(rd.placement_file(launch_id, rank, starts))
         if starts:
             # The engine (torch elastic, Ray, Spark's own stage retry or torchloom's) restarted this
             # worker after a failure. Whoever restarts, engine.max_restarts bounds how often.

@@ -4,15 +4,19 @@
 
 The same config options as `torchloom train`; the run directory must hold prepared data and be on
 storage every node sees. A restart by torchrun (--max-restarts) resumes from the latest checkpoint.
+Across nodes, export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on each: with torch's shared rendezvous
+store (its default), a node that joins after a restart waits forever for the master address, and
+the nodes' restart counts (which key the store) can differ.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 from torchloom.config import build, to_dict
-from torchloom.engines.common import run_worker
+from torchloom.engines.common import is_peer_loss, run_worker
 from torchloom.errors import UserError
 from torchloom.rundir import RunDir
 
@@ -31,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"torchloom: error: {e}", file=sys.stderr)
         return 2
+    warning = rendezvous_warning(os.environ)
+    if warning:
+        print(f"torchloom: warning: {warning}", file=sys.stderr, flush=True)
     # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
     try:
@@ -38,7 +45,30 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
         print(f"torchloom: error: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        if not is_peer_loss(str(e)):
+            raise
+        # A consequence, not a cause: the rank that went away is named at the restart.
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"torchloom: rank {os.environ.get('RANK', '0')} on host {socket.gethostname()}: a peer stopped"
+              f" answering ({first}); torchrun restarts the workers if --max-restarts allows", file=sys.stderr,
+              flush=True)
+        return 1
     return 0
+
+
+def rendezvous_warning(env) -> str:
+    """What rank 0 warns of at a multi-node launch that could restart but whose nodes could not rejoin."""
+    if env.get("RANK", "0") != "0" or env.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return ""
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1") or 1)
+    restarts = int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if nodes < 2 or restarts < 1 or not shared or env.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") == "1":
+        return ""
+    return ("with torch's shared rendezvous store, a restart after a node failed can hang (a node that joins"
+            " waits forever for the master address, and restart counts differ between nodes);"
+            " export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every node")
 
 
 if __name__ == "__main__":

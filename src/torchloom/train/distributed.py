@@ -99,16 +99,21 @@ def setup(device_kind: str, threads: int, assigned: str | None = None, timeout_s
 
 
 def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
-    """The rendezvous store, its keys prefixed by the restart attempt.
+    """The rendezvous store; an agent-hosted one with its keys prefixed by the restart attempt.
 
     torch elastic keeps one agent-hosted store across restarts, so without a prefix the workers of a
     restarted attempt read the addresses the dead attempt's workers published, and gloo fails to
-    connect to them (seen with torch 2.13 and torch elastic's max_restarts).
+    connect to them (seen with torch 2.13 and torch elastic's max_restarts). The restart count is each
+    agent's own, so across nodes it can differ after a restart (pytorch/pytorch#135712); there the
+    torchrun engine asks for TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, under which rank 0 hosts a new store
+    on a new port at every rendezvous round, and no prefix is needed (nor wanted).
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(host, port, world_size=world, is_master=rank == 0 and not agent_store,
                           timeout=timeout, wait_for_workers=False)
+    if not agent_store:
+        return dist.PrefixStore("torchloom", store)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"torchloom/attempt_{attempt}", store)
 
