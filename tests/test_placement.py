@@ -45,3 +45,16 @@ def test_more_local_workers_than_gpus_is_refused_before_launch(tmp_path):
         local.check_gpus(cfg)
     local.check_gpus(build(None, ["--output.dir", str(tmp_path), "--engine.device", "cpu", "--engine.workers",
                                   str(count + 1), "--train.batch_size", str(16 * (count + 1))]))
+
+
+def test_torchrun_warns_of_a_multi_node_launch_whose_nodes_could_not_rejoin():
+    from torchloom.engines.torchrun import rendezvous_warning
+
+    multi = {"RANK": "0", "TORCHELASTIC_RESTART_COUNT": "0", "GROUP_WORLD_SIZE": "2",
+             "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in rendezvous_warning(multi)
+    assert rendezvous_warning({**multi, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                               "TORCHELASTIC_USE_AGENT_STORE": "False"}) == ""
+    assert rendezvous_warning({**multi, "GROUP_WORLD_SIZE": "1"}) == ""  # one node: its own restarts are fine
+    assert rendezvous_warning({**multi, "TORCHELASTIC_MAX_RESTARTS": "0"}) == ""  # nothing to rejoin
+    assert rendezvous_warning({**multi, "RANK": "3"}) == ""  # rank 0 says it once

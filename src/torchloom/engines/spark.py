@@ -30,6 +30,7 @@ from torchloom.engines.common import (
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
+from torchloom.etl.session import conf_value, get_spark
 from torchloom.rundir import RunDir
 from torchloom.train.result import TrainResult
 
@@ -56,10 +57,9 @@ def is_local_master(master: str) -> bool:
 def wants_gpu(cfg: Config, spark) -> bool:
     if cfg.engine.device == "cpu":
         return False
-    conf = spark.sparkContext.getConf()
-    key = "spark.driver.resource.gpu.amount" if is_local_master(spark.sparkContext.master) else \
+    key = "spark.driver.resource.gpu.amount" if is_local_master(conf_value(spark, "spark.master")) else \
         "spark.task.resource.gpu.amount"
-    has = float(conf.get(key, "0") or 0) > 0
+    has = float(conf_value(spark, key, "0") or 0) > 0
     if cfg.engine.device == "cuda" and not has:
         raise UserError(f"engine.device cuda: Spark has no GPUs configured ({key} is unset); set it with"
                         f" --prepare.spark_conf '{{\"{key}\" = \"1\"}}' or use engine.device cpu")
@@ -94,25 +94,23 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
         from pyspark.ml.torch.distributor import TorchDistributor
     except ImportError:
         raise missing_extra("pyspark", "spark") from None
-    from torchloom.etl.session import get_spark
-
     rd = RunDir(run_dir)
     spark = spark or get_spark(cfg.prepare)
-    master = spark.sparkContext.master
+    # No SparkContext from here on: under Spark Connect this process is a client without one.
+    master = conf_value(spark, "spark.master", cfg.prepare.spark_master)
     local_mode = is_local_master(master)
     use_gpu = wants_gpu(cfg, spark)
     if not use_gpu:
         cfg = replace_engine(cfg, device="cpu")  # a host's GPUs that Spark did not give the task stay unused
     if not cfg.engine.threads_per_worker and not local_mode:
         # an executor task owns spark.task.cpus cores, whatever the host has
-        cfg = replace_engine(cfg, threads_per_worker=int(spark.sparkContext.getConf().get("spark.task.cpus", "1")))
+        cfg = replace_engine(cfg, threads_per_worker=int(conf_value(spark, "spark.task.cpus", "1") or 1))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     launched_at = time.time()  # workers time their first step from here
     if not local_mode:
         check_executors_see(spark, rd, cfg.engine.workers)
-    logging.getLogger("TorchDistributor").setLevel(logging.WARNING)
     launch_id = new_launch_id()
     stream = open(os.devnull, "w") if quiet else sys.stderr
     attempts = cfg.engine.max_restarts + 1
@@ -122,6 +120,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
         rd.clear_errors()
         for attempt in range(attempts):
             distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
+            distributor.logger.setLevel(logging.WARNING)  # its constructor sets INFO: "Started distributed ..."
             try:
                 with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
                     env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}

@@ -19,7 +19,7 @@ from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, REASONS, clean_batches
 from torchloom.etl.read import check_exists, read_input, resolve_format
-from torchloom.etl.session import default_partitions, get_spark
+from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import (
     DUPLICATE,
     KEPT,
@@ -110,7 +110,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         # cached for the two writes below; rows per (label, split-rank bucket) come with the counts.
         t = time.perf_counter()
         say(f"reading {data_path} ({fmt})")
-        raw = _spread(read_input(spark, cfg.data, data_path, fmt), spark.sparkContext.defaultParallelism)
+        raw = _spread(read_input(spark, cfg.data, data_path, fmt), default_parallelism(spark, default_partitions(p)))
         cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars), CLEANED_SCHEMA)
         marked = mark_duplicates(cleaned).persist(StorageLevel.MEMORY_AND_DISK)
         cached.append(marked)
@@ -163,7 +163,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         # and the same input and seed give the same shards. Up to 3 concurrent writers per task (one
         # per split) spare the writer's sort by split, which would also undo that order.
         t = time.perf_counter()
-        broadcast = spark.sparkContext.broadcast(tokenizer_json)
+        broadcast = _broadcast(spark, tokenizer_json)
         info = tokenizer_info(model_dir, tokenizer_json, p.max_length)
         parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
         assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
@@ -248,9 +248,29 @@ def _spread(raw, cores: int):
     was cleaned on one core while the others waited. Hash-partitioning on the raw text costs a
     shuffle of the input but no sort, and gives the same rows to the same partitions on every run.
     """
-    if raw.rdd.getNumPartitions() >= cores:
-        return raw
+    try:
+        if raw.rdd.getNumPartitions() >= cores:
+            return raw
+    except Exception:  # Spark Connect has no RDDs: spread anyway
+        pass
     return raw.repartition(cores, "text")
+
+
+class _Shipped:
+    """A value shipped inside the task closure: what a broadcast is under Spark Connect, which has none."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def destroy(self) -> None:
+        pass
+
+
+def _broadcast(spark, value):
+    try:
+        return spark.sparkContext.broadcast(value)
+    except Exception:
+        return _Shipped(value)
 
 
 def _write_rejected(marked, out: Path, rows: int) -> None:

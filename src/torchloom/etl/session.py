@@ -10,7 +10,7 @@ import tempfile
 import warnings
 
 from torchloom.config.schema import PrepareConfig
-from torchloom.errors import missing_extra
+from torchloom.errors import UserError, missing_extra
 from torchloom.rundir import write_atomic
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
@@ -41,6 +41,29 @@ def _log4j_file() -> str:
     if not os.path.isfile(path):
         write_atomic(path, _LOG4J2)
     return path
+
+
+def is_connect(master: str) -> bool:
+    """sc://host:port: a Spark Connect server; this process is a client, with no JVM of its own."""
+    return master.strip().startswith("sc://")
+
+
+def conf_value(spark, key: str, default: str = "") -> str:
+    """A Spark conf value from the session (classic or Connect: no SparkContext needed)."""
+    try:
+        value = spark.conf.get(key, default)
+    except Exception:  # Connect raises for a key the server does not know, default or not
+        return default
+    return default if value is None else str(value)
+
+
+def default_parallelism(spark, fallback: int) -> int:
+    """The cluster's default parallelism; under Spark Connect (no SparkContext) spark.default.parallelism
+    if the server sets it, else `fallback`."""
+    try:
+        return int(spark.sparkContext.defaultParallelism)
+    except Exception:
+        return int(conf_value(spark, "spark.default.parallelism", "0") or 0) or fallback
 
 
 def runs_on_this_machine(master: str) -> bool:
@@ -86,6 +109,8 @@ def get_spark(cfg: PrepareConfig | None = None):
         # SPARK_LOCAL_IP / spark.driver.host the user sets).
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
+    if is_connect(cfg.spark_master):
+        return _connect(cfg)
     conf = {
         "spark.app.name": "torchloom",
         "spark.ui.enabled": "false",
@@ -106,4 +131,37 @@ def get_spark(cfg: PrepareConfig | None = None):
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
         spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    return spark
+
+
+def _connect(cfg: PrepareConfig):
+    """A Spark Connect session: the server owns the cluster and its static conf; only runtime (SQL)
+    options can be set from here."""
+    import inspect
+
+    from pyspark.sql import SparkSession
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+            from pyspark.sql.connect.utils import check_dependencies
+
+            check_dependencies(*(["torchloom"] if inspect.signature(check_dependencies).parameters else []))
+    except ImportError as e:
+        raise UserError(f"prepare.spark_master {cfg.spark_master}: Spark Connect needs its client libraries"
+                        f" ({e}); install them with: pip install 'torchloom[spark]'") from None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+        spark = SparkSession.builder.remote(cfg.spark_master.strip()).getOrCreate()
+    conf = {"spark.sql.shuffle.partitions": str(default_partitions(cfg)), "spark.sql.session.timeZone": "UTC",
+            "spark.sql.files.openCostInBytes": str(64 * 1024)}
+    conf.update({str(k): str(v) for k, v in cfg.spark_conf.items()})
+    for key, value in conf.items():
+        try:
+            spark.conf.set(key, value)
+        except Exception as e:
+            if key in cfg.spark_conf:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise UserError(f"prepare.spark_conf {key}: the Spark Connect server at {cfg.spark_master} does"
+                                f" not take it from a client ({first}); set it where the server starts") from None
     return spark
