@@ -74,12 +74,12 @@ def server(tmp_path_factory):
             os.killpg(proc.pid, 9)
 
 
-def torchloom(args: list[str], tmp: Path) -> subprocess.CompletedProcess:
+def torchloom(args: list[str], tmp: Path, expect: int = 0) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_", "TORCHLOOM_"))}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TMPDIR=str(tmp))
     proc = subprocess.run([sys.executable, "-m", "torchloom", *args], env=env, capture_output=True, text=True,
                           timeout=400)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == expect, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     return proc
 
@@ -111,3 +111,14 @@ def test_run_through_spark_connect_prepares_on_the_server_and_trains(server, tmp
                       "--tracking.enabled", "false", "--train.epochs", "1"], tmp_path)
     assert "61 rows read, 1 rejected" in proc.stderr, proc.stderr[-3000:]
     assert (rd / "model").is_dir() and (rd / "report.md").is_file()
+
+
+def test_a_conf_the_connect_server_owns_is_one_line(server, tmp_path):
+    setup = reference(tmp_path)
+    rd = new_run(tmp_path, setup["data"], "static")
+    proc = torchloom(["train", "--engine.name", "spark", "--prepare.spark_master", server, "--output.dir", str(rd),
+                      "--model.path", setup["model"], "--tracking.enabled", "false", *COMMON,
+                      "--prepare.spark_conf", '{"spark.executor.memory" = "2g"}'], tmp_path, expect=2)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("torchloom: error:")]
+    assert len(errors) == 1 and "prepare.spark_conf spark.executor.memory" in errors[0], proc.stderr[-3000:]
+    assert not (rd / "checkpoints").exists()
