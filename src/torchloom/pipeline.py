@@ -80,7 +80,8 @@ def check_trainable(cfg: Config) -> None:
             f"{m.root}: {m.split('train').rows} training rows for {cfg.engine.workers} workers;"
             " add data or lower engine.workers"
         )
-    checkpoint.resolve(cfg.train.resume, rd.checkpoints)  # a path that is no checkpoint fails here, once
+    # a path that is no checkpoint, or only damaged ones, fails here, once; rank 0 warns of what it skips
+    checkpoint.resolve(cfg.train.resume, rd.checkpoints, warn=False)
 
 
 def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:

@@ -8,19 +8,26 @@ Layout of `<run>/checkpoints/step-N/`:
                       with "model.<name>" and "optimizer.<state|param_groups>.<name>.<key>" entries
   trainer.pt          scheduler, grad scaler, loader position, counters, best metric
   rng-rank{R}.pt      each rank's RNG states (dropout draws differ per rank)
-  meta.json           step, epoch, world size, strategy, metric values (for people and tools)
+  meta.json           step, epoch, world size, strategy, metric values (for people and tools), and
+                      the size and sha256 of every other file ("files"); written last
 
 A checkpoint is written under `.step-N.tmp` and renamed when every rank has finished writing,
-so a directory named `step-N` is always complete.
+so a directory named `step-N` is always complete. Resume and export check the recorded sizes and
+hashes: a damaged or truncated checkpoint (a full disk, a copy cut short) is skipped with a warning
+for the newest intact one, or refused with one line. The optimizer, trainer and RNG files are read
+with torch.load(weights_only=True), but a sharded checkpoint's metadata is unpickled inside torch:
+resume only checkpoints you wrote.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -130,10 +137,11 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
             save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer.pt")
-        (tmp / META).write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
-                                                   **meta}, indent=2))
     d.io_barrier()
     if d.is_main:
+        # Last, once every rank's files are there: their sizes and hashes, which resume and export check.
+        (tmp / META).write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
+                                            **meta, "files": file_digests(tmp)}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -150,6 +158,59 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(directory: Path) -> dict[str, dict]:
+    """{relative path: {size, sha256}} of every file in a checkpoint directory but meta.json."""
+    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != META}
+
+
+def damage(path: str | Path) -> str | None:
+    """What is wrong with this checkpoint, naming the file (None: intact as recorded).
+
+    A checkpoint written before checkpoints recorded their files has nothing to check against."""
+    path = Path(path)
+    try:
+        files = read_meta(path).get("files")
+    except (OSError, ValueError) as e:
+        return f"{path / META} is unreadable ({type(e).__name__})"
+    for name, want in (files or {}).items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{f} has {size} bytes, {want['size']} when written"
+        if _sha256(f) != want["sha256"]:
+            return f"{f} differs from what was written"
+    return None
+
+
+def newest_intact(root: str | Path, what: str, warn: bool,
+                  fix: str = "start afresh without train.resume") -> Path | None:
+    """The newest checkpoint in root that is intact (None: there is none at all); each damaged newer
+    one gets a warning line (when `warn`); all damaged is a one-line error naming the directory."""
+    found = list_checkpoints(root)
+    if not found:
+        return None
+    newest_damage = None
+    for _, path in reversed(found):
+        why = damage(path)
+        if why is None:
+            return path
+        newest_damage = newest_damage or why.replace(f"{Path(root)}/", "", 1)
+        if warn:
+            print(f"torchloom: warning: {what}: skipping {path.name}: {why}", file=sys.stderr, flush=True)
+    raise UserError(f"{what}: no intact checkpoint in {root} (newest: {newest_damage}); {fix}")
+
+
 def read_meta(path: str | Path) -> dict:
     """A checkpoint's meta.json: step, epoch, world size, strategy, best step, validation metrics."""
     return json.loads((Path(path) / META).read_text())
@@ -161,36 +222,44 @@ def is_checkpoint(path: str | Path) -> bool:
 
 def resume_step(resume: str, root: str | Path) -> int | None:
     """The step of the checkpoint train.resume names (None: a fresh start)."""
-    path = resolve(resume, root)
+    path = resolve(resume, root, warn=False)
     return None if path is None else int(read_meta(path)["step"])
 
 
 def select(root: str | Path, which: str) -> Path:
     """The checkpoint to export: `best` (by the validation metric; the last when none was best) or `last`."""
     root = Path(root)
-    last = latest(root)
+    last = newest_intact(root, "export", warn=True, fix="train again, or restore the checkpoints from a copy")
     if last is None:
         raise UserError(f"{root}: no checkpoint; run torchloom train first")
     if which == "best":
         best_step = read_meta(last).get("best_step", -1)
         best = root / f"step-{best_step}"
         if best_step >= 0 and is_checkpoint(best):
+            why = damage(best)
+            if why:
+                raise UserError(f"export: the best checkpoint is damaged: {why}; export train.select last instead")
             return best
     return last
 
 
-def resolve(resume: str, root: str | Path) -> Path | None:
-    """`latest` or a path -> a complete checkpoint directory (None: latest requested, none there)."""
+def resolve(resume: str, root: str | Path, warn: bool = True) -> Path | None:
+    """`latest` (the newest intact checkpoint) or a path -> a checkpoint directory whose files are as
+    written (None: latest requested, none there). warn: say which damaged checkpoints were skipped."""
     if not resume:
         return None
     if resume == "latest":
-        return latest(root)
+        return newest_intact(root, "train.resume latest", warn)
     p = Path(resume)
     if not (p / META).is_file():
         raise UserError(
             f"train.resume {resume}: not a complete checkpoint directory (no meta.json);"
             f" pass 'latest' or a checkpoints/step-N directory"
         )
+    why = damage(p)
+    if why:
+        raise UserError(f"train.resume {resume}: damaged: {why}; resume from another checkpoint"
+                        " ('latest' takes the newest intact one)")
     return p
 
 

@@ -295,7 +295,7 @@ class Trainer:
 
     # -- resume and checkpoints ---------------------------------------------------------------
     def _maybe_resume(self) -> str | None:
-        path = checkpoint.resolve(self.tc.resume, self.rd.checkpoints)
+        path = checkpoint.resolve(self.tc.resume, self.rd.checkpoints, warn=self.d.is_main)
         if path is None:
             if self.d.is_main:
                 self.rd.reset_metrics(None)
