@@ -294,6 +294,9 @@ def test_overwrite_replaces_output(spark, tiny_model_dir, tmp_path):
     (out / "stale.txt").write_text("old")
     cfg = make_cfg(src, tiny_model_dir)
     cfg.output.overwrite = True
+    with pytest.raises(UserError, match="not replaced: it is neither empty nor a torchloom"):
+        prepare(cfg, str(out), spark=spark)  # not prepared data: --overwrite leaves it alone
+    (out / "manifest.json").write_text("{}")  # an earlier prepare's output
     m = prepare(cfg, str(out), spark=spark)
     assert not (out / "stale.txt").exists() and m.counts["rows_kept"] == 6
     assert leftovers(tmp_path, {"in.parquet", "data"}) == []

@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir, write_json
+from torchloom.rundir import RunDir, check_replaceable, write_json
 from torchloom.train.result import TrainResult
 
 
@@ -206,6 +206,7 @@ def run_all(cfg: Config) -> dict:
             f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
         )
     if exists and cfg.output.overwrite and not cfg.train.resume:
+        check_replaceable(rd.root)
         shutil.rmtree(rd.root)
     from torchloom import tracking
 

@@ -33,6 +33,27 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_FILE = "manifest.json"  # in a prepared data dir: what it holds (manifest.py)
+# What makes a directory torchloom's own, so that --overwrite may replace it: a run, prepared data, a study.
+OWN_MARKERS = ("config.toml", f"data/{MANIFEST_FILE}", "checkpoints", MANIFEST_FILE, "study.json")
+
+
+def check_replaceable(path: str | Path, key: str = "output.dir") -> None:
+    """Refuse (one line) to delete `path` for --overwrite unless it is empty or torchloom's own, and
+    never the working directory or one holding it."""
+    from torchloom.errors import UserError
+
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise UserError(f"{key} {path}: exists and is not a directory; --overwrite replaces only torchloom runs")
+    resolved, cwd = path.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise UserError(f"{key} {path}: is the working directory or holds it; --overwrite would delete it;"
+                        " pass another --output.dir")
+    if any(path.iterdir()) and not any((path / m).exists() for m in OWN_MARKERS):
+        raise UserError(f"{key} {path}: not replaced: it is neither empty nor a torchloom run, prepared data or"
+                        " study; pass another --output.dir")
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:

@@ -31,6 +31,7 @@ from torchloom.etl.split import (
 )
 from torchloom.etl.tokenize import TOKENIZED_SCHEMA, read_tokenizer_json, tokenize_batches, tokenizer_info
 from torchloom.manifest import SPLITS, Manifest, Shard, Split
+from torchloom.rundir import check_replaceable
 
 Progress = Callable[[str], object]
 
@@ -40,6 +41,8 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise UserError(f"output {out}: exists and is not a directory; choose another --output.dir")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"output {out}: already exists and is not empty; pass --output.overwrite true to replace it")
+    if overwrite:
+        check_replaceable(out, "output")
 
 
 def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None) -> Manifest:

@@ -57,8 +57,22 @@ def _check_paths(input_path: str, output_path: str, overwrite: bool, local_only:
         raise UserError(f"--input {input_path}: no such file or directory")
     if os.path.exists(output_path) and not overwrite:
         raise UserError(f"--output {output_path}: already exists; remove it or pass --overwrite")
+    if overwrite and os.path.isdir(output_path):
+        _check_replaceable_output(Path(output_path))
     if os.path.abspath(output_path) == os.path.abspath(input_path):
         raise UserError(f"--output {output_path}: is the input; write the predictions elsewhere")
+
+
+def _check_replaceable_output(out: Path) -> None:
+    """--overwrite replaces an earlier predictions directory (Parquet parts), nothing else."""
+    resolved, cwd = out.resolve(), Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents:
+        raise UserError(f"--output {out}: is the working directory or holds it; pass another --output")
+    other = next((f for f in out.rglob("*") if f.is_file() and f.suffix != ".parquet"
+                  and not f.name.startswith(("_", "."))), None)
+    if other is not None:
+        raise UserError(f"--output {out}: not replaced: it holds {other.name}, which is not a Parquet part of"
+                        " earlier predictions; pass another --output")
 
 
 def _check_schema(names: list[str], text_is_string: bool, text_column: str, input_path: str) -> None:

@@ -16,6 +16,7 @@ backends (ray_backend, optuna_backend) decide which trials run when.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from torchloom import config as config_mod
 from torchloom import pipeline, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, missing_extra
-from torchloom.rundir import StudyDir, read_json, write_json
+from torchloom.rundir import StudyDir, check_replaceable, read_json, write_json
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
 
@@ -73,14 +74,23 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
     sd = study_dir(cfg)
     marker = sd.marker
     if sd.root.exists() and cfg.output.overwrite:
-        shutil.rmtree(sd.root)
+        check_replaceable(sd.root)
+        with open(sd.lock("running"), "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(f"output.dir {sd.root}: another torchloom tune process is running this study;"
+                                " wait for it to finish, or stop it, before --overwrite") from None
+            shutil.rmtree(sd.root)
     resuming = True
     if not marker.is_file():
         names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".")} if sd.root.exists() else set()
         if names and marker.name not in names and sd.data.name not in names:
             raise UserError(f"output.dir {sd.root}: exists and is not a tune study;"
                             " pass another --output.dir or --overwrite")
-        sd.root.mkdir(parents=True, exist_ok=True)
+    sd.root.mkdir(parents=True, exist_ok=True)
+    _hold(sd)
+    if not marker.is_file():
         tmp = sd.root / f".{marker.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         write_json(tmp, {"backend": backend, "study_name": study_name(cfg), "created": time.time(),
                          "metric": cfg.tune.metric, "mode": mode_of(cfg)})
@@ -135,6 +145,17 @@ def absolute_paths(cfg: Config) -> Config:
         model=dataclasses.replace(cfg.model, path=absolute(cfg.model.path)),
         output=dataclasses.replace(cfg.output, dir=str(study_dir(cfg).root)),
     )
+
+
+_HELD: list = []  # the studies this process runs: a shared lock on each, held until it exits
+
+
+def _hold(sd: StudyDir) -> None:
+    """Hold the study's "running" lock (shared) from before its marker exists, so that another
+    process's --overwrite refuses to delete it while this one runs it."""
+    lock = open(sd.lock("running"), "a")  # noqa: SIM115 (held for the life of the process)
+    fcntl.flock(lock, fcntl.LOCK_SH)
+    _HELD.append(lock)
 
 
 def run(cfg: Config) -> dict:
