@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from torchloom.engines.common import (
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
+from torchloom.private import private_dir
 from torchloom.rundir import RunDir
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
@@ -83,7 +83,7 @@ def init_ray(address: str) -> bool:
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         return False
     # Unix socket paths are limited to 107 bytes, so Ray's session dir cannot live in a deep run dir.
-    temp = Path(tempfile.gettempdir()) / f"torchloom-ray-{os.getuid()}"
+    temp = private_dir(f"torchloom-ray-{os.getuid()}")
     if "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
         # Ray turns token authentication on for a new local instance (and refreshes the mode it read at
         # import); with a token in the environment it writes none to ~/.ray. A RAY_AUTH_MODE of the

@@ -6,12 +6,11 @@ import hashlib
 import os
 import re
 import sys
-import tempfile
 import warnings
 
 from torchloom.config.schema import PrepareConfig
 from torchloom.errors import UserError, missing_extra
-from torchloom.rundir import write_atomic
+from torchloom.private import private_file
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
 _LOG4J2 = """\
@@ -37,10 +36,7 @@ logger.standalone.level = error
 
 def _log4j_file() -> str:
     digest = hashlib.sha256(_LOG4J2.encode()).hexdigest()[:12]  # a changed config gets a new file
-    path = os.path.join(tempfile.gettempdir(), f"torchloom-log4j2-{os.getuid()}-{digest}.properties")
-    if not os.path.isfile(path):
-        write_atomic(path, _LOG4J2)
-    return path
+    return str(private_file(f"torchloom-log4j2-{os.getuid()}-{digest}.properties", _LOG4J2))
 
 
 def is_connect(master: str) -> bool:
