@@ -60,6 +60,8 @@ def finished_run(tmp_path_factory, tiny, reviews_csv):
 
 def test_run_writes_every_output_and_a_summary(finished_run):
     rd, proc = finished_run
+    # no foreign lines: the JVM's incubator-module warning, torch's SIGTERM notes
+    assert "Using incubator modules" not in proc.stderr and "via signal SIGTERM" not in proc.stderr
     summary = json.loads((rd / "summary.json").read_text())
     for stage in ("prepare_s", "train_s", "export_s", "evaluate_s", "total_s"):
         assert summary["timings"][stage] > 0
@@ -174,3 +176,50 @@ def test_config_prints_toml_that_loads_back(tmp_path):
     path.write_text(proc.stdout)
     again = torchloom("config", "--config", str(path))
     assert again.stdout == proc.stdout and "lr = 3e-05" in proc.stdout and "workers = 4" in proc.stdout
+
+
+def test_every_config_key_has_one_meaning_and_docs_config_md_says_the_same():
+    import dataclasses
+    import re
+
+    from torchloom.config.keys import MEANINGS
+    from torchloom.config.schema import Config
+
+    schema_keys = {f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
+                   for f in dataclasses.fields(s.default_factory())}
+    assert set(MEANINGS) == schema_keys
+    docs, section = {}, None
+    for line in (Path(__file__).parents[1] / "docs" / "config.md").read_text().splitlines():
+        m = re.match(r"^## \[(\w+)\]", line)
+        section = m.group(1) if m else (None if line.startswith("## ") else section)
+        if section and line.startswith("| ") and not line.startswith(("| key", "|---")):
+            keys, _default, meaning = line.strip().strip("|").split(" | ", 2)
+            docs.update({f"{section}.{k.strip()}": meaning.strip() for k in keys.split(",")})
+    assert docs == MEANINGS  # the tables in docs/config.md and the --help lines cannot drift apart
+
+
+def test_help_lists_the_config_keys_of_the_command_with_defaults():
+    def help_of(command: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "torchloom", command, "--help"], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    train = help_of("train")
+    assert "--train.lr 0.0001\n      peak learning rate" in train and '--engine.name "local"' in train
+    assert "\n  --tune.trials" not in train
+    prepare = help_of("prepare")
+    assert "--prepare.max_length 128" in prepare and "--data.text_column" in prepare
+    assert "\n  --engine.workers" not in prepare
+    assert "--tune.trials 8" in help_of("tune")
+
+
+def test_a_binary_file_named_csv_is_one_short_line(tmp_path):
+    noise = tmp_path / "photo.csv"
+    noise.write_bytes(bytes(range(256)) * 12 + os.urandom(2000))
+    proc = torchloom("prepare", "--data.path", str(noise), "--output.dir", str(tmp_path / "run"),
+                     "--prepare.spark_master", "local[1]", timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("torchloom: error:")]
+    assert len(errors) == 1 and len(errors[0]) < 300 and str(noise) in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Using incubator modules" not in proc.stderr

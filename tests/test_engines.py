@@ -93,13 +93,20 @@ def test_killed_worker_is_survived_and_weights_equal_the_local_engine(engine, se
 
 
 @pytest.mark.parametrize("engine", ["spark", "ray"])
-def test_an_exception_in_one_rank_is_the_error(engine, setup, fault):
+def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setup, fault):
+    # Restarts are for lost processes: an error of a rank's own would happen again, so the job fails
+    # at once, whatever engine.max_restarts allows.
     fault("rank=1,step=3,kind=raise")
     with pytest.raises(TrainingFailed) as err:
-        run_on(engine, setup, f"{engine}-raise", "--engine.max_restarts", "0")
+        run_on(engine, setup, f"{engine}-raise", "--engine.max_restarts", "2")
     text = str(err.value)
     assert "training failed on rank 1: InjectedFault: injected fault on rank 1 at step 3" in text
     assert "traceback of rank 1" in text
+    rd = setup["root"] / f"{engine}-raise"
+    logs = "".join(p.read_text() for p in (rd / "logs").glob("rank-*.log"))
+    assert "resuming from the latest checkpoint" not in logs  # no attempt trained again
+    if engine == "spark":  # torchloom re-runs Spark's stage itself: not even a start (Ray's restart is Ray's)
+        assert not list((rd / "logs").glob("placement-*-start1.json"))
 
 
 def test_missing_engine_gives_an_install_hint(monkeypatch, tmp_path):

@@ -161,11 +161,12 @@ def test_gpu_fp16_with_grad_scaler_trains(tmp_path, data_dir, models):
     assert result.device.startswith("cuda") and result.steps == 4
 
 
-def test_a_failing_rank_becomes_the_error_with_its_traceback(tmp_path, data_dir, models):
+def test_a_failing_rank_becomes_the_error_with_its_traceback_and_is_not_restarted(tmp_path, data_dir, models):
+    # max_restarts 2, but an error of a rank's own would happen again: the job fails at once
     rd = new_run(tmp_path, data_dir, "fail")
     proc = subprocess.run(
         [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
-         "--train.batch_size", "8", "--train.precision", "fp32", "--engine.max_restarts", "0"],
+         "--train.batch_size", "8", "--train.precision", "fp32", "--engine.max_restarts", "2"],
         capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "TORCHLOOM_FAULT": "rank=1,step=3,kind=raise"},
     )
@@ -173,6 +174,7 @@ def test_a_failing_rank_becomes_the_error_with_its_traceback(tmp_path, data_dir,
     assert "training failed on rank 1: InjectedFault: injected fault on rank 1 at step 3" in proc.stderr
     assert "traceback of rank 1" in proc.stderr and "faults.py" in proc.stderr
     assert json.loads((rd / "logs" / "error-rank1.json").read_text())["type"] == "InjectedFault"
+    assert "re-running the workers" not in proc.stderr and not list((rd / "logs").glob("placement-*-start1.json"))
 
 
 def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_dir, models):

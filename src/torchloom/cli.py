@@ -30,6 +30,45 @@ Config: defaults are the embedded demo (BBC News + all-MiniLM-L6-v2). Change any
 """
 
 
+# The config keys each command uses: whole sections, or "section.key".
+COMMAND_KEYS = {
+    "run": ["data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
+    "prepare": ["data", "prepare", "model.path", "output", "tracking"],
+    "train": ["train", "engine", "model", "prepare.spark_master", "prepare.spark_conf", "output", "tracking"],
+    "export": ["train.select", "model.path", "output.dir"],
+    "evaluate": ["eval", "output.dir", "tracking"],
+    "tune": ["tune", "data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
+    "config": ["data", "prepare", "model", "train", "eval", "engine", "output", "tracking", "tune"],
+}
+
+
+def keys_help(command: str, width: int = 110) -> str:
+    """The config keys `command` uses, each with its default and meaning, from the schema (config/keys.py)."""
+    import dataclasses
+    import re
+    import textwrap
+
+    from torchloom.config.keys import MEANINGS
+    from torchloom.config.schema import Config
+
+    defaults = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            defaults[f"{section.name}.{f.name}"] = json.dumps(value) if isinstance(value, str | dict) else str(value)
+            if isinstance(value, bool):
+                defaults[f"{section.name}.{f.name}"] = str(value).lower()
+    wanted = COMMAND_KEYS.get(command, [])
+    keys = [k for k in defaults if k in wanted or k.split(".")[0] in wanted]
+    lines = [f"Config keys of `torchloom {command}` (--KEY VALUE; default, then meaning):"]
+    for k in keys:
+        head = f"  --{k} {defaults[k]}"
+        meaning = re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", MEANINGS[k]).replace("`", "")  # markdown to text
+        lines += textwrap.wrap(meaning, width, initial_indent=f"{head}\n      ",
+                               subsequent_indent="      ") or [head]
+    return "\n".join(lines) + "\n\n"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchloom", description="Labelled text to a trained, exported classifier with distributed PyTorch.",
@@ -38,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"torchloom {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=OVERRIDES_HELP,
+        epilog = (keys_help(name) if name in COMMAND_KEYS else "") + OVERRIDES_HELP
+        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         if name == "predict":
             add_predict_arguments(sp)

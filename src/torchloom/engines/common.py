@@ -48,6 +48,10 @@ class RestartLimit(RuntimeError):
     """A worker refused to start again: the job already used its restarts."""
 
 
+class NotRestarted(RuntimeError):
+    """A worker refused to start again: a rank failed with an error of its own, which a restart repeats."""
+
+
 def replace_engine(cfg, **changes):
     """A copy of cfg with engine fields changed (the caller's config stays as the user gave it)."""
     return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **changes))
@@ -89,11 +93,11 @@ class ProgressFile(Reporter):
 class ErrorFile(Reporter):
     """Records this rank's failure where the driver looks for it, before the rank leaves the group."""
 
-    def __init__(self, rd: RunDir, rank: int):
-        self.rd, self.rank = rd, rank
+    def __init__(self, rd: RunDir, rank: int, launch_id: str | None = None):
+        self.rd, self.rank, self.launch_id = rd, rank, launch_id
 
     def failed(self, error: BaseException) -> None:
-        record_error(self.rd, self.rank, error)
+        record_error(self.rd, self.rank, error, self.launch_id)
 
 
 def hooked_reporters(rd: RunDir, rank: int) -> list[Reporter]:
@@ -108,11 +112,12 @@ def hooked_reporters(rd: RunDir, rank: int) -> list[Reporter]:
     return out
 
 
-def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = None) -> Reporter:
+def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = None,
+                    launch_id: str | None = None) -> Reporter:
     """Everything one rank reports to: the driver's files, the engine's own reporter, the driver's hooks, faults."""
     from torchloom.engines import faults
 
-    return combine([ErrorFile(rd, rank), ProgressFile(rd), engine_reporter, *hooked_reporters(rd, rank),
+    return combine([ErrorFile(rd, rank, launch_id), ProgressFile(rd), engine_reporter, *hooked_reporters(rd, rank),
                     faults.from_env(rd, rank)])
 
 
@@ -216,17 +221,22 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             limit = cfg_dict["engine"]["max_restarts"]
             if starts > limit:
                 raise RestartLimit(f"rank {rank} was restarted {starts} times; engine.max_restarts is {limit}")
+            cause = failure_cause(rd, launch_id)
+            if cause is not None:  # an engine that restarts on any failure (Ray, torchrun): stop at once
+                raise NotRestarted(f"not restarted: rank {cause['rank']} failed with {cause['type']}, which would"
+                                   " happen again; restarts are for lost processes")
             if not cfg_dict["train"]["resume"]:
                 cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
             loss = describe_loss(rd, launch_id, starts - 1)
             print(f"restart {starts}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
                   f" {rd.checkpoints}", flush=True)
-        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter), launched_at=launched_at, device=device)
+        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter, launch_id), launched_at=launched_at,
+                     device=device)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
         return result
     except BaseException as e:
-        record_error(rd, rank, e)
+        record_error(rd, rank, e, launch_id)
         raise
     finally:
         if capture:
@@ -234,7 +244,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             sys.stderr.flush()
 
 
-def record_error(rd: RunDir, rank: int, e: BaseException) -> None:
+def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None = None) -> None:
     """Write this rank's error for the driver; the first one stays (a restarted attempt may fail too)."""
     path = rd.error_file(rank)
     if path.exists():
@@ -242,6 +252,7 @@ def record_error(rd: RunDir, rank: int, e: BaseException) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {
         "rank": rank,
+        "launch": launch_id,
         "time": time.time(),
         "type": type(e).__name__,
         "user_error": isinstance(e, UserError),
@@ -260,7 +271,25 @@ def read_result(rd: RunDir, launch_id: str) -> TrainResult:
 
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
-             "NCCL communicator was aborted", "Socket Timeout")
+             "NCCL communicator was aborted", "Socket Timeout", "collective operation timeout",
+             "Failed to recv, got 0 bytes", "wait timeout after")
+# A rank's own error that says nothing of its cause: the launcher's refusals, or a stop it was sent.
+NOT_A_CAUSE = ("RestartLimit", "NotRestarted")
+
+
+def failure_cause(rd: RunDir, launch_id: str) -> dict | None:
+    """The error a rank of this launch recorded of its own (not a peer's loss seen in a collective, not
+    a refusal to restart): a deterministic failure, which a restart would repeat. None: the ranks that
+    failed only lost peers, or vanished without a word (a killed process, a lost host): restartable."""
+    causes = []
+    for p in rd.error_files():
+        try:
+            e = read_json(p)
+        except (OSError, ValueError):
+            continue
+        if e.get("launch") == launch_id and e["type"] not in NOT_A_CAUSE and not is_peer_loss(e["message"]):
+            causes.append(e)
+    return min(causes, key=lambda e: (e.get("time", 0.0), e["rank"])) if causes else None
 
 
 def is_peer_loss(message: str) -> bool:
@@ -287,7 +316,7 @@ def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> N
         raise TrainingFailed(fallback)
     # The root cause is the first error: the other ranks typically fail after it, in a collective
     # whose peer went away.
-    first = min(errors, key=lambda e: (e["type"] == "RestartLimit", is_peer_loss(e["message"]), e.get("time", 0.0),
+    first = min(errors, key=lambda e: (e["type"] in NOT_A_CAUSE, is_peer_loss(e["message"]), e.get("time", 0.0),
                                        e["rank"]))
     if first.get("user_error"):
         raise UserError(first["message"])

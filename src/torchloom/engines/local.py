@@ -10,7 +10,15 @@ import uuid
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.engines.common import new_launch_id, raise_worker_failure, read_result, run_worker, tail_text
+from torchloom.engines.common import (
+    describe_loss,
+    failure_cause,
+    new_launch_id,
+    raise_worker_failure,
+    read_result,
+    run_worker,
+    tail_text,
+)
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError
 from torchloom.rundir import RunDir
@@ -18,7 +26,7 @@ from torchloom.train.result import TrainResult
 
 
 def _entry(cfg_dict: dict, run_dir: str, launch_id: str, launched_at: float) -> TrainResult:
-    # torch elastic restarts every worker after a failure; run_worker sees the restart and resumes
+    # torchloom re-launches the workers after a lost process; run_worker sees the restart and resumes
     # from the latest complete checkpoint instead of starting over.
     return run_worker(cfg_dict, run_dir, launch_id, launched_at=launched_at)
 
@@ -42,11 +50,31 @@ def check_gpus(cfg: Config) -> None:
                         " or --engine.device cpu")
 
 
+def launch_config(cfg: Config, log_dir: Path):
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    return LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=cfg.engine.workers,
+        run_id=f"torchloom-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.5,
+        start_method="spawn",
+        # Every rank's output goes to its log file under <run>/logs/workers and to this terminal.
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
+        log_line_prefix_template="[rank${rank}] ",
+        local_addr="127.0.0.1",
+    )
+
+
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers local processes; returns rank 0's result."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     check_gpus(cfg)
     rd = RunDir(run_dir)
@@ -56,36 +84,38 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     launch_id = new_launch_id()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     launched_at = time.time()  # workers measure time to their first step from here
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.engine.workers,
-        run_id=f"torchloom-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        max_restarts=cfg.engine.max_restarts,
-        monitor_interval=0.5,
-        start_method="spawn",
-        # Every rank's output goes to its log file under <run>/logs/workers and to this terminal.
-        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), tee=Std.ALL),
-        log_line_prefix_template="[rank${rank}] ",
-        local_addr="127.0.0.1",
-    )
     stream = open(os.devnull, "w") if quiet else sys.stderr
-    # torch elastic logs each failure at length; we report the failing rank's error ourselves.
-    elastic_log = logging.getLogger("torch.distributed.elastic")
-    level = elastic_log.level
-    elastic_log.setLevel(logging.CRITICAL)
+    # torch elastic logs each failure at length, and torch's spawn warns of each process it stops
+    # ("Terminating process N via signal SIGTERM"); we report the failing rank's error ourselves.
+    quieted = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in quieted]
+    for log in quieted:
+        log.setLevel(logging.CRITICAL)
+    # torchloom restarts, not torch elastic (which restarts on any failure): only after a lost process
+    # (killed, or gone without a word), never after an error of a rank's own, which would recur.
+    attempts = cfg.engine.max_restarts + 1
     try:
-        with ProgressMonitor(rd, stream=stream):
-            elastic_launch(launch, _entry)(to_dict(cfg), str(rd.root), launch_id, launched_at)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
-        raise_worker_failure(rd, f"training failed on rank {rank} ({how});"
-                                      f" its last output:\n{tail_log(log_dir, rank)}")
+        for attempt in range(attempts):
+            try:
+                with ProgressMonitor(rd, stream=stream):
+                    elastic_launch(launch_config(cfg, log_dir), _entry)(to_dict(cfg), str(rd.root), launch_id,
+                                                                       launched_at)
+                break
+            except ChildFailedError as e:
+                if attempt + 1 < attempts and failure_cause(rd, launch_id) is None:
+                    rank, failure = e.get_first_failure()
+                    how = f"rank {rank}: exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
+                    print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
+                          f" ({describe_loss(rd, launch_id, attempt) or how}); re-running the workers from the"
+                          " latest checkpoint", file=stream, flush=True)
+                    continue
+                rank, failure = e.get_first_failure()
+                how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
+                raise_worker_failure(rd, f"training failed on rank {rank} ({how});"
+                                              f" its last output:\n{tail_log(log_dir, rank)}")
     finally:
-        elastic_log.setLevel(level)
+        for log, level in zip(quieted, levels):
+            log.setLevel(level)
         if quiet:
             stream.close()
     return read_result(rd, launch_id)

@@ -20,6 +20,7 @@ from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
     describe_loss,
+    failure_cause,
     new_launch_id,
     not_visible,
     raise_worker_failure,
@@ -127,7 +128,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
                     distributor.run(_entry, to_dict(cfg), str(rd.root), launch_id, env, launched_at)
                 break
             except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
-                if attempt + 1 < attempts and not worker_user_error(str(e)):  # a user error comes back the same
+                # Only after a lost process: a rank's own error (a user error too) would come back the same.
+                if attempt + 1 < attempts and not worker_user_error(str(e)) and failure_cause(rd, launch_id) is None:
                     loss = describe_loss(rd, launch_id, attempt)
                     print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
                           f" ({loss or type(e).__name__}); re-running the workers from the latest checkpoint",

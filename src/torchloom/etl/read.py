@@ -88,15 +88,25 @@ def _strip_bom(df):
     return df.toDF(*renamed) if renamed != df.columns else df
 
 
+def _some(names: list[str], most: int = 8, width: int = 30) -> str:
+    """Column names for an error line: the first few, each clipped, and how many more."""
+    shown = [n if len(n) <= width else n[:width - 3] + "..." for n in names[:most]]
+    more = f" (and {len(names) - most} more)" if len(names) > most else ""
+    return (", ".join(shown) or "none") + more
+
+
 def _select(df, cfg: DataConfig, path: str):
     from pyspark.sql import functions as F
 
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in df.columns]
     if missing:
-        found = ", ".join(c for c in df.columns if c != "_corrupt_record") or "none"
+        names = [c for c in df.columns if c != "_corrupt_record"]
+        if any(not c.isprintable() or "\ufffd" in c for c in names):
+            raise UserError(f"data.path {path}: does not read as {'text' if not names else 'a table'} (its header"
+                            " holds binary or wrongly encoded bytes); pass a UTF-8 CSV, JSON lines or Parquet file")
         which = " and ".join(f"{c!r}" for c in missing)
         raise UserError(
-            f"data.path {path}: no column {which}; columns found: {found};"
+            f"data.path {path}: no column {which}; columns found: {_some(names)};"
             " set --data.text_column / --data.label_column"
         )
     return df.select(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import sys
+import threading
 import warnings
 
 from torchloom.config.schema import PrepareConfig
@@ -122,12 +124,49 @@ def get_spark(cfg: PrepareConfig | None = None):
     builder = SparkSession.builder.master(cfg.spark_master)
     for key, value in conf.items():
         builder = builder.config(key, value)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _jvm_stderr_filtered():
         # pyspark imports its test helpers on start-up, which warn that pandas 3 is not fully supported.
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
         spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     return spark
+
+
+# Lines the JVM prints that say nothing about the user's job (Spark 4 loads an incubator module).
+_FOREIGN_JVM_LINES = (b"WARNING: Using incubator modules",)
+
+
+@contextlib.contextmanager
+def _jvm_stderr_filtered():
+    """While the JVM starts, fd 2 is a pipe: the JVM (and every process it starts) keeps writing there
+    for its whole life, and a thread forwards each line to the real stderr except the foreign ones."""
+    try:
+        real = os.dup(2)
+        read_end, write_end = os.pipe()
+    except OSError:
+        yield
+        return
+
+    def pump() -> None:
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                if not line.startswith(_FOREIGN_JVM_LINES):
+                    try:
+                        os.write(real, line)
+                    except OSError:
+                        return
+
+    threading.Thread(target=pump, name="torchloom-jvm-stderr", daemon=True).start()
+    sys.stderr.flush()
+    ours = os.dup(2)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(ours, 2)  # this process writes to the real stderr again; the JVM keeps the pipe
+        os.close(ours)
 
 
 def _connect(cfg: PrepareConfig):
