@@ -56,7 +56,7 @@ MEANINGS: dict[str, str] = {
     'engine.workers': 'worker processes (one per GPU on a GPU machine)',
     'engine.device': '`auto` uses GPUs when the engine has them (nccl), else the CPU (gloo); `cpu`; `cuda`',
     'engine.threads_per_worker': "torch threads per worker; 0 = cores / workers (local), spark.task.cpus, or Ray's CPUs per worker",
-    'engine.max_restarts': 'how often failed or killed workers are restarted; they resume from the latest checkpoint',
+    'engine.max_restarts': "how often workers are restarted after a lost process (killed, or its host gone); they resume from the latest checkpoint. An error of a rank's own fails the job at once",
     'engine.ray_address': '"" starts a local Ray instance for the job; `auto` or `ray://host:10001` joins a cluster',
     'engine.cpus_per_worker': "Ray resources per worker; 0 = the machine's cores / workers on a local instance, else 1",
     'engine.collective_timeout_s': 'a collective that waits longer for a peer fails: how soon a lost host or a hung rank is noticed (checkpoint writes wait on a separate 30-minute barrier). Raise it only if ranks legitimately drift apart longer than this between collectives',

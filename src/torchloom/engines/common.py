@@ -10,8 +10,9 @@ owns what they mean:
   logs/result-{launch}.json  rank 0's TrainResult of one launch
   logs/rank-{R}.log          a rank's stdout and stderr, when the engine does not collect them itself
   logs/placement-{launch}-rank{R}-start{N}.json  where rank R ran at its Nth start in this launch: a
-                             second start is a restart; a rank that left no error file and was not
-                             stopped by its launcher ("stopped": true, written on SIGTERM) was lost
+                             second start is a restart; touched every second (a heartbeat). A rank that
+                             left no error file, was not stopped by its launcher ("stopped": true,
+                             written on SIGTERM) and whose heartbeat ended well before the others' was lost
 
 `run_worker` is the one function every launcher runs in every worker: it counts restarts, assembles
 the reporter handed to the training entry, records a failure, and writes the result.
@@ -155,18 +156,40 @@ def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
     return start
 
 
+# Each rank touches its placement file every HEARTBEAT_S from a thread of its own (which runs while
+# the training thread waits in a collective); a rank whose touches stopped LOST_AFTER_S before the
+# last of its attempt's did not simply fail with the others: its process or host went away.
+HEARTBEAT_S = 1.0
+LOST_AFTER_S = 3.0  # under the smallest engine.collective_timeout_s (5), less a beat each side
+
+
+def start_heartbeat(placement: Path) -> None:
+    def beat() -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                os.utime(placement)
+            except OSError:
+                pass
+
+    threading.Thread(target=beat, name="torchloom-heartbeat", daemon=True).start()
+
+
 def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
-    """The ranks of the given start of this launch that vanished: they left no error of their own
-    (a failing rank records one before it leaves), as a rank whose host died or was cut off."""
-    lost = []
+    """The ranks of the given start of this launch that vanished: they left no error of their own (a
+    failing rank records one before it leaves), were not stopped by their launcher, and their heartbeat
+    ended well before the others' (as when a host dies or is cut off, and the others wait for it)."""
+    placed = []
     for p in rd.placements(launch_id, start):
         try:
-            placed = read_json(p)
+            placed.append((read_json(p), p.stat().st_mtime))
         except (OSError, ValueError):
             continue
-        if not placed.get("stopped") and not rd.error_file(placed["rank"]).exists():
-            lost.append(placed)
-    return lost
+    if not placed:
+        return []
+    last = max(beat for _, beat in placed)
+    return [info for info, beat in placed
+            if not info.get("stopped") and not rd.error_file(info["rank"]).exists() and last - beat > LOST_AFTER_S]
 
 
 def note_stop_signal(placement: Path) -> None:
@@ -215,6 +238,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
         starts = record_start(rd, launch_id, rank)
         note_stop_signal(rd.placement_file(launch_id, rank, starts))
+        start_heartbeat(rd.placement_file(launch_id, rank, starts))
         if starts:
             # The engine (torch elastic, Ray, Spark's own stage retry or torchloom's) restarted this
             # worker after a failure. Whoever restarts, engine.max_restarts bounds how often.
