@@ -109,6 +109,15 @@ def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setu
         assert not list((rd / "logs").glob("placement-*-start1.json"))
 
 
+@pytest.mark.parametrize("engine", ["spark", "ray"])
+def test_resume_on_another_engine_from_the_local_engines_checkpoint(engine, setup):
+    # the local engine wrote step-5; this engine resumes from it and ends at the local run's weights
+    ckpt = setup["ref"] / "checkpoints" / "step-5"
+    rd, result = run_on(engine, setup, f"{engine}-from-local", "--train.resume", str(ckpt))
+    assert result.resumed_from == str(ckpt) and result.steps == 13
+    assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
+
+
 def test_missing_engine_gives_an_install_hint(monkeypatch, tmp_path):
     import subprocess
     import sys

@@ -198,6 +198,22 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_d
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_lost_worker_past_max_restarts_fails_the_job(tmp_path, data_dir, models):
+    import os
+
+    from torchloom.engines.common import TrainingFailed
+
+    rd = new_run(tmp_path, data_dir, "no-restarts")
+    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=3,kind=kill"
+    try:
+        with pytest.raises(TrainingFailed, match="training failed on rank 1"):
+            local.train(cfg_for(rd, models["dropout"], "--engine.max_restarts", "0"), rd, quiet=True)
+    finally:
+        del os.environ["TORCHLOOM_FAULT"]
+    assert (rd / "logs" / "fault-fired-rank1-step3").exists()
+    assert not list((rd / "logs").glob("placement-*-start1.json"))  # max_restarts 0: no second start
+
+
 def test_attention_dropout_override(models):
     assert build_classifier(models["dropout"], ["a", "b"], 0.0).config.attention_probs_dropout_prob == 0.0
     kept = build_classifier(models["dropout"], ["a", "b"], -1.0)

@@ -344,6 +344,11 @@ def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> N
                                        e["rank"]))
     if first.get("user_error"):
         raise UserError(first["message"])
+    if is_peer_loss(first["message"]) or first["type"] in NOT_A_CAUSE:
+        # Only consequences were recorded: a rank vanished without a word (killed, its host lost), and
+        # the engine's account names it; the others' connection errors would only mislead.
+        line = first["message"].strip().splitlines()[0] if first["message"].strip() else first["type"]
+        raise TrainingFailed(f"{fallback}\n(rank {first['rank']} then lost its peer: {line[:200]})")
     raise TrainingFailed(
         f"training failed on rank {first['rank']}: {first['type']}: {first['message']}\n"
         f"--- traceback of rank {first['rank']} ---\n{first['traceback'].rstrip()}"

@@ -135,7 +135,9 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
                           f" ({loss or type(e).__name__}); re-running the workers from the latest checkpoint",
                           file=sys.stderr, flush=True)
                     continue
-                raise_worker_failure(rd, f"training on Spark ({master}) failed: {str(e).splitlines()[0]}", str(e))
+                loss = describe_loss(rd, launch_id, attempt)
+                raise_worker_failure(rd, f"training on Spark ({master}) failed: {loss or str(e).splitlines()[0]}",
+                                     str(e))
     finally:
         if quiet:
             stream.close()
