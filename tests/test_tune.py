@@ -226,3 +226,30 @@ def test_ray_study_trials_train_on_gpus(tmp_path, tiny, topics_csv):
     for td in (out / "trials").iterdir():
         result = json.loads((td / "train_result.json").read_text())
         assert result["device"].startswith("cuda")
+
+
+def test_optuna_prunes_a_poor_trial_and_a_rerun_resumes_the_study(tmp_path, tiny, topics_csv):
+    # Sequential trials over learning rates from ones that barely move the model to useful ones: ASHA
+    # (Optuna's successive halving) stops a trial whose validation loss trails at a rung. Run again with
+    # more trials, the same command resumes the study: the finished trials are kept, not run again.
+    optuna = pytest.importorskip("optuna")
+    out = tmp_path / "study"
+    args = ["tune", *common(topics_csv, tiny, out), "--tune.backend", "optuna", "--engine.workers", "1",
+            "--tune.metric", "loss", "--train.epochs", "1", "--train.eval_every", "2", "--tracking.enabled", "false",
+            "--tune.space", '{"train.lr" = "loguniform(1e-7, 2e-2)"}']
+    first = torchloom(*args, "--tune.trials", "4")
+    assert first.returncode == 0, first.stderr[-4000:]
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 and sum(r["stopped_early"] == "True" for r in rows) >= 1, rows
+    study = optuna.load_study(study_name="study", storage=f"sqlite:///{out / 'optuna.db'}")
+    assert sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials) >= 1
+    before = {p.name: (p / "metrics.jsonl").stat().st_mtime for p in (out / "trials").iterdir()}
+
+    again = torchloom(*args, "--tune.trials", "5")
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "resuming study" in again.stdout + again.stderr
+    with open(out / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == 5
+    after = {p.name: (p / "metrics.jsonl").stat().st_mtime for p in (out / "trials").iterdir()}
+    assert len(after) == 5 and all(after[name] == mtime for name, mtime in before.items())  # not re-run
