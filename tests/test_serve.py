@@ -259,6 +259,21 @@ def test_a_body_past_what_the_limits_allow_is_refused_unread(server):
 
 
 @needs_http
+def test_ready_only_after_a_warm_up_through_the_request_path(model_dir, tmp_path):
+    s = Server(model_dir, "--max-batch-size", "8", "--device", "cpu", log_dir=tmp_path)
+    try:
+        # Server() returns at the first 200 from /readyz: by then the warm-up's two batches (8 short
+        # texts, then one full-length text) went through the batcher, as a request's would
+        families = s.metrics()
+        assert sample_value(families, "torchloom_batch_size", "torchloom_batch_size_count") == 2
+        assert sample_value(families, "torchloom_texts", "torchloom_texts_total") == 9
+        assert s.client.get("/healthz").status_code == 200
+        assert s.terminate() == 0, s.stderr()[-3000:]
+    finally:
+        s.kill()
+
+
+@needs_http
 def test_wrong_method_and_unknown_path_are_json_errors(server):
     r = server.client.get("/v1/predict", headers=AUTH)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
@@ -359,6 +374,30 @@ def test_full_queue_answers_503_with_retry_after_and_recovers(slow_server):
     thread.join(30)
     assert result[0].status_code == 200 and len(result[0].json()["predictions"]) == 4
     assert slow_server.client.post("/v1/predict", json={"texts": ["again"]}).status_code == 200
+
+
+def texts_counted(server: Server, family: str) -> float:
+    return sample_value(server.metrics(), family, f"{family}_total")
+
+
+@needs_http
+def test_a_client_that_disconnects_has_its_texts_dropped_before_the_model(slow_server):
+    from urllib.parse import urlsplit
+
+    predicted = texts_counted(slow_server, "torchloom_texts")
+    dropped = texts_counted(slow_server, "torchloom_texts_dropped")
+    body = json.dumps({"texts": ["gone one", "gone two", "gone three"]}).encode()
+    url = urlsplit(slow_server.url)
+    client = socket.create_connection((url.hostname, url.port))
+    client.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(lambda: queue_depth(slow_server) == 3)  # queued: the batch waits 1.5 s to fill
+    client.close()  # the client gives up before its batch runs
+    wait_for(lambda: texts_counted(slow_server, "torchloom_texts_dropped") == dropped + 3)
+    assert queue_depth(slow_server) == 0
+    r = slow_server.client.post("/v1/predict", json={"texts": ["kept"]})
+    assert r.status_code == 200 and len(r.json()["predictions"]) == 1
+    assert texts_counted(slow_server, "torchloom_texts") == predicted + 1  # the model saw only "kept"
 
 
 @needs_http

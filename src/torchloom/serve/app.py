@@ -6,6 +6,7 @@ speaks HTTP. Every error is JSON: {"error": {"code", "message"[, "id"]}}.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -157,6 +158,34 @@ def _json_type(value: Any) -> str:
     return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
 
 
+class ClientGone(Exception):
+    """The client closed the connection while its texts waited."""
+
+
+async def until_disconnect(request: Request, work) -> Any:
+    """Await `work`, or cancel it as soon as the client disconnects (uvicorn does not cancel a handler
+    whose client went away; cancelling the prediction takes its texts out of the batcher's queue)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise ClientGone
+    return task.result()
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 as soon as it passes `limit` bytes (never buffered whole)."""
     declared = request.headers.get("content-length")
@@ -288,7 +317,10 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
     async def predict(request: Request) -> Response:
         texts = parse_texts(await read_body(request, body_limit), max_texts, max_chars)
         try:
-            predictions = await backend.predict(texts)
+            predictions = await until_disconnect(request, backend.predict(texts))
+        except ClientGone:
+            # Nobody to answer: the texts were dropped from the queue before the model saw them.
+            return Response(status_code=499)
         except Overloaded as e:
             raise ApiError(503, "overloaded", f"the server is at capacity ({e}); retry after"
                                               f" {e.retry_after} s", {"Retry-After": str(e.retry_after)}) from None

@@ -149,9 +149,11 @@ class MicroBatcher:
             full = False
             while self._queue:
                 chunk = self._queue[0]
-                if chunk.future.done():  # cancelled by its request
+                if chunk.future.done():  # cancelled by its request (its client went away)
                     self._queue.popleft()
                     self._pending -= len(chunk.texts)
+                    if chunk.future.cancelled():
+                        self.metrics.dropped.inc(amount=len(chunk.texts))
                     continue
                 if size + len(chunk.texts) > self.max_batch_size:
                     full = True
@@ -172,6 +174,13 @@ class MicroBatcher:
                 pass
 
     async def _run_batch(self, batch: list[_Chunk]) -> None:
+        gone = [chunk for chunk in batch if chunk.future.cancelled()]  # while the batch waited to fill
+        if gone:
+            self._pending -= sum(len(chunk.texts) for chunk in gone)
+            self.metrics.dropped.inc(amount=sum(len(chunk.texts) for chunk in gone))
+            batch = [chunk for chunk in batch if not chunk.future.done()]
+            if not batch:
+                return
         texts = [t for chunk in batch for t in chunk.texts]
         self._pending -= len(texts)
         self.metrics.batch_size.observe(len(texts))

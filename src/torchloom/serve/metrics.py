@@ -103,12 +103,14 @@ class ServeMetrics:
                                        "Time one batch spends in the model (cleaning, tokenizing, forward).",
                                        LATENCY_BUCKETS)
         self.texts = Counter("torchloom_texts_total", "Texts predicted.")
+        self.dropped = Counter("torchloom_texts_dropped_total",
+                               "Texts dropped before the model because their client disconnected.")
         self.model_errors = Counter("torchloom_model_errors_total", "Batches or requests the model failed on.")
         self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.latency, self.batch_size, self.batch_seconds, self.texts,
-                       self.model_errors, self.queue_depth):
+                       self.dropped, self.model_errors, self.queue_depth):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

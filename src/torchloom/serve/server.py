@@ -45,7 +45,11 @@ class LocalBackend:
 
     async def _warm_up(self) -> None:
         try:
-            await self.batcher.run_in_worker(self.model.warm_up)
+            # Through the path every request takes (the batcher, its model thread, predict): a short batch
+            # and one full-length text, so neither the first client nor the first long text pays for lazy
+            # initialisation. /readyz turns 200 only after both came back.
+            await self.batcher.submit(["warm up"] * min(self.batcher.max_batch_size, self.batcher.max_queue, 8))
+            await self.batcher.submit(["warm up " * self.model.max_length])
         except Exception:
             log.exception("warm-up failed; /readyz stays 503")
             return
