@@ -62,6 +62,15 @@ class PredictRequest(BaseModel):
     texts: list[str] = Field(min_length=1, examples=[["The striker scored twice in the second half."]])
 
 
+def request_schema(max_texts: int, max_chars: int) -> dict:
+    """PredictRequest's JSON schema with this server's limits, so that clients (and fuzzers) know them."""
+    schema = PredictRequest.model_json_schema()
+    texts = schema["properties"]["texts"]
+    texts["maxItems"] = max_texts
+    texts["items"] = {**texts.get("items", {}), "maxLength": max_chars}
+    return schema
+
+
 class Prediction(BaseModel):
     label: str
     score: float = Field(description="probability of `label`")
@@ -312,7 +321,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         "/v1/predict", response_model=PredictResponse, dependencies=[Depends(check_api_key)], responses=errors,
         summary="label, score and per-label probabilities for each text",
         openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": PredictRequest.model_json_schema()}}}},
+            "application/json": {"schema": request_schema(max_texts, max_chars)}}}},
     )
     async def predict(request: Request) -> Response:
         texts = parse_texts(await read_body(request, body_limit), max_texts, max_chars)
