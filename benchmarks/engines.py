@@ -5,14 +5,17 @@
 For each engine: torchloom train (MiniLM on BBC News, 2 workers, global batch 16, bf16) and the bare
 launcher running the same minimal loop (benchmarks/bare_ddp.py): torchrun, TorchDistributor.run
 (local_mode), TorchTrainer.fit on a local Ray instance. Prints time to first step (from the launch
-call), steady-state samples/s (after 3 steps), total wall time and, for torchloom, the final
+call), steady-state samples/s (wall clock from the end of step 3 to the last step, both sides), total
+wall time and, for torchloom, the final
 validation accuracy; then the ratios the targets are about, steady state both as the ratio of the
 medians and as the median of the per-round ratios (each pairs two runs of the same round).
 
 Rounds are interleaved (every launcher once per round, in the same order) and each figure is the
-median over rounds: on a shared 2-core VM one launch can run 20% slower than the next for reasons
-that have nothing to do with the launcher, and a single sequential pass charges that drift to
-whichever engine happened to run last.
+median over rounds. Both sides are timed from one timestamp this script takes before it launches
+them (before the subprocess, the Spark session or the Ray instance): torchloom's first step and
+throughput come from the wall-clock times in its metrics.jsonl. On a shared 2-core VM one launch can
+run 20% slower than the next for reasons that have nothing to do with the launcher, and a single
+sequential pass charges that drift to whichever engine happened to run last.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def torchloom_run(engine: str, run_dir: Path, steps: int) -> dict:
+    """Timed like the bare side: from one timestamp taken here before the launch, by wall clock over
+    the same step range (steps 4..N: the bare loop's clock starts after its third step)."""
     started = time.time()
     subprocess.run([sys.executable, "-m", "torchloom", "train", "--output.dir", str(run_dir), "--engine.name", engine,
                     "--train.max_steps", str(steps), "--train.log_every", "1", "--train.warmup_ratio", "0",
@@ -39,11 +44,11 @@ def torchloom_run(engine: str, run_dir: Path, steps: int) -> dict:
                    check=True, cwd=ROOT, stderr=subprocess.DEVNULL)
     wall = time.time() - started
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in lines if x["kind"] == "train" and x["step"] > 3]
+    train = {x["step"]: x for x in lines if x["kind"] == "train"}
     evals = [x for x in lines if x["kind"] == "eval"]
-    result = json.loads((run_dir / "train_result.json").read_text())
-    seconds = sum(16 / x["samples_per_s"] for x in train)
-    return {"samples_per_s": len(train) * 16 / seconds, "first_step_s": result["first_step_s"], "total_s": wall,
+    last = max(train)
+    return {"samples_per_s": (last - 3) * 16 / (train[last]["time"] - train[3]["time"]),
+            "first_step_s": train[1]["time"] - started, "total_s": wall,
             "val_accuracy": evals[-1]["accuracy"] if evals else float("nan")}
 
 
@@ -69,8 +74,8 @@ def bare_spark(data: Path, model: str, steps: int) -> dict:
     from torchloom.etl.session import get_spark
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    launched = time.time()  # before the session starts: torchloom's clock includes its Spark start too
     spark = get_spark(PrepareConfig(spark_master="local[2]"))
-    launched = time.time()
     result = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
         _bare_for_spark, str(data), model, steps, launched)
     spark.stop()

@@ -26,21 +26,27 @@ def bf16_supported() -> bool:
         return False
 
 
-def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: int) -> dict:
-    """Seconds per optimizer step of one process, as torchloom's loop runs it: autocast forward,
-    cross-entropy, backward, gradient clipping, foreach AdamW, on random token ids (speed only)."""
+def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: int,
+            attention_dropout: float | None = None) -> dict:
+    """Seconds per optimizer step of one process, as torchloom's loop runs it: the model built as
+    training builds it (model.attention_dropout, the config's default unless given), autocast forward,
+    cross-entropy, backward, gradient clipping, and training's own optimizer (train/optim.build: fused
+    AdamW), on random token ids (speed only)."""
     import contextlib
 
     import torch
     import torch.nn.functional as F
 
+    from torchloom.config.schema import ModelConfig, TrainConfig
     from torchloom.model.build import build_classifier
-    from torchloom.train.optim import param_groups
+    from torchloom.train import optim
 
     labels = ["a", "b", "c", "d", "e"]
-    model = build_classifier(model_dir, labels)
+    dropout = ModelConfig().attention_dropout if attention_dropout is None else attention_dropout
+    model = build_classifier(model_dir, labels, dropout)
     model.train()
-    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4, foreach=True)
+    tc = TrainConfig()
+    optimizer, _ = optim.build(model, tc.lr, tc.weight_decay, 1000, 0, tc.schedule, torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1000, model.config.vocab_size, (micro_batch, seq), generator=gen)
     attention_mask = torch.ones_like(input_ids)
@@ -64,7 +70,7 @@ def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: i
     # Below ~90%, other processes took the cores part of the time and the steps ran slow.
     core_share = cpu_seconds / (sum(times[WARMUP_STEPS:]) * threads)
     return {"step_seconds": times[WARMUP_STEPS:], "threads": threads, "torch": torch.__version__,
-            "core_share": core_share}
+            "core_share": core_share, "attention_dropout": dropout}
 
 
 def compare(job: Job, steps: int) -> dict:
@@ -76,6 +82,7 @@ def compare(job: Job, steps: int) -> dict:
     return {
         "model": job.model.name, "seq": job.seq, "micro_batch": job.micro_batch, "precision": job.precision,
         "threads": m["threads"], "torch": m["torch"], "cores": os.cpu_count(),
+        "attention_dropout": m["attention_dropout"],
         "core_share": m["core_share"],
         "warmup_steps": WARMUP_STEPS, "step_seconds": m["step_seconds"], "measured_step_s": measured,
         "fastest_step_s": min(m["step_seconds"]),
@@ -94,8 +101,8 @@ def render(r: dict) -> str:
     share = r["core_share"]
     return "\n".join([
         f"calibrate: {r['model']} (embedded), seq {r['seq']}, micro-batch {r['micro_batch']}, {r['precision']}"
-        f"{' autocast' if r['precision'] != 'fp32' else ''}, 1 process x {r['threads']} threads, AdamW (foreach),"
-        f" torch {r['torch']}",
+        f"{' autocast' if r['precision'] != 'fp32' else ''}, 1 process x {r['threads']} threads, AdamW (fused, as"
+        f" training), attention dropout {r.get('attention_dropout', 0.0):g}, torch {r['torch']}",
         f"measured   {r['measured_step_s']:.3f} s per step (median of {len(r['step_seconds'])} after"
         f" {r['warmup_steps']} warm-up: {times}; fastest {r['fastest_step_s']:.3f})",
         f"predicted  {r['predicted_step_s']:.3f} s = compute {r['predicted_compute_s']:.3f} s"

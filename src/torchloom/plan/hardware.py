@@ -36,18 +36,21 @@ class DeviceSpec:
 def cpu() -> DeviceSpec:
     # This machine, from numbers known without measuring at import: 2 Sapphire Rapids cores at 2.1 GHz,
     # ~23.5 GiB. fp32 peak = 2 cores x 2.1 GHz x 2 AVX-512 FMA units x 16 lanes x 2 = 0.27 TFLOP/s.
-    # MFU 0.5 = matmul efficiency x matmul share of forward + backward, from a torch profile of a MiniLM
-    # step in fp32: matmuls ran at ~0.2 TFLOP/s (74% of peak) and took ~70% of the time; the rest
-    # (attention kernels, LayerNorm, GeLU, dropout) is memory-bound.
+    # MFU 0.8: re-derived (2026-11-23) from `torchloom plan --calibrate` once it ran the step training runs
+    # (fused AdamW, attention dropout 0, so torch's fused attention kernels): MiniLM, seq 128, micro-batch
+    # 8 took 0.391 s in fp32 and 0.291 s in bf16, of which the optimizer ~0.06 s; forward + backward then
+    # ran at 0.77 (fp32) and 0.87 (bf16) of the peaks below. The earlier 0.5 came from a profile with
+    # attention dropout 0.1 and foreach AdamW, which is not what training runs (1.4x and 4x slower).
     # bf16: AVX512-BF16 doubles the peak (0.54) for the matmuls only, and autocast adds a cast before each op
     # (~15% of the fp32 time in the profile). By Amdahl a step takes 0.3 + 0.7 / 2 + 0.15 = 0.8 of its fp32
     # time, so the bf16 figure here is the effective 0.27 / 0.8 = 0.34, at the same MFU.
     # The optimizer is costed apart, by memory bandwidth (12 GB/s: a 256 MiB copy measured 10-16 GB/s).
     # `torchloom plan --calibrate` checks the whole against real steps (docs/parallelism.md has the errors).
+    # The optimizer is training's fused AdamW: one pass over its states (fused_optimizer).
     # Network: gloo over loopback TCP between workers on one machine (~2 GB/s); 10 GbE between nodes.
     return DeviceSpec("cpu", memory_gib=23.5, tflops_bf16=0.34, tflops_fp32=0.27, mem_bw_gbs=12,
-                      intra_bw_gbs=2.0, inter_bw_gbs=1.0, latency_intra_us=20, latency_inter_us=50, mfu=0.5,
-                      devices_per_node=1, shared_host=True, fused_optimizer=False, overlap=False)
+                      intra_bw_gbs=2.0, inter_bw_gbs=1.0, latency_intra_us=20, latency_inter_us=50, mfu=0.8,
+                      devices_per_node=1, shared_host=True, fused_optimizer=True, overlap=False)
 
 
 def a100_40g() -> DeviceSpec:

@@ -235,7 +235,8 @@ class Trainer:
         rate = window.rows / elapsed if elapsed > 0 else 0.0
         lr = self.scheduler.get_last_lr()[0]
         self.log({"kind": "train", "step": s.step, "epoch": self.epoch_float(), "loss": round(loss, 6), "lr": lr,
-                  "grad_norm": round(float(grad_norm), 6), "samples_per_s": round(rate, 2)})
+                  "grad_norm": round(float(grad_norm), 6), "samples_per_s": round(rate, 2),
+                  "time": round(time.time(), 3)})  # wall clock: throughput over any step range, from outside
         eta = (self.total_steps - s.step) * elapsed / max(1, window.steps)
         self.progress(phase="train", step=s.step, epoch=self.epoch_float(), loss=loss, lr=lr,
                       samples_per_s=rate, eta_s=eta)
