@@ -37,9 +37,11 @@ def worker_args(rd: Path, steps: int) -> list[str]:
 
 
 def steady(rd: Path) -> float:
-    rates = [r["samples_per_s"] for r in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines())
-             if r.get("kind") == "train"]
-    return statistics.median(rates[1:] or rates)
+    """Samples/s by wall clock from the first log step (5) to the last: both sides alike."""
+    train = {r["step"]: r for r in map(json.loads, (rd / "metrics.jsonl").read_text().splitlines())
+             if r.get("kind") == "train"}
+    first, last = min(train), max(train)
+    return (last - first) * 16 / (train[last]["time"] - train[first]["time"])
 
 
 def env(tmp: Path) -> dict:

@@ -33,25 +33,27 @@ def ensure_data(run_dir: Path) -> None:
 
 def bare(run_dir: Path, model_dir: str, steps: int, batch: int, workers: int, precision: str) -> dict:
     out = Path(tempfile.mkdtemp()) / "bare.json"
+    launched = time.time()  # the same parent-side moment torchloom_train starts its clock at
     sh([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
         str(ROOT / "benchmarks" / "bare_ddp.py"), str(run_dir / "data"), model_dir, str(steps), str(batch),
-        precision, str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        precision, str(out), str(launched)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
 def torchloom_train(run_dir: Path, steps: int, batch: int, workers: int, precision: str) -> dict:
-    started = time.perf_counter()
+    """Timed as the bare loop is: from a timestamp taken here before the launch, and by wall clock from
+    the end of step 3 to the last step (metrics.jsonl's train lines carry the wall time)."""
+    started = time.time()
     sh(TORCHLOOM + ["train", "--output.dir", str(run_dir), "--train.max_steps", str(steps),
                     "--train.batch_size", str(batch), "--engine.workers", str(workers),
                     "--train.precision", precision, "--train.log_every", "1", "--train.eval_every", "100000",
                     "--train.warmup_ratio", "0"], stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - started
+    wall = time.time() - started
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [x for x in lines if x["kind"] == "train" and x["step"] > 3]  # same warm-up cut as the bare loop
-    # samples/s per step -> seconds per step; steady state = total samples / total seconds
-    seconds = sum(batch / x["samples_per_s"] for x in train)
-    result = json.loads((run_dir / "train_result.json").read_text())
-    return {"samples_per_s": len(train) * batch / seconds, "first_step_s": result["first_step_s"], "total_s": wall}
+    train = {x["step"]: x for x in lines if x["kind"] == "train"}
+    last = max(train)
+    return {"samples_per_s": (last - 3) * batch / (train[last]["time"] - train[3]["time"]),
+            "first_step_s": train[1]["time"] - started, "total_s": wall}
 
 
 def loader_alone(run_dir: Path, batch: int, workers: int) -> float:

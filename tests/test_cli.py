@@ -223,3 +223,12 @@ def test_a_binary_file_named_csv_is_one_short_line(tmp_path):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("torchloom: error:")]
     assert len(errors) == 1 and len(errors[0]) < 300 and str(noise) in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Using incubator modules" not in proc.stderr
+
+
+def test_an_error_about_a_very_long_input_stays_one_short_line(tmp_path):
+    deep = tmp_path / ("a-very-long-directory-name-" * 6) / ("nested-" * 20) / "reviews.csv"
+    proc = torchloom("prepare", "--data.path", str(deep), "--output.dir", str(tmp_path / "run"), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and len(lines[0]) <= 300, lines
+    assert lines[0].startswith("torchloom: error: data.path ") and "reviews.csv" in lines[0]

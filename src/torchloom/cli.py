@@ -7,7 +7,7 @@ import json
 import sys
 
 from torchloom import __version__
-from torchloom.errors import UserError
+from torchloom.errors import UserError, one_line
 
 COMMANDS = {
     "run": "prepare, train, export and evaluate into one run dir (no arguments: the embedded demo)",
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return dispatch(args, rest)
     except UserError as e:
-        print(f"torchloom: error: {e}", file=sys.stderr)
+        print(f"torchloom: error: {one_line(e)}", file=sys.stderr)
         return UserError.exit_code
     except KeyboardInterrupt:
         print("torchloom: interrupted", file=sys.stderr)
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         from torchloom.engines.common import TrainingFailed
 
-        if isinstance(e, TrainingFailed):
+        if isinstance(e, TrainingFailed):  # the failing rank's error and traceback: several lines on purpose
             print(f"torchloom: error: {e}", file=sys.stderr)
             return TrainingFailed.exit_code
         raise

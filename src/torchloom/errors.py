@@ -9,6 +9,26 @@ class UserError(Exception):
     exit_code = 2
 
 
+LINE_LIMIT = 300  # an error line a terminal shows whole
+
+
+def one_line(message: str, limit: int = LINE_LIMIT) -> str:
+    """`message` as one line of at most `limit` characters: long embedded values (a path, a pasted text,
+    a column name) are cut in their middle first, so the input, the problem and the fix all stay."""
+    line = " ".join(str(message).split())
+    prefix = len("torchloom: error: ")
+    if len(line) + prefix <= limit:
+        return line
+    words = line.split(" ")
+    for width in (80, 48, 24):
+        words = [w if len(w) <= width else f"{w[:width // 2 - 1]}...{w[-(width // 2 - 2):]}" for w in words]
+        line = " ".join(words)
+        if len(line) + prefix <= limit:
+            return line
+    keep = limit - prefix - 3
+    return f"{line[:keep // 2]}...{line[-(keep - keep // 2):]}"
+
+
 def missing_extra(module: str, extra: str) -> UserError:
     """The error for an optional engine that is not installed."""
     return UserError(f"{module} is not installed: pip install 'torchloom[{extra}]'")

@@ -17,7 +17,7 @@ import sys
 
 from torchloom.config import build, to_dict
 from torchloom.engines.common import is_peer_loss, run_worker
-from torchloom.errors import UserError
+from torchloom.errors import UserError, one_line
 from torchloom.rundir import RunDir
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build(config_file, argv)
     except UserError as e:
-        print(f"torchloom: error: {e}", file=sys.stderr)
+        print(f"torchloom: error: {one_line(e)}", file=sys.stderr)
         return 2
     warning = rendezvous_warning(os.environ)
     if warning:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run_worker(to_dict(cfg), str(RunDir(cfg.output.dir).root), launch_id)
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
-        print(f"torchloom: error: {e}", file=sys.stderr, flush=True)
+        print(f"torchloom: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
     except Exception as e:
         if not is_peer_loss(str(e)):

@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
-from torchloom.errors import UserError
+from torchloom.errors import UserError, one_line
 from torchloom.plan import advice, estimate, hardware, models, report
 
 EPILOG = """\
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(sys.argv[1:] if argv is None else argv)
         return calibrate(args) if args.calibrate else plan(args)
     except UserError as e:
-        print(f"torchloom: error: {e}", file=sys.stderr)
+        print(f"torchloom: error: {one_line(e)}", file=sys.stderr)
         return UserError.exit_code
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
