@@ -89,6 +89,10 @@ def init_ray(address: str) -> bool:
         # import); with a token in the environment it writes none to ~/.ray. A RAY_AUTH_MODE of the
         # user's is theirs to keep.
         os.environ["RAY_AUTH_TOKEN"] = process_token()
+    # Ray announces the token authentication torchloom asked for ("enabled ... set RAY_AUTH_MODE=disabled
+    # to opt out"): not about the user's job. Its warning when authentication is off stays.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: not record.getMessage().startswith("Token authentication is enabled"))
     # The instance's processes (raylet, GCS, dashboard, Ray's actors) inherit this environment.
     env = {**worker_malloc(), **LOOPBACK_ONLY}
     saved = {k: os.environ.get(k) for k in env}
