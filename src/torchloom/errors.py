@@ -20,6 +20,16 @@ def one_line(message: str, limit: int = LINE_LIMIT) -> str:
     if len(line) + prefix <= limit:
         return line
     words = line.split(" ")
+    # First a long value said again (a path and a file under it): its first mention stays whole.
+    seen: list[str] = []
+    for i, w in enumerate(words):
+        if len(w) > 40 and any(w.startswith(s[:40]) for s in seen):
+            words[i] = f"{w[:12]}...{w[-24:]}"
+        elif len(w) > 40:
+            seen.append(w)
+    line = " ".join(words)
+    if len(line) + prefix <= limit:
+        return line
     for width in (80, 48, 24):
         words = [w if len(w) <= width else f"{w[:width // 2 - 1]}...{w[-(width // 2 - 2):]}" for w in words]
         line = " ".join(words)

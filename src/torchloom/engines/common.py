@@ -130,7 +130,8 @@ class RunDirNotVisible(UserError):
 def not_visible(rd: RunDir, hosts: list[str]) -> RunDirNotVisible:
     return RunDirNotVisible(
         f"output.dir {rd.root}: not visible on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} (no"
-        f" {rd.manifest.name} under {rd.data}); put the run directory on storage every host mounts at the same path")
+        f" {rd.manifest.relative_to(rd.root)} there); put the run directory on storage every host mounts at the same"
+        " path")
 
 
 def check_visible(rd: RunDir) -> None:
