@@ -98,7 +98,7 @@ def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setu
     # at once, whatever engine.max_restarts allows.
     fault("rank=1,step=3,kind=raise")
     with pytest.raises(TrainingFailed) as err:
-        run_on(engine, setup, f"{engine}-raise", "--engine.max_restarts", "2")
+        run_on(engine, setup, f"{engine}-raise", "--engine.max_restarts", "1")
     text = str(err.value)
     assert "training failed on rank 1: InjectedFault: injected fault on rank 1 at step 3" in text
     assert "traceback of rank 1" in text

@@ -74,6 +74,11 @@ def server(tmp_path_factory):
             os.killpg(proc.pid, 9)
 
 
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return reference(tmp_path_factory.mktemp("connect-ref"))
+
+
 def torchloom(args: list[str], tmp: Path, expect: int = 0) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_", "TORCHLOOM_"))}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TMPDIR=str(tmp))
@@ -84,8 +89,7 @@ def torchloom(args: list[str], tmp: Path, expect: int = 0) -> subprocess.Complet
     return proc
 
 
-def test_train_through_spark_connect_gives_the_local_weights(server, tmp_path):
-    setup = reference(tmp_path)
+def test_train_through_spark_connect_gives_the_local_weights(server, setup, tmp_path):
     rd = new_run(tmp_path, setup["data"], "connect")
     torchloom(["train", "--engine.name", "spark", "--prepare.spark_master", server, "--output.dir", str(rd),
                "--model.path", setup["model"], "--tracking.enabled", "false", *COMMON], tmp_path)
@@ -113,8 +117,7 @@ def test_run_through_spark_connect_prepares_on_the_server_and_trains(server, tmp
     assert (rd / "model").is_dir() and (rd / "report.md").is_file()
 
 
-def test_a_conf_the_connect_server_owns_is_one_line(server, tmp_path):
-    setup = reference(tmp_path)
+def test_a_conf_the_connect_server_owns_is_one_line(server, setup, tmp_path):
     rd = new_run(tmp_path, setup["data"], "static")
     proc = torchloom(["train", "--engine.name", "spark", "--prepare.spark_master", server, "--output.dir", str(rd),
                       "--model.path", setup["model"], "--tracking.enabled", "false", *COMMON,
