@@ -65,8 +65,9 @@ def stop_spark() -> None:
         active.stop()
 
 
-def check_trainable(cfg: Config) -> None:
-    """Catch in the driver what would otherwise fail in every worker."""
+def check_trainable(cfg: Config) -> int | None:
+    """Catch in the driver what would otherwise fail in every worker; returns the step train.resume
+    resumes from (None: a fresh start)."""
     from torchloom import manifest as manifest_mod
     from torchloom.embedded import model_path
     from torchloom.model.build import check_model_dir
@@ -81,7 +82,8 @@ def check_trainable(cfg: Config) -> None:
             " add data or lower engine.workers"
         )
     # a path that is no checkpoint, or only damaged ones, fails here, once; rank 0 warns of what it skips
-    checkpoint.resolve(cfg.train.resume, rd.checkpoints, warn=False)
+    path = checkpoint.resolve(cfg.train.resume, rd.checkpoints, warn=False)
+    return None if path is None else int(checkpoint.read_meta(path)["step"])
 
 
 def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
@@ -102,9 +104,8 @@ def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None) -> TrainResult:
     """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py)."""
     from torchloom.tracking import MetricsForwarder, NullTracker
-    from torchloom.train import checkpoint
 
-    check_trainable(cfg)
+    resume_step = check_trainable(cfg)
     rd = run_dir(cfg)
     save_config(cfg, rd)
     tracker = tracker or NullTracker()
@@ -114,7 +115,6 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
         tracker.set_tags({"data_fingerprint": manifest_mod.read(rd.data).fingerprint})
     rd.write_hooks(hooks or {})
     # Before any worker starts, so the driver never forwards another run's lines to this run's tracker.
-    resume_step = checkpoint.resume_step(cfg.train.resume, rd.checkpoints)
     rd.reset_metrics(resume_step)
     say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, precision {cfg.train.precision},"
         f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.logs}")

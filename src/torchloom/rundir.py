@@ -37,6 +37,12 @@ MANIFEST_FILE = "manifest.json"  # in a prepared data dir: what it holds (manife
 OWN_MARKERS = ("config.toml", f"data/{MANIFEST_FILE}", "checkpoints", MANIFEST_FILE, "study.json")
 
 
+def holds_cwd(path: str | Path) -> bool:
+    """Is `path` the working directory or one of its parents (deleting it would delete where we stand)?"""
+    resolved, cwd = Path(path).resolve(), Path.cwd().resolve()
+    return resolved == cwd or resolved in cwd.parents
+
+
 def check_replaceable(path: str | Path, key: str = "output.dir") -> None:
     """Refuse (one line) to delete `path` for --overwrite unless it is empty or torchloom's own, and
     never the working directory or one holding it."""
@@ -47,8 +53,7 @@ def check_replaceable(path: str | Path, key: str = "output.dir") -> None:
         return
     if not path.is_dir():
         raise UserError(f"{key} {path}: exists and is not a directory; --overwrite replaces only torchloom runs")
-    resolved, cwd = path.resolve(), Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
+    if holds_cwd(path):
         raise UserError(f"{key} {path}: is the working directory or holds it; --overwrite would delete it;"
                         " pass another --output.dir")
     if any(path.iterdir()) and not any((path / m).exists() for m in OWN_MARKERS):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
+from torchloom.rundir import holds_cwd
 
 FORMATS = {
     ".csv": "csv", ".tsv": "csv",
@@ -65,8 +66,7 @@ def _check_paths(input_path: str, output_path: str, overwrite: bool, local_only:
 
 def _check_replaceable_output(out: Path) -> None:
     """--overwrite replaces an earlier predictions directory (Parquet parts), nothing else."""
-    resolved, cwd = out.resolve(), Path.cwd().resolve()
-    if resolved == cwd or resolved in cwd.parents:
+    if holds_cwd(out):
         raise UserError(f"--output {out}: is the working directory or holds it; pass another --output")
     other = next((f for f in out.rglob("*") if f.is_file() and f.suffix != ".parquet"
                   and not f.name.startswith(("_", "."))), None)

@@ -220,12 +220,6 @@ def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / META).is_file()
 
 
-def resume_step(resume: str, root: str | Path) -> int | None:
-    """The step of the checkpoint train.resume names (None: a fresh start)."""
-    path = resolve(resume, root, warn=False)
-    return None if path is None else int(read_meta(path)["step"])
-
-
 def select(root: str | Path, which: str) -> Path:
     """The checkpoint to export: `best` (by the validation metric; the last when none was best) or `last`."""
     root = Path(root)
