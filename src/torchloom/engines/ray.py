@@ -2,9 +2,11 @@
 
 `engine.ray_address` "" starts a local Ray instance for the job (and stops it after); "auto" or
 "ray://host:10001" joins a cluster. Ray Train sets up the process group; metrics reach Ray through
-`ray.train.report` at every evaluation, on every rank. After a worker failure Ray restarts the
-workers (FailureConfig(max_failures=engine.max_restarts)) and they resume from torchloom's latest
-complete checkpoint in the run directory, which must be on storage every node sees.
+`ray.train.report` at every evaluation, on every rank. Ray itself restarts nothing
+(FailureConfig(max_failures=0)): Ray restarts on any failure, a rank's own error too, which would
+only happen again. torchloom re-runs `fit()` up to engine.max_restarts times after a lost process
+(a killed worker, a lost node), and the new workers resume from torchloom's latest complete
+checkpoint in the run directory, which must be on storage every node sees.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from torchloom.config import Config, to_dict
 from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
+    describe_loss,
+    failure_cause,
     new_launch_id,
     raise_worker_failure,
     read_result,
     replace_engine,
     run_worker,
+    worker_user_error,
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
@@ -204,12 +209,38 @@ def tune_callbacks() -> list:
     return [TuneReportCallback()]  # rank 0's eval metrics to the trial, for the scheduler (ASHA)
 
 
+def trainer(cfg: Config, rd: RunDir, launch_id: str, attempt: int, scaling_config, started_local: bool,
+            launched_at: float):
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    return TorchTrainer(
+        _entry,
+        torch_config=TorchConfig(timeout_s=int(cfg.engine.collective_timeout_s)),  # Ray makes the group
+        train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": launch_id,
+                           "use_gpu": scaling_config.use_gpu, "launched_at": launched_at},
+        scaling_config=scaling_config,
+        run_config=RunConfig(
+            # a run name per attempt: Ray would take a run of the same name for one to continue
+            name=f"torchloom-{launch_id}-{attempt}", storage_path=str(rd.ray_storage),
+            failure_config=FailureConfig(max_failures=0),  # torchloom restarts, only after a lost process
+            callbacks=tune_callbacks(),
+            worker_runtime_env={"env_vars": {
+                **worker_priority(started_local),
+                **worker_malloc(),
+                # Train v2 sends each print to its logger as well, and so to our rank log a second time
+                "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                **({faults.ENV: os.environ[faults.ENV]} if faults.ENV in os.environ else {}),
+            }},
+        ),
+    )
+
+
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers Ray Train workers; returns rank 0's result."""
     try:
         import ray
-        from ray.train import FailureConfig, RunConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
+        import ray.train.torch  # noqa: F401
     except ImportError:
         raise missing_extra("ray", "ray") from None
 
@@ -222,32 +253,26 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
         # torch threads = the CPUs Ray gives each worker (the host's core count would oversubscribe)
         cfg = replace_engine(cfg, threads_per_worker=max(1, int(scaling_config.resources_per_worker["CPU"] + 0.01)))
     stream = open(os.devnull, "w") if quiet else sys.stderr
+    launched_at = time.time()  # workers time their first step from the launch
+    attempts = cfg.engine.max_restarts + 1
     try:
-        trainer = TorchTrainer(
-            _entry,
-            torch_config=TorchConfig(timeout_s=int(cfg.engine.collective_timeout_s)),  # Ray makes the group
-            train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": launch_id,
-                               "use_gpu": scaling_config.use_gpu,
-                               "launched_at": time.time()},  # workers time their first step from the launch
-            scaling_config=scaling_config,
-            run_config=RunConfig(
-                name=f"torchloom-{launch_id}", storage_path=str(rd.ray_storage),
-                failure_config=FailureConfig(max_failures=cfg.engine.max_restarts),
-                callbacks=tune_callbacks(),
-                worker_runtime_env={"env_vars": {
-                    **worker_priority(started_local),
-                    **worker_malloc(),
-                    # Train v2 sends each print to its logger as well, and so to our rank log a second time
-                    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                    **({faults.ENV: os.environ[faults.ENV]} if faults.ENV in os.environ else {}),
-                }},
-            ),
-        )
         with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
-            try:
-                trainer.fit()
-            except Exception as e:
-                raise_worker_failure(rd, f"training on Ray failed: {str(e).splitlines()[0] if str(e) else e!r}", str(e))
+            for attempt in range(attempts):
+                try:
+                    trainer(cfg, rd, launch_id, attempt, scaling_config, started_local, launched_at).fit()
+                    break
+                except Exception as e:  # Ray wraps the worker's failure; our error files hold the real one
+                    # Only after a lost process: a rank's own error (a user error too) would come back the same.
+                    if attempt + 1 < attempts and not worker_user_error(str(e)) and \
+                            failure_cause(rd, launch_id) is None:
+                        loss = describe_loss(rd, launch_id, attempt)
+                        print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
+                              f" ({loss or type(e).__name__}); re-running the workers from the latest checkpoint",
+                              file=sys.stderr, flush=True)
+                        continue
+                    loss = describe_loss(rd, launch_id, attempt)
+                    first = str(e).splitlines()[0] if str(e) else repr(e)
+                    raise_worker_failure(rd, f"training on Ray failed: {loss or first}", str(e))
     finally:
         if quiet:
             stream.close()
