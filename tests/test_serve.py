@@ -380,24 +380,27 @@ def texts_counted(server: Server, family: str) -> float:
     return sample_value(server.metrics(), family, f"{family}_total")
 
 
-@needs_http
-def test_a_client_that_disconnects_has_its_texts_dropped_before_the_model(slow_server):
+def assert_gone_clients_texts_dropped(server: Server, predicted: float) -> None:
     from urllib.parse import urlsplit
 
-    predicted = texts_counted(slow_server, "torchloom_texts")
-    dropped = texts_counted(slow_server, "torchloom_texts_dropped")
+    dropped = texts_counted(server, "torchloom_texts_dropped")
     body = json.dumps({"texts": ["gone one", "gone two", "gone three"]}).encode()
-    url = urlsplit(slow_server.url)
+    url = urlsplit(server.url)
     client = socket.create_connection((url.hostname, url.port))
     client.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                    + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    wait_for(lambda: queue_depth(slow_server) == 3)  # queued: the batch waits 1.5 s to fill
+    wait_for(lambda: queue_depth(server) == 3)  # queued: the batch waits 1.5 s to fill
     client.close()  # the client gives up before its batch runs
-    wait_for(lambda: texts_counted(slow_server, "torchloom_texts_dropped") == dropped + 3)
-    assert queue_depth(slow_server) == 0
-    r = slow_server.client.post("/v1/predict", json={"texts": ["kept"]})
+    wait_for(lambda: texts_counted(server, "torchloom_texts_dropped") == dropped + 3)
+    assert queue_depth(server) == 0
+    r = server.client.post("/v1/predict", json={"texts": ["kept"]})
     assert r.status_code == 200 and len(r.json()["predictions"]) == 1
-    assert texts_counted(slow_server, "torchloom_texts") == predicted + 1  # the model saw only "kept"
+    assert texts_counted(server, "torchloom_texts") == predicted + 1  # the model saw only "kept"
+
+
+@needs_http
+def test_a_client_that_disconnects_has_its_texts_dropped_before_the_model(slow_server):
+    assert_gone_clients_texts_dropped(slow_server, texts_counted(slow_server, "torchloom_texts"))
 
 
 @needs_http
@@ -771,12 +774,19 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
 
 @needs_http
 @pytest.mark.slow
-def test_ray_serve_answers_503_past_max_queue_and_recovers(faulty_model_dir, tmp_path):
+def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_texts(faulty_model_dir, tmp_path):
     pytest.importorskip("ray.serve")
     s = Server(faulty_model_dir, "--engine", "ray", "--port", str(free_port()), "--max-queue", "4",
                "--max-batch-size", "8", "--max-wait-ms", "1500", "--fixed-wait", "--device", "cpu",
                log_dir=tmp_path, ready_timeout=150)
     try:
+        # the replica took traffic only after its warm-up went through @serve.batch: 4 short texts (the
+        # queue's size), then one full-length text
+        families = s.metrics()
+        assert sample_value(families, "torchloom_batch_size", "torchloom_batch_size_count") == 2
+        assert sample_value(families, "torchloom_texts", "torchloom_texts_total") == 5
+        assert s.client.get("/readyz").status_code == 200
+        # past --max-queue: 503, then it recovers
         thread, result = post_in_thread(s, ["one", "two", "three", "four"])
         wait_for(lambda: queue_depth(s) == 4)
         r = s.client.post("/v1/predict", json={"texts": ["fifth"]})
@@ -784,6 +794,8 @@ def test_ray_serve_answers_503_past_max_queue_and_recovers(faulty_model_dir, tmp
         thread.join(30)
         assert result[0].status_code == 200 and len(result[0].json()["predictions"]) == 4
         assert s.client.post("/v1/predict", json={"texts": ["again"]}).status_code == 200
+        # a client that closes early: its texts never reach the model
+        assert_gone_clients_texts_dropped(s, texts_counted(s, "torchloom_texts"))
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()

@@ -35,6 +35,18 @@ class _Failed:
         self.error_id = error_id
 
 
+class _Item:
+    """One text on its way through @serve.batch. A request whose client went away marks the texts no batch
+    has taken yet `dropped`; a batch skips them (Ray drops a cancelled call only before its batch forms)."""
+
+    __slots__ = ("text", "taken", "dropped")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.taken = False
+        self.dropped = False
+
+
 class RayBackend:
     """The replica side: the model, a one-thread executor, and the batched call. Built inside the replica."""
 
@@ -47,30 +59,45 @@ class RayBackend:
                                  batch_size=settings.max_batch_size, threads=threads)
         self.identity = self.model.identity
         self._pending = 0
+        self._ready = False
         self.metrics = ServeMetrics(queue_depth=lambda: self._pending)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
         self._batched_one = None  # the deployment's @serve.batch method, one text per call
-        self.model.warm_up()
 
     def attach(self, batched_one) -> None:
         self._batched_one = batched_one
 
     @property
     def ready(self) -> bool:
-        return True  # a replica only gets traffic once its constructor (and so the warm-up) has finished
+        return self._ready
 
     async def start(self) -> None:
-        pass
+        """The app's lifespan start, which Ray runs before the replica takes traffic: a warm-up through
+        the path every request takes (@serve.batch, the model thread, predict), a short batch and one
+        full-length text. A replica whose warm-up fails does not start, and says why."""
+        await self.predict(["warm up"] * min(self.settings.max_batch_size, self.settings.max_queue, 8))
+        await self.predict(["warm up " * self.model.max_length])
+        self._ready = True
+        log.info("ready: %s %s", self.identity.name, self.identity.version)
 
     async def stop(self) -> None:
+        self._ready = False
         self._executor.shutdown(wait=True)
 
     async def predict(self, texts: list[str]) -> list[dict[str, Any]]:
         if self._pending + len(texts) > self.settings.max_queue:
             raise Overloaded(self._pending, self.settings.max_queue)
         self._pending += len(texts)
+        items = [_Item(t) for t in texts]
         try:
-            results = await asyncio.gather(*(self._batched_one(t) for t in texts))
+            results = await asyncio.gather(*(self._batched_one(item) for item in items))
+        except asyncio.CancelledError:  # the client went away (Ray cancels the request)
+            waiting = [item for item in items if not item.taken]
+            for item in waiting:
+                item.dropped = True
+            if waiting:
+                self.metrics.dropped.inc(amount=len(waiting))
+            raise
         finally:
             self._pending -= len(texts)
         for result in results:
@@ -78,25 +105,34 @@ class RayBackend:
                 raise ModelFailed(result.error_id)
         return results
 
-    async def predict_batch(self, texts: list[str]) -> list[Any]:
+    async def predict_batch(self, items: list[_Item]) -> list[Any]:
         """The body of the @serve.batch method: the model on a thread; on failure each text alone."""
+        live = [i for i, item in enumerate(items) if not item.dropped]
+        out: list[Any] = [None] * len(items)  # a dropped text's slot: nobody awaits it
+        if not live:
+            return out
+        for i in live:
+            items[i].taken = True
+        texts = [items[i].text for i in live]
         self.metrics.batch_size.observe(len(texts))
         loop = asyncio.get_running_loop()
         try:
             results = await loop.run_in_executor(self._executor, self.model.predict, texts)
             self.metrics.texts.inc(amount=len(texts))
-            return results
         except Exception:
-            if len(texts) == 1:
-                return [self._failed(texts[0])]
-        out: list[Any] = []
-        for text in texts:
-            try:
-                out += await loop.run_in_executor(self._executor, self.model.predict, [text])
-                self.metrics.texts.inc()
-            except Exception:
-                out.append(self._failed(text))
+            results = [self._failed(texts[0])] if len(texts) == 1 else [await self._alone(t) for t in texts]
+        for i, result in zip(live, results):
+            out[i] = result
         return out
+
+    async def _alone(self, text: str) -> Any:
+        try:
+            result = (await asyncio.get_running_loop().run_in_executor(self._executor, self.model.predict,
+                                                                       [text]))[0]
+        except Exception:
+            return self._failed(text)
+        self.metrics.texts.inc()
+        return result
 
     def _failed(self, text: str) -> _Failed:
         error_id = uuid.uuid4().hex[:12]
@@ -130,8 +166,8 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float):
             self.backend.attach(self.predict_one)
 
         @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-        async def predict_one(self, texts: list[str]) -> list[Any]:
-            return await self.backend.predict_batch(texts)
+        async def predict_one(self, items: list[_Item]) -> list[Any]:
+            return await self.backend.predict_batch(items)
 
         def __serve_build_asgi_app__(self):
             from torchloom.serve.app import create_app
