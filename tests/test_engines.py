@@ -143,3 +143,27 @@ def test_torchrun_on_the_worker_module_gives_the_same_weights(setup, tmp_path):
                     *COMMON],
                    check=True, capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
+
+
+def test_under_your_own_torchrun_a_ranks_error_is_not_trained_again(setup, tmp_path, fault):
+    # torch elastic restarts on any failure; the restarted workers see that rank 1 failed of its own
+    # accord and refuse in one line, without training again
+    import subprocess
+    import sys
+
+    fault("rank=1,step=3,kind=raise")
+    rd = tmp_path / "torchrun-raise"
+    rd.mkdir()
+    shutil.copytree(setup["data"], rd / "data")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--max-restarts", "1", "-m", "torchloom.engines.torchrun", "--output.dir", str(rd),
+                           "--model.path", setup["model"], "--engine.max_restarts", "1", *COMMON],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "InjectedFault: injected fault on rank 1 at step 3" in out, out[-3000:]
+    refusals = [x for x in out.splitlines() if "not restarted: rank 1 failed with InjectedFault" in x]
+    assert refusals and all(x.startswith("torchloom: rank ") for x in refusals), out[-3000:]
+    assert "NotRestarted" not in out  # the refusal is a line, not a traceback
+    assert "resuming from the latest checkpoint" not in out
+    assert not list((rd / "checkpoints").glob("step-1[0-9]"))  # nothing trained past the fault

@@ -16,7 +16,7 @@ import socket
 import sys
 
 from torchloom.config import build, to_dict
-from torchloom.engines.common import is_peer_loss, run_worker
+from torchloom.engines.common import NotRestarted, RestartLimit, is_peer_loss, run_worker
 from torchloom.errors import UserError, one_line
 from torchloom.rundir import RunDir
 
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
         print(f"torchloom: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2
+    except (NotRestarted, RestartLimit) as e:  # the restarted worker's refusal: the cause was told before
+        print(f"torchloom: rank {os.environ.get('RANK', '0')}: {one_line(e)}", file=sys.stderr, flush=True)
+        return 1
     except Exception as e:
         if not is_peer_loss(str(e)):
             raise
