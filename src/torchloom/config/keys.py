@@ -21,7 +21,7 @@ MEANINGS: dict[str, str] = {
     'prepare.rows_per_group': 'Parquet row group size, the unit the training loader reads and shuffles',
     'prepare.partitions': 'Spark shuffle partitions; 0 = 2 x cores',
     'model.path': 'a local Hugging Face model directory (config.json, weights, tokenizer); "" = embedded all-MiniLM-L6-v2',
-    'model.attention_dropout': "dropout on attention probabilities while training; 0 lets PyTorch's fused attention run (a MiniLM step is 1.4x faster on CPU); -1 keeps the model's own value",
+    'model.attention_dropout': "dropout on attention probabilities while training; 0 lets PyTorch's fused attention run (forward+backward of a MiniLM step 1.13x faster on CPU, benchmarks/step_parts.py); -1 keeps the model's own value",
     'train.epochs': '',
     'train.batch_size': 'global: samples per optimizer step over all workers; must be a multiple of workers x grad_accum (with `pipeline`, of grad_accum x microbatches: the stages share one batch)',
     'train.grad_accum': 'micro-steps per optimizer step (gradients all-reduced on the last one only)',

@@ -193,10 +193,10 @@ def worker_malloc() -> dict:
 
     Ray Train runs the training function in a thread of the worker actor rather than its main
     thread, so its allocations go to a per-thread arena, unlike local and Spark workers; Ray's
-    many-threaded daemons likewise spread over many arenas. With one arena for the local instance
-    and its workers, Ray's steady state went from 15.4 to 17.3 samples/s (median of 3 interleaved
-    rounds; 5 of 6 paired rounds faster, see docs/benchmarks.md); which process gains most is not
-    pinned down. A value in torchloom's own environment wins.
+    many-threaded daemons likewise spread over many arenas. Together with the workers' niceness
+    (worker_priority), one arena took torchloom on Ray from 0.93 to about 1.0 of its local engine's
+    steady state in `benchmarks/engines.py` (docs/benchmarks.md, 2026-11-22 14:13 and 20:13 sittings);
+    which process gains most is not pinned down. A value in torchloom's own environment wins.
     """
     return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
 
