@@ -77,6 +77,42 @@ def test_run_writes_every_output_and_a_summary(finished_run):
     # the words give the topic away: even the tiny model must learn it
     assert report["metrics"]["accuracy"] >= 0.9, report["metrics"]["accuracy"]
     assert summary["accuracy"] == report["metrics"]["accuracy"]
+    # the classical baseline, on the same test rows, beside the transformer everywhere
+    baseline = report["baseline"]
+    assert baseline["split"] == "test" and baseline["n"] == report["metrics"]["n"]
+    assert baseline["name"] == "TF-IDF + logistic regression" and 0 <= baseline["accuracy"] <= 1
+    assert baseline["accuracy_gain"] == pytest.approx(report["metrics"]["accuracy"] - baseline["accuracy"])
+    assert summary["baseline"]["accuracy"] == baseline["accuracy"] and summary["timings"]["baseline_s"] > 0
+    stored = json.loads((rd / "baseline.json").read_text())
+    assert stored["fingerprint"] == manifest["fingerprint"]
+    assert stored["train_rows"] == manifest["splits"]["train"]["rows"]
+    assert "## Against a classical baseline" in (rd / "report.md").read_text()
+    assert f"baseline {baseline['accuracy']:.4f}" in proc.stdout
+    # the verdict: in the summary when the transformer did not win, and said once
+    if baseline["accuracy_gain"] <= 0:
+        assert summary["verdict"] and proc.stdout.count(summary["verdict"]) == 1, proc.stdout
+        assert summary["verdict"] not in proc.stderr
+    else:
+        assert summary["verdict"] is None
+    assert "netlib" not in proc.stderr and "Broadcasting large task binary" not in proc.stderr
+
+
+def test_evaluate_reuses_the_runs_baseline_and_can_leave_it_out(finished_run, tmp_path):
+    import shutil
+
+    rd = tmp_path / "copy"
+    shutil.copytree(finished_run[0], rd)
+    stored = json.loads((rd / "baseline.json").read_text())
+    proc = torchloom("evaluate", "--output.dir", str(rd), "--eval.split", "val", "--tracking.enabled", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "baseline: TF-IDF" not in proc.stderr  # scored at run time on val too, for these prepared rows
+    report = json.loads((rd / "report.json").read_text())
+    assert report["baseline"]["split"] == "val"
+    assert report["baseline"]["accuracy"] == stored["splits"]["val"]["accuracy"]
+    proc = torchloom("evaluate", "--output.dir", str(rd), "--eval.baseline", "false", "--tracking.enabled", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "baseline" not in json.loads((rd / "report.json").read_text())
+    assert "Against a classical baseline" not in (rd / "report.md").read_text()
 
 
 def test_run_is_one_mlflow_run_with_config_metrics_artifacts_and_a_servable_model(finished_run):
@@ -108,6 +144,7 @@ def test_run_is_one_mlflow_run_with_config_metrics_artifacts_and_a_servable_mode
     assert sorted(m.step for m in history) == train_steps and len(train_steps) > 3
     evals = {r["step"]: r["macro_f1"] for r in logged if r["kind"] == "eval"}
     assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val_macro_f1")} == evals
+    assert run.data.metrics["baseline_test_accuracy"] == summary["baseline"]["accuracy"]
     assert run.data.metrics["test_accuracy"] == summary["accuracy"]
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"config.toml", "metrics.jsonl", "manifest.json", "report.md", "report.json", "plots",

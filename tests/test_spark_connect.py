@@ -7,6 +7,7 @@ workers are executor tasks of the server's cluster; the torchloom process is a c
 from __future__ import annotations
 
 import csv
+import json
 import os
 import socket
 import subprocess
@@ -115,6 +116,9 @@ def test_run_through_spark_connect_prepares_on_the_server_and_trains(server, tmp
                       "--tracking.enabled", "false", "--train.epochs", "1"], tmp_path)
     assert "61 rows read, 1 rejected" in proc.stderr, proc.stderr[-3000:]
     assert (rd / "model").is_dir() and (rd / "report.md").is_file()
+    # the MLlib baseline ran on the Connect server too, on the same test rows
+    report = json.loads((rd / "report.json").read_text())
+    assert report["baseline"]["n"] == report["metrics"]["n"] > 0
 
 
 def test_a_conf_the_connect_server_owns_is_one_line(server, setup, tmp_path):

@@ -34,9 +34,10 @@ Config: defaults are the embedded demo (BBC News + all-MiniLM-L6-v2). Change any
 COMMAND_KEYS = {
     "run": ["data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
     "prepare": ["data", "prepare", "model.path", "output", "tracking"],
-    "train": ["train", "engine", "model", "prepare.spark_master", "prepare.spark_conf", "output", "tracking"],
+    "train": ["train", "engine", "model", "prepare.spark_master", "prepare.spark_conf", "eval.batch_size",
+              "eval.precision", "output", "tracking"],
     "export": ["train.select", "model.path", "output.dir"],
-    "evaluate": ["eval", "output.dir", "tracking"],
+    "evaluate": ["eval", "prepare.spark_master", "prepare.spark_conf", "output.dir", "tracking"],
     "tune": ["tune", "data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
     "config": ["data", "prepare", "model", "train", "eval", "engine", "output", "tracking", "tune"],
 }

@@ -11,7 +11,8 @@ from contextlib import nullcontext
 from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir, check_replaceable, write_json
+from torchloom.manifest import read as read_manifest
+from torchloom.rundir import RunDir, check_replaceable, read_json, write_json
 from torchloom.train.result import TrainResult
 
 
@@ -63,6 +64,50 @@ def stop_spark() -> None:
     active = SparkSession.getActiveSession()
     if active is not None:
         active.stop()
+
+
+def baseline_splits(cfg: Config) -> list[str]:
+    return list(dict.fromkeys(["val", "test", cfg.eval.split]))
+
+
+def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
+    """Fit the classical baseline on the train split and score the others (etl/baseline.py) into
+    baseline.json; None when eval.baseline is off. Uses `spark`, or starts a session and stops it."""
+    if not cfg.eval.baseline:
+        return None
+    from torchloom import manifest as manifest_mod
+    from torchloom.etl.baseline import NAME, fit_and_score
+    from torchloom.etl.session import get_spark
+
+    rd = run_dir(cfg)
+    m = manifest_mod.read(rd.data)
+    say(f"baseline: {NAME} (Spark MLlib) on the train split's {m.split('train').rows} rows")
+    try:
+        result = fit_and_score(spark or get_spark(cfg.prepare), m, baseline_splits(cfg))
+    finally:
+        if spark is None:
+            stop_spark()
+    write_json(rd.baseline, result)
+    scored = ", ".join(f"{k} accuracy {v['accuracy']:.4f}" for k, v in result["splits"].items())
+    say(f"baseline: {scored} ({result['seconds']:.0f} s)")
+    if tracker is not None:
+        tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in result["splits"].items()
+                             for metric in ("accuracy", "macro_f1")})
+    return result
+
+
+def stored_baseline(cfg: Config, m) -> dict | None:
+    """baseline.json, when it was made from these prepared rows and scored the evaluated split."""
+    rd = run_dir(cfg)
+    if not rd.baseline.is_file():
+        return None
+    try:
+        stored = read_json(rd.baseline)
+    except (OSError, ValueError):
+        return None
+    if stored.get("fingerprint") != m.fingerprint or cfg.eval.split not in stored.get("splits", {}):
+        return None
+    return stored
 
 
 def check_trainable(cfg: Config) -> int | None:
@@ -168,7 +213,9 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out}
 
 
-def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None) -> dict:
+def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announce: bool = True) -> dict:
+    """Score the exported model (and the baseline beside it); announce: print the verdict line here (run
+    prints it in its summary instead)."""
     from torchloom.evaluate.report import write_report
     from torchloom.evaluate.run import evaluate_model_dir
 
@@ -183,18 +230,38 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None) -> dict
         raise UserError(f"eval.split {cfg.eval.split}: the split is empty in {rd.data}; choose another split"
                         " or prepare with a non-zero fraction for it")
     metrics, misclassified = evaluate_model_dir(cfg, str(rd.model))
+    cmp, line = None, None
+    if cfg.eval.baseline:
+        from torchloom.evaluate.baseline import comparison, verdict
+
+        stored = stored_baseline(cfg, m) or baseline_stage(cfg, tracker=tracker)
+        cmp = comparison(metrics, stored, cfg.eval.split)
+        line = verdict(cmp, m, (extra or {}).get("train") or _train_result(rd)) if cmp else None
     seconds = round(time.perf_counter() - started, 2)
     write_report(rd, metrics, split=cfg.eval.split, label_names=m.labels, misclassified=misclassified,
-                 extra={"evaluate_s": seconds, **(extra or {})})
+                 extra={"evaluate_s": seconds, **(extra or {})}, baseline=cmp, verdict=line)
     if tracker is not None:
         tracker.log_metrics({f"{cfg.eval.split}_{k}": v for k, v in metrics.items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        if cmp:
+            tracker.log_metrics({f"baseline_{cfg.eval.split}_accuracy": cmp["accuracy"],
+                                 f"baseline_{cfg.eval.split}_macro_f1": cmp["macro_f1"]})
         tracker.log_artifact(rd.report_md)
         tracker.log_artifact(rd.report_json)
         tracker.log_artifact(rd.plots, "plots")
+    against = f" (baseline {cmp['accuracy']:.4f}, {cmp['macro_f1']:.4f})" if cmp else ""
     say(f"evaluate ({cfg.eval.split}, {metrics['n']} rows): accuracy {metrics['accuracy']:.4f},"
-        f" macro-F1 {metrics['macro_f1']:.4f}; report {rd.report_md}")
-    return {"seconds": seconds, "metrics": metrics}
+        f" macro-F1 {metrics['macro_f1']:.4f}{against}; report {rd.report_md}")
+    if line and announce:
+        say(line)
+    return {"seconds": seconds, "metrics": metrics, "baseline": cmp, "verdict": line}
+
+
+def _train_result(rd: RunDir) -> dict | None:
+    try:
+        return read_json(rd.train_result)
+    except (OSError, ValueError):
+        return None
 
 
 def run_all(cfg: Config) -> dict:
@@ -218,18 +285,25 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     started = time.perf_counter()
     timings: dict[str, float] = {}
     spark = None
-    if cfg.engine.name == "spark":
+    if cfg.engine.name == "spark" or cfg.eval.baseline:
         from torchloom.etl.session import get_spark
 
-        spark = get_spark(cfg.prepare)  # one SparkSession for the ETL and the training
+        # one SparkSession for the ETL, the baseline and (on the Spark engine) the training
+        spark = get_spark(cfg.prepare)
     if cfg.train.resume and rd.manifest.is_file():
         say(f"run: resuming; reusing the prepared data in {rd.data}")
     else:
         timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+    if cfg.eval.baseline and stored_baseline(cfg, read_manifest(rd.data)) is None:
+        timings["baseline_s"] = baseline_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+    if spark is not None and cfg.engine.name != "spark":
+        # Nothing later needs the session: its JVM would keep memory and wake-ups away from the workers.
+        stop_spark()
+        spark = None
     result = train_stage(cfg, spark=spark, tracker=tracker)
     timings["train_s"] = result.wall_s
     timings["export_s"] = export_stage(cfg, tracker=tracker)["seconds"]
-    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result.to_dict()}, tracker=tracker)
+    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result.to_dict()}, tracker=tracker, announce=False)
     timings["evaluate_s"] = ev["seconds"]
     timings["total_s"] = round(time.perf_counter() - started, 2)
     summary = {
@@ -240,6 +314,10 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         "model_dir": str(rd.model),
         "report": str(rd.report_md),
     }
+    cmp = ev.get("baseline")
+    if cmp:
+        summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain")}
+        summary["verdict"] = ev.get("verdict")
     if tracker.enabled:
         summary["mlflow_run_id"] = tracker.run_id
         summary["mlflow_uri"] = tracker.uri
@@ -247,14 +325,18 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
     tracker.log_artifact(rd.summary)
     stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
-    print(
-        f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})\n"
-        f"  test accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}\n"
-        f"  model   {summary['model_dir']}\n  report  {summary['report']}\n"
-        f"  plots   {rd.plots}\n  predict torchloom predict --model {summary['model_dir']} \"some text\""
-        + (f"\n  mlflow  run {tracker.run_id} in {tracker.uri}" if tracker.enabled else ""),
-        flush=True,
-    )
+    lines = [f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})",
+             f"  {cfg.eval.split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}"]
+    if cmp:
+        lines.append(f"  baseline {cmp['accuracy']:.4f}   macro-F1 {cmp['macro_f1']:.4f}   ({cmp['name']};"
+                     f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")
+    if ev.get("verdict"):
+        lines.append(f"  note    {ev['verdict']}")
+    lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.plots}",
+              f"  predict torchloom predict --model {summary['model_dir']} \"some text\""]
+    if tracker.enabled:
+        lines.append(f"  mlflow  run {tracker.run_id} in {tracker.uri}")
+    print("\n".join(lines), flush=True)
     return summary
 
 

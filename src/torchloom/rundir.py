@@ -165,6 +165,11 @@ class RunDir:
     def summary(self) -> Path:
         return self.root / "summary.json"
 
+    @property
+    def baseline(self) -> Path:
+        """The classical baseline's scores on the prepared splits (etl/baseline.py)."""
+        return self.root / "baseline.json"
+
     # -- the driver <-> worker protocol ---------------------------------------------------------
     @property
     def hooks(self) -> Path:

@@ -52,6 +52,8 @@ MEANINGS: dict[str, str] = {
     'eval.batch_size': 'rows per forward pass; on CPU small batches are faster per row',
     'eval.calibration_bins': 'bins of the reliability diagram and the expected calibration error',
     'eval.misclassified_limit': 'most confident mistakes written to misclassified.jsonl',
+    'eval.precision': 'autocast of `evaluate` and of validation during training; auto is fp32 on CPU and bf16 (fp16 without bf16) on CUDA, what `serve --precision auto` answers with, so the reported numbers are the served ones',
+    'eval.baseline': 'train and score a TF-IDF + logistic-regression baseline (Spark MLlib) on the same splits and report it beside the transformer; see [evaluation.md](evaluation.md)',
     'engine.name': "`local` (torch's elastic launcher on this machine), `spark` (TorchDistributor), `ray` (Ray Train); see [engines.md](engines.md)",
     'engine.workers': 'worker processes (one per GPU on a GPU machine)',
     'engine.device': '`auto` uses GPUs when the engine has them (nccl), else the CPU (gloo); `cpu`; `cuda`',

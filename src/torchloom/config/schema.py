@@ -75,6 +75,10 @@ class EvalConfig:
     batch_size: int = field(default=16, metadata={"min": 1})  # small batches run faster per row on CPU
     calibration_bins: int = field(default=10, metadata={"min": 2})
     misclassified_limit: int = field(default=1000, metadata={"min": 0})
+    # autocast of evaluate and in-training validation; auto: fp32 on CPU, bf16 (fp16 without it) on CUDA,
+    # as `serve --precision auto` answers, so the reported numbers are the served ones
+    precision: str = field(default="auto", metadata=choices("auto", "fp32", "bf16", "fp16"))
+    baseline: bool = True  # score a TF-IDF + logistic-regression baseline beside the transformer
 
 
 @dataclass

@@ -33,6 +33,10 @@ logger.filesink.name = org.apache.spark.sql.execution.streaming.sinks.FileStream
 logger.filesink.level = error
 logger.standalone.name = org.apache.spark.scheduler.cluster.StandaloneSchedulerBackend$StandaloneDriverEndpoint
 logger.standalone.level = error
+logger.dagscheduler.name = org.apache.spark.scheduler.DAGScheduler
+logger.dagscheduler.level = error
+logger.blas.name = dev.ludovic.netlib
+logger.blas.level = error
 """
 
 
@@ -132,8 +136,10 @@ def get_spark(cfg: PrepareConfig | None = None):
     return spark
 
 
-# Lines the JVM prints that say nothing about the user's job (Spark 4 loads an incubator module).
-_FOREIGN_JVM_LINES = (b"WARNING: Using incubator modules",)
+# Lines the JVM prints that say nothing about the user's job (Spark 4 loads an incubator module; MLlib
+# looks for a native BLAS).
+_FOREIGN_JVM_LINES = (b"WARNING: Using incubator modules",
+                      b"netlib-blas: JNI_OnLoad")  # MLlib falls back to Java BLAS without libblas: no harm
 
 
 @contextlib.contextmanager

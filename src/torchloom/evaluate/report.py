@@ -20,7 +20,7 @@ from torchloom.rundir import read_jsonl as read_metrics_jsonl
 from torchloom.rundir import write_atomic as _atomic_write
 
 # Keys of report.json that `extra` may not override.
-RESERVED_KEYS = ("split", "label_names", "metrics", "files")
+RESERVED_KEYS = ("split", "label_names", "metrics", "files", "baseline", "verdict")
 MISCLASSIFIED_SHOWN = 10  # examples quoted in report.md; all of them are in misclassified.jsonl
 TEXT_SHOWN_CHARS = 160
 
@@ -34,6 +34,8 @@ def write_report(
     misclassified: list[dict[str, Any]],
     metrics_jsonl_path: str | Path | None = None,
     extra: dict[str, Any] | None = None,
+    baseline: dict[str, Any] | None = None,
+    verdict: str | None = None,
 ) -> dict[str, str]:
     """Write the report files into `run_dir`; returns {kind: path} of the files written.
 
@@ -41,6 +43,8 @@ def write_report(
     metrics_jsonl_path: the training log for the loss plot (default: the run's metrics.jsonl; skipped when
     missing or empty).
     extra: more top-level entries of report.json, e.g. timings and a config summary.
+    baseline: the classical baseline's scores on the same split (evaluate/baseline.comparison); verdict:
+    the line saying the transformer did not beat it, with the likely cause.
     """
     extra = dict(extra or {})
     clash = sorted(set(extra) & set(RESERVED_KEYS))
@@ -68,11 +72,15 @@ def write_report(
 
     files = {kind: os.path.relpath(path, run) for kind, path in written.items()}
     report = {"split": split, "label_names": list(label_names), "metrics": metrics, "files": files, **extra}
+    if baseline is not None:
+        report["baseline"] = baseline
+        report["verdict"] = verdict
     _atomic_write(rd.report_json,
                   (json.dumps(_jsonable(report), indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
     written["report_json"] = str(rd.report_json)
     markdown = render_markdown(metrics, split=split, label_names=label_names,
-                               misclassified=misclassified, files=files, extra=extra)
+                               misclassified=misclassified, files=files, extra=extra, baseline=baseline,
+                               verdict=verdict)
     _atomic_write(rd.report_md, markdown.encode("utf-8"))
     written["report_md"] = str(rd.report_md)
     return written
@@ -86,6 +94,8 @@ def render_markdown(
     misclassified: list[dict[str, Any]],
     files: dict[str, str],
     extra: dict[str, Any],
+    baseline: dict[str, Any] | None = None,
+    verdict: str | None = None,
 ) -> str:
     """The human-readable report; `files` maps kinds to paths relative to the report."""
     lines = [f"# Evaluation on the `{split}` split", ""]
@@ -95,6 +105,16 @@ def render_markdown(
                       ("expected calibration error", "ece"), ("cross-entropy loss", "loss")):
         lines.append(f"| {name} | {_fmt(metrics.get(key))} |")
     lines.append("")
+    if baseline is not None:
+        lines += ["## Against a classical baseline", "",
+                  f"The same `{split}` rows, scored by a {baseline['name']} baseline trained on the same train split"
+                  f" ({baseline['description']}).", "",
+                  "| model | accuracy | macro F1 |", "|---|---|---|",
+                  f"| this transformer | {_fmt(metrics.get('accuracy'))} | {_fmt(metrics.get('macro_f1'))} |",
+                  f"| {_cell(baseline['name'])} | {_fmt(baseline['accuracy'])} | {_fmt(baseline['macro_f1'])} |",
+                  f"| difference | {baseline['accuracy_gain']:+.4f} | {baseline['macro_f1_gain']:+.4f} |", ""]
+        if verdict:
+            lines += [f"**Note:** {verdict}.", ""]
 
     # Scalars of `extra` (e.g. evaluate_s) share one table; each dict (timings, config) gets its own.
     scalars = {k: v for k, v in extra.items() if not isinstance(v, dict)}

@@ -15,6 +15,7 @@ from torchloom.manifest import read as read_manifest
 from torchloom.rundir import RunDir
 from torchloom.train.distributed import Dist
 from torchloom.train.evaluation import predict_split
+from torchloom.train.precision import eval_precision
 
 
 def texts_at(manifest: Manifest, split: str, wanted: set[int]) -> dict[int, str]:
@@ -41,7 +42,7 @@ def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
     manifest = read_manifest(RunDir(cfg.output.dir).data)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
-    precision = cfg.train.precision if cfg.train.precision != "fp16" or device.type == "cuda" else "bf16"
+    precision = eval_precision(cfg.eval.precision, device)  # what serve answers with, by default
     d = Dist(rank=0, world_size=1, local_rank=0, device=device, owns_group=False)
     probs, labels, index = predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)

@@ -37,7 +37,7 @@ from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist, all_reduce_sum
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
-from torchloom.train.precision import autocast, grad_scaler
+from torchloom.train.precision import autocast, eval_precision, grad_scaler
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 
@@ -269,7 +269,8 @@ class Trainer:
         if self.manifest.split("val").rows == 0:
             return
         self.progress(phase="eval", step=s.step, epoch=self.epoch_float())
-        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.tc.precision, self.par)
+        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size,
+                     eval_precision(self.cfg.eval.precision, self.d.device), self.par)
         self.last_eval = m
         value = m[self.tc.metric]
         if better(self.tc.metric, value, s.best_metric):

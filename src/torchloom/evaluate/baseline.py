@@ -1,0 +1,63 @@
+"""The transformer against the classical baseline: the comparison report.md and the run summary show,
+and the one line that says so when the transformer did not beat it, with the likely cause."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from torchloom.manifest import Manifest
+
+# Past this share of truncated texts, truncation is the first suspect.
+TRUNCATION_SUSPECT = 0.2
+
+
+def truncated_share(manifest: Manifest, split: str) -> float:
+    """Share of the split's texts cut at max_length (their stored token count reached it)."""
+    max_length = int(manifest.tokenizer.get("max_length") or 0)
+    if not max_length:
+        return 0.0
+    total = cut = 0
+    for shard in manifest.split(split).shards:
+        lengths = pq.read_table(manifest.shard_uri(shard), columns=["length"]).column("length").to_numpy()
+        total += len(lengths)
+        cut += int(np.count_nonzero(lengths >= max_length))
+    return cut / total if total else 0.0
+
+
+def comparison(metrics: dict[str, Any], baseline: dict[str, Any], split: str) -> dict[str, Any] | None:
+    """The baseline's scores on `split` beside the transformer's, or None when it has none there."""
+    scores = baseline.get("splits", {}).get(split)
+    if scores is None:
+        return None
+    return {
+        "name": baseline["name"], "description": baseline["description"], "split": split,
+        "accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"], "n": scores["n"],
+        "seconds": baseline.get("seconds"),
+        "accuracy_gain": metrics["accuracy"] - scores["accuracy"],
+        "macro_f1_gain": metrics["macro_f1"] - scores["macro_f1"],
+    }
+
+
+def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -> str:
+    """Why a transformer may trail a bag of words, from what the run recorded."""
+    share = truncated_share(manifest, split)
+    max_length = manifest.tokenizer.get("max_length")
+    if share >= TRUNCATION_SUSPECT:
+        return (f"truncation: {share:.0%} of the {split} texts are longer than max_length {max_length} tokens, so the"
+                " model reads only their start; try a longer --prepare.max_length (up to 512)")
+    if train and not train.get("stopped_early") and train.get("best_step") == train.get("steps"):
+        return ("too few epochs: validation was still improving at the last step; try more --train.epochs")
+    return "the baseline suits this data (or the default hyperparameters do not); try torchloom tune"
+
+
+def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | None) -> str | None:
+    """One line when the transformer's accuracy is not above the baseline's; None when it is."""
+    if cmp["accuracy_gain"] > 0:
+        return None
+    how = "ties with" if cmp["accuracy_gain"] == 0 else "trails"
+    return (f"the transformer {how} the {cmp['name']} baseline on {cmp['split']} (accuracy"
+            f" {cmp['accuracy'] + cmp['accuracy_gain']:.4f} against {cmp['accuracy']:.4f}); likely cause:"
+            f" {likely_cause(manifest, cmp['split'], train)}")
