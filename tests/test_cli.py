@@ -269,3 +269,21 @@ def test_an_error_about_a_very_long_input_stays_one_short_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and len(lines[0]) <= 300, lines
     assert lines[0].startswith("torchloom: error: data.path ") and "reviews.csv" in lines[0]
+
+
+def test_evaluate_scores_what_serve_answers(finished_run):
+    # eval.precision auto is fp32 on CPU, as `serve --precision auto`: the report's numbers are the served ones
+    from torchloom.config import build
+    from torchloom.evaluate.run import score_split, texts_at
+    from torchloom.manifest import read as read_manifest
+    from torchloom.serve.model import ServedModel
+
+    rd = finished_run[0]
+    cfg = build(None, ["--output.dir", str(rd), "--engine.device", "cpu"])
+    manifest = read_manifest(rd / "data")
+    probs, _, index = score_split(cfg, str(rd / "model"), manifest)
+    texts = texts_at(manifest, "test", {int(i) for i in index})
+    served = ServedModel(str(rd / "model"), device="cpu").predict([texts[int(i)] for i in index])
+    assert len(served) == len(probs) > 0
+    for row, answer in zip(probs, served):
+        assert [answer["probabilities"][lb] for lb in manifest.labels] == pytest.approx(row.tolist(), abs=1e-5)

@@ -35,16 +35,22 @@ def texts_at(manifest: Manifest, split: str, wanted: set[int]) -> dict[int, str]
     return out
 
 
-def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
+def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Probabilities, labels and file positions of eval.split's rows, in eval.precision (by default what
+    `serve` answers with on this device)."""
     from transformers import AutoModelForSequenceClassification
 
     torch.set_num_threads(os.cpu_count() or 1)
-    manifest = read_manifest(RunDir(cfg.output.dir).data)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
-    precision = eval_precision(cfg.eval.precision, device)  # what serve answers with, by default
+    precision = eval_precision(cfg.eval.precision, device)
     d = Dist(rank=0, world_size=1, local_rank=0, device=device, owns_group=False)
-    probs, labels, index = predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
+    return predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
+
+
+def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
+    manifest = read_manifest(RunDir(cfg.output.dir).data)
+    probs, labels, index = score_split(cfg, model_dir, manifest)
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)
     pred = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
     wrong = np.nonzero(pred != labels)[0]
