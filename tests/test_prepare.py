@@ -70,6 +70,8 @@ def write_csv(path: Path) -> None:
     data += line("x" * 300, "neg")  # too long for max_chars=200
     data += line("Cafe\u0301 cre\u0300me", "neg")  # decomposed accents -> NFC
     data += line("ctl\x00char\x07s here", "neg")
+    data += line("A rare one", "rare")  # 2 rows: too few for a row in each of train/val/test
+    data += line("Another rare one", "rare")
     for label, texts in FILLER.items():
         for text in texts:
             data += line(text, label)
@@ -85,6 +87,8 @@ EXPECTED_REJECTS = {
     "Bad \ufffd\ufffd bytes here": "invalid_utf8",
     "ab": "too_short",
     "x" * 300: "too_long",
+    "A rare one": "class_too_small",
+    "Another rare one": "class_too_small",
 }
 
 
@@ -102,13 +106,15 @@ def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeyp
     m = prepare(cfg, str(out), spark=spark, progress=lines.append)
 
     assert m.labels == ["neg", "pos"]
-    assert m.counts["rows_read"] == 35
+    assert m.counts["rows_read"] == 37
     assert m.counts["rows_rejected"] == {
         "null_text": 1, "empty_text": 1, "null_label": 1, "invalid_utf8": 1,
-        "too_short": 1, "too_long": 1, "conflicting_labels": 2,
+        "too_short": 1, "too_long": 1, "conflicting_labels": 2, "class_too_small": 2,
     }
     assert m.counts["duplicates_removed"] == 2
-    assert m.counts["rows_kept"] == 35 - 8 - 2 == 25
+    assert m.counts["rows_kept"] == 37 - 10 - 2 == 25
+    # the tiny class is named where the user reads, and the others go on without it
+    assert any("class_too_small" in line and "'rare' 2" in line for line in lines), lines
     assert sum(m.counts["splits"].values()) == 25
     assert m.inputs == {"path": str(src), "format": "csv", "text_column": "text", "label_column": "label"}
     assert m.tokenizer["max_length"] == 128 and m.tokenizer["vocab_size"] == 30522
@@ -276,7 +282,13 @@ def test_input_errors_are_one_line_and_leave_nothing(spark, tiny_model_dir, tmp_
 
     small = tmp_path / "small.csv"
     small.write_text("text,label\n" + "".join(f"text {i},big\n" for i in range(10)) + "one,tiny\ntwo,tiny\n")
-    fails(make_cfg(small, tiny_model_dir), "'tiny'", "2 usable", "--prepare.val_fraction")
+    # set aside, 'tiny' would leave one class: nothing to classify
+    fails(make_cfg(small, tiny_model_dir), "only 'big' has the 3 usable rows", "too small: 'tiny' (2)",
+          "--prepare.val_fraction")
+    single = tmp_path / "single.csv"
+    single.write_text("text,label\n" + "".join(f"text {i},only\n" for i in range(10)))
+    fails(make_cfg(single, tiny_model_dir), "every usable row (10) has the label 'only'", "at least 2 classes",
+          "--data.label_column")
 
     out.mkdir()
     (out / "keep.txt").write_text("old")
@@ -338,7 +350,8 @@ def test_bucketed_split_ranks_equal_one_window_per_class(spark, monkeypatch, bit
     rows = [(f"{label} text number {i} with words {i * 31 % 17}", label) for label, n in sizes.items()
             for i in range(n)]
     kept = spark.createDataFrame(rows, "text string, label string").repartition(5)
-    plans = split_mod.plan_split(sizes, 0.1, 0.2, "test")
+    plans, small = split_mod.plan_split(sizes, 0.1, 0.2, "test")
+    assert small == {}
     got = {(r.text, r.label): r.split for r in split_mod.assign_splits(kept, plans, seed=3).collect()}
     assert got == window_split_oracle(kept, plans, seed=3)
     for p in plans:

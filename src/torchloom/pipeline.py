@@ -43,8 +43,10 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
             stop_spark()
     save_config(cfg, rd)
     splits = ", ".join(f"{k} {v.rows}" for k, v in manifest.splits.items())
-    rejected = sum(manifest.counts.get("rows_rejected", {}).values())
-    say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} rejected,"
+    reasons = {k: v for k, v in manifest.counts.get("rows_rejected", {}).items() if v}
+    rejected = sum(reasons.values())
+    why = f" ({', '.join(f'{k} {v}' for k, v in reasons.items())})" if reasons else ""
+    say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} set aside{why},"
         f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
     splits = {k: v.rows for k, v in manifest.splits.items()}
     if tracker is not None:

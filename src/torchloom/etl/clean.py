@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from torchloom.textclean import clean_text
 
 # Every reason a row can be rejected for; manifest.counts["rows_rejected"] always lists all of them.
-REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short", "too_long", "conflicting_labels")
+# conflicting_labels is found by dedup, class_too_small when the split is planned (etl/split.py)
+REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short", "too_long", "conflicting_labels",
+           "class_too_small")
 
 # raw is the input text only where cleaning changed it (null where it equals text): it is kept for
 # the rejected rows' output, and leaving out the copies halves what the dedup shuffle and cache hold.

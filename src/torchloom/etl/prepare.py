@@ -129,12 +129,12 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         duplicates = 0
         per_label: dict[str, int] = {}
         buckets: dict[tuple[str, int], int] = {}
-        content_sum = 0
+        content: dict[str, int] = {}  # per label: the sum of its kept rows' hashes
         for row in stats:
             if row["status"] == KEPT:
                 per_label[row["label"]] = per_label.get(row["label"], 0) + row["n"]
                 buckets[(row["label"], row["bucket"])] = row["n"]
-                content_sum += int(row["h"])
+                content[row["label"]] = content.get(row["label"], 0) + int(row["h"])
             elif row["status"] == DUPLICATE:
                 duplicates += row["n"]
             else:
@@ -152,8 +152,22 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
                 f"data.path {data_path}: no usable rows after cleaning ({rows_read} read; rejected: {reasons});"
                 " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
             )
-        plans = plan_split(per_label, p.val_fraction, p.test_fraction, data_path)
+        plans, small = plan_split(per_label, p.val_fraction, p.test_fraction, data_path)
+        if small:
+            # Set aside with a reason, like a rejected row: the other classes go on.
+            rejected["class_too_small"] = sum(small.values())
+            n_rejected += rejected["class_too_small"]
+            rows_kept -= rejected["class_too_small"]
+            marked = marked.withColumn("status", F.when(kept_col & F.col("label").isin(*small), "class_too_small")
+                                       .otherwise(F.col("status")))
+            needed = 1 + (p.val_fraction > 0) + (p.test_fraction > 0)
+            say(f"set aside {rejected['class_too_small']} rows of {len(small)} class(es) with fewer than the"
+                f" {needed} rows needed for one in each split (class_too_small): "
+                + ", ".join(f"{label!r} {n}" for label, n in sorted(small.items()))
+                + "; add rows, or set --prepare.val_fraction / --prepare.test_fraction to 0, to keep them")
+            buckets = {key: n for key, n in buckets.items() if key[0] not in small}
         labels = [plan.label for plan in plans]
+        content_sum = sum(content[label] for label in labels)
         say(f"kept {rows_kept} rows in {len(labels)} classes: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
         t = time.perf_counter()

@@ -54,26 +54,36 @@ def _share(n: int, fraction: float) -> int:
 
 
 def plan_split(per_label: dict[str, int], val_fraction: float, test_fraction: float,
-               where: str) -> list[ClassSplit]:
-    """Rows per split for each label (sorted), or a UserError naming a class too small to split."""
+               where: str) -> tuple[list[ClassSplit], dict[str, int]]:
+    """Rows per split for each label big enough for one row in every split (sorted), and the classes
+    too small for that (label -> rows), which prepare sets aside as class_too_small. A UserError when
+    fewer than 2 classes would be left: a classifier needs two."""
     if val_fraction + test_fraction >= 1:
         raise UserError(
             f"prepare.val_fraction {val_fraction} + prepare.test_fraction {test_fraction} leave no training"
             " rows; make their sum less than 1"
         )
-    plans = []
+    if len(per_label) == 1:
+        (label, n), = per_label.items()
+        raise UserError(f"data.path {where}: every usable row ({n}) has the label {label!r}; a classifier needs at"
+                        " least 2 classes: check --data.label_column")
+    plans, small = [], {}
     needed = 1 + (val_fraction > 0) + (test_fraction > 0)
     for label in sorted(per_label):
         n = per_label[label]
         plan = ClassSplit(label, n, _share(n, val_fraction), _share(n, test_fraction))
         if plan.train < 1:
-            raise UserError(
-                f"data.path {where}: class {label!r} has {n} usable row(s), fewer than the {needed} needed for"
-                " one row in each of train/val/test; remove the class, add rows, or set"
-                " --prepare.val_fraction / --prepare.test_fraction to 0"
-            )
-        plans.append(plan)
-    return plans
+            small[label] = n
+        else:
+            plans.append(plan)
+    if len(plans) < 2 and small:
+        tiny = ", ".join(f"{label!r} ({n})" for label, n in sorted(small.items(), key=lambda kv: kv[1]))
+        left = f"only {plans[0].label!r} has" if plans else "no class has"
+        raise UserError(
+            f"data.path {where}: {left} the {needed} usable rows needed for one in each of train/val/test;"
+            f" too small: {tiny}; add rows, or set --prepare.val_fraction / --prepare.test_fraction to 0"
+        )
+    return plans, small
 
 
 # Each class is cut into 2**RANK_BUCKET_BITS buckets by the top bits of the split hash. The bucket
