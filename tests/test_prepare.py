@@ -357,3 +357,73 @@ def test_bucketed_split_ranks_equal_one_window_per_class(spark, monkeypatch, bit
     for p in plans:
         mine = [s for (_, label), s in got.items() if label == p.label]
         assert (mine.count("train"), mine.count("val"), mine.count("test")) == (p.train, p.val, p.test)
+
+
+def given_rows() -> list[tuple[str, str, str]]:
+    """Train rows of two labels, test rows the user chose (split values in any case), no val rows."""
+    rows = []
+    for i in range(30):
+        rows += [(f"apple text number {i}", "fruit", "train"), (f"car text number {i}", "auto", "Train")]
+    for i in range(5):
+        rows += [(f"apple test {i}", "fruit", "TEST"), (f"car test {i}", "auto", " test ")]
+    return rows
+
+
+def test_a_split_column_is_kept_and_a_leaked_text_is_found(spark, tiny_model_dir, tmp_path):
+    import csv
+
+    rows = given_rows() + [
+        ("apple text number 3", "fruit", "test"),  # also in train: leaked
+        ("mystery row", "fruit", "holdout"),  # no split of ours: unknown_split
+        ("a boat", "boat", "test"),  # a label no train row has
+    ]
+    src = tmp_path / "given.csv"
+    with src.open("w", newline="") as f:
+        csv.writer(f).writerows([("text", "label", "part"), *rows])
+    given_test = {text for text, _, part in rows if part.strip().lower() == "test" and text != "a boat"}
+
+    lines = []
+    cfg = make_cfg(src, tiny_model_dir)
+    cfg.data.split_column = "part"
+    m = prepare(cfg, str(tmp_path / "report"), spark=spark, progress=lines.append)
+    got = split_rows(tmp_path / "report")
+    assert {r["text"] for r in got["test"]} == given_test  # the user's test rows, all and only them
+    assert m.counts["leaked"] == {"val": 0, "test": 1}
+    assert m.counts["rows_rejected"]["unknown_split"] == 1 and m.counts["rows_rejected"]["label_not_in_train"] == 1
+    # no val rows given: carved from the train rows by val_fraction (0.1 of 30 per class)
+    train_given = {text for text, _, part in rows if part.strip().lower() == "train"}
+    assert len(got["val"]) == 6 and {r["text"] for r in got["val"]} <= train_given
+    assert {r["text"] for r in got["train"]} | {r["text"] for r in got["val"]} == train_given
+    assert any(line.startswith("leakage: 1 test and 0 val texts also appear in train (kept") for line in lines), lines
+    assert m.inputs["split_column"] == "part" and m.counts["split"] == "column 'part'"
+
+    cfg.prepare.leakage = "drop"
+    m = prepare(cfg, str(tmp_path / "drop"), spark=spark)
+    assert {r["text"] for r in split_rows(tmp_path / "drop")["test"]} == given_test - {"apple text number 3"}
+    assert m.counts["rows_rejected"]["leaked"] == 1 and m.counts["leaked"] == {"val": 0, "test": 1}
+    rejected = {r["text"]: r["reason"] for r in pq.read_table(tmp_path / "drop" / "rejected").to_pylist()}
+    assert rejected["apple text number 3"] == "leaked" and rejected["mystery row"] == "unknown_split"
+
+
+def test_separate_val_and_test_inputs_are_kept(spark, tiny_model_dir, tmp_path):
+    import csv
+
+    rows = given_rows()
+    train = tmp_path / "train.csv"
+    with train.open("w", newline="") as f:
+        csv.writer(f).writerows([("text", "label"), *[(t, lb) for t, lb, part in rows if "rain" in part]])
+    test = tmp_path / "test.jsonl"  # another format: each input's own is found
+    test.write_text("".join(json.dumps({"text": t, "label": lb}) + "\n" for t, lb, part in rows if "est" in part))
+    val = tmp_path / "val.csv"
+    val.write_text("text,label\nan apple for val,fruit\na car for val,auto\n")
+    cfg = make_cfg(train, tiny_model_dir)
+    cfg.data.val_path, cfg.data.test_path = str(val), str(test)
+    m = prepare(cfg, str(tmp_path / "out"), spark=spark)
+    got = split_rows(tmp_path / "out")
+    assert {r["text"] for r in got["test"]} == {t for t, _, part in rows if "est" in part}
+    assert {r["text"] for r in got["val"]} == {"an apple for val", "a car for val"}  # given: nothing carved
+    assert len(got["train"]) == 60 and m.counts["leaked"] == {"val": 0, "test": 0}
+    from torchloom.config import build
+
+    with pytest.raises(UserError, match="set only one"):
+        build(None, ["--data.split_column", "part", "--data.test_path", str(test)])

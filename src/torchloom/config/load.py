@@ -95,6 +95,9 @@ def validate(cfg: Config) -> Config:
                 raise UserError(f"{where}: {value!r} is too large; it must be <= {meta['max']}")
     if cfg.prepare.val_fraction + cfg.prepare.test_fraction >= 0.9:
         raise UserError("config prepare.val_fraction + prepare.test_fraction must be < 0.9 to leave rows to train on")
+    if cfg.data.split_column and (cfg.data.val_path or cfg.data.test_path):
+        raise UserError("config data.split_column and data.val_path / data.test_path: the split comes from one or"
+                        " the other; set only one")
     if cfg.prepare.max_chars and cfg.prepare.max_chars < cfg.prepare.min_chars:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":

@@ -15,6 +15,11 @@ class DataConfig:
     format: str = field(default="auto", metadata=choices("auto", "csv", "jsonl", "parquet", "folder"))
     text_column: str = "text"
     label_column: str = "label"
+    # The user's own split, kept: a column of train/val/test values, or separate files for val and test
+    # (same format and columns as path). Without val rows, val is carved from train by val_fraction.
+    split_column: str = ""
+    val_path: str = ""
+    test_path: str = ""
 
 
 @dataclass
@@ -29,6 +34,8 @@ class PrepareConfig:
     max_length: int = field(default=128, metadata={"min": 8})  # tokens, truncation length
     rows_per_group: int = field(default=1024, metadata={"min": 1})  # Parquet row group size
     partitions: int = field(default=0, metadata={"min": 0})  # shuffle partitions; 0: 2 x cores
+    # a val/test text also in train: "report" counts it (manifest, summary); "drop" sets it aside as leaked
+    leakage: str = field(default="report", metadata=choices("report", "drop"))
 
 
 @dataclass

@@ -8,13 +8,16 @@ from collections.abc import Iterator
 from torchloom.textclean import clean_text
 
 # Every reason a row can be rejected for; manifest.counts["rows_rejected"] always lists all of them.
-# conflicting_labels is found by dedup, class_too_small when the split is planned (etl/split.py)
-REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short", "too_long", "conflicting_labels",
-           "class_too_small")
+# conflicting_labels and leaked are found by dedup, class_too_small and label_not_in_train when the split
+# is planned (etl/split.py, etl/prepare.py); unknown_split marks a split column value that is none of ours
+REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short", "too_long", "unknown_split",
+           "conflicting_labels", "class_too_small", "label_not_in_train", "leaked")
 
 # raw is the input text only where cleaning changed it (null where it equals text): it is kept for
 # the rejected rows' output, and leaving out the copies halves what the dedup shuffle and cache hold.
 CLEANED_SCHEMA = "raw string, text string, label string, source string, reason string"
+# with the user's own split: `given`, the split each row came with (train, val or test; null: unknown)
+CLEANED_SCHEMA_GIVEN = CLEANED_SCHEMA + ", given string"
 
 def clean_label(label: str | None) -> str | None:
     if label is None:
@@ -75,7 +78,7 @@ def _decoded(column) -> tuple[list, list[bool]]:
 
 
 def clean_batches(min_chars: int, max_chars: int):
-    """A mapInArrow function: (text, label, source) -> CLEANED_SCHEMA."""
+    """A mapInArrow function: (text, label, source[, given]) -> CLEANED_SCHEMA[_GIVEN]."""
 
     def run(batches: Iterator) -> Iterator:
         import pyarrow as pa
@@ -95,10 +98,12 @@ def clean_batches(min_chars: int, max_chars: int):
                 texts.append(text)
                 clean_labels.append(label)
                 reasons.append(reason_for(raw, ok, text, label, min_chars, max_chars))
-            yield pa.RecordBatch.from_arrays(
-                [pa.array(changed, pa.string()), pa.array(texts, pa.string()), pa.array(clean_labels, pa.string()),
-                 batch.column("source"), pa.array(reasons, pa.string())],
-                names=["raw", "text", "label", "source", "reason"],
-            )
+            arrays = [pa.array(changed, pa.string()), pa.array(texts, pa.string()),
+                      pa.array(clean_labels, pa.string()), batch.column("source"), pa.array(reasons, pa.string())]
+            names = ["raw", "text", "label", "source", "reason"]
+            if "given" in batch.schema.names:
+                arrays.append(batch.column("given"))
+                names.append("given")
+            yield pa.RecordBatch.from_arrays(arrays, names=names)
 
     return run

@@ -17,7 +17,7 @@ from pathlib import Path
 from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
-from torchloom.etl.clean import CLEANED_SCHEMA, REASONS, clean_batches
+from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
 from torchloom.etl.read import check_exists, read_input, resolve_format
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import (
@@ -59,6 +59,9 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     model_dir = embedded.model_path(cfg.model.path)
     tokenizer_json = read_tokenizer_json(model_dir)
     check_exists(data_path)  # before Spark starts: a typo should cost no JVM start-up
+    for extra in (cfg.data.val_path, cfg.data.test_path):
+        if extra:
+            check_exists(extra)
     fmt = resolve_format(cfg.data, data_path)
     say(f"{cfg.data.path or 'embedded BBC News'} ({fmt}) -> {out}")
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
@@ -113,15 +116,27 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         # cached for the two writes below; rows per (label, split-rank bucket) come with the counts.
         t = time.perf_counter()
         say(f"reading {data_path} ({fmt})")
-        raw = _spread(read_input(spark, cfg.data, data_path, fmt), default_parallelism(spark, default_partitions(p)))
-        cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars), CLEANED_SCHEMA)
-        marked = mark_duplicates(cleaned).persist(StorageLevel.MEMORY_AND_DISK)
+        width = default_parallelism(spark, default_partitions(p))
+        raw = _spread(read_input(spark, cfg.data, data_path, fmt), width)
+        user_split = bool(cfg.data.split_column or cfg.data.val_path or cfg.data.test_path)
+        if user_split:
+            raw = _with_given(spark, cfg, raw, width, say)
+        cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars),
+                                 CLEANED_SCHEMA_GIVEN if user_split else CLEANED_SCHEMA)
+        if user_split:
+            cleaned = cleaned.withColumn("reason", F.coalesce(F.col("reason"),
+                                                              F.when(F.col("given").isNull(), F.lit("unknown_split"))))
+        marked = mark_duplicates(cleaned, drop_leaked=p.leakage == "drop").persist(StorageLevel.MEMORY_AND_DISK)
         cached.append(marked)
         kept_col = F.col("status") == KEPT
+        group = ["status", "label", *(["given"] if user_split else [])]
+        sums = [F.count(F.lit(1)).alias("n"),
+                F.sum(F.when(kept_col, F.xxhash64("text", "label").cast("decimal(38,0)"))).alias("h")]
+        if user_split:
+            sums.append(F.sum(F.when(kept_col & F.col("leaked"), 1).otherwise(0)).alias("leak"))
         stats = (
-            marked.groupBy("status", "label", F.when(kept_col, rank_bucket(rank_hash(p.seed))).alias("bucket"))
-            .agg(F.count(F.lit(1)).alias("n"),
-                 F.sum(F.when(kept_col, F.xxhash64("text", "label").cast("decimal(38,0)"))).alias("h"))
+            marked.groupBy(*group, F.when(kept_col, rank_bucket(rank_hash(p.seed))).alias("bucket"))
+            .agg(*sums)
             .toArrow().to_pylist()
         )
         rows_read = sum(row["n"] for row in stats)
@@ -130,11 +145,18 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         per_label: dict[str, int] = {}
         buckets: dict[tuple[str, int], int] = {}
         content: dict[str, int] = {}  # per label: the sum of its kept rows' hashes
+        given: dict[tuple[str, str], int] = {}  # (split, label) -> kept rows the user put in val or test
+        leaks: dict[tuple[str, str], int] = {}  # (split, label) -> of those, rows whose text is also in train
         for row in stats:
             if row["status"] == KEPT:
+                content[row["label"]] = content.get(row["label"], 0) + int(row["h"])
+                if row.get("given", "train") != "train":
+                    key = (row["given"], row["label"])
+                    given[key] = given.get(key, 0) + row["n"]
+                    leaks[key] = leaks.get(key, 0) + row["leak"]
+                    continue
                 per_label[row["label"]] = per_label.get(row["label"], 0) + row["n"]
                 buckets[(row["label"], row["bucket"])] = row["n"]
-                content[row["label"]] = content.get(row["label"], 0) + int(row["h"])
             elif row["status"] == DUPLICATE:
                 duplicates += row["n"]
             else:
@@ -143,7 +165,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         say(f"read {rows_read} rows in {timings['read_clean_dedup']:.1f}s")
         if rows_read == 0:
             raise UserError(f"data.path {data_path}: no rows read ({fmt}); check the path and --data.format")
-        rows_kept = sum(per_label.values())
+        rows_kept = sum(per_label.values()) + sum(given.values())
         n_rejected = sum(rejected.values())
         reasons = ", ".join(f"{k} {v}" for k, v in rejected.items() if v) or "none"
         say(f"rejected {n_rejected} rows ({reasons}); removed {duplicates} exact duplicates")
@@ -152,15 +174,33 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
                 f"data.path {data_path}: no usable rows after cleaning ({rows_read} read; rejected: {reasons});"
                 " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
             )
-        plans, small = plan_split(per_label, p.val_fraction, p.test_fraction, data_path)
-        if small:
+        if user_split and not per_label:
+            raise UserError(f"data.path {data_path}: no usable train rows ({_given_source(cfg)}); the train"
+                            " split needs rows to learn from")
+        carve_val = p.val_fraction if not user_split or not any(k[0] == "val" for k in given) else 0.0
+        carve_test = p.test_fraction if not user_split else 0.0
+        plans, small = plan_split(per_label, carve_val, carve_test, data_path)
+        usable = {plan.label for plan in plans}
+        orphans = sorted({label for _, label in given if label not in usable and label not in small})
+        if small or orphans:
             # Set aside with a reason, like a rejected row: the other classes go on.
-            rejected["class_too_small"] = sum(small.values())
-            n_rejected += rejected["class_too_small"]
-            rows_kept -= rejected["class_too_small"]
-            marked = marked.withColumn("status", F.when(kept_col & F.col("label").isin(*small), "class_too_small")
-                                       .otherwise(F.col("status")))
-            needed = 1 + (p.val_fraction > 0) + (p.test_fraction > 0)
+            given_small = sum(n for (_, label), n in given.items() if label in small)
+            rejected["class_too_small"] = sum(small.values()) + given_small
+            rejected["label_not_in_train"] = sum(n for (_, label), n in given.items() if label in orphans)
+            n_rejected += rejected["class_too_small"] + rejected["label_not_in_train"]
+            rows_kept -= rejected["class_too_small"] + rejected["label_not_in_train"]
+            marked = marked.withColumn(
+                "status",
+                F.when(kept_col & F.col("label").isin(*small), "class_too_small")
+                .when(kept_col & F.col("label").isin(*orphans), "label_not_in_train")
+                .otherwise(F.col("status")))
+            given = {k: n for k, n in given.items() if k[1] in usable}
+            leaks = {k: n for k, n in leaks.items() if k[1] in usable}
+        if orphans:
+            say(f"set aside {rejected['label_not_in_train']} val/test rows whose label no train row has"
+                f" (label_not_in_train): " + ", ".join(repr(label) for label in orphans))
+        if small:
+            needed = 1 + (carve_val > 0) + (carve_test > 0)
             say(f"set aside {rejected['class_too_small']} rows of {len(small)} class(es) with fewer than the"
                 f" {needed} rows needed for one in each split (class_too_small): "
                 + ", ".join(f"{label!r} {n}" for label, n in sorted(small.items()))
@@ -168,6 +208,18 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
             buckets = {key: n for key, n in buckets.items() if key[0] not in small}
         labels = [plan.label for plan in plans]
         content_sum = sum(content[label] for label in labels)
+        # found in val/test and also in train: kept and counted (report), or set aside (drop)
+        leaked = (_leaked_by_split(stats) if p.leakage == "drop" else
+                  {name: sum(n for (g, _), n in leaks.items() if g == name) for name in ("val", "test")})
+        if user_split:
+            say(f"split as given ({_given_source(cfg)}): train {sum(plan.train for plan in plans)}, val "
+                + (f"{sum(plan.val for plan in plans)} (carved from train by prepare.val_fraction)" if carve_val
+                   else str(sum(n for (g, _), n in given.items() if g == "val")))
+                + f", test {sum(n for (g, _), n in given.items() if g == 'test')}")
+            if sum(leaked.values()):
+                what = ("set aside as leaked" if p.leakage == "drop" else
+                        "kept and counted; --prepare.leakage drop sets them aside")
+                say(f"leakage: {leaked['test']} test and {leaked['val']} val texts also appear in train ({what})")
         say(f"kept {rows_kept} rows in {len(labels)} classes: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
         t = time.perf_counter()
@@ -183,7 +235,17 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         broadcast = _broadcast(spark, tokenizer_json)
         info = tokenizer_info(model_dir, tokenizer_json, p.max_length)
         parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
-        assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
+        if user_split:
+            # the user's val/test rows keep their split; train rows are carved only for a missing val
+            assigned = assign_splits(marked.filter(kept_col & (F.col("given") == "train")), plans, p.seed,
+                                     sizes=buckets, partitions=parts)
+            label_map = F.create_map(*[F.lit(x) for i, label in enumerate(labels) for x in (label, i)])
+            assigned = assigned.unionByName(
+                marked.filter(kept_col & (F.col("given") != "train"))
+                .select("text", "label", label_map[F.col("label")].cast("int").alias("label_id"),
+                        F.col("given").alias("split")))
+        else:
+            assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
         order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
         tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
             tokenize_batches(broadcast, info["hash"], p.max_length), TOKENIZED_SCHEMA
@@ -197,8 +259,8 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
             )
         expected = {
             "train": {plan.label: plan.train for plan in plans},
-            "val": {plan.label: plan.val for plan in plans},
-            "test": {plan.label: plan.test for plan in plans},
+            "val": {plan.label: plan.val + given.get(("val", plan.label), 0) for plan in plans},
+            "test": {plan.label: plan.test + given.get(("test", plan.label), 0) for plan in plans},
         }
         splits = {
             name: _collect_split(spark_out / f"split={name}", tmp / name, tmp, expected[name]) for name in SPLITS
@@ -218,6 +280,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         "rows": f"{content_sum % 2**64:016x}",  # order-free sum of per-row hashes: partitioning cannot change it
         "classes": [[plan.label, plan.train, plan.val, plan.test] for plan in plans],
         "seed": p.seed, "val_fraction": p.val_fraction, "test_fraction": p.test_fraction,
+        "given": sorted([g, label, n] for (g, label), n in given.items()) if user_split else None,
         "tokenizer": info["hash"], "max_length": p.max_length,
     }, sort_keys=True).encode()).hexdigest()
     timings["total"] = time.perf_counter() - start
@@ -227,12 +290,15 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         tokenizer=info,
         fingerprint=fingerprint,
         inputs={"path": data_path, "format": fmt, "text_column": cfg.data.text_column,
-                "label_column": cfg.data.label_column},
+                "label_column": cfg.data.label_column,
+                **({"split_column": cfg.data.split_column, "val_path": cfg.data.val_path,
+                    "test_path": cfg.data.test_path} if user_split else {})},
         counts={
             "rows_read": rows_read,
             "rows_rejected": rejected,
             "duplicates_removed": duplicates,
             "rows_kept": rows_kept,
+            **({"split": _given_source(cfg), "leaked": leaked, "leakage": p.leakage} if user_split else {}),
             "splits": {name: s.rows for name, s in splits.items()},
         },
         timings={k: round(v, 3) for k, v in timings.items()},
@@ -240,6 +306,45 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
 
 
 REJECTED_ROWS_PER_FILE = 1_000_000
+
+# split column values, lower-cased and trimmed, and the split each means
+GIVEN_SPLITS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
+                "dev": "val", "test": "test", "testing": "test"}
+
+
+def _given_source(cfg: Config) -> str:
+    if cfg.data.split_column:
+        return f"column {cfg.data.split_column!r}"
+    return ", ".join(f"{name} from {path}" for name, path in (("val", cfg.data.val_path),
+                                                                ("test", cfg.data.test_path)) if path)
+
+
+def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
+    """The input with `given`, the split each row comes with: the split column's value (null when it is
+    none of GIVEN_SPLITS), or train for data.path and val/test for data.val_path / data.test_path."""
+    from functools import reduce
+
+    from pyspark.sql import functions as F
+
+    if cfg.data.split_column:
+        names = F.create_map(*[F.lit(x) for pair in GIVEN_SPLITS.items() for x in pair])
+        return raw.withColumn("given", names[F.lower(F.trim(F.col("given")))])
+    parts = [raw.withColumn("given", F.lit("train"))]
+    for name, path in (("val", cfg.data.val_path), ("test", cfg.data.test_path)):
+        if path:
+            fmt = resolve_format(cfg.data, path)
+            say(f"reading {path} ({fmt}) as the {name} split")
+            parts.append(_spread(read_input(spark, cfg.data, path, fmt), width).withColumn("given", F.lit(name)))
+    return reduce(lambda a, b: a.unionByName(b), parts)
+
+
+def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
+    """Rows set aside as leaked, per split (prepare.leakage drop)."""
+    out = {"val": 0, "test": 0}
+    for row in stats:
+        if row["status"] == "leaked":
+            out[row["given"]] += row["n"]
+    return out
 
 
 @contextlib.contextmanager

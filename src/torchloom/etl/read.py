@@ -109,11 +109,18 @@ def _select(df, cfg: DataConfig, path: str):
             f"data.path {path}: no column {which}; columns found: {_some(names)};"
             " set --data.text_column / --data.label_column"
         )
-    return df.select(
+    columns = [
         F.col(f"`{cfg.text_column}`").cast("string").alias("text"),
         F.col(f"`{cfg.label_column}`").cast("string").alias("label"),
         F.col("_metadata.file_path").alias("source"),
-    )
+    ]
+    if cfg.split_column:
+        if cfg.split_column not in df.columns:
+            names = [c for c in df.columns if c != "_corrupt_record"]
+            raise UserError(f"data.split_column {cfg.split_column!r}: no such column in {path}; columns found:"
+                            f" {_some(names)}")
+        columns.append(F.col(f"`{cfg.split_column}`").cast("string").alias("given"))
+    return df.select(*columns)
 
 
 def read_input(spark, cfg: DataConfig, path: str, fmt: str):
@@ -138,6 +145,10 @@ def read_input(spark, cfg: DataConfig, path: str, fmt: str):
             return _select(reader.json(path), cfg, path)
         if fmt == "parquet":
             return _select(reader.parquet(path), cfg, path)
+        if fmt == "folder" and cfg.split_column:
+            raise UserError(f"data.split_column {cfg.split_column!r}: a folder input ({path}) has no columns; use"
+                            " data.val_path / data.test_path for separate folders, or a CSV, JSON lines or Parquet"
+                            " input with that column")
         if fmt == "folder":
             # Recursive lookup of *.txt instead of a root/*/*.txt glob: same files, no partition
             # inference from "key=value" directory names, and no warning about the glob path.

@@ -11,28 +11,41 @@ KEPT = "kept"
 DUPLICATE = "duplicate"
 
 
-def mark_duplicates(cleaned):
+LEAKED = "leaked"
+
+
+def mark_duplicates(cleaned, drop_leaked: bool = False):
     """Add `status`: a rejection reason, DUPLICATE (same text and label seen before) or KEPT.
 
     A text seen with two or more labels is ambiguous, so all of its rows become conflicting_labels.
+    With the user's own split (a `given` column), copies count within a split, and a val or test row
+    whose text is also in train gets `leaked` True (status LEAKED instead of KEPT with drop_leaked).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     valid = F.col("reason").isNull()
     by_text = Window.partitionBy("text")
+    given = "given" in cleaned.columns
     # Which copy of a duplicate stays does not matter (they are equal after cleaning); ordering by
     # source and raw text only makes the rejected/kept bookkeeping repeatable.
-    by_text_label = Window.partitionBy("text", "label").orderBy("source", "raw")  # raw: null if == text
+    keys = ["text", "label", "given"] if given else ["text", "label"]
+    by_text_label = Window.partitionBy(*keys).orderBy("source", "raw")  # raw: null if == text
     n_labels = F.size(F.collect_set(F.when(valid, F.col("label"))).over(by_text))
     copy = F.row_number().over(by_text_label)
+    leaked = F.lit(False)
+    if given:
+        in_train = F.max(F.when(valid & (F.col("given") == "train"), 1).otherwise(0)).over(by_text) == 1
+        leaked = valid & (F.col("given") != "train") & in_train
     status = (
         F.when(~valid, F.col("reason"))
         .when(n_labels > 1, F.lit("conflicting_labels"))
         .when(copy > 1, F.lit(DUPLICATE))
-        .otherwise(F.lit(KEPT))
     )
-    return cleaned.withColumn("status", status)
+    if drop_leaked:
+        status = status.when(leaked, F.lit(LEAKED))
+    marked = cleaned.withColumn("status", status.otherwise(F.lit(KEPT)))
+    return marked.withColumn("leaked", leaked) if given else marked
 
 
 @dataclass
