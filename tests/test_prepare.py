@@ -110,6 +110,7 @@ def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeyp
     assert m.counts["rows_rejected"] == {
         "null_text": 1, "empty_text": 1, "null_label": 1, "invalid_utf8": 1,
         "too_short": 1, "too_long": 1, "conflicting_labels": 2, "class_too_small": 2,
+        "unknown_split": 0, "label_not_in_train": 0, "leaked": 0,  # reasons of the user's own split
     }
     assert m.counts["duplicates_removed"] == 2
     assert m.counts["rows_kept"] == 37 - 10 - 2 == 25
@@ -119,6 +120,11 @@ def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeyp
     assert m.inputs == {"path": str(src), "format": "csv", "text_column": "text", "label_column": "label"}
     assert m.tokenizer["max_length"] == 128 and m.tokenizer["vocab_size"] == 30522
     assert any("rejected" in line for line in lines)
+    # every kept row is in the length sample (fewer than LENGTH_SAMPLE); the texts are short
+    lengths = m.tokenizer["lengths"]
+    assert lengths["sample"] == 25 and 3 <= lengths["p50"] <= lengths["p99"] < 128
+    assert lengths["truncated_share"] == 0.0
+    assert any(line.startswith("token lengths (a sample of 25 rows): p50 ") for line in lines), lines
 
     rejected = pq.read_table(out / "rejected").to_pylist()
     assert {r["text"]: r["reason"] for r in rejected} == EXPECTED_REJECTS
@@ -324,6 +330,10 @@ def test_bbc_news_demo(spark, tiny_model_dir, tmp_path):
     assert m.counts["rows_rejected"]["invalid_utf8"] == 1  # sports/199.txt holds a Latin-1 byte
     assert m.counts["duplicates_removed"] == 100
     assert m.counts["rows_kept"] == 2124 == sum(m.counts["splits"].values())
+    # news articles are long: the token lengths say most are cut at 128
+    lengths = m.tokenizer["lengths"]
+    assert lengths["sample"] == 2000 and 128 < lengths["p50"] < lengths["p90"] <= lengths["p99"]
+    assert lengths["truncated_share"] > 0.9
 
 
 def window_split_oracle(kept, plans, seed: int) -> dict:

@@ -234,6 +234,16 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         t = time.perf_counter()
         broadcast = _broadcast(spark, tokenizer_json)
         info = tokenizer_info(model_dir, tokenizer_json, p.max_length)
+        if user_split:
+            sample_of = marked.filter(kept_col & F.col("label").isin(*labels) & (F.col("given") == "train"))
+        else:
+            sample_of = marked.filter(kept_col)
+        info["lengths"] = length_stats(sample_of, sum(plan.train for plan in plans) if user_split else rows_kept,
+                                       tokenizer_json, p.max_length, p.seed)
+        lengths = info["lengths"]
+        say(f"token lengths (a sample of {lengths['sample']} rows): p50 {lengths['p50']}, p90 {lengths['p90']},"
+            f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {p.max_length}"
+            + (" (cut: the model reads their start only)" if lengths["truncated_share"] >= 0.2 else ""))
         parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
         if user_split:
             # the user's val/test rows keep their split; train rows are carved only for a missing val
@@ -336,6 +346,30 @@ def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
             say(f"reading {path} ({fmt}) as the {name} split")
             parts.append(_spread(read_input(spark, cfg.data, path, fmt), width).withColumn("given", F.lit(name)))
     return reduce(lambda a, b: a.unionByName(b), parts)
+
+
+LENGTH_SAMPLE = 2000
+
+
+def length_stats(kept, rows: int, tokenizer_json: str, max_length: int, seed: int) -> dict:
+    """Token counts (special tokens included, nothing cut) of a seeded sample of up to LENGTH_SAMPLE kept
+    rows, tokenized on the driver: percentiles and the share longer than max_length."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    fraction = min(1.0, 1.2 * LENGTH_SAMPLE / max(1, rows))
+    texts = kept.select("text").sample(fraction=fraction, seed=seed).limit(LENGTH_SAMPLE).toArrow()
+    texts = texts.column("text").to_pylist()
+    if not texts:
+        return {"sample": 0, "p50": 0, "p90": 0, "p99": 0, "truncated_share": 0.0}
+    tok = Tokenizer.from_str(tokenizer_json)
+    tok.no_truncation()
+    tok.no_padding()
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    counts = np.array([len(e.ids) for e in encode(texts, add_special_tokens=True)])
+    p50, p90, p99 = (int(np.percentile(counts, q)) for q in (50, 90, 99))
+    return {"sample": len(texts), "p50": p50, "p90": p90, "p99": p99,
+            "truncated_share": round(float(np.mean(counts > max_length)), 4)}
 
 
 def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
