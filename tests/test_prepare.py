@@ -437,3 +437,16 @@ def test_separate_val_and_test_inputs_are_kept(spark, tiny_model_dir, tmp_path):
 
     with pytest.raises(UserError, match="set only one"):
         build(None, ["--data.split_column", "part", "--data.test_path", str(test)])
+
+
+def test_a_replacement_character_in_valid_utf8_is_text_not_a_decoding_error(spark, tiny_model_dir, tmp_path):
+    # U+FFFD written on purpose in a valid UTF-8 file (or a Parquet string) is kept; only a file with bytes
+    # that are not UTF-8 makes it a decoding error (the CSV test above: invalid_utf8)
+    rows = [(f"plain text {i}", "a" if i % 2 else "b") for i in range(20)] + [("mojibake \ufffd kept", "a")]
+    src = tmp_path / "valid.csv"
+    src.write_text("text,label\n" + "".join(f"{t},{lb}\n" for t, lb in rows), encoding="utf-8")
+    m = prepare(make_cfg(src, tiny_model_dir), str(tmp_path / "csv"), spark=spark)
+    assert m.counts["rows_rejected"]["invalid_utf8"] == 0 and m.counts["rows_kept"] == 21
+    pq.write_table(pa.table({"text": [t for t, _ in rows], "label": [lb for _, lb in rows]}), tmp_path / "v.parquet")
+    m = prepare(make_cfg(tmp_path / "v.parquet", tiny_model_dir), str(tmp_path / "pq"), spark=spark)
+    assert m.counts["rows_rejected"]["invalid_utf8"] == 0 and m.counts["rows_kept"] == 21

@@ -59,7 +59,7 @@ def reason_for(raw: str | None, valid_utf8: bool, text: str | None, label: str |
     return None
 
 
-def _decoded(column) -> tuple[list, list[bool]]:
+def _decoded(column, fffd_is_error: bool = True) -> tuple[list, list[bool]]:
     """A text column's values as str (None for null) and whether each was valid UTF-8 (see decode).
 
     The fast path converts the whole column in C; a column holding invalid UTF-8 (possible from the
@@ -73,19 +73,41 @@ def _decoded(column) -> tuple[list, list[bool]]:
     except pa.ArrowInvalid:
         decoded = [decode(value) for value in column.cast(pa.binary()).to_pylist()]
         return [text for text, _ in decoded], [valid for _, valid in decoded]
+    if not fffd_is_error:
+        return column.to_pylist(), [True] * len(column)
     # the CSV and JSON readers mark bytes that were not UTF-8 with U+FFFD
     return column.to_pylist(), [not r for r in pc.match_substring(column, "\ufffd").to_pylist()]
 
 
-def clean_batches(min_chars: int, max_chars: int):
-    """A mapInArrow function: (text, label, source[, given]) -> CLEANED_SCHEMA[_GIVEN]."""
+def local_path(source: str) -> str:
+    """The local path of a file URI as Spark gives it in _metadata.file_path (file:/a%20b or file:///a%20b)."""
+    from urllib.parse import unquote, urlparse
+
+    return unquote(urlparse(source).path) if source.startswith("file:") else source
+
+
+def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] = frozenset(),
+                  fffd_is_error: bool = True):
+    """A mapInArrow function: (text, label, source[, given]) -> CLEANED_SCHEMA[_GIVEN].
+
+    utf8_sources: local files known to be valid UTF-8 (read.utf8_files); a U+FFFD in their rows is a
+    character, not a decoding error. fffd_is_error False: no U+FFFD is (Parquet, whose strings are
+    checked byte by byte instead).
+    """
 
     def run(batches: Iterator) -> Iterator:
         import pyarrow as pa
 
         labels_seen: dict[str | None, str | None] = {}  # a handful of distinct labels: clean each once
+        trusted: dict[str, bool] = {}
         for batch in batches:
-            raws, valid = _decoded(batch.column("text").cast(pa.string()))
+            raws, valid = _decoded(batch.column("text").cast(pa.string()), fffd_is_error)
+            if utf8_sources and not all(valid):
+                for i, source in enumerate(batch.column("source").to_pylist()):
+                    if not valid[i] and source is not None:
+                        if source not in trusted:
+                            trusted[source] = local_path(source) in utf8_sources
+                        valid[i] = trusted[source]
             label_values, _ = _decoded(batch.column("label").cast(pa.string()))
             changed, texts, clean_labels, reasons = [], [], [], []
             for raw, ok, label_value in zip(raws, valid, label_values):

@@ -18,7 +18,7 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
-from torchloom.etl.read import check_exists, read_input, resolve_format
+from torchloom.etl.read import check_exists, read_input, resolve_format, utf8_files
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import (
     DUPLICATE,
@@ -121,7 +121,11 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         user_split = bool(cfg.data.split_column or cfg.data.val_path or cfg.data.test_path)
         if user_split:
             raw = _with_given(spark, cfg, raw, width, say)
-        cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars),
+        inputs = [(data_path, fmt)] + [(path, resolve_format(cfg.data, path))
+                                       for path in (cfg.data.val_path, cfg.data.test_path) if path]
+        utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
+        cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars, utf8,
+                                               fffd_is_error=any(f != "parquet" for _, f in inputs)),
                                  CLEANED_SCHEMA_GIVEN if user_split else CLEANED_SCHEMA)
         if user_split:
             cleaned = cleaned.withColumn("reason", F.coalesce(F.col("reason"),
