@@ -207,7 +207,7 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": str(ckpt), "step": meta.get("step"),
         "validation": meta.get("eval", {}), "data_fingerprint": m.fingerprint,
-        "max_length": m.tokenizer.get("max_length"),
+        "max_length": m.tokenizer.get("max_length"), "truncation": m.tokenizer.get("truncation", "head"),
     })
     say(f"export: {ckpt.name} -> {out}")
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:

@@ -21,6 +21,7 @@ MEANINGS: dict[str, str] = {
     'prepare.test_fraction': 'stratified per label; the rest is train',
     'prepare.seed': 'the split is a function of (seed, cleaned text): the same whatever the partitioning',
     'prepare.max_length': 'tokens kept per text (truncation; no padding is stored)',
+    'prepare.truncation': 'how a text longer than max_length is cut: `head` keeps its start, `head_tail` a quarter of the window from its start and the rest from its end; recorded in the exported model, so predict, serve and Spark batch cut the same way',
     'prepare.leakage': 'a val or test text (after cleaning) that is also in train: `report` keeps and counts it (manifest, prepare summary), `drop` sets the val/test copy aside as `leaked`',
     'prepare.rows_per_group': 'Parquet row group size, the unit the training loader reads and shuffles',
     'prepare.partitions': 'Spark shuffle partitions; 0 = 2 x cores',

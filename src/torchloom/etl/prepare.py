@@ -237,7 +237,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         # per split) spare the writer's sort by split, which would also undo that order.
         t = time.perf_counter()
         broadcast = _broadcast(spark, tokenizer_json)
-        info = tokenizer_info(model_dir, tokenizer_json, p.max_length)
+        info = tokenizer_info(model_dir, tokenizer_json, p.max_length, p.truncation)
         if user_split:
             sample_of = marked.filter(kept_col & F.col("label").isin(*labels) & (F.col("given") == "train"))
         else:
@@ -262,7 +262,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
             assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
         order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
         tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
-            tokenize_batches(broadcast, info["hash"], p.max_length), TOKENIZED_SCHEMA
+            tokenize_batches(broadcast, info["hash"], p.max_length, p.truncation), TOKENIZED_SCHEMA
         )
         spark_out = tmp / "_spark"
         with _sql_conf(spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
@@ -295,7 +295,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         "classes": [[plan.label, plan.train, plan.val, plan.test] for plan in plans],
         "seed": p.seed, "val_fraction": p.val_fraction, "test_fraction": p.test_fraction,
         "given": sorted([g, label, n] for (g, label), n in given.items()) if user_split else None,
-        "tokenizer": info["hash"], "max_length": p.max_length,
+        "tokenizer": info["hash"], "max_length": p.max_length, "truncation": p.truncation,
     }, sort_keys=True).encode()).hexdigest()
     timings["total"] = time.perf_counter() - start
     return Manifest(

@@ -6,6 +6,7 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from torchloom import truncation
 from torchloom.errors import UserError
 
 TOKENIZED_SCHEMA = "text string, label string, label_id int, input_ids array<int>, length int, split string"
@@ -29,12 +30,16 @@ def tokenizer_hash(content: str) -> str:
 
 
 def get_tokenizer(content: str, key: str, max_length: int):
+    """A Tokenizer that truncates at max_length (0: not at all), built once per worker process."""
     tok = _TOKENIZERS.get((key, max_length))
     if tok is None:
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_str(content)
-        tok.enable_truncation(max_length)
+        if max_length:
+            tok.enable_truncation(max_length)
+        else:
+            tok.no_truncation()
         tok.no_padding()  # padding happens per batch in the loader, never stored
         _TOKENIZERS[(key, max_length)] = tok
     return tok
@@ -84,19 +89,30 @@ def encode_ids(tok, texts: list[str], max_length: int) -> list[list[int]]:
     return ids
 
 
-def tokenize_batches(content_bc, key: str, max_length: int):
+def encode_cut(tok, texts: list[str], max_length: int, strategy: str) -> list[list[int]]:
+    """Whole encodings (tok does not truncate) cut by truncation.cut: what head_tail needs."""
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [truncation.cut(e.ids, max_length, strategy) for e in encode(texts, add_special_tokens=True)]
+
+
+def tokenize_batches(content_bc, key: str, max_length: int, strategy: str = "head"):
     """A mapInArrow function: (text, label, label_id, split) -> TOKENIZED_SCHEMA.
 
-    `content_bc` is a broadcast of tokenizer.json's text, so it ships once per executor.
+    `content_bc` is a broadcast of tokenizer.json's text, so it ships once per executor. strategy: how
+    a text longer than max_length is cut (truncation.STRATEGIES).
     """
 
     def run(batches: Iterator) -> Iterator:
         import pyarrow as pa
 
-        tok = get_tokenizer(content_bc.value, key, max_length)
+        head = strategy == "head"  # the tokenizer's own truncation, and the prefix shortcut
+        tok = get_tokenizer(content_bc.value, key, max_length if head else 0)
         for batch in batches:
             texts = batch.column("text").to_pylist()
-            ids = encode_ids(tok, texts, max_length) if texts else []
+            if not texts:
+                ids = []
+            else:
+                ids = encode_ids(tok, texts, max_length) if head else encode_cut(tok, texts, max_length, strategy)
             yield pa.RecordBatch.from_arrays(
                 [batch.column("text"), batch.column("label"), batch.column("label_id"),
                  pa.array(ids, pa.list_(pa.int32())), pa.array([len(x) for x in ids], pa.int32()),
@@ -107,8 +123,8 @@ def tokenize_batches(content_bc, key: str, max_length: int):
     return run
 
 
-def tokenizer_info(model_dir: str, content: str, max_length: int) -> dict:
+def tokenizer_info(model_dir: str, content: str, max_length: int, strategy: str = "head") -> dict:
     """The manifest's tokenizer entry."""
     return {"path": str(model_dir), "hash": tokenizer_hash(content), "max_length": max_length,
-            "vocab_size": vocab_size(content)}
+            "truncation": strategy, "vocab_size": vocab_size(content)}
 

@@ -11,6 +11,7 @@ from typing import Any
 from torchloom.errors import UserError
 from torchloom.model.export import check_exported, read_export_info
 from torchloom.textclean import clean_text
+from torchloom.truncation import STRATEGIES, cut
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -52,6 +53,10 @@ class Predictor:
         if max_length is None:
             max_length = info.get("max_length") or min(int(self.tokenizer.model_max_length), MAX_LENGTH_CAP)
         self.max_length = int(max_length)
+        self.truncation = info.get("truncation", "head")  # as prepare cut the texts the model trained on
+        if self.truncation not in STRATEGIES:
+            raise UserError(f"model dir {model_dir}: truncation {self.truncation!r} in torchloom.json is unknown to"
+                            f" this torchloom ({', '.join(STRATEGIES)}); upgrade torchloom or export again")
         self.batch_size = batch_size
         self.info = info
 
@@ -64,13 +69,22 @@ class Predictor:
             results += self._predict_chunk(texts[start:start + SORT_CHUNK])
         return results
 
+    def encode(self, texts: list[str]) -> list[dict[str, list[int]]]:
+        """The model's inputs for each text: cleaned like prepare's, cut like prepare's (self.truncation)."""
+        cleaned = [clean_text(t) for t in texts]
+        if self.truncation == "head":
+            encoded = self.tokenizer(cleaned, truncation=True, max_length=self.max_length)
+            return [dict(zip(encoded.keys(), values)) for values in zip(*encoded.values())]
+        encoded = self.tokenizer(cleaned, truncation=False)  # whole, then cut: every per-token list alike
+        return [{k: cut(v, self.max_length, self.truncation) for k, v in zip(encoded.keys(), values)}
+                for values in zip(*encoded.values())]
+
     def _predict_chunk(self, texts: list[str]) -> list[dict[str, Any]]:
         import torch
 
         if not texts:
             return []
-        encoded = self.tokenizer([clean_text(t) for t in texts], truncation=True, max_length=self.max_length)
-        features = [dict(zip(encoded.keys(), values)) for values in zip(*encoded.values())]
+        features = self.encode(texts)
         # Similar lengths in one batch means little padding; results are put back in input order.
         order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
         results: list[dict[str, Any] | None] = [None] * len(features)
