@@ -46,8 +46,11 @@ def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -
     share = truncated_share(manifest, split)
     max_length = manifest.tokenizer.get("max_length")
     if share >= TRUNCATION_SUSPECT:
+        cut = manifest.tokenizer.get("truncation", "head")
+        reads = "only their start" if cut == "head" else "only their start and end"
+        hint = "; or --prepare.truncation head_tail" if cut == "head" else ""
         return (f"truncation: {share:.0%} of the {split} texts are longer than max_length {max_length} tokens, so the"
-                " model reads only their start; try a longer --prepare.max_length (up to 512)")
+                f" model reads {reads}; try a longer --prepare.max_length (up to 512){hint}")
     if train and not train.get("stopped_early") and train.get("best_step") == train.get("steps"):
         return ("too few epochs: validation was still improving at the last step; try more --train.epochs")
     return "the baseline suits this data (or the default hyperparameters do not); try torchloom tune"
