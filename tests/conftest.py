@@ -21,16 +21,28 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+_SPARK: dict = {}
+
+
+@pytest.fixture
 def spark():
-    """One local[2] SparkSession for the whole test run (starting one costs ~8 s)."""
+    """One local[2] SparkSession shared by the tests (starting one costs ~8 s); started again when a test
+    stopped it (tests/test_engines.py must, to start a local-cluster of its own)."""
     pytest.importorskip("pyspark")
     from torchloom.config.schema import PrepareConfig
     from torchloom.etl.session import get_spark
 
-    session = get_spark(PrepareConfig(spark_master="local[2]", partitions=4))
-    yield session
-    session.stop()
+    session = _SPARK.get("local")
+    if session is None or session.sparkContext._jsc is None:  # none yet, or stopped since
+        session = _SPARK["local"] = get_spark(PrepareConfig(spark_master="local[2]", partitions=4))
+    return session
+
+
+@pytest.fixture(scope="session", autouse=True)
+def stop_spark_at_the_end():
+    yield
+    if _SPARK.get("local") is not None:
+        _SPARK.pop("local").stop()
 
 
 @pytest.fixture(scope="session")

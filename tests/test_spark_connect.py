@@ -114,7 +114,7 @@ def test_run_through_spark_connect_prepares_on_the_server_and_trains(server, tmp
                       "--engine.name", "spark", "--prepare.spark_master", server, "--engine.workers", "2",
                       "--engine.device", "cpu", "--model.path", model, "--output.dir", str(rd),
                       "--tracking.enabled", "false", "--train.epochs", "1"], tmp_path)
-    assert "61 rows read, 1 set aside (empty_text 1)" in proc.stderr, proc.stderr[-3000:]
+    assert "61 rows read, 1 set aside (null_text 1)" in proc.stderr, proc.stderr[-3000:]
     assert (rd / "model").is_dir() and (rd / "report.md").is_file()
     # the MLlib baseline ran on the Connect server too, on the same test rows
     report = json.loads((rd / "report.json").read_text())
