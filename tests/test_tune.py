@@ -45,7 +45,8 @@ def topics_csv(tmp_path_factory):
 def common(csv_path, tiny, out) -> list[str]:
     return ["--data.path", str(csv_path), "--model.path", tiny, "--output.dir", str(out),
             "--prepare.spark_master", "local[2]", "--train.precision", "fp32", "--train.batch_size", "8",
-            "--train.log_every", "2"]
+            "--train.log_every", "2",
+            "--eval.baseline", "false"]  # the baseline is tested with `run` (test_cli.py); a study's costs ~10 s
 
 
 # -- the search space is checked before anything starts --------------------------------------------

@@ -253,7 +253,7 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         sys.stdout.write(to_toml(cfg))
         return 0
     if args.command == "prepare":
-        pipeline.prepare_stage(cfg)
+        pipeline.prepare_with_baseline(cfg)
     elif args.command == "train":
         from torchloom import tracking
 

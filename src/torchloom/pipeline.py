@@ -68,6 +68,21 @@ def stop_spark() -> None:
         active.stop()
 
 
+def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
+    """prepare, then (eval.baseline) the baseline in the same SparkSession, which is stopped after."""
+    if not cfg.eval.baseline:
+        return prepare_stage(cfg, tracker=tracker)
+    from torchloom.etl.session import get_spark
+
+    spark = get_spark(cfg.prepare)
+    try:
+        out = prepare_stage(cfg, spark=spark, tracker=tracker)
+        out["baseline_s"] = baseline_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+    finally:
+        stop_spark()
+    return out
+
+
 def baseline_splits(cfg: Config) -> list[str]:
     return list(dict.fromkeys(["val", "test", cfg.eval.split]))
 

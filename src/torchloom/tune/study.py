@@ -130,7 +130,7 @@ def prepare_once(cfg: Config, sd: StudyDir, tracker) -> None:
             say(f"reusing the prepared data in {sd.data}")
             return
         study_cfg = config_mod.build(base=with_output(cfg, sd.root))
-        pipeline.prepare_stage(study_cfg, tracker=tracker)
+        pipeline.prepare_with_baseline(study_cfg, tracker=tracker)
         key_file.write_text(prepare_key(cfg))
 
 
