@@ -30,8 +30,9 @@ def test_prepare_and_the_exported_model_cut_long_texts_alike(spark, tiny_model_d
 
     words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
     src = tmp_path / "long.csv"
+    # from 8 words to ~1,300 (longer than the prefix the head shortcut encodes first: (16 + 64) x 6 chars)
     src.write_text("text,label\n" + "".join(
-        f"{' '.join(words[(i + j) % len(words)] for j in range(8 + 5 * i))} end{i},{'ab'[i % 2]}\n"
+        f"{' '.join(words[(i + j) % len(words)] for j in range(8 + i * i * 10))} end{i},{'ab'[i % 2]}\n"
         for i in range(12)))
     cfg = Config()
     cfg.data.path, cfg.model.path = str(src), tiny_model_dir
