@@ -77,7 +77,9 @@ def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
     spark = get_spark(cfg.prepare)
     try:
         out = prepare_stage(cfg, spark=spark, tracker=tracker)
-        out["baseline_s"] = baseline_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+        fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+        if fitted:
+            out["baseline_s"] = fitted["seconds"]
     finally:
         stop_spark()
     return out
@@ -101,6 +103,15 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     say(f"baseline: {NAME} (Spark MLlib) on the train split's {m.split('train').rows} rows")
     try:
         result = fit_and_score(spark or get_spark(cfg.prepare), m, baseline_splits(cfg))
+    except UserError:
+        raise
+    except Exception as e:  # the transformer's results do not depend on it: say why, and go on without it
+        from torchloom.errors import one_line
+
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        say(f"baseline: skipped, Spark MLlib failed ({one_line(f'{type(e).__name__}: {first}', 160)});"
+            " --eval.baseline false turns it off")
+        return None
     finally:
         if spark is None:
             stop_spark()
@@ -252,7 +263,7 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
         from torchloom.evaluate.baseline import comparison, verdict
 
         stored = stored_baseline(cfg, m) or baseline_stage(cfg, tracker=tracker)
-        cmp = comparison(metrics, stored, cfg.eval.split)
+        cmp = comparison(metrics, stored, cfg.eval.split) if stored else None
         line = verdict(cmp, m, (extra or {}).get("train") or _train_result(rd)) if cmp else None
     seconds = round(time.perf_counter() - started, 2)
     write_report(rd, metrics, split=cfg.eval.split, label_names=m.labels, misclassified=misclassified,
@@ -312,7 +323,9 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     else:
         timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
     if cfg.eval.baseline and stored_baseline(cfg, read_manifest(rd.data)) is None:
-        timings["baseline_s"] = baseline_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+        fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+        if fitted:
+            timings["baseline_s"] = fitted["seconds"]
     if spark is not None and cfg.engine.name != "spark":
         # Nothing later needs the session: its JVM would keep memory and wake-ups away from the workers.
         stop_spark()
