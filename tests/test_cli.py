@@ -287,3 +287,27 @@ def test_evaluate_scores_what_serve_answers(finished_run):
     assert len(served) == len(probs) > 0
     for row, answer in zip(probs, served):
         assert [answer["probabilities"][lb] for lb in manifest.labels] == pytest.approx(row.tolist(), abs=1e-5)
+
+
+def test_a_baseline_that_fails_is_one_line_and_evaluate_goes_on(finished_run, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from torchloom import pipeline
+    from torchloom.config import build
+    from torchloom.etl import baseline, session
+
+    rd = tmp_path / "copy"
+    shutil.copytree(finished_run[0], rd)
+    (rd / "baseline.json").unlink()
+
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("MLlib went wrong\nat some.Java.Frame")
+
+    monkeypatch.setattr(session, "get_spark", lambda *_: object())
+    monkeypatch.setattr(baseline, "fit_and_score", broken)
+    ev = pipeline.evaluate_stage(build(None, ["--output.dir", str(rd), "--tracking.enabled", "false"]))
+    assert ev["baseline"] is None and ev["metrics"]["n"] > 0
+    err = capsys.readouterr().err
+    assert ("torchloom: baseline: skipped, Spark MLlib failed (RuntimeError: MLlib went wrong);"
+            " --eval.baseline false turns it off") in err
+    assert "Java.Frame" not in err and "baseline" not in json.loads((rd / "report.json").read_text())
