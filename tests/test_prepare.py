@@ -234,8 +234,11 @@ def test_split_is_deterministic_across_partitioning(spark, tiny_model_dir, tmp_p
     assert membership(tmp_path / "o3") != membership(tmp_path / "o1")
 
 
-def test_token_ids_match_transformers_and_row_groups_are_bounded(spark, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("strategy", ["head", "head_tail"])
+def test_token_ids_match_transformers_and_row_groups_are_bounded(spark, tiny_model_dir, tmp_path, strategy):
     from transformers import AutoTokenizer
+
+    from torchloom.truncation import cut
 
     long_text = " ".join(f"word{i} Ünïcödé, punctuation!" for i in range(200))
     texts = ["Short one.", "Crème brûlée at the café", long_text, "x" * 3000, "tokenization " * 40]
@@ -243,13 +246,15 @@ def test_token_ids_match_transformers_and_row_groups_are_bounded(spark, tiny_mod
     src = tmp_path / "in.parquet"
     pq.write_table(pa.table({"text": texts, "label": ["a", "b"] * 15}), src)
     out = tmp_path / "data"
-    m = prepare(make_cfg(src, tiny_model_dir, max_length=32, rows_per_group=4, val_fraction=0.0),
-                str(out), spark=spark)
+    m = prepare(make_cfg(src, tiny_model_dir, max_length=32, rows_per_group=4, val_fraction=0.0,
+                         truncation=strategy), str(out), spark=spark)
     hf = AutoTokenizer.from_pretrained(tiny_model_dir, local_files_only=True)
     rows = [r for split in split_rows(out).values() for r in split]
     assert len(rows) == 30
-    for r in rows:
-        assert r["input_ids"] == hf(r["text"], truncation=True, max_length=32)["input_ids"], r["text"][:40]
+    for r in rows:  # the oracle: transformers' own truncation, or the whole encoding cut by head_tail's rule
+        expected = (hf(r["text"], truncation=True, max_length=32)["input_ids"] if strategy == "head" else
+                    cut(hf(r["text"])["input_ids"], 32, "head_tail"))
+        assert r["input_ids"] == expected, r["text"][:40]
     assert max(r["length"] for r in rows) == 32
     assert m.splits["val"].rows == 0 and m.splits["val"].shards == []
     for name in SPLITS:
