@@ -322,6 +322,21 @@ def is_peer_loss(message: str) -> bool:
     return any(p in message for p in PEER_LOSS)
 
 
+def rerun_or_raise(rd: RunDir, launch_id: str, attempt: int, attempts: int, error: Exception, engine: str) -> None:
+    """After `attempt` (0-based) of `attempts` failed with `error`: when a lost process caused it and an
+    attempt is left, say so and return (the caller re-runs the workers, which resume from the latest
+    checkpoint); else raise the job's error. A rank's own error (a user error too) would come back the same."""
+    text = str(error)
+    if attempt + 1 < attempts and not worker_user_error(text) and failure_cause(rd, launch_id) is None:
+        loss = describe_loss(rd, launch_id, attempt)
+        print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({loss or type(error).__name__});"
+              " re-running the workers from the latest checkpoint", file=sys.stderr, flush=True)
+        return
+    loss = describe_loss(rd, launch_id, attempt)
+    first = text.splitlines()[0] if text else repr(error)
+    raise_worker_failure(rd, f"training on {engine} failed: {loss or first}", text)
+
+
 def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> None:
     """Turn the first recorded worker error into the error the user sees.
 

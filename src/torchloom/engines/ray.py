@@ -23,14 +23,11 @@ from torchloom.config import Config, to_dict
 from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
-    describe_loss,
-    failure_cause,
     new_launch_id,
-    raise_worker_failure,
     read_result,
     replace_engine,
+    rerun_or_raise,
     run_worker,
-    worker_user_error,
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
@@ -262,17 +259,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
                     trainer(cfg, rd, launch_id, attempt, scaling_config, started_local, launched_at).fit()
                     break
                 except Exception as e:  # Ray wraps the worker's failure; our error files hold the real one
-                    # Only after a lost process: a rank's own error (a user error too) would come back the same.
-                    if attempt + 1 < attempts and not worker_user_error(str(e)) and \
-                            failure_cause(rd, launch_id) is None:
-                        loss = describe_loss(rd, launch_id, attempt)
-                        print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
-                              f" ({loss or type(e).__name__}); re-running the workers from the latest checkpoint",
-                              file=sys.stderr, flush=True)
-                        continue
-                    loss = describe_loss(rd, launch_id, attempt)
-                    first = str(e).splitlines()[0] if str(e) else repr(e)
-                    raise_worker_failure(rd, f"training on Ray failed: {loss or first}", str(e))
+                    rerun_or_raise(rd, launch_id, attempt, attempts, e, "Ray")
     finally:
         if quiet:
             stream.close()

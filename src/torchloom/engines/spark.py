@@ -19,15 +19,12 @@ from torchloom.config import Config, to_dict
 from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
-    describe_loss,
-    failure_cause,
     new_launch_id,
     not_visible,
-    raise_worker_failure,
     read_result,
     replace_engine,
+    rerun_or_raise,
     run_worker,
-    worker_user_error,
 )
 from torchloom.engines.progress import ProgressMonitor
 from torchloom.errors import UserError, missing_extra
@@ -128,16 +125,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
                     distributor.run(_entry, to_dict(cfg), str(rd.root), launch_id, env, launched_at)
                 break
             except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
-                # Only after a lost process: a rank's own error (a user error too) would come back the same.
-                if attempt + 1 < attempts and not worker_user_error(str(e)) and failure_cause(rd, launch_id) is None:
-                    loss = describe_loss(rd, launch_id, attempt)
-                    print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
-                          f" ({loss or type(e).__name__}); re-running the workers from the latest checkpoint",
-                          file=sys.stderr, flush=True)
-                    continue
-                loss = describe_loss(rd, launch_id, attempt)
-                raise_worker_failure(rd, f"training on Spark ({master}) failed: {loss or str(e).splitlines()[0]}",
-                                     str(e))
+                rerun_or_raise(rd, launch_id, attempt, attempts, e, f"Spark ({master})")
     finally:
         if quiet:
             stream.close()
