@@ -24,6 +24,7 @@ COLUMNS = {
     "label_id": "int32",  # index into Manifest.labels
     "input_ids": "list<int32>",  # token ids, truncated at max_length, not padded
     "length": "int32",  # len(input_ids)
+    "chunk": "int32",  # the window's place in its text (truncation chunks: one row per window); else 0
 }
 
 
@@ -36,9 +37,10 @@ class Shard:
 
 @dataclass
 class Split:
-    rows: int
+    rows: int  # with truncation chunks: windows (a text's windows are consecutive rows, chunk 0 first)
     shards: list[Shard]
-    per_class: dict[str, int] = field(default_factory=dict)
+    per_class: dict[str, int] = field(default_factory=dict)  # rows per label
+    documents: int = 0  # with truncation chunks: the texts the rows are windows of; else 0 (one per row)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class Manifest:
                 rows=s["rows"],
                 shards=[Shard(**sh) for sh in s["shards"]],
                 per_class=s.get("per_class", {}),
+                documents=s.get("documents", 0),
             )
             for name, s in data["splits"].items()
         }

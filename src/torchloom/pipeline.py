@@ -42,13 +42,14 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
             # away from the training workers.
             stop_spark()
     save_config(cfg, rd)
-    splits = ", ".join(f"{k} {v.rows}" for k, v in manifest.splits.items())
+    splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
+                       for k, v in manifest.splits.items())
     reasons = {k: v for k, v in manifest.counts.get("rows_rejected", {}).items() if v}
     rejected = sum(reasons.values())
     why = f" ({', '.join(f'{k} {v}' for k, v in reasons.items())})" if reasons else ""
     say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} set aside{why},"
         f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
-    splits = {k: v.rows for k, v in manifest.splits.items()}
+    splits = {k: v.documents or v.rows for k, v in manifest.splits.items()}  # texts, with chunks too
     if tracker is not None:
         tracker.set_tags({"data_fingerprint": manifest.fingerprint})
         tracker.log_metrics({"rows_read": manifest.counts.get("rows_read", 0), "rows_rejected": rejected,
@@ -100,7 +101,8 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
 
     rd = run_dir(cfg)
     m = manifest_mod.read(rd.data)
-    say(f"baseline: {NAME} (Spark MLlib) on the train split's {m.split('train').rows} rows")
+    say(f"baseline: {NAME} (Spark MLlib) on the train split's {m.split('train').documents or m.split('train').rows}"
+        " texts")
     try:
         result = fit_and_score(spark or get_spark(cfg.prepare), m, baseline_splits(cfg))
     except UserError:
@@ -234,6 +236,7 @@ def export_stage(cfg: Config, tracker=None) -> dict:
         "torchloom_version": __version__, "checkpoint": str(ckpt), "step": meta.get("step"),
         "validation": meta.get("eval", {}), "data_fingerprint": m.fingerprint,
         "max_length": m.tokenizer.get("max_length"), "truncation": m.tokenizer.get("truncation", "head"),
+        **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
     })
     say(f"export: {ckpt.name} -> {out}")
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:

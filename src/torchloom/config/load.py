@@ -26,6 +26,8 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     """Turn a TOML value or a command-line string into the field's type."""
     kind = type(f.default) if f.default is not dataclasses.MISSING else dict
     from_cli = isinstance(value, str) and kind is not str
+    if f.metadata.get("auto") and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"  # a number, or "auto": the stage picks one from the data
     try:
         if kind is bool:
             if isinstance(value, bool):
@@ -65,7 +67,8 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
         return value
     except (ValueError, tomllib.TOMLDecodeError):
         shown = {bool: "true or false", int: "an integer", float: "a number", dict: "a table like {a = \"b\"}"}
-        raise UserError(f"{where}: {value!r} is not {shown.get(kind, 'a string')}") from None
+        what = shown.get(kind, "a string") + (' or "auto"' if f.metadata.get("auto") else "")
+        raise UserError(f"{where}: {value!r} is not {what}") from None
 
 
 def apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
@@ -85,6 +88,8 @@ def validate(cfg: Config) -> Config:
             value = getattr(obj, f.name)
             meta = f.metadata
             where = f"config {section}.{f.name}"
+            if meta.get("auto") and value == "auto":
+                continue
             if "choices" in meta and value not in meta["choices"]:
                 raise UserError(f"{where}: {value!r} is not allowed; choose one of {', '.join(meta['choices'])}")
             if "min" in meta and value < meta["min"]:

@@ -31,11 +31,16 @@ class PrepareConfig:
     val_fraction: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
     test_fraction: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
     seed: int = 42
-    max_length: int = field(default=128, metadata={"min": 8})  # tokens, truncation length
-    # how a longer text is cut: "head" (its start) or "head_tail" (a quarter from the start, the rest from
-    # the end); recorded in the exported model, so every inference path cuts the same way (truncation.py).
+    # tokens per text (or per window, with chunks); "auto": the shortest of 128/256/512 that holds the
+    # 90th percentile of the data's token lengths, within the model's positions (prepare.choose_max_length)
+    max_length: int = field(default=128, metadata={"min": 8, "auto": True})
+    # how a longer text is cut: "head" (its start), "head_tail" (a quarter from the start, the rest from
+    # the end) or "chunks" (every window of it, scored as the mean of their logits); recorded in the
+    # exported model, so every inference path cuts the same way (truncation.py).
     # head_tail by measurement: demo 0.9858 either way, news by outlet 0.9008 against 0.8277 (benchmarks.md)
-    truncation: str = field(default="head_tail", metadata=choices("head", "head_tail"))
+    truncation: str = field(default="head_tail", metadata=choices("head", "head_tail", "chunks"))
+    stride: int = field(default=0, metadata={"min": 0})  # chunks: tokens from a window's start to the next's; 0: 3/4
+    max_chunks: int = field(default=16, metadata={"min": 0})  # chunks: windows per text at most (spread evenly); 0: all
     rows_per_group: int = field(default=1024, metadata={"min": 1})  # Parquet row group size
     partitions: int = field(default=0, metadata={"min": 0})  # shuffle partitions; 0: 2 x cores
     # a val/test text also in train: "report" counts it (manifest, summary); "drop" sets it aside as leaked

@@ -42,8 +42,12 @@ def num_features(num_labels: int) -> int:
 
 
 def read_split(spark, manifest: Manifest, split: str):
+    """The split's texts and labels, one row per text (with truncation chunks, its first window's row)."""
     paths = [manifest.shard_uri(s) for s in manifest.split(split).shards]
-    return spark.read.parquet(*paths).select("text", "label_id")
+    df = spark.read.parquet(*paths)
+    if manifest.tokenizer.get("truncation") == "chunks":
+        df = df.filter(df["chunk"] == 0)
+    return df.select("text", "label_id")
 
 
 def pipeline(num_labels: int, train_rows: int):
@@ -84,7 +88,7 @@ def fit_and_score(spark, manifest: Manifest, splits: list[str]) -> dict[str, Any
     """Fit on the train split, score each of `splits` that has rows; returns what baseline.json holds."""
     started = time.perf_counter()
     k = manifest.num_labels
-    train_rows = manifest.split("train").rows
+    train_rows = manifest.split("train").documents or manifest.split("train").rows
     model = pipeline(k, train_rows).fit(read_split(spark, manifest, "train"))
     fitted = time.perf_counter()
     results: dict[str, Any] = {}

@@ -32,6 +32,7 @@ from torchloom.etl.split import (
 from torchloom.etl.tokenize import TOKENIZED_SCHEMA, read_tokenizer_json, tokenize_batches, tokenizer_info
 from torchloom.manifest import SPLITS, Manifest, Shard, Split
 from torchloom.rundir import check_replaceable
+from torchloom.truncation import default_stride
 
 Progress = Callable[[str], object]
 
@@ -58,6 +59,10 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     data_path = embedded.data_path(cfg.data.path)
     model_dir = embedded.model_path(cfg.model.path)
     tokenizer_json = read_tokenizer_json(model_dir)
+    positions = model_positions(model_dir)
+    if cfg.prepare.max_length != "auto" and positions and int(cfg.prepare.max_length) > positions:
+        raise UserError(f"config prepare.max_length: {cfg.prepare.max_length} is more than the {positions} positions of"
+                        f" the model in {model_dir}; use at most {positions}, or \"auto\"")
     check_exists(data_path)  # before Spark starts: a typo should cost no JVM start-up
     for extra in (cfg.data.val_path, cfg.data.test_path):
         if extra:
@@ -237,17 +242,27 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         # per split) spare the writer's sort by split, which would also undo that order.
         t = time.perf_counter()
         broadcast = _broadcast(spark, tokenizer_json)
-        info = tokenizer_info(model_dir, tokenizer_json, p.max_length, p.truncation)
         if user_split:
             sample_of = marked.filter(kept_col & F.col("label").isin(*labels) & (F.col("given") == "train"))
         else:
             sample_of = marked.filter(kept_col)
-        info["lengths"] = length_stats(sample_of, sum(plan.train for plan in plans) if user_split else rows_kept,
-                                       tokenizer_json, p.max_length, p.seed)
-        lengths = info["lengths"]
+        counts = token_counts(sample_of, sum(plan.train for plan in plans) if user_split else rows_kept,
+                              tokenizer_json, p.seed)
+        positions = model_positions(model_dir)
+        max_length = choose_max_length(counts, positions) if p.max_length == "auto" else int(p.max_length)
+        stride = min(p.stride or default_stride(max_length), max_length - 2) if p.truncation == "chunks" else 0
+        info = tokenizer_info(model_dir, tokenizer_json, max_length, p.truncation, stride, p.max_chunks)
+        info["lengths"] = lengths = length_stats(counts, max_length)
+        if p.max_length == "auto":
+            say(f"max_length auto: {max_length}, the shortest of {'/'.join(map(str, AUTO_LENGTHS))} that holds the"
+                f" 90th percentile ({lengths['p90']} tokens)" + (f", within the model's {positions} positions"
+                                                                if positions and lengths["p90"] > max_length else ""))
+        cut_note = {"head": " (cut: the model reads their start only)",
+                    "head_tail": " (cut: the model reads their start and end)",
+                    "chunks": " (each read as overlapping windows)"}[p.truncation]
         say(f"token lengths (a sample of {lengths['sample']} rows): p50 {lengths['p50']}, p90 {lengths['p90']},"
-            f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {p.max_length}"
-            + (" (cut: the model reads their start only)" if lengths["truncated_share"] >= 0.2 else ""))
+            f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {max_length}"
+            + (cut_note if lengths["truncated_share"] >= 0.2 else ""))
         parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
         if user_split:
             # the user's val/test rows keep their split; train rows are carved only for a missing val
@@ -262,7 +277,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
             assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
         order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
         tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
-            tokenize_batches(broadcast, info["hash"], p.max_length, p.truncation), TOKENIZED_SCHEMA
+            tokenize_batches(broadcast, info["hash"], max_length, p.truncation, stride, p.max_chunks), TOKENIZED_SCHEMA
         )
         spark_out = tmp / "_spark"
         with _sql_conf(spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
@@ -276,14 +291,19 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
             "val": {plan.label: plan.val + given.get(("val", plan.label), 0) for plan in plans},
             "test": {plan.label: plan.test + given.get(("test", plan.label), 0) for plan in plans},
         }
+        chunked = p.truncation == "chunks"
         splits = {
-            name: _collect_split(spark_out / f"split={name}", tmp / name, tmp, expected[name]) for name in SPLITS
+            name: _collect_split(spark_out / f"split={name}", tmp / name, tmp, expected[name], chunked)
+            for name in SPLITS
         }
         shutil.rmtree(spark_out)
         timings["tokenize_write"] = time.perf_counter() - t
         rate = rows_kept / max(timings["tokenize_write"], 1e-9)
         say(f"tokenized and wrote {rows_kept} rows in {timings['tokenize_write']:.1f}s ({rate:.0f} rows/s): "
-            + ", ".join(f"{name} {s.rows}" for name, s in splits.items()))
+            + ", ".join(f"{name} {s.documents or s.rows}" for name, s in splits.items()))
+        if chunked:
+            say(f"chunks of {max_length} tokens, {stride} apart (at most {p.max_chunks or 'any number'} per text): "
+                + ", ".join(f"{name} {s.documents} texts -> {s.rows} chunks" for name, s in splits.items()))
     finally:
         for df in cached:
             df.unpersist()
@@ -295,7 +315,8 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         "classes": [[plan.label, plan.train, plan.val, plan.test] for plan in plans],
         "seed": p.seed, "val_fraction": p.val_fraction, "test_fraction": p.test_fraction,
         "given": sorted([g, label, n] for (g, label), n in given.items()) if user_split else None,
-        "tokenizer": info["hash"], "max_length": p.max_length, "truncation": p.truncation,
+        "tokenizer": info["hash"], "max_length": max_length, "truncation": p.truncation,
+        **({"stride": stride, "max_chunks": p.max_chunks} if p.truncation == "chunks" else {}),
     }, sort_keys=True).encode()).hexdigest()
     timings["total"] = time.perf_counter() - start
     return Manifest(
@@ -355,9 +376,9 @@ def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
 LENGTH_SAMPLE = 2000
 
 
-def length_stats(kept, rows: int, tokenizer_json: str, max_length: int, seed: int) -> dict:
+def token_counts(kept, rows: int, tokenizer_json: str, seed: int):
     """Token counts (special tokens included, nothing cut) of a seeded sample of up to LENGTH_SAMPLE kept
-    rows, tokenized on the driver: percentiles and the share longer than max_length."""
+    rows, tokenized on the driver."""
     import numpy as np
     from tokenizers import Tokenizer
 
@@ -365,15 +386,59 @@ def length_stats(kept, rows: int, tokenizer_json: str, max_length: int, seed: in
     texts = kept.select("text").sample(fraction=fraction, seed=seed).limit(LENGTH_SAMPLE).toArrow()
     texts = texts.column("text").to_pylist()
     if not texts:
-        return {"sample": 0, "p50": 0, "p90": 0, "p99": 0, "truncated_share": 0.0}
+        return np.zeros(0, np.int64)
     tok = Tokenizer.from_str(tokenizer_json)
     tok.no_truncation()
     tok.no_padding()
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    counts = np.array([len(e.ids) for e in encode(texts, add_special_tokens=True)])
+    return np.array([len(e.ids) for e in encode(texts, add_special_tokens=True)])
+
+
+def length_stats(counts, max_length: int) -> dict:
+    """Percentiles of the sampled token counts and the share longer than max_length."""
+    import numpy as np
+
+    if not len(counts):
+        return {"sample": 0, "p50": 0, "p90": 0, "p99": 0, "truncated_share": 0.0}
     p50, p90, p99 = (int(np.percentile(counts, q)) for q in (50, 90, 99))
-    return {"sample": len(texts), "p50": p50, "p90": p90, "p99": p99,
+    return {"sample": len(counts), "p50": p50, "p90": p90, "p99": p99,
             "truncated_share": round(float(np.mean(counts > max_length)), 4)}
+
+
+AUTO_LENGTHS = (128, 256, 512)
+
+
+def choose_max_length(counts, positions: int) -> int:
+    """prepare.max_length auto: the shortest of AUTO_LENGTHS that holds the 90th percentile of the token
+    counts, within the model's positions (the longest then, or the model's limit if shorter than all)."""
+    import numpy as np
+
+    p90 = int(np.percentile(counts, 90)) if len(counts) else 0
+    allowed = [n for n in AUTO_LENGTHS if not positions or n <= positions] or [positions]
+    return next((n for n in allowed if n >= p90), allowed[-1])
+
+
+def model_positions(model_dir: str) -> int:
+    """Tokens the model can read at once (0: unknown): config.json's position embeddings (less the two
+    RoBERTa-style models reserve), and tokenizer_config.json's model_max_length when it is set."""
+    limits = []
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        n = int(config.get("max_position_embeddings") or 0)
+        if n and config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "longformer"):
+            n -= 2
+        if n > 0:
+            limits.append(n)
+    except (OSError, ValueError, TypeError):
+        pass
+    try:
+        tok = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+        n = int(tok.get("model_max_length") or 0)
+        if 0 < n < 1_000_000:  # transformers writes a huge number for "not set"
+            limits.append(n)
+    except (OSError, ValueError, TypeError):
+        pass
+    return min(limits) if limits else 0
 
 
 def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
@@ -470,24 +535,44 @@ def _tidy(directory: Path) -> list[Path]:
     return files
 
 
-def _collect_split(src: Path, dest: Path, root: Path, expected: dict[str, int]) -> Split:
-    """Move one split's files to `dest` as part-NNNNN.parquet, reading rows per row group from footers."""
+def _collect_split(src: Path, dest: Path, root: Path, expected: dict[str, int], chunked: bool = False) -> Split:
+    """Move one split's files to `dest` as part-NNNNN.parquet, reading rows per row group from footers.
+
+    chunked: rows are windows of texts; the texts (rows with chunk 0) are counted per class and checked
+    against `expected`, and per_class holds the windows."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     dest.mkdir()
     shards = []
     files = _tidy(src) if src.is_dir() else []
+    texts: dict[str, int] = {}
+    windows: dict[str, int] = {}
     for f in files:
         meta = pq.ParquetFile(f).metadata
         if meta.num_rows == 0:
             f.unlink()
             continue
+        if chunked:
+            table = pq.read_table(f, columns=["label", "chunk"])
+            for label, n in zip(*_value_counts(table.column("label"))):
+                windows[label] = windows.get(label, 0) + n
+            for label, n in zip(*_value_counts(table.filter(pc.equal(table.column("chunk"), 0)).column("label"))):
+                texts[label] = texts.get(label, 0) + n
         target = dest / f"part-{len(shards):05d}.parquet"
         os.replace(f, target)
         groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         shards.append(Shard(path=str(target.relative_to(root)), rows=meta.num_rows, row_groups=groups))
     rows = sum(s.rows for s in shards)
     per_class = {label: n for label, n in expected.items() if n}
-    if rows != sum(per_class.values()):  # an internal error, not the user's
-        raise RuntimeError(f"{dest}: wrote {rows} rows, expected {sum(per_class.values())}")
-    return Split(rows=rows, shards=shards, per_class=per_class)
+    documents = sum(texts.values()) if chunked else rows
+    if documents != sum(per_class.values()) or (chunked and texts != per_class):  # an internal error, not the user's
+        raise RuntimeError(f"{dest}: wrote {documents} texts, expected {sum(per_class.values())}")
+    if chunked:
+        per_class = {label: windows[label] for label in per_class}
+    return Split(rows=rows, shards=shards, per_class=per_class, documents=documents if chunked else 0)
+
+
+def _value_counts(column) -> tuple[list[str], list[int]]:
+    counts = column.value_counts()
+    return counts.field("values").to_pylist(), counts.field("counts").to_pylist()

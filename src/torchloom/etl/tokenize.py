@@ -9,7 +9,9 @@ from pathlib import Path
 from torchloom import truncation
 from torchloom.errors import UserError
 
-TOKENIZED_SCHEMA = "text string, label string, label_id int, input_ids array<int>, length int, split string"
+# chunk: the window's place in its text (prepare.truncation chunks); 0 for every other strategy
+TOKENIZED_SCHEMA = ("text string, label string, label_id int, input_ids array<int>, length int, chunk int,"
+                    " split string")
 
 # Per Python worker process: tokenizer.json hash -> Tokenizer (built once, reused by every batch/task).
 _TOKENIZERS: dict = {}
@@ -78,11 +80,26 @@ def encode_cut(tok, texts: list[str], max_length: int, strategy: str) -> list[li
     return [truncation.cut(e.ids, max_length, strategy) for e in encode(texts, add_special_tokens=True)]
 
 
-def tokenize_batches(content_bc, key: str, max_length: int, strategy: str = "head"):
+def special_layout(tok) -> tuple[int, int]:
+    """(leading, trailing) special tokens the tokenizer puts around one text."""
+    return truncation.special_layout(tok.encode("a", add_special_tokens=True).special_tokens_mask)
+
+
+def encode_chunks(tok, texts: list[str], max_length: int, stride: int, max_chunks: int) -> list[list[list[int]]]:
+    """Each text's windows (truncation.windows) of its whole encoding (tok does not truncate)."""
+    front, back = special_layout(tok)
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [truncation.windows(e.ids, max_length, stride, max_chunks, front, back)
+            for e in encode(texts, add_special_tokens=True)]
+
+
+def tokenize_batches(content_bc, key: str, max_length: int, strategy: str = "head", stride: int = 0,
+                     max_chunks: int = 0):
     """A mapInArrow function: (text, label, label_id, split) -> TOKENIZED_SCHEMA.
 
     `content_bc` is a broadcast of tokenizer.json's text, so it ships once per executor. strategy: how
-    a text longer than max_length is cut (truncation.STRATEGIES).
+    a text longer than max_length is cut (truncation.STRATEGIES); with chunks, one row per window, the
+    windows of a text next to each other in order (chunk 0, 1, ...).
     """
 
     def run(batches: Iterator) -> Iterator:
@@ -92,22 +109,34 @@ def tokenize_batches(content_bc, key: str, max_length: int, strategy: str = "hea
         tok = get_tokenizer(content_bc.value, key, max_length if head else 0)
         for batch in batches:
             texts = batch.column("text").to_pylist()
+            take = None
             if not texts:
                 ids = []
+            elif strategy == "chunks":
+                per_text = encode_chunks(tok, texts, max_length, stride, max_chunks)
+                take = pa.array([i for i, chunks in enumerate(per_text) for _ in chunks], pa.int64())
+                chunk = [c for chunks in per_text for c in range(len(chunks))]
+                ids = [w for chunks in per_text for w in chunks]
             else:
                 ids = encode_ids(tok, texts, max_length) if head else encode_cut(tok, texts, max_length, strategy)
+            if take is None:
+                chunk = [0] * len(ids)
+                columns = [batch.column(name) for name in ("text", "label", "label_id", "split")]
+            else:
+                columns = [batch.column(name).take(take) for name in ("text", "label", "label_id", "split")]
             yield pa.RecordBatch.from_arrays(
-                [batch.column("text"), batch.column("label"), batch.column("label_id"),
-                 pa.array(ids, pa.list_(pa.int32())), pa.array([len(x) for x in ids], pa.int32()),
-                 batch.column("split")],
-                names=["text", "label", "label_id", "input_ids", "length", "split"],
+                [*columns[:3], pa.array(ids, pa.list_(pa.int32())), pa.array([len(x) for x in ids], pa.int32()),
+                 pa.array(chunk, pa.int32()), columns[3]],
+                names=["text", "label", "label_id", "input_ids", "length", "chunk", "split"],
             )
 
     return run
 
 
-def tokenizer_info(model_dir: str, content: str, max_length: int, strategy: str = "head") -> dict:
-    """The manifest's tokenizer entry."""
+def tokenizer_info(model_dir: str, content: str, max_length: int, strategy: str = "head", stride: int = 0,
+                   max_chunks: int = 0) -> dict:
+    """The manifest's tokenizer entry (stride and max_chunks only with chunks)."""
     return {"path": str(model_dir), "hash": tokenizer_hash(content), "max_length": max_length,
-            "truncation": strategy, "vocab_size": vocab_size(content)}
+            "truncation": strategy, "vocab_size": vocab_size(content),
+            **({"stride": stride, "max_chunks": max_chunks} if strategy == "chunks" else {})}
 

@@ -15,12 +15,20 @@ TRUNCATION_SUSPECT = 0.2
 
 
 def truncated_share(manifest: Manifest, split: str) -> float:
-    """Share of the split's texts cut at max_length (their stored token count reached it)."""
+    """Share of the split's texts cut at max_length (their stored token count reached it); with truncation
+    chunks, of those with max_chunks windows (which may skip parts of the text)."""
     max_length = int(manifest.tokenizer.get("max_length") or 0)
-    if not max_length:
+    chunks = manifest.tokenizer.get("truncation") == "chunks"
+    cap = int(manifest.tokenizer.get("max_chunks") or 0)
+    if not max_length or (chunks and not cap):
         return 0.0
     total = cut = 0
     for shard in manifest.split(split).shards:
+        if chunks:
+            chunk = pq.read_table(manifest.shard_uri(shard), columns=["chunk"]).column("chunk").to_numpy()
+            total += int(np.count_nonzero(chunk == 0))
+            cut += int(np.count_nonzero(chunk == cap - 1))
+            continue
         lengths = pq.read_table(manifest.shard_uri(shard), columns=["length"]).column("length").to_numpy()
         total += len(lengths)
         cut += int(np.count_nonzero(lengths >= max_length))
@@ -45,10 +53,14 @@ def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -
     """Why a transformer may trail a bag of words, from what the run recorded."""
     share = truncated_share(manifest, split)
     max_length = manifest.tokenizer.get("max_length")
+    if share >= TRUNCATION_SUSPECT and manifest.tokenizer.get("truncation") == "chunks":
+        cap = manifest.tokenizer.get("max_chunks")
+        return (f"truncation: {share:.0%} of the {split} texts fill all {cap} windows of max_length {max_length}"
+                " tokens, spread over the text with gaps between; try a larger --prepare.max_chunks")
     if share >= TRUNCATION_SUSPECT:
         cut = manifest.tokenizer.get("truncation", "head")
         reads = "only their start" if cut == "head" else "only their start and end"
-        hint = "; or --prepare.truncation head_tail" if cut == "head" else ""
+        hint = "; or --prepare.truncation " + ("head_tail" if cut == "head" else "chunks")
         return (f"truncation: {share:.0%} of the {split} texts are longer than max_length {max_length} tokens, so the"
                 f" model reads {reads}; try a longer --prepare.max_length (up to 512){hint}")
     if train and not train.get("stopped_early") and train.get("best_step") == train.get("steps"):

@@ -14,7 +14,7 @@ from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.rundir import RunDir
 from torchloom.train.distributed import Dist
-from torchloom.train.evaluation import predict_split
+from torchloom.train.evaluation import predict_split, to_documents
 from torchloom.train.precision import eval_precision
 
 
@@ -36,8 +36,9 @@ def texts_at(manifest: Manifest, split: str, wanted: set[int]) -> dict[int, str]
 
 
 def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Probabilities, labels and file positions of eval.split's rows, in eval.precision (by default what
-    `serve` answers with on this device)."""
+    """Probabilities, labels and file positions of eval.split's texts, in eval.precision (by default what
+    `serve` answers with on this device). With truncation chunks, a text is the mean of its windows' logits
+    and its position is its first window's."""
     from transformers import AutoModelForSequenceClassification
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -45,7 +46,8 @@ def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.nda
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
     precision = eval_precision(cfg.eval.precision, device)
     d = Dist(rank=0, world_size=1, local_rank=0, device=device, owns_group=False)
-    return predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
+    logits, labels, index = predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
+    return to_documents(manifest, cfg.eval.split, logits, labels, index)
 
 
 def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:

@@ -92,6 +92,9 @@ def export_model(
             f"tokenizer {tokenizer_dir}: cannot load it ({_first_line(e)}); pass the model.path the run trained from"
         ) from None
 
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" on the user's terminal
     out = Path(out_dir).absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

@@ -11,7 +11,7 @@ from typing import Any
 from torchloom.errors import UserError
 from torchloom.model.export import check_exported, read_export_info
 from torchloom.textclean import clean_text
-from torchloom.truncation import MARGIN, STRATEGIES, cut, prefix
+from torchloom.truncation import MARGIN, STRATEGIES, cut, default_stride, prefix, special_layout, windows
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -57,6 +57,11 @@ class Predictor:
         if self.truncation not in STRATEGIES:
             raise UserError(f"model dir {model_dir}: truncation {self.truncation!r} in torchloom.json is unknown to"
                             f" this torchloom ({', '.join(STRATEGIES)}); upgrade torchloom or export again")
+        if self.truncation == "chunks":
+            self.stride = int(info.get("stride") or default_stride(self.max_length))
+            self.max_chunks = int(info.get("max_chunks", 0))
+            mask = self.tokenizer("a", return_special_tokens_mask=True)["special_tokens_mask"]
+            self.layout = special_layout(mask)
         self.batch_size = batch_size
         self.info = info
 
@@ -82,33 +87,54 @@ class Predictor:
                    for start, text, n in zip(starts, cleaned, counts)]
             encoded = self.tokenizer(use, truncation=True, max_length=size)
             return [dict(zip(encoded.keys(), values)) for values in zip(*encoded.values())]
+        if self.truncation == "chunks":
+            raise ValueError("truncation chunks gives several windows per text: use encode_windows")
         encoded = self.tokenizer(cleaned, truncation=False)  # whole, then cut: every per-token list alike
         return [{k: cut(v, self.max_length, self.truncation) for k, v in zip(encoded.keys(), values)}
                 for values in zip(*encoded.values())]
+
+    def encode_windows(self, texts: list[str]) -> list[list[dict[str, list[int]]]]:
+        """The model's inputs for each text as a list: its windows with truncation chunks (cut like
+        prepare's: truncation.windows), else the one input `encode` gives."""
+        if self.truncation != "chunks":
+            return [[f] for f in self.encode(texts)]
+        encoded = self.tokenizer([clean_text(t) for t in texts], truncation=False)
+        front, back = self.layout
+        out = []
+        for values in zip(*encoded.values()):
+            per_key = {k: windows(v, self.max_length, self.stride, self.max_chunks, front, back)
+                       for k, v in zip(encoded.keys(), values)}
+            out.append([dict(zip(per_key, parts)) for parts in zip(*per_key.values())])
+        return out
 
     def _predict_chunk(self, texts: list[str]) -> list[dict[str, Any]]:
         import torch
 
         if not texts:
             return []
-        features = self.encode(texts)
+        per_text = self.encode_windows(texts)
+        features = [f for windows_ in per_text for f in windows_]
+        owner = [i for i, windows_ in enumerate(per_text) for _ in windows_]
         # Similar lengths in one batch means little padding; results are put back in input order.
         order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
-        results: list[dict[str, Any] | None] = [None] * len(features)
+        logits = torch.zeros(len(features), len(self.labels))
         with torch.inference_mode():
             for start in range(0, len(order), self.batch_size):
                 batch_ids = order[start:start + self.batch_size]
                 batch = self.tokenizer.pad([features[i] for i in batch_ids], return_tensors="pt")
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                probs = torch.softmax(self.model(**batch).logits.float(), dim=-1).cpu()
-                for i, row in zip(batch_ids, probs.tolist()):
-                    best = max(range(len(row)), key=row.__getitem__)
-                    results[i] = {
-                        "label": self.labels[best],
-                        "score": row[best],
-                        "probabilities": dict(zip(self.labels, row)),
-                    }
-        return results  # type: ignore[return-value]
+                logits[batch_ids] = self.model(**batch).logits.float().cpu()
+        # a text's score: the softmax of its windows' mean logits (one window: its own)
+        sums = torch.zeros(len(texts), len(self.labels), dtype=torch.float64)
+        sums.index_add_(0, torch.tensor(owner), logits.double())
+        counts = torch.tensor([len(w) for w in per_text], dtype=torch.float64)
+        probs = torch.softmax(sums / counts[:, None], dim=-1).float()
+        results = []
+        for row in probs.tolist():
+            best = max(range(len(row)), key=row.__getitem__)
+            results.append({"label": self.labels[best], "score": row[best],
+                            "probabilities": dict(zip(self.labels, row))})
+        return results
 
 
 def read_texts(path: str) -> list[str]:

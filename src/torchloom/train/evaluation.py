@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from torchloom.data.loader import eval_batches, rank_range
@@ -34,11 +35,12 @@ def in_lockstep(batches: Iterator[dict], count: int) -> Iterator[dict]:
 @torch.inference_mode()
 def predict_split(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
                   precision: str, par: Parallel | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This rank's (probabilities, labels, row indices) for its contiguous share of `split`.
+    """This rank's (logits in float32, labels, row indices) for its contiguous share of `split`'s rows.
 
     par: how training parallelised `model`. Shares go to data-parallel ranks: under FSDP every rank runs
     as many forwards as the largest share (each one all-gathers), a pipeline's stages all run the whole
-    split and its last stage returns it, the others nothing.
+    split and its last stage returns it, the others nothing. Rows are windows of texts when the data was
+    prepared with truncation chunks: to_documents turns them into one score per text.
     """
     rank, world = (par.dp_rank, par.dp_size) if par is not None else (d.rank, d.world_size)
     batches = eval_batches(manifest, split, rank, world, batch_size)
@@ -46,27 +48,58 @@ def predict_split(d: Dist, model: torch.nn.Module, manifest: Manifest, split: st
         batches = in_lockstep(batches, math.ceil(rank_range(manifest.split(split).rows, world, 0)[1] / batch_size))
     was_training = model.training
     model.eval()
-    probs, labels, index = [], [], []
+    logits_out, labels, index = [], [], []
     for batch in batches:
         ids, mask = batch["input_ids"].to(d.device), batch["attention_mask"].to(d.device)
         with autocast(d.device, precision):
             logits = par.logits(ids, mask) if par is not None else model(input_ids=ids, attention_mask=mask).logits
         if logits is None or not len(batch["labels"]):
             continue  # not the last pipeline stage, or a filler batch
-        probs.append(torch.softmax(logits.float(), dim=-1).cpu().numpy())
+        logits_out.append(logits.float().cpu().numpy())
         labels.append(batch["labels"].numpy())
         index.append(batch["index"].numpy())
     model.train(was_training)
-    if not probs:
+    if not logits_out:
         return np.zeros((0, manifest.num_labels), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(probs), np.concatenate(labels), np.concatenate(index)
+    return np.concatenate(logits_out), np.concatenate(labels), np.concatenate(index)
+
+
+def chunk_documents(manifest: Manifest, split: str) -> np.ndarray | None:
+    """The text each row of `split` (file order) is a window of, numbered from 0, when it was prepared with
+    truncation chunks (a text's windows are consecutive rows, chunk 0 first); else None."""
+    if manifest.tokenizer.get("truncation") != "chunks":
+        return None
+    starts = [pq.read_table(manifest.shard_uri(shard), columns=["chunk"]).column("chunk").to_numpy() == 0
+              for shard in manifest.split(split).shards]
+    return np.cumsum(np.concatenate(starts) if starts else np.zeros(0, bool)) - 1
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True)) if len(logits) else logits
+    return shifted / shifted.sum(axis=1, keepdims=True) if len(logits) else shifted
+
+
+def to_documents(manifest: Manifest, split: str, logits: np.ndarray, labels: np.ndarray, index: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(probabilities, labels, row indices) per text: the softmax of the mean of its windows' logits with
+    truncation chunks (index: its first window's row), else of each row's logits. The rows may come
+    in any order (several ranks' shares)."""
+    docs = chunk_documents(manifest, split)
+    if docs is None or not len(logits):
+        return softmax(logits.astype(np.float64)).astype(np.float32), labels, index
+    doc = docs[index]
+    found, first, inverse = np.unique(doc, return_index=True, return_inverse=True)
+    sums = np.zeros((len(found), logits.shape[1]), np.float64)
+    np.add.at(sums, inverse, logits.astype(np.float64))
+    mean = sums / np.bincount(inverse, minlength=len(found))[:, None]
+    starts = np.nonzero(np.r_[True, docs[1:] != docs[:-1]])[0]  # each text's first row
+    return softmax(mean).astype(np.float32), labels[first], starts[found]
 
 
 def evaluate(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
              precision: str, par: Parallel | None = None) -> dict:
-    """Collective: every rank calls it and every rank returns the same metrics."""
-    probs, labels, _ = predict_split(d, model, manifest, split, batch_size, precision, par)
-    parts = all_gather_objects(d, (probs, labels))
-    all_probs = np.concatenate([p for p, _ in parts])
-    all_labels = np.concatenate([y for _, y in parts])
-    return classification_metrics(all_probs, all_labels, manifest.labels)
+    """Collective: every rank calls it and every rank returns the same metrics (one row per text)."""
+    logits, labels, index = predict_split(d, model, manifest, split, batch_size, precision, par)
+    parts = all_gather_objects(d, (logits, labels, index))
+    probs, labels, _ = to_documents(manifest, split, *(np.concatenate([part[i] for part in parts]) for i in range(3)))
+    return classification_metrics(probs, labels, manifest.labels)
