@@ -104,7 +104,9 @@ def main() -> None:
             s = json.loads((rd / "summary.json").read_text())
             m = json.loads((rd / "data" / "manifest.json").read_text())
             lengths = m["tokenizer"].get("lengths", {})
-            rows.append({"corpus": corpus, "rows": m["counts"]["rows_kept"], "test": m["splits"]["test"]["rows"],
+            test = m["splits"]["test"]
+            rows.append({"corpus": corpus, "rows": m["counts"]["rows_kept"],
+                         "test": test.get("documents") or test["rows"],
                          "seed": seed, "acc": s["accuracy"], "base": s["baseline"]["accuracy"], "wall": wall,
                          "p50": lengths.get("p50"), "cut": lengths.get("truncated_share")})
             print(f"{corpus} seed {seed}: transformer {s['accuracy']:.4f}, baseline {s['baseline']['accuracy']:.4f},"

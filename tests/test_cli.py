@@ -311,3 +311,124 @@ def test_a_baseline_that_fails_is_one_line_and_evaluate_goes_on(finished_run, tm
     assert ("torchloom: baseline: skipped, Spark MLlib failed (RuntimeError: MLlib went wrong);"
             " --eval.baseline false turns it off") in err
     assert "Java.Frame" not in err and "baseline" not in json.loads((rd / "report.json").read_text())
+
+
+# --- ONNX exports: the gates, and predict, Spark batch, serve and evaluate through them ---------------------
+
+
+@pytest.fixture(scope="module")
+def onnx_run(finished_run, tiny, tmp_path_factory):
+    """A copy of the finished run exported with --format onnx (kept aside) and then onnx-int8."""
+    import shutil
+
+    pytest.importorskip("onnxruntime")
+    rd = tmp_path_factory.mktemp("onnx") / "run"
+    shutil.copytree(finished_run[0], rd)
+    fp32 = torchloom("export", "--output.dir", str(rd), "--model.path", tiny, "--format", "onnx", timeout=300)
+    assert fp32.returncode == 0, fp32.stderr[-3000:]
+    shutil.copytree(rd / "model", rd.parent / "fp32-model")
+    int8 = torchloom("export", "--output.dir", str(rd), "--model.path", tiny, "--format", "onnx-int8", timeout=300)
+    assert int8.returncode == 0, int8.stderr[-3000:]
+    return rd, rd.parent / "fp32-model", fp32, int8
+
+
+def test_onnx_exports_pass_their_gates_and_predict_answers_through_them(onnx_run):
+    import numpy as np
+
+    from torchloom.evaluate.run import texts_at
+    from torchloom.manifest import read as read_manifest
+    from torchloom.model.predict import Predictor
+
+    rd, fp32_dir, fp32, int8 = onnx_run
+    assert "fp32 gate passed on 12 test rows" in fp32.stderr and "int8 gate passed" in int8.stderr
+    assert "Traceback" not in fp32.stderr + int8.stderr and "[torch.onnx]" not in fp32.stdout + fp32.stderr
+    info = json.loads((fp32_dir / "torchloom.json").read_text())["onnx"]
+    assert info["file"] == "model.onnx" and info["gate"]["fp32"]["max_abs_logit_diff"] <= 1e-3
+    info = json.loads((rd / "model" / "torchloom.json").read_text())["onnx"]
+    assert info["file"] == "model.int8.onnx" and info["files"] == ["model.onnx", "model.int8.onnx"]
+    assert info["gate"]["int8"]["accuracy_loss"] <= 0.01 and (rd / "model" / "model.int8.onnx").is_file()
+
+    manifest = read_manifest(rd / "data")
+    texts = list(texts_at(manifest, "test", set(range(manifest.split("test").rows))).values())
+    labels = manifest.labels
+
+    def probs(predictor):
+        return np.array([[p["probabilities"][lb] for lb in labels] for p in predictor.predict(texts)])
+
+    torch_probs = probs(Predictor(str(fp32_dir)))
+    fp32 = Predictor(str(fp32_dir), runtime="onnx")
+    np.testing.assert_allclose(probs(fp32), torch_probs, atol=1e-5)
+    one = fp32.predict([texts[0]])[0]  # a batch of one, and a one-token text: the graph's axes are dynamic
+    assert [one["probabilities"][lb] for lb in labels] == pytest.approx(torch_probs[0].tolist(), abs=1e-5)
+    assert fp32.predict([""])[0]["label"] == Predictor(str(fp32_dir)).predict([""])[0]["label"]
+    int8_probs = probs(Predictor(str(rd / "model"), runtime="onnx"))
+    assert np.mean(int8_probs.argmax(1) == torch_probs.argmax(1)) >= 0.9 and abs(int8_probs - torch_probs).max() > 0
+
+    proc = torchloom("predict", "--model", str(rd / "model"), "--runtime", "onnx", *texts[:3], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = [json.loads(line) for line in proc.stdout.splitlines()]
+    # int8 activations are quantized per batch: a text's answer moves a little with its batch-mates
+    np.testing.assert_allclose([[a["probabilities"][lb] for lb in labels] for a in answers], int8_probs[:3],
+                               atol=5e-3)
+
+    # the gate's numbers reach the report
+    proc = torchloom("evaluate", "--output.dir", str(rd), "--tracking.enabled", "false", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((rd / "report.json").read_text())
+    assert report["onnx_export"]["file"] == "model.int8.onnx" and "int8 accuracy loss" in report["onnx_export"]
+    assert "Onnx export" in (rd / "report.md").read_text()
+
+
+def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run, spark, tmp_path):
+    import numpy as np
+    import pyarrow.dataset as ds
+    from test_serve import Server, httpx
+
+    from torchloom.model.predict import Predictor
+    from torchloom.serve.batch import predict_spark
+
+    rd, fp32_dir = onnx_run[0], onnx_run[1]
+    texts = ["match goal team win", "bank market price", "album song band", "a text about nothing much " * 30]
+    expected = Predictor(str(fp32_dir)).predict(texts)  # PyTorch
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    for model, out, tolerance in ((fp32_dir, "fp32", 1e-5), (rd / "model", "int8", 5e-2)):
+        predict_spark(spark, str(model), str(src), str(tmp_path / out), device="cpu", runtime="onnx")
+        table = ds.dataset(tmp_path / out, format="parquet").to_table().sort_by([("id", "ascending")])
+        scores = [dict(p) for p in table.column("probabilities").to_pylist()]
+        for got, want in zip(scores, expected):
+            assert got == pytest.approx(want["probabilities"], abs=tolerance), (out, got, want)
+    if httpx is None:
+        pytest.skip("the serve extra is not installed")
+    server = Server(str(fp32_dir), "--device", "cpu", "--runtime", "onnx", log_dir=tmp_path)
+    try:
+        assert "runtime onnx, precision fp32" in server.stdout()
+        got = server.client.post("/v1/predict", json={"texts": texts}).json()["predictions"]
+    finally:
+        assert server.terminate() == 0, server.stderr()[-3000:]
+    assert [g["label"] for g in got] == [e["label"] for e in expected]
+    np.testing.assert_allclose([g["score"] for g in got], [e["score"] for e in expected], atol=1e-5)
+
+
+def test_a_failed_onnx_gate_writes_nothing_and_a_model_without_onnx_is_one_line(onnx_run, finished_run, tmp_path,
+                                                                                monkeypatch):
+    import shutil
+
+    from torchloom.errors import UserError
+    from torchloom.manifest import read as read_manifest
+    from torchloom.model import onnx
+    from torchloom.pipeline import gate_rows
+
+    model = tmp_path / "model"
+    shutil.copytree(finished_run[0] / "model", model)
+    before = sorted(p.name for p in model.iterdir()), (model / "torchloom.json").read_bytes()
+    monkeypatch.setattr(onnx, "FP32_MAX_LOGIT_DIFF", -1.0)  # no export can pass: the refusal path
+    with pytest.raises(UserError, match=r"failed its parity gate on 12 test rows .*nothing was written"):
+        onnx.export_onnx(model, gate_rows(read_manifest(finished_run[0] / "data"), 2000), "onnx")
+    assert (sorted(p.name for p in model.iterdir()), (model / "torchloom.json").read_bytes()) == before
+
+    proc = torchloom("predict", "--model", str(model), "--runtime", "onnx", "some text", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"torchloom: error: model dir {model}: no ONNX export there; run torchloom export --format onnx (or onnx-int8)"
+        " on the run first, or use --runtime torch"]

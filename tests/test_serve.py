@@ -207,6 +207,36 @@ def test_predict_matches_plain_inference_and_names_the_model(server, reference):
 
 
 @needs_http
+def test_tei_shaped_requests_get_tei_shaped_answers(server, reference):
+    """text-embeddings-inference's /predict, as its clients send it: a string, or a batch of one-string lists."""
+    import math
+
+    expected = reference.predict(TEXTS, with_logits=True)
+    r = server.client.post("/predict", json={"inputs": TEXTS[0]}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    single = r.json()
+    assert [x["label"] for x in single] == sorted(LABELS, key=lambda lb: -expected[0]["probabilities"][lb])
+    assert {x["label"]: x["score"] for x in single} == pytest.approx(expected[0]["probabilities"], abs=1e-5)
+    r = server.client.post("/predict", json={"inputs": [[t] for t in TEXTS], "truncate": True}, headers=AUTH)
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert len(batch) == len(TEXTS) and [b[0]["label"] for b in batch] == [e["label"] for e in expected]
+    raw = server.client.post("/predict", json={"inputs": TEXTS[1], "raw_scores": True}, headers=AUTH).json()
+    logits = {x["label"]: x["score"] for x in raw}
+    assert logits == pytest.approx(expected[1]["logits"], abs=1e-4)
+    total = sum(math.exp(v) for v in logits.values())
+    assert {k: math.exp(v) / total for k, v in logits.items()} == pytest.approx(expected[1]["probabilities"], abs=1e-5)
+
+    for body, status, kind in (({"inputs": ["a question", "a passage"]}, 422, "Tokenizer"),  # a pair
+                               ({"inputs": [["a"]] * 9}, 413, "Validation"),  # past --max-texts-per-request 8
+                               ({"inputs": "x" * 501}, 413, "Validation"),  # past --max-text-chars 500
+                               ({"inputs": []}, 400, "Empty"), ({"text": "a"}, 422, "Tokenizer")):
+        r = server.client.post("/predict", json=body, headers=AUTH)
+        assert r.status_code == status and r.json()["error_type"] == kind and r.json()["error"], (body, r.text)
+    assert server.client.post("/predict", json={"inputs": "a"}).status_code == 401  # the API key guards it too
+
+
+@needs_http
 def test_health_ready_labels_and_docs(server):
     assert server.client.get("/healthz").json() == {"status": "ok"}
     assert server.client.get("/readyz").json()["status"] == "ready"
@@ -364,11 +394,11 @@ def post_in_thread(server: Server, texts: list[str]) -> tuple[threading.Thread, 
 
 
 @needs_http
-def test_full_queue_answers_503_with_retry_after_and_recovers(slow_server):
+def test_full_queue_answers_429_with_retry_after_and_recovers(slow_server):
     thread, result = post_in_thread(slow_server, ["one", "two", "three", "four"])
     wait_for(lambda: queue_depth(slow_server) == 4)
     r = slow_server.client.post("/v1/predict", json={"texts": ["fifth"]})
-    assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+    assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
     assert r.json()["error"]["code"] == "overloaded"
     assert slow_server.client.post("/v1/predict", json={"texts": ["a"] * 5}).status_code == 413  # > queue
     thread.join(30)
@@ -494,6 +524,37 @@ def test_batcher_merges_requests_splits_large_ones_and_keeps_order():
     assert all(len(c) <= 4 for c in calls)
     assert calls[0] == ["a", "b", "c"]  # the next 4-text chunk did not fit with them
     assert sum(len(c) for c in calls) == 10
+
+
+def test_batcher_closes_a_batch_at_the_token_budget_and_runs_an_oversized_text_alone():
+    """Texts are encoded (here: one token per word) before queueing; a batch holds at most
+    max_batch_tokens padded tokens (texts x the longest), a text over the budget goes alone."""
+    calls: list[list[tuple[str, ...]]] = []
+    metrics = ServeMetrics()
+
+    def predict(items):
+        calls.append(list(items))
+        return [" ".join(words).upper() for words in items]
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=8, max_wait_ms=200, max_queue=100, metrics=metrics,
+                         adaptive_wait=False, encode=lambda texts: [tuple(t.split()) for t in texts],
+                         cost=lambda words: (1, len(words)), max_batch_tokens=16)
+        await b.start()
+        texts = ["one two three four", "a b", "five six seven eight", "x " * 20, "c d e f"]
+        results = await asyncio.gather(*(b.submit([t]) for t in texts), b.submit(["g h", "i j", "k l"]))
+        await b.close()
+        return texts, results
+
+    texts, results = run_async(main())
+    assert results == [[t.strip().upper()] for t in texts] + [["G H", "I J", "K L"]]  # every request in order
+    padded = [len(c) * max(len(words) for words in c) for c in calls]
+    assert all(p <= 16 for p, c in zip(padded, calls) if len(c) > 1), calls  # only a lone text may pass it
+    assert [("x",) * 20] in calls  # the 20-token text ran alone
+    assert len(calls) >= 3 and sum(len(c) for c in calls) == 8
+    text = metrics.render()
+    assert "torchloom_batch_tokens_count" in text and "torchloom_tokenize_duration_seconds_count 6" in text
+    assert "torchloom_queue_duration_seconds_count" in text
 
 
 def test_batcher_does_not_make_a_lone_client_wait_for_peers_but_merges_a_crowd():
@@ -786,11 +847,11 @@ def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_text
         assert sample_value(families, "torchloom_batch_size", "torchloom_batch_size_count") == 2
         assert sample_value(families, "torchloom_texts", "torchloom_texts_total") == 5
         assert s.client.get("/readyz").status_code == 200
-        # past --max-queue: 503, then it recovers
+        # past --max-queue: 429, then it recovers
         thread, result = post_in_thread(s, ["one", "two", "three", "four"])
         wait_for(lambda: queue_depth(s) == 4)
         r = s.client.post("/v1/predict", json={"texts": ["fifth"]})
-        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.text
         thread.join(30)
         assert result[0].status_code == 200 and len(result[0].json()["predictions"]) == 4
         assert s.client.post("/v1/predict", json={"texts": ["again"]}).status_code == 200

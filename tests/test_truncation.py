@@ -149,6 +149,15 @@ def test_a_chunked_text_scores_the_same_in_evaluate_predict_serve_and_spark_batc
     spark_probs = np.array([[dict(p)[lb] for lb in m.labels] for p in table.column("probabilities").to_pylist()])
     np.testing.assert_allclose(spark_probs, probs, atol=1e-5)
 
+    pytest.importorskip("onnxruntime")  # the ONNX runtime scores a chunked text the same way
+    from torchloom.model.onnx import GateRows, export_onnx
+
+    # this data has only a train split: the gate scores its windows, a text counted once
+    export_onnx(out, GateRows("train", [r["input_ids"] for r in rows], np.array([r["label_id"] for r in rows]),
+                              np.cumsum([r["chunk"] == 0 for r in rows]) - 1), "onnx")
+    onnx_probs = [[p["probabilities"][lb] for lb in m.labels] for p in Predictor(out, runtime="onnx").predict(ordered)]
+    np.testing.assert_allclose(onnx_probs, probs, atol=1e-4)  # the head is scaled up: logit noise shows
+
     from test_serve import Server, httpx
 
     if httpx is None:

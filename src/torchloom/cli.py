@@ -32,14 +32,14 @@ Config: defaults are the embedded demo (BBC News + all-MiniLM-L6-v2). Change any
 
 # The config keys each command uses: whole sections, or "section.key".
 COMMAND_KEYS = {
-    "run": ["data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
+    "run": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking"],
     "prepare": ["data", "prepare", "model.path", "output", "tracking"],
     "train": ["train", "engine", "model", "prepare.spark_master", "prepare.spark_conf", "eval.batch_size",
               "eval.precision", "output", "tracking"],
-    "export": ["train.select", "model.path", "output.dir"],
+    "export": ["train.select", "model.path", "export", "output.dir"],
     "evaluate": ["eval", "prepare.spark_master", "prepare.spark_conf", "output.dir", "tracking"],
     "tune": ["tune", "data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
-    "config": ["data", "prepare", "model", "train", "eval", "engine", "output", "tracking", "tune"],
+    "config": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking", "tune"],
 }
 
 
@@ -90,6 +90,9 @@ def parser() -> argparse.ArgumentParser:
         sp.add_argument("--config", help="a TOML file with [section] tables")
         if name in ("run", "prepare", "train", "tune"):
             sp.add_argument("--overwrite", action="store_true", help="same as --output.overwrite true")
+        if name in ("run", "export"):
+            sp.add_argument("--format", choices=("hf", "onnx", "onnx-int8"), default=None,
+                            help="same as --export.format: onnx / onnx-int8 add a gated ONNX model beside the HF one")
         if name in ("run", "train"):
             sp.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                             help="resume from the latest checkpoint, or from CHECKPOINT")
@@ -104,6 +107,8 @@ def build_config(args: argparse.Namespace, rest: list[str]):
         extra += ["--output.overwrite", "true"]
     if getattr(args, "resume", None):
         extra += ["--train.resume", args.resume]
+    if getattr(args, "format", None):
+        extra += ["--export.format", args.format]
     return build(args.config, extra)
 
 
@@ -121,6 +126,8 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--spark-master", default="local[*]", help="for --engine spark (default local[*])")
     sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     sp.add_argument("--batch-size", type=int, default=32)
+    sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
+                    help="torch, or onnx: the gated ONNX file of `torchloom export --format onnx|onnx-int8`")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     sp.add_argument("texts", nargs="*", help="texts to classify")
 
@@ -161,7 +168,7 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
         from torchloom.serve.model import resolve_device
 
         device = resolve_device(device)
-    predictor = Predictor(model, device=device, batch_size=args.batch_size)
+    predictor = Predictor(model, device=device, batch_size=args.batch_size, runtime=args.runtime)
     for text, pred in zip(texts, predictor.predict(texts)):
         print(json.dumps({"text": text[:200], **pred}, ensure_ascii=False))
     return 0
@@ -176,7 +183,7 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
     if not args.input:
         raise UserError("predict: --output needs --input PATH (a CSV, JSONL or Parquet file or directory)")
     options = dict(text_column=args.text_column, batch_size=args.batch_size, device=args.device,
-                   overwrite=args.overwrite)
+                   overwrite=args.overwrite, runtime=args.runtime)
     if args.engine == "spark":
         from torchloom.config.schema import PrepareConfig
         from torchloom.etl.session import get_spark
@@ -200,19 +207,23 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                     help="local: one process with dynamic batching; ray: Ray Serve replicas")
     sp.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (engine ray)")
     sp.add_argument("--max-batch-size", type=int, default=32, help="texts per model forward (default 32)")
+    sp.add_argument("--max-batch-tokens", type=int, default=8192,
+                    help="padded tokens (texts x the longest) per model forward (default 8192; 0: no limit)")
     sp.add_argument("--max-wait-ms", type=float, default=5.0,
                     help="how long a text waits for its batch to fill (default 5)")
     sp.add_argument("--fixed-wait", action="store_true",
                     help="always wait --max-wait-ms for a batch to fill, even when no other request is in flight"
                          " (default: adaptive, a lone request goes at once)")
     sp.add_argument("--max-queue", type=int, default=1024,
-                    help="texts waiting for the model; past this requests get 503 (default 1024)")
+                    help="texts waiting for the model; past this requests get 429 (default 1024)")
     sp.add_argument("--max-texts-per-request", type=int, default=256)
     sp.add_argument("--max-text-chars", type=int, default=20_000)
     sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set TORCHLOOM_API_KEY)")
     sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                     help="auto: fp32 on CPU, bf16 (or fp16) autocast on CUDA")
+    sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
+                    help="torch, or onnx: the gated ONNX file of `torchloom export --format onnx|onnx-int8`")
 
 
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
@@ -225,9 +236,10 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     settings = ServeSettings(
         model_dir=args.model_dir, host=args.host, port=args.port, engine=args.engine, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
+        max_batch_tokens=args.max_batch_tokens,
         fixed_wait=args.fixed_wait,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
-        api_key=args.api_key, device=args.device, precision=args.precision,
+        api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
     ).check()
     if settings.engine == "ray":
         from torchloom.serve.ray_engine import run_ray

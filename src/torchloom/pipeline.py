@@ -239,9 +239,44 @@ def export_stage(cfg: Config, tracker=None) -> dict:
         **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
     })
     say(f"export: {ckpt.name} -> {out}")
+    onnx_info = None
+    if cfg.export.format != "hf":
+        from torchloom.model.onnx import export_onnx
+
+        onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
+                                say=lambda msg: say(f"export: {msg}"))
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(out)
-    return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out}
+    return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
+            "onnx": onnx_info}
+
+
+def gate_rows(m, limit: int):
+    """Up to `limit` rows of the test split (else val) in file order, whole texts only: what the ONNX parity
+    gate scores."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from torchloom.model.onnx import GateRows
+
+    split = "test" if m.split("test").rows else "val"
+    chunked = m.tokenizer.get("truncation") == "chunks"
+    ids: list[list[int]] = []
+    labels: list[int] = []
+    chunk: list[int] = []
+    for shard in m.split(split).shards:
+        table = pq.read_table(m.shard_uri(shard), columns=["input_ids", "label_id"] + (["chunk"] if chunked else []))
+        ids += table.column("input_ids").to_pylist()
+        labels += table.column("label_id").to_pylist()
+        if chunked:
+            chunk += table.column("chunk").to_pylist()
+        if len(ids) > limit:
+            break
+    if chunked:
+        docs = np.cumsum(np.array(chunk) == 0) - 1
+        keep = int(np.searchsorted(docs, docs[min(limit, len(docs)) - 1], side="right")) if len(docs) else 0
+        return GateRows(split, ids[:keep], np.array(labels[:keep]), docs[:keep])
+    return GateRows(split, ids[:limit], np.array(labels[:limit]))
 
 
 def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announce: bool = True) -> dict:
@@ -269,8 +304,10 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
         cmp = comparison(metrics, stored, cfg.eval.split) if stored else None
         line = verdict(cmp, m, (extra or {}).get("train") or _train_result(rd)) if cmp else None
     seconds = round(time.perf_counter() - started, 2)
+    gate = onnx_gate(rd.model)
     write_report(rd, metrics, split=cfg.eval.split, label_names=m.labels, misclassified=misclassified,
-                 extra={"evaluate_s": seconds, **(extra or {})}, baseline=cmp, verdict=line)
+                 extra={"evaluate_s": seconds, **(extra or {}), **({"onnx_export": gate} if gate else {})},
+                 baseline=cmp, verdict=line)
     if tracker is not None:
         tracker.log_metrics({f"{cfg.eval.split}_{k}": v for k, v in metrics.items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -283,6 +320,22 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
     if line and announce:
         say(line)
     return {"seconds": seconds, "metrics": metrics, "baseline": cmp, "verdict": line}
+
+
+def onnx_gate(model_dir) -> dict | None:
+    """The ONNX export's parity gate (torchloom.json "onnx"), flat for the report; None without one."""
+    from torchloom.model.export import read_export_info
+
+    info = read_export_info(model_dir).get("onnx")
+    if not info:
+        return None
+    gate = info.get("gate", {})
+    flat = {"format": info.get("format"), "file": info.get("file"), "gate split": gate.get("split"),
+            "gate rows": gate.get("rows"), "PyTorch accuracy": gate.get("torch_accuracy")}
+    for kind in ("fp32", "int8"):
+        for key, value in (gate.get(kind) or {}).items():
+            flat[f"{kind} {key.replace('_', ' ')}"] = value
+    return flat
 
 
 def _train_result(rd: RunDir) -> dict | None:

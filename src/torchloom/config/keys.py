@@ -61,6 +61,8 @@ MEANINGS: dict[str, str] = {
     'eval.misclassified_limit': 'most confident mistakes written to misclassified.jsonl',
     'eval.precision': 'autocast of `evaluate` and of validation during training; auto is fp32 on CPU and bf16 (fp16 without bf16) on CUDA, what `serve --precision auto` answers with, so the reported numbers are the served ones',
     'eval.baseline': 'train and score a TF-IDF + logistic-regression baseline (Spark MLlib) on the same splits and report it beside the transformer; see [evaluation.md](evaluation.md)',
+    'export.format': '`hf`: the Hugging Face model directory; `onnx` adds model.onnx, `onnx-int8` also model.int8.onnx (dynamic int8 quantization); each is kept only if it passes its parity gate on held-out prepared rows (fp32: max logit difference 1e-3 and the same argmax; int8: at most 1 point of accuracy lost), recorded in torchloom.json and the report; see [serving.md](serving.md)',
+    'export.gate_rows': 'held-out prepared rows (the test split, else val) the ONNX parity gate scores, at most',
     'engine.name': "`local` (torch's elastic launcher on this machine), `spark` (TorchDistributor), `ray` (Ray Train); see [engines.md](engines.md)",
     'engine.workers': 'worker processes (one per GPU on a GPU machine)',
     'engine.device': '`auto` uses GPUs when the engine has them (nccl), else the CPU (gloo); `cpu`; `cuda`',

@@ -98,6 +98,14 @@ class EvalConfig:
 
 
 @dataclass
+class ExportConfig:
+    # hf: the Hugging Face directory; onnx adds model.onnx, onnx-int8 also model.int8.onnx, each kept only
+    # when it passes its parity gate on held-out prepared rows (model/onnx.py)
+    format: str = field(default="hf", metadata=choices("hf", "onnx", "onnx-int8"))
+    gate_rows: int = field(default=2000, metadata={"min": 1})  # held-out rows the gate scores, at most
+
+
+@dataclass
 class EngineConfig:
     name: str = field(default="local", metadata=choices("local", "spark", "ray"))
     workers: int = field(default=2, metadata={"min": 1})
@@ -154,6 +162,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

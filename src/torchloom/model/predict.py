@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 MAX_LENGTH_CAP = 512
+RUNTIMES = ("torch", "onnx")
 # Texts are tokenized and length-sorted this many at a time, so a huge input file is not held
 # tokenized all at once.
 SORT_CHUNK = 4096
@@ -27,29 +28,40 @@ class Predictor:
     """A loaded model and tokenizer; `predict` returns label, score and all class probabilities per text."""
 
     def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
-                 batch_size: int = 32) -> None:
+                 batch_size: int = 32, runtime: str = "torch", threads: int | None = None) -> None:
         import torch
         import transformers
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars on every load
         path = check_exported(model_dir)
         if batch_size < 1:
             raise UserError(f"batch_size {batch_size}: must be at least 1")
+        if runtime not in RUNTIMES:
+            raise UserError(f"--runtime {runtime}: unknown; use one of {', '.join(RUNTIMES)}")
         info = read_export_info(path)
+        self.runtime = runtime
+        self.model = self.session = None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+            if runtime == "torch":
+                self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as e:
             lines = str(e).strip().splitlines()
             reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
             raise UserError(f"model dir {model_dir}: cannot load the model or tokenizer ({reason});"
                             " export the model again") from None
         self.device = torch.device(device)
-        self.model.to(self.device).eval()
-        id2label = self.model.config.id2label
-        self.labels = [str(id2label[i]) for i in range(self.model.config.num_labels)]
+        if self.model is not None:
+            self.model.to(self.device).eval()
+        else:  # the ONNX file the export's gate passed (int8 when that was exported)
+            from torchloom.model.onnx import onnx_file, session
+
+            self.onnx_file = onnx_file(path)
+            self.session = session(self.onnx_file, threads, str(self.device))
+        self.labels = [str(config.id2label[i]) for i in range(config.num_labels)]
         if max_length is None:
             max_length = info.get("max_length") or min(int(self.tokenizer.model_max_length), MAX_LENGTH_CAP)
         self.max_length = int(max_length)
@@ -65,13 +77,14 @@ class Predictor:
         self.batch_size = batch_size
         self.info = info
 
-    def predict(self, texts: list[str]) -> list[dict[str, Any]]:
-        """One {"label", "score", "probabilities"} per text, in input order; texts are cleaned like prepare's."""
+    def predict(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
+        """One {"label", "score", "probabilities"} per text, in input order; texts are cleaned like prepare's.
+        with_logits: also "logits" (label -> the logit; a chunked text's, its windows' mean)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise UserError("predict takes a list of strings")
         results: list[dict[str, Any]] = []
         for start in range(0, len(texts), SORT_CHUNK):
-            results += self._predict_chunk(texts[start:start + SORT_CHUNK])
+            results += self._predict_chunk(texts[start:start + SORT_CHUNK], with_logits)
         return results
 
     def encode(self, texts: list[str]) -> list[dict[str, list[int]]]:
@@ -107,12 +120,27 @@ class Predictor:
             out.append([dict(zip(per_key, parts)) for parts in zip(*per_key.values())])
         return out
 
-    def _predict_chunk(self, texts: list[str]) -> list[dict[str, Any]]:
+    def logits(self, batch: dict) -> Any:
+        """Float32 logits (a CPU tensor) of one padded batch from the tokenizer, on this runtime."""
         import torch
 
-        if not texts:
+        if self.session is not None:
+            feeds = {"input_ids": batch["input_ids"].numpy().astype("int64"),
+                     "attention_mask": batch["attention_mask"].numpy().astype("int64")}
+            return torch.from_numpy(self.session.run(["logits"], feeds)[0]).float()
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return self.model(**batch).logits.float().cpu()
+
+    def _predict_chunk(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
+        return self.predict_encoded(self.encode_windows(texts), with_logits) if texts else []
+
+    def predict_encoded(self, per_text: list[list[dict[str, list[int]]]], with_logits: bool = False
+                        ) -> list[dict[str, Any]]:
+        """predict's answers for texts already encoded by encode_windows (one list of model inputs per text)."""
+        import torch
+
+        if not per_text:
             return []
-        per_text = self.encode_windows(texts)
         features = [f for windows_ in per_text for f in windows_]
         owner = [i for i, windows_ in enumerate(per_text) for _ in windows_]
         # Similar lengths in one batch means little padding; results are put back in input order.
@@ -122,18 +150,20 @@ class Predictor:
             for start in range(0, len(order), self.batch_size):
                 batch_ids = order[start:start + self.batch_size]
                 batch = self.tokenizer.pad([features[i] for i in batch_ids], return_tensors="pt")
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                logits[batch_ids] = self.model(**batch).logits.float().cpu()
+                logits[batch_ids] = self.logits(batch)
         # a text's score: the softmax of its windows' mean logits (one window: its own)
-        sums = torch.zeros(len(texts), len(self.labels), dtype=torch.float64)
+        sums = torch.zeros(len(per_text), len(self.labels), dtype=torch.float64)
         sums.index_add_(0, torch.tensor(owner), logits.double())
         counts = torch.tensor([len(w) for w in per_text], dtype=torch.float64)
-        probs = torch.softmax(sums / counts[:, None], dim=-1).float()
+        means = sums / counts[:, None]
+        probs = torch.softmax(means, dim=-1).float()
         results = []
-        for row in probs.tolist():
+        for row, mean in zip(probs.tolist(), means.float().tolist()):
             best = max(range(len(row)), key=row.__getitem__)
             results.append({"label": self.labels[best], "score": row[best],
                             "probabilities": dict(zip(self.labels, row))})
+            if with_logits:
+                results[-1]["logits"] = dict(zip(self.labels, mean))
         return results
 
 

@@ -29,7 +29,7 @@ from torchloom.serve.model import ModelIdentity
 
 log = logging.getLogger("torchloom.serve")
 
-ENDPOINTS = ("/v1/predict", "/v1/labels", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 # Worst case JSON size of one character (\uXXXX for a surrogate half, twice) plus per-item overhead.
 _BYTES_PER_CHAR = 12
 _BYTES_PER_ITEM = 8
@@ -75,6 +75,27 @@ class Prediction(BaseModel):
     label: str
     score: float = Field(description="probability of `label`")
     probabilities: dict[str, float] = Field(description="probability of every label")
+
+
+class TeiPrediction(BaseModel):
+    score: float = Field(description="the label's probability, or its logit with raw_scores")
+    label: str
+
+
+class TeiErrorResponse(BaseModel):
+    error: str
+    error_type: str = Field(description="Validation (413), Tokenizer (422), Empty (400), Overloaded (429),"
+                                        " Backend (424) or Unhealthy (503), as text-embeddings-inference says")
+
+
+def tei_schema(max_texts: int, max_chars: int) -> dict:
+    """The JSON schema of a TEI /predict body, with this server's limits."""
+    text = {"type": "string", "maxLength": max_chars}
+    return {"type": "object", "required": ["inputs"], "properties": {
+        "inputs": {"oneOf": [text, {"type": "array", "minItems": 1, "maxItems": max_texts, "items": {
+            "type": "array", "items": text, "minItems": 1, "maxItems": 1}}]},
+        "truncate": {"type": "boolean", "default": False},
+        "raw_scores": {"type": "boolean", "default": False}}}
 
 
 class ModelInfo(BaseModel):
@@ -155,6 +176,62 @@ def parse_texts(body: bytes, max_texts: int, max_chars: int) -> list[str]:
                                                  f" {max_chars} allowed; shorten it (the model reads only the"
                                                  " first tokens anyway)")
     return texts
+
+
+class TeiError(Exception):
+    """An error of the TEI-compatible route, answered the way text-embeddings-inference answers it:
+    {"error": message, "error_type": Validation | Tokenizer | Overloaded | Backend | Unhealthy | Empty}."""
+
+    STATUS = {"Validation": 413, "Tokenizer": 422, "Overloaded": 429, "Backend": 424, "Unhealthy": 503, "Empty": 400}
+
+    def __init__(self, error_type: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.error_type, self.message, self.headers = error_type, message, headers
+
+
+TEI_EXAMPLE = 'send JSON like {"inputs": "a text"} or {"inputs": [["first text"], ["second text"]]}'
+
+
+def parse_tei(body: bytes, max_texts: int, max_chars: int) -> tuple[list[str], bool, bool]:
+    """(texts, batched, raw_scores) of a TEI /predict body: `inputs` is a string, or a batch of one-string
+    lists. A pair of strings ([a, b] or [[a, b], ...]) is for cross-encoders and is refused."""
+    if not body.strip():
+        raise TeiError("Empty", f"the request body is empty; {TEI_EXAMPLE}")
+    try:
+        payload = json.loads(body.decode("utf-8").removeprefix("\ufeff"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TeiError("Tokenizer", f"the body is not UTF-8 JSON ({e}); {TEI_EXAMPLE}") from None
+    if not isinstance(payload, dict) or "inputs" not in payload:
+        raise TeiError("Tokenizer", f'the body has no "inputs" field; {TEI_EXAMPLE}')
+    for flag in ("truncate", "raw_scores"):
+        if not isinstance(payload.get(flag, False), bool):
+            raise TeiError("Tokenizer", f'"{flag}" is a {_json_type(payload[flag])}, not true or false')
+    inputs = payload["inputs"]
+    if isinstance(inputs, str):
+        texts, batched = [inputs], False
+    elif isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
+        raise TeiError("Tokenizer", f"a list of {len(inputs)} strings is a text pair (for cross-encoders); this model"
+                                    ' classifies single texts: send a batch as [["first"], ["second"]]')
+    elif isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
+        if any(len(x) != 1 or not isinstance(x[0], str) for x in inputs):
+            raise TeiError("Tokenizer", "every item of a batch must be a one-string list [\"text\"]; this model"
+                                        " classifies single texts, not pairs")
+        texts, batched = [x[0] for x in inputs], True
+    else:
+        raise TeiError("Empty" if inputs == [] else "Tokenizer",
+                       f'"inputs" must be a string or a non-empty batch of one-string lists; {TEI_EXAMPLE}')
+    if len(texts) > max_texts:
+        raise TeiError("Validation", f"batch size {len(texts)} > maximum allowed batch size {max_texts}")
+    for i, text in enumerate(texts):
+        if len(text) > max_chars:
+            raise TeiError("Validation", f"input {i} has {len(text)} characters, more than the {max_chars} allowed")
+    return texts, batched, payload.get("raw_scores", False)
+
+
+def tei_answer(prediction: dict[str, Any], raw_scores: bool) -> list[dict[str, Any]]:
+    """One text's TEI answer: every label with its probability (or its logit, raw_scores), highest first."""
+    scores = prediction["logits"] if raw_scores else prediction["probabilities"]
+    return sorted(({"score": float(v), "label": k} for k, v in scores.items()), key=lambda x: -x["score"])
 
 
 def _json_type(value: Any) -> str:
@@ -296,7 +373,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         return error_response(500, "internal_error", f"unexpected server error (error id {error_id}); see the"
                                                      " server log", error_id=error_id)
 
-    errors = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 500, 503)}
+    errors = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
 
     @app.get("/healthz", summary="the process is alive")
     async def healthz() -> dict[str, str]:
@@ -331,7 +408,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
             # Nobody to answer: the texts were dropped from the queue before the model saw them.
             return Response(status_code=499)
         except Overloaded as e:
-            raise ApiError(503, "overloaded", f"the server is at capacity ({e}); retry after"
+            raise ApiError(429, "overloaded", f"the server is at capacity ({e}); retry after"
                                               f" {e.retry_after} s", {"Retry-After": str(e.retry_after)}) from None
         except ShuttingDown:
             raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance",
@@ -339,8 +416,46 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         except ModelFailed as e:
             raise ApiError(500, "model_error", f"{e}; the server log has the traceback under this id",
                            error_id=e.error_id) from None
-        body = json.dumps({"model": model_info, "predictions": predictions}, ensure_ascii=False,
-                          separators=(",", ":"))
+        shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
+        body = json.dumps({"model": model_info, "predictions": shown}, ensure_ascii=False, separators=(",", ":"))
+        return Response(body.encode("utf-8"), media_type="application/json")
+
+    @app.exception_handler(TeiError)
+    async def tei_error(_request: Request, e: TeiError) -> JSONResponse:
+        return JSONResponse({"error": e.message, "error_type": e.error_type}, status_code=TeiError.STATUS[e.error_type],
+                            headers=e.headers)
+
+    @app.post(
+        "/predict", dependencies=[Depends(check_api_key)],
+        response_model=list[TeiPrediction] | list[list[TeiPrediction]],
+        summary="text-embeddings-inference's predict: every label's score per input, highest first",
+        description="TEI's request shape: `inputs` (a string, or a batch [[\"text\"], ...]), `truncate` (accepted;"
+                    " texts are always cut the way the model was trained), `raw_scores` (logits instead of"
+                    " probabilities). Errors are TEI's: {\"error\", \"error_type\"}.",
+        responses={401: errors[401],
+                   **{status: {"model": TeiErrorResponse} for status in (400, 413, 422, 424, 429, 503)}},
+        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+            "schema": tei_schema(max_texts, max_chars)}}}},
+    )
+    async def tei_predict(request: Request) -> Response:
+        try:
+            body = await read_body(request, body_limit)
+        except ApiError as e:
+            raise TeiError("Validation", e.message) from None
+        texts, batched, raw = parse_tei(body, max_texts, max_chars)
+        try:
+            predictions = await until_disconnect(request, backend.predict(texts))
+        except ClientGone:
+            return Response(status_code=499)
+        except Overloaded as e:
+            raise TeiError("Overloaded", f"model is overloaded ({e})", {"Retry-After": str(e.retry_after)}) from None
+        except ShuttingDown:
+            raise TeiError("Unhealthy", "the server is shutting down; retry on another instance",
+                           {"Retry-After": "1"}) from None
+        except ModelFailed as e:
+            raise TeiError("Backend", f"{e} (error id {e.error_id}; the server log has the traceback)") from None
+        answers = [tei_answer(p, raw) for p in predictions]
+        body = json.dumps(answers if batched else answers[0], ensure_ascii=False, separators=(",", ":"))
         return Response(body.encode("utf-8"), media_type="application/json")
 
     return app

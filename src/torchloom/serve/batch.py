@@ -203,7 +203,7 @@ def _is_text(arrow_type) -> bool:
 
 def predict_local(model_dir: str, input_path: str, output_path: str, text_column: str = "text",
                   batch_size: int = 32, device: str = "cpu", overwrite: bool = False,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, runtime: str = "torch") -> dict[str, Any]:
     """Predict every row of `input_path` into one Parquet file `output_path`; returns rows and seconds."""
     import pyarrow.parquet as pq
 
@@ -214,7 +214,7 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     schema, batches = _local_batches(input_path, fmt)
     text_is_string = text_column in schema.names and _is_text(schema.field(text_column).type)
     _check_schema(schema.names, text_is_string, text_column, input_path)
-    model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=default_threads())
+    model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=default_threads(), runtime=runtime)
 
     started = last_report = time.perf_counter()
     rows = 0
@@ -245,11 +245,11 @@ def _replace(tmp: Path, out: Path) -> None:
 # --- Spark engine ----------------------------------------------------------------------------------------
 
 # One model per (executor) Python process, kept across tasks: Spark reuses its Python workers.
-_MODELS: dict[tuple[str, str, int], Any] = {}
+_MODELS: dict[tuple[str, str, int, str], Any] = {}
 
 
-def _executor_model(model_dir: str, device: str, batch_size: int):
-    key = (model_dir, device, batch_size)
+def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str = "torch"):
+    key = (model_dir, device, batch_size, runtime)
     model = _MODELS.get(key)
     if model is None:
         from pyspark import TaskContext
@@ -259,13 +259,14 @@ def _executor_model(model_dir: str, device: str, batch_size: int):
         context = TaskContext.get()
         # Each concurrent task gets its own Python worker; give each the cores its task was granted.
         threads = context.cpus() if context is not None else 1
-        model = _MODELS[key] = ServedModel(model_dir, device=device, batch_size=batch_size, threads=threads)
+        model = _MODELS[key] = ServedModel(model_dir, device=device, batch_size=batch_size, threads=threads,
+                                           runtime=runtime)
     return model
 
 
 def _predict_partition(batches: Iterable[Any], model_dir: str, text_column: str, device: str,
-                       batch_size: int) -> Iterator[Any]:
-    model = _executor_model(model_dir, device, batch_size)
+                       batch_size: int, runtime: str = "torch") -> Iterator[Any]:
+    model = _executor_model(model_dir, device, batch_size, runtime)
     for batch in batches:
         if batch.num_rows:
             yield predict_record_batch(model, batch, text_column)
@@ -284,7 +285,8 @@ def _spark_read(spark, path: str, fmt: str):
 
 
 def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text_column: str = "text",
-                  batch_size: int = 32, device: str = "cpu", overwrite: bool = False) -> dict[str, Any]:
+                  batch_size: int = 32, device: str = "cpu", overwrite: bool = False,
+                  runtime: str = "torch") -> dict[str, Any]:
     """Predict every row of `input_path` with Spark into the Parquet directory `output_path`."""
     from pyspark.errors import AnalysisException
     from pyspark.sql.types import DoubleType, MapType, StringType, StructField, StructType
@@ -292,6 +294,10 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     from torchloom.model.export import check_exported
 
     check_exported(model_dir)
+    if runtime == "onnx":
+        from torchloom.model.onnx import onnx_file
+
+        onnx_file(model_dir)  # here, before a job whose every task would fail on it
     _check_paths(input_path, output_path, overwrite, local_only=False)
     model_dir = os.path.abspath(model_dir)  # executors may run elsewhere in the same file system
     fmt = input_format(input_path) if "://" not in input_path else FORMATS.get(Path(input_path).suffix, "parquet")
@@ -306,7 +312,7 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
                              StructField("score", DoubleType()),
                              StructField("probabilities", MapType(StringType(), DoubleType()))])
     predict = partial(_predict_partition, model_dir=model_dir, text_column=text_column, device=device,
-                      batch_size=batch_size)
+                      batch_size=batch_size, runtime=runtime)
     result = df.mapInArrow(predict, out_schema)
     result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
     rows = spark.read.parquet(output_path).count()

@@ -1,13 +1,16 @@
 """Dynamic micro-batching: concurrent requests are merged into model batches on one worker thread.
 
-Requests are cut into chunks of at most `max_batch_size` texts and queued. A batch is the oldest chunks
-that fit in `max_batch_size` texts; it goes to the model once it is full or its oldest chunk has waited
-`max_wait_ms`, and at once when nobody else is likely to join it: the batcher keeps a moving average of
-how many other requests were in flight when each one arrived, and below one (a lone client, or light
-load) waiting would only add latency, so it does not wait (unless adaptive_wait is off). The model
-runs on a single worker thread so batches never compete for the cores, and the event loop stays free
-to accept requests meanwhile. The queue is bounded in texts: a request that would
-overfill it is refused at once (the server answers 503) instead of growing memory and latency.
+With an `encode` function, a request's texts are tokenized first (on a tokenizer thread, so the event
+loop stays free) and each text's `cost` is known: (rows, longest row in tokens). Requests are cut into
+chunks of at most `max_batch_size` texts and `max_batch_tokens` padded tokens (rows x longest row, which
+is what a padded forward computes) and queued. A batch is the oldest chunks that fit in both limits; it
+goes to the model once it is full or its oldest chunk has waited `max_wait_ms`, and at once when nobody
+else is likely to join it: the batcher keeps a moving average of how many other requests were in flight
+when each one arrived, and below one (a lone client, or light load) waiting would only add latency, so
+it does not wait (unless adaptive_wait is off). The model sorts a batch's rows by length before padding.
+It runs on a single worker thread so batches never compete for the cores. The queue is bounded in texts:
+a request that would overfill it is refused at once (the server answers 429 with Retry-After) instead of
+growing memory and latency. A single text over the token budget still runs, alone.
 """
 
 from __future__ import annotations
@@ -51,18 +54,30 @@ class ModelFailed(Exception):
 class _Chunk:
     texts: list[str]
     future: asyncio.Future
+    items: list[Any]  # what the model takes: the texts, or their encodings
+    costs: list[tuple[int, int]]  # per text: (rows, longest row in tokens); (1, 0) without encode
     queued_at: float = field(default_factory=time.monotonic)
+
+
+def padded_tokens(costs: list[tuple[int, int]]) -> int:
+    """Tokens a padded forward of these texts computes: all their rows x the longest row."""
+    return sum(rows for rows, _ in costs) * max((longest for _, longest in costs), default=0)
 
 
 class MicroBatcher:
     """Runs `predict(texts) -> results` (one result per text, in order) on merged batches from many callers."""
 
-    def __init__(self, predict: Callable[[list[str]], list[Any]], max_batch_size: int = 32,
+    def __init__(self, predict: Callable[[list[Any]], list[Any]], max_batch_size: int = 32,
                  max_wait_ms: float = 5.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
-                 adaptive_wait: bool = True) -> None:
-        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0:
-            raise ValueError("max_batch_size and max_queue must be >= 1 and max_wait_ms >= 0")
+                 adaptive_wait: bool = True, encode: Callable[[list[str]], list[Any]] | None = None,
+                 cost: Callable[[Any], tuple[int, int]] | None = None, max_batch_tokens: int = 0) -> None:
+        """predict takes what encode returns (or the texts, without encode); cost gives an encoded text's
+        (rows, longest row); max_batch_tokens 0: no token limit."""
+        if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0 or max_batch_tokens < 0:
+            raise ValueError("max_batch_size and max_queue must be >= 1, max_wait_ms and max_batch_tokens >= 0")
         self._predict = predict
+        self._encode, self._cost = encode, cost
+        self.max_batch_tokens = max_batch_tokens if encode is not None and cost is not None else 0
         self.max_batch_size = max_batch_size
         self.max_wait = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -74,6 +89,7 @@ class MicroBatcher:
         self._closing = False
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
+        self._tokenizer: ThreadPoolExecutor | None = None
         self._in_flight = 0  # requests submitted and not yet answered
         self._concurrency = 0.0  # moving average of other requests in flight at each arrival
 
@@ -83,6 +99,8 @@ class MicroBatcher:
 
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
+        if self._encode is not None:
+            self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-tokenize")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="torchloom-batcher")
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -96,22 +114,48 @@ class MicroBatcher:
         if self._pending + len(texts) > self.max_queue:
             raise Overloaded(self._pending, self.max_queue)
         loop = asyncio.get_running_loop()
-        chunks = [_Chunk(texts[i:i + self.max_batch_size], loop.create_future())
-                  for i in range(0, len(texts), self.max_batch_size)]
         self._concurrency = 0.9 * self._concurrency + 0.1 * self._in_flight
-        self._queue.extend(chunks)
-        self._pending += len(texts)
-        self._wakeup.set()
-        # A cancelled request (client gone) cancels its chunks; the batcher then skips them.
+        self._pending += len(texts)  # the room is taken now: tokenizing below lets other requests in
         self._in_flight += 1
+        queued = False
         try:
+            if self._encode is not None:
+                started = time.perf_counter()
+                items = await loop.run_in_executor(self._tokenizer, self._encode, texts)
+                self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+                costs = [self._cost(item) for item in items] if self._cost is not None else [(1, 0)] * len(texts)
+            else:
+                items, costs = list(texts), [(1, 0)] * len(texts)
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            chunks = [_Chunk(texts[a:b], loop.create_future(), items[a:b], costs[a:b])
+                      for a, b in self._cut(costs)]
+            self._queue.extend(chunks)
+            queued = True
+            self._wakeup.set()
+            # A cancelled request (client gone) cancels its chunks; the batcher then skips them.
             parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
         finally:
             self._in_flight -= 1
+            if not queued:
+                self._pending -= len(texts)
         for part in parts:
             if isinstance(part, BaseException):
                 raise part
         return [result for part in parts for result in part]
+
+    def _cut(self, costs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """[start, stop) ranges of a request's texts: at most max_batch_size texts and max_batch_tokens
+        padded tokens each (one text over the budget alone)."""
+        ranges, start = [], 0
+        for i in range(1, len(costs) + 1):
+            if i == len(costs):
+                ranges.append((start, i))
+            elif i - start + 1 > self.max_batch_size or (
+                    self.max_batch_tokens and padded_tokens(costs[start:i + 1]) > self.max_batch_tokens):
+                ranges.append((start, i))
+                start = i
+        return ranges
 
     async def close(self) -> None:
         """Stop taking requests, finish everything queued, stop the worker thread."""
@@ -121,6 +165,8 @@ class MicroBatcher:
             await self._task
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        if self._tokenizer is not None:
+            self._tokenizer.shutdown(wait=True)
 
     async def _run(self) -> None:
         while True:
@@ -145,6 +191,7 @@ class MicroBatcher:
         """The next batch: the oldest chunks that fit, waiting up to max_wait for more while there is room."""
         batch: list[_Chunk] = []
         size = 0
+        costs: list[tuple[int, int]] = []
         while True:
             full = False
             while self._queue:
@@ -155,11 +202,13 @@ class MicroBatcher:
                     if chunk.future.cancelled():
                         self.metrics.dropped.inc(amount=len(chunk.texts))
                     continue
-                if size + len(chunk.texts) > self.max_batch_size:
+                if batch and (size + len(chunk.texts) > self.max_batch_size or (
+                        self.max_batch_tokens and padded_tokens(costs + chunk.costs) > self.max_batch_tokens)):
                     full = True
                     break
                 batch.append(self._queue.popleft())
                 size += len(chunk.texts)
+                costs += chunk.costs
             if full or size >= self.max_batch_size or self._closing or not batch:
                 return batch
             if self.adaptive_wait and self._concurrency < 0.5:
@@ -185,8 +234,12 @@ class MicroBatcher:
         self._pending -= len(texts)
         self.metrics.batch_size.observe(len(texts))
         started = time.perf_counter()
+        for chunk in batch:
+            self.metrics.queue_seconds.observe(time.monotonic() - chunk.queued_at)
+        if self._encode is not None:
+            self.metrics.batch_tokens.observe(padded_tokens([c for chunk in batch for c in chunk.costs]))
         try:
-            results = await self.run_in_worker(self._predict_checked, texts)
+            results = await self.run_in_worker(self._predict_checked, [i for chunk in batch for i in chunk.items])
         except Exception as e:
             await self._isolate(batch, e)
             return
@@ -207,7 +260,7 @@ class MicroBatcher:
             if chunk.future.done():
                 continue
             try:
-                _settle(chunk, result=await self.run_in_worker(self._predict_checked, chunk.texts))
+                _settle(chunk, result=await self.run_in_worker(self._predict_checked, chunk.items))
                 self.metrics.texts.inc(amount=len(chunk.texts))
             except Exception as e:
                 self._fail(chunk, e)
@@ -219,10 +272,10 @@ class MicroBatcher:
                   exc_info=error)
         _settle(chunk, exc=ModelFailed(error_id))
 
-    def _predict_checked(self, texts: list[str]) -> list[Any]:
-        results = self._predict(texts)
-        if len(results) != len(texts):
-            raise RuntimeError(f"the model returned {len(results)} results for {len(texts)} texts")
+    def _predict_checked(self, items: list[Any]) -> list[Any]:
+        results = self._predict(items)
+        if len(results) != len(items):
+            raise RuntimeError(f"the model returned {len(results)} results for {len(items)} texts")
         return results
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def _escape(value: str) -> str:
@@ -100,8 +101,16 @@ class ServeMetrics:
                                  LATENCY_BUCKETS, ("endpoint",))
         self.batch_size = Histogram("torchloom_batch_size", "Texts per model forward batch.", BATCH_BUCKETS)
         self.batch_seconds = Histogram("torchloom_batch_duration_seconds",
-                                       "Time one batch spends in the model (cleaning, tokenizing, forward).",
+                                       "Time one batch spends in the model (forward and softmax; cleaning and"
+                                       " tokenizing too where the request was not tokenized first).",
                                        LATENCY_BUCKETS)
+        self.batch_tokens = Histogram("torchloom_batch_tokens", "Padded tokens per model forward batch (rows x"
+                                      " the longest row): what the forward computes.", TOKEN_BUCKETS)
+        self.queue_seconds = Histogram("torchloom_queue_duration_seconds",
+                                       "Time a request's texts wait in the queue before their batch starts.",
+                                       LATENCY_BUCKETS)
+        self.tokenize_seconds = Histogram("torchloom_tokenize_duration_seconds",
+                                          "Time to clean and tokenize one request's texts.", LATENCY_BUCKETS)
         self.texts = Counter("torchloom_texts_total", "Texts predicted.")
         self.dropped = Counter("torchloom_texts_dropped_total",
                                "Texts dropped before the model because their client disconnected.")
@@ -110,7 +119,8 @@ class ServeMetrics:
 
     def render(self) -> str:
         lines: list[str] = []
-        for metric in (self.requests, self.latency, self.batch_size, self.batch_seconds, self.texts,
-                       self.dropped, self.model_errors, self.queue_depth):
+        for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
+                       self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped, self.model_errors,
+                       self.queue_depth):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

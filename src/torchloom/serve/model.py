@@ -75,7 +75,7 @@ class ServedModel:
     """
 
     def __init__(self, model_dir: str, device: str = "cpu", precision: str = "auto", batch_size: int = 32,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, runtime: str = "torch") -> None:
         import torch
         import transformers
 
@@ -87,8 +87,15 @@ class ServedModel:
             # One inference stream owns the cores; more threads than cores only adds contention.
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
-        self.precision = resolve_precision(precision, self.device)
-        self.predictor = Predictor(model_dir, device=self.device, batch_size=batch_size)
+        if runtime == "onnx" and precision not in ("auto", "fp32"):
+            raise UserError(f"--precision {precision}: the ONNX runtime runs the exported graph as it is (fp32, or"
+                            " int8 weights with --format onnx-int8); leave --precision auto")
+        self.precision = resolve_precision(precision, self.device) if runtime == "torch" else "fp32"
+        self.runtime = runtime
+        self.predictor = Predictor(model_dir, device=self.device, batch_size=batch_size, runtime=runtime,
+                                   threads=threads)
+        if runtime == "onnx":
+            self.precision = "int8" if self.predictor.onnx_file.name.endswith(".int8.onnx") else "fp32"
         self.labels = list(self.predictor.labels)
         self.max_length = self.predictor.max_length
         self.identity = model_identity(model_dir, self.predictor.info, self.labels)
@@ -96,14 +103,30 @@ class ServedModel:
     def _autocast(self):
         import torch
 
-        if self.precision == "fp32":
+        if self.precision in ("fp32", "int8"):
             return contextlib.nullcontext()
         device_type = self.device.split(":", 1)[0]
         return torch.autocast(device_type=device_type, dtype=getattr(torch, _DTYPES[self.precision]))
 
     def predict(self, texts: list[str]) -> list[dict[str, Any]]:
+        """Predictor.predict's answers, with each text's logits (TEI's raw_scores)."""
         with self._autocast():
-            return self.predictor.predict(texts)
+            return self.predictor.predict(texts, with_logits=True)
+
+    def encode(self, texts: list[str]) -> list[list[dict[str, list[int]]]]:
+        """Each text's model inputs (cleaned and cut like training's): the server tokenizes before queueing,
+        so batches can be bounded in tokens."""
+        return self.predictor.encode_windows(texts)
+
+    def predict_encoded(self, encoded: list[list[dict[str, list[int]]]]) -> list[dict[str, Any]]:
+        with self._autocast():
+            return self.predictor.predict_encoded(encoded, with_logits=True)
+
+    @staticmethod
+    def cost(encoded: list[dict[str, list[int]]]) -> tuple[int, int]:
+        """(rows, tokens of the longest) one encoded text adds to a batch: a padded batch computes
+        rows x longest tokens."""
+        return len(encoded), max(len(f["input_ids"]) for f in encoded)
 
     def warm_up(self) -> None:
         """One short and one full-length forward, so the first client doesn't pay for lazy initialisation."""

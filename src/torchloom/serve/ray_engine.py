@@ -56,7 +56,7 @@ class RayBackend:
 
         self.settings = settings
         self.model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
-                                 batch_size=settings.max_batch_size, threads=threads)
+                                 batch_size=settings.max_batch_size, threads=threads, runtime=settings.runtime)
         self.identity = self.model.identity
         self._pending = 0
         self._ready = False

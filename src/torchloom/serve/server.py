@@ -29,8 +29,9 @@ class LocalBackend:
         self.model = model
         self.identity = model.identity
         self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth)
-        self.batcher = MicroBatcher(model.predict, settings.max_batch_size, settings.max_wait_ms,
-                                    settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait)
+        self.batcher = MicroBatcher(model.predict_encoded, settings.max_batch_size, settings.max_wait_ms,
+                                    settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait,
+                                    encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens)
         self._ready = False
         self._warm_up_task: asyncio.Task | None = None
 
@@ -111,7 +112,7 @@ def run_local(settings: ServeSettings) -> int:
     sock = listen(settings.host, settings.port)  # first: a taken port fails in a second, not after the load
     try:
         model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
-                            batch_size=settings.max_batch_size, threads=default_threads())
+                            batch_size=settings.max_batch_size, threads=default_threads(), runtime=settings.runtime)
     except BaseException:
         sock.close()
         raise
@@ -120,8 +121,8 @@ def run_local(settings: ServeSettings) -> int:
     identity = model.identity
     # One line on stdout that scripts (and the tests) can wait for; the socket already queues connections.
     print(f"torchloom serve: listening on {url_of(sock)} (model {identity.name} {identity.version},"
-          f" device {model.device}, precision {model.precision}, max batch {settings.max_batch_size},"
-          f" max wait {settings.max_wait_ms:g} ms)", flush=True)
+          f" device {model.device}, runtime {model.runtime}, precision {model.precision},"
+          f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms)", flush=True)
 
     stop_signal: list[int] = []
     # uvicorn re-raises the signal it stopped on once it has drained; this handler turns that into exit 0.

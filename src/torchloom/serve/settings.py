@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torchloom.errors import UserError
 
 ENGINES = ("local", "ray")
+RUNTIMES = ("torch", "onnx")
 API_KEY_ENV = "TORCHLOOM_API_KEY"
 
 
@@ -19,14 +20,16 @@ class ServeSettings:
     engine: str = "local"
     replicas: int = 1  # ray only
     max_batch_size: int = 32  # texts per model forward
+    max_batch_tokens: int = 8192  # padded tokens (rows x longest) per model forward; 0: no limit
     max_wait_ms: float = 5.0  # how long the oldest queued text waits for a batch to fill
     fixed_wait: bool = False  # wait max_wait_ms even when no other request is in flight (default: adaptive)
-    max_queue: int = 1024  # texts accepted and waiting; more -> 503
+    max_queue: int = 1024  # texts accepted and waiting; more -> 429
     max_texts_per_request: int = 256
     max_text_chars: int = 20_000
     api_key: str | None = None  # bearer token for /v1/*; also read from TORCHLOOM_API_KEY
     device: str = "auto"
     precision: str = "auto"
+    runtime: str = "torch"  # or onnx: the exported model.onnx / model.int8.onnx on ONNX Runtime
     drain_timeout_s: float = 30.0  # after SIGTERM, in-flight requests get this long to finish
 
     def __post_init__(self) -> None:
@@ -41,10 +44,12 @@ class ServeSettings:
     def check(self) -> ServeSettings:
         checks = [
             (self.engine in ENGINES, f"--engine {self.engine}: unknown; use one of {', '.join(ENGINES)}"),
+            (self.runtime in RUNTIMES, f"--runtime {self.runtime}: unknown; use one of {', '.join(RUNTIMES)}"),
             (0 <= self.port <= 65535, f"--port {self.port}: must be 0..65535 (0 picks a free port)"),
             (self.replicas >= 1, f"--replicas {self.replicas}: must be at least 1"),
             (self.max_batch_size >= 1, f"--max-batch-size {self.max_batch_size}: must be at least 1"),
             (self.max_wait_ms >= 0, f"--max-wait-ms {self.max_wait_ms}: must be 0 or more"),
+            (self.max_batch_tokens >= 0, f"--max-batch-tokens {self.max_batch_tokens}: must be 0 (no limit) or more"),
             (self.max_queue >= 1, f"--max-queue {self.max_queue}: must be at least 1"),
             (self.max_texts_per_request >= 1,
              f"--max-texts-per-request {self.max_texts_per_request}: must be at least 1"),

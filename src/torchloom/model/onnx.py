@@ -1,0 +1,275 @@
+"""ONNX exports of an exported model, each behind a parity gate, and the ONNX Runtime session that runs them.
+
+`export_onnx` writes model.onnx (fp32: torch.onnx.export with torch.export, dynamic batch and sequence
+axes, opset 18) and, for onnx-int8, model.int8.onnx (ONNX Runtime's dynamic quantization: int8
+weights of every MatMul, activations quantized per batch). Before either file is kept, the gate scores
+held-out prepared rows with PyTorch and with ONNX Runtime:
+
+- fp32: the largest |logit difference| must be <= FP32_MAX_LOGIT_DIFF and every row's argmax equal;
+- int8: accuracy (per text, so chunked texts count once) may drop by at most INT8_MAX_ACCURACY_LOSS.
+
+A failed gate writes nothing and is a one-line error with the numbers; a passed one is recorded in
+torchloom.json ("onnx") with the file `--runtime onnx` loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchloom.errors import UserError, missing_extra
+from torchloom.model.export import EXPORT_INFO_FILE, check_exported, read_export_info
+
+FORMATS = ("hf", "onnx", "onnx-int8")
+ONNX_FILE = "model.onnx"
+INT8_FILE = "model.int8.onnx"
+OPSET = 18
+FP32_MAX_LOGIT_DIFF = 1e-3
+INT8_MAX_ACCURACY_LOSS = 0.01
+GATE_BATCH = 32
+
+
+@dataclass
+class GateRows:
+    """Held-out prepared rows: token ids as prepare cut them, label ids, and (truncation chunks) the text
+    each row is a window of, numbered from 0; None when every row is a text."""
+
+    split: str
+    input_ids: list[list[int]]
+    labels: np.ndarray
+    docs: np.ndarray | None = None
+
+
+def require_onnxruntime():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise missing_extra("the ONNX runtime", "onnx") from None
+    return onnxruntime
+
+
+def session(path: str | Path, threads: int | None = None, device: str = "cpu"):
+    """An ONNX Runtime session for `path`: CPU, or CUDA when device is cuda and this onnxruntime has it."""
+    ort = require_onnxruntime()
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: no per-node placement chatter on the user's terminal
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    providers = ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise UserError("--runtime onnx --device cuda: this onnxruntime has no CUDA provider; install"
+                            " onnxruntime-gpu in place of onnxruntime, or use --device cpu")
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        providers = [("CUDAExecutionProvider", {"device_id": int(index)}), "CPUExecutionProvider"]
+    return ort.InferenceSession(str(path), options, providers=providers)
+
+
+def onnx_file(model_dir: str | Path) -> Path:
+    """The ONNX file `--runtime onnx` runs for this exported model (int8 when that was exported)."""
+    info = read_export_info(model_dir).get("onnx") or {}
+    path = Path(model_dir) / info.get("file", "")
+    if not info.get("file") or not path.is_file():
+        raise UserError(f"model dir {model_dir}: no ONNX export there; run torchloom export --format onnx (or"
+                        " onnx-int8) on the run first, or use --runtime torch")
+    return path
+
+
+def logits_of(run: Callable[[np.ndarray, np.ndarray], np.ndarray], input_ids: list[list[int]], pad_id: int,
+              batch: int = GATE_BATCH) -> np.ndarray:
+    """`run(ids, mask)` over rows of different lengths: sorted by length into padded batches, logits back in
+    row order (float32)."""
+    order = sorted(range(len(input_ids)), key=lambda i: len(input_ids[i]))
+    out: np.ndarray | None = None
+    for start in range(0, len(order), batch):
+        take = order[start:start + batch]
+        width = max(len(input_ids[i]) for i in take)
+        ids = np.full((len(take), width), pad_id, np.int64)
+        mask = np.zeros((len(take), width), np.int64)
+        for row, i in enumerate(take):
+            ids[row, :len(input_ids[i])] = input_ids[i]
+            mask[row, :len(input_ids[i])] = 1
+        logits = np.asarray(run(ids, mask), np.float32)
+        if out is None:
+            out = np.zeros((len(input_ids), logits.shape[1]), np.float32)
+        out[take] = logits
+    return out if out is not None else np.zeros((0, 0), np.float32)
+
+
+def text_accuracy(logits: np.ndarray, rows: GateRows) -> float:
+    """Accuracy per text: a chunked text's windows' logits are averaged first, as every inference path does."""
+    if not len(logits):
+        return 0.0
+    if rows.docs is None:
+        return float(np.mean(logits.argmax(1) == rows.labels))
+    found, first, inverse = np.unique(rows.docs, return_index=True, return_inverse=True)
+    sums = np.zeros((len(found), logits.shape[1]), np.float64)
+    np.add.at(sums, inverse, logits)
+    return float(np.mean(sums.argmax(1) == rows.labels[first]))
+
+
+def _torch_model(model_dir: Path):
+    import torch
+    import transformers
+    from transformers import AutoModelForSequenceClassification
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).eval()
+
+    class Logits(torch.nn.Module):  # the graph's one output, named: logits
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    return Logits(model), int(getattr(model.config, "pad_token_id", None) or 0), model.config
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.onnx and the quantizer print progress lines and warnings meant for their developers."""
+    import warnings
+
+    loggers = [logging.getLogger(name) for name in ("", "torch.onnx", "torch._dynamo", "torch.export", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    buffer = io.StringIO()
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(buffer):
+            warnings.simplefilter("ignore")
+            yield buffer
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _to_onnx(wrapper, config, path: Path) -> None:
+    import torch
+
+    positions = int(getattr(config, "max_position_embeddings", 0) or 512)
+    batch, seq = torch.export.Dim("batch", min=1, max=65536), torch.export.Dim("seq", min=2, max=positions)
+    example = (torch.randint(1000, 2000, (2, 16)), torch.ones(2, 16, dtype=torch.int64))
+    with _quiet() as said:
+        try:
+            torch.onnx.export(wrapper, example, str(path), input_names=["input_ids", "attention_mask"],
+                              output_names=["logits"], dynamo=True, opset_version=OPSET, verbose=False,
+                              external_data=False, dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+        except Exception as e:
+            lines = [line for line in (str(e) or said.getvalue()).splitlines() if line.strip()]
+            raise UserError(f"export --format onnx: torch.onnx.export failed ({type(e).__name__}: "
+                            f"{lines[0] if lines else 'no message'}); export with --export.format hf") from None
+
+
+def _quantize(src: Path, dest: Path) -> None:
+    require_onnxruntime()
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with _quiet():
+        quantize_dynamic(str(src), str(dest), weight_type=QuantType.QInt8)
+
+
+def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | None = None,
+                say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+    """Write the ONNX file(s) of `fmt` into the exported `model_dir` if they pass the gate on `rows`;
+    returns what torchloom.json's "onnx" then holds."""
+    if fmt not in ("onnx", "onnx-int8"):
+        raise ValueError(f"format {fmt!r}")
+    import torch
+
+    require_onnxruntime()
+    model_dir = check_exported(model_dir)
+    if not rows.input_ids:
+        raise UserError(f"export --format {fmt}: the {rows.split} split has no rows to check the ONNX model on;"
+                        " prepare with a non-zero prepare.test_fraction or val_fraction")
+    started = time.perf_counter()
+    wrapper, pad_id, config = _torch_model(model_dir)
+    tmp = model_dir / f".onnx-tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        say(f"onnx: exporting {model_dir} (opset {OPSET}, dynamic batch and sequence axes)")
+        _to_onnx(wrapper, config, tmp / ONNX_FILE)
+        with torch.inference_mode():
+            def run_torch(ids, mask):
+                return wrapper(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
+
+            reference = logits_of(run_torch, rows.input_ids, pad_id)
+        fp32 = logits_of(_runner(tmp / ONNX_FILE, threads), rows.input_ids, pad_id)
+        texts = int(len(np.unique(rows.docs))) if rows.docs is not None else len(rows.input_ids)
+        torch_accuracy = text_accuracy(reference, rows)
+        gate: dict[str, Any] = {
+            "split": rows.split, "rows": len(rows.input_ids), "texts": texts, "torch_accuracy": torch_accuracy,
+            "fp32": _compare(reference, fp32, rows, torch_accuracy),
+        }
+        diff, agree = gate["fp32"]["max_abs_logit_diff"], gate["fp32"]["argmax_agreement"]
+        if diff > FP32_MAX_LOGIT_DIFF or agree < 1.0:
+            raise UserError(f"export --format {fmt}: the ONNX model failed its parity gate on {len(rows.input_ids)}"
+                            f" {rows.split} rows (max |logit difference| {diff:.2e}, limit {FP32_MAX_LOGIT_DIFF:g};"
+                            f" argmax agreement {agree:.4f}, must be 1); nothing was written; serve with"
+                            " --runtime torch")
+        say(f"onnx: fp32 gate passed on {len(rows.input_ids)} {rows.split} rows: max |logit difference| {diff:.1e}"
+            f" (limit {FP32_MAX_LOGIT_DIFF:g}), argmax agreement {agree:.4f}")
+        files = [ONNX_FILE]
+        if fmt == "onnx-int8":
+            _quantize(tmp / ONNX_FILE, tmp / INT8_FILE)
+            int8 = logits_of(_runner(tmp / INT8_FILE, threads), rows.input_ids, pad_id)
+            gate["int8"] = _compare(reference, int8, rows, torch_accuracy)
+            loss = gate["int8"]["accuracy_loss"]
+            if loss > INT8_MAX_ACCURACY_LOSS:
+                raise UserError(f"export --format onnx-int8: the int8 model failed its gate on {texts} {rows.split}"
+                                f" texts (accuracy {gate['int8']['accuracy']:.4f} against PyTorch's"
+                                f" {torch_accuracy:.4f}: {100 * loss:.2f} points lost, limit"
+                                f" {100 * INT8_MAX_ACCURACY_LOSS:g}); nothing was written; use --export.format onnx")
+            say(f"onnx: int8 gate passed on {texts} {rows.split} texts: accuracy {gate['int8']['accuracy']:.4f}"
+                f" against PyTorch's {torch_accuracy:.4f} ({100 * loss:+.2f} points lost, limit"
+                f" {100 * INT8_MAX_ACCURACY_LOSS:g})")
+            files.append(INT8_FILE)
+        onnx_info = {"format": fmt, "file": files[-1], "files": files, "opset": OPSET,
+                     "gate": gate, "limits": {"fp32_max_abs_logit_diff": FP32_MAX_LOGIT_DIFF,
+                                              "int8_max_accuracy_loss": INT8_MAX_ACCURACY_LOSS},
+                     "seconds": round(time.perf_counter() - started, 2)}
+        for name in (ONNX_FILE, INT8_FILE):  # an older export's files go; the new ones come in whole
+            if (model_dir / name).exists() and name not in files:
+                (model_dir / name).unlink()
+        for name in files:
+            os.replace(tmp / name, model_dir / name)
+        info = read_export_info(model_dir)
+        info["onnx"] = onnx_info
+        staged = tmp / EXPORT_INFO_FILE
+        staged.write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+        os.replace(staged, model_dir / EXPORT_INFO_FILE)
+        return onnx_info
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _runner(path: Path, threads: int | None):
+    s = session(path, threads)
+
+    def run(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return s.run(["logits"], {"input_ids": ids, "attention_mask": mask})[0]
+
+    return run
+
+
+def _compare(reference: np.ndarray, got: np.ndarray, rows: GateRows, torch_accuracy: float) -> dict[str, float]:
+    accuracy = text_accuracy(got, rows)
+    return {"max_abs_logit_diff": float(np.abs(got - reference).max()),
+            "argmax_agreement": float(np.mean(got.argmax(1) == reference.argmax(1))),
+            "accuracy": accuracy, "accuracy_loss": round(torch_accuracy - accuracy, 6)}
