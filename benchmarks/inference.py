@@ -1,4 +1,5 @@
-"""Inference runtimes on this machine: PyTorch eager against ONNX Runtime fp32 and int8, one run.
+"""Inference runtimes on this machine: PyTorch eager (fp32, and bf16 autocast as `serve --precision bf16`)
+against ONNX Runtime fp32 and int8, one run.
 
     .venv/bin/python benchmarks/inference.py RUN_DIR [--rounds 3] [--single 64]
 
@@ -70,23 +71,30 @@ def main() -> int:
         (fp32_dir / "torchloom.json").write_text(info)
         runtimes = {
             "PyTorch eager (fp32)": lambda b: Predictor(str(model_dir), batch_size=b),
+            "PyTorch eager, bf16 autocast": lambda b: Predictor(str(model_dir), batch_size=b),
             "ONNX Runtime fp32": lambda b: Predictor(str(fp32_dir), batch_size=b, runtime="onnx", threads=threads),
             "ONNX Runtime int8": lambda b: Predictor(str(model_dir), batch_size=b, runtime="onnx", threads=threads),
         }
         accuracy, batch32, batch1 = {}, {name: [] for name in runtimes}, {name: [] for name in runtimes}
         loaded = {name: (make(32), make(1)) for name, make in runtimes.items()}
+        def call(name, predictor, batch):
+            if "bf16" in name:  # what serve --precision bf16 does on CPU
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return predictor.predict(batch)
+            return predictor.predict(batch)
+
         for name, (p32, _) in loaded.items():
-            predicted = [p["label"] for p in p32.predict(texts)]
+            predicted = [p["label"] for p in call(name, p32, texts)]
             accuracy[name] = float(np.mean([manifest.labels[y] == p for y, p in zip(labels, predicted)]))
         single = texts[:args.single]
         for r in range(args.rounds):
             for name, (p32, p1) in loaded.items():
                 t = time.perf_counter()
-                p32.predict(texts)
+                call(name, p32, texts)
                 batch32[name].append(len(texts) / (time.perf_counter() - t))
                 t = time.perf_counter()
                 for text in single:
-                    p1.predict([text])
+                    call(name, p1, [text])
                 batch1[name].append(len(single) / (time.perf_counter() - t))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
                 f"{name} {batch32[name][-1]:.0f}/{batch1[name][-1]:.0f} texts/s" for name in runtimes))
