@@ -143,3 +143,12 @@ def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     out = np.zeros_like(numerator)
     np.divide(numerator, denominator, out=out, where=denominator > 0)
     return out
+
+
+def mean_by_text(logits, docs):
+    """(mean logits per text in float64, each text's first position in `docs`): how every path turns a
+    chunked text's windows into one score. docs: the text each row of `logits` is a window of."""
+    found, first, inverse = np.unique(docs, return_index=True, return_inverse=True)
+    sums = np.zeros((len(found), logits.shape[1]), np.float64)
+    np.add.at(sums, inverse, logits.astype(np.float64))
+    return sums / np.bincount(inverse, minlength=len(found))[:, None], first

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from torchloom.errors import UserError, missing_extra
+from torchloom.evaluate.metrics import mean_by_text
 from torchloom.model.export import EXPORT_INFO_FILE, check_exported, read_export_info
 
 FORMATS = ("hf", "onnx", "onnx-int8")
@@ -116,10 +117,8 @@ def text_accuracy(logits: np.ndarray, rows: GateRows) -> float:
         return 0.0
     if rows.docs is None:
         return float(np.mean(logits.argmax(1) == rows.labels))
-    found, first, inverse = np.unique(rows.docs, return_index=True, return_inverse=True)
-    sums = np.zeros((len(found), logits.shape[1]), np.float64)
-    np.add.at(sums, inverse, logits)
-    return float(np.mean(sums.argmax(1) == rows.labels[first]))
+    mean, first = mean_by_text(logits, rows.docs)
+    return float(np.mean(mean.argmax(1) == rows.labels[first]))
 
 
 def _torch_model(model_dir: Path):

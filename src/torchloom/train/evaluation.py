@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import torch
 
 from torchloom.data.loader import eval_batches, rank_range
-from torchloom.evaluate.metrics import classification_metrics
+from torchloom.evaluate.metrics import classification_metrics, mean_by_text
 from torchloom.manifest import Manifest
 from torchloom.train.distributed import Dist, all_gather_objects
 from torchloom.train.precision import autocast
@@ -88,12 +88,9 @@ def to_documents(manifest: Manifest, split: str, logits: np.ndarray, labels: np.
     if docs is None or not len(logits):
         return softmax(logits.astype(np.float64)).astype(np.float32), labels, index
     doc = docs[index]
-    found, first, inverse = np.unique(doc, return_index=True, return_inverse=True)
-    sums = np.zeros((len(found), logits.shape[1]), np.float64)
-    np.add.at(sums, inverse, logits.astype(np.float64))
-    mean = sums / np.bincount(inverse, minlength=len(found))[:, None]
+    mean, first = mean_by_text(logits, doc)
     starts = np.nonzero(np.r_[True, docs[1:] != docs[:-1]])[0]  # each text's first row
-    return softmax(mean).astype(np.float32), labels[first], starts[found]
+    return softmax(mean).astype(np.float32), labels[first], starts[doc[first]]
 
 
 def evaluate(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
