@@ -180,7 +180,7 @@ def test_pipeline_two_stages_equal_one_process_and_export(tmp_path, data_dir, ti
     model.train()
     opt, sched = optim.build(model, cfg.train.lr, cfg.train.weight_decay, 13, round(0.1 * 13), "linear",
                              torch.device("cpu"))
-    loader = ShardedLoader(manifest, "train", rank=0, world_size=1, batch_size=4, seed=cfg.train.seed)
+    loader = ShardedLoader(manifest, "train", rank=0, world_size=1, batch_size=4, global_batch=8, seed=cfg.train.seed)
     loader.set_epoch(0)
     batches = list(loader)
     assert len(batches) == 26 and len(batches[-1]["labels"]) == 3

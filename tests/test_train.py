@@ -118,6 +118,48 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, data_dir, models):
     assert min(steps) > 10
 
 
+def traced_rows(rd: Path) -> dict[int, list[int]]:
+    """Step -> the row ids of its global batch, ranks in order (train.trace_rows)."""
+    steps: dict[int, list[int]] = {}
+    for path in sorted((rd / "logs").glob("rows-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("rows-rank"))):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["rows"])
+    return steps
+
+
+def train_losses(rd: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def test_resume_on_one_and_four_workers_continues_the_same_global_batches(tmp_path, data_dir, models):
+    # 103 rows, global batch 8: 13 steps per epoch, 26 in all. Two workers stop at step 5 (mid-epoch);
+    # one and four workers go on from its checkpoint through the end of the next epoch.
+    trace = ["--train.trace_rows", "true", "--train.log_every", "1", "--train.checkpoint_every", "5",
+             "--train.keep_last", "10"]
+    two = new_run(tmp_path, data_dir, "two")
+    assert local.train(cfg_for(two, models["no_dropout"], *trace), two, quiet=True).steps == 26
+    reference_rows, reference_losses = traced_rows(two), train_losses(two)
+    assert sorted(reference_rows) == list(range(1, 27))
+    assert sorted(i for s in range(1, 14) for i in reference_rows[s]) == list(range(103))
+    ckpt = two / "checkpoints" / "step-5"
+    for workers in (1, 4):
+        rd = new_run(tmp_path, data_dir, f"w{workers}")
+        result = local.train(cfg_for(rd, models["no_dropout"], *trace, "--engine.workers", str(workers),
+                                     "--train.resume", str(ckpt)), rd, quiet=True)
+        assert (result.world_size, result.resumed_world_size, result.resumed_at_step, result.steps) == (
+            workers, 2, 5, 26)
+        rows = traced_rows(rd)
+        assert sorted(rows) == list(range(6, 27))
+        for step, ids in rows.items():
+            assert ids == reference_rows[step], (workers, step)
+        losses = train_losses(rd)
+        assert sorted(losses) == list(range(6, 27))
+        for step, loss in losses.items():
+            assert loss == pytest.approx(reference_losses[step], rel=1e-5), (workers, step)
+
+
 def test_checkpoints_are_complete_and_pruned(tmp_path, data_dir, models):
     rd = new_run(tmp_path, data_dir, "prune")
     result = local.train(cfg_for(rd, models["dropout"], "--train.epochs", "3", "--train.keep_last", "1"), rd,

@@ -16,6 +16,7 @@
       logs/workers/         local engine             torch elastic's per-attempt logs
       logs/error-rankR.json a failed rank            its error and traceback; the driver raises the first
       logs/result-L.json    rank 0                   the TrainResult of launch L
+      logs/rows-rankR.jsonl every rank (trace_rows)  the row ids rank R trained on at each step
       logs/placement-L-rankR-startN.json  every rank  host and pid of rank R's Nth start in launch L
                                                      (a second start is a restart; who was lost)
       ray/                  ray engine               Ray Train's own storage
@@ -182,6 +183,9 @@ class RunDir:
     @property
     def logs(self) -> Path:
         return self.root / "logs"
+
+    def row_trace(self, rank: int) -> Path:
+        return self.logs / f"rows-rank{rank}.jsonl"
 
     @property
     def worker_logs(self) -> Path:

@@ -1,6 +1,16 @@
 """Typed configuration: one dataclass per stage, TOML files, `--section.key value` overrides."""
 
-from torchloom.config.load import build, from_dict, load_saved, micro_batch_size, save, to_dict, to_toml, validate
+from torchloom.config.load import (
+    build,
+    elastic_micro_batch,
+    from_dict,
+    load_saved,
+    micro_batch_size,
+    save,
+    to_dict,
+    to_toml,
+    validate,
+)
 from torchloom.config.schema import (
     Config,
     DataConfig,
@@ -14,5 +24,6 @@ from torchloom.config.schema import (
 
 __all__ = [
     "Config", "DataConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OutputConfig", "PrepareConfig",
-    "TrainConfig", "build", "from_dict", "load_saved", "micro_batch_size", "save", "to_dict", "to_toml", "validate",
+    "TrainConfig", "build", "elastic_micro_batch", "from_dict", "load_saved", "micro_batch_size", "save",
+    "to_dict", "to_toml", "validate",
 ]

@@ -135,6 +135,17 @@ def micro_batch_size(tc: TrainConfig, world_size: int) -> int:
     return tc.batch_size // per_step
 
 
+def elastic_micro_batch(global_batch: int, world_size: int, micro_batch: int, limit: int) -> int:
+    """The micro-batch for `world_size` workers when a run resumes on other workers: `micro_batch`
+    (what the config gives) unless it exceeds `limit` (the micro-batch the checkpoint's workers ran,
+    known to fit), then the largest that fits and divides the per-worker share of the global batch,
+    the rest done by gradient accumulation."""
+    if micro_batch <= limit:
+        return micro_batch
+    share = global_batch // world_size
+    return max(b for b in range(1, limit + 1) if share % b == 0)
+
+
 def validate_strategy(cfg: Config) -> None:
     tc = cfg.train
     if tc.strategy != "ddp" and tc.precision == "fp16":

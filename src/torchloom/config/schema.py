@@ -75,8 +75,9 @@ class TrainConfig:
     early_stopping_patience: int = field(default=0, metadata={"min": 0})  # evals without improvement; 0: off
     metric: str = field(default="macro_f1", metadata=choices("macro_f1", "accuracy", "loss"))
     class_weights: str = field(default="none", metadata=choices("none", "balanced"))
-    shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together per rank
+    shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together, all ranks
     length_bucketing: bool = False
+    trace_rows: bool = False  # every rank writes the row ids of each step to logs/rows-rankR.jsonl
     select: str = field(default="best", metadata=choices("best", "last"))  # which checkpoint is exported
     strategy: str = field(default="ddp", metadata=choices("ddp", "fsdp", "pipeline"))  # see docs/parallelism.md
     activation_checkpointing: bool = False  # recompute each transformer layer in backward: less memory

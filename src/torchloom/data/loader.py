@@ -1,30 +1,40 @@
-"""The training loader: each rank streams its share of a split from Parquet, with exact resume.
+"""The training loader: every rank streams its slice of the same global batches from Parquet.
 
-One epoch, for a split of N rows on W ranks with per-rank batch size b:
+The order of an epoch depends on (data, seed, epoch, G, shuffle settings) only, never on the number
+of ranks W, so a run can stop on W ranks and go on with any other W that divides G, yielding the
+same global batches as row ids. G is the global batch (train.batch_size: rows per optimizer step).
+For a split of N rows, N = q*G + rem:
 
 1. Order. The split's row groups, in manifest order, are permuted with a generator seeded by
-   (seed, epoch) (not permuted when shuffle=False). Their rows, concatenated, are the epoch's
-   sequence of N rows.
-2. Shares. With N = q*W + rem, rank r takes a contiguous range of that sequence: q+1 rows when
-   r < rem, else q. Every row is seen exactly once per epoch across ranks; nothing is dropped,
-   padded or repeated. A rank reads only the row groups overlapping its range. N < W is an error.
-3. Shuffle. A rank's range is cut into windows of `shuffle_buffer` rows (rounded down to a multiple
-   of b, at least b); each window is read, then permuted with a generator seeded by
-   (seed, epoch, rank, window). With length_bucketing the permuted window is stably sorted by
-   length, cut into runs of b rows, and the full runs are permuted (the short last run, if any,
-   stays last), so a batch holds rows of similar length but batches come in random order.
-4. Batches. Every rank yields the same number of batches, ceil((q + (rem > 0)) / b), because DDP
-   hangs otherwise. All batches have b rows except at the end of a rank's share: the last batch
-   takes what is left; a rank with one row fewer than the largest, whose rows would fill its
-   batches exactly, ends with batches of b-1 and 1 rows instead of b and an empty one. So the last
-   one or two batches of some ranks are smaller. batch_size 1 cannot do this when shares are
-   uneven (rem > 0) and is refused. The sizes depend only on (N, W, b, rank), so every rank knows
-   every rank's sizes: `global_batch_rows(i)` is the number of rows in global batch i, which the
-   trainer divides the summed loss by to weight every row equally without a collective.
+   (seed, epoch) (kept in order when shuffle=False). Their rows, concatenated, are the epoch's
+   sequence.
+2. Partitions. That sequence is cut into G contiguous partitions (canonical, as MosaicML Streaming
+   calls its fixed node count, but fixed by G). Partition p holds q rows, plus one when
+   floor((p+1)*rem/G) > floor(p*rem/G): the rem extra rows are spread evenly, so every block of
+   G/W consecutive partitions holds floor or ceil of rem/W of them, whatever W.
+3. Global batches. Global batch i is position i of every partition, in partition order: q full
+   batches of G rows, then (rem > 0) one of rem rows, the partitions' extra rows. Rank r of W
+   takes partitions [r*G/W, (r+1)*G/W), i.e. a contiguous G/W slice of every global batch, and
+   reads only those partitions' rows: no rank reads another's data.
+4. Shuffle. Positions are cut into windows of m = max(1, shuffle_buffer // G) (so shuffle_buffer
+   rows over all ranks are held at once, shuffle_buffer / W per rank); a partition's rows at the
+   full positions of window w are permuted with a generator seeded by (seed, epoch, partition, w).
+   With length_bucketing they are then stably sorted by length, and one permutation seeded by
+   (seed, epoch, w), shared by all partitions, orders the positions: a global batch takes the k-th
+   shortest row of every partition's window, so its rows have similar lengths, in random order
+   of k. The extra rows stay last.
+5. Micro-batches. A rank's slice of a global batch (c rows; G/W for a full batch) is cut into
+   accum = G / (W * batch_size) micro-batches, of rank_range(c, accum, j) rows: every rank yields
+   the same number of micro-batches (DDP and FSDP hang otherwise), all of batch_size rows except in
+   the last, partial global batch; where a rank has fewer rows than micro-batches there, the empty
+   ones are placeholders that add nothing (see shards.collate). Sizes depend only on
+   (N, G, W, batch_size, rank): `global_batch_rows(i)` is the rows of micro-batch i summed over
+   all ranks, which the trainer divides the summed loss by to weight every row equally.
 
-Resume: `state_dict()` holds (epoch, batches_yielded) plus the configuration that fixes the order;
-after `load_state_dict` the next iteration starts at the window holding the first unread row, and
-yields exactly the batches the uninterrupted run would have.
+Resume is O(1): the state is one global cursor (epoch, global batches done) plus what fixes the
+order. A loader of any W that divides G starts at the window holding the next global batch: it
+reads at most one window (its partitions' m rows each) it does not yield, wherever in the epoch
+the cursor is. A change of G, seed, shuffle settings or data is refused with one line.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from torchloom.data.readahead import ReadAhead
@@ -44,11 +55,12 @@ from torchloom.manifest import Manifest
 
 Batch = dict[str, torch.Tensor]
 # Distinct first words of the seeds, so the row-group order and the window orders never share a stream.
-_GROUP_ORDER, _WINDOW_ORDER = 0x6F72, 0x776E
+_GROUP_ORDER, _WINDOW_ORDER, _POSITION_ORDER = 0x6F72, 0x776E, 0x706F
 _AHEAD_WINDOWS = 2  # read-ahead depth, in windows
-# Keys of state_dict() that must match for a resume to yield the same batches.
-_RESUME_KEYS = ("split", "fingerprint", "rows", "world_size", "batch_size", "seed", "shuffle",
-                "shuffle_buffer", "length_bucketing")
+ORDER_VERSION = 2  # the global order above; version 1 (per-rank shares) depended on the world size
+# Keys of state_dict() that must match for a resume to yield the same global batches.
+_RESUME_KEYS = ("split", "fingerprint", "rows", "global_batch", "seed", "shuffle", "shuffle_buffer",
+                "length_bucketing")
 
 
 def rank_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -57,96 +69,137 @@ def rank_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return rank * q + min(rank, rem), q + (rank < rem)
 
 
-def batch_sizes(rows: int, world_size: int, batch_size: int, rank: int) -> np.ndarray:
-    """Rank `rank`'s batch sizes for one epoch; the same count on every rank (see module doc)."""
-    q, rem = divmod(rows, world_size)
-    largest = q + (rem > 0)
-    count = rank_range(rows, world_size, rank)[1]
-    num_batches = math.ceil(largest / batch_size)
-    sizes = np.full(num_batches, batch_size, np.int64)
-    if num_batches:
-        sizes[-1] = count - (num_batches - 1) * batch_size
-        if sizes[-1] == 0:  # one row fewer than the largest rank, which has one row in its last batch
-            sizes[-2:] = (batch_size - 1, 1)
-    return sizes
+def partition_range(rows: int, parts: int, p: int) -> tuple[int, int]:
+    """(start, count) of partition p of `rows` rows cut into `parts`, the remainder spread evenly."""
+    q, rem = divmod(rows, parts)
+    before = p * rem // parts
+    return p * q + before, q + (p + 1) * rem // parts - before
+
+
+def global_steps(rows: int, global_batch: int) -> int:
+    """Global batches (optimizer steps) in one epoch."""
+    return math.ceil(rows / global_batch)
+
+
+def rank_step_rows(rows: int, global_batch: int, world_size: int, rank: int) -> np.ndarray:
+    """Rows of each global batch that rank `rank` of `world_size` takes."""
+    q, rem = divmod(rows, global_batch)
+    out = np.full(global_steps(rows, global_batch), global_batch // world_size, np.int64)
+    if rem:
+        out[-1] = (rank + 1) * rem // world_size - rank * rem // world_size
+    return out
+
+
+def batch_sizes(rows: int, world_size: int, batch_size: int, rank: int, global_batch: int | None = None) -> np.ndarray:
+    """Rank `rank`'s micro-batch sizes for one epoch (0: a placeholder); the same count on every rank."""
+    global_batch = global_batch or batch_size * world_size
+    accum = global_batch // (world_size * batch_size)
+    per_step = rank_step_rows(rows, global_batch, world_size, rank)
+    return np.array([rank_range(int(c), accum, j)[1] for c in per_step for j in range(accum)], np.int64)
 
 
 @dataclass(frozen=True)
-class _Plan:
+class _Epoch:
     """What one rank reads in one epoch; plain data, so the read-ahead thread holds no loader."""
 
     uris: list[str]
     groups: list[RowGroup]  # in the epoch's order
-    start: int  # the rank's range in the epoch's sequence
-    rows: int
-    window: int
-    sizes: np.ndarray
-    order_seed: tuple[int, ...] | None  # (seed, epoch, rank) when windows are shuffled
-    batch_size: int
+    parts: list[tuple[int, int, int]]  # (partition number, start, count) of this rank's partitions
+    full_steps: int  # q: global batches with a row from every partition
+    steps: int  # q, plus 1 when the split does not divide into global batches
+    window: int  # m positions
+    accum: int
+    seed: tuple[int, int] | None  # (seed, epoch) when shuffled
     length_bucketing: bool
     pad_id: int
 
 
-def _window_order(plan: _Plan, window: int, lengths: np.ndarray) -> np.ndarray | None:
-    n = len(lengths)
-    rng = None
-    order = None
-    if plan.order_seed is not None:
-        rng = np.random.default_rng([_WINDOW_ORDER, *plan.order_seed, window])
-        order = rng.permutation(n)
-    if plan.length_bucketing:
-        order = np.arange(n) if order is None else order
-        order = order[np.argsort(lengths[order], kind="stable")]
-        full = n // plan.batch_size * plan.batch_size
-        runs = order[:full].reshape(-1, plan.batch_size)
-        if rng is not None:
-            runs = runs[rng.permutation(len(runs))]
-        order = np.concatenate([runs.ravel(), order[full:]])
-    return order
+def _positions(e: _Epoch, w: int, full: int, lengths: list[np.ndarray] | None) -> np.ndarray:
+    """[full, partitions]: each partition's row (index into its part of window w) at each full position."""
+    cols = []
+    for i, (p, _, _) in enumerate(e.parts):
+        order = np.arange(full)
+        if e.seed is not None:
+            order = np.random.default_rng([_WINDOW_ORDER, *e.seed, p, w]).permutation(full)
+        if lengths is not None:
+            order = order[np.argsort(lengths[i][order], kind="stable")]
+        cols.append(order)
+    matrix = np.stack(cols, axis=1)
+    if lengths is not None and e.seed is not None:
+        matrix = matrix[np.random.default_rng([_POSITION_ORDER, *e.seed, w]).permutation(full)]
+    return matrix
 
 
-def _windows(plan: _Plan, reader: RangeReader, first_window: int) -> Iterator[Rows]:
-    for w in range(first_window, math.ceil(plan.rows / plan.window)):
-        table = reader.read(plan.start + w * plan.window, plan.start + min(plan.rows, (w + 1) * plan.window))
-        rows = Rows.from_table(table)
-        order = _window_order(plan, w, rows.lengths())
-        yield rows if order is None else Rows.from_table(table.take(order))
+def _window_rows(e: _Epoch, reader: RangeReader, w: int) -> tuple[Rows, np.ndarray]:
+    """This rank's rows of window w in position-major order, and how many rows each position holds."""
+    lo = w * e.window
+    full = max(0, min(lo + e.window, e.full_steps) - lo)  # full positions in the window
+    tail = e.full_steps < e.steps and lo <= e.full_steps < lo + e.window  # the partial batch is in it
+    tables, lengths, starts, extra = [], [], [], []
+    offset = 0
+    for slot, (_, start, count) in enumerate(e.parts):
+        n = full + (tail and count > e.full_steps)
+        starts.append(offset)
+        if n:
+            table = reader.read(start + lo, start + lo + n, slot)
+            tables.append(table)
+        if e.length_bucketing:
+            lengths.append(np.diff(table.column("input_ids").combine_chunks().offsets.to_numpy())[:full]
+                           if n else np.zeros(0, np.int64))
+        if n > full:
+            extra.append(offset + full)
+        offset += n
+    take = _positions(e, w, full, lengths if e.length_bucketing else None) + np.array(starts, np.int64)
+    take = np.concatenate([take.ravel(), np.array(extra, np.int64)])
+    sizes = np.array([len(e.parts)] * full + ([len(extra)] if tail else []), np.int64)
+    if not tables:  # only the partial batch, with no extra row on this rank
+        return Rows(np.zeros(0, np.int32), np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)), sizes
+    return Rows.from_table(pa.concat_tables(tables).take(pa.array(take, pa.int64()))), sizes
 
 
-def _batches(plan: _Plan, first_batch: int) -> Iterator[Batch]:
-    """Batches first_batch, first_batch+1, ... of the plan, reading from the window of the first."""
-    reader = RangeReader(plan.uris, plan.groups)
+def _micro_batches(e: _Epoch, first_step: int) -> Iterator[Batch]:
+    """The micro-batches of global batches first_step, first_step+1, ...: whole windows read, one at a time."""
+    reader = RangeReader(e.uris, e.groups)
     try:
-        position = int(plan.sizes[:first_batch].sum())
-        windows = _windows(plan, reader, position // plan.window)
-        pending = next(windows).slice(position % plan.window, plan.window) if first_batch < len(plan.sizes) else None
-        for size in plan.sizes[first_batch:]:
-            while len(pending) < size:  # a batch crossing a window boundary
-                pending = Rows.concat(pending, next(windows))
-            yield collate(pending.slice(0, size), plan.pad_id)
-            pending = pending.slice(size, len(pending))
+        for w in range(first_step // e.window, math.ceil(e.steps / e.window)):
+            rows, sizes = _window_rows(e, reader, w)
+            ends = np.cumsum(sizes)
+            for k, (end, size) in enumerate(zip(ends, sizes)):
+                if w * e.window + k < first_step:
+                    continue
+                step = rows.slice(int(end - size), int(end))
+                for j in range(e.accum):
+                    a, n = rank_range(int(size), e.accum, j)
+                    yield collate(step.slice(a, a + n), e.pad_id)
     finally:
         reader.close()
 
 
 class ShardedLoader:
-    """Rank `rank`'s batches of one split, streamed from the manifest's Parquet shards.
+    """Rank `rank`'s micro-batches of one split, streamed from the manifest's Parquet shards.
 
-    batch_size: rows per batch on this rank (the micro-batch). Iterating yields dicts of int64
-    tensors: input_ids and attention_mask [B, L] padded with pad_id to the batch's longest row,
-    labels [B], index [B] (each row's position in the split, manifest order).
-    Iteration continues from the current position: call set_epoch(e + 1) after an epoch ends.
+    global_batch: G, rows per optimizer step over all ranks (default batch_size * world_size);
+    world_size must divide it. batch_size: rows per micro-batch on this rank; it must divide G /
+    world_size, and `accum` = G / (world_size * batch_size) micro-batches make a global batch.
+    Iterating yields dicts of int64 tensors: input_ids and attention_mask [B, L] padded with pad_id
+    to the batch's longest row, labels [B], index [B] (each row's position in the split, manifest
+    order; -1 in a placeholder). Iteration continues from the current position: call
+    set_epoch(e + 1) after an epoch ends.
     """
 
     def __init__(self, manifest: Manifest, split: str, *, rank: int, world_size: int, batch_size: int,
-                 seed: int, shuffle: bool = True, shuffle_buffer: int = 4096, length_bucketing: bool = False,
-                 pad_id: int = 0):
+                 seed: int, global_batch: int | None = None, shuffle: bool = True, shuffle_buffer: int = 4096,
+                 length_bucketing: bool = False, pad_id: int = 0):
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} with world_size {world_size}: need 0 <= rank < world_size")
         if batch_size < 1:
             raise UserError(f"batch_size {batch_size}: must be >= 1")
         if seed < 0:
             raise UserError(f"seed {seed}: must be >= 0")
+        global_batch = global_batch or batch_size * world_size
+        if global_batch % (world_size * batch_size):
+            raise UserError(f"global batch {global_batch}: must be a multiple of {world_size} workers x micro-batch"
+                            f" {batch_size}; choose workers that divide the global batch")
         self._uris, self._groups = split_row_groups(manifest, split)
         rows = manifest.split(split).rows
         if rows < world_size:
@@ -154,18 +207,18 @@ class ShardedLoader:
                 f"split {split!r} of {manifest.root} has {rows} rows, fewer than the {world_size} workers;"
                 " use fewer workers or more data"
             )
-        if batch_size == 1 and rows % world_size:
-            raise UserError(
-                f"split {split!r} has {rows} rows over {world_size} workers, so ranks get unequal shares, and"
-                " with batch_size 1 they cannot all get the same number of batches; use batch_size >= 2"
-            )
         self.split, self.rank, self.world_size, self.batch_size = split, rank, world_size, batch_size
+        self.global_batch, self.accum = global_batch, global_batch // (world_size * batch_size)
         self.seed, self.shuffle, self.length_bucketing, self.pad_id = seed, shuffle, length_bucketing, pad_id
+        self.shuffle_buffer = shuffle_buffer
         self.rows = rows
         self.fingerprint = manifest.fingerprint
-        self.window = max(batch_size, shuffle_buffer // batch_size * batch_size)
-        self._sizes = [batch_sizes(rows, world_size, batch_size, r) for r in range(world_size)]
+        self.window = max(1, shuffle_buffer // global_batch)  # positions per window
+        self.num_steps = global_steps(rows, global_batch)
+        self._sizes = [batch_sizes(rows, world_size, batch_size, r, global_batch) for r in range(world_size)]
         self._global_rows = np.sum(self._sizes, axis=0)
+        per = global_batch // world_size
+        self._parts = [(p, *partition_range(rows, global_batch, p)) for p in range(rank * per, (rank + 1) * per)]
         self.epoch = 0
         self._batches_yielded = 0
         self._active: ReadAhead | None = None
@@ -176,6 +229,7 @@ class ShardedLoader:
 
     @property
     def num_batches(self) -> int:
+        """Micro-batches per epoch on every rank: num_steps * accum."""
         return len(self._global_rows)
 
     @property
@@ -183,11 +237,11 @@ class ShardedLoader:
         return self._batches_yielded >= self.num_batches
 
     def batch_sizes(self, rank: int | None = None) -> list[int]:
-        """Batch sizes of `rank` (default: this rank) for every epoch."""
+        """Micro-batch sizes of `rank` (default: this rank) for every epoch; 0 is a placeholder."""
         return self._sizes[self.rank if rank is None else rank].tolist()
 
     def global_batch_rows(self, batch_index: int) -> int:
-        """Rows in batch `batch_index` summed over all ranks."""
+        """Rows in micro-batch `batch_index` summed over all ranks."""
         return int(self._global_rows[batch_index])
 
     def set_epoch(self, epoch: int) -> None:
@@ -198,26 +252,37 @@ class ShardedLoader:
             self._batches_yielded = 0
 
     def state_dict(self) -> dict[str, Any]:
+        """The global cursor (epoch, steps_done: global batches done) and what fixes the order.
+
+        batches_yielded, world_size and batch_size describe this rank; a resume does not need them
+        to match.
+        """
         return {
+            "order": ORDER_VERSION,
             "epoch": self.epoch,
-            "batches_yielded": self._batches_yielded,
-            "num_batches": self.num_batches,
+            "steps_done": self._batches_yielded // self.accum,
+            "num_steps": self.num_steps,
             "epoch_finished": self.epoch_finished,
             "split": self.split,
             "fingerprint": self.fingerprint,
             "rows": self.rows,
-            "world_size": self.world_size,
-            "batch_size": self.batch_size,
+            "global_batch": self.global_batch,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "shuffle_buffer": self.window,
+            "shuffle_buffer": self.shuffle_buffer,
             "length_bucketing": self.length_bucketing,
+            "batches_yielded": self._batches_yielded,
+            "world_size": self.world_size,
+            "batch_size": self.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`; refuses one whose data or settings would give other batches."""
+        """Continue from `state`, at any world size; refuses one whose data or settings give other batches."""
+        if state.get("order") != ORDER_VERSION and "batches_yielded" in state:
+            raise UserError("loader state: written by an older torchloom whose data order depended on the number"
+                            " of workers; it cannot be resumed by this version; start a new run")
         mine = self.state_dict()
-        missing = [k for k in (*_RESUME_KEYS, "epoch", "batches_yielded") if k not in state]
+        missing = [k for k in (*_RESUME_KEYS, "epoch", "steps_done") if k not in state]
         if missing:
             raise UserError(f"loader state is missing {', '.join(missing)}; it is not from a torchloom loader")
         differ = [f"{k} {state[k]!r} (saved) vs {mine[k]!r} (now)" for k in _RESUME_KEYS if state[k] != mine[k]]
@@ -226,33 +291,43 @@ class ShardedLoader:
                 "cannot resume the data loader: " + "; ".join(differ) +
                 ". Resume with the same data and settings, or start a new run"
             )
-        if not 0 <= state["batches_yielded"] <= self.num_batches:
-            raise UserError(f"loader state: batches_yielded {state['batches_yielded']} is outside"
-                            f" 0..{self.num_batches}; the checkpoint is damaged")
+        steps = state["steps_done"]
+        if not 0 <= steps <= self.num_steps:
+            raise UserError(f"loader state: steps_done {steps} is outside 0..{self.num_steps}; the checkpoint"
+                            " is damaged")
+        saved_accum = 1
+        if state.get("world_size") and state.get("batch_size"):
+            saved_accum = max(1, state["global_batch"] // (state["world_size"] * state["batch_size"]))
+        within = int(state.get("batches_yielded", steps * saved_accum)) - steps * saved_accum
+        if within and (state.get("world_size"), state.get("batch_size")) != (self.world_size, self.batch_size):
+            raise UserError(f"loader state: stopped {within} micro-batches into a global batch, which only the same"
+                            " workers and micro-batch size can continue; resume from a checkpoint")
         self._stop_active()
         self.epoch = int(state["epoch"])
-        self._batches_yielded = int(state["batches_yielded"])
+        self._batches_yielded = int(steps) * self.accum + within
 
-    def _plan(self) -> _Plan:
+    def _epoch(self) -> _Epoch:
         groups = self._groups
         if self.shuffle:
             order = np.random.default_rng([_GROUP_ORDER, self.seed, self.epoch]).permutation(len(groups))
             groups = [groups[i] for i in order]
-        start, count = rank_range(self.rows, self.world_size, self.rank)
-        return _Plan(self._uris, groups, start, count, self.window, self._sizes[self.rank],
-                     (self.seed, self.epoch, self.rank) if self.shuffle else None, self.batch_size,
-                     self.length_bucketing, self.pad_id)
+        return _Epoch(self._uris, groups, self._parts, self.rows // self.global_batch, self.num_steps, self.window,
+                      self.accum, (self.seed, self.epoch) if self.shuffle else None, self.length_bucketing,
+                      self.pad_id)
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_active()
         generation = self._generation
         if self.epoch_finished:
             return
-        ahead = ReadAhead(_batches(self._plan(), self._batches_yielded),
-                          max_ahead=_AHEAD_WINDOWS * self.window // self.batch_size)
+        first_step, within = divmod(self._batches_yielded, self.accum)
+        ahead = ReadAhead(_micro_batches(self._epoch(), first_step),
+                          max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
         self._active = ahead
         try:
-            for batch in ahead:
+            for n, batch in enumerate(ahead):
+                if n < within:  # mid-step: the micro-batches of this global batch already yielded
+                    continue
                 if generation != self._generation:
                     return
                 self._batches_yielded += 1
@@ -273,6 +348,17 @@ class ShardedLoader:
         self._stop_active()
 
 
+def _eval_batches(uris: list[str], groups: list[RowGroup], start: int, sizes: np.ndarray, pad_id: int
+                  ) -> Iterator[Batch]:
+    reader = RangeReader(uris, groups)
+    try:
+        for size in sizes:
+            yield collate(Rows.from_table(reader.read(start, start + int(size))), pad_id)
+            start += int(size)
+    finally:
+        reader.close()
+
+
 def eval_batches(manifest: Manifest, split: str, rank: int, world_size: int, batch_size: int, *,
                  pad_id: int = 0) -> Iterator[Batch]:
     """Rank `rank`'s contiguous share of `split` in manifest order, unshuffled, for evaluation.
@@ -288,9 +374,7 @@ def eval_batches(manifest: Manifest, split: str, rank: int, world_size: int, bat
     sizes = np.full(math.ceil(count / batch_size), batch_size, np.int64)
     if len(sizes):
         sizes[-1] = count - (len(sizes) - 1) * batch_size
-    window = max(batch_size, 4096 // batch_size * batch_size)
-    plan = _Plan(uris, groups, start, count, window, sizes, None, batch_size, False, pad_id)
-    ahead = ReadAhead(_batches(plan, 0), max_ahead=_AHEAD_WINDOWS * window // batch_size)
+    ahead = ReadAhead(_eval_batches(uris, groups, start, sizes, pad_id), max_ahead=max(1, 4096 // batch_size))
     try:
         yield from ahead
     finally:

@@ -89,8 +89,21 @@ class Rows:
         )
 
 
+IGNORE_LABEL = -100  # torch's cross_entropy ignore_index: a row that adds nothing to the loss
+
+
 def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
-    """A batch: input_ids and attention_mask [B, L] (L = longest row), labels and index [B]."""
+    """A batch: input_ids and attention_mask [B, L] (L = longest row), labels and index [B].
+
+    No rows give a placeholder of one pad token with label IGNORE_LABEL and index -1: a rank with
+    nothing in a micro-step still runs its forward and backward (DDP and FSDP wait for it), adding
+    zero loss and zero gradient.
+    """
+    if len(rows) == 0:
+        return {"input_ids": torch.full((1, 1), pad_id, dtype=torch.int64),
+                "attention_mask": torch.ones((1, 1), dtype=torch.int64),
+                "labels": torch.full((1,), IGNORE_LABEL, dtype=torch.int64),
+                "index": torch.full((1,), -1, dtype=torch.int64)}
     lengths = rows.lengths()
     width = max(int(lengths.max(initial=0)), 1)
     mask = np.arange(width) < lengths[:, None]
@@ -114,7 +127,9 @@ def _open(uri: str) -> pq.ParquetFile:
 class RangeReader:
     """Reads rows [a, b) of `groups` concatenated in the given order, a row group at a time.
 
-    Keeps the last row group read, so a row group straddling two consecutive reads is read once.
+    Keeps the last row group read by each `slot` (a caller reading several ranges side by side gives
+    each its slot), so a row group straddling two consecutive reads of a slot is read once.
+    `rows_read` counts the rows returned, for tests and benchmarks.
     """
 
     def __init__(self, uris: list[str], groups: list[RowGroup]):
@@ -122,15 +137,17 @@ class RangeReader:
         self._groups = groups
         self._starts = np.cumsum([0] + [g.rows for g in groups])
         self._files: dict[int, pq.ParquetFile] = {}
-        self._last: tuple[RowGroup, pa.Table] | None = None
+        self._last: dict[int, tuple[RowGroup, pa.Table]] = {}
+        self.rows_read = 0
 
-    def read(self, start: int, stop: int) -> pa.Table:
+    def read(self, start: int, stop: int, slot: int = 0) -> pa.Table:
         """Columns input_ids, label_id and index (the row's position in the split, manifest order)."""
         parts = []
+        self.rows_read += max(0, stop - start)
         j = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
             group = self._groups[j]
-            table = self._read_group(group)
+            table = self._read_group(group, slot)
             lo = start - int(self._starts[j])
             hi = min(stop - int(self._starts[j]), group.rows)
             part = table.slice(lo, hi - lo)
@@ -140,9 +157,10 @@ class RangeReader:
             j += 1
         return pa.concat_tables(parts)
 
-    def _read_group(self, group: RowGroup) -> pa.Table:
-        if self._last is not None and self._last[0] == group:
-            return self._last[1]
+    def _read_group(self, group: RowGroup, slot: int) -> pa.Table:
+        last = self._last.get(slot)
+        if last is not None and last[0] == group:
+            return last[1]
         if group.shard not in self._files:
             self._files[group.shard] = _open(self._uris[group.shard])
         table = self._files[group.shard].read_row_group(group.index, columns=READ_COLUMNS)
@@ -151,11 +169,11 @@ class RangeReader:
                 f"{self._uris[group.shard]}: row group {group.index} has {table.num_rows} rows, the manifest"
                 f" says {group.rows}; the data changed after prepare, prepare it again"
             )
-        self._last = (group, table)
+        self._last[slot] = (group, table)
         return table
 
     def close(self) -> None:
         for f in self._files.values():
             f.close()
         self._files.clear()
-        self._last = None
+        self._last.clear()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torchloom.config import Config, micro_batch_size
+from torchloom.config import Config, elastic_micro_batch, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
 from torchloom.manifest import Manifest
@@ -114,13 +114,9 @@ class Trainer:
         # Before the optimizer is built: FSDP replaces the parameters, a pipeline stage drops the others'.
         self.par = parallelize(self.model, d, self.tc, self.manifest.tokenizer.get("max_length"), self.loss_weights)
         self.micro_batch = micro_batch_size(self.tc, d.world_size)
-        self.loader = ShardedLoader(
-            self.manifest, "train", rank=self.par.dp_rank, world_size=self.par.dp_size,
-            batch_size=self.micro_batch, seed=self.tc.seed,
-            shuffle_buffer=self.tc.shuffle_buffer, length_bucketing=self.tc.length_bucketing,
-            pad_id=self.model.config.pad_token_id or 0,
-        )
-        self.steps_per_epoch = math.ceil(len(self.loader) / self.tc.grad_accum)
+        self.loader = self.build_loader(self.micro_batch)
+        # Global batches: the same on any number of workers (see data/loader.py), so is the schedule.
+        self.steps_per_epoch = self.loader.num_steps
         self.total_steps = self.tc.max_steps or self.steps_per_epoch * self.tc.epochs
         warmup = round(self.tc.warmup_ratio * self.total_steps)
         self.optimizer, self.scheduler = optim.build(
@@ -130,7 +126,17 @@ class Trainer:
         self.state = TrainState()
         self.last_eval: dict | None = None
         self.first_step_s: float | None = None
+        self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
+        self.resumed_step: int | None = None
         self.resumed_from = self._maybe_resume()
+
+    def build_loader(self, micro_batch: int) -> ShardedLoader:
+        return ShardedLoader(
+            self.manifest, "train", rank=self.par.dp_rank, world_size=self.par.dp_size,
+            batch_size=micro_batch, global_batch=self.tc.batch_size, seed=self.tc.seed,
+            shuffle_buffer=self.tc.shuffle_buffer, length_bucketing=self.tc.length_bucketing,
+            pad_id=self.model.config.pad_token_id or 0,
+        )
 
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -175,8 +181,7 @@ class Trainer:
                 loader.set_epoch(self.state.epoch)
                 position = 0
             batches = iter(loader)
-            # The last step of an epoch may take fewer micro-batches than grad_accum.
-            while group := list(itertools.islice(batches, self.tc.grad_accum)):
+            while group := list(itertools.islice(batches, loader.accum)):
                 yield group, position, loader.epoch_finished
                 position += len(group)
 
@@ -208,6 +213,11 @@ class Trainer:
         self.scheduler.step()
         self.state.step += 1
         self.state.samples_seen += step_rows
+        if self.tc.trace_rows:
+            rows = [i for b in micro_batches for i in b["index"].tolist() if i >= 0]
+            self.rd.logs.mkdir(parents=True, exist_ok=True)
+            with open(self.rd.row_trace(self.d.rank), "a") as f:
+                f.write(json.dumps({"step": self.state.step, "epoch": self.state.epoch, "rows": rows}) + "\n")
         return loss_sum, step_rows, grad_norm
 
     def forward_backward(self, batch: dict, loss_scale: float) -> torch.Tensor:
@@ -306,8 +316,23 @@ class Trainer:
         self.scheduler.load_state_dict(ts["scheduler"])
         if self.scaler is not None and ts.get("scaler"):
             self.scaler.load_state_dict(ts["scaler"])
-        self.loader.load_state_dict(ts["loader"])
         self.state = TrainState(**ts["state"])
+        self.resumed_step = self.state.step
+        saved = ts["loader"]
+        if saved.get("world_size") not in (None, self.par.dp_size) and self.par.pipeline is None:
+            # Elastic: other workers, the same global batches. A micro-batch that fit the old
+            # workers' memory is kept, with more accumulation, rather than grown.
+            self.resumed_world_size = int(saved["world_size"])
+            micro = elastic_micro_batch(self.tc.batch_size, self.par.dp_size, self.micro_batch,
+                                        int(saved.get("batch_size") or self.micro_batch))
+            if micro != self.micro_batch:
+                self.micro_batch = micro
+                self.loader = self.build_loader(micro)
+            if self.d.is_main:
+                print(f"train: resuming step {self.state.step} on {self.par.dp_size} workers (the checkpoint's run"
+                      f" had {saved['world_size']}): the same global batches of {self.tc.batch_size} go on, as"
+                      f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
+        self.loader.load_state_dict(saved)
         if self.d.is_main:
             self.rd.reset_metrics(self.state.step)
         return str(path)
@@ -340,4 +365,6 @@ class Trainer:
             best_checkpoint=str(self.rd.checkpoint(s.best_step)) if s.best_step >= 0 else None,
             last_checkpoint=str(self.rd.checkpoint(s.step)), last_eval=self.last_eval_summary(),
             resumed_from=self.resumed_from, world_size=self.d.world_size, device=str(self.d.device),
+            resumed_world_size=self.resumed_world_size,
+            resumed_at_step=self.resumed_step,
         )

@@ -25,6 +25,8 @@ class TrainResult:
     resumed_from: str | None = None
     world_size: int = 1
     device: str = "cpu"
+    resumed_at_step: int | None = None  # the step this launch resumed from
+    resumed_world_size: int | None = None  # the workers of the run that wrote that checkpoint, when not these
     wall_s: float = 0.0  # the driver's wall time for the whole launch; 0 until the driver sets it
 
     def to_dict(self) -> dict:
