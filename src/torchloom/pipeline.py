@@ -211,6 +211,9 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
         tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)
     for path in (rd.config, rd.metrics, rd.train_result):
         tracker.log_artifact(path)
+    if result.resumed_world_size:
+        say(f"train: resumed at step {result.resumed_at_step} on {result.world_size} workers (the checkpoint's run"
+            f" had {result.resumed_world_size}); the same global batches went on")
     say(f"train: {result.steps} steps in {result.train_s:.1f} s ({result.samples_per_s:.1f} samples/s);"
         f" validation {result.last_eval or '-'}")
     return result

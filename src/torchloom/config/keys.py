@@ -68,6 +68,7 @@ MEANINGS: dict[str, str] = {
     'engine.workers': 'worker processes (one per GPU on a GPU machine)',
     'engine.device': '`auto` uses GPUs when the engine has them (nccl), else the CPU (gloo); `cpu`; `cuda`',
     'engine.threads_per_worker': "torch threads per worker; 0 = cores / workers (local), spark.task.cpus, or Ray's CPUs per worker",
+    'engine.min_workers': 'Ray: after a lost worker or host, go on with as many workers as the alive nodes can place, down to this many (each a divisor of train.batch_size / grad_accum), resuming the same global batches; 0 = always engine.workers',
     'engine.max_restarts': "how often workers are restarted after a lost process (killed, or its host gone); they resume from the latest checkpoint. An error of a rank's own fails the job at once",
     'engine.ray_address': '"" starts a local Ray instance for the job; `auto` or `ray://host:10001` joins a cluster',
     'engine.cpus_per_worker': "Ray resources per worker; 0 = the machine's cores / workers on a local instance, else 1",

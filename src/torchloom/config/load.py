@@ -109,6 +109,17 @@ def validate(cfg: Config) -> Config:
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
     validate_strategy(cfg)
     micro_batch_size(cfg.train, cfg.engine.workers)
+    low = cfg.engine.min_workers
+    if low:
+        if cfg.engine.name != "ray":
+            raise UserError(f"config engine.min_workers {low}: only the Ray engine shrinks a run by itself; with"
+                            f" {cfg.engine.name}, resume with --train.resume latest --engine.workers N")
+        if low > cfg.engine.workers:
+            raise UserError(f"config engine.min_workers {low}: must be <= engine.workers {cfg.engine.workers}")
+        if cfg.train.strategy == "pipeline":
+            raise UserError("config engine.min_workers: a pipeline needs all its stages; leave it 0 with"
+                            " train.strategy pipeline")
+        micro_batch_size(cfg.train, low)  # the smallest size must divide the batch too
     return cfg
 
 

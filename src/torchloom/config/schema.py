@@ -113,6 +113,7 @@ class EngineConfig:
     device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
     threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers on a machine
     max_restarts: int = field(default=2, metadata={"min": 0})  # worker failures survived by resuming
+    min_workers: int = field(default=0, metadata={"min": 0})  # Ray: fewest workers to go on with; 0: workers
     ray_address: str = ""  # "": start a local Ray instance; "auto" or "ray://host:10001": a cluster
     cpus_per_worker: float = field(default=0.0, metadata={"min": 0.0})  # Ray; 0: cores / workers locally, else 1
     # A collective that waits longer than this fails: how soon a lost host or a hung peer is noticed.

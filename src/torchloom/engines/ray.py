@@ -172,6 +172,51 @@ def scaling(cfg: Config, started_local: bool):
     return ScalingConfig(num_workers=cfg.engine.workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus})
 
 
+def elastic_sizes(cfg: Config) -> list[int]:
+    """Worker counts a run may go on with, largest first: engine.workers down to engine.min_workers,
+    those that divide the global batch into whole micro-steps (the same global batches, data/loader.py)."""
+    per_step = cfg.train.batch_size // cfg.train.grad_accum if cfg.train.batch_size % cfg.train.grad_accum == 0 else 0
+    low = cfg.engine.min_workers or cfg.engine.workers
+    return [w for w in range(cfg.engine.workers, low - 1, -1) if w == cfg.engine.workers or
+            (per_step and per_step % w == 0)]
+
+
+def placeable_workers(scaling_config) -> int:
+    """How many workers of this shape the cluster's alive nodes hold."""
+    import ray
+
+    cpu = float(scaling_config.resources_per_worker.get("CPU", 1) or 0)
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        res = node.get("Resources", {})
+        n = int(res.get("CPU", 0) // cpu + 1e-9) if cpu else 1 << 30
+        if scaling_config.use_gpu:
+            n = min(n, int(res.get("GPU", 0)))
+        total += n
+    return total
+
+
+def shrink_to_alive(cfg: Config, scaling_config):
+    """Before a re-run (engine.min_workers set): as many workers as the alive nodes place, within the
+    allowed sizes. The workers resume the latest checkpoint on the new count with the same global
+    batches. A node that died but is not yet marked dead still counts: that attempt waits for its
+    resources and fails, and the next one sees the node gone."""
+    from ray.train import ScalingConfig
+
+    sizes = elastic_sizes(cfg)
+    fits = placeable_workers(scaling_config)
+    workers = next((w for w in sizes if w <= fits), sizes[-1])
+    if workers == scaling_config.num_workers:
+        return cfg, scaling_config
+    print(f"torchloom: train: the alive Ray nodes place {fits} workers; going on with {workers}"
+          f" (engine.workers {cfg.engine.workers}, engine.min_workers {cfg.engine.min_workers})",
+          file=sys.stderr, flush=True)
+    return replace_engine(cfg, workers=workers), ScalingConfig(
+        num_workers=workers, use_gpu=scaling_config.use_gpu, resources_per_worker=scaling_config.resources_per_worker)
+
+
 def worker_priority(started_local: bool) -> dict:
     """Environment that starts the train workers at normal CPU priority on a Ray instance of our own.
 
@@ -255,6 +300,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     try:
         with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
             for attempt in range(attempts):
+                if attempt and cfg.engine.min_workers:
+                    cfg, scaling_config = shrink_to_alive(cfg, scaling_config)
                 try:
                     trainer(cfg, rd, launch_id, attempt, scaling_config, started_local, launched_at).fit()
                     break
