@@ -47,7 +47,7 @@ MEANINGS: dict[str, str] = {
     'train.early_stopping_patience': 'stop after N validations without improvement; 0 = off',
     'train.metric': 'what "best" means: `macro_f1`, `accuracy` (higher is better) or `loss`',
     'train.class_weights': '`balanced` weighs each class by n / (classes x n_class)',
-    'train.shuffle_buffer': 'rows shuffled together over all workers (each holds shuffle_buffer / workers): the order is the same on any number of workers',
+    'train.shuffle_buffer': 'rows shuffled together over all workers (each holds shuffle_buffer / workers), at least 16 x batch_size: the order is the same on any number of workers',
     'train.trace_rows': 'write the row ids of every step, per worker, to logs/rows-rankR.jsonl (to check the data order)',
     'train.length_bucketing': 'batch rows of similar length together (less padding)',
     'train.select': 'which checkpoint `export` writes: `best` on validation or `last`',

@@ -23,6 +23,7 @@ from torchloom.config import Config, to_dict
 from torchloom.engines import faults
 from torchloom.engines.common import (
     LogTailer,
+    lost_ranks,
     new_launch_id,
     read_result,
     replace_engine,
@@ -198,15 +199,23 @@ def placeable_workers(scaling_config) -> int:
     return total
 
 
-def shrink_to_alive(cfg: Config, scaling_config):
+NODE_DEATH_WAIT_S = 90.0  # how long a re-run waits for Ray to mark a lost rank's node dead
+
+
+def shrink_to_alive(cfg: Config, scaling_config, lost: int = 0):
     """Before a re-run (engine.min_workers set): as many workers as the alive nodes place, within the
     allowed sizes. The workers resume the latest checkpoint on the new count with the same global
-    batches. A node that died but is not yet marked dead still counts: that attempt waits for its
-    resources and fails, and the next one sees the node gone."""
+    batches. `lost` ranks stopped answering: Ray marks a dead node only after missed heartbeats, so
+    wait (up to NODE_DEATH_WAIT_S) for the capacity to drop by them; a rank that hung on a host that
+    lives on leaves the capacity as it was, and the re-run, after that wait, uses it."""
     from ray.train import ScalingConfig
 
     sizes = elastic_sizes(cfg)
     fits = placeable_workers(scaling_config)
+    deadline = time.monotonic() + NODE_DEATH_WAIT_S
+    while lost and fits > scaling_config.num_workers - lost and time.monotonic() < deadline:
+        time.sleep(1.0)
+        fits = placeable_workers(scaling_config)
     workers = next((w for w in sizes if w <= fits), sizes[-1])
     if workers == scaling_config.num_workers:
         return cfg, scaling_config
@@ -301,7 +310,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
         with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
             for attempt in range(attempts):
                 if attempt and cfg.engine.min_workers:
-                    cfg, scaling_config = shrink_to_alive(cfg, scaling_config)
+                    lost = len(lost_ranks(rd, launch_id, attempt - 1))
+                    cfg, scaling_config = shrink_to_alive(cfg, scaling_config, lost)
                 try:
                     trainer(cfg, rd, launch_id, attempt, scaling_config, started_local, launched_at).fit()
                     break

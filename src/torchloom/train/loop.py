@@ -41,6 +41,11 @@ from torchloom.train.precision import autocast, eval_precision, grad_scaler
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 
+# A shuffle window spans shuffle_buffer / batch_size global batches (data/loader.py); with a large global
+# batch and the default buffer that would be 1 or 2, so rows next to each other in the data would meet
+# in consecutive steps. 16 steps cost each worker 16 of its micro-batches of memory.
+MIN_WINDOW_STEPS = 16
+
 
 @dataclass
 class TrainState:
@@ -134,7 +139,9 @@ class Trainer:
         return ShardedLoader(
             self.manifest, "train", rank=self.par.dp_rank, world_size=self.par.dp_size,
             batch_size=micro_batch, global_batch=self.tc.batch_size, seed=self.tc.seed,
-            shuffle_buffer=self.tc.shuffle_buffer, length_bucketing=self.tc.length_bucketing,
+            # at least MIN_WINDOW_STEPS global batches per shuffle window, however large the batch
+            shuffle_buffer=max(self.tc.shuffle_buffer, MIN_WINDOW_STEPS * self.tc.batch_size),
+            length_bucketing=self.tc.length_bucketing,
             pad_id=self.model.config.pad_token_id or 0,
         )
 
