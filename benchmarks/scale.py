@@ -5,7 +5,7 @@
 
 For each size N, one after the other on this machine:
 1. prepare (sizes <= --prepare-up-to): N rows of labelled text generated in chunks of a million
-   (5 labels, 8-160 words each, lengths uniform, from a 2,000-word vocabulary; vectorised, no Python
+   (5 labels, 4-64 words each, lengths uniform, from a 2,000-word vocabulary; vectorised, no Python
    loop per row) into one CSV, then `torchloom prepare` (local[*], the embedded MiniLM tokenizer,
    max_length 128, every other setting default) in a subprocess. Measured: wall time, rows/s, and the
    peak resident memory of the driver (the Python process) and of Spark's JVM (in local mode the
@@ -57,7 +57,7 @@ def make_csv(path: Path, rows: int, seed: int = 0) -> None:
         n = min(CHUNK, rows - first)
         rng = np.random.default_rng([seed, first])
         label = rng.integers(0, len(LABELS), n)
-        length = rng.integers(8, 161, n)
+        length = rng.integers(4, 65, n)
         offsets = np.zeros(n + 1, np.int64)
         np.cumsum(length, out=offsets[1:])
         # words lean towards a band of the vocabulary per label, so the labels can be learnt
@@ -235,7 +235,7 @@ def report(results: list[dict], started_at: datetime) -> str:
 
     lines = [f"Measured {started_at:%Y-%m-%d %H:%M} UTC with `benchmarks/scale.py` on {os.cpu_count()} cores"
              f" ({platform.machine()}), no GPU, torch {torch.__version__}, Python {platform.python_version()}."
-             " prepare: local[*], MiniLM tokenizer, max_length 128, generated text of 8-160 words; loader: rank 0"
+             " prepare: local[*], MiniLM tokenizer, max_length 128, generated text of 4-64 words; loader: rank 0"
              " of 2, global batch 16, micro-batch 8, shuffle_buffer 4096, one epoch, generated token ids of 4-128"
              " tokens.", "",
              "| rows | prepare s | prepare rows/s | driver peak MB | JVM peak MB | loader rows/s (rank 0) |"

@@ -130,6 +130,23 @@ def test_fsdp_resumed_from_a_sharded_checkpoint_ends_bit_identical(fsdp_runs, tm
     assert [r["loss"] for r in records(rd, "train")] == [r["loss"] for r in records(full, "train")][8:]
 
 
+def test_fsdp_sharded_checkpoint_resumes_on_four_workers(fsdp_runs, tmp_path, data_dir, tiny):
+    # The two-worker sharded checkpoint, loaded by four workers (torch.distributed.checkpoint reshards),
+    # going on with the same global batches as micro-batches of 1 row: the same losses and weights.
+    full = fsdp_runs["fsdp"]
+    ckpt = full / "checkpoints" / "step-8"
+    rd = new_run(tmp_path, data_dir, "four")
+    result = local.train(cfg_for(rd, tiny, "--train.precision", "bf16", "--train.checkpoint_every", "4",
+                                 "--train.eval_every", "4", "--train.keep_last", "10", "--train.strategy", "fsdp",
+                                 "--train.activation_checkpointing", "true", "--train.resume", str(ckpt),
+                                 "--engine.workers", "4"), rd, quiet=True)
+    assert (result.steps, result.world_size, result.resumed_world_size, result.resumed_at_step) == (13, 4, 2, 8)
+    for x, y in zip(records(full, "train")[8:], records(rd, "train"), strict=True):
+        assert y["step"] == x["step"] and y["loss"] == pytest.approx(x["loss"], rel=1e-3), x["step"]
+    assert_weights_close(checkpoint.load_weights(rd / "checkpoints" / "step-13"),
+                         checkpoint.load_weights(full / "checkpoints" / "step-13"), atol=1e-4, rtol=1e-3)
+
+
 def test_fsdp_export_is_the_same_plain_hugging_face_dir_as_ddp(fsdp_runs, tiny):
     from safetensors import safe_open
     from transformers import AutoModelForSequenceClassification
