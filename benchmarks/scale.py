@@ -8,8 +8,8 @@ For each size N, one after the other on this machine:
    (5 labels, 4-64 words each, lengths uniform, from a 2,000-word vocabulary; vectorised, no Python
    loop per row) into one CSV, then `torchloom prepare` (local[*], the embedded MiniLM tokenizer,
    max_length 128, every other setting default) in a subprocess. Measured: wall time, rows/s, and the
-   peak resident memory of the driver (the Python process) and of Spark's JVM (in local mode the
-   executors run inside it), sampled from /proc every 0.2 s.
+   peak resident memory of the driver (the Python process) and of Spark (the JVM, which in local mode
+   holds the executors, and its Python workers together), sampled from /proc every 0.2 s.
 2. loader: the same N rows as a prepared split (token ids from the synthetic generator of
    torchloom.data.synthetic, 4-128 tokens, row groups of 1024 rows and shards of a million rows, as
    prepare writes them), then one epoch of rank 0 of 2 through ShardedLoader (global batch 16,
@@ -210,7 +210,7 @@ def main() -> None:
                 r["prepare"] = run_prepare(csv_path, work / f"run-{n}")
                 pr = r["prepare"]
                 print(f"{n:>11,} rows: prepare {pr['seconds']:.0f} s, {n / pr['seconds']:,.0f} rows/s, peak driver"
-                      f" {pr['driver_mb']:.0f} MB, JVM {pr['jvm_mb']:.0f} MB", flush=True)
+                      f" {pr['driver_mb']:.0f} MB, Spark {pr['jvm_mb']:.0f} MB", flush=True)
                 csv_path.unlink()
                 shutil.rmtree(work / f"run-{n}", ignore_errors=True)
             data = work / f"loader-{n}"
@@ -238,7 +238,7 @@ def report(results: list[dict], started_at: datetime) -> str:
              " prepare: local[*], MiniLM tokenizer, max_length 128, generated text of 4-64 words; loader: rank 0"
              " of 2, global batch 16, micro-batch 8, shuffle_buffer 4096, one epoch, generated token ids of 4-128"
              " tokens.", "",
-             "| rows | prepare s | prepare rows/s | driver peak MB | JVM peak MB | loader rows/s (rank 0) |"
+             "| rows | prepare s | prepare rows/s | driver peak MB | Spark peak MB | loader rows/s (rank 0) |"
              " loader peak MB |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         pr, lr = r.get("prepare"), r["loader"]
@@ -256,7 +256,7 @@ def report(results: list[dict], started_at: datetime) -> str:
             pa_, pb = a["prepare"], b["prepare"]
             lines.append(f"Prepare, 1 M -> 10 M rows: rows/s x{(10 * pa_['seconds']) / pb['seconds']:.2f}, driver"
                          f" peak x{pb['driver_mb'] / pa_['driver_mb']:.2f},"
-                         f" JVM peak x{pb['jvm_mb'] / pa_['jvm_mb']:.2f}.")
+                         f" Spark peak x{pb['jvm_mb'] / pa_['jvm_mb']:.2f}.")
     return "\n".join(lines)
 
 

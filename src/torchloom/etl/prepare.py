@@ -122,7 +122,7 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         t = time.perf_counter()
         say(f"reading {data_path} ({fmt})")
         width = default_parallelism(spark, default_partitions(p))
-        raw = _spread(read_input(spark, cfg.data, data_path, fmt), width)
+        raw = _spread(read_input(spark, cfg.data, data_path, fmt), width, fmt)
         user_split = bool(cfg.data.split_column or cfg.data.val_path or cfg.data.test_path)
         if user_split:
             raw = _with_given(spark, cfg, raw, width, say)
@@ -263,7 +263,9 @@ def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, token
         say(f"token lengths (a sample of {lengths['sample']} rows): p50 {lengths['p50']}, p90 {lengths['p90']},"
             f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {max_length}"
             + (cut_note if lengths["truncated_share"] >= 0.2 else ""))
-        parts = max(1, min(default_partitions(p), math.ceil(rows_kept / p.rows_per_group)))
+        # shards per split: 2 x cores, or one per SHARD_ROWS kept rows when that is more
+        wide = p.partitions or max(default_partitions(p), math.ceil(rows_kept / SHARD_ROWS))
+        parts = max(1, min(wide, math.ceil(rows_kept / p.rows_per_group)))
         if user_split:
             # the user's val/test rows keep their split; train rows are carved only for a missing val
             assigned = assign_splits(marked.filter(kept_col & (F.col("given") == "train")), plans, p.seed,
@@ -369,11 +371,12 @@ def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
         if path:
             fmt = resolve_format(cfg.data, path)
             say(f"reading {path} ({fmt}) as the {name} split")
-            parts.append(_spread(read_input(spark, cfg.data, path, fmt), width).withColumn("given", F.lit(name)))
+            parts.append(_spread(read_input(spark, cfg.data, path, fmt), width, fmt).withColumn("given", F.lit(name)))
     return reduce(lambda a, b: a.unionByName(b), parts)
 
 
 LENGTH_SAMPLE = 2000
+SHARD_ROWS = 500_000  # with prepare.partitions 0, at least one output task (and shard) per this many rows
 
 
 def token_counts(kept, rows: int, tokenizer_json: str, seed: int):
@@ -466,19 +469,25 @@ def _sql_conf(spark, values: dict[str, str]):
                 spark.conf.set(key, value)
 
 
-def _spread(raw, cores: int):
-    """`raw` over at least `cores` partitions, so that cleaning (Python) runs on every core.
+SPLITTABLE = ("parquet",)  # formats Spark reads in bounded splits (128 MB) whatever the file size
 
-    A CSV read with multiLine (needed for quoted line breaks) is one task per file, so one big file
-    was cleaned on one core while the others waited. Hash-partitioning on the raw text costs a
-    shuffle of the input but no sort, and gives the same rows to the same partitions on every run.
+
+def _spread(raw, cores: int, fmt: str = ""):
+    """`raw` over partitions of bounded size, at least `cores` of them, so that cleaning (Python) runs
+    on every core and no task holds a whole big file.
+
+    A CSV or JSON read with multiLine (needed for quoted line breaks) is one task per file: one big file
+    was cleaned on one core while the others waited, and 10 million rows in one file, spread over
+    2 x cores partitions, were 1.3 GB each and ran the 1 GB local JVM out of heap. Hash-partitioning on
+    the raw text with no fixed count lets adaptive execution size the partitions (session.py); it costs
+    a shuffle of the input but no sort, and gives the same rows to the same partitions on every run.
     """
     try:
-        if raw.rdd.getNumPartitions() >= cores:
+        if fmt in SPLITTABLE and raw.rdd.getNumPartitions() >= cores:
             return raw
     except Exception:  # Spark Connect has no RDDs: spread anyway
         pass
-    return raw.repartition(cores, "text")
+    return raw.repartition("text")
 
 
 class _Shipped:

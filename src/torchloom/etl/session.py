@@ -85,7 +85,32 @@ def local_cores(master: str) -> int:
 
 
 def default_partitions(cfg: PrepareConfig) -> int:
+    """Output shards per split (at most; see prepare) and the width of small jobs: prepare.partitions,
+    else 2 x cores."""
     return cfg.partitions or 2 * local_cores(cfg.spark_master)
+
+
+# Shuffles start this wide with prepare.partitions 0, and Spark's adaptive execution merges them to
+# its advisory size (64 MB) at run time: a few tasks for a small input, many for a big one. A fixed
+# 2 x cores made 10 million rows on 2 cores two 1.3 GB partitions, and the 1 GB local JVM ran out of
+# heap (benchmarks/scale.py, docs/benchmarks.md "Scale").
+SHUFFLE_PARTITIONS = 200
+
+
+def shuffle_partitions(cfg: PrepareConfig) -> int:
+    return cfg.partitions or max(SHUFFLE_PARTITIONS, 2 * local_cores(cfg.spark_master))
+
+
+def local_heap_gb() -> int:
+    """The local JVM's heap: a quarter of this machine's memory, 1 to 8 GB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1
+    return max(1, min(8, int(total / 4 / 2**30)))
+
+
+ADAPTIVE = {"spark.sql.adaptive.enabled": "true", "spark.sql.adaptive.coalescePartitions.enabled": "true"}
 
 
 def get_spark(cfg: PrepareConfig | None = None):
@@ -117,13 +142,19 @@ def get_spark(cfg: PrepareConfig | None = None):
         "spark.app.name": "torchloom",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
-        "spark.sql.shuffle.partitions": str(default_partitions(cfg)),
+        "spark.sql.shuffle.partitions": str(shuffle_partitions(cfg)),
+        **ADAPTIVE,
         "spark.sql.session.timeZone": "UTC",
         # Spark counts each file as 4 MB when packing files into tasks: a folder of small .txt files
         # became ~70 tasks for 5 MB (BBC News) and 6x slower; 64 KB packs them by their real size.
         "spark.sql.files.openCostInBytes": str(64 * 1024),
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{_log4j_file()}",
     }
+    if runs_on_this_machine(cfg.spark_master) and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
+        # Spark's own default is a 1 GB heap for the local JVM, which holds the driver and every
+        # executor: 10 million rows ran it out of memory while caching the cleaned rows
+        # (docs/benchmarks.md, "Scale"). A quarter of the machine, 1 to 8 GB; spark_conf overrides.
+        conf["spark.driver.memory"] = f"{local_heap_gb()}g"
     conf.update({str(k): str(v) for k, v in cfg.spark_conf.items()})
     builder = SparkSession.builder.master(cfg.spark_master)
     for key, value in conf.items():
@@ -194,7 +225,8 @@ def _connect(cfg: PrepareConfig):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
         spark = SparkSession.builder.remote(cfg.spark_master.strip()).getOrCreate()
-    conf = {"spark.sql.shuffle.partitions": str(default_partitions(cfg)), "spark.sql.session.timeZone": "UTC",
+    conf = {"spark.sql.shuffle.partitions": str(shuffle_partitions(cfg)), **ADAPTIVE,
+            "spark.sql.session.timeZone": "UTC",
             "spark.sql.files.openCostInBytes": str(64 * 1024)}
     conf.update({str(k): str(v) for k, v in cfg.spark_conf.items()})
     for key, value in conf.items():
