@@ -26,7 +26,7 @@ MEANINGS: dict[str, str] = {
     'prepare.truncation': 'how a text longer than max_length is cut: `head` keeps its start, `head_tail` a quarter of the window from its start and the rest from its end, `chunks` every overlapping window of it (each trained on with the text\'s label; a text is scored as the mean of its windows\' logits); recorded in the exported model, so predict, serve and Spark batch cut the same way',
     'prepare.leakage': 'a val or test text (after cleaning) that is also in train: `report` keeps and counts it (manifest, prepare summary), `drop` sets the val/test copy aside as `leaked`',
     'prepare.rows_per_group': 'Parquet row group size, the unit the training loader reads and shuffles',
-    'prepare.partitions': 'Spark shuffle partitions; 0 = 2 x cores',
+    'prepare.partitions': "output shards per split and Spark's shuffle partitions; 0 = shards: 2 x cores, or one per 500,000 rows when more; shuffles: 200, merged by Spark's adaptive execution to about 64 MB each",
     'model.path': 'a local Hugging Face model directory (config.json, weights, tokenizer); "" = embedded all-MiniLM-L6-v2',
     'model.attention_dropout': "dropout on attention probabilities while training; 0 lets PyTorch's fused attention run (forward+backward of a MiniLM step 1.13x faster on CPU, benchmarks/step_parts.py); -1 keeps the model's own value",
     'train.epochs': '',

@@ -42,7 +42,7 @@ class PrepareConfig:
     stride: int = field(default=0, metadata={"min": 0})  # chunks: tokens from a window's start to the next's; 0: 3/4
     max_chunks: int = field(default=16, metadata={"min": 0})  # chunks: windows per text at most (spread evenly); 0: all
     rows_per_group: int = field(default=1024, metadata={"min": 1})  # Parquet row group size
-    partitions: int = field(default=0, metadata={"min": 0})  # shuffle partitions; 0: 2 x cores
+    partitions: int = field(default=0, metadata={"min": 0})  # shards per split and shuffle width; 0: sized to the data
     # a val/test text also in train: "report" counts it (manifest, summary); "drop" sets it aside as leaked
     leakage: str = field(default="report", metadata=choices("report", "drop"))
 
