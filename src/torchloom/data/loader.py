@@ -215,8 +215,8 @@ class ShardedLoader:
         self.fingerprint = manifest.fingerprint
         self.window = max(1, shuffle_buffer // global_batch)  # positions per window
         self.num_steps = global_steps(rows, global_batch)
-        self._sizes = [batch_sizes(rows, world_size, batch_size, r, global_batch) for r in range(world_size)]
-        self._global_rows = np.sum(self._sizes, axis=0)
+        # Batch sizes come from a formula, not a table: nothing here grows with the rows.
+        self._rem = rows % global_batch
         per = global_batch // world_size
         self._parts = [(p, *partition_range(rows, global_batch, p)) for p in range(rank * per, (rank + 1) * per)]
         self.epoch = 0
@@ -225,12 +225,12 @@ class ShardedLoader:
         self._generation = 0  # bumped when an iteration is stopped, so it stops counting
 
     def __len__(self) -> int:
-        return len(self._global_rows)
+        return self.num_batches
 
     @property
     def num_batches(self) -> int:
         """Micro-batches per epoch on every rank: num_steps * accum."""
-        return len(self._global_rows)
+        return self.num_steps * self.accum
 
     @property
     def epoch_finished(self) -> bool:
@@ -238,11 +238,18 @@ class ShardedLoader:
 
     def batch_sizes(self, rank: int | None = None) -> list[int]:
         """Micro-batch sizes of `rank` (default: this rank) for every epoch; 0 is a placeholder."""
-        return self._sizes[self.rank if rank is None else rank].tolist()
+        rank = self.rank if rank is None else rank
+        return batch_sizes(self.rows, self.world_size, self.batch_size, rank, self.global_batch).tolist()
 
     def global_batch_rows(self, batch_index: int) -> int:
         """Rows in micro-batch `batch_index` summed over all ranks."""
-        return int(self._global_rows[batch_index])
+        step, j = divmod(batch_index, self.accum)
+        if not 0 <= step < self.num_steps:
+            raise IndexError(f"micro-batch {batch_index} of {self.num_batches}")
+        if step < self.rows // self.global_batch or not self._rem:
+            return self.batch_size * self.world_size
+        w, rem = self.world_size, self._rem
+        return sum(rank_range((r + 1) * rem // w - r * rem // w, self.accum, j)[1] for r in range(w))
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of `epoch`; the same epoch as now keeps the position (e.g. after a resume)."""
