@@ -837,8 +837,10 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
 @pytest.mark.slow
 def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_texts(faulty_model_dir, tmp_path):
     pytest.importorskip("ray.serve")
+    # A batch waits 8 s to fill: a closed connection reaches the replica through Ray's proxy, which on a
+    # loaded machine took longer than 4 s (CI, 2026-11-23): the gone client's batch must not run first.
     s = Server(faulty_model_dir, "--engine", "ray", "--port", str(free_port()), "--max-queue", "4",
-               "--max-batch-size", "8", "--max-wait-ms", "4000", "--fixed-wait", "--device", "cpu",
+               "--max-batch-size", "8", "--max-wait-ms", "8000", "--fixed-wait", "--device", "cpu",
                log_dir=tmp_path, ready_timeout=150)
     try:
         # the replica took traffic only after its warm-up went through @serve.batch: 4 short texts (the
