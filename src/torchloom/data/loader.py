@@ -69,11 +69,16 @@ def rank_range(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return rank * q + min(rank, rem), q + (rank < rem)
 
 
+def spread(n: int, parts: int, p: int) -> int:
+    """Part p's share of n items spread evenly over `parts` (floor((p+1)n/parts) - floor(pn/parts)): any
+    run of k consecutive parts gets floor or ceil of k*n/parts, so every divisor's blocks are even too."""
+    return (p + 1) * n // parts - p * n // parts
+
+
 def partition_range(rows: int, parts: int, p: int) -> tuple[int, int]:
     """(start, count) of partition p of `rows` rows cut into `parts`, the remainder spread evenly."""
     q, rem = divmod(rows, parts)
-    before = p * rem // parts
-    return p * q + before, q + (p + 1) * rem // parts - before
+    return p * q + p * rem // parts, q + spread(rem, parts, p)
 
 
 def global_steps(rows: int, global_batch: int) -> int:
@@ -86,7 +91,7 @@ def rank_step_rows(rows: int, global_batch: int, world_size: int, rank: int) -> 
     q, rem = divmod(rows, global_batch)
     out = np.full(global_steps(rows, global_batch), global_batch // world_size, np.int64)
     if rem:
-        out[-1] = (rank + 1) * rem // world_size - rank * rem // world_size
+        out[-1] = spread(rem, world_size, rank)  # the partial batch's rows: its partitions' extra rows
     return out
 
 
@@ -248,8 +253,8 @@ class ShardedLoader:
             raise IndexError(f"micro-batch {batch_index} of {self.num_batches}")
         if step < self.rows // self.global_batch or not self._rem:
             return self.batch_size * self.world_size
-        w, rem = self.world_size, self._rem
-        return sum(rank_range((r + 1) * rem // w - r * rem // w, self.accum, j)[1] for r in range(w))
+        return sum(rank_range(spread(self._rem, self.world_size, r), self.accum, j)[1]
+                   for r in range(self.world_size))
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of `epoch`; the same epoch as now keeps the position (e.g. after a resume)."""

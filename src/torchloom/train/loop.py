@@ -134,6 +134,8 @@ class Trainer:
         self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
         self.resumed_step: int | None = None
         self.resumed_from = self._maybe_resume()
+        if self.tc.trace_rows:
+            self.rd.logs.mkdir(parents=True, exist_ok=True)
 
     def build_loader(self, micro_batch: int) -> ShardedLoader:
         return ShardedLoader(
@@ -222,7 +224,6 @@ class Trainer:
         self.state.samples_seen += step_rows
         if self.tc.trace_rows:
             rows = [i for b in micro_batches for i in b["index"].tolist() if i >= 0]
-            self.rd.logs.mkdir(parents=True, exist_ok=True)
             with open(self.rd.row_trace(self.d.rank), "a") as f:
                 f.write(json.dumps({"step": self.state.step, "epoch": self.state.epoch, "rows": rows}) + "\n")
         return loss_sum, step_rows, grad_norm
