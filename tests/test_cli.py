@@ -344,6 +344,9 @@ def test_onnx_exports_pass_their_gates_and_predict_answers_through_them(onnx_run
     assert "Traceback" not in fp32.stderr + int8.stderr and "[torch.onnx]" not in fp32.stdout + fp32.stderr
     info = json.loads((fp32_dir / "torchloom.json").read_text())["onnx"]
     assert info["file"] == "model.onnx" and info["gate"]["fp32"]["max_abs_logit_diff"] <= 1e-3
+    # a BERT's attention reaches ONNX Runtime as one fused op per layer (what makes ONNX faster than PyTorch)
+    assert info["exporter"] == "torchscript" and info["opset"] == 17 and info["fused"].get("Attention", 0) >= 1
+    assert "fused: " in fp32.stderr and " Attention" in fp32.stderr
     info = json.loads((rd / "model" / "torchloom.json").read_text())["onnx"]
     assert info["file"] == "model.int8.onnx" and info["files"] == ["model.onnx", "model.int8.onnx"]
     assert info["gate"]["int8"]["accuracy_loss"] <= 0.01 and (rd / "model" / "model.int8.onnx").is_file()
@@ -408,6 +411,36 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
         assert server.terminate() == 0, server.stderr()[-3000:]
     assert [g["label"] for g in got] == [e["label"] for e in expected]
     np.testing.assert_allclose([g["score"] for g in got], [e["score"] for e in expected], atol=1e-5)
+
+
+def test_onnx_export_falls_back_to_torch_export_when_the_torchscript_exporter_fails(finished_run, tmp_path,
+                                                                                    monkeypatch):
+    """A torch without the TorchScript exporter (it is deprecated) or a model it cannot trace: torch.export writes
+    the graph instead, and the same gate judges it."""
+    import shutil
+
+    import torch
+
+    from torchloom.manifest import read as read_manifest
+    from torchloom.model import onnx
+    from torchloom.pipeline import gate_rows
+
+    model = tmp_path / "model"
+    shutil.copytree(finished_run[0] / "model", model)
+    real = torch.onnx.export
+
+    def no_torchscript(*args, **kwargs):
+        if kwargs.get("dynamo") is False:
+            raise RuntimeError("the TorchScript-based ONNX exporter is no longer supported")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", no_torchscript)
+    said: list[str] = []
+    info = onnx.export_onnx(model, gate_rows(read_manifest(finished_run[0] / "data"), 2000), "onnx", say=said.append)
+    assert info["exporter"] == "torch.export" and info["opset"] == onnx.OPSET and "Attention" not in info["fused"]
+    assert info["gate"]["fp32"]["max_abs_logit_diff"] <= 1e-3 and (model / "model.onnx").is_file()
+    assert any("torch.export exporter, opset 18" in line for line in said), said
+    assert not list(model.glob(".onnx-tmp-*"))
 
 
 def test_a_failed_onnx_gate_writes_nothing_and_a_model_without_onnx_is_one_line(onnx_run, finished_run, tmp_path,

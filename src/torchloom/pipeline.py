@@ -333,7 +333,10 @@ def onnx_gate(model_dir) -> dict | None:
     if not info:
         return None
     gate = info.get("gate", {})
-    flat = {"format": info.get("format"), "file": info.get("file"), "gate split": gate.get("split"),
+    fused = info.get("fused")
+    flat = {"format": info.get("format"), "file": info.get("file"), "exporter": info.get("exporter"),
+            "fused ops": ", ".join(f"{n} {op}" for op, n in sorted(fused.items())) if isinstance(fused, dict) else fused,
+            "gate split": gate.get("split"),
             "gate rows": gate.get("rows"), "PyTorch accuracy": gate.get("torch_accuracy")}
     for kind in ("fp32", "int8"):
         for key, value in (gate.get(kind) or {}).items():

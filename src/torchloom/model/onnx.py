@@ -1,16 +1,20 @@
 """ONNX exports of an exported model, each behind a parity gate, and the ONNX Runtime session that runs them.
 
-`export_onnx` writes model.onnx (fp32: torch.onnx.export with torch.export, dynamic batch and sequence
-axes, opset 18, then ONNX Runtime's transformer fusions for BERT-like models) and, for onnx-int8,
-model.int8.onnx (ONNX Runtime's dynamic quantization: int8 weights of every MatMul, activations quantized
-per batch). Before either file is kept, the gate scores
-held-out prepared rows with PyTorch and with ONNX Runtime:
+`export_onnx` writes model.onnx (fp32) and, for onnx-int8, model.int8.onnx (ONNX Runtime's dynamic
+quantization: int8 weights of every MatMul and fused Attention, activations quantized per batch).
+model.onnx is traced from the model loaded with its eager attention (the plain matmul-softmax-matmul
+subgraph) by torch's TorchScript exporter (dynamic batch and sequence axes, opset 17), which ONNX Runtime's
+transformer optimizer fuses into one Attention op per layer beside LayerNorm/residual and bias/GELU:
+on this CPU that is 1.2x faster fp32 and 1.3x faster int8 than the unfused torch.export graph
+(docs/benchmarks.md). When that exporter is missing or fails (a newer torch, a family it cannot trace),
+torch.export (opset 18) is the fallback. Before either file is kept, the gate scores held-out prepared
+rows with PyTorch (the model as it trains and serves, SDPA attention) and with ONNX Runtime:
 
 - fp32: the largest |logit difference| must be <= FP32_MAX_LOGIT_DIFF and every row's argmax equal;
 - int8: accuracy (per text, so chunked texts count once) may drop by at most INT8_MAX_ACCURACY_LOSS.
 
 A failed gate writes nothing and is a one-line error with the numbers; a passed one is recorded in
-torchloom.json ("onnx") with the file `--runtime onnx` loads.
+torchloom.json ("onnx") with the file `--runtime onnx` loads, the exporter and the fused ops.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from torchloom.model.export import EXPORT_INFO_FILE, check_exported, read_export
 FORMATS = ("hf", "onnx", "onnx-int8")
 ONNX_FILE = "model.onnx"
 INT8_FILE = "model.int8.onnx"
-OPSET = 18
+OPSET = 18  # torch.export
+TORCHSCRIPT_OPSET = 17  # the TorchScript exporter
 FP32_MAX_LOGIT_DIFF = 1e-3
 INT8_MAX_ACCURACY_LOSS = 0.01
 GATE_BATCH = 32
@@ -121,14 +126,17 @@ def text_accuracy(logits: np.ndarray, rows: GateRows) -> float:
     return float(np.mean(mean.argmax(1) == rows.labels[first]))
 
 
-def _torch_model(model_dir: Path):
+def _torch_model(model_dir: Path, attention: str | None = None):
+    """(module(input_ids, attention_mask) -> logits, pad id, config); attention: the attn_implementation
+    to load with (None: the model's default, SDPA)."""
     import torch
     import transformers
     from transformers import AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).eval()
+    kwargs = {"attn_implementation": attention} if attention else {}
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True, **kwargs).eval()
 
     class Logits(torch.nn.Module):  # the graph's one output, named: logits
         def __init__(self, inner):
@@ -160,21 +168,46 @@ def _quiet():
             lg.setLevel(level)
 
 
-def _to_onnx(wrapper, config, path: Path) -> None:
+def _to_onnx(model_dir: Path, path: Path) -> str:
+    """Write the fp32 graph to `path`; returns the exporter that wrote it ("torchscript" or "torch.export").
+
+    The TorchScript exporter traces a fresh copy of the model loaded with eager attention (it changes the
+    module it traces, and SDPA traces to a graph ONNX Runtime does not fuse); torch.export is the fallback."""
     import torch
 
+    example = (torch.randint(1000, 2000, (2, 16)), torch.ones(2, 16, dtype=torch.int64))
+    names = {"input_names": ["input_ids", "attention_mask"], "output_names": ["logits"]}
+    first: Exception | None = None
+    with _quiet():
+        try:
+            try:
+                traced, _, _ = _torch_model(model_dir, attention="eager")
+            except Exception:  # a family without eager attention: trace its default
+                traced, _, _ = _torch_model(model_dir)
+            with torch.no_grad():
+                torch.onnx.export(traced, example, str(path), dynamo=False, opset_version=TORCHSCRIPT_OPSET,
+                                  do_constant_folding=True, **names,
+                                  dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
+                                                "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}})
+            return "torchscript"
+        except Exception as e:  # no TorchScript exporter in this torch, or it could not trace this model
+            first = e
+            path.unlink(missing_ok=True)
+        finally:
+            traced = None
+    wrapper, _, config = _torch_model(model_dir)
     positions = int(getattr(config, "max_position_embeddings", 0) or 512)
     batch, seq = torch.export.Dim("batch", min=1, max=65536), torch.export.Dim("seq", min=2, max=positions)
-    example = (torch.randint(1000, 2000, (2, 16)), torch.ones(2, 16, dtype=torch.int64))
     with _quiet() as said:
         try:
-            torch.onnx.export(wrapper, example, str(path), input_names=["input_ids", "attention_mask"],
-                              output_names=["logits"], dynamo=True, opset_version=OPSET, verbose=False,
-                              external_data=False, dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}))
+            torch.onnx.export(wrapper, example, str(path), dynamo=True, opset_version=OPSET, verbose=False,
+                              external_data=False, dynamic_shapes=({0: batch, 1: seq}, {0: batch, 1: seq}), **names)
+            return "torch.export"
         except Exception as e:
             lines = [line for line in (str(e) or said.getvalue()).splitlines() if line.strip()]
-            raise UserError(f"export --format onnx: torch.onnx.export failed ({type(e).__name__}: "
-                            f"{lines[0] if lines else 'no message'}); export with --export.format hf") from None
+            why = f"{type(e).__name__}: {lines[0] if lines else 'no message'}"
+            raise UserError(f"export --format onnx: torch.onnx.export failed ({why}; the TorchScript exporter:"
+                            f" {type(first).__name__}); export with --export.format hf") from None
 
 
 # ONNX Runtime's transformer optimizer knows these families' subgraphs (LayerNorm + residual, bias + GELU)
@@ -182,24 +215,27 @@ OPTIMIZER_TYPES = {"bert": "bert", "roberta": "bert", "xlm-roberta": "bert", "ca
                    "distilbert": "bert", "electra": "bert", "mpnet": "bert"}
 
 
-def _fuse(path: Path, model_type: str) -> bool:
-    """Fuse the graph's LayerNorm/residual and bias/GELU subgraphs in place (ONNX Runtime's transformer
-    optimizer): int8 runs 1.1-1.15x faster fused on this CPU (docs/benchmarks.md). False, and the file
-    untouched, for a family it does not know or when it fails; the gate judges the fused graph."""
-    kind = OPTIMIZER_TYPES.get(model_type)
+def _fuse(path: Path, config) -> dict[str, int]:
+    """Fuse the graph's attention, LayerNorm/residual and bias/GELU subgraphs in place (ONNX Runtime's
+    transformer optimizer); returns the fused ops by count. Empty, and the file untouched, for a family it
+    does not know or when it fails: the plain graph is still correct, and the gate judges the fused one."""
+    kind = OPTIMIZER_TYPES.get(str(getattr(config, "model_type", "")))
     if kind is None:
-        return False
+        return {}
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
     try:
         from onnxruntime.transformers.optimizer import optimize_model
 
         with _quiet():
-            optimized = optimize_model(str(path), model_type=kind, num_heads=0, hidden_size=0)
+            optimized = optimize_model(str(path), model_type=kind, num_heads=heads, hidden_size=hidden)
             staged = path.with_name(path.name + ".fused")
             optimized.save_model_to_file(str(staged))
+            fused = {op: int(n) for op, n in (optimized.get_fused_operator_statistics() or {}).items() if n}
         os.replace(staged, path)
-        return True
+        return fused
     except Exception:  # an unknown layout: the plain graph is still correct
-        return False
+        return {}
 
 
 def _quantize(src: Path, dest: Path) -> None:
@@ -226,13 +262,16 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
         raise UserError(f"export --format {fmt}: the {rows.split} split has no rows to check the ONNX model on;"
                         " prepare with a non-zero prepare.test_fraction or val_fraction")
     started = time.perf_counter()
-    wrapper, pad_id, config = _torch_model(model_dir)
     tmp = model_dir / f".onnx-tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        say(f"onnx: exporting {model_dir} (opset {OPSET}, dynamic batch and sequence axes)")
-        _to_onnx(wrapper, config, tmp / ONNX_FILE)
-        fused = _fuse(tmp / ONNX_FILE, str(getattr(config, "model_type", "")))
+        say(f"onnx: exporting {model_dir} (dynamic batch and sequence axes)")
+        exporter = _to_onnx(model_dir, tmp / ONNX_FILE)
+        wrapper, pad_id, config = _torch_model(model_dir)  # the reference: the model as it serves
+        fused = _fuse(tmp / ONNX_FILE, config)
+        opset = TORCHSCRIPT_OPSET if exporter == "torchscript" else OPSET
+        say(f"onnx: {exporter} exporter, opset {opset}; fused: "
+            + (", ".join(f"{n} {op}" for op, n in sorted(fused.items())) or "nothing (the plain graph runs)"))
         with torch.inference_mode():
             def run_torch(ids, mask):
                 return wrapper(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
@@ -268,7 +307,8 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
                 f" against PyTorch's {torch_accuracy:.4f} ({100 * loss:+.2f} points lost, limit"
                 f" {100 * INT8_MAX_ACCURACY_LOSS:g})")
             files.append(INT8_FILE)
-        onnx_info = {"format": fmt, "file": files[-1], "files": files, "opset": OPSET, "fused": fused,
+        onnx_info = {"format": fmt, "file": files[-1], "files": files, "opset": opset, "exporter": exporter,
+                     "fused": fused,
                      "gate": gate, "limits": {"fp32_max_abs_logit_diff": FP32_MAX_LOGIT_DIFF,
                                               "int8_max_accuracy_loss": INT8_MAX_ACCURACY_LOSS},
                      "seconds": round(time.perf_counter() - started, 2)}
