@@ -334,9 +334,10 @@ def onnx_gate(model_dir) -> dict | None:
         return None
     gate = info.get("gate", {})
     fused = info.get("fused")
+    if isinstance(fused, dict):
+        fused = ", ".join(f"{n} {op}" for op, n in sorted(fused.items())) or "none"
     flat = {"format": info.get("format"), "file": info.get("file"), "exporter": info.get("exporter"),
-            "fused ops": ", ".join(f"{n} {op}" for op, n in sorted(fused.items())) if isinstance(fused, dict) else fused,
-            "gate split": gate.get("split"),
+            "fused ops": fused, "gate split": gate.get("split"),
             "gate rows": gate.get("rows"), "PyTorch accuracy": gate.get("torch_accuracy")}
     for kind in ("fp32", "int8"):
         for key, value in (gate.get(kind) or {}).items():
