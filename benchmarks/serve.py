@@ -360,6 +360,7 @@ def main() -> None:
                                                   " --model, else torch,onnx)")
     p.add_argument("--model", help="an exported model dir to serve (e.g. runs/bbc-minilm/model); default: MiniLM"
                                    " with a fresh head, which the int8 gate refuses (near-ties everywhere)")
+    p.add_argument("--server-args", default="", help="more torchloom serve options, e.g. '--max-batch-size 64'")
     p.add_argument("--naive-server", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -382,7 +383,8 @@ def main() -> None:
     rows: list[dict] = []
     servers = [("torchloom serve", runtime, [sys.executable, "-m", "torchloom", "serve", models[runtime], "--port",
                                              "0", "--device", "cpu", "--runtime",
-                                             "torch" if runtime == "torch" else "onnx"]) for runtime in runtimes]
+                                             "torch" if runtime == "torch" else "onnx", *a.server_args.split()])
+               for runtime in runtimes]
     servers.append(("naive", "torch", [sys.executable, str(Path(__file__).resolve()), "--naive-server",
                                        models["torch"]]))
     if "torch" not in offline_rates:

@@ -205,6 +205,25 @@ def test_predictions_are_in_input_order_and_match_the_model(exported, model, bas
     assert predictor.predict([]) == []
 
 
+def test_a_batch_is_cut_into_forwards_by_rows_and_padded_tokens(exported, model, base_dir):
+    """On CPU a length-sorted batch runs as forwards of at most forward_tokens padded tokens, so short texts
+    are not padded to a long one's length; the answers do not change."""
+    predictor = Predictor(exported, batch_size=4, forward_tokens=40)
+    assert Predictor(exported).forward_tokens == 1024 and Predictor(exported, forward_tokens=0).forward_tokens == 0
+    lengths = [3, 5, 8, 8, 9, 20, 30, 32]
+    cuts = predictor.forwards(lengths, list(range(8)))
+    assert cuts == [[0, 1, 2, 3], [4, 5], [6], [7]]  # 4 rows (batch_size); 2 x 20 fits in 40, 3 x 30 does not
+    assert [i for cut in cuts for i in cut] == list(range(8))
+    assert Predictor(exported, batch_size=4, forward_tokens=0).forwards(lengths, list(range(8))) == [
+        [0, 1, 2, 3], [4, 5, 6, 7]]
+    assert predictor.forwards([500], [0]) == [[0]]  # one row over the budget still runs, alone
+    texts = TEXTS * 3
+    expected = reference_probs(model, base_dir, texts)
+    for result, probs in zip(predictor.predict(texts), expected):
+        got = torch.tensor([result["probabilities"][label] for label in LABELS])
+        assert torch.allclose(got, probs, atol=1e-5)
+
+
 def test_predictor_cleans_text_like_prepare(exported):
     predictor = Predictor(exported)
     messy, clean = predictor.predict(["  Shares\trose\u200b  sharply\n", "Shares rose sharply"])

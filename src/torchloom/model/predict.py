@@ -21,6 +21,11 @@ RUNTIMES = ("torch", "onnx")
 # Texts are tokenized and length-sorted this many at a time, so a huge input file is not held
 # tokenized all at once.
 SORT_CHUNK = 4096
+# On a CPU a forward gains nothing past a few hundred rows x tokens (its matmuls are already large), while
+# every padded token costs as much as a real one; a length-sorted batch is therefore cut into forwards of at
+# most this many padded tokens, so texts of different lengths merged into one batch (a server's requests)
+# are not all padded to the longest. On CUDA the batch runs whole: a GPU wants large forwards.
+CPU_FORWARD_TOKENS = 1024
 INPUT_SUFFIXES = (".txt", ".jsonl", ".csv")
 
 
@@ -28,7 +33,10 @@ class Predictor:
     """A loaded model and tokenizer; `predict` returns label, score and all class probabilities per text."""
 
     def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
-                 batch_size: int = 32, runtime: str = "torch", threads: int | None = None) -> None:
+                 batch_size: int = 32, runtime: str = "torch", threads: int | None = None,
+                 forward_tokens: int | None = None) -> None:
+        """forward_tokens: padded tokens (rows x longest row) one forward may hold, besides batch_size rows;
+        None: CPU_FORWARD_TOKENS on CPU, no limit on CUDA; 0: no limit."""
         import torch
         import transformers
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -75,6 +83,9 @@ class Predictor:
             mask = self.tokenizer("a", return_special_tokens_mask=True)["special_tokens_mask"]
             self.layout = special_layout(mask)
         self.batch_size = batch_size
+        if forward_tokens is None:
+            forward_tokens = 0 if self.device.type == "cuda" else CPU_FORWARD_TOKENS
+        self.forward_tokens = max(0, int(forward_tokens))
         self.info = info
 
     def predict(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
@@ -134,6 +145,18 @@ class Predictor:
     def _predict_chunk(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
         return self.predict_encoded(self.encode_windows(texts), with_logits) if texts else []
 
+    def forwards(self, lengths: list[int], ids: list[int]) -> list[list[int]]:
+        """`ids` (sorted by their `lengths`, ascending) cut into forwards: at most batch_size rows and
+        forward_tokens padded tokens (rows x the last row's length) each, at least one row."""
+        out: list[list[int]] = []
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or i - start >= self.batch_size or (
+                    self.forward_tokens and (i + 1 - start) * lengths[i] > self.forward_tokens):
+                out.append(ids[start:i])
+                start = i
+        return out
+
     def predict_encoded(self, per_text: list[list[dict[str, list[int]]]], with_logits: bool = False
                         ) -> list[dict[str, Any]]:
         """predict's answers for texts already encoded by encode_windows (one list of model inputs per text)."""
@@ -147,8 +170,7 @@ class Predictor:
         order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
         logits = torch.zeros(len(features), len(self.labels))
         with torch.inference_mode():
-            for start in range(0, len(order), self.batch_size):
-                batch_ids = order[start:start + self.batch_size]
+            for batch_ids in self.forwards([len(features[i]["input_ids"]) for i in order], order):
                 batch = self.tokenizer.pad([features[i] for i in batch_ids], return_tensors="pt")
                 logits[batch_ids] = self.logits(batch)
         # a text's score: the softmax of its windows' mean logits (one window: its own)
