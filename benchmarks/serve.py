@@ -11,7 +11,8 @@ For each runtime (torch: PyTorch eager; onnx / onnx-int8: the model exported wit
 `onnx-int8` through the parity gates, served with `--runtime onnx`), measured on this machine one after
 the other:
 - offline limit: Predictor.predict (clean, tokenize, forward) on lists of B texts, no HTTP, for several B,
-  on that runtime; the best B is the limit a server on that runtime could reach.
+  on that runtime, each the median of 3 rounds that take the B in turn; the best B is the limit a server on
+  that runtime could reach.
 - torchloom serve (local engine, defaults: max batch 32, max batch tokens 8192, max wait 5 ms) in a
   subprocess.
 And once:
@@ -123,22 +124,31 @@ def wait_for_idle(max_wait: float, threshold: float = 0.85) -> float:
 # --- offline limit ---------------------------------------------------------------------------------------
 
 
-def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "torch") -> dict[int, float]:
-    """Texts/s of Predictor.predict on lists of B texts, for each B in OFFLINE_BATCHES."""
+def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "torch", rounds: int = 3
+            ) -> dict[int, float]:
+    """Texts/s of Predictor.predict on lists of B texts, for each B in OFFLINE_BATCHES: the median of `rounds`
+    rounds that time every B in turn (a noisy machine then moves all B alike instead of crowning the luckiest)."""
+    import statistics
+
     from torchloom.model.predict import Predictor
     from torchloom.serve.model import default_threads
 
-    results = {}
-    for b in OFFLINE_BATCHES:
-        predictor = Predictor(model_dir, batch_size=b, runtime="torch" if runtime == "torch" else "onnx",
-                              threads=default_threads())
-        predictor.predict(texts[:b])  # warm-up
-        done, started = 0, time.perf_counter()
-        while done < len(texts) and time.perf_counter() - started < time_cap:
-            predictor.predict(texts[done % len(texts):done % len(texts) + b])
-            done += b
-        results[b] = done / (time.perf_counter() - started)
-        print(f"offline {runtime} batch {b:3}: {results[b]:7.1f} texts/s", flush=True)
+    predictors = {b: Predictor(model_dir, batch_size=b, runtime="torch" if runtime == "torch" else "onnx",
+                               threads=default_threads()) for b in OFFLINE_BATCHES}
+    samples: dict[int, list[float]] = {b: [] for b in OFFLINE_BATCHES}
+    done = 0
+    for _ in range(rounds):
+        for b, predictor in predictors.items():
+            predictor.predict(texts[:b])  # warm-up
+            n, started = 0, time.perf_counter()
+            while n < len(texts) and time.perf_counter() - started < time_cap / rounds:
+                predictor.predict(texts[done % len(texts):done % len(texts) + b])
+                done, n = done + b, n + b
+            samples[b].append(n / (time.perf_counter() - started))
+    results = {b: statistics.median(rates) for b, rates in samples.items()}
+    for b, rate in results.items():
+        print(f"offline {runtime} batch {b:3}: {rate:7.1f} texts/s (median of"
+              f" {', '.join(f'{r:.1f}' for r in samples[b])})", flush=True)
     return results
 
 
