@@ -5,8 +5,10 @@ against ONNX Runtime fp32 and int8, one run.
 
 RUN_DIR: a finished `torchloom run` (its model/ and its prepared data/). The script copies model/ to a
 temporary directory and exports it there with the ONNX parity gates (`export --format onnx-int8`: fp32
-model.onnx and int8 model.int8.onnx), so RUN_DIR is not changed. Then, for each runtime, through
-Predictor (clean, tokenize, forward, softmax: what predict, serve and Spark batch run):
+model.onnx and int8 model.int8.onnx), so RUN_DIR is not changed; a second copy is exported through
+torch.export (the fallback exporter, whose graph's attention ONNX Runtime does not fuse) for comparison.
+Then, for each runtime, through Predictor (clean, tokenize, forward, softmax: what predict, serve and Spark
+batch run):
 
 - accuracy on the run's test split (every text, batch 32);
 - texts/s at batch 32 (the test texts in batches of 32) and at batch 1 (the first --single texts, one
@@ -65,15 +67,23 @@ def main() -> int:
         started = time.perf_counter()
         export_onnx(model_dir, gate_rows(manifest, 2000), "onnx-int8", threads=threads, say=print)
         print(f"exported and gated in {time.perf_counter() - started:.0f} s")
-        fp32_dir = tmp / "fp32"
-        shutil.copytree(model_dir, fp32_dir)
-        info = (fp32_dir / "torchloom.json").read_text().replace('"file": "model.int8.onnx"', '"file": "model.onnx"')
-        (fp32_dir / "torchloom.json").write_text(info)
+        plain_dir = tmp / "plain"  # the torch.export graph, whose attention ONNX Runtime does not fuse
+        shutil.copytree(run / "model", plain_dir)
+        export_onnx(plain_dir, gate_rows(manifest, 2000), "onnx-int8", threads=threads, exporter="torch.export")
+        fp32_dir, plain_fp32_dir = tmp / "fp32", tmp / "plain-fp32"
+        for src, dest in ((model_dir, fp32_dir), (plain_dir, plain_fp32_dir)):
+            shutil.copytree(src, dest)
+            info = (dest / "torchloom.json").read_text().replace('"file": "model.int8.onnx"', '"file": "model.onnx"')
+            (dest / "torchloom.json").write_text(info)
         runtimes = {
             "PyTorch eager (fp32)": lambda b: Predictor(str(model_dir), batch_size=b),
             "PyTorch eager, bf16 autocast": lambda b: Predictor(str(model_dir), batch_size=b),
             "ONNX Runtime fp32": lambda b: Predictor(str(fp32_dir), batch_size=b, runtime="onnx", threads=threads),
             "ONNX Runtime int8": lambda b: Predictor(str(model_dir), batch_size=b, runtime="onnx", threads=threads),
+            "ONNX Runtime fp32, unfused attention": lambda b: Predictor(str(plain_fp32_dir), batch_size=b,
+                                                                        runtime="onnx", threads=threads),
+            "ONNX Runtime int8, unfused attention": lambda b: Predictor(str(plain_dir), batch_size=b,
+                                                                        runtime="onnx", threads=threads),
         }
         accuracy, batch32, batch1 = {}, {name: [] for name in runtimes}, {name: [] for name in runtimes}
         loaded = {name: (make(32), make(1)) for name, make in runtimes.items()}

@@ -5,7 +5,7 @@ quantization: int8 weights of every MatMul and fused Attention, activations quan
 model.onnx is traced from the model loaded with its eager attention (the plain matmul-softmax-matmul
 subgraph) by torch's TorchScript exporter (dynamic batch and sequence axes, opset 17), which ONNX Runtime's
 transformer optimizer fuses into one Attention op per layer beside LayerNorm/residual and bias/GELU:
-on this CPU that is 1.2x faster fp32 and 1.3x faster int8 than the unfused torch.export graph
+1.2x faster fp32 and 1.4x faster int8 than the unfused torch.export graph on the test machine
 (docs/benchmarks.md). When that exporter is missing or fails (a newer torch, a family it cannot trace),
 torch.export (opset 18) is the fallback. Before either file is kept, the gate scores held-out prepared
 rows with PyTorch (the model as it trains and serves, SDPA attention) and with ONNX Runtime:
@@ -168,8 +168,12 @@ def _quiet():
             lg.setLevel(level)
 
 
-def _to_onnx(model_dir: Path, path: Path) -> str:
+EXPORTERS = ("auto", "torchscript", "torch.export")
+
+
+def _to_onnx(model_dir: Path, path: Path, exporter: str = "auto") -> str:
     """Write the fp32 graph to `path`; returns the exporter that wrote it ("torchscript" or "torch.export").
+    exporter "auto": TorchScript, else torch.export; the other two: only that one.
 
     The TorchScript exporter traces a fresh copy of the model loaded with eager attention (it changes the
     module it traces, and SDPA traces to a graph ONNX Runtime does not fuse); torch.export is the fallback."""
@@ -177,24 +181,27 @@ def _to_onnx(model_dir: Path, path: Path) -> str:
 
     example = (torch.randint(1000, 2000, (2, 16)), torch.ones(2, 16, dtype=torch.int64))
     names = {"input_names": ["input_ids", "attention_mask"], "output_names": ["logits"]}
-    first: Exception | None = None
-    with _quiet():
-        try:
+    first = "not tried"
+    if exporter != "torch.export":
+        with _quiet():
             try:
-                traced, _, _ = _torch_model(model_dir, attention="eager")
-            except Exception:  # a family without eager attention: trace its default
-                traced, _, _ = _torch_model(model_dir)
-            with torch.no_grad():
-                torch.onnx.export(traced, example, str(path), dynamo=False, opset_version=TORCHSCRIPT_OPSET,
-                                  do_constant_folding=True, **names,
-                                  dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
-                                                "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}})
-            return "torchscript"
-        except Exception as e:  # no TorchScript exporter in this torch, or it could not trace this model
-            first = e
-            path.unlink(missing_ok=True)
-        finally:
-            traced = None
+                try:
+                    traced, _, _ = _torch_model(model_dir, attention="eager")
+                except Exception:  # a family without eager attention: trace its default
+                    traced, _, _ = _torch_model(model_dir)
+                with torch.no_grad():
+                    torch.onnx.export(traced, example, str(path), dynamo=False, opset_version=TORCHSCRIPT_OPSET,
+                                      do_constant_folding=True, **names,
+                                      dynamic_axes={"input_ids": {0: "batch", 1: "seq"},
+                                                    "attention_mask": {0: "batch", 1: "seq"}, "logits": {0: "batch"}})
+                return "torchscript"
+            except Exception as e:  # no TorchScript exporter in this torch, or it could not trace this model
+                path.unlink(missing_ok=True)
+                lines = [line for line in str(e).splitlines() if line.strip()]
+                first = f"{type(e).__name__}: {lines[0] if lines else 'no message'}"
+                if exporter == "torchscript":
+                    raise UserError(f"export --format onnx: the TorchScript exporter failed ({first}); export with"
+                                    " the default exporter") from None
     wrapper, _, config = _torch_model(model_dir)
     positions = int(getattr(config, "max_position_embeddings", 0) or 512)
     batch, seq = torch.export.Dim("batch", min=1, max=65536), torch.export.Dim("seq", min=2, max=positions)
@@ -207,7 +214,7 @@ def _to_onnx(model_dir: Path, path: Path) -> str:
             lines = [line for line in (str(e) or said.getvalue()).splitlines() if line.strip()]
             why = f"{type(e).__name__}: {lines[0] if lines else 'no message'}"
             raise UserError(f"export --format onnx: torch.onnx.export failed ({why}; the TorchScript exporter:"
-                            f" {type(first).__name__}); export with --export.format hf") from None
+                            f" {first}); export with --export.format hf") from None
 
 
 # ONNX Runtime's transformer optimizer knows these families' subgraphs (LayerNorm + residual, bias + GELU)
@@ -249,11 +256,11 @@ def _quantize(src: Path, dest: Path) -> None:
 
 
 def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | None = None,
-                say: Callable[[str], None] = lambda msg: None) -> dict[str, Any]:
+                say: Callable[[str], None] = lambda msg: None, exporter: str = "auto") -> dict[str, Any]:
     """Write the ONNX file(s) of `fmt` into the exported `model_dir` if they pass the gate on `rows`;
-    returns what torchloom.json's "onnx" then holds."""
-    if fmt not in ("onnx", "onnx-int8"):
-        raise ValueError(f"format {fmt!r}")
+    returns what torchloom.json's "onnx" then holds. exporter: see _to_onnx (benchmarks compare them)."""
+    if fmt not in ("onnx", "onnx-int8") or exporter not in EXPORTERS:
+        raise ValueError(f"format {fmt!r}, exporter {exporter!r}")
     import torch
 
     require_onnxruntime()
@@ -266,7 +273,7 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
     tmp.mkdir()
     try:
         say(f"onnx: exporting {model_dir} (dynamic batch and sequence axes)")
-        exporter = _to_onnx(model_dir, tmp / ONNX_FILE)
+        exporter = _to_onnx(model_dir, tmp / ONNX_FILE, exporter)
         wrapper, pad_id, config = _torch_model(model_dir)  # the reference: the model as it serves
         fused = _fuse(tmp / ONNX_FILE, config)
         opset = TORCHSCRIPT_OPSET if exporter == "torchscript" else OPSET
