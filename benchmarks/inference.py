@@ -65,11 +65,12 @@ def main() -> int:
         model_dir = tmp / "model"
         shutil.copytree(run / "model", model_dir)
         started = time.perf_counter()
-        export_onnx(model_dir, gate_rows(manifest, 2000), "onnx-int8", threads=threads, say=print)
+        gate = gate_rows(manifest, 2000)
+        export_onnx(model_dir, gate, "onnx-int8", threads=threads, say=print)
         print(f"exported and gated in {time.perf_counter() - started:.0f} s")
         plain_dir = tmp / "plain"  # the torch.export graph, whose attention ONNX Runtime does not fuse
         shutil.copytree(run / "model", plain_dir)
-        export_onnx(plain_dir, gate_rows(manifest, 2000), "onnx-int8", threads=threads, exporter="torch.export")
+        export_onnx(plain_dir, gate, "onnx-int8", threads=threads, exporter="torch.export")
         fp32_dir, plain_fp32_dir = tmp / "fp32", tmp / "plain-fp32"
         for src, dest in ((model_dir, fp32_dir), (plain_dir, plain_fp32_dir)):
             shutil.copytree(src, dest)

@@ -135,15 +135,17 @@ def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "t
 
     predictors = {b: Predictor(model_dir, batch_size=b, runtime="torch" if runtime == "torch" else "onnx",
                                threads=default_threads()) for b in OFFLINE_BATCHES}
+    for b, predictor in predictors.items():
+        predictor.predict(texts[:b])  # warm-up
     samples: dict[int, list[float]] = {b: [] for b in OFFLINE_BATCHES}
     done = 0
     for _ in range(rounds):
         for b, predictor in predictors.items():
-            predictor.predict(texts[:b])  # warm-up
             n, started = 0, time.perf_counter()
             while n < len(texts) and time.perf_counter() - started < time_cap / rounds:
-                predictor.predict(texts[done % len(texts):done % len(texts) + b])
-                done, n = done + b, n + b
+                batch = texts[done % len(texts):done % len(texts) + b]  # short at the end of the list
+                predictor.predict(batch)
+                done, n = done + len(batch), n + len(batch)
             samples[b].append(n / (time.perf_counter() - started))
     results = {b: statistics.median(rates) for b, rates in samples.items()}
     for b, rate in results.items():

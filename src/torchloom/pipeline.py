@@ -335,7 +335,9 @@ def onnx_gate(model_dir) -> dict | None:
     gate = info.get("gate", {})
     fused = info.get("fused")
     if isinstance(fused, dict):
-        fused = ", ".join(f"{n} {op}" for op, n in sorted(fused.items())) or "none"
+        from torchloom.model.onnx import fused_ops
+
+        fused = fused_ops(fused) or "none"
     flat = {"format": info.get("format"), "file": info.get("file"), "exporter": info.get("exporter"),
             "fused ops": fused, "gate split": gate.get("split"),
             "gate rows": gate.get("rows"), "PyTorch accuracy": gate.get("torch_accuracy")}

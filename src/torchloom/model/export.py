@@ -89,7 +89,7 @@ def export_model(
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise UserError(
-            f"tokenizer {tokenizer_dir}: cannot load it ({_first_line(e)}); pass the model.path the run trained from"
+            f"tokenizer {tokenizer_dir}: cannot load it ({first_line(e)}); pass the model.path the run trained from"
         ) from None
 
     import transformers
@@ -156,6 +156,7 @@ def _wrapped(key: str) -> bool:
     return key.startswith(WRAPPER_PREFIXES) or "._orig_mod." in key
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception as one short line: its type and its message's first line."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

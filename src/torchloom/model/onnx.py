@@ -36,7 +36,7 @@ import numpy as np
 
 from torchloom.errors import UserError, missing_extra
 from torchloom.evaluate.metrics import mean_by_text
-from torchloom.model.export import EXPORT_INFO_FILE, check_exported, read_export_info
+from torchloom.model.export import EXPORT_INFO_FILE, check_exported, first_line, read_export_info
 
 FORMATS = ("hf", "onnx", "onnx-int8")
 ONNX_FILE = "model.onnx"
@@ -197,8 +197,7 @@ def _to_onnx(model_dir: Path, path: Path, exporter: str = "auto") -> str:
                 return "torchscript"
             except Exception as e:  # no TorchScript exporter in this torch, or it could not trace this model
                 path.unlink(missing_ok=True)
-                lines = [line for line in str(e).splitlines() if line.strip()]
-                first = f"{type(e).__name__}: {lines[0] if lines else 'no message'}"
+                first = first_line(e)
                 if exporter == "torchscript":
                     raise UserError(f"export --format onnx: the TorchScript exporter failed ({first}); export with"
                                     " the default exporter") from None
@@ -245,6 +244,11 @@ def _fuse(path: Path, config) -> dict[str, int]:
         return {}
 
 
+def fused_ops(fused: dict[str, int]) -> str:
+    """The fused ops as one line ("6 Attention, 6 BiasGelu, ..."); empty when nothing was fused."""
+    return ", ".join(f"{n} {op}" for op, n in sorted(fused.items()))
+
+
 def _quantize(src: Path, dest: Path) -> None:
     require_onnxruntime()
     import onnx
@@ -277,8 +281,7 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
         wrapper, pad_id, config = _torch_model(model_dir)  # the reference: the model as it serves
         fused = _fuse(tmp / ONNX_FILE, config)
         opset = TORCHSCRIPT_OPSET if exporter == "torchscript" else OPSET
-        say(f"onnx: {exporter} exporter, opset {opset}; fused: "
-            + (", ".join(f"{n} {op}" for op, n in sorted(fused.items())) or "nothing (the plain graph runs)"))
+        say(f"onnx: {exporter} exporter, opset {opset}; fused: {fused_ops(fused) or 'nothing (the plain graph runs)'}")
         with torch.inference_mode():
             def run_torch(ids, mask):
                 return wrapper(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()

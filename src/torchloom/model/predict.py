@@ -146,13 +146,13 @@ class Predictor:
         return self.predict_encoded(self.encode_windows(texts), with_logits) if texts else []
 
     def forwards(self, lengths: list[int], ids: list[int]) -> list[list[int]]:
-        """`ids` (sorted by their `lengths`, ascending) cut into forwards: at most batch_size rows and
+        """`ids` (sorted by `lengths[id]`, ascending) cut into forwards: at most batch_size rows and
         forward_tokens padded tokens (rows x the last row's length) each, at least one row."""
         out: list[list[int]] = []
         start = 0
         for i in range(1, len(ids) + 1):
             if i == len(ids) or i - start >= self.batch_size or (
-                    self.forward_tokens and (i + 1 - start) * lengths[i] > self.forward_tokens):
+                    self.forward_tokens and (i + 1 - start) * lengths[ids[i]] > self.forward_tokens):
                 out.append(ids[start:i])
                 start = i
         return out
@@ -167,10 +167,11 @@ class Predictor:
         features = [f for windows_ in per_text for f in windows_]
         owner = [i for i, windows_ in enumerate(per_text) for _ in windows_]
         # Similar lengths in one batch means little padding; results are put back in input order.
-        order = sorted(range(len(features)), key=lambda i: len(features[i]["input_ids"]))
+        lengths = [len(f["input_ids"]) for f in features]
+        order = sorted(range(len(features)), key=lengths.__getitem__)
         logits = torch.zeros(len(features), len(self.labels))
         with torch.inference_mode():
-            for batch_ids in self.forwards([len(features[i]["input_ids"]) for i in order], order):
+            for batch_ids in self.forwards(lengths, order):
                 batch = self.tokenizer.pad([features[i] for i in batch_ids], return_tensors="pt")
                 logits[batch_ids] = self.logits(batch)
         # a text's score: the softmax of its windows' mean logits (one window: its own)
