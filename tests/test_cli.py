@@ -51,8 +51,10 @@ def finished_run(tmp_path_factory, tiny, reviews_csv):
     proc = torchloom(
         "run", "--data.path", str(reviews_csv), "--data.text_column", "body", "--data.label_column", "topic",
         "--model.path", tiny, "--output.dir", str(rd), "--prepare.spark_master", "local[2]",
-        "--train.epochs", "3", "--train.batch_size", "8", "--train.lr", "3e-3", "--train.precision", "fp32",
+        "--train.epochs", "3", "--train.batch_size", "8", "--train.lr", "3e-3",
         "--train.log_every", "2", "--tracking.uri", store, "--tracking.experiment", "cli-tests",
+        # train.precision auto, on a CPU told to answer "no native bf16" (an AVX2-only machine's answer)
+        env={"TORCHLOOM_CPU_BF16": "0"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return rd, proc
@@ -95,6 +97,28 @@ def test_run_writes_every_output_and_a_summary(finished_run):
     else:
         assert summary["verdict"] is None
     assert "netlib" not in proc.stderr and "Broadcasting large task binary" not in proc.stderr
+
+
+def test_run_says_what_precision_auto_chose_and_where_the_start_up_time_went(finished_run):
+    rd, proc = finished_run
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["precision"] == "fp32" and summary["precision_reason"] == "auto: this CPU has no native bf16"
+    assert "precision fp32 (auto: this CPU has no native bf16)" in proc.stdout
+    assert "emulates" not in proc.stderr  # auto never warns of its own choice
+    assert json.loads((rd / "train_result.json").read_text())["precision"] == "fp32"
+    # the start-up account: every phase before the first step, in the summary and in metrics.jsonl
+    startup = summary["startup"]
+    for phase in ("spark_start_s", "read_clean_s", "tokenize_s", "baseline_s", "worker_launch_s",
+                  "process_group_s", "model_load_s", "data_s", "first_step_s"):
+        assert startup[phase] >= 0, phase
+    assert 0 < startup["first_step_after_s"] < summary["timings"]["total_s"]
+    assert "start-up Spark start" in proc.stdout and "first step" in proc.stdout
+    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    sides = [r for r in records if r["kind"] == "startup"]
+    assert {"spark_start_s", "baseline_s"} <= set(sides[0]) and sides[0]["side"] == "driver"
+    assert {"worker_launch_s", "model_load_s", "first_step_s"} <= set(sides[1])
+    config = tomllib.loads((rd / "config.toml").read_text())
+    assert config["train"]["precision"] == "auto" and config["engine"]["workers"] == 2  # counted, then saved
 
 
 def test_evaluate_reuses_the_runs_baseline_and_can_leave_it_out(finished_run, tmp_path):

@@ -894,15 +894,14 @@ def test_cuda_predictions_match_cpu(model_dir, reference, precision):
 
 def test_cuda_requested_without_a_device_is_a_user_error():
     from torchloom.errors import UserError
-    from torchloom.serve.model import resolve_device, resolve_precision
+    from torchloom.model.device import choose_precision, resolve_device
 
     if not _cuda():
         with pytest.raises(UserError, match="--device cuda"):
             resolve_device("cuda")
         assert resolve_device("auto") == "cpu"
-    assert resolve_precision("auto", "cpu") == "fp32"
     with pytest.raises(UserError, match="fp16"):
-        resolve_precision("fp16", "cpu")
+        choose_precision("fp16", "cpu", key="--precision")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
                         ' (e.g. torchloom predict --model DIR "text")')
     device = args.device
     if device != "cpu":
-        from torchloom.serve.model import resolve_device
+        from torchloom.model.device import resolve_device
 
         device = resolve_device(device)
     predictor = Predictor(model, device=device, batch_size=args.batch_size, runtime=args.runtime)
@@ -264,6 +264,7 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
         sys.stdout.write(to_toml(cfg))
         return 0
+    cfg = pipeline.for_this_machine(cfg)  # what cannot run here fails now, before prepare
     if args.command == "prepare":
         pipeline.prepare_with_baseline(cfg)
     elif args.command == "train":

@@ -258,6 +258,12 @@ class RunDir:
                 if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         write_atomic(path, "".join(line + "\n" for line in kept))
 
+    def append_metrics(self, record: dict) -> None:
+        """One line at the end of metrics.jsonl (the driver's; rank 0 appends its own while training)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.metrics, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
     def metric_records(self, kind: str | None = None) -> list[dict]:
         """The lines of metrics.jsonl (of one kind: train or eval)."""
         return [r for r in read_jsonl(self.metrics) if kind is None or r.get("kind") == kind]

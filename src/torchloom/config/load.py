@@ -24,7 +24,7 @@ def _field(section_obj: Any, key: str, where: str) -> dataclasses.Field:
 
 def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
     """Turn a TOML value or a command-line string into the field's type."""
-    kind = type(f.default) if f.default is not dataclasses.MISSING else dict
+    kind = f.metadata.get("type") or (type(f.default) if f.default is not dataclasses.MISSING else dict)
     from_cli = isinstance(value, str) and kind is not str
     if f.metadata.get("auto") and isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"  # a number, or "auto": the stage picks one from the data
@@ -107,6 +107,8 @@ def validate(cfg: Config) -> Config:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
+    if cfg.engine.workers == "auto":
+        return cfg  # the world-size checks run once resolve_workers has counted this machine
     validate_strategy(cfg)
     micro_batch_size(cfg.train, cfg.engine.workers)
     low = cfg.engine.min_workers
@@ -121,6 +123,35 @@ def validate(cfg: Config) -> Config:
                             " train.strategy pipeline")
         micro_batch_size(cfg.train, low)  # the smallest size must divide the batch too
     return cfg
+
+
+# engine.workers auto without GPUs: 1 process with every core against 2 with half each, measured on 2 cores
+# (docs/benchmarks.md, "Workers on a CPU"). Set by the measurement below.
+CPU_WORKERS = 2
+
+
+def resolve_workers(cfg: Config, gpus: int) -> Config:
+    """engine.workers auto made a number for this machine, then the checks that need it: one per visible GPU
+    (local engine on a GPU machine; the largest that divides the global batch), else CPU_WORKERS. A local run
+    asking for more GPU workers than GPUs is refused here, before prepare starts."""
+    e = cfg.engine
+    on_gpus = e.name == "local" and e.device != "cpu" and gpus > 0
+    if e.device == "cuda" and e.name == "local" and gpus == 0:
+        raise UserError("engine.device cuda: torch sees no CUDA device on this machine; use engine.device cpu or"
+                        " auto")
+    if e.workers == "auto":
+        e.workers = largest_divisor(cfg.train.batch_size // cfg.train.grad_accum, gpus) if on_gpus else CPU_WORKERS
+        if cfg.train.strategy == "pipeline" and e.workers < 2:
+            e.workers = 2
+    elif on_gpus and e.workers > gpus:
+        raise UserError(f"engine.workers {e.workers}: this machine has {gpus} visible GPU{'s' if gpus != 1 else ''}"
+                        f" and each worker takes one; set --engine.workers {gpus} (or leave it auto) or"
+                        " --engine.device cpu")
+    return validate(cfg)
+
+
+def largest_divisor(n: int, most: int) -> int:
+    return max(d for d in range(1, max(1, min(n, most)) + 1) if n % d == 0)
 
 
 def micro_batch_size(tc: TrainConfig, world_size: int) -> int:

@@ -65,7 +65,9 @@ class TrainConfig:
     warmup_ratio: float = field(default=0.1, metadata={"min": 0.0, "max": 1.0})
     schedule: str = field(default="linear", metadata=choices("linear", "cosine", "constant"))
     grad_clip: float = field(default=1.0, metadata={"min": 0.0})  # 0: off
-    precision: str = field(default="bf16", metadata=choices("fp32", "bf16", "fp16"))
+    # auto: bf16 on a GPU that has it (else fp16 with a gradient scaler); on CPU bf16 only where the CPU runs
+    # it natively (AMX, AVX512-BF16), else fp32: emulated bf16 is ~11x slower (model/device.py, machine.py)
+    precision: str = field(default="auto", metadata=choices("auto", "fp32", "bf16", "fp16"))
     seed: int = 42
     max_steps: int = field(default=0, metadata={"min": 0})  # 0: epochs decide
     eval_every: int = field(default=0, metadata={"min": 0})  # optimizer steps; 0: at each epoch end
@@ -92,8 +94,8 @@ class EvalConfig:
     batch_size: int = field(default=16, metadata={"min": 1})  # small batches run faster per row on CPU
     calibration_bins: int = field(default=10, metadata={"min": 2})
     misclassified_limit: int = field(default=1000, metadata={"min": 0})
-    # autocast of evaluate and in-training validation; auto: fp32 on CPU, bf16 (fp16 without it) on CUDA,
-    # as `serve --precision auto` answers, so the reported numbers are the served ones
+    # autocast of evaluate and in-training validation; auto: the rule of train.precision, as `serve --precision
+    # auto` answers, so the reported numbers are the served ones
     precision: str = field(default="auto", metadata=choices("auto", "fp32", "bf16", "fp16"))
     baseline: bool = True  # score a TF-IDF + logistic-regression baseline beside the transformer
 
@@ -109,7 +111,8 @@ class ExportConfig:
 @dataclass
 class EngineConfig:
     name: str = field(default="local", metadata=choices("local", "spark", "ray"))
-    workers: int = field(default=2, metadata={"min": 1})
+    # auto: one per visible GPU on a GPU machine (local engine); else 2 (see docs/benchmarks.md, "Workers")
+    workers: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})
     device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
     threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers on a machine
     max_restarts: int = field(default=2, metadata={"min": 0})  # worker failures survived by resuming

@@ -12,10 +12,10 @@ from torchloom.config import Config
 from torchloom.evaluate.metrics import classification_metrics
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
+from torchloom.model.device import choose_precision
 from torchloom.rundir import RunDir
 from torchloom.train.distributed import Dist
 from torchloom.train.evaluation import predict_split, to_documents
-from torchloom.train.precision import eval_precision
 
 
 def texts_at(manifest: Manifest, split: str, wanted: set[int]) -> dict[int, str]:
@@ -44,7 +44,7 @@ def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.nda
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
-    precision = eval_precision(cfg.eval.precision, device)
+    precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
     d = Dist(rank=0, world_size=1, local_rank=0, device=device, owns_group=False)
     logits, labels, index = predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
     return to_documents(manifest, cfg.eval.split, logits, labels, index)

@@ -17,13 +17,11 @@ def embedded_model_dir() -> str:
     return demo_model_path()
 
 
-def bf16_supported() -> bool:
-    import torch
+def precision(setting: str) -> str:
+    """The precision training would run in on this CPU (model/device.py's rule)."""
+    from torchloom.model.device import choose_precision
 
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return choose_precision(setting, "cpu", key="--precision").precision
 
 
 def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: int,
@@ -73,10 +71,28 @@ def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: i
             "core_share": core_share, "attention_dropout": dropout}
 
 
+def both_paths(job: Job, steps: int) -> tuple[dict, dict[str, float]]:
+    """Steps in the job's precision, and the other of fp32 / bf16 too (fewer steps when it is the slow one):
+    the median seconds per step of each, which the precision warning quotes (torchloom.machine)."""
+    from torchloom import machine
+
+    model_dir = embedded_model_dir()
+    m = measure(model_dir, job.seq, job.micro_batch, job.precision, steps)
+    medians = {job.precision: statistics.median(m["step_seconds"])}
+    other = "bf16" if job.precision == "fp32" else "fp32"
+    if job.precision in ("fp32", "bf16"):
+        few = max(2, steps // 2) if other == "bf16" and not machine.cpu().bf16_how else steps
+        medians[other] = statistics.median(measure(model_dir, job.seq, job.micro_batch, other, few)["step_seconds"])
+        machine.save_calibration(medians)
+    return m, medians
+
+
 def compare(job: Job, steps: int) -> dict:
+    from torchloom import machine
+
     predicted = data_parallel(job, "ddp")
-    m = measure(embedded_model_dir(), job.seq, job.micro_batch, job.precision, steps)
-    measured = statistics.median(m["step_seconds"])
+    m, medians = both_paths(job, steps)
+    measured = medians[job.precision]
     fwd_bwd = max(1e-9, measured - predicted.optimizer_s)
     peak = job.cluster.flops(job.precision)
     return {
@@ -92,6 +108,8 @@ def compare(job: Job, steps: int) -> dict:
         # the MFU that would make compute match, if the optimizer estimate holds
         "mfu_implied": predicted.flops_per_step / fwd_bwd / peak,
         "error_pct": (predicted.step_s - measured) / measured * 100,
+        "cpu": machine.cpu().describe(), "step_s_by_precision": medians,
+        "faster": min(medians, key=medians.get),
     }
 
 
@@ -99,7 +117,14 @@ def render(r: dict) -> str:
     times = ", ".join(f"{t:.2f}" for t in r["step_seconds"])
     verdict = "within" if abs(r["error_pct"]) <= 30 else "OUTSIDE"
     share = r["core_share"]
+    by = r.get("step_s_by_precision", {})
+    faster = r.get("faster", r["precision"])
+    slower = next((p for p in by if p != faster), None)
+    paths = (f"faster     {faster} here: {by[faster]:.3f} s per step against {slower} {by[slower]:.3f} s"
+             f" ({by[slower] / by[faster]:.1f}x slower)" if slower else f"faster     {faster} (only one measured)")
     return "\n".join([
+        f"cpu        {r.get('cpu', '?')}",
+        paths,
         f"calibrate: {r['model']} (embedded), seq {r['seq']}, micro-batch {r['micro_batch']}, {r['precision']}"
         f"{' autocast' if r['precision'] != 'fp32' else ''}, 1 process x {r['threads']} threads, AdamW (fused, as"
         f" training), attention dropout {r.get('attention_dropout', 0.0):g}, torch {r['torch']}",

@@ -17,7 +17,11 @@ examples:
   torchloom plan --model llama-7b --device-type a100-40g --devices 8 --seq 512 --micro-batch 1 --json
   torchloom plan --model distilbert-base --devices 8 --have-spark      # 8 CPU executors
   torchloom plan --calibrate          # this machine's real step time against the estimate
+  torchloom plan --run runs/bbc-minilm # a prepared run: its rows, lengths, batch, workers and precision
 """
+
+
+DEFAULT_ROWS = 1_000_000
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,13 +43,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch", metavar="N", type=int, help="sequences per device per forward (default: 16)")
     g.add_argument("--grad-accum", metavar="N", type=int, default=1,
                    help="micro-batches per optimizer step (default: 1)")
-    g.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="bf16 / fp16: mixed precision (default bf16)")
+    g.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="bf16 / fp16: mixed precision; auto (default): what training picks on the device (a GPU's"
+                        " bf16; on a CPU bf16 only where it is native, else fp32)")
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                    help="sdpa: fused kernels, no stored scores (transformers' default); eager: adds 5as/h per layer")
     g = p.add_argument_group("devices (a preset, then your own numbers over it)")
-    g.add_argument("--device-type", metavar="NAME", default="cpu",
-                   help=f"{', '.join(hardware.DEVICES)} (default: %(default)s, this machine)")
+    g.add_argument("--device-type", metavar="NAME", default="auto",
+                   help=f"auto, {', '.join(hardware.DEVICES)} (default: auto, this machine: its GPU, else its CPU)")
     g.add_argument("--devices", metavar="N", type=int, help="devices in all (default: 1, or nodes x devices-per-node)")
     g.add_argument("--nodes", metavar="N", type=int, help="machines (default: devices / devices-per-node)")
     g.add_argument("--devices-per-node", metavar="N", type=int, help="default: 8 for GPUs given --nodes, 1 for cpu")
@@ -61,13 +67,16 @@ def parser() -> argparse.ArgumentParser:
                    help="usable fraction of device memory (default: 0.9)")
     g.add_argument("--no-overlap", action="store_true", help="communication never overlaps compute")
     g = p.add_argument_group("data and parallelism")
-    g.add_argument("--rows", metavar="N", type=int, default=1_000_000,
+    g.add_argument("--rows", metavar="N", type=int, default=DEFAULT_ROWS,
                    help="training rows per epoch (default: 1,000,000)")
     g.add_argument("--mean-tokens", metavar="N", type=int, help="mean tokens per row (default: every row fills --seq)")
     g.add_argument("--epochs", metavar="N", type=int, default=1)
     g.add_argument("--pipeline-stages", metavar="P", type=int, help="P (default: the fewest that fit)")
     g.add_argument("--pipeline-microbatches", metavar="M", type=int,
                    help="M per step (default: grad-accum x P, the same global batch as DDP)")
+    g.add_argument("--run", metavar="DIR", help="a run dir that prepare wrote: rows, tokens per row, classes, and"
+                                                " the config's batch, workers, epochs and precision (flags given"
+                                                " here win)")
     g = p.add_argument_group("engine advice")
     g.add_argument("--have-spark", action="store_true", help="an existing Spark cluster runs your ETL")
     g.add_argument("--have-ray", action="store_true", help="an existing Ray cluster")
@@ -109,9 +118,10 @@ def build_job(args: argparse.Namespace) -> estimate.Job:
     if model.family != "vit" and model.max_positions and seq > model.max_positions:
         raise UserError(f"--seq {seq}: {model.name} has {model.max_positions} positions; use --seq"
                         f" {model.max_positions} or less")
-    precision = args.precision or "bf16"
+    kind = hardware.detect() if args.device_type == "auto" else args.device_type
+    precision = plan_precision(args.precision or "auto", kind)
     tflops = {"tflops_fp32" if precision == "fp32" else "tflops_bf16": args.tflops}
-    spec = hardware.device(args.device_type, memory_gib=args.memory_gib, mem_bw_gbs=args.mem_bw,
+    spec = hardware.device(kind, memory_gib=args.memory_gib, mem_bw_gbs=args.mem_bw,
                            intra_bw_gbs=args.intra_bw, inter_bw_gbs=args.inter_bw, mfu=args.mfu, **tflops)
     return estimate.Job(
         model=model, cluster=hardware.cluster(spec, args.devices, args.nodes, args.devices_per_node), seq=seq,
@@ -122,7 +132,47 @@ def build_job(args: argparse.Namespace) -> estimate.Job:
     )
 
 
+def plan_precision(setting: str, kind: str) -> str:
+    """--precision as training would run it: the one rule (torchloom.machine), on this CPU's facts for cpu
+    and on a GPU's bf16 for the GPU presets (all of them have it)."""
+    from torchloom import machine
+
+    device = "cpu" if kind == "cpu" else "cuda"
+    return machine.choose_precision(setting, device, cpu_bf16=machine.cpu().bf16_how, cuda_bf16=True,
+                                    key="--precision").precision
+
+
+def from_run(args: argparse.Namespace) -> None:
+    """Fill what --run's prepared data and config say, where the flags left it open."""
+    from pathlib import Path
+
+    from torchloom import config as config_mod
+    from torchloom import manifest as manifest_mod
+
+    root = Path(args.run)
+    if not (root / "data" / "manifest.json").is_file():
+        raise UserError(f"--run {args.run}: no prepared data there (data/manifest.json); run torchloom prepare"
+                        f" --output.dir {args.run} first")
+    m = manifest_mod.read(root / "data")
+    cfg = config_mod.load_saved(root / "config.toml") if (root / "config.toml").is_file() else config_mod.Config()
+    workers = cfg.engine.workers if cfg.engine.workers != "auto" else config_mod.load.CPU_WORKERS
+    train = m.split("train")
+    args.rows = args.rows if args.rows != DEFAULT_ROWS else train.rows
+    args.seq = args.seq or int(m.tokenizer.get("max_length") or 128)
+    lengths = m.tokenizer.get("lengths") or {}
+    if not args.mean_tokens and lengths.get("truncated_share", 1.0) < 0.9 and lengths.get("p50"):
+        args.mean_tokens = min(args.seq, int(lengths["p50"]))
+    args.num_labels = args.num_labels or m.num_labels
+    args.devices = args.devices or workers
+    args.micro_batch = args.micro_batch or max(1, cfg.train.batch_size // (workers * cfg.train.grad_accum))
+    args.grad_accum = cfg.train.grad_accum if args.grad_accum == 1 else args.grad_accum
+    args.epochs = args.epochs if args.epochs != 1 else cfg.train.epochs
+    args.precision = args.precision or cfg.train.precision
+
+
 def plan(args: argparse.Namespace) -> int:
+    if args.run:
+        from_run(args)
     job = build_job(args)
     strategies = estimate.estimate(job)
     site = advice.Site(have_spark=args.have_spark, have_ray=args.have_ray, tuning=args.tuning, serving=args.serving)
@@ -137,11 +187,12 @@ def plan(args: argparse.Namespace) -> int:
 def calibrate(args: argparse.Namespace) -> int:
     from torchloom.plan import calibrate as cal  # torch is imported only here
 
-    if args.device_type != "cpu":
-        raise UserError(f"--calibrate measures this machine: drop --device-type {args.device_type} (cpu is it)")
+    if args.device_type not in ("auto", "cpu"):
+        raise UserError(f"--calibrate measures this machine's CPU: drop --device-type {args.device_type}")
+    args.device_type = "cpu"
     args.model = cal.embedded_model_dir()
     args.seq, args.micro_batch = args.seq or 128, args.micro_batch or 8
-    args.precision = args.precision or ("bf16" if cal.bf16_supported() else "fp32")
+    args.precision = cal.precision(args.precision or "auto")
     job = build_job(args)
     job = replace(job, model=replace(job.model, name="all-MiniLM-L6-v2"))
     result = cal.compare(job, steps=args.calibrate_steps)

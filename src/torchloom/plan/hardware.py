@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from torchloom import machine
 from torchloom.errors import UserError
 
 GB = 1e9
@@ -28,29 +29,37 @@ class DeviceSpec:
     shared_host: bool = False  # several devices on one node split its memory, FLOP/s and memory bandwidth
     fused_optimizer: bool = True  # one pass over the states (CUDA fused AdamW) or several (CPU foreach)
     overlap: bool = True  # can communication run while computing (separate copy engines / SMs)?
+    description: str = ""  # what was detected (this machine's CPU or GPU), for the report
 
     def peak_flops(self, precision: str) -> float:
         return (self.tflops_fp32 if precision == "fp32" else self.tflops_bf16) * 1e12
 
 
+# bf16 step time against fp32 on a CPU, by how it runs bf16 (a step, not a matmul: autocast's casts and the
+# fp32 optimizer stay). Native: measured with `plan --calibrate` (AMX 1.40x, AVX512-BF16 1.26x faster);
+# emulated (AVX2 or AVX-512 without BF16): ~11x slower, measured on an AMD EPYC with AVX2 (docs/benchmarks.md).
+BF16_STEP_SPEEDUP = {"AMX": 1.40, "AVX512-BF16": 1.26, "Arm BF16": 1.26, None: 1 / 11}
+
+
 def cpu() -> DeviceSpec:
-    # This machine, from numbers known without measuring at import: 2 Sapphire Rapids cores at 2.1 GHz,
-    # ~23.5 GiB. fp32 peak = 2 cores x 2.1 GHz x 2 AVX-512 FMA units x 16 lanes x 2 = 0.27 TFLOP/s.
-    # MFU 0.8: re-derived (2026-11-23) from `torchloom plan --calibrate` once it ran the step training runs
-    # (fused AdamW, attention dropout 0, so torch's fused attention kernels): MiniLM, seq 128, micro-batch
-    # 8 took 0.391 s in fp32 and 0.291 s in bf16, of which the optimizer ~0.06 s; forward + backward then
-    # ran at 0.77 (fp32) and 0.87 (bf16) of the peaks below. The earlier 0.5 came from a profile with
-    # attention dropout 0.1 and foreach AdamW, which is not what training runs (1.4x and 4x slower).
-    # bf16: AVX512-BF16 doubles the peak (0.54) for the matmuls only, and autocast adds a cast before each op
-    # (~15% of the fp32 time in the profile). By Amdahl a step takes 0.3 + 0.7 / 2 + 0.15 = 0.8 of its fp32
-    # time, so the bf16 figure here is the effective 0.27 / 0.8 = 0.34, at the same MFU.
-    # The optimizer is costed apart, by memory bandwidth (12 GB/s: a 256 MiB copy measured 10-16 GB/s).
-    # `torchloom plan --calibrate` checks the whole against real steps (docs/parallelism.md has the errors).
-    # The optimizer is training's fused AdamW: one pass over its states (fused_optimizer).
-    # Network: gloo over loopback TCP between workers on one machine (~2 GB/s); 10 GbE between nodes.
-    return DeviceSpec("cpu", memory_gib=23.5, tflops_bf16=0.34, tflops_fp32=0.27, mem_bw_gbs=12,
-                      intra_bw_gbs=2.0, inter_bw_gbs=1.0, latency_intra_us=20, latency_inter_us=50, mfu=0.8,
-                      devices_per_node=1, shared_host=True, fused_optimizer=True, overlap=False)
+    """This machine's CPU (torchloom.machine): its peaks from its cores, clock and vector units.
+
+    fp32 peak = cores x GHz x FLOPs per cycle (2 FMA units x lanes x 2; Zen 1 half of that); the bf16 figure
+    is that times the measured step speed-up of bf16 on this kind of CPU (BF16_STEP_SPEEDUP), so a CPU
+    that emulates bf16 plans it slower, as it runs. MFU 0.8: forward + backward reached 0.77 (fp32) and
+    0.87 (bf16) of such peaks with training's fused kernels (attention dropout 0, fused AdamW); `plan
+    --calibrate` checks it against real steps here. The optimizer is costed apart, by memory bandwidth
+    (12 GB/s: a 256 MiB copy measured 10-16 GB/s). Network: gloo over loopback TCP between workers on one
+    machine (~2 GB/s); 10 GbE between nodes.
+    """
+    c = machine.cpu()
+    ghz = (c.mhz or 2000.0) / 1000
+    fp32 = c.cores * ghz * c.fp32_flops_per_cycle() / 1000  # TFLOP/s
+    bf16 = fp32 * BF16_STEP_SPEEDUP.get(c.bf16_how, 1.26)
+    return DeviceSpec("cpu", memory_gib=round(machine.memory_gib(), 1) or 16.0, tflops_bf16=round(bf16, 4),
+                      tflops_fp32=round(fp32, 4), mem_bw_gbs=12, intra_bw_gbs=2.0, inter_bw_gbs=1.0,
+                      latency_intra_us=20, latency_inter_us=50, mfu=0.8, devices_per_node=1, shared_host=True,
+                      fused_optimizer=True, overlap=False, description=c.describe())
 
 
 def a100_40g() -> DeviceSpec:
@@ -78,10 +87,29 @@ def h200() -> DeviceSpec:
 DEVICES = {"cpu": cpu, "a100-40g": a100_40g, "a100-80g": a100_80g, "h100": h100, "h200": h200}
 
 
+def detect() -> str:
+    """The preset for this machine: its GPU's (nvidia-smi, no torch) where one is visible, else cpu."""
+    names = machine.gpu_names()
+    if not names:
+        return "cpu"
+    name = names[0].upper()
+    for key, preset in (("H200", "h200"), ("H100", "h100"), ("GH200", "h100")):
+        if key in name:
+            return preset
+    if "A100" in name:
+        return "a100-80g" if "80G" in name else "a100-40g"
+    raise UserError(f"--device-type auto: this machine's GPU ({names[0]}) has no preset; pass --device-type with"
+                    f" the closest of {', '.join(DEVICES)} and --tflops / --memory-gib / --mem-bw for its numbers")
+
+
 def device(name: str, **overrides) -> DeviceSpec:
-    """A preset with the given fields replaced (None leaves a field as the preset has it)."""
+    """A preset with the given fields replaced (None leaves a field as the preset has it); auto: detect()."""
+    if name == "auto":
+        name = detect()
+        if name != "cpu":
+            overrides.setdefault("description", f"{machine.gpu_names()[0]} (detected)")
     if name not in DEVICES:
-        raise UserError(f"--device-type {name}: unknown; use one of {', '.join(DEVICES)}"
+        raise UserError(f"--device-type {name}: unknown; use auto or one of {', '.join(DEVICES)}"
                         " (and --memory-gib, --tflops, ... for your own numbers)")
     spec = DEVICES[name]()
     return replace(spec, **{k: v for k, v in overrides.items() if v is not None})

@@ -71,9 +71,11 @@ def header(job: Job) -> list[str]:
     peak = d.peak_flops(job.precision) / 1e12
     mixed = "fp32" if not job.mixed else f"{job.precision} mixed"
     tokens = f"{job.tokens} tokens/row (mean)" if job.mean_tokens else f"{job.seq} tokens/row"
+    detected = [f"hardware {d.description}"] if d.description else []
     return [
+        *detected,
         f"model    {m.name} ({m.family}): {pc.total / 1e6:,.1f} M parameters; {arch}",
-        f"devices  {where}: {d.memory_gib:g} GiB, {peak:g} TFLOP/s {'fp32' if not job.mixed else 'bf16'} at MFU"
+        f"devices  {where}: {d.memory_gib:g} GiB, {peak:g} TFLOP/s {'fp32' if not job.mixed else job.precision} at MFU"
         f" {mfu:g}; links {d.intra_bw_gbs:g} GB/s in a node, {d.inter_bw_gbs:g} GB/s per node between nodes",
         f"batch    seq {job.seq}, micro-batch {job.micro_batch}, grad-accum {job.grad_accum}; {mixed}, {job.optimizer},"
         f" {job.attention} attention",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -10,11 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
+from torchloom.model.device import autocast, choose_precision, resolve_device
 from torchloom.model.export import check_exported
-
-DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 @dataclass(frozen=True)
@@ -36,36 +32,6 @@ def model_identity(model_dir: str, info: dict[str, Any], labels: list[str]) -> M
         mtime = (path / "config.json").stat().st_mtime
         version = datetime.fromtimestamp(mtime, UTC).isoformat(timespec="seconds")
     return ModelIdentity(name=str(name), version=str(version), labels=tuple(labels))
-
-
-def resolve_device(device: str) -> str:
-    """cpu, cuda or cuda:N; auto is cuda when a CUDA device is visible."""
-    import torch
-
-    kind = device.split(":", 1)[0]
-    if kind not in DEVICES or (kind == "auto" and device != "auto"):
-        raise UserError(f"--device {device}: unknown; use one of {', '.join(DEVICES)} (or cuda:N)")
-    if kind == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA device is visible to torch; use --device cpu or auto")
-    return device
-
-
-def resolve_precision(precision: str, device: str) -> str:
-    """fp32, bf16 or fp16; auto is fp32 on CPU (identical to training-time evaluation), bf16 or fp16 on CUDA."""
-    import torch
-
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision}: unknown; use one of {', '.join(PRECISIONS)}")
-    on_cuda = device.startswith("cuda")
-    if precision == "auto":
-        if not on_cuda:
-            return "fp32"
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if precision == "fp16" and not on_cuda:
-        raise UserError("--precision fp16: float16 autocast is for CUDA; on CPU use fp32 or bf16")
-    return precision
 
 
 class ServedModel:
@@ -90,7 +56,10 @@ class ServedModel:
         if runtime == "onnx" and precision not in ("auto", "fp32"):
             raise UserError(f"--precision {precision}: the ONNX runtime runs the exported graph as it is (fp32, or"
                             " int8 weights with --format onnx-int8); leave --precision auto")
-        self.precision = resolve_precision(precision, self.device) if runtime == "torch" else "fp32"
+        choice = choose_precision(precision, self.device, key="--precision") if runtime == "torch" else None
+        self.precision = choice.precision if choice else "fp32"
+        self.precision_reason = choice.reason if choice else "the ONNX graph's own"
+        self.warning = choice.warning if choice else None
         self.runtime = runtime
         self.predictor = Predictor(model_dir, device=self.device, batch_size=batch_size, runtime=runtime,
                                    threads=threads)
@@ -101,12 +70,7 @@ class ServedModel:
         self.identity = model_identity(model_dir, self.predictor.info, self.labels)
 
     def _autocast(self):
-        import torch
-
-        if self.precision in ("fp32", "int8"):
-            return contextlib.nullcontext()
-        device_type = self.device.split(":", 1)[0]
-        return torch.autocast(device_type=device_type, dtype=getattr(torch, _DTYPES[self.precision]))
+        return autocast(self.device, self.precision)
 
     def predict(self, texts: list[str]) -> list[dict[str, Any]]:
         """Predictor.predict's answers, with each text's logits (TEI's raw_scores)."""

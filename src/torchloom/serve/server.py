@@ -116,12 +116,14 @@ def run_local(settings: ServeSettings) -> int:
     except BaseException:
         sock.close()
         raise
+    if model.warning:
+        print(f"torchloom serve: warning: {model.warning}", file=sys.stderr, flush=True)
     backend = LocalBackend(model, settings)
     app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local")
     identity = model.identity
     # One line on stdout that scripts (and the tests) can wait for; the socket already queues connections.
     print(f"torchloom serve: listening on {url_of(sock)} (model {identity.name} {identity.version},"
-          f" device {model.device}, runtime {model.runtime}, precision {model.precision},"
+          f" device {model.device}, runtime {model.runtime}, precision {model.precision} ({model.precision_reason}),"
           f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms)", flush=True)
 
     stop_signal: list[int] = []

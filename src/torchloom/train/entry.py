@@ -39,14 +39,21 @@ def run(cfg: Config | dict, reporter: Reporter | None = None, *, launched_at: fl
     wall-clock time the engine launched the job, from which the time to the first step is measured;
     `device` is the device the engine assigned this rank (Ray Train's), else engine.device decides.
     """
+    import time
+
     from torchloom.train.loop import Trainer
 
+    entered = time.time()
     cfg = from_dict(cfg) if isinstance(cfg, dict) else cfg
     reporter = reporter or Reporter()
     d = setup(cfg.engine.device, worker_threads(cfg), device, cfg.engine.collective_timeout_s)
+    # the engine's part of the start-up: from its launch to this process running torchloom (interpreter,
+    # imports; Ray's and Spark's own scheduling), then joining the process group
+    startup = {"worker_launch_s": entered - launched_at if launched_at else None,
+               "process_group_s": time.time() - entered}
     print(placement(d), flush=True)
     try:
-        return Trainer(cfg, d, reporter, launched_at=launched_at).fit()
+        return Trainer(cfg, d, reporter, launched_at=launched_at, startup=startup).fit()
     except BaseException as e:
         # Before teardown: the other ranks fail as soon as this one leaves the process group, and a
         # launcher may kill this one then; the driver reports the earliest failure as the cause.

@@ -13,8 +13,8 @@ import torch
 from torchloom.data.loader import eval_batches, rank_range
 from torchloom.evaluate.metrics import classification_metrics, mean_by_text
 from torchloom.manifest import Manifest
+from torchloom.model.device import autocast
 from torchloom.train.distributed import Dist, all_gather_objects
-from torchloom.train.precision import autocast
 
 if TYPE_CHECKING:
     from torchloom.train.parallelize import Parallel

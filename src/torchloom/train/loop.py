@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -32,12 +32,12 @@ from torchloom.embedded import model_path
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
+from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.rundir import RunDir
 from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist, all_reduce_sum
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
-from torchloom.train.precision import autocast, eval_precision, grad_scaler
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 
@@ -106,18 +106,32 @@ class LogWindow:
 class Trainer:
     """Built once per rank from the config; `fit()` runs the loop and returns this rank's result."""
 
-    def __init__(self, cfg: Config, d: Dist, reporter: Reporter | None = None, launched_at: float | None = None):
-        self.cfg, self.d, self.tc = cfg, d, cfg.train
+    def __init__(self, cfg: Config, d: Dist, reporter: Reporter | None = None, launched_at: float | None = None,
+                 startup: dict | None = None):
+        self.cfg, self.d = cfg, d
+        # seconds of each phase before the first step (the engine's part comes in `startup`): logged once
+        self.startup = dict(startup or {})
+        # train.precision auto becomes what this rank's device runs best (model/device.py), once
+        self.precision = choose_precision(cfg.train.precision, d.device, scaler_ok=cfg.train.strategy == "ddp")
+        self.tc = replace(cfg.train, precision=self.precision.precision)
+        self.eval_precision = choose_precision(cfg.eval.precision, d.device, key="eval.precision").precision
+        if d.rank == 0:
+            print(f"precision {self.precision.precision} ({self.precision.reason})", flush=True)
+            if self.precision.warning:
+                print(f"warning: {self.precision.warning}", flush=True)
         self.rd = RunDir(cfg.output.dir)
         self.reporter = reporter or Reporter()
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         self.manifest = read_manifest(self.rd.data)
         seed_everything(self.tc.seed)
+        t = time.perf_counter()
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off
         self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
         # Before the optimizer is built: FSDP replaces the parameters, a pipeline stage drops the others'.
         self.par = parallelize(self.model, d, self.tc, self.manifest.tokenizer.get("max_length"), self.loss_weights)
+        self.startup["model_load_s"] = time.perf_counter() - t
+        t = time.perf_counter()
         self.micro_batch = micro_batch_size(self.tc, d.world_size)
         self.loader = self.build_loader(self.micro_batch)
         # Global batches: the same on any number of workers (see data/loader.py), so is the schedule.
@@ -134,6 +148,7 @@ class Trainer:
         self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
         self.resumed_step: int | None = None
         self.resumed_from = self._maybe_resume()
+        self.startup["data_s"] = time.perf_counter() - t  # the loader, the optimizer and a resume
         if self.tc.trace_rows:
             self.rd.logs.mkdir(parents=True, exist_ok=True)
 
@@ -155,11 +170,13 @@ class Trainer:
         window = LogWindow(torch.zeros((), device=self.d.device))
         steps = self.optimizer_steps()
         while s.step < self.total_steps and not s.stopped_early:
+            step_started = time.perf_counter()
             micro_batches, first_index, epoch_ends = next(steps)
             loss_sum, rows, grad_norm = self.train_step(micro_batches, first_index)
             self.reporter.step_done(s.step)
             if self.first_step_s is None:
                 self.first_step_s = self.seconds_since_launch(started)
+                self.log_startup(time.perf_counter() - step_started)
             window.add(loss_sum, rows)
             if s.step % tc.log_every == 0 or s.step == self.total_steps:
                 self.log_train(window, grad_norm)
@@ -260,6 +277,13 @@ class Trainer:
                       samples_per_s=rate, eta_s=eta)
         window.reset()
 
+    def log_startup(self, first_step_s: float) -> None:
+        """The start-up account, once: where the time before the first step went on this rank's side."""
+        self.startup["first_step_s"] = first_step_s
+        self.startup = {k: round(v, 3) for k, v in self.startup.items() if v is not None}
+        self.log({"kind": "startup", "step": self.state.step, **self.startup,
+                  "since_launch_s": round(self.first_step_s or 0.0, 3)})
+
     def log(self, record: dict) -> None:
         if self.d.is_main:
             with open(self.rd.metrics, "a") as f:
@@ -287,8 +311,8 @@ class Trainer:
         if self.manifest.split("val").rows == 0:
             return
         self.progress(phase="eval", step=s.step, epoch=self.epoch_float())
-        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size,
-                     eval_precision(self.cfg.eval.precision, self.d.device), self.par)
+        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.eval_precision,
+                     self.par)
         self.last_eval = m
         value = m[self.tc.metric]
         if better(self.tc.metric, value, s.best_metric):
@@ -375,4 +399,5 @@ class Trainer:
             resumed_from=self.resumed_from, world_size=self.d.world_size, device=str(self.d.device),
             resumed_world_size=self.resumed_world_size,
             resumed_at_step=self.resumed_step,
+            precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
         )

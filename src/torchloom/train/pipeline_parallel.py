@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from torchloom.errors import UserError
+from torchloom.model.device import autocast
 from torchloom.train.distributed import Dist
-from torchloom.train.precision import autocast
 
 IGNORE_INDEX = -100  # the label of padding rows
 

@@ -27,6 +27,9 @@ class TrainResult:
     device: str = "cpu"
     resumed_at_step: int | None = None  # the step this launch resumed from
     resumed_world_size: int | None = None  # the workers of the run that wrote that checkpoint, when not these
+    precision: str = ""  # what train.precision became on the workers' device (auto resolved)
+    precision_reason: str = ""  # why: "auto: this CPU has no native bf16", or "as configured"
+    startup: dict = field(default_factory=dict)  # seconds of each phase before the first step (see loop.py)
     wall_s: float = 0.0  # the driver's wall time for the whole launch; 0 until the driver sets it
 
     def to_dict(self) -> dict:

@@ -160,6 +160,7 @@ def _hold(sd: StudyDir) -> None:
 
 def run(cfg: Config) -> dict:
     """Check the space, prepare once, run the trials on the chosen backend, then report and export."""
+    cfg = pipeline.for_this_machine(cfg)
     params = space_mod.parse(cfg)  # a bad space fails here, before anything starts
     backend = choose_backend(cfg)
     mode = mode_of(cfg)

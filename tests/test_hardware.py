@@ -1,0 +1,160 @@
+"""Defaults from the hardware: the one precision rule, workers counted on the machine, the planner's
+view of the CPU. The capability probes are replaced by each machine kind's answers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from torchloom import machine
+from torchloom.config import build, resolve_workers
+from torchloom.errors import UserError
+from torchloom.model import device
+
+
+def cpu_with(*flags: str, arch: str = "x86_64") -> machine.CPU:
+    return machine.CPU(model="Test CPU", arch=arch, cores=2, flags=frozenset(flags), mhz=2000.0)
+
+
+def test_the_cpu_flags_say_how_bf16_and_int8_run():
+    assert cpu_with("avx2", "fma").bf16_how is None and cpu_with("avx2").vector == "AVX2"
+    assert cpu_with("avx512f", "avx512_bf16", "avx512_vnni").bf16_how == "AVX512-BF16"
+    assert cpu_with("avx512f", "amx_bf16", "amx_int8").bf16_how == "AMX"
+    assert cpu_with("avx512f", "amx_bf16", "amx_int8").int8_how == "AMX-INT8"
+    assert cpu_with("avx512f").bf16_how is None  # AVX-512 alone emulates bf16
+    assert cpu_with("asimd", "bf16", arch="aarch64").bf16_how == "Arm BF16"
+    assert cpu_with("avx2").int8_how is None and "no native bf16" in cpu_with("avx2").describe()
+
+
+# (name, device, CPU's native bf16, GPU's bf16) -> what auto picks, and why
+MACHINES = {
+    "no native bf16": ("cpu", None, False, "fp32", "auto: this CPU has no native bf16"),
+    "AMX": ("cpu", "AMX", False, "bf16", "auto: this CPU runs bf16 natively (AMX)"),
+    "CUDA without bf16": ("cuda", None, False, "fp16", "auto: this GPU has no bf16, so fp16 with a gradient scaler"),
+    "CUDA with bf16": ("cuda", None, True, "bf16", "auto: this GPU runs bf16"),
+}
+
+
+@pytest.fixture
+def probed(monkeypatch):
+    """Make model/device.py's probes answer as the named machine does."""
+    def as_machine(name: str) -> str:
+        where, cpu_bf16, cuda_bf16, _, _ = MACHINES[name]
+        monkeypatch.delenv(device.CPU_BF16_ENV, raising=False)
+        monkeypatch.setattr(device, "cpu_bf16", lambda: cpu_bf16)
+        monkeypatch.setattr(device, "cuda_bf16", lambda: cuda_bf16)
+        return where
+    return as_machine
+
+
+@pytest.mark.parametrize("name", list(MACHINES))
+def test_auto_picks_the_fast_path_of_each_machine_and_warns_only_of_emulated_bf16(probed, name):
+    where = probed(name)
+    _, cpu_bf16, cuda_bf16, expected, reason = MACHINES[name]
+    auto = device.choose_precision("auto", where)
+    assert (auto.precision, auto.reason, auto.warning) == (expected, reason, None)
+    for key in ("train.precision", "eval.precision", "--precision"):  # every stage asks the same rule
+        assert device.choose_precision("auto", where, key=key).precision == expected
+    asked = device.choose_precision("bf16", where)
+    assert asked.precision == "bf16"
+    native = cpu_bf16 if where == "cpu" else cuda_bf16
+    if native:
+        assert asked.warning is None
+    else:
+        assert asked.warning and "bf16" in asked.warning and "auto picks" in asked.warning
+        assert "\n" not in asked.warning
+    assert device.choose_precision("fp32", where).warning is None
+
+
+def test_fp16_is_refused_on_cpu_everywhere_and_auto_avoids_the_scaler_where_it_cannot_run(probed):
+    probed("no native bf16")
+    for key in ("train.precision", "eval.precision", "--precision"):
+        with pytest.raises(UserError, match=f"{key} fp16: float16 autocast needs a CUDA GPU"):
+            device.choose_precision("fp16", "cpu", key=key)
+    probed("CUDA without bf16")
+    assert device.choose_precision("auto", "cuda", scaler_ok=False).precision == "fp32"  # FSDP, pipeline
+    assert device.choose_precision("fp16", "cuda:1").precision == "fp16"
+
+
+def test_the_emulated_bf16_warning_quotes_what_calibrate_measured(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path))
+    assert "plan --calibrate` measures it" in machine.bf16_slowdown()
+    machine.save_calibration({"fp32": 0.40, "bf16": 4.6})
+    assert machine.bf16_slowdown().startswith("11.5x slower than fp32")
+    warning = machine.choose_precision("bf16", "cpu", cpu_bf16=None).warning
+    assert "11.5x slower" in warning
+
+
+def test_the_env_override_of_the_cpu_probe(monkeypatch):
+    monkeypatch.setenv(device.CPU_BF16_ENV, "0")
+    assert device.cpu_bf16() is None and device.choose_precision("auto", "cpu").precision == "fp32"
+    monkeypatch.setenv(device.CPU_BF16_ENV, "AMX")
+    assert device.choose_precision("auto", "cpu").reason == "auto: this CPU runs bf16 natively (AMX)"
+
+
+def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
+    def cfg(*extra: str):
+        return build(None, ["--output.dir", str(tmp_path), *extra])
+
+    assert cfg().engine.workers == "auto"  # counted only once the machine is known
+    assert resolve_workers(cfg(), gpus=0).engine.workers == 2
+    assert resolve_workers(cfg(), gpus=1).engine.workers == 1
+    assert resolve_workers(cfg(), gpus=8).engine.workers == 8
+    assert resolve_workers(cfg(), gpus=3).engine.workers == 2  # the largest that divides the batch of 16
+    assert resolve_workers(cfg("--engine.device", "cpu"), gpus=4).engine.workers == 2
+    assert resolve_workers(cfg("--engine.name", "ray"), gpus=4).engine.workers == 2
+    assert resolve_workers(cfg("--engine.workers", "4"), gpus=0).engine.workers == 4
+    with pytest.raises(UserError, match="engine.workers 2: this machine has 1 visible GPU and each worker"):
+        resolve_workers(cfg("--engine.workers", "2"), gpus=1)
+    with pytest.raises(UserError, match="engine.device cuda: torch sees no CUDA device"):
+        resolve_workers(cfg("--engine.device", "cuda"), gpus=0)
+    with pytest.raises(UserError, match="train.batch_size 16: must be a multiple"):
+        resolve_workers(cfg("--engine.workers", "3"), gpus=0)  # the world-size checks run once counted
+
+
+def test_more_workers_than_gpus_is_refused_before_prepare_runs(monkeypatch, tmp_path, capsys):
+    from torchloom import cli, pipeline
+
+    monkeypatch.setattr(pipeline, "visible_gpus", lambda cfg: 1)
+    out = tmp_path / "run"
+    code = cli.main(["run", "--output.dir", str(out), "--engine.workers", "2", "--tracking.enabled", "false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "engine.workers 2: this machine has 1 visible GPU" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()  # nothing prepared, nothing written
+
+
+def test_plan_takes_the_cpu_from_the_machine_and_the_precision_from_the_rule(monkeypatch, capsys):
+    from torchloom.plan import command, hardware
+
+    monkeypatch.setattr(machine, "gpu_names", lambda: [])
+    monkeypatch.setattr(machine, "cpu", lambda: cpu_with("avx2", "fma"))
+    assert command.main(["--json"]) == 0
+    avx2 = json.loads(capsys.readouterr().out)
+    assert avx2["job"]["precision"] == "fp32"
+    assert hardware.cpu().tflops_fp32 == pytest.approx(2 * 2.0 * 32 / 1000)
+    assert hardware.cpu().tflops_bf16 < hardware.cpu().tflops_fp32  # emulated: planned slower, as it runs
+    monkeypatch.setattr(machine, "cpu", lambda: cpu_with("avx512f", "amx_bf16", "amx_int8"))
+    assert command.main(["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["job"]["precision"] == "bf16"
+    assert command.main([]) == 0
+    assert "hardware Test CPU, 2 cores, AVX-512, native bf16 (AMX), int8 dot products (AMX-INT8)" in (
+        capsys.readouterr().out)
+    monkeypatch.setattr(machine, "gpu_names", lambda: ["NVIDIA H100 80GB HBM3"])
+    assert hardware.detect() == "h100"
+    monkeypatch.setattr(machine, "gpu_names", lambda: ["Tesla T4"])
+    assert command.main([]) == 2 and "has no preset" in capsys.readouterr().err
+
+
+def test_plan_reads_a_prepared_run(tmp_path, capsys):
+    from torchloom.data.synthetic import write_synthetic_dataset
+    from torchloom.plan import command
+
+    write_synthetic_dataset(tmp_path / "run" / "data", rows={"train": 96, "val": 8, "test": 8})
+    assert command.main(["--run", str(tmp_path / "run"), "--device-type", "cpu", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    job = out["job"]
+    assert job["rows"] == 96 and job["epochs"] == 2 and out["cluster"]["devices"] == 2 and job["micro_batch"] == 8
+    assert command.main(["--run", str(tmp_path / "nothing")]) == 2
+    assert "no prepared data there" in capsys.readouterr().err
