@@ -12,7 +12,9 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from torchloom import embedded
 from torchloom.config.schema import Config
@@ -107,238 +109,318 @@ def _publish(tmp: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclass
+class _Job:
+    """One prepare call: its inputs, where it writes, and what it says and times."""
+
+    spark: Any
+    cfg: Config
+    data_path: str
+    fmt: str
+    model_dir: str
+    tokenizer_json: str
+    tmp: Path
+    say: Progress
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def user_split(self) -> bool:
+        return bool(self.cfg.data.split_column or self.cfg.data.val_path or self.cfg.data.test_path)
+
+
+@dataclass
+class _Counts:
+    """What the one job over the input counted, per status, label, given split and split-rank bucket."""
+
+    stats: list[dict]
+    rows_read: int = 0
+    rows_kept: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(REASONS, 0))
+    duplicates: int = 0
+    per_label: dict[str, int] = field(default_factory=dict)  # kept train rows (or all kept rows) per label
+    buckets: dict[tuple[str, int], int] = field(default_factory=dict)  # (label, rank bucket) -> rows
+    content: dict[str, int] = field(default_factory=dict)  # per label: the sum of its kept rows' hashes
+    given: dict[tuple[str, str], int] = field(default_factory=dict)  # (split, label) -> kept rows given val/test
+    leaks: dict[tuple[str, str], int] = field(default_factory=dict)  # of those, rows whose text is also in train
+    leaked: dict[str, int] = field(default_factory=dict)  # per split: val/test texts also in train
+
+    @property
+    def rows_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+
 def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, tokenizer_json: str,
              tmp: Path, say: Progress, start: float) -> Manifest:
+    """The jobs of prepare, in order: count, set aside, choose the length, write the splits, fingerprint."""
+    job = _Job(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say)
+    cached = broadcast = None
+    try:
+        cached, counts = _read_and_count(job)
+        marked, plans = _set_aside(job, cached, counts)
+        t = time.perf_counter()
+        _write_rejected(marked, tmp / "rejected", counts.rows_rejected)
+        job.timings["write_rejected"] = time.perf_counter() - t
+        t = time.perf_counter()
+        broadcast = _broadcast(spark, tokenizer_json)
+        info = _choose_length(job, marked, counts, plans)
+        splits = _write_splits(job, marked, counts, plans, info, broadcast)
+        job.timings["tokenize_write"] = time.perf_counter() - t
+        rate = counts.rows_kept / max(job.timings["tokenize_write"], 1e-9)
+        say(f"tokenized and wrote {counts.rows_kept} rows in {job.timings['tokenize_write']:.1f}s ({rate:.0f} rows/s): "
+            + ", ".join(f"{name} {s.documents or s.rows}" for name, s in splits.items()))
+        if cfg.prepare.truncation == "chunks":
+            say(f"chunks of {info['max_length']} tokens, {info['stride']} apart (at most"
+                f" {cfg.prepare.max_chunks or 'any number'} per text): "
+                + ", ".join(f"{name} {s.documents} texts -> {s.rows} chunks" for name, s in splits.items()))
+    finally:
+        if cached is not None:
+            cached.unpersist()
+        if broadcast is not None:
+            broadcast.destroy()
+    job.timings["total"] = time.perf_counter() - start
+    return _manifest(job, counts, plans, info, splits)
+
+
+def _read_and_count(job: _Job):
+    """Read + clean + dedup + every count: one job. The rows marked kept/duplicate/rejected come back
+    cached for the writes after it; rows per (label, split-rank bucket) come with the counts."""
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
 
-    p = cfg.prepare
-    timings: dict[str, float] = {}
-    cached = []
-    broadcast = None
+    cfg, p, say = job.cfg, job.cfg.prepare, job.say
+    t = time.perf_counter()
+    say(f"reading {job.data_path} ({job.fmt})")
+    width = default_parallelism(job.spark, default_partitions(p))
+    raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt), width, job.fmt)
+    if job.user_split:
+        raw = _with_given(job.spark, cfg, raw, width, say)
+    inputs = [(job.data_path, job.fmt)] + [(path, resolve_format(cfg.data, path))
+                                           for path in (cfg.data.val_path, cfg.data.test_path) if path]
+    utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
+    cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars, utf8,
+                                           fffd_is_error=any(f != "parquet" for _, f in inputs)),
+                             CLEANED_SCHEMA_GIVEN if job.user_split else CLEANED_SCHEMA)
+    if job.user_split:
+        cleaned = cleaned.withColumn("reason", F.coalesce(F.col("reason"),
+                                                          F.when(F.col("given").isNull(), F.lit("unknown_split"))))
+    marked = mark_duplicates(cleaned, drop_leaked=p.leakage == "drop").persist(StorageLevel.MEMORY_AND_DISK)
+    kept_col = F.col("status") == KEPT
+    group = ["status", "label", *(["given"] if job.user_split else [])]
+    sums = [F.count(F.lit(1)).alias("n"),
+            F.sum(F.when(kept_col, F.xxhash64("text", "label").cast("decimal(38,0)"))).alias("h")]
+    if job.user_split:
+        sums.append(F.sum(F.when(kept_col & F.col("leaked"), 1).otherwise(0)).alias("leak"))
     try:
-        # read + clean + dedup + every count: one job. The rows marked kept/duplicate/rejected are
-        # cached for the two writes below; rows per (label, split-rank bucket) come with the counts.
-        t = time.perf_counter()
-        say(f"reading {data_path} ({fmt})")
-        width = default_parallelism(spark, default_partitions(p))
-        raw = _spread(read_input(spark, cfg.data, data_path, fmt), width, fmt)
-        user_split = bool(cfg.data.split_column or cfg.data.val_path or cfg.data.test_path)
-        if user_split:
-            raw = _with_given(spark, cfg, raw, width, say)
-        inputs = [(data_path, fmt)] + [(path, resolve_format(cfg.data, path))
-                                       for path in (cfg.data.val_path, cfg.data.test_path) if path]
-        utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
-        cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars, utf8,
-                                               fffd_is_error=any(f != "parquet" for _, f in inputs)),
-                                 CLEANED_SCHEMA_GIVEN if user_split else CLEANED_SCHEMA)
-        if user_split:
-            cleaned = cleaned.withColumn("reason", F.coalesce(F.col("reason"),
-                                                              F.when(F.col("given").isNull(), F.lit("unknown_split"))))
-        marked = mark_duplicates(cleaned, drop_leaked=p.leakage == "drop").persist(StorageLevel.MEMORY_AND_DISK)
-        cached.append(marked)
-        kept_col = F.col("status") == KEPT
-        group = ["status", "label", *(["given"] if user_split else [])]
-        sums = [F.count(F.lit(1)).alias("n"),
-                F.sum(F.when(kept_col, F.xxhash64("text", "label").cast("decimal(38,0)"))).alias("h")]
-        if user_split:
-            sums.append(F.sum(F.when(kept_col & F.col("leaked"), 1).otherwise(0)).alias("leak"))
-        stats = (
-            marked.groupBy(*group, F.when(kept_col, rank_bucket(rank_hash(p.seed))).alias("bucket"))
-            .agg(*sums)
-            .toArrow().to_pylist()
+        stats = (marked.groupBy(*group, F.when(kept_col, rank_bucket(rank_hash(p.seed))).alias("bucket"))
+                 .agg(*sums).toArrow().to_pylist())
+    except BaseException:
+        marked.unpersist()
+        raise
+    counts = _fold(stats)
+    job.timings["read_clean_dedup"] = time.perf_counter() - t
+    say(f"read {counts.rows_read} rows in {job.timings['read_clean_dedup']:.1f}s")
+    reasons = ", ".join(f"{k} {v}" for k, v in counts.rejected.items() if v) or "none"
+    if counts.rows_read == 0:
+        marked.unpersist()
+        raise UserError(f"data.path {job.data_path}: no rows read ({job.fmt}); check the path and --data.format")
+    say(f"rejected {counts.rows_rejected} rows ({reasons}); removed {counts.duplicates} exact duplicates")
+    return marked, counts
+
+
+def _fold(stats: list[dict]) -> _Counts:
+    counts = _Counts(stats)
+    for row in stats:
+        counts.rows_read += row["n"]
+        if row["status"] == DUPLICATE:
+            counts.duplicates += row["n"]
+        elif row["status"] != KEPT:
+            counts.rejected[row["status"]] += row["n"]
+        else:
+            label = row["label"]
+            counts.content[label] = counts.content.get(label, 0) + int(row["h"])
+            if row.get("given", "train") != "train":
+                key = (row["given"], label)
+                counts.given[key] = counts.given.get(key, 0) + row["n"]
+                counts.leaks[key] = counts.leaks.get(key, 0) + row["leak"]
+                continue
+            counts.per_label[label] = counts.per_label.get(label, 0) + row["n"]
+            counts.buckets[(label, row["bucket"])] = row["n"]
+    counts.rows_kept = sum(counts.per_label.values()) + sum(counts.given.values())
+    return counts
+
+
+def _set_aside(job: _Job, marked, counts: _Counts):
+    """The split plan per class; classes too small for one row in each split, and val/test labels no train
+    row has, are set aside with a reason like a rejected row (the other classes go on)."""
+    from pyspark.sql import functions as F
+
+    p, say, given = job.cfg.prepare, job.say, counts.given
+    if counts.rows_kept == 0:
+        reasons = ", ".join(f"{k} {v}" for k, v in counts.rejected.items() if v) or "none"
+        raise UserError(
+            f"data.path {job.data_path}: no usable rows after cleaning ({counts.rows_read} read; rejected: {reasons});"
+            " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
         )
-        rows_read = sum(row["n"] for row in stats)
-        rejected = dict.fromkeys(REASONS, 0)
-        duplicates = 0
-        per_label: dict[str, int] = {}
-        buckets: dict[tuple[str, int], int] = {}
-        content: dict[str, int] = {}  # per label: the sum of its kept rows' hashes
-        given: dict[tuple[str, str], int] = {}  # (split, label) -> kept rows the user put in val or test
-        leaks: dict[tuple[str, str], int] = {}  # (split, label) -> of those, rows whose text is also in train
-        for row in stats:
-            if row["status"] == KEPT:
-                content[row["label"]] = content.get(row["label"], 0) + int(row["h"])
-                if row.get("given", "train") != "train":
-                    key = (row["given"], row["label"])
-                    given[key] = given.get(key, 0) + row["n"]
-                    leaks[key] = leaks.get(key, 0) + row["leak"]
-                    continue
-                per_label[row["label"]] = per_label.get(row["label"], 0) + row["n"]
-                buckets[(row["label"], row["bucket"])] = row["n"]
-            elif row["status"] == DUPLICATE:
-                duplicates += row["n"]
-            else:
-                rejected[row["status"]] += row["n"]
-        timings["read_clean_dedup"] = time.perf_counter() - t
-        say(f"read {rows_read} rows in {timings['read_clean_dedup']:.1f}s")
-        if rows_read == 0:
-            raise UserError(f"data.path {data_path}: no rows read ({fmt}); check the path and --data.format")
-        rows_kept = sum(per_label.values()) + sum(given.values())
-        n_rejected = sum(rejected.values())
-        reasons = ", ".join(f"{k} {v}" for k, v in rejected.items() if v) or "none"
-        say(f"rejected {n_rejected} rows ({reasons}); removed {duplicates} exact duplicates")
-        if rows_kept == 0:
-            raise UserError(
-                f"data.path {data_path}: no usable rows after cleaning ({rows_read} read; rejected: {reasons});"
-                " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
-            )
-        if user_split and not per_label:
-            raise UserError(f"data.path {data_path}: no usable train rows ({_given_source(cfg)}); the train"
-                            " split needs rows to learn from")
-        carve_val = p.val_fraction if not user_split or not any(k[0] == "val" for k in given) else 0.0
-        carve_test = p.test_fraction if not user_split else 0.0
-        plans, small = plan_split(per_label, carve_val, carve_test, data_path)
-        usable = {plan.label for plan in plans}
-        orphans = sorted({label for _, label in given if label not in usable and label not in small})
-        if small or orphans:
-            # Set aside with a reason, like a rejected row: the other classes go on.
-            given_small = sum(n for (_, label), n in given.items() if label in small)
-            rejected["class_too_small"] = sum(small.values()) + given_small
-            rejected["label_not_in_train"] = sum(n for (_, label), n in given.items() if label in orphans)
-            n_rejected += rejected["class_too_small"] + rejected["label_not_in_train"]
-            rows_kept -= rejected["class_too_small"] + rejected["label_not_in_train"]
-            marked = marked.withColumn(
-                "status",
-                F.when(kept_col & F.col("label").isin(*small), "class_too_small")
-                .when(kept_col & F.col("label").isin(*orphans), "label_not_in_train")
-                .otherwise(F.col("status")))
-            given = {k: n for k, n in given.items() if k[1] in usable}
-            leaks = {k: n for k, n in leaks.items() if k[1] in usable}
-        if orphans:
-            say(f"set aside {rejected['label_not_in_train']} val/test rows whose label no train row has"
-                f" (label_not_in_train): " + ", ".join(repr(label) for label in orphans))
-        if small:
-            needed = 1 + (carve_val > 0) + (carve_test > 0)
-            say(f"set aside {rejected['class_too_small']} rows of {len(small)} class(es) with fewer than the"
-                f" {needed} rows needed for one in each split (class_too_small): "
-                + ", ".join(f"{label!r} {n}" for label, n in sorted(small.items()))
-                + "; add rows, or set --prepare.val_fraction / --prepare.test_fraction to 0, to keep them")
-            buckets = {key: n for key, n in buckets.items() if key[0] not in small}
-        labels = [plan.label for plan in plans]
-        content_sum = sum(content[label] for label in labels)
-        # found in val/test and also in train: kept and counted (report), or set aside (drop)
-        leaked = (_leaked_by_split(stats) if p.leakage == "drop" else
-                  {name: sum(n for (g, _), n in leaks.items() if g == name) for name in ("val", "test")})
-        if user_split:
-            say(f"split as given ({_given_source(cfg)}): train {sum(plan.train for plan in plans)}, val "
+    if job.user_split and not counts.per_label:
+        raise UserError(f"data.path {job.data_path}: no usable train rows ({_given_source(job.cfg)}); the train"
+                        " split needs rows to learn from")
+    carve_val = p.val_fraction if not job.user_split or not any(k[0] == "val" for k in given) else 0.0
+    carve_test = p.test_fraction if not job.user_split else 0.0
+    plans, small = plan_split(counts.per_label, carve_val, carve_test, job.data_path)
+    usable = {plan.label for plan in plans}
+    orphans = sorted({label for _, label in given if label not in usable and label not in small})
+    if small or orphans:
+        kept_col = F.col("status") == KEPT
+        given_small = sum(n for (_, label), n in given.items() if label in small)
+        counts.rejected["class_too_small"] = sum(small.values()) + given_small
+        counts.rejected["label_not_in_train"] = sum(n for (_, label), n in given.items() if label in orphans)
+        counts.rows_kept -= counts.rejected["class_too_small"] + counts.rejected["label_not_in_train"]
+        marked = marked.withColumn(
+            "status",
+            F.when(kept_col & F.col("label").isin(*small), "class_too_small")
+            .when(kept_col & F.col("label").isin(*orphans), "label_not_in_train")
+            .otherwise(F.col("status")))
+        counts.given = {k: n for k, n in given.items() if k[1] in usable}
+        counts.leaks = {k: n for k, n in counts.leaks.items() if k[1] in usable}
+    if orphans:
+        say(f"set aside {counts.rejected['label_not_in_train']} val/test rows whose label no train row has"
+            f" (label_not_in_train): " + ", ".join(repr(label) for label in orphans))
+    if small:
+        needed = 1 + (carve_val > 0) + (carve_test > 0)
+        say(f"set aside {counts.rejected['class_too_small']} rows of {len(small)} class(es) with fewer than the"
+            f" {needed} rows needed for one in each split (class_too_small): "
+            + ", ".join(f"{label!r} {n}" for label, n in sorted(small.items()))
+            + "; add rows, or set --prepare.val_fraction / --prepare.test_fraction to 0, to keep them")
+        counts.buckets = {key: n for key, n in counts.buckets.items() if key[0] not in small}
+    _say_kept(job, counts, plans, carve_val)
+    return marked, plans
+
+
+def _say_kept(job: _Job, counts: _Counts, plans, carve_val: float) -> None:
+    """The split as given (and what leaked into it), then the kept rows per class."""
+    p, given = job.cfg.prepare, counts.given
+    counts.leaked = (_leaked_by_split(counts.stats) if p.leakage == "drop" else
+                     {name: sum(n for (g, _), n in counts.leaks.items() if g == name) for name in ("val", "test")})
+    if job.user_split:
+        job.say(f"split as given ({_given_source(job.cfg)}): train {sum(plan.train for plan in plans)}, val "
                 + (f"{sum(plan.val for plan in plans)} (carved from train by prepare.val_fraction)" if carve_val
                    else str(sum(n for (g, _), n in given.items() if g == "val")))
                 + f", test {sum(n for (g, _), n in given.items() if g == 'test')}")
-            if sum(leaked.values()):
-                what = ("set aside as leaked" if p.leakage == "drop" else
-                        "kept and counted; --prepare.leakage drop sets them aside")
-                say(f"leakage: {leaked['test']} test and {leaked['val']} val texts also appear in train ({what})")
-        say(f"kept {rows_kept} rows in {len(labels)} classes: "
+        if sum(counts.leaked.values()):
+            what = ("set aside as leaked" if p.leakage == "drop" else
+                    "kept and counted; --prepare.leakage drop sets them aside")
+            job.say(f"leakage: {counts.leaked['test']} test and {counts.leaked['val']} val texts also appear in train"
+                    f" ({what})")
+    job.say(f"kept {counts.rows_kept} rows in {len(plans)} classes: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
-        t = time.perf_counter()
-        _write_rejected(marked, tmp / "rejected", n_rejected)
-        timings["write_rejected"] = time.perf_counter() - t
 
-        # split + tokenize + write: one job. The split's window shuffle makes the `parts` partitions
-        # (one shard per split each); inside a partition rows are put in a seeded pseudo-random
-        # order, so shards are not runs of one class (the loader shuffles within bounded windows)
-        # and the same input and seed give the same shards. Up to 3 concurrent writers per task (one
-        # per split) spare the writer's sort by split, which would also undo that order.
-        t = time.perf_counter()
-        broadcast = _broadcast(spark, tokenizer_json)
-        if user_split:
-            sample_of = marked.filter(kept_col & F.col("label").isin(*labels) & (F.col("given") == "train"))
-        else:
-            sample_of = marked.filter(kept_col)
-        counts = token_counts(sample_of, sum(plan.train for plan in plans) if user_split else rows_kept,
-                              tokenizer_json, p.seed)
-        positions = model_positions(model_dir)
-        max_length = choose_max_length(counts, positions) if p.max_length == "auto" else int(p.max_length)
-        stride = min(p.stride or default_stride(max_length), max_length - 2) if p.truncation == "chunks" else 0
-        info = tokenizer_info(model_dir, tokenizer_json, max_length, p.truncation, stride, p.max_chunks)
-        info["lengths"] = lengths = length_stats(counts, max_length)
-        if p.max_length == "auto":
-            say(f"max_length auto: {max_length}, the shortest of {'/'.join(map(str, AUTO_LENGTHS))} that holds the"
-                f" 90th percentile ({lengths['p90']} tokens)" + (f", within the model's {positions} positions"
-                                                                if positions and lengths["p90"] > max_length else ""))
-        cut_note = {"head": " (cut: the model reads their start only)",
-                    "head_tail": " (cut: the model reads their start and end)",
-                    "chunks": " (each read as overlapping windows)"}[p.truncation]
-        say(f"token lengths (a sample of {lengths['sample']} rows): p50 {lengths['p50']}, p90 {lengths['p90']},"
-            f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {max_length}"
-            + (cut_note if lengths["truncated_share"] >= 0.2 else ""))
-        # shards per split: 2 x cores, or one per SHARD_ROWS kept rows when that is more
-        wide = p.partitions or max(default_partitions(p), math.ceil(rows_kept / SHARD_ROWS))
-        parts = max(1, min(wide, math.ceil(rows_kept / p.rows_per_group)))
-        if user_split:
-            # the user's val/test rows keep their split; train rows are carved only for a missing val
-            assigned = assign_splits(marked.filter(kept_col & (F.col("given") == "train")), plans, p.seed,
-                                     sizes=buckets, partitions=parts)
-            label_map = F.create_map(*[F.lit(x) for i, label in enumerate(labels) for x in (label, i)])
-            assigned = assigned.unionByName(
-                marked.filter(kept_col & (F.col("given") != "train"))
-                .select("text", "label", label_map[F.col("label")].cast("int").alias("label_id"),
-                        F.col("given").alias("split")))
-        else:
-            assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=buckets, partitions=parts)
-        order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
-        tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
-            tokenize_batches(broadcast, info["hash"], max_length, p.truncation, stride, p.max_chunks), TOKENIZED_SCHEMA
-        )
-        spark_out = tmp / "_spark"
-        with _sql_conf(spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
-            (
-                tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
-                .partitionBy("split")
-                .parquet(str(spark_out))
-            )
-        expected = {
-            "train": {plan.label: plan.train for plan in plans},
-            "val": {plan.label: plan.val + given.get(("val", plan.label), 0) for plan in plans},
-            "test": {plan.label: plan.test + given.get(("test", plan.label), 0) for plan in plans},
-        }
-        chunked = p.truncation == "chunks"
-        splits = {
-            name: _collect_split(spark_out / f"split={name}", tmp / name, tmp, expected[name], chunked)
-            for name in SPLITS
-        }
-        shutil.rmtree(spark_out)
-        timings["tokenize_write"] = time.perf_counter() - t
-        rate = rows_kept / max(timings["tokenize_write"], 1e-9)
-        say(f"tokenized and wrote {rows_kept} rows in {timings['tokenize_write']:.1f}s ({rate:.0f} rows/s): "
-            + ", ".join(f"{name} {s.documents or s.rows}" for name, s in splits.items()))
-        if chunked:
-            say(f"chunks of {max_length} tokens, {stride} apart (at most {p.max_chunks or 'any number'} per text): "
-                + ", ".join(f"{name} {s.documents} texts -> {s.rows} chunks" for name, s in splits.items()))
-    finally:
-        for df in cached:
-            df.unpersist()
-        if broadcast is not None:
-            broadcast.destroy()
 
+def _choose_length(job: _Job, marked, counts: _Counts, plans) -> dict:
+    """max_length (the configured one, or auto from a sample's token counts) and the tokenizer's record."""
+    from pyspark.sql import functions as F
+
+    p, say = job.cfg.prepare, job.say
+    kept_col = F.col("status") == KEPT
+    if job.user_split:
+        labels = [plan.label for plan in plans]
+        sample_of = marked.filter(kept_col & F.col("label").isin(*labels) & (F.col("given") == "train"))
+    else:
+        sample_of = marked.filter(kept_col)
+    rows = sum(plan.train for plan in plans) if job.user_split else counts.rows_kept
+    sample = token_counts(sample_of, rows, job.tokenizer_json, p.seed)
+    positions = model_positions(job.model_dir)
+    max_length = choose_max_length(sample, positions) if p.max_length == "auto" else int(p.max_length)
+    stride = min(p.stride or default_stride(max_length), max_length - 2) if p.truncation == "chunks" else 0
+    info = tokenizer_info(job.model_dir, job.tokenizer_json, max_length, p.truncation, stride, p.max_chunks)
+    info["lengths"] = lengths = length_stats(sample, max_length)
+    if p.max_length == "auto":
+        say(f"max_length auto: {max_length}, the shortest of {'/'.join(map(str, AUTO_LENGTHS))} that holds the"
+            f" 90th percentile ({lengths['p90']} tokens)" + (f", within the model's {positions} positions"
+                                                            if positions and lengths["p90"] > max_length else ""))
+    cut_note = {"head": " (cut: the model reads their start only)",
+                "head_tail": " (cut: the model reads their start and end)",
+                "chunks": " (each read as overlapping windows)"}[p.truncation]
+    say(f"token lengths (a sample of {lengths['sample']} rows): p50 {lengths['p50']}, p90 {lengths['p90']},"
+        f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {max_length}"
+        + (cut_note if lengths["truncated_share"] >= 0.2 else ""))
+    return info
+
+
+def _write_splits(job: _Job, marked, counts: _Counts, plans, info: dict, broadcast) -> dict[str, Split]:
+    """Split + tokenize + write: one job. The split's window shuffle makes the `parts` partitions (one
+    shard per split each); inside a partition rows are put in a seeded pseudo-random order, so shards
+    are not runs of one class (the loader shuffles within bounded windows) and the same input and seed
+    give the same shards. Up to 3 concurrent writers per task (one per split) spare the writer's sort by
+    split, which would also undo that order."""
+    from pyspark.sql import functions as F
+
+    p, given = job.cfg.prepare, counts.given
+    kept_col = F.col("status") == KEPT
+    # shards per split: 2 x cores, or one per SHARD_ROWS kept rows when that is more
+    wide = p.partitions or max(default_partitions(p), math.ceil(counts.rows_kept / SHARD_ROWS))
+    parts = max(1, min(wide, math.ceil(counts.rows_kept / p.rows_per_group)))
+    if job.user_split:
+        # the user's val/test rows keep their split; train rows are carved only for a missing val
+        labels = [plan.label for plan in plans]
+        assigned = assign_splits(marked.filter(kept_col & (F.col("given") == "train")), plans, p.seed,
+                                 sizes=counts.buckets, partitions=parts)
+        label_map = F.create_map(*[F.lit(x) for i, label in enumerate(labels) for x in (label, i)])
+        assigned = assigned.unionByName(
+            marked.filter(kept_col & (F.col("given") != "train"))
+            .select("text", "label", label_map[F.col("label")].cast("int").alias("label_id"),
+                    F.col("given").alias("split")))
+    else:
+        assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=counts.buckets, partitions=parts)
+    order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
+    tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
+        tokenize_batches(broadcast, info["hash"], info["max_length"], p.truncation, info.get("stride", 0),
+                         p.max_chunks), TOKENIZED_SCHEMA
+    )
+    spark_out = job.tmp / "_spark"
+    with _sql_conf(job.spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
+        (tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
+         .partitionBy("split").parquet(str(spark_out)))
+    expected = {
+        "train": {plan.label: plan.train for plan in plans},
+        "val": {plan.label: plan.val + given.get(("val", plan.label), 0) for plan in plans},
+        "test": {plan.label: plan.test + given.get(("test", plan.label), 0) for plan in plans},
+    }
+    chunked = p.truncation == "chunks"
+    splits = {name: _collect_split(spark_out / f"split={name}", job.tmp / name, job.tmp, expected[name], chunked)
+              for name in SPLITS}
+    shutil.rmtree(spark_out)
+    return splits
+
+
+def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, Split]) -> Manifest:
+    """The manifest of what was written, with the data's fingerprint: the same input, seed, split and
+    tokenization give the same fingerprint, however Spark partitioned the work."""
+    cfg, p = job.cfg, job.cfg.prepare
+    given = counts.given
+    labels = [plan.label for plan in plans]
+    content_sum = sum(counts.content[label] for label in labels)
     fingerprint = hashlib.sha256(json.dumps({
         "rows": f"{content_sum % 2**64:016x}",  # order-free sum of per-row hashes: partitioning cannot change it
         "classes": [[plan.label, plan.train, plan.val, plan.test] for plan in plans],
         "seed": p.seed, "val_fraction": p.val_fraction, "test_fraction": p.test_fraction,
-        "given": sorted([g, label, n] for (g, label), n in given.items()) if user_split else None,
-        "tokenizer": info["hash"], "max_length": max_length, "truncation": p.truncation,
-        **({"stride": stride, "max_chunks": p.max_chunks} if p.truncation == "chunks" else {}),
+        "given": sorted([g, label, n] for (g, label), n in given.items()) if job.user_split else None,
+        "tokenizer": info["hash"], "max_length": info["max_length"], "truncation": p.truncation,
+        **({"stride": info["stride"], "max_chunks": p.max_chunks} if p.truncation == "chunks" else {}),
     }, sort_keys=True).encode()).hexdigest()
-    timings["total"] = time.perf_counter() - start
     return Manifest(
-        labels=labels,
-        splits=splits,
-        tokenizer=info,
-        fingerprint=fingerprint,
-        inputs={"path": data_path, "format": fmt, "text_column": cfg.data.text_column,
+        labels=labels, splits=splits, tokenizer=info, fingerprint=fingerprint,
+        inputs={"path": job.data_path, "format": job.fmt, "text_column": cfg.data.text_column,
                 "label_column": cfg.data.label_column,
                 **({"split_column": cfg.data.split_column, "val_path": cfg.data.val_path,
-                    "test_path": cfg.data.test_path} if user_split else {})},
+                    "test_path": cfg.data.test_path} if job.user_split else {})},
         counts={
-            "rows_read": rows_read,
-            "rows_rejected": rejected,
-            "duplicates_removed": duplicates,
-            "rows_kept": rows_kept,
-            **({"split": _given_source(cfg), "leaked": leaked, "leakage": p.leakage} if user_split else {}),
+            "rows_read": counts.rows_read, "rows_rejected": counts.rejected,
+            "duplicates_removed": counts.duplicates, "rows_kept": counts.rows_kept,
+            **({"split": _given_source(cfg), "leaked": counts.leaked, "leakage": p.leakage}
+               if job.user_split else {}),
             "splits": {name: s.rows for name, s in splits.items()},
         },
-        timings={k: round(v, 3) for k, v in timings.items()},
+        timings={k: round(v, 3) for k, v in job.timings.items()},
     )
 
 
