@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/e2e.py [--skip-hf]
 
 Runs, in this order and in one sitting: `torchloom run` (Spark start-up, prepare, train, export,
-evaluate) into a fresh run dir, then benchmarks/hf_trainer.py on the same split. Prints wall time and
+evaluate) into a fresh run dir, then benchmarks/hf_trainer.py on the same split, both with precision auto
+(torchloom's rule: bf16 only where the CPU runs it natively). Prints the CPU first: write it beside
+every figure. Prints wall time and
 test accuracy side by side with the ratio. Needs `accelerate` for the HF Trainer (pip install accelerate).
 """
 
@@ -34,14 +36,17 @@ def main() -> None:
                  " .venv/bin/pip install -c constraints.txt -e '.[bench]' (or pass --skip-hf)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from torchloom.embedded import demo_model_path
+    from torchloom.machine import cpu
 
+    print(f"cpu: {cpu().describe()}", flush=True)
     run_dir = Path(a.run_dir)
     started = time.perf_counter()
     subprocess.run([sys.executable, "-m", "torchloom", "run", "--output.dir", str(run_dir), "--overwrite", *a.extra],
                    check=True, cwd=ROOT)
     tl_wall = time.perf_counter() - started
     summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [("torchloom run (prepare+train+export+evaluate)", tl_wall, summary["accuracy"], summary["timings"])]
+    rows = [(f"torchloom run ({summary.get('precision', '?')}; prepare+train+export+evaluate)", tl_wall,
+             summary["accuracy"], summary["timings"])]
     if not a.skip_hf:
         out = run_dir.parent / "hf.json"
         started = time.perf_counter()
@@ -49,7 +54,8 @@ def main() -> None:
                         demo_model_path(), str(out)], check=True, cwd=ROOT)
         hf_wall = time.perf_counter() - started
         hf = json.loads(out.read_text())
-        rows.append(("HF Trainer script, 1 process (baseline)", hf_wall, hf["accuracy"], {"train_s": hf["train_s"]}))
+        rows.append((f"HF Trainer script, 1 process, {hf.get('precision', '?')} (baseline)", hf_wall, hf["accuracy"],
+                     {"train_s": hf["train_s"]}))
     base = rows[-1][1]
     print(f"\n{'what':48} {'wall s':>7} {'x baseline':>11} {'test acc':>9}  stages")
     for name, wall, acc, timings in rows:
