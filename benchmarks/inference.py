@@ -43,11 +43,10 @@ def main() -> int:
 
     import torch
 
-    from torchloom.evaluate.run import texts_at
+    from torchloom.data.texts import gate_rows, texts_at
     from torchloom.manifest import read as read_manifest
     from torchloom.model.onnx import export_onnx
     from torchloom.model.predict import Predictor
-    from torchloom.pipeline import gate_rows
     from torchloom.serve.model import default_threads
 
     run = Path(args.run_dir)

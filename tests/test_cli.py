@@ -298,7 +298,8 @@ def test_an_error_about_a_very_long_input_stays_one_short_line(tmp_path):
 def test_evaluate_scores_what_serve_answers(finished_run):
     # eval.precision auto is fp32 on CPU, as `serve --precision auto`: the report's numbers are the served ones
     from torchloom.config import build
-    from torchloom.evaluate.run import score_split, texts_at
+    from torchloom.data.texts import texts_at
+    from torchloom.evaluate.run import score_split
     from torchloom.manifest import read as read_manifest
     from torchloom.serve.model import ServedModel
 
@@ -332,7 +333,8 @@ def test_a_baseline_that_fails_is_one_line_and_evaluate_goes_on(finished_run, tm
     ev = pipeline.evaluate_stage(build(None, ["--output.dir", str(rd), "--tracking.enabled", "false"]))
     assert ev["baseline"] is None and ev["metrics"]["n"] > 0
     err = capsys.readouterr().err
-    assert ("torchloom: baseline: skipped, Spark MLlib failed (RuntimeError: MLlib went wrong);"
+    # a small train split: scikit-learn on the driver, no SparkSession (get_spark above is never called)
+    assert ("torchloom: baseline: skipped, scikit-learn on the driver failed (RuntimeError: MLlib went wrong);"
             " --eval.baseline false turns it off") in err
     assert "Java.Frame" not in err and "baseline" not in json.loads((rd / "report.json").read_text())
 
@@ -359,7 +361,7 @@ def onnx_run(finished_run, tiny, tmp_path_factory):
 def test_onnx_exports_pass_their_gates_and_predict_answers_through_them(onnx_run):
     import numpy as np
 
-    from torchloom.evaluate.run import texts_at
+    from torchloom.data.texts import texts_at
     from torchloom.manifest import read as read_manifest
     from torchloom.model.predict import Predictor
 
@@ -412,7 +414,7 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
     from test_serve import Server, httpx
 
     from torchloom.model.predict import Predictor
-    from torchloom.serve.batch import predict_spark
+    from torchloom.serve.score_files import predict_spark
 
     rd, fp32_dir = onnx_run[0], onnx_run[1]
     texts = ["match goal team win", "bank market price", "album song band", "a text about nothing much " * 30]
@@ -445,9 +447,9 @@ def test_onnx_export_falls_back_to_torch_export_when_the_torchscript_exporter_fa
 
     import torch
 
+    from torchloom.data.texts import gate_rows
     from torchloom.manifest import read as read_manifest
     from torchloom.model import onnx
-    from torchloom.pipeline import gate_rows
 
     model = tmp_path / "model"
     shutil.copytree(finished_run[0] / "model", model)
@@ -471,10 +473,10 @@ def test_a_failed_onnx_gate_writes_nothing_and_a_model_without_onnx_is_one_line(
                                                                                 monkeypatch):
     import shutil
 
+    from torchloom.data.texts import gate_rows
     from torchloom.errors import UserError
     from torchloom.manifest import read as read_manifest
     from torchloom.model import onnx
-    from torchloom.pipeline import gate_rows
 
     model = tmp_path / "model"
     shutil.copytree(finished_run[0] / "model", model)

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from torchloom.evaluate.metrics import average_ranks, binary_auc, classification_metrics
 from torchloom.evaluate.report import read_metrics_jsonl, write_report
+from torchloom.scoring import average_ranks, binary_auc, classification_metrics
 
 NAMES = ["a", "b", "c"]
 # Six rows worked through by hand below: predictions 0, 1, 1, 2, 0, 2.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from torchloom.engines.common import hooked_reporters, worker_reporter
+from torchloom.engines.worker import hooked_reporters, worker_reporter
 from torchloom.errors import UserError
 from torchloom.rundir import RunDir, write_atomic
 from torchloom.train.reporter import Reporters

@@ -494,12 +494,62 @@ def test_serve_user_errors_are_one_line(tmp_path, model_dir):
 
 @needs_http
 def test_parse_texts_accepts_unicode_and_limits():
-    from torchloom.serve.app import ApiError, parse_texts
+    from torchloom.serve.api_common import ApiError
+    from torchloom.serve.app import parse_texts
 
     assert parse_texts('{"texts": ["caf\u00e9", ""]}'.encode(), 2, 5) == ["caf\u00e9", ""]
     with pytest.raises(ApiError) as e:
         parse_texts(b'{"texts": [true]}', 2, 5)
     assert e.value.status == 422 and "boolean" in e.value.message
+
+
+class _FailingBackend:
+    """A backend that raises what it is told to: the errors a real one raises, without a model."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.identity = SimpleNamespace(name="m", version="1", labels=("a", "b"))
+        self.metrics = ServeMetrics()
+        self.ready = True
+        self.error: Exception | None = None
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    async def predict(self, texts: list[str]) -> list[dict]:
+        if self.error is not None:
+            raise self.error
+        return [{"label": "a", "score": 0.6, "probabilities": {"a": 0.6, "b": 0.4}} for _ in texts]
+
+
+@needs_http
+def test_one_error_mapping_answers_both_apis_each_in_its_own_shape():
+    from fastapi.testclient import TestClient
+
+    from torchloom.errors import UserError
+    from torchloom.serve.app import create_app
+
+    backend = _FailingBackend()
+    cases = [(Overloaded(4, 4), 429, "overloaded", 429, "Overloaded", "1"),
+             (ShuttingDown("draining"), 503, "shutting_down", 503, "Unhealthy", "1"),
+             (ModelFailed("0123456789ab"), 500, "model_error", 424, "Backend", None),
+             (UserError("--x 3: too big; pass 2"), 422, "invalid_request", 422, "Tokenizer", None)]
+    with TestClient(create_app(backend, 4, 50, api_key=API_KEY)) as client:
+        for error, status, code, tei_status, tei_type, retry_after in cases:
+            backend.error = error
+            native = client.post("/v1/predict", json={"texts": ["x"]}, headers=AUTH)
+            tei = client.post("/predict", json={"inputs": "x"}, headers=AUTH)
+            assert native.status_code == status and native.json()["error"]["code"] == code, native.text
+            assert tei.status_code == tei_status and tei.json()["error_type"] == tei_type, tei.text
+            assert native.json()["error"]["message"] == tei.json()["error"]  # one message, two shapes
+            assert native.headers.get("Retry-After") == tei.headers.get("Retry-After") == retry_after
+            assert native.json()["error"].get("id") == getattr(error, "error_id", None)
+        refused = client.post("/predict", json={"inputs": "x"})  # a refused key: the same answer on both APIs
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
 
 
 def run_async(coro):
@@ -704,7 +754,7 @@ def check_output(table, rows, reference):
 def test_local_batch_predict_adds_label_score_probabilities(inputs, model_dir, reference, tmp_path, name):
     import pyarrow.parquet as pq
 
-    from torchloom.serve.batch import predict_local
+    from torchloom.serve.score_files import predict_local
 
     root, rows = inputs
     out = tmp_path / "out.parquet"
@@ -717,7 +767,7 @@ def test_local_batch_predict_adds_label_score_probabilities(inputs, model_dir, r
 
 def test_batch_predict_errors_name_the_problem(inputs, model_dir, tmp_path):
     from torchloom.errors import UserError
-    from torchloom.serve.batch import predict_local
+    from torchloom.serve.score_files import predict_local
 
     root, _ = inputs
     with pytest.raises(UserError, match="no column 'body'.*--text-column"):
@@ -734,7 +784,7 @@ def _predict_int_column(tmp_path, model_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from torchloom.serve.batch import predict_local
+    from torchloom.serve.score_files import predict_local
 
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     predict_local(model_dir, str(tmp_path / "ints.parquet"), str(tmp_path / "o.parquet"))
@@ -756,7 +806,7 @@ def test_predict_cli_batch_form_with_the_model_as_first_argument(inputs, model_d
 def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, reference, tmp_path):
     import pyarrow.dataset as ds
 
-    from torchloom.serve.batch import predict_spark
+    from torchloom.serve.score_files import predict_spark
 
     root, rows = inputs
     out = tmp_path / "spark-out"
@@ -794,7 +844,7 @@ def test_local_batch_predict_memory_stays_flat_as_the_input_grows(model_dir, tmp
         with pq.ParquetWriter(src, pa.schema([("text", pa.string())])) as w:
             for start in range(0, rows, 1000):
                 w.write_table(pa.table({"text": [f"{i} {text[:1_000]}" for i in range(start, start + 1000)]}))
-        code = ("import resource, sys; from torchloom.serve.batch import predict_local;"
+        code = ("import resource, sys; from torchloom.serve.score_files import predict_local;"
                 f" predict_local({model_dir!r}, {str(src)!r}, {str(tmp_path / f'out-{rows}.parquet')!r},"
                 " progress=False); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
@@ -838,7 +888,7 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
 def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_texts(faulty_model_dir, tmp_path):
     pytest.importorskip("ray.serve")
     # A batch waits 8 s to fill: a closed connection reaches the replica through Ray's proxy, which on a
-    # loaded machine took longer than 4 s (CI, 2026-11-23): the gone client's batch must not run first.
+    # loaded machine took longer than 4 s: the gone client's batch must not run first.
     s = Server(faulty_model_dir, "--engine", "ray", "--port", str(free_port()), "--max-queue", "4",
                "--max-batch-size", "8", "--max-wait-ms", "8000", "--fixed-wait", "--device", "cpu",
                log_dir=tmp_path, ready_timeout=150)

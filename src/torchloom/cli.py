@@ -176,7 +176,7 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
 
 def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
     """The batch form: --input file(s) to a Parquet --output, on Spark or locally."""
-    from torchloom.serve import batch
+    from torchloom.serve import score_files
 
     if texts:
         raise UserError(f"predict: with --output the texts come from --input, not arguments ({texts[0]!r})")
@@ -191,9 +191,9 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
 
         check_exported(model)
         spark = get_spark(PrepareConfig(spark_master=args.spark_master))
-        result = batch.predict_spark(spark, model, args.input, args.output, **options)
+        result = score_files.predict_spark(spark, model, args.input, args.output, **options)
     else:
-        result = batch.predict_local(model, args.input, args.output, **options)
+        result = score_files.predict_local(model, args.input, args.output, **options)
     rate = result["rows"] / result["seconds"] if result["seconds"] else 0.0
     print(f"predict: {result['rows']} rows -> {result['output']} in {result['seconds']} s ({rate:.0f} rows/s)")
     return 0

@@ -1,4 +1,5 @@
-"""The one exception type a user sees as a one-line message (exit code 2, no traceback)."""
+"""The one exception type a user sees as a one-line message (exit code 2, no traceback), and the one-line
+rendering of any exception."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def one_line(message: str, limit: int = LINE_LIMIT) -> str:
             return line
     keep = limit - prefix - 3
     return f"{line[:keep // 2]}...{line[-(keep - keep // 2):]}"
+
+
+def first_line(e: BaseException) -> str:
+    """An exception as one short line: its type and its message's first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def missing_extra(module: str, extra: str) -> UserError:

@@ -18,12 +18,12 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.errors import UserError
+from torchloom.errors import UserError, first_line
+from torchloom.poller import Poller
 
 SCHEMES = ("sqlite:", "http:", "https:", "databricks", "postgresql", "mysql", "mssql")
 
@@ -104,9 +104,6 @@ class NullTracker:
     def log_model(self, model_dir: str | Path) -> None:
         pass
 
-    def child(self, cfg: Config, run_name: str) -> NullTracker:
-        return self
-
     def finish(self, status: str = "FINISHED") -> None:
         pass
 
@@ -129,30 +126,30 @@ class Tracker(NullTracker):
     @classmethod
     def start(cls, cfg: Config, kind: str, run_name: str | None = None, parent: Tracker | None = None,
               extra_tags: dict | None = None, parent_run_id: str | None = None) -> NullTracker:
-        tc = cfg.tracking
-        if not tc.enabled:
+        tracking_cfg = cfg.tracking
+        if not tracking_cfg.enabled:
             return NullTracker()
         try:
             from mlflow import MlflowClient
         except ImportError:
-            if tc.uri:
+            if tracking_cfg.uri:
                 raise UserError("tracking.uri is set but MLflow is not installed; pip install 'torchloom[track]'"
                                 " or pass --tracking.enabled false") from None
             print("torchloom: tracking: MLflow is not installed, so this run is not tracked"
                   " (pip install 'torchloom[track]'; --tracking.enabled false silences this)", file=sys.stderr)
             return NullTracker()
         _quiet_mlflow()
-        uri = resolve_uri(tc.uri)
+        uri = resolve_uri(tracking_cfg.uri)
         if uri.startswith("sqlite:///"):
             Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         try:
             client = MlflowClient(tracking_uri=uri)
-            exp = client.get_experiment_by_name(tc.experiment)
+            exp = client.get_experiment_by_name(tracking_cfg.experiment)
             if exp is None:
                 try:
-                    exp_id = client.create_experiment(tc.experiment, artifact_location=artifact_root(uri))
+                    exp_id = client.create_experiment(tracking_cfg.experiment, artifact_location=artifact_root(uri))
                 except Exception:  # another process created it meanwhile
-                    exp = client.get_experiment_by_name(tc.experiment)
+                    exp = client.get_experiment_by_name(tracking_cfg.experiment)
                     if exp is None:
                         raise
                     exp_id = exp.experiment_id
@@ -174,12 +171,12 @@ class Tracker(NullTracker):
                 parent_run_id = parent.run_id
             if parent_run_id:
                 tags["mlflow.parentRunId"] = parent_run_id
-            name = run_name or tc.run_name or Path(cfg.output.dir).name
+            name = run_name or tracking_cfg.run_name or Path(cfg.output.dir).name
             run = client.create_run(exp_id, run_name=name, tags=tags)
         except UserError:
             raise
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             raise UserError(f"tracking.uri {uri}: cannot use this MLflow store ({first[:200]}); start the server,"
                             " fix the URI, or pass --tracking.enabled false") from None
         tracker = cls(client, uri, exp_id, run.info.run_id, cfg)
@@ -191,7 +188,7 @@ class Tracker(NullTracker):
         try:
             fn(*args)
         except Exception as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             print(f"torchloom: tracking: could not log {what} to {self.uri} ({first[:200]})", file=sys.stderr)
 
     def log_params(self, params: dict) -> None:
@@ -227,9 +224,6 @@ class Tracker(NullTracker):
 
         self._guard("the model", log_model, self, Path(model_dir))
 
-    def child(self, cfg: Config, run_name: str) -> NullTracker:
-        return Tracker.start(cfg, "trial", run_name=run_name, parent=self)
-
     def finish(self, status: str = "FINISHED") -> None:
         if not self._finished:
             self._finished = True
@@ -246,7 +240,7 @@ def start(cfg: Config, kind: str, **kwargs) -> NullTracker:
     return Tracker.start(cfg, kind, **kwargs)
 
 
-class MetricsForwarder:
+class MetricsForwarder(Poller):
     """Copies the records rank 0 appends to metrics.jsonl into the driver's MLflow run, every few seconds.
 
     The driver already has MLflow loaded; a worker would have to import it (about 2 s of a core on
@@ -258,26 +252,12 @@ class MetricsForwarder:
     """
 
     def __init__(self, client, run_id: str, metrics_path: str | Path, after_step: int = -1, interval: float = 2.0):
+        super().__init__(interval, name="torchloom-mlflow", join_timeout=60)
         self.client, self.run_id = client, run_id
-        self.path, self.after_step, self.interval = Path(metrics_path), after_step, interval
+        self.path, self.after_step = Path(metrics_path), after_step
         self.sent: set[tuple[str, int]] = set()
         self.failed = False
         self._file: tuple[int, int] = (-1, 0)  # (inode, bytes read): only new lines are parsed
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="torchloom-mlflow")
-
-    def __enter__(self) -> MetricsForwarder:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-        self.poll()  # what the workers wrote last
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.poll()
 
     def _new_lines(self) -> list[str]:
         try:
@@ -316,7 +296,7 @@ class MetricsForwarder:
                 self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
         except Exception as e:  # never fail training over tracking
             self.failed = True
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             print(f"torchloom: tracking: MLflow logging of step metrics stopped ({first[:200]}); training goes on",
                   file=sys.stderr, flush=True)
             return

@@ -10,6 +10,7 @@ from torchloom.config.load import (
     save,
     to_dict,
     to_toml,
+    valid_world_sizes,
     validate,
 )
 from torchloom.config.schema import (
@@ -26,5 +27,5 @@ from torchloom.config.schema import (
 __all__ = [
     "Config", "DataConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OutputConfig", "PrepareConfig",
     "TrainConfig", "build", "elastic_micro_batch", "from_dict", "load_saved", "micro_batch_size",
-    "resolve_workers", "save", "to_dict", "to_toml", "validate",
+    "resolve_workers", "save", "to_dict", "to_toml", "valid_world_sizes", "validate",
 ]

@@ -154,27 +154,37 @@ def largest_divisor(n: int, most: int) -> int:
     return max(d for d in range(1, max(1, min(n, most)) + 1) if n % d == 0)
 
 
-def micro_batch_size(tc: TrainConfig, world_size: int) -> int:
+def micro_batch_size(train_cfg: TrainConfig, world_size: int) -> int:
     """Rows per micro-step on one data-parallel rank; a batch that does not divide is a config error.
 
     The trainer asks again with the world size the engine really started (torchrun on several nodes).
     """
-    if tc.strategy == "pipeline":
-        per_step = tc.grad_accum * tc.microbatches  # one replica; each micro-step cut into micro-batches
-        if tc.batch_size % per_step:
+    if train_cfg.strategy == "pipeline":
+        per_step = train_cfg.grad_accum * train_cfg.microbatches  # one replica; each micro-step cut into micro-batches
+        if train_cfg.batch_size % per_step:
             raise UserError(
-                f"config train.batch_size {tc.batch_size}: with train.strategy pipeline it must be a multiple of"
+                f"config train.batch_size {train_cfg.batch_size}: with train.strategy pipeline it must be a multiple of"
                 f" train.grad_accum x train.microbatches = {per_step}; choose e.g."
-                f" {per_step * max(1, tc.batch_size // per_step)}"
+                f" {per_step * max(1, train_cfg.batch_size // per_step)}"
             )
-        return tc.batch_size // tc.grad_accum
-    per_step = world_size * tc.grad_accum
-    if tc.batch_size % per_step:
+        return train_cfg.batch_size // train_cfg.grad_accum
+    per_step = world_size * train_cfg.grad_accum
+    if train_cfg.batch_size % per_step:
         raise UserError(
-            f"config train.batch_size {tc.batch_size}: must be a multiple of engine.workers x"
-            f" train.grad_accum = {per_step}; choose e.g. {per_step * max(1, tc.batch_size // per_step)}"
+            f"config train.batch_size {train_cfg.batch_size}: must be a multiple of engine.workers x"
+            f" train.grad_accum = {per_step}; choose e.g. {per_step * max(1, train_cfg.batch_size // per_step)}"
         )
-    return tc.batch_size // per_step
+    return train_cfg.batch_size // per_step
+
+
+def valid_world_sizes(cfg: Config) -> list[int]:
+    """The worker counts a run may go on with, largest first: engine.workers down to engine.min_workers (0:
+    engine.workers only), those that divide the global batch into whole micro-steps, so the global batches
+    stay the same (data/loader.py)."""
+    train_cfg, e = cfg.train, cfg.engine
+    per_step = train_cfg.batch_size // train_cfg.grad_accum if train_cfg.batch_size % train_cfg.grad_accum == 0 else 0
+    low = e.min_workers or e.workers
+    return [w for w in range(e.workers, low - 1, -1) if w == e.workers or (per_step and per_step % w == 0)]
 
 
 def elastic_micro_batch(global_batch: int, world_size: int, micro_batch: int, limit: int) -> int:
@@ -189,12 +199,12 @@ def elastic_micro_batch(global_batch: int, world_size: int, micro_batch: int, li
 
 
 def validate_strategy(cfg: Config) -> None:
-    tc = cfg.train
-    if tc.strategy != "ddp" and tc.precision == "fp16":
+    train_cfg = cfg.train
+    if train_cfg.strategy != "ddp" and train_cfg.precision == "fp16":
         raise UserError(f"config train.precision: fp16 (with a gradient scaler) runs with train.strategy ddp only;"
-                        f" use bf16 with train.strategy {tc.strategy}")
-    if tc.strategy == "pipeline":
-        stages = tc.pipeline_stages or cfg.engine.workers
+                        f" use bf16 with train.strategy {train_cfg.strategy}")
+    if train_cfg.strategy == "pipeline":
+        stages = train_cfg.pipeline_stages or cfg.engine.workers
         if stages != cfg.engine.workers:
             raise UserError(f"config train.pipeline_stages {stages}: must equal engine.workers {cfg.engine.workers}"
                             " (one stage per worker; pipelines side by side are not supported); set them equal")

@@ -37,7 +37,7 @@ class PrepareConfig:
     # how a longer text is cut: "head" (its start), "head_tail" (a quarter from the start, the rest from
     # the end) or "chunks" (every window of it, scored as the mean of their logits); recorded in the
     # exported model, so every inference path cuts the same way (truncation.py).
-    # head_tail by measurement: demo 0.9858 either way, news by outlet 0.9008 against 0.8277 (benchmarks.md)
+    # head_tail by measurement on long documents (docs/benchmarks.md, "max_length auto, chunks, and epochs")
     truncation: str = field(default="head_tail", metadata=choices("head", "head_tail", "chunks"))
     stride: int = field(default=0, metadata={"min": 0})  # chunks: tokens from a window's start to the next's; 0: 3/4
     max_chunks: int = field(default=16, metadata={"min": 0})  # chunks: windows per text at most (spread evenly); 0: all
@@ -51,7 +51,7 @@ class PrepareConfig:
 class ModelConfig:
     path: str = ""  # a local Hugging Face model dir; "" means the embedded all-MiniLM-L6-v2
     # Dropout on attention probabilities while training. 0 lets PyTorch's fused attention kernels run:
-    # MiniLM forward+backward is 1.13x faster on this CPU (benchmarks/step_parts.py). -1 keeps the model's own value.
+    # MiniLM forward+backward is faster (docs/benchmarks.md, benchmarks/step_parts.py). -1 keeps the model's own value.
     attention_dropout: float = field(default=0.0, metadata={"min": -1.0, "max": 0.9})
 
 
@@ -66,7 +66,7 @@ class TrainConfig:
     schedule: str = field(default="linear", metadata=choices("linear", "cosine", "constant"))
     grad_clip: float = field(default=1.0, metadata={"min": 0.0})  # 0: off
     # auto: bf16 on a GPU that has it (else fp16 with a gradient scaler); on CPU bf16 only where the CPU runs
-    # it natively (AMX, AVX512-BF16), else fp32: emulated bf16 is ~11x slower (model/device.py, machine.py)
+    # it natively (AMX, AVX512-BF16), else fp32, since emulated bf16 is many times slower (model/device.py)
     precision: str = field(default="auto", metadata=choices("auto", "fp32", "bf16", "fp16"))
     seed: int = 42
     max_steps: int = field(default=0, metadata={"min": 0})  # 0: epochs decide

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import sys
-import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.engines.common import (
-    describe_loss,
-    failure_cause,
-    new_launch_id,
-    raise_worker_failure,
-    read_result,
-    run_worker,
-    tail_text,
-)
-from torchloom.engines.progress import ProgressMonitor
+from torchloom.engines.driver import Attempt, AttemptFailed, attempts
+from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError
 from torchloom.rundir import RunDir
 from torchloom.train.result import TrainResult
@@ -29,6 +21,12 @@ def _entry(cfg_dict: dict, run_dir: str, launch_id: str, launched_at: float) -> 
     # torchloom re-launches the workers after a lost process; run_worker sees the restart and resumes
     # from the latest complete checkpoint instead of starting over.
     return run_worker(cfg_dict, run_dir, launch_id, launched_at=launched_at)
+
+
+def tail_text(path: Path, lines: int = 20) -> str:
+    if not path.is_file():
+        return "(no log)"
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) or "(empty log)"
 
 
 def tail_log(log_dir: Path, rank: int, lines: int = 20) -> str:
@@ -61,7 +59,7 @@ def launch_config(cfg: Config, log_dir: Path):
         run_id=f"torchloom-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=0,  # torchloom restarts (driver.attempts), only after a lost process
         monitor_interval=0.5,
         start_method="spawn",
         # Every rank's output goes to its log file under <run>/logs/workers and to this terminal.
@@ -69,6 +67,21 @@ def launch_config(cfg: Config, log_dir: Path):
         log_line_prefix_template="[rank${rank}] ",
         local_addr="127.0.0.1",
     )
+
+
+@contextlib.contextmanager
+def quiet_launcher() -> Iterator[None]:
+    """torch elastic logs each failure at length, and torch's spawn warns of each process it stops
+    ("Terminating process N via signal SIGTERM"); we report the failing rank's error ourselves."""
+    quieted = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [log.level for log in quieted]
+    for log in quieted:
+        log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for log, level in zip(quieted, levels):
+            log.setLevel(level)
 
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
@@ -80,42 +93,20 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     rd = RunDir(run_dir)
     log_dir = rd.worker_logs
     log_dir.mkdir(parents=True, exist_ok=True)
-    rd.clear_errors()
-    launch_id = new_launch_id()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    launched_at = time.time()  # workers measure time to their first step from here
-    stream = open(os.devnull, "w") if quiet else sys.stderr
-    # torch elastic logs each failure at length, and torch's spawn warns of each process it stops
-    # ("Terminating process N via signal SIGTERM"); we report the failing rank's error ourselves.
-    quieted = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
-    levels = [log.level for log in quieted]
-    for log in quieted:
-        log.setLevel(logging.CRITICAL)
-    # torchloom restarts, not torch elastic (which restarts on any failure): only after a lost process
-    # (killed, or gone without a word), never after an error of a rank's own, which would recur.
-    attempts = cfg.engine.max_restarts + 1
-    try:
-        for attempt in range(attempts):
-            try:
-                with ProgressMonitor(rd, stream=stream):
-                    elastic_launch(launch_config(cfg, log_dir), _entry)(to_dict(cfg), str(rd.root), launch_id,
-                                                                       launched_at)
-                break
-            except ChildFailedError as e:
-                if attempt + 1 < attempts and failure_cause(rd, launch_id) is None:
-                    rank, failure = e.get_first_failure()
-                    how = f"rank {rank}: exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
-                    print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed"
-                          f" ({describe_loss(rd, launch_id, attempt) or how}); re-running the workers from the"
-                          " latest checkpoint", file=stream, flush=True)
-                    continue
-                rank, failure = e.get_first_failure()
-                how = f"exit code {failure.exitcode}" if failure.exitcode >= 0 else failure.message
-                raise_worker_failure(rd, f"training failed on rank {rank} ({how});"
-                                              f" its last output:\n{tail_log(log_dir, rank)}")
-    finally:
-        for log, level in zip(quieted, levels):
-            log.setLevel(level)
-        if quiet:
-            stream.close()
-    return read_result(rd, launch_id)
+    os.environ.update(worker_env())  # the workers are this process's children
+
+    def launch_once(attempt: Attempt) -> None:
+        try:
+            elastic_launch(launch_config(cfg, log_dir), _entry)(to_dict(cfg), str(rd.root), attempt.launch_id,
+                                                               attempt.launched_at)
+        except ChildFailedError as e:
+            rank, failure = e.get_first_failure()
+            exited = failure.exitcode >= 0  # else a signal, which the message names
+            how = f"exit code {failure.exitcode}" if exited else failure.message
+            raise AttemptFailed(f"rank {rank}: {how}" if exited else how,
+                                f"training failed on rank {rank} ({how}); its last output:\n{tail_log(log_dir, rank)}"
+                                ) from e
+
+    with quiet_launcher():
+        # torch elastic's logs already reach this terminal, each line prefixed (tee)
+        return attempts(rd, cfg, launch_once, "local", quiet=quiet, tail_logs=False, failures=(AttemptFailed,))

@@ -1,12 +1,14 @@
-"""The driver's live progress bar, drawn from the progress.json that rank 0 rewrites every log step."""
+"""The driver's live view of running workers: rank 0's progress bar (from the progress.json it rewrites
+every log step) and every rank's log lines (from logs/rank-*.log, where the engine does not collect them)."""
 
 from __future__ import annotations
 
 import json
 import sys
-import threading
 import time
+from pathlib import Path
 
+from torchloom.poller import Poller
 from torchloom.rundir import RunDir
 
 
@@ -25,37 +27,29 @@ def render(p: dict) -> str:
             f" lr {p.get('lr', 0):.2e} {p.get('samples_per_s', 0):.1f} samples/s ETA {fmt_time(p.get('eta_s', 0))}")
 
 
-class ProgressMonitor:
+class ProgressMonitor(Poller):
     """Polls `<run>/progress.json`; a live line on a terminal, a plain line every `every` s otherwise."""
 
     def __init__(self, rd: RunDir, every: float = 15.0, stream=None):
+        super().__init__(interval=0.5, name="torchloom-progress")
         self.path = rd.progress
         self.stream = stream or sys.stderr
         self.every = every
         self.tty = self.stream.isatty()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
         self._last_text = ""
         self._last_print = 0.0
 
     def __enter__(self) -> ProgressMonitor:
         self.path.unlink(missing_ok=True)
-        self._thread.start()
-        return self
+        return super().__enter__()
 
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._poll(final=True)
+    def last_poll(self) -> None:
+        self.poll(final=True)
         if self.tty and self._last_text:
             self.stream.write("\n")
             self.stream.flush()
 
-    def _loop(self) -> None:
-        while not self._stop.wait(0.5):
-            self._poll()
-
-    def _poll(self, final: bool = False) -> None:
+    def poll(self, final: bool = False) -> None:
         try:
             text = render(json.loads(self.path.read_text()))
         except (OSError, ValueError):
@@ -72,3 +66,41 @@ class ProgressMonitor:
             return
         self._last_text = text
         self.stream.flush()
+
+
+class LogTailer(Poller):
+    """Copies new lines of logs/rank-*.log to the driver's stderr, each prefixed `[rankN] `."""
+
+    def __init__(self, rd: RunDir, stream=None, interval: float = 0.5):
+        super().__init__(interval=interval, name="torchloom-logs")
+        self.rd = rd
+        self.stream = stream or sys.stderr
+        self._offsets: dict[Path, int] = {}
+        self._partial: dict[Path, str] = {}
+
+    def __enter__(self) -> LogTailer:
+        # Only what this launch writes: start at the current end of existing logs.
+        for p in self.rd.rank_logs():
+            self._offsets[p] = p.stat().st_size
+        return super().__enter__()
+
+    def poll(self) -> None:
+        for p in self.rd.rank_logs():
+            start = self._offsets.get(p, 0)
+            try:
+                with open(p, "rb") as f:
+                    f.seek(start)
+                    data = f.read()
+            except OSError:
+                continue
+            if not data:
+                continue
+            self._offsets[p] = start + len(data)
+            text = self._partial.pop(p, "") + data.decode("utf-8", errors="replace")
+            lines = text.split("\n")
+            if lines[-1]:
+                self._partial[p] = lines[-1]
+            prefix = f"[{p.stem.replace('-', '')}] "
+            for line in lines[:-1]:
+                self.stream.write(prefix + line + "\n")
+            self.stream.flush()

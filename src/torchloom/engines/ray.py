@@ -19,19 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from torchloom.config import Config, to_dict
-from torchloom.engines import faults
-from torchloom.engines.common import (
-    LogTailer,
-    lost_ranks,
-    new_launch_id,
-    read_result,
-    replace_engine,
-    rerun_or_raise,
-    run_worker,
-)
-from torchloom.engines.progress import ProgressMonitor
+from torchloom.config import Config, to_dict, valid_world_sizes
+from torchloom.engines.common import lost_ranks, replace_engine
+from torchloom.engines.driver import Attempt, attempts
+from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
+from torchloom.model.env import model_env
 from torchloom.private import private_dir
 from torchloom.rundir import RunDir
 from torchloom.train.reporter import Reporter
@@ -104,7 +97,7 @@ def init_ray(address: str) -> bool:
         with loopback_node():
             ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False,
                      logging_level=logging.WARNING,
-                     runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", OWN_INSTANCE: "1"}})
+                     runtime_env={"env_vars": {**model_env(), OWN_INSTANCE: "1"}})
     finally:
         for k, v in saved.items():
             if v is None:
@@ -126,7 +119,7 @@ def process_token() -> str:
 
 # Ray replaces a node IP of 127.0.0.1 by the machine's routable address, and then its GCS, raylet and
 # workers listen on every interface, unless clusters are off, as Ray has them on macOS and Windows:
-# then the node is 127.0.0.1 and every server binds loopback (measured with Ray 2.60).
+# then the node is 127.0.0.1 and every server binds loopback (seen with Ray 2.60: docs/benchmarks.md).
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
@@ -173,15 +166,6 @@ def scaling(cfg: Config, started_local: bool):
     return ScalingConfig(num_workers=cfg.engine.workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus})
 
 
-def elastic_sizes(cfg: Config) -> list[int]:
-    """Worker counts a run may go on with, largest first: engine.workers down to engine.min_workers,
-    those that divide the global batch into whole micro-steps (the same global batches, data/loader.py)."""
-    per_step = cfg.train.batch_size // cfg.train.grad_accum if cfg.train.batch_size % cfg.train.grad_accum == 0 else 0
-    low = cfg.engine.min_workers or cfg.engine.workers
-    return [w for w in range(cfg.engine.workers, low - 1, -1) if w == cfg.engine.workers or
-            (per_step and per_step % w == 0)]
-
-
 def placeable_workers(scaling_config) -> int:
     """How many workers of this shape the cluster's alive nodes hold."""
     import ray
@@ -210,7 +194,7 @@ def shrink_to_alive(cfg: Config, scaling_config, lost: int = 0):
     lives on leaves the capacity as it was, and the re-run, after that wait, uses it."""
     from ray.train import ScalingConfig
 
-    sizes = elastic_sizes(cfg)
+    sizes = valid_world_sizes(cfg)
     fits = placeable_workers(scaling_config)
     deadline = time.monotonic() + NODE_DEATH_WAIT_S
     while lost and fits > scaling_config.num_workers - lost and time.monotonic() < deadline:
@@ -245,9 +229,9 @@ def worker_malloc() -> dict:
     Ray Train runs the training function in a thread of the worker actor rather than its main
     thread, so its allocations go to a per-thread arena, unlike local and Spark workers; Ray's
     many-threaded daemons likewise spread over many arenas. Together with the workers' niceness
-    (worker_priority), one arena took torchloom on Ray from 0.93 to about 1.0 of its local engine's
-    steady state in `benchmarks/engines.py` (docs/benchmarks.md, 2026-11-22 14:13 and 20:13 sittings);
-    which process gains most is not pinned down. A value in torchloom's own environment wins.
+    (worker_priority), one arena brought torchloom on Ray level with its local engine's steady state in
+    `benchmarks/engines.py` (docs/benchmarks.md); which process gains most is not pinned down. A value in
+    torchloom's own environment wins.
     """
     return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
 
@@ -260,28 +244,27 @@ def tune_callbacks() -> list:
     return [TuneReportCallback()]  # rank 0's eval metrics to the trial, for the scheduler (ASHA)
 
 
-def trainer(cfg: Config, rd: RunDir, launch_id: str, attempt: int, scaling_config, started_local: bool,
-            launched_at: float):
+def trainer(cfg: Config, rd: RunDir, attempt: Attempt, scaling_config, started_local: bool):
     from ray.train import FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
         _entry,
         torch_config=TorchConfig(timeout_s=int(cfg.engine.collective_timeout_s)),  # Ray makes the group
-        train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": launch_id,
-                           "use_gpu": scaling_config.use_gpu, "launched_at": launched_at},
+        train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": attempt.launch_id,
+                           "use_gpu": scaling_config.use_gpu, "launched_at": attempt.launched_at},
         scaling_config=scaling_config,
         run_config=RunConfig(
             # a run name per attempt: Ray would take a run of the same name for one to continue
-            name=f"torchloom-{launch_id}-{attempt}", storage_path=str(rd.ray_storage),
+            name=f"torchloom-{attempt.launch_id}-{attempt.number}", storage_path=str(rd.ray_storage),
             failure_config=FailureConfig(max_failures=0),  # torchloom restarts, only after a lost process
             callbacks=tune_callbacks(),
             worker_runtime_env={"env_vars": {
+                **worker_env(),
                 **worker_priority(started_local),
                 **worker_malloc(),
                 # Train v2 sends each print to its logger as well, and so to our rank log a second time
                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
-                **({faults.ENV: os.environ[faults.ENV]} if faults.ENV in os.environ else {}),
             }},
         ),
     )
@@ -296,30 +279,22 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
         raise missing_extra("ray", "ray") from None
 
     rd = RunDir(run_dir)
-    launch_id = new_launch_id()
-    rd.clear_errors()
     started_local = init_ray(cfg.engine.ray_address)
     scaling_config = scaling(cfg, started_local)
     if not cfg.engine.threads_per_worker:
         # torch threads = the CPUs Ray gives each worker (the host's core count would oversubscribe)
         cfg = replace_engine(cfg, threads_per_worker=max(1, int(scaling_config.resources_per_worker["CPU"] + 0.01)))
-    stream = open(os.devnull, "w") if quiet else sys.stderr
-    launched_at = time.time()  # workers time their first step from the launch
-    attempts = cfg.engine.max_restarts + 1
+
+    def launch_once(attempt: Attempt) -> None:
+        nonlocal cfg, scaling_config
+        if attempt.number and cfg.engine.min_workers:
+            lost = len(lost_ranks(rd, attempt.launch_id, attempt.number - 1))
+            cfg, scaling_config = shrink_to_alive(cfg, scaling_config, lost)
+        trainer(cfg, rd, attempt, scaling_config, started_local).fit()
+
     try:
-        with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
-            for attempt in range(attempts):
-                if attempt and cfg.engine.min_workers:
-                    lost = len(lost_ranks(rd, launch_id, attempt - 1))
-                    cfg, scaling_config = shrink_to_alive(cfg, scaling_config, lost)
-                try:
-                    trainer(cfg, rd, launch_id, attempt, scaling_config, started_local, launched_at).fit()
-                    break
-                except Exception as e:  # Ray wraps the worker's failure; our error files hold the real one
-                    rerun_or_raise(rd, launch_id, attempt, attempts, e, "Ray")
+        # Ray wraps a worker's failure in its own error; the run directory's error files hold the real one
+        return attempts(rd, cfg, launch_once, "Ray", quiet=quiet)
     finally:
-        if quiet:
-            stream.close()
         if started_local:
             ray.shutdown()
-    return read_result(rd, launch_id)

@@ -11,38 +11,22 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.engines import faults
-from torchloom.engines.common import (
-    LogTailer,
-    new_launch_id,
-    not_visible,
-    read_result,
-    replace_engine,
-    rerun_or_raise,
-    run_worker,
-)
-from torchloom.engines.progress import ProgressMonitor
+from torchloom.engines.common import not_visible, replace_engine
+from torchloom.engines.driver import Attempt, attempts
+from torchloom.engines.worker import enter_worker_env, run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
 from torchloom.etl.session import conf_value, get_spark
 from torchloom.rundir import RunDir
 from torchloom.train.result import TrainResult
 
-# Passed to every worker with the job: executors are long-lived processes started with whatever
-# environment the session had, not the driver's environment at launch.
-FORWARDED_ENV = (faults.ENV, "HF_HUB_OFFLINE")
-
 
 def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict, launched_at: float) -> None:
-    for key in FORWARDED_ENV:
-        if key in env:
-            os.environ[key] = env[key]
-        else:
-            os.environ.pop(key, None)
+    # Executors are long-lived processes started with whatever environment the session had, not the
+    # driver's at launch: the job brings its workers' environment along.
+    enter_worker_env(env)
     # Output goes to the run's log files: Spark would otherwise print it twice on local[N] and keep
     # it in executor work dirs on a cluster. The driver tails the files.
     run_worker(cfg_dict, run_dir, launch_id, capture=True, launched_at=launched_at)
@@ -103,30 +87,15 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     if not cfg.engine.threads_per_worker and not local_mode:
         # an executor task owns spark.task.cpus cores, whatever the host has
         cfg = replace_engine(cfg, threads_per_worker=int(conf_value(spark, "spark.task.cpus", "1") or 1))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    launched_at = time.time()  # workers time their first step from here
     if not local_mode:
         check_executors_see(spark, rd, cfg.engine.workers)
-    launch_id = new_launch_id()
-    stream = open(os.devnull, "w") if quiet else sys.stderr
-    attempts = cfg.engine.max_restarts + 1
-    try:
-        # Errors stay across the attempts of this launch, as under torch elastic and Ray: the first
-        # one is the cause, and a restarted rank tells a peer that failed from one that vanished.
-        rd.clear_errors()
-        for attempt in range(attempts):
-            distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
-            distributor.logger.setLevel(logging.WARNING)  # its constructor sets INFO: "Started distributed ..."
-            try:
-                with ProgressMonitor(rd, stream=stream), LogTailer(rd, stream=stream):
-                    env = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-                    distributor.run(_entry, to_dict(cfg), str(rd.root), launch_id, env, launched_at)
-                break
-            except Exception as e:  # Spark wraps the worker's failure; our error files hold the real one
-                rerun_or_raise(rd, launch_id, attempt, attempts, e, f"Spark ({master})")
-    finally:
-        if quiet:
-            stream.close()
-    return read_result(rd, launch_id)
+
+    def launch_once(attempt: Attempt) -> None:
+        distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
+        distributor.logger.setLevel(logging.WARNING)  # its constructor sets INFO: "Started distributed ..."
+        distributor.run(_entry, to_dict(cfg), str(rd.root), attempt.launch_id, worker_env(), attempt.launched_at)
+
+    # Spark wraps a worker's failure in its own error; the run directory's error files hold the real one
+    return attempts(rd, cfg, launch_once, f"Spark ({master})", quiet=quiet)

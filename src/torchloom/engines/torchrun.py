@@ -16,7 +16,8 @@ import socket
 import sys
 
 from torchloom.config import build, to_dict
-from torchloom.engines.common import NotRestarted, RestartLimit, is_peer_loss, run_worker
+from torchloom.engines.common import NotRestarted, RestartLimit, is_peer_loss
+from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, one_line
 from torchloom.rundir import RunDir
 
@@ -28,8 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--config")
         config_file = argv[i + 1] if i + 1 < len(argv) else None
         del argv[i:i + 2]
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.update(worker_env())  # this process is the worker: torchrun started it with the user's environment
     try:
         cfg = build(config_file, argv)
     except UserError as e:

@@ -143,32 +143,14 @@ def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[st
     out in that many partitions, hashed on (label, bucket): the window's own shuffle, so a caller
     that wants a given number of output partitions needs no second one.
     """
-    import pyarrow as pa
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
     if sizes is None:
         sizes = bucket_sizes(kept, seed)
     ids = {p.label: i for i, p in enumerate(plans)}
-    # Offsets as a small Arrow table: Spark builds it in the JVM (a Python list would start Python
-    # workers just to unpickle it); label ids from a literal map, so no join for them.
-    label_ids, buckets, offsets, test_ends, val_ends = [], [], [], [], []
-    before, current = 0, None
-    for label, bucket in sorted(sizes, key=lambda k: (ids[k[0]], k[1])):
-        if label != current:
-            before, current = 0, label
-        plan = plans[ids[label]]
-        label_ids.append(ids[label])
-        buckets.append(bucket)
-        offsets.append(before)
-        test_ends.append(plan.test)
-        val_ends.append(plan.test + plan.val)
-        before += sizes[(label, bucket)]
-    table = kept.sparkSession.createDataFrame(pa.table({
-        "label_id": pa.array(label_ids, pa.int32()), "bucket": pa.array(buckets, pa.int64()),
-        "offset": pa.array(offsets, pa.int64()), "test_end": pa.array(test_ends, pa.int64()),
-        "val_end": pa.array(val_ends, pa.int64()),
-    }))
+    # Label ids from a literal map, so no join for them.
+    table = _bucket_offsets(kept.sparkSession, plans, ids, sizes)
     label_map = F.create_map(*[F.lit(x) for p in plans for x in (p.label, ids[p.label])])
     h = rank_hash(seed)
     keyed = (
@@ -191,3 +173,29 @@ def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[st
         .withColumn("split", split)
         .select("text", "label", "label_id", "split")
     )
+
+
+def _bucket_offsets(spark, plans: list[ClassSplit], ids: dict[str, int], sizes: dict[tuple[str, int], int]):
+    """Per (label_id, bucket): the rows of its class in earlier buckets (offset), and where the class's
+    test and val ranks end."""
+    import pyarrow as pa
+
+    label_ids, buckets, offsets, test_ends, val_ends = [], [], [], [], []
+    before, current = 0, None
+    for label, bucket in sorted(sizes, key=lambda k: (ids[k[0]], k[1])):
+        if label != current:
+            before, current = 0, label
+        plan = plans[ids[label]]
+        label_ids.append(ids[label])
+        buckets.append(bucket)
+        offsets.append(before)
+        test_ends.append(plan.test)
+        val_ends.append(plan.test + plan.val)
+        before += sizes[(label, bucket)]
+    # A small Arrow table: Spark builds it in the JVM (a Python list would start Python workers just to
+    # unpickle it).
+    return spark.createDataFrame(pa.table({
+        "label_id": pa.array(label_ids, pa.int32()), "bucket": pa.array(buckets, pa.int64()),
+        "offset": pa.array(offsets, pa.int64()), "test_end": pa.array(test_ends, pa.int64()),
+        "val_end": pa.array(val_ends, pa.int64()),
+    }))

@@ -99,40 +99,67 @@ def render_markdown(
 ) -> str:
     """The human-readable report; `files` maps kinds to paths relative to the report."""
     lines = [f"# Evaluation on the `{split}` split", ""]
-    lines += ["| metric | value |", "|---|---|"]
+    lines += _metrics_table(metrics)
+    if baseline is not None:
+        lines += _baseline_section(metrics, split, baseline, verdict)
+    lines += _extra_sections(extra)
+    lines += _per_class_section(metrics, label_names)
+    lines += _confusion_section(metrics, label_names, files)
+    lines += _calibration_section(metrics, files)
+    if "loss_plot" in files:
+        lines += ["## Training", "", f"![loss curve]({files['loss_plot']})", ""]
+    lines += _misclassified_section(misclassified, files)
+    return "\n".join(lines)
+
+
+def _metrics_table(metrics: dict[str, Any]) -> list[str]:
+    lines = ["| metric | value |", "|---|---|"]
     for name, key in (("rows", "n"), ("accuracy", "accuracy"), ("macro F1", "macro_f1"),
                       ("weighted F1", "weighted_f1"), ("ROC AUC", "roc_auc"),
                       ("expected calibration error", "ece"), ("cross-entropy loss", "loss")):
         lines.append(f"| {name} | {_fmt(metrics.get(key))} |")
     lines.append("")
-    if baseline is not None:
-        lines += ["## Against a classical baseline", "",
-                  f"The same `{split}` rows, scored by a {baseline['name']} baseline trained on the same train split"
-                  f" ({baseline['description']}).", "",
-                  "| model | accuracy | macro F1 |", "|---|---|---|",
-                  f"| this transformer | {_fmt(metrics.get('accuracy'))} | {_fmt(metrics.get('macro_f1'))} |",
-                  f"| {_cell(baseline['name'])} | {_fmt(baseline['accuracy'])} | {_fmt(baseline['macro_f1'])} |",
-                  f"| difference | {baseline['accuracy_gain']:+.4f} | {baseline['macro_f1_gain']:+.4f} |", ""]
-        if verdict:
-            lines += [f"**Note:** {verdict}.", ""]
+    return lines
 
+
+def _baseline_section(metrics: dict[str, Any], split: str, baseline: dict[str, Any], verdict: str | None) -> list[str]:
+    lines = ["## Against a classical baseline", "",
+             f"The same `{split}` rows, scored by a {baseline['name']} baseline trained on the same train split"
+             f" ({baseline['description']}).", "",
+             "| model | accuracy | macro F1 |", "|---|---|---|",
+             f"| this transformer | {_fmt(metrics.get('accuracy'))} | {_fmt(metrics.get('macro_f1'))} |",
+             f"| {_cell(baseline['name'])} | {_fmt(baseline['accuracy'])} | {_fmt(baseline['macro_f1'])} |",
+             f"| difference | {baseline['accuracy_gain']:+.4f} | {baseline['macro_f1_gain']:+.4f} |", ""]
+    if verdict:
+        lines += [f"**Note:** {verdict}.", ""]
+    return lines
+
+
+def _extra_sections(extra: dict[str, Any]) -> list[str]:
     # Scalars of `extra` (e.g. evaluate_s) share one table; each dict (timings, config) gets its own.
     scalars = {k: v for k, v in extra.items() if not isinstance(v, dict)}
     sections = [("Run", scalars)] if scalars else []
     sections += [(k.replace("_", " ").capitalize(), v) for k, v in extra.items() if isinstance(v, dict)]
+    lines: list[str] = []
     for title, table in sections:
         lines += [f"## {title}", "", "| key | value |", "|---|---|"]
         lines += [f"| {_cell(k)} | {_cell(_fmt(v))} |" for k, v in table.items()]
         lines.append("")
+    return lines
 
-    lines += ["## Per class", "", "| label | precision | recall | F1 | support |", "|---|---|---|---|---|"]
+
+def _per_class_section(metrics: dict[str, Any], label_names: list[str]) -> list[str]:
+    lines = ["## Per class", "", "| label | precision | recall | F1 | support |", "|---|---|---|---|---|"]
     for name in label_names:
         c = metrics["per_class"][name]
         lines.append(f"| {_cell(name)} | {c['precision']:.4f} | {c['recall']:.4f} | {c['f1']:.4f} "
                      f"| {c['support']} |")
     lines.append("")
+    return lines
 
-    lines += ["## Confusion matrix", "", "Rows are the true label, columns the predicted one.", ""]
+
+def _confusion_section(metrics: dict[str, Any], label_names: list[str], files: dict[str, str]) -> list[str]:
+    lines = ["## Confusion matrix", "", "Rows are the true label, columns the predicted one.", ""]
     lines.append("| true \\ predicted | " + " | ".join(_cell(n) for n in label_names) + " |")
     lines.append("|---" * (len(label_names) + 1) + "|")
     for name, row in zip(label_names, metrics["confusion_matrix"]):
@@ -140,12 +167,15 @@ def render_markdown(
     lines.append("")
     if "confusion_plot" in files:
         lines += [f"![confusion matrix]({files['confusion_plot']})", ""]
+    return lines
 
+
+def _calibration_section(metrics: dict[str, Any], files: dict[str, str]) -> list[str]:
     bins = metrics["reliability"]
-    lines += ["## Calibration", "",
-              f"Expected calibration error of the top-1 confidence: **{_fmt(metrics['ece'])}** "
-              f"({len(bins['count'])} equal-width bins; empty bins omitted).", "",
-              "| confidence bin | rows | mean confidence | accuracy |", "|---|---|---|---|"]
+    lines = ["## Calibration", "",
+             f"Expected calibration error of the top-1 confidence: **{_fmt(metrics['ece'])}** "
+             f"({len(bins['count'])} equal-width bins; empty bins omitted).", "",
+             "| confidence bin | rows | mean confidence | accuracy |", "|---|---|---|---|"]
     edges = bins["edges"]
     for i, count in enumerate(bins["count"]):
         if count:
@@ -154,27 +184,26 @@ def render_markdown(
     lines.append("")
     if "calibration_plot" in files:
         lines += [f"![reliability diagram]({files['calibration_plot']})", ""]
+    return lines
 
-    if "loss_plot" in files:
-        lines += ["## Training", "", f"![loss curve]({files['loss_plot']})", ""]
 
-    lines += ["## Misclassified", ""]
+def _misclassified_section(misclassified: list[dict[str, Any]], files: dict[str, str]) -> list[str]:
+    lines = ["## Misclassified", ""]
     if not misclassified:
-        lines += ["None.", ""]
-    else:
-        worst = sorted(misclassified, key=lambda r: -float(r.get("score", 0.0)))[:MISCLASSIFIED_SHOWN]
-        lines += [f"{len(misclassified)} rows; the {len(worst)} most confident mistakes below, all in "
-                  f"[{files.get('misclassified', 'misclassified.jsonl')}]"
-                  f"({files.get('misclassified', 'misclassified.jsonl')}).", "",
-                  "| true | predicted | score | text |", "|---|---|---|---|"]
-        for row in worst:
-            text = str(row.get("text", ""))
-            if len(text) > TEXT_SHOWN_CHARS:
-                text = text[:TEXT_SHOWN_CHARS] + "…"
-            lines.append(f"| {_cell(row.get('true'))} | {_cell(row.get('predicted'))} | "
-                         f"{_fmt(row.get('score'))} | {_cell(text)} |")
-        lines.append("")
-    return "\n".join(lines)
+        return lines + ["None.", ""]
+    worst = sorted(misclassified, key=lambda r: -float(r.get("score", 0.0)))[:MISCLASSIFIED_SHOWN]
+    lines += [f"{len(misclassified)} rows; the {len(worst)} most confident mistakes below, all in "
+              f"[{files.get('misclassified', 'misclassified.jsonl')}]"
+              f"({files.get('misclassified', 'misclassified.jsonl')}).", "",
+              "| true | predicted | score | text |", "|---|---|---|---|"]
+    for row in worst:
+        text = str(row.get("text", ""))
+        if len(text) > TEXT_SHOWN_CHARS:
+            text = text[:TEXT_SHOWN_CHARS] + "…"
+        lines.append(f"| {_cell(row.get('true'))} | {_cell(row.get('predicted'))} | "
+                     f"{_fmt(row.get('score'))} | {_cell(text)} |")
+    lines.append("")
+    return lines
 
 
 def plot_confusion(confusion: list[list[int]], label_names: list[str]) -> bytes:

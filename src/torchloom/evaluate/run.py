@@ -5,34 +5,17 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 
 from torchloom.config import Config
-from torchloom.evaluate.metrics import classification_metrics
+from torchloom.data.loader import eval_batches
+from torchloom.data.texts import texts_at, to_documents
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.device import choose_precision
+from torchloom.model.forward import prepared_logits
 from torchloom.rundir import RunDir
-from torchloom.train.distributed import Dist
-from torchloom.train.evaluation import predict_split, to_documents
-
-
-def texts_at(manifest: Manifest, split: str, wanted: set[int]) -> dict[int, str]:
-    """Texts of the rows at these positions (file order), reading only the row groups that hold them."""
-    out: dict[int, str] = {}
-    start = 0
-    for shard in manifest.split(split).shards:
-        pf = None
-        for g, rows in enumerate(shard.row_groups):
-            hits = [i for i in wanted if start <= i < start + rows]
-            if hits:
-                pf = pf or pq.ParquetFile(manifest.shard_uri(shard))
-                col = pf.read_row_group(g, columns=["text"]).column("text").to_pylist()
-                for i in hits:
-                    out[i] = col[i - start]
-            start += rows
-    return out
+from torchloom.scoring import classification_metrics
 
 
 def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -45,8 +28,8 @@ def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.nda
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
     precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
-    d = Dist(rank=0, world_size=1, local_rank=0, device=device, owns_group=False)
-    logits, labels, index = predict_split(d, model, manifest, cfg.eval.split, cfg.eval.batch_size, precision)
+    batches = eval_batches(manifest, cfg.eval.split, 0, 1, cfg.eval.batch_size)
+    logits, labels, index = prepared_logits(model, batches, device, precision, manifest.num_labels)
     return to_documents(manifest, cfg.eval.split, logits, labels, index)
 
 

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from torchloom.errors import UserError
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+from torchloom.model.env import use_model_env
 
 
 def check_model_dir(path: str) -> str:
@@ -31,6 +27,7 @@ def build_classifier(path: str, labels: list[str], attention_dropout: float = -1
 
     attention_dropout >= 0 replaces the model's dropout on attention probabilities; -1 keeps it.
     """
+    use_model_env()
     import transformers
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -52,6 +49,7 @@ def build_classifier(path: str, labels: list[str], attention_dropout: float = -1
 
 
 def load_tokenizer(path: str):
+    use_model_env()
     from transformers import AutoTokenizer
 
     check_model_dir(path)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from torchloom.errors import UserError
+from torchloom.errors import UserError, first_line
 
 EXPORT_INFO_FILE = "torchloom.json"
 EXPORT_FORMAT_VERSION = 1
@@ -75,22 +75,8 @@ def export_model(
     max_length). state_dict: a full state dict to save instead of the model's own (FSDP gathers one).
     The new directory is complete before it replaces an existing `out_dir`.
     """
-    from transformers import AutoConfig, AutoTokenizer
-
-    import torchloom
-
     model = unwrap_model(model)
-    num_labels = getattr(model.config, "num_labels", None)
-    if num_labels != len(labels):
-        raise ValueError(f"the model has {num_labels} output classes but {len(labels)} labels were given")
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"labels are not unique: {labels}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise UserError(
-            f"tokenizer {tokenizer_dir}: cannot load it ({first_line(e)}); pass the model.path the run trained from"
-        ) from None
+    tokenizer = _checked_tokenizer(model, tokenizer_dir, labels)
 
     import transformers
 
@@ -101,25 +87,7 @@ def export_model(
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        if state_dict is not None:
-            state_dict = strip_wrapper_prefixes(state_dict)
-        model.save_pretrained(tmp, state_dict=state_dict)
-        # Labels go into the saved config, not the caller's model: exporting must not change the model.
-        config = AutoConfig.from_pretrained(tmp, local_files_only=True)
-        config.id2label = dict(enumerate(labels))
-        config.label2id = {label: i for i, label in enumerate(labels)}
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        _check_weight_keys(tmp)
-        info = {
-            "format_version": EXPORT_FORMAT_VERSION,
-            "torchloom_version": torchloom.__version__,
-            "exported_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "labels": list(labels),
-            **(extra_info or {}),
-        }
-        (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str) + "\n",
-                                            encoding="utf-8")
+        _write_export(tmp, model, tokenizer, labels, extra_info, state_dict)
         # Two renames: the old export stays whole until the new one is in place.
         if out.exists():
             os.replace(out, old)
@@ -128,6 +96,51 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(old, ignore_errors=True)
     return str(out)
+
+
+def _checked_tokenizer(model, tokenizer_dir: str, labels: list[str]):
+    """The tokenizer to export beside `model`, once the labels fit the model's output classes."""
+    from transformers import AutoTokenizer
+
+    num_labels = getattr(model.config, "num_labels", None)
+    if num_labels != len(labels):
+        raise ValueError(f"the model has {num_labels} output classes but {len(labels)} labels were given")
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"labels are not unique: {labels}")
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"tokenizer {tokenizer_dir}: cannot load it ({first_line(e)}); pass the model.path the run trained from"
+        ) from None
+
+
+def _write_export(tmp: Path, model, tokenizer, labels: list[str], extra_info: dict[str, Any] | None,
+                  state_dict: dict[str, Any] | None) -> None:
+    """The whole export in `tmp`: weights, the config naming the labels, tokenizer, torchloom.json."""
+    from transformers import AutoConfig
+
+    import torchloom
+
+    if state_dict is not None:
+        state_dict = strip_wrapper_prefixes(state_dict)
+    model.save_pretrained(tmp, state_dict=state_dict)
+    # Labels go into the saved config, not the caller's model: exporting must not change the model.
+    config = AutoConfig.from_pretrained(tmp, local_files_only=True)
+    config.id2label = dict(enumerate(labels))
+    config.label2id = {label: i for i, label in enumerate(labels)}
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    _check_weight_keys(tmp)
+    info = {
+        "format_version": EXPORT_FORMAT_VERSION,
+        "torchloom_version": torchloom.__version__,
+        "exported_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "labels": list(labels),
+        **(extra_info or {}),
+    }
+    (tmp / EXPORT_INFO_FILE).write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str) + "\n",
+                                        encoding="utf-8")
 
 
 def read_export_info(model_dir: str | Path) -> dict[str, Any]:
@@ -154,9 +167,3 @@ def _check_weight_keys(model_dir: Path) -> None:
 def _wrapped(key: str) -> bool:
     # A submodule may legitimately be called "module", but never "_orig_mod".
     return key.startswith(WRAPPER_PREFIXES) or "._orig_mod." in key
-
-
-def first_line(e: BaseException) -> str:
-    """An exception as one short line: its type and its message's first line."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__

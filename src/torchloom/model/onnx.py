@@ -5,10 +5,10 @@ quantization: int8 weights of every MatMul and fused Attention, activations quan
 model.onnx is traced from the model loaded with its eager attention (the plain matmul-softmax-matmul
 subgraph) by torch's TorchScript exporter (dynamic batch and sequence axes, opset 17), which ONNX Runtime's
 transformer optimizer fuses into one Attention op per layer beside LayerNorm/residual and bias/GELU:
-1.2x faster fp32 and 1.4x faster int8 than the unfused torch.export graph on the test machine
-(docs/benchmarks.md). When that exporter is missing or fails (a newer torch, a family it cannot trace),
-torch.export (opset 18) is the fallback. Before either file is kept, the gate scores held-out prepared
-rows with PyTorch (the model as it trains and serves, SDPA attention) and with ONNX Runtime:
+faster than the unfused torch.export graph, fp32 and int8 (docs/benchmarks.md). When that exporter is
+missing or fails (a newer torch, a family it cannot trace), torch.export (opset 18) is the fallback.
+Before either file is kept, the gate scores held-out prepared rows with PyTorch (the model as it trains
+and serves, SDPA attention) and with ONNX Runtime:
 
 - fp32: the largest |logit difference| must be <= FP32_MAX_LOGIT_DIFF and every row's argmax equal;
 - int8: accuracy (per text, so chunked texts count once) may drop by at most INT8_MAX_ACCURACY_LOSS.
@@ -34,9 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.errors import UserError, missing_extra
-from torchloom.evaluate.metrics import mean_by_text
-from torchloom.model.export import EXPORT_INFO_FILE, check_exported, first_line, read_export_info
+from torchloom.errors import UserError, first_line, missing_extra
+from torchloom.model.export import EXPORT_INFO_FILE, check_exported, read_export_info
+from torchloom.scoring import text_scores
 
 FORMATS = ("hf", "onnx", "onnx-int8")
 ONNX_FILE = "model.onnx"
@@ -120,10 +120,8 @@ def text_accuracy(logits: np.ndarray, rows: GateRows) -> float:
     """Accuracy per text: a chunked text's windows' logits are averaged first, as every inference path does."""
     if not len(logits):
         return 0.0
-    if rows.docs is None:
-        return float(np.mean(logits.argmax(1) == rows.labels))
-    mean, first = mean_by_text(logits, rows.docs)
-    return float(np.mean(mean.argmax(1) == rows.labels[first]))
+    scores = text_scores(logits, rows.docs)
+    return float(np.mean(scores.logits.argmax(1) == rows.labels[scores.first]))
 
 
 def _torch_model(model_dir: Path, attention: str | None = None):
@@ -265,8 +263,6 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
     returns what torchloom.json's "onnx" then holds. exporter: see _to_onnx (benchmarks compare them)."""
     if fmt not in ("onnx", "onnx-int8") or exporter not in EXPORTERS:
         raise ValueError(f"format {fmt!r}, exporter {exporter!r}")
-    import torch
-
     require_onnxruntime()
     model_dir = check_exported(model_dir)
     if not rows.input_ids:
@@ -282,59 +278,87 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
         fused = _fuse(tmp / ONNX_FILE, config)
         opset = TORCHSCRIPT_OPSET if exporter == "torchscript" else OPSET
         say(f"onnx: {exporter} exporter, opset {opset}; fused: {fused_ops(fused) or 'nothing (the plain graph runs)'}")
-        with torch.inference_mode():
-            def run_torch(ids, mask):
-                return wrapper(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
-
-            reference = logits_of(run_torch, rows.input_ids, pad_id)
-        fp32 = logits_of(_runner(tmp / ONNX_FILE, threads), rows.input_ids, pad_id)
-        texts = int(len(np.unique(rows.docs))) if rows.docs is not None else len(rows.input_ids)
-        torch_accuracy = text_accuracy(reference, rows)
-        gate: dict[str, Any] = {
-            "split": rows.split, "rows": len(rows.input_ids), "texts": texts, "torch_accuracy": torch_accuracy,
-            "fp32": _compare(reference, fp32, rows, torch_accuracy),
-        }
-        diff, agree = gate["fp32"]["max_abs_logit_diff"], gate["fp32"]["argmax_agreement"]
-        if diff > FP32_MAX_LOGIT_DIFF or agree < 1.0:
-            raise UserError(f"export --format {fmt}: the ONNX model failed its parity gate on {len(rows.input_ids)}"
-                            f" {rows.split} rows (max |logit difference| {diff:.2e}, limit {FP32_MAX_LOGIT_DIFF:g};"
-                            f" argmax agreement {agree:.4f}, must be 1); nothing was written; serve with"
-                            " --runtime torch")
-        say(f"onnx: fp32 gate passed on {len(rows.input_ids)} {rows.split} rows: max |logit difference| {diff:.1e}"
-            f" (limit {FP32_MAX_LOGIT_DIFF:g}), argmax agreement {agree:.4f}")
+        reference = _torch_logits(wrapper, rows, pad_id)
+        gate = _fp32_gate(tmp / ONNX_FILE, reference, rows, pad_id, threads, fmt, say)
         files = [ONNX_FILE]
         if fmt == "onnx-int8":
             _quantize(tmp / ONNX_FILE, tmp / INT8_FILE)
-            int8 = logits_of(_runner(tmp / INT8_FILE, threads), rows.input_ids, pad_id)
-            gate["int8"] = _compare(reference, int8, rows, torch_accuracy)
-            loss = gate["int8"]["accuracy_loss"]
-            if loss > INT8_MAX_ACCURACY_LOSS:
-                raise UserError(f"export --format onnx-int8: the int8 model failed its gate on {texts} {rows.split}"
-                                f" texts (accuracy {gate['int8']['accuracy']:.4f} against PyTorch's"
-                                f" {torch_accuracy:.4f}: {100 * loss:.2f} points lost, limit"
-                                f" {100 * INT8_MAX_ACCURACY_LOSS:g}); nothing was written; use --export.format onnx")
-            say(f"onnx: int8 gate passed on {texts} {rows.split} texts: accuracy {gate['int8']['accuracy']:.4f}"
-                f" against PyTorch's {torch_accuracy:.4f} ({100 * loss:+.2f} points lost, limit"
-                f" {100 * INT8_MAX_ACCURACY_LOSS:g})")
+            gate["int8"] = _int8_gate(tmp / INT8_FILE, reference, rows, pad_id, threads, gate, say)
             files.append(INT8_FILE)
         onnx_info = {"format": fmt, "file": files[-1], "files": files, "opset": opset, "exporter": exporter,
                      "fused": fused,
                      "gate": gate, "limits": {"fp32_max_abs_logit_diff": FP32_MAX_LOGIT_DIFF,
                                               "int8_max_accuracy_loss": INT8_MAX_ACCURACY_LOSS},
                      "seconds": round(time.perf_counter() - started, 2)}
-        for name in (ONNX_FILE, INT8_FILE):  # an older export's files go; the new ones come in whole
-            if (model_dir / name).exists() and name not in files:
-                (model_dir / name).unlink()
-        for name in files:
-            os.replace(tmp / name, model_dir / name)
-        info = read_export_info(model_dir)
-        info["onnx"] = onnx_info
-        staged = tmp / EXPORT_INFO_FILE
-        staged.write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
-        os.replace(staged, model_dir / EXPORT_INFO_FILE)
+        _install(tmp, model_dir, files, onnx_info)
         return onnx_info
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _torch_logits(wrapper, rows: GateRows, pad_id: int) -> np.ndarray:
+    """The gate's reference: PyTorch's logits of `rows`."""
+    import torch
+
+    with torch.inference_mode():
+        def run_torch(ids, mask):
+            return wrapper(torch.from_numpy(ids), torch.from_numpy(mask)).float().numpy()
+
+        return logits_of(run_torch, rows.input_ids, pad_id)
+
+
+def _fp32_gate(path: Path, reference: np.ndarray, rows: GateRows, pad_id: int, threads: int | None, fmt: str,
+               say: Callable[[str], None]) -> dict[str, Any]:
+    """The gate's numbers once the fp32 graph at `path` gave PyTorch's logits and argmax on every row."""
+    fp32 = logits_of(_runner(path, threads), rows.input_ids, pad_id)
+    texts = int(len(np.unique(rows.docs))) if rows.docs is not None else len(rows.input_ids)
+    torch_accuracy = text_accuracy(reference, rows)
+    gate: dict[str, Any] = {
+        "split": rows.split, "rows": len(rows.input_ids), "texts": texts, "torch_accuracy": torch_accuracy,
+        "fp32": _compare(reference, fp32, rows, torch_accuracy),
+    }
+    diff, agree = gate["fp32"]["max_abs_logit_diff"], gate["fp32"]["argmax_agreement"]
+    if diff > FP32_MAX_LOGIT_DIFF or agree < 1.0:
+        raise UserError(f"export --format {fmt}: the ONNX model failed its parity gate on {len(rows.input_ids)}"
+                        f" {rows.split} rows (max |logit difference| {diff:.2e}, limit {FP32_MAX_LOGIT_DIFF:g};"
+                        f" argmax agreement {agree:.4f}, must be 1); nothing was written; serve with"
+                        " --runtime torch")
+    say(f"onnx: fp32 gate passed on {len(rows.input_ids)} {rows.split} rows: max |logit difference| {diff:.1e}"
+        f" (limit {FP32_MAX_LOGIT_DIFF:g}), argmax agreement {agree:.4f}")
+    return gate
+
+
+def _int8_gate(path: Path, reference: np.ndarray, rows: GateRows, pad_id: int, threads: int | None,
+               gate: dict[str, Any], say: Callable[[str], None]) -> dict[str, float]:
+    """The int8 numbers once the quantized graph at `path` lost at most INT8_MAX_ACCURACY_LOSS accuracy;
+    `gate`: the fp32 gate's (texts, PyTorch's accuracy)."""
+    texts, torch_accuracy = gate["texts"], gate["torch_accuracy"]
+    int8 = logits_of(_runner(path, threads), rows.input_ids, pad_id)
+    result = _compare(reference, int8, rows, torch_accuracy)
+    loss = result["accuracy_loss"]
+    if loss > INT8_MAX_ACCURACY_LOSS:
+        raise UserError(f"export --format onnx-int8: the int8 model failed its gate on {texts} {rows.split}"
+                        f" texts (accuracy {result['accuracy']:.4f} against PyTorch's"
+                        f" {torch_accuracy:.4f}: {100 * loss:.2f} points lost, limit"
+                        f" {100 * INT8_MAX_ACCURACY_LOSS:g}); nothing was written; use --export.format onnx")
+    say(f"onnx: int8 gate passed on {texts} {rows.split} texts: accuracy {result['accuracy']:.4f}"
+        f" against PyTorch's {torch_accuracy:.4f} ({100 * loss:+.2f} points lost, limit"
+        f" {100 * INT8_MAX_ACCURACY_LOSS:g})")
+    return result
+
+
+def _install(tmp: Path, model_dir: Path, files: list[str], onnx_info: dict[str, Any]) -> None:
+    """Move the gated `files` from `tmp` into `model_dir` and record them in its torchloom.json."""
+    for name in (ONNX_FILE, INT8_FILE):  # an older export's files go; the new ones come in whole
+        if (model_dir / name).exists() and name not in files:
+            (model_dir / name).unlink()
+    for name in files:
+        os.replace(tmp / name, model_dir / name)
+    info = read_export_info(model_dir)
+    info["onnx"] = onnx_info
+    staged = tmp / EXPORT_INFO_FILE
+    staged.write_text(json.dumps(info, indent=2, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+    os.replace(staged, model_dir / EXPORT_INFO_FILE)
 
 
 def _runner(path: Path, threads: int | None):

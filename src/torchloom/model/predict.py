@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from torchloom.errors import UserError
+from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info
+from torchloom.scoring import text_scores
 from torchloom.textclean import clean_text
 from torchloom.truncation import MARGIN, STRATEGIES, cut, default_stride, prefix, special_layout, windows
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 MAX_LENGTH_CAP = 512
 RUNTIMES = ("torch", "onnx")
@@ -37,6 +37,7 @@ class Predictor:
                  forward_tokens: int | None = None) -> None:
         """forward_tokens: padded tokens (rows x longest row) one forward may hold, besides batch_size rows;
         None: CPU_FORWARD_TOKENS on CPU, no limit on CUDA; 0: no limit."""
+        use_model_env()
         import torch
         import transformers
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
@@ -174,14 +175,12 @@ class Predictor:
             for batch_ids in self.forwards(lengths, order):
                 batch = self.tokenizer.pad([features[i] for i in batch_ids], return_tensors="pt")
                 logits[batch_ids] = self.logits(batch)
-        # a text's score: the softmax of its windows' mean logits (one window: its own)
-        sums = torch.zeros(len(per_text), len(self.labels), dtype=torch.float64)
-        sums.index_add_(0, torch.tensor(owner), logits.double())
-        counts = torch.tensor([len(w) for w in per_text], dtype=torch.float64)
-        means = sums / counts[:, None]
-        probs = torch.softmax(means, dim=-1).float()
+        # a text's score: the softmax of its windows' mean logits (one window: its own), as everywhere
+        scores = text_scores(logits.numpy(), np.asarray(owner))
+        if len(scores.first) != len(per_text):
+            raise ValueError("predict_encoded: every text needs at least one window of model inputs")
         results = []
-        for row, mean in zip(probs.tolist(), means.float().tolist()):
+        for row, mean in zip(scores.probs.astype(np.float32).tolist(), scores.logits.astype(np.float32).tolist()):
             best = max(range(len(row)), key=row.__getitem__)
             results.append({"label": self.labels[best], "score": row[best],
                             "probabilities": dict(zip(self.labels, row))})

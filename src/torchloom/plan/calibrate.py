@@ -43,8 +43,9 @@ def measure(model_dir: str, seq: int, micro_batch: int, precision: str, steps: i
     dropout = ModelConfig().attention_dropout if attention_dropout is None else attention_dropout
     model = build_classifier(model_dir, labels, dropout)
     model.train()
-    tc = TrainConfig()
-    optimizer, _ = optim.build(model, tc.lr, tc.weight_decay, 1000, 0, tc.schedule, torch.device("cpu"))
+    train_cfg = TrainConfig()
+    optimizer, _ = optim.build(model, train_cfg.lr, train_cfg.weight_decay, 1000, 0, train_cfg.schedule,
+                               torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(1000, model.config.vocab_size, (micro_batch, seq), generator=gen)
     attention_mask = torch.ones_like(input_ids)

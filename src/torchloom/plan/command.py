@@ -33,7 +33,25 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="torchloom plan", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                description="Estimate memory, communication and time per parallel strategy before training:"
                            " pure arithmetic, no torch (except --calibrate).")
-    g = p.add_argument_group("model and batch")
+    _model_arguments(p.add_argument_group("model and batch"))
+    _device_arguments(p.add_argument_group("devices (a preset, then your own numbers over it)"))
+    _data_arguments(p.add_argument_group("data and parallelism"))
+    g = p.add_argument_group("engine advice")
+    g.add_argument("--have-spark", action="store_true", help="an existing Spark cluster runs your ETL")
+    g.add_argument("--have-ray", action="store_true", help="an existing Ray cluster")
+    g.add_argument("--tuning", action="store_true", help="many trainings: hyper-parameter search")
+    g.add_argument("--serving", action="store_true", help="the model will be served online")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="every number as JSON")
+    g.add_argument("--calibrate", action="store_true",
+                   help="measure this machine's training step for the embedded MiniLM (seq 128, micro-batch 8, bf16)"
+                        " and print it against the estimate (imports torch; ~15 s)")
+    g.add_argument("--calibrate-steps", metavar="N", type=int, default=6,
+                   help="timed steps after 2 warm-up steps (default: 6)")
+    return p
+
+
+def _model_arguments(g) -> None:
     g.add_argument("--model", metavar="NAME|DIR", default="minilm-l6",
                    help=f"a preset ({', '.join(models.PRESETS)}) or a local Hugging Face model dir"
                         " (default: %(default)s)")
@@ -49,7 +67,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     g.add_argument("--attention", choices=("sdpa", "eager"), default="sdpa",
                    help="sdpa: fused kernels, no stored scores (transformers' default); eager: adds 5as/h per layer")
-    g = p.add_argument_group("devices (a preset, then your own numbers over it)")
+
+
+def _device_arguments(g) -> None:
     g.add_argument("--device-type", metavar="NAME", default="auto",
                    help=f"auto, {', '.join(hardware.DEVICES)} (default: auto, this machine: its GPU, else its CPU)")
     g.add_argument("--devices", metavar="N", type=int, help="devices in all (default: 1, or nodes x devices-per-node)")
@@ -66,7 +86,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--headroom", metavar="FRACTION", type=float, default=0.9,
                    help="usable fraction of device memory (default: 0.9)")
     g.add_argument("--no-overlap", action="store_true", help="communication never overlaps compute")
-    g = p.add_argument_group("data and parallelism")
+
+
+def _data_arguments(g) -> None:
     g.add_argument("--rows", metavar="N", type=int, default=DEFAULT_ROWS,
                    help="training rows per epoch (default: 1,000,000)")
     g.add_argument("--mean-tokens", metavar="N", type=int, help="mean tokens per row (default: every row fills --seq)")
@@ -77,19 +99,6 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--run", metavar="DIR", help="a run dir that prepare wrote: rows, tokens per row, classes, and"
                                                 " the config's batch, workers, epochs and precision (flags given"
                                                 " here win)")
-    g = p.add_argument_group("engine advice")
-    g.add_argument("--have-spark", action="store_true", help="an existing Spark cluster runs your ETL")
-    g.add_argument("--have-ray", action="store_true", help="an existing Ray cluster")
-    g.add_argument("--tuning", action="store_true", help="many trainings: hyper-parameter search")
-    g.add_argument("--serving", action="store_true", help="the model will be served online")
-    g = p.add_argument_group("output")
-    g.add_argument("--json", action="store_true", help="every number as JSON")
-    g.add_argument("--calibrate", action="store_true",
-                   help="measure this machine's training step for the embedded MiniLM (seq 128, micro-batch 8, bf16)"
-                        " and print it against the estimate (imports torch; ~15 s)")
-    g.add_argument("--calibrate-steps", metavar="N", type=int, default=6,
-                   help="timed steps after 2 warm-up steps (default: 6)")
-    return p
 
 
 def positive(name: str, value) -> None:

@@ -1,21 +1,21 @@
-"""The HTTP API, shared by the local server and the Ray Serve deployment: routes, request checks, errors, auth.
+"""The HTTP app, shared by the local server and the Ray Serve deployment: the native API, the TEI-compatible
+one (tei.py), health and metrics, auth, and the one answer to a failed request.
 
 A `Backend` does the predicting (the micro-batcher locally, `@serve.batch` on Ray); this module only
-speaks HTTP. Every error is JSON: {"error": {"code", "message"[, "id"]}}.
+speaks HTTP. Every native error is JSON: {"error": {"code", "message"[, "id"]}}.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -23,9 +23,11 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import torchloom
+from torchloom.errors import UserError, one_line
+from torchloom.serve import tei
+from torchloom.serve.api_common import ApiError, Backend, ClientGone, json_type, read_body, until_disconnect
 from torchloom.serve.batcher import ModelFailed, Overloaded, ShuttingDown
 from torchloom.serve.metrics import CONTENT_TYPE, ServeMetrics
-from torchloom.serve.model import ModelIdentity
 
 log = logging.getLogger("torchloom.serve")
 
@@ -34,20 +36,6 @@ ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/healthz", "/readyz", "/m
 _BYTES_PER_CHAR = 12
 _BYTES_PER_ITEM = 8
 _BODY_SLACK = 4096
-
-
-class Backend(Protocol):
-    identity: ModelIdentity
-    metrics: ServeMetrics
-
-    @property
-    def ready(self) -> bool: ...
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    async def predict(self, texts: list[str]) -> list[dict[str, Any]]: ...
 
 
 # FastAPI reads these annotations by name from the module (this file uses postponed annotations).
@@ -75,27 +63,6 @@ class Prediction(BaseModel):
     label: str
     score: float = Field(description="probability of `label`")
     probabilities: dict[str, float] = Field(description="probability of every label")
-
-
-class TeiPrediction(BaseModel):
-    score: float = Field(description="the label's probability, or its logit with raw_scores")
-    label: str
-
-
-class TeiErrorResponse(BaseModel):
-    error: str
-    error_type: str = Field(description="Validation (413), Tokenizer (422), Empty (400), Overloaded (429),"
-                                        " Backend (424) or Unhealthy (503), as text-embeddings-inference says")
-
-
-def tei_schema(max_texts: int, max_chars: int) -> dict:
-    """The JSON schema of a TEI /predict body, with this server's limits."""
-    text = {"type": "string", "maxLength": max_chars}
-    return {"type": "object", "required": ["inputs"], "properties": {
-        "inputs": {"oneOf": [text, {"type": "array", "minItems": 1, "maxItems": max_texts, "items": {
-            "type": "array", "items": text, "minItems": 1, "maxItems": 1}}]},
-        "truncate": {"type": "boolean", "default": False},
-        "raw_scores": {"type": "boolean", "default": False}}}
 
 
 class ModelInfo(BaseModel):
@@ -126,19 +93,63 @@ class ErrorResponse(BaseModel):
 # --- errors ------------------------------------------------------------------------------------------------
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None,
-                 error_id: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.message, self.headers, self.error_id = status, code, message, headers, error_id
-
-
 def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None,
                    error_id: str | None = None) -> JSONResponse:
     body: dict[str, Any] = {"code": code, "message": message}
     if error_id:
         body["id"] = error_id
     return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+# What a request can fail with that is not the server's fault: error_reply answers each.
+DOMAIN_ERRORS = (ApiError, UserError, Overloaded, ShuttingDown, ModelFailed, ClientGone)
+
+
+async def error_reply(request: Request, e: Exception) -> Response:
+    """The one answer to a failed request, for both APIs: a domain error as a status, code and message (with
+    Retry-After or an error id where they help), in the shape of the API the request came to."""
+    if isinstance(e, ClientGone):
+        # Nobody to answer: the texts were dropped from the queue before the model saw them.
+        return Response(status_code=499)
+    if isinstance(e, Overloaded):
+        e = ApiError(429, "overloaded", f"the server is at capacity ({e}); retry after {e.retry_after} s",
+                     {"Retry-After": str(e.retry_after)})
+    elif isinstance(e, ShuttingDown):
+        e = ApiError(503, "shutting_down", "the server is shutting down; retry on another instance",
+                     {"Retry-After": "1"})
+    elif isinstance(e, ModelFailed):
+        e = ApiError(500, "model_error", f"{e}; the server log has the traceback under this id", error_id=e.error_id)
+    elif isinstance(e, UserError):
+        e = ApiError(422, "invalid_request", one_line(str(e)))
+    # A refused key gets the native answer on both APIs (TEI's own is a bare 401, without a body).
+    if isinstance(request.scope.get("route"), tei.TeiRoute) and e.status != 401:
+        return tei.error_response(e)
+    return error_response(e.status, e.code, e.message, e.headers, e.error_id)
+
+
+def _answer_errors(app: FastAPI) -> None:
+    """Every error as JSON: domain errors through error_reply; routing, schema and unexpected errors."""
+    for kind in DOMAIN_ERRORS:
+        app.add_exception_handler(kind, error_reply)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return error_response(e.status_code, code, str(e.detail), getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
+        return error_response(422, "invalid_request", str(e.errors()))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_request: Request, e: Exception) -> JSONResponse:
+        error_id = uuid.uuid4().hex[:12]
+        log.error("unexpected error %s", error_id, exc_info=e)
+        return error_response(500, "internal_error", f"unexpected server error (error id {error_id}); see the"
+                                                     " server log", error_id=error_id)
+
+
+# --- the native API ----------------------------------------------------------------------------------------
 
 
 EXAMPLE = 'send JSON like {"texts": ["first text", "second text"]}'
@@ -157,12 +168,12 @@ def parse_texts(body: bytes, max_texts: int, max_chars: int) -> list[str]:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON ({e.msg} at line {e.lineno} column"
                                             f" {e.colno}); {EXAMPLE}") from None
     if not isinstance(payload, dict):
-        raise ApiError(422, "invalid_request", f"the body is a JSON {_json_type(payload)}, not an object; {EXAMPLE}")
+        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object; {EXAMPLE}")
     if "texts" not in payload:
         raise ApiError(422, "invalid_request", f'the body has no "texts" field; {EXAMPLE}')
     texts = payload["texts"]
     if not isinstance(texts, list):
-        raise ApiError(422, "invalid_request", f'"texts" is a {_json_type(texts)}, not a list of strings; {EXAMPLE}')
+        raise ApiError(422, "invalid_request", f'"texts" is a {json_type(texts)}, not a list of strings; {EXAMPLE}')
     if not texts:
         raise ApiError(422, "empty_texts", '"texts" is an empty list; send at least one text')
     if len(texts) > max_texts:
@@ -170,7 +181,7 @@ def parse_texts(body: bytes, max_texts: int, max_chars: int) -> list[str]:
                                               " per request; split it into several requests")
     for i, text in enumerate(texts):
         if not isinstance(text, str):
-            raise ApiError(422, "invalid_text", f'"texts"[{i}] is a {_json_type(text)}, not a string')
+            raise ApiError(422, "invalid_text", f'"texts"[{i}] is a {json_type(text)}, not a string')
         if len(text) > max_chars:
             raise ApiError(413, "text_too_long", f'"texts"[{i}] has {len(text)} characters, more than the'
                                                  f" {max_chars} allowed; shorten it (the model reads only the"
@@ -178,115 +189,34 @@ def parse_texts(body: bytes, max_texts: int, max_chars: int) -> list[str]:
     return texts
 
 
-class TeiError(Exception):
-    """An error of the TEI-compatible route, answered the way text-embeddings-inference answers it:
-    {"error": message, "error_type": Validation | Tokenizer | Overloaded | Backend | Unhealthy | Empty}."""
+def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: int) -> APIRouter:
+    """The native API over `backend`: POST /v1/predict and GET /v1/labels."""
+    identity = backend.identity
+    model_info = {"name": identity.name, "version": identity.version}
+    api = APIRouter()
 
-    STATUS = {"Validation": 413, "Tokenizer": 422, "Overloaded": 429, "Backend": 424, "Unhealthy": 503, "Empty": 400}
+    @api.get("/v1/labels", response_model=LabelsResponse)
+    async def labels() -> Response:
+        return JSONResponse({"model": model_info, "labels": list(identity.labels)})
 
-    def __init__(self, error_type: str, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.error_type, self.message, self.headers = error_type, message, headers
+    @api.post(
+        "/v1/predict", response_model=PredictResponse,
+        responses={status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503)},
+        summary="label, score and per-label probabilities for each text",
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": request_schema(max_texts, max_chars)}}}},
+    )
+    async def predict(request: Request) -> Response:
+        texts = parse_texts(await read_body(request, body_limit), max_texts, max_chars)
+        predictions = await until_disconnect(request, backend.predict(texts))
+        shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
+        body = json.dumps({"model": model_info, "predictions": shown}, ensure_ascii=False, separators=(",", ":"))
+        return Response(body.encode("utf-8"), media_type="application/json")
 
-
-TEI_EXAMPLE = 'send JSON like {"inputs": "a text"} or {"inputs": [["first text"], ["second text"]]}'
-
-
-def parse_tei(body: bytes, max_texts: int, max_chars: int) -> tuple[list[str], bool, bool]:
-    """(texts, batched, raw_scores) of a TEI /predict body: `inputs` is a string, or a batch of one-string
-    lists. A pair of strings ([a, b] or [[a, b], ...]) is for cross-encoders and is refused."""
-    if not body.strip():
-        raise TeiError("Empty", f"the request body is empty; {TEI_EXAMPLE}")
-    try:
-        payload = json.loads(body.decode("utf-8").removeprefix("\ufeff"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TeiError("Tokenizer", f"the body is not UTF-8 JSON ({e}); {TEI_EXAMPLE}") from None
-    if not isinstance(payload, dict) or "inputs" not in payload:
-        raise TeiError("Tokenizer", f'the body has no "inputs" field; {TEI_EXAMPLE}')
-    for flag in ("truncate", "raw_scores"):
-        if not isinstance(payload.get(flag, False), bool):
-            raise TeiError("Tokenizer", f'"{flag}" is a {_json_type(payload[flag])}, not true or false')
-    inputs = payload["inputs"]
-    if isinstance(inputs, str):
-        texts, batched = [inputs], False
-    elif isinstance(inputs, list) and inputs and all(isinstance(x, str) for x in inputs):
-        raise TeiError("Tokenizer", f"a list of {len(inputs)} strings is a text pair (for cross-encoders); this model"
-                                    ' classifies single texts: send a batch as [["first"], ["second"]]')
-    elif isinstance(inputs, list) and inputs and all(isinstance(x, list) for x in inputs):
-        if any(len(x) != 1 or not isinstance(x[0], str) for x in inputs):
-            raise TeiError("Tokenizer", "every item of a batch must be a one-string list [\"text\"]; this model"
-                                        " classifies single texts, not pairs")
-        texts, batched = [x[0] for x in inputs], True
-    else:
-        raise TeiError("Empty" if inputs == [] else "Tokenizer",
-                       f'"inputs" must be a string or a non-empty batch of one-string lists; {TEI_EXAMPLE}')
-    if len(texts) > max_texts:
-        raise TeiError("Validation", f"batch size {len(texts)} > maximum allowed batch size {max_texts}")
-    for i, text in enumerate(texts):
-        if len(text) > max_chars:
-            raise TeiError("Validation", f"input {i} has {len(text)} characters, more than the {max_chars} allowed")
-    return texts, batched, payload.get("raw_scores", False)
+    return api
 
 
-def tei_answer(prediction: dict[str, Any], raw_scores: bool) -> list[dict[str, Any]]:
-    """One text's TEI answer: every label with its probability (or its logit, raw_scores), highest first."""
-    scores = prediction["logits"] if raw_scores else prediction["probabilities"]
-    return sorted(({"score": float(v), "label": k} for k, v in scores.items()), key=lambda x: -x["score"])
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"
-    return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
-
-
-class ClientGone(Exception):
-    """The client closed the connection while its texts waited."""
-
-
-async def until_disconnect(request: Request, work) -> Any:
-    """Await `work`, or cancel it as soon as the client disconnects (uvicorn does not cancel a handler
-    whose client went away; cancelling the prediction takes its texts out of the batcher's queue)."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        raise ClientGone
-    return task.result()
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` bytes (never buffered whole)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body_too_large", f"the body has {declared} bytes, more than the {limit} allowed")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body_too_large", f"the body is larger than the {limit} bytes allowed")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-# --- metrics middleware ------------------------------------------------------------------------------------
+# --- health and metrics ------------------------------------------------------------------------------------
 
 
 class MetricsMiddleware:
@@ -317,14 +247,50 @@ class MetricsMiddleware:
             self.metrics.latency.observe(time.perf_counter() - started, endpoint)
 
 
+def health_router(backend: Backend) -> APIRouter:
+    """GET /healthz, /readyz and /metrics: open to anyone, like a load balancer or Prometheus."""
+    identity = backend.identity
+    api = APIRouter()
+
+    @api.get("/healthz", summary="the process is alive")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get("/readyz", summary="the model is loaded and warmed up", responses={503: {"model": ErrorResponse}})
+    async def readyz() -> Response:
+        if not backend.ready:
+            return error_response(503, "not_ready", "the model is warming up", {"Retry-After": "1"})
+        return JSONResponse({"status": "ready", "model": {"name": identity.name, "version": identity.version}})
+
+    @api.get("/metrics", summary="Prometheus metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(backend.metrics.render(), media_type=CONTENT_TYPE)
+
+    return api
+
+
 # --- the app -----------------------------------------------------------------------------------------------
+
+
+def api_key_check(api_key: str | None):
+    """The dependency that refuses a request without `api_key` (None: every request passes)."""
+
+    def check_api_key(credentials: BearerToken) -> None:
+        if api_key is None:
+            return
+        token = credentials.credentials.encode() if credentials else b""
+        if not hmac.compare_digest(token, api_key.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong API key; send the header"
+                                                " 'Authorization: Bearer <key>'",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check_api_key
 
 
 def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | None = None,
                engine: str = "local") -> FastAPI:
-    """The FastAPI app for `backend`; its lifespan starts and stops the backend."""
+    """The FastAPI app for `backend`, one router per API; its lifespan starts and stops the backend."""
     identity = backend.identity
-    model_info = {"name": identity.name, "version": identity.version}
     body_limit = max_texts * (max_chars * _BYTES_PER_CHAR + _BYTES_PER_ITEM) + _BODY_SLACK
 
     @asynccontextmanager
@@ -343,119 +309,10 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         lifespan=lifespan,
     )
     app.add_middleware(MetricsMiddleware, metrics=backend.metrics)
-
-    def check_api_key(credentials: BearerToken) -> None:
-        if api_key is None:
-            return
-        token = credentials.credentials.encode() if credentials else b""
-        if not hmac.compare_digest(token, api_key.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong API key; send the header"
-                                                " 'Authorization: Bearer <key>'",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
-        return error_response(e.status, e.code, e.message, e.headers, e.error_id)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, e: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return error_response(e.status_code, code, str(e.detail), getattr(e, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_request: Request, e: RequestValidationError) -> JSONResponse:
-        return error_response(422, "invalid_request", str(e.errors()))
-
-    @app.exception_handler(Exception)
-    async def unexpected_error(_request: Request, e: Exception) -> JSONResponse:
-        error_id = uuid.uuid4().hex[:12]
-        log.error("unexpected error %s", error_id, exc_info=e)
-        return error_response(500, "internal_error", f"unexpected server error (error id {error_id}); see the"
-                                                     " server log", error_id=error_id)
-
-    errors = {status: {"model": ErrorResponse} for status in (400, 401, 413, 422, 429, 500, 503)}
-
-    @app.get("/healthz", summary="the process is alive")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz", summary="the model is loaded and warmed up", responses={503: {"model": ErrorResponse}})
-    async def readyz() -> Response:
-        if not backend.ready:
-            return error_response(503, "not_ready", "the model is warming up", {"Retry-After": "1"})
-        return JSONResponse({"status": "ready", "model": model_info})
-
-    @app.get("/metrics", summary="Prometheus metrics", response_class=Response)
-    async def metrics() -> Response:
-        return Response(backend.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/labels", response_model=LabelsResponse, dependencies=[Depends(check_api_key)],
-             responses={401: errors[401]})
-    async def labels() -> Response:
-        return JSONResponse({"model": model_info, "labels": list(identity.labels)})
-
-    @app.post(
-        "/v1/predict", response_model=PredictResponse, dependencies=[Depends(check_api_key)], responses=errors,
-        summary="label, score and per-label probabilities for each text",
-        openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": request_schema(max_texts, max_chars)}}}},
-    )
-    async def predict(request: Request) -> Response:
-        texts = parse_texts(await read_body(request, body_limit), max_texts, max_chars)
-        try:
-            predictions = await until_disconnect(request, backend.predict(texts))
-        except ClientGone:
-            # Nobody to answer: the texts were dropped from the queue before the model saw them.
-            return Response(status_code=499)
-        except Overloaded as e:
-            raise ApiError(429, "overloaded", f"the server is at capacity ({e}); retry after"
-                                              f" {e.retry_after} s", {"Retry-After": str(e.retry_after)}) from None
-        except ShuttingDown:
-            raise ApiError(503, "shutting_down", "the server is shutting down; retry on another instance",
-                           {"Retry-After": "1"}) from None
-        except ModelFailed as e:
-            raise ApiError(500, "model_error", f"{e}; the server log has the traceback under this id",
-                           error_id=e.error_id) from None
-        shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
-        body = json.dumps({"model": model_info, "predictions": shown}, ensure_ascii=False, separators=(",", ":"))
-        return Response(body.encode("utf-8"), media_type="application/json")
-
-    @app.exception_handler(TeiError)
-    async def tei_error(_request: Request, e: TeiError) -> JSONResponse:
-        return JSONResponse({"error": e.message, "error_type": e.error_type}, status_code=TeiError.STATUS[e.error_type],
-                            headers=e.headers)
-
-    @app.post(
-        "/predict", dependencies=[Depends(check_api_key)],
-        response_model=list[TeiPrediction] | list[list[TeiPrediction]],
-        summary="text-embeddings-inference's predict: every label's score per input, highest first",
-        description="TEI's request shape: `inputs` (a string, or a batch [[\"text\"], ...]), `truncate` (accepted;"
-                    " texts are always cut the way the model was trained), `raw_scores` (logits instead of"
-                    " probabilities). Errors are TEI's: {\"error\", \"error_type\"}.",
-        responses={401: errors[401],
-                   **{status: {"model": TeiErrorResponse} for status in (400, 413, 422, 424, 429, 503)}},
-        openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-            "schema": tei_schema(max_texts, max_chars)}}}},
-    )
-    async def tei_predict(request: Request) -> Response:
-        try:
-            body = await read_body(request, body_limit)
-        except ApiError as e:
-            raise TeiError("Validation", e.message) from None
-        texts, batched, raw = parse_tei(body, max_texts, max_chars)
-        try:
-            predictions = await until_disconnect(request, backend.predict(texts))
-        except ClientGone:
-            return Response(status_code=499)
-        except Overloaded as e:
-            raise TeiError("Overloaded", f"model is overloaded ({e})", {"Retry-After": str(e.retry_after)}) from None
-        except ShuttingDown:
-            raise TeiError("Unhealthy", "the server is shutting down; retry on another instance",
-                           {"Retry-After": "1"}) from None
-        except ModelFailed as e:
-            raise TeiError("Backend", f"{e} (error id {e.error_id}; the server log has the traceback)") from None
-        answers = [tei_answer(p, raw) for p in predictions]
-        body = json.dumps(answers if batched else answers[0], ensure_ascii=False, separators=(",", ":"))
-        return Response(body.encode("utf-8"), media_type="application/json")
-
+    _answer_errors(app)
+    app.include_router(health_router(backend))
+    guarded: dict[str, Any] = {"dependencies": [Depends(api_key_check(api_key))],
+                               "responses": {401: {"model": ErrorResponse}}}
+    app.include_router(native_router(backend, max_texts, max_chars, body_limit), **guarded)
+    app.include_router(tei.router(backend, max_texts, max_chars, body_limit), **guarded)
     return app

@@ -181,13 +181,15 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float):
 def start_ray(settings: ServeSettings, temp_dir: str) -> None:
     import ray
 
+    from torchloom.model.env import model_env
+
     # Ray writes an auth token to ~/.ray unless auth is off (PITFALLS.md); its files go to temp_dir.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     cpus = max(2, os.cpu_count() or 1)
     ray.init(num_cpus=cpus, _temp_dir=temp_dir, include_dashboard=None, configure_logging=True,
              logging_level=logging.WARNING, log_to_driver=True,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
+             runtime_env={"env_vars": model_env()})
 
 
 def run_ray(settings: ServeSettings) -> int:

@@ -14,6 +14,7 @@ Tune's training iterations, so `tune.grace_period` means the same on both backen
 from __future__ import annotations
 
 from torchloom.config import Config
+from torchloom.config.schema import TuneConfig
 from torchloom.rundir import StudyDir
 from torchloom.tune import trial as trial_mod
 from torchloom.tune.common import mode_of, say, study_name
@@ -25,7 +26,7 @@ def storage_url(cfg: Config, sd: StudyDir) -> str:
     return cfg.tune.storage or f"sqlite:///{sd.optuna_db}"
 
 
-def open_study(url: str, name: str, direction: str, tc, sd: StudyDir):
+def open_study(url: str, name: str, direction: str, tune_cfg: TuneConfig, sd: StudyDir):
     """Create or load the study. Processes starting together would race to create the database's
     tables (a UNIQUE failure on alembic_version): those sharing the study dir take turns on a lock file;
     others, on a remote database, retry."""
@@ -41,9 +42,9 @@ def open_study(url: str, name: str, direction: str, tc, sd: StudyDir):
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 return optuna.create_study(
                     study_name=name, storage=make_storage(url), load_if_exists=True, direction=direction,
-                    sampler=optuna.samplers.TPESampler(seed=tc.seed,
-                                                       n_startup_trials=min(10, max(2, tc.trials // 2))),
-                    pruner=make_pruner(tc.scheduler, tc.grace_period, tc.reduction_factor),
+                    sampler=optuna.samplers.TPESampler(seed=tune_cfg.seed,
+                                                       n_startup_trials=min(10, max(2, tune_cfg.trials // 2))),
+                    pruner=make_pruner(tune_cfg.scheduler, tune_cfg.grace_period, tune_cfg.reduction_factor),
                 )
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError):
             if attempt == 4:
@@ -55,13 +56,13 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    tc = cfg.tune
+    tune_cfg = cfg.tune
     url = storage_url(cfg, sd)
     name = study_name(cfg)
     direction = "maximize" if mode_of(cfg) == "max" else "minimize"
-    study = open_study(url, name, direction, tc, sd)
-    hooks_base = {"storage": url, "study_name": name, "metric": tc.metric, "scheduler": tc.scheduler,
-                  "grace_period": tc.grace_period, "reduction_factor": tc.reduction_factor}
+    study = open_study(url, name, direction, tune_cfg, sd)
+    hooks_base = {"storage": url, "study_name": name, "metric": tune_cfg.metric, "scheduler": tune_cfg.scheduler,
+                  "grace_period": tune_cfg.grace_period, "reduction_factor": tune_cfg.reduction_factor}
 
     def objective(trial: optuna.Trial) -> float:
         values = {p.key: p.suggest(trial) for p in params}
@@ -73,19 +74,19 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
         trial.set_user_attr("steps", result.steps)
         if result.stop_reason == "pruned":
             raise optuna.TrialPruned()
-        value = trial_mod.best_value(td, tc.metric, mode_of(cfg))
+        value = trial_mod.best_value(td, tune_cfg.metric, mode_of(cfg))
         if value is None:
-            raise RuntimeError(f"trial {trial_name} reported no validation {tc.metric}")
+            raise RuntimeError(f"trial {trial_name} reported no validation {tune_cfg.metric}")
         return value
 
     def enough(st: optuna.Study) -> bool:
         trials = st.get_trials(deepcopy=False)
         counted = [t for t in trials if t.state != optuna.trial.TrialState.FAIL]
         # Failed trials do not count, but a study whose trials keep failing must end too.
-        return len(counted) >= tc.trials or len(trials) >= 2 * tc.trials
+        return len(counted) >= tune_cfg.trials or len(trials) >= 2 * tune_cfg.trials
 
     if enough(study):
-        say(f"the study already holds {len(study.trials)} trials (tune.trials {tc.trials})")
+        say(f"the study already holds {len(study.trials)} trials (tune.trials {tune_cfg.trials})")
         return
 
     def stop_when_full(st: optuna.Study, _trial) -> None:
@@ -96,5 +97,5 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
     # data, bad config) would fail every trial the same way, so it ends the study.
     from torchloom.engines.common import TrainingFailed
 
-    study.optimize(objective, timeout=tc.time_budget_s or None, callbacks=[stop_when_full],
+    study.optimize(objective, timeout=tune_cfg.time_budget_s or None, callbacks=[stop_when_full],
                    catch=(TrainingFailed, RuntimeError), gc_after_trial=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict, to_dict
 from torchloom.engines.common import replace_engine
+from torchloom.errors import first_line
 from torchloom.rundir import RunDir, StudyDir
 from torchloom.tune import trial as trial_mod
 from torchloom.tune.common import mode_of, say
@@ -88,14 +89,10 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
     import logging
 
     from ray import tune
-    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler
-    from ray.tune.search import ConcurrencyLimiter
-    from ray.tune.search.optuna import OptunaSearch
 
     from torchloom.engines.ray import init_ray
 
-    tc = cfg.tune
-    metric, mode = tc.metric, mode_of(cfg)
+    tune_cfg = cfg.tune
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")  # our one line per event instead of Tune's tables
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")  # torchloom writes its own results
     import optuna
@@ -108,37 +105,10 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
         trial_cfg = trial_engine(cfg, concurrent, started_local)
         fixed = {"__cfg": to_dict(trial_cfg), "__study_dir": str(sd.root), "__parent_run_id": parent_run_id}
         trainable = tune.with_resources(_trainable, {"CPU": TRIAL_CPU})
-        storage = sd.ray_storage
-        path = sd.ray_tune
         param_space = {**{p.key: p.ray_domain() for p in params}, **fixed}
-        if tune.Tuner.can_restore(str(path)):
-            say(f"resuming the Ray Tune study in {path}")
-            tuner = tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True,
-                                       resume_errored=True, param_space=param_space)
-        else:
-            if tc.scheduler == "asha":
-                scheduler = ASHAScheduler(time_attr="training_iteration", grace_period=tc.grace_period,
-                                          reduction_factor=tc.reduction_factor, max_t=10_000)
-            elif tc.scheduler == "hyperband":
-                scheduler = HyperBandScheduler(time_attr="training_iteration", max_t=max(tc.grace_period * 27, 81),
-                                               reduction_factor=tc.reduction_factor)
-            else:
-                scheduler = FIFOScheduler()
-            searcher = ConcurrencyLimiter(OptunaSearch(seed=tc.seed), max_concurrent=concurrent)
-            tuner = tune.Tuner(
-                trainable,
-                param_space=param_space,
-                tune_config=tune.TuneConfig(
-                    metric=metric, mode=mode, num_samples=tc.trials, search_alg=searcher, scheduler=scheduler,
-                    time_budget_s=tc.time_budget_s or None,
-                ),
-                run_config=tune.RunConfig(
-                    name="tune", storage_path=str(storage), verbose=0, callbacks=[_Progress(metric).callback],
-                    failure_config=tune.FailureConfig(max_failures=0),
-                ),
-            )
+        tuner = _tuner(cfg, sd, trainable, param_space, concurrent)
         say(f"{concurrent} trial(s) at a time, {trial_cfg.engine.workers} Ray Train workers each with"
-                      f" {trial_cfg.engine.cpus_per_worker:g} CPUs")
+            f" {trial_cfg.engine.cpus_per_worker:g} CPUs")
         started = time.monotonic()
         grid = tuner.fit()
     finally:
@@ -148,15 +118,56 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
             ray.shutdown()
     statuses = trial_statuses(grid)
     unfinished = [tid for tid, status in statuses.items() if status not in ("TERMINATED", "ERROR")]
-    out_of_time = bool(tc.time_budget_s) and time.monotonic() - started >= tc.time_budget_s
-    if unfinished or (len(statuses) < tc.trials and not out_of_time):
+    out_of_time = bool(tune_cfg.time_budget_s) and time.monotonic() - started >= tune_cfg.time_budget_s
+    if unfinished or (len(statuses) < tune_cfg.trials and not out_of_time):
         # Tune caught Ctrl+C (or lost its driver) and saved its state: nothing is settled, so the same
         # command resumes the study where it stopped.
         done = len(statuses) - len(unfinished)
-        say(f"interrupted after {done} of {tc.trials} trials; run the same command again to resume"
-                      " the study")
+        say(f"interrupted after {done} of {tune_cfg.trials} trials; run the same command again to resume"
+            " the study")
         raise KeyboardInterrupt
     settle(cfg, sd, grid)
+
+
+def _tuner(cfg: Config, sd: StudyDir, trainable, param_space: dict, concurrent: int):
+    """The study's Tuner: the one saved in `sd` when an earlier run of the study stopped, else a new one."""
+    from ray import tune
+    from ray.tune.search import ConcurrencyLimiter
+    from ray.tune.search.optuna import OptunaSearch
+
+    tune_cfg = cfg.tune
+    metric, mode = tune_cfg.metric, mode_of(cfg)
+    path = sd.ray_tune
+    if tune.Tuner.can_restore(str(path)):
+        say(f"resuming the Ray Tune study in {path}")
+        return tune.Tuner.restore(str(path), trainable=trainable, resume_unfinished=True,
+                                  resume_errored=True, param_space=param_space)
+    searcher = ConcurrencyLimiter(OptunaSearch(seed=tune_cfg.seed), max_concurrent=concurrent)
+    return tune.Tuner(
+        trainable,
+        param_space=param_space,
+        tune_config=tune.TuneConfig(
+            metric=metric, mode=mode, num_samples=tune_cfg.trials, search_alg=searcher,
+            scheduler=_scheduler(tune_cfg), time_budget_s=tune_cfg.time_budget_s or None,
+        ),
+        run_config=tune.RunConfig(
+            name="tune", storage_path=str(sd.ray_storage), verbose=0, callbacks=[_Progress(metric).callback],
+            failure_config=tune.FailureConfig(max_failures=0),
+        ),
+    )
+
+
+def _scheduler(tune_cfg):
+    """The trial scheduler `tune.scheduler` names: asha, hyperband, or none (FIFO: every trial runs out)."""
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler
+
+    if tune_cfg.scheduler == "asha":
+        return ASHAScheduler(time_attr="training_iteration", grace_period=tune_cfg.grace_period,
+                             reduction_factor=tune_cfg.reduction_factor, max_t=10_000)
+    if tune_cfg.scheduler == "hyperband":
+        return HyperBandScheduler(time_attr="training_iteration", max_t=max(tune_cfg.grace_period * 27, 81),
+                                  reduction_factor=tune_cfg.reduction_factor)
+    return FIFOScheduler()
 
 
 def trial_statuses(grid) -> dict[str, str]:
@@ -204,7 +215,7 @@ def settle(cfg: Config, sd: StudyDir, grid) -> None:
             if own.get("status") == "failed":
                 continue
             status, mlflow_status = "failed", "FAILED"
-            extra = {"error": str(result.error).splitlines()[0] if str(result.error) else "failed"}
+            extra = {"error": first_line(result.error)}
         elif ran_to_the_end(td):
             # The scheduler's stop reached a trial that had already trained every step.
             status, mlflow_status, extra = "completed", "FINISHED", {"stop_reason": ""}

@@ -9,6 +9,7 @@ from typing import Any
 
 from torchloom import pipeline, tracking
 from torchloom.config import Config
+from torchloom.errors import first_line
 from torchloom.rundir import RunDir, StudyDir, read_json, write_json
 from torchloom.train import checkpoint
 from torchloom.train.result import TrainResult
@@ -69,7 +70,7 @@ def run_trial(cfg: Config, sd: StudyDir, name: str, values: dict, parent_run_id:
             finish_trial(td, "interrupted")
             raise
         except BaseException as e:
-            finish_trial(td, "failed", {"error": str(e).splitlines()[0] if str(e) else type(e).__name__})
+            finish_trial(td, "failed", {"error": first_line(e)})
             raise
     status = "stopped early" if result.stop_reason == "pruned" else "completed"
     finish_trial(td, status, {"stop_reason": result.stop_reason, "steps": result.steps})

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from torchloom.errors import UserError
+from torchloom.errors import UserError, first_line
 from torchloom.rundir import holds_cwd
 
 FORMATS = {
@@ -182,7 +182,7 @@ def _open_text_file(path: Path, fmt: str):
         else:
             reader = pajson.open_json(path, read_options=pajson.ReadOptions(block_size=1 << 20))
     except pa.ArrowInvalid as e:
-        raise UserError(f"--input {path}: cannot read it as {fmt} ({str(e).splitlines()[0]})") from None
+        raise UserError(f"--input {path}: cannot read it as {fmt} ({first_line(e)})") from None
     return reader.schema, _checked(reader, path, fmt)
 
 
@@ -192,7 +192,7 @@ def _checked(reader, path: Path, fmt: str) -> Iterator[Any]:
     try:
         yield from reader
     except pa.ArrowInvalid as e:
-        raise UserError(f"--input {path}: cannot read it as {fmt} ({str(e).splitlines()[0]})") from None
+        raise UserError(f"--input {path}: cannot read it as {fmt} ({first_line(e)})") from None
 
 
 def _is_text(arrow_type) -> bool:
@@ -305,7 +305,7 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     try:
         df = _spark_read(spark, input_path, fmt)
     except AnalysisException as e:
-        raise UserError(f"--input {input_path}: Spark cannot read it as {fmt} ({str(e).splitlines()[0]})") from None
+        raise UserError(f"--input {input_path}: Spark cannot read it as {fmt} ({first_line(e)})") from None
     fields = {f.name: f.dataType for f in df.schema.fields}
     _check_schema(list(fields), isinstance(fields.get(text_column), StringType), text_column, input_path)
     out_schema = StructType([*df.schema.fields, StructField("label", StringType()),

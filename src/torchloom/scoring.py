@@ -1,19 +1,66 @@
-"""Classification metrics from predicted probabilities, in numpy only (no scikit-learn dependency).
+"""How a text is scored, in numpy only: the one place every scoring path (evaluate, validation in training,
+predict, serve, Spark batch, the ONNX gate) takes its arithmetic from.
 
-Conventions follow scikit-learn so numbers can be checked against it: precision, recall and F1 of a
-class with nothing to divide by are 0; macro averages run over the classes that occur in the labels
-or the predictions; ROC AUC is one-vs-rest, averaged over classes present in the labels.
+A text's score is the softmax of the mean of its windows' logits (a text prepared whole is one window, so its
+score is the softmax of its own logits): `text_scores`. The classification metrics follow scikit-learn so
+numbers can be checked against it: precision, recall and F1 of a class with nothing to divide by are 0; macro
+averages run over the classes that occur in the labels or the predictions; ROC AUC is one-vs-rest, averaged
+over classes present in the labels.
+
+This module imports nothing from torchloom and nothing heavier than numpy (an import-linter contract).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 # Probabilities are clipped to [LOSS_EPS, 1] before the log, so one confident mistake gives a large
 # but finite loss.
 LOSS_EPS = 1e-12
+
+
+class TextScores(NamedTuple):
+    """One row per text, texts in the order of their ids (`docs`' sorted distinct values)."""
+
+    probs: np.ndarray  # [T, C] float64: the softmax of `logits`
+    logits: np.ndarray  # [T, C] float64: the mean of the text's windows' logits
+    first: np.ndarray  # [T] the position in the input of the text's first window
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax in float64 (shifted by the row's largest logit, so large logits do not overflow)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if not len(logits):
+        return logits
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def mean_by_text(logits: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mean logits per text in float64, each text's first position in `docs`).
+
+    docs: the text each row of `logits` is a window of (any ids; rows may come in any order)."""
+    logits = np.asarray(logits)
+    found, first, inverse = np.unique(np.asarray(docs), return_index=True, return_inverse=True)
+    sums = np.zeros((len(found), logits.shape[1]), np.float64)
+    np.add.at(sums, inverse.reshape(-1), logits.astype(np.float64))
+    return sums / np.bincount(inverse.reshape(-1), minlength=len(found))[:, None], first
+
+
+def text_scores(logits: np.ndarray, docs: np.ndarray | None = None) -> TextScores:
+    """Each text's score from its windows' logits [N, C]: the softmax of their mean.
+
+    docs: the text each row is a window of; None: every row is a text of its own."""
+    logits = np.asarray(logits)
+    if docs is None:
+        mean = logits.astype(np.float64)
+        return TextScores(softmax(mean), mean, np.arange(len(logits)))
+    if len(docs) != len(logits):
+        raise ValueError(f"docs has {len(docs)} entries for {len(logits)} rows of logits")
+    mean, first = mean_by_text(logits, docs)
+    return TextScores(softmax(mean), mean, first)
 
 
 def classification_metrics(
@@ -144,11 +191,3 @@ def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     np.divide(numerator, denominator, out=out, where=denominator > 0)
     return out
 
-
-def mean_by_text(logits, docs):
-    """(mean logits per text in float64, each text's first position in `docs`): how every path turns a
-    chunked text's windows into one score. docs: the text each row of `logits` is a window of."""
-    found, first, inverse = np.unique(docs, return_index=True, return_inverse=True)
-    sums = np.zeros((len(found), logits.shape[1]), np.float64)
-    np.add.at(sums, inverse, logits.astype(np.float64))
-    return sums / np.bincount(inverse, minlength=len(found))[:, None], first

@@ -1,0 +1,230 @@
+"""The worker side of the driver <-> worker protocol (engines/common.py lists the files): what a rank
+speaks, whatever engine started it.
+
+`run_worker` is the one function every launcher runs in every worker: it counts restarts, assembles
+the reporter handed to the training entry, records a failure, and writes the result. `worker_env` is
+the environment every engine gives its workers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from torchloom.engines import faults
+from torchloom.engines.common import (
+    HEARTBEAT_S,
+    NotRestarted,
+    RestartLimit,
+    describe_loss,
+    failure_cause,
+    not_visible,
+)
+from torchloom.errors import UserError
+from torchloom.model.env import model_env
+from torchloom.rundir import RunDir, read_json, write_json
+from torchloom.train.reporter import Reporter, combine
+from torchloom.train.result import TrainResult
+
+# Variables of the driver's environment that go to its workers only when set there (a test's fault):
+# a long-lived process that runs workers (a Spark executor) must not keep an earlier job's.
+FORWARDED = (faults.ENV,)
+
+
+def worker_env() -> dict[str, str]:
+    """The environment of every worker on every engine: the model environment (never a hub), and the
+    forwarded variables the driver has."""
+    return {**model_env(), **{k: os.environ[k] for k in FORWARDED if k in os.environ}}
+
+
+def enter_worker_env(env: dict[str, str]) -> None:
+    """In a process that runs workers of many jobs (a Spark executor): this job's worker_env()."""
+    for key in FORWARDED:
+        os.environ.pop(key, None)
+    os.environ.update(env)
+
+
+def env_rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def capture_output(rd: RunDir, rank: int) -> None:
+    """Send this process's stdout and stderr (Python's and native code's) to logs/rank-{rank}.log."""
+    path = rd.rank_log(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+# -- the reporters a worker gets -----------------------------------------------------------------
+class ProgressFile(Reporter):
+    """Rank 0's progress, for the driver's live bar, whatever engine runs the workers."""
+
+    def __init__(self, rd: RunDir):
+        self.path = rd.progress
+
+    def progress(self, fields: dict) -> None:
+        write_json(self.path, fields, indent=None)
+
+
+class ErrorFile(Reporter):
+    """Records this rank's failure where the driver looks for it, before the rank leaves the group."""
+
+    def __init__(self, rd: RunDir, rank: int, launch_id: str | None = None):
+        self.rd, self.rank, self.launch_id = rd, rank, launch_id
+
+    def failed(self, error: BaseException) -> None:
+        record_error(self.rd, self.rank, error, self.launch_id)
+
+
+def hooked_reporters(rd: RunDir, rank: int) -> list[Reporter]:
+    """The reporters the driver asked for in hooks.json; each class is built with rank= and its args."""
+    out = []
+    for spec in rd.read_hooks().get("reporters", []):
+        module, _, name = spec["class"].partition(":")
+        if not module.startswith("torchloom."):
+            raise UserError(f"{rd.hooks}: reporter {spec['class']!r} is not torchloom's; remove the file")
+        cls = getattr(importlib.import_module(module), name)
+        out.append(cls(rank=rank, **spec.get("args", {})))
+    return out
+
+
+def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = None,
+                    launch_id: str | None = None) -> Reporter:
+    """Everything one rank reports to: the driver's files, the engine's own reporter, the driver's hooks, faults."""
+    return combine([ErrorFile(rd, rank, launch_id), ProgressFile(rd), engine_reporter, *hooked_reporters(rd, rank),
+                    faults.from_env(rd, rank)])
+
+
+# -- the worker ----------------------------------------------------------------------------------
+def check_visible(rd: RunDir) -> None:
+    """The driver prepared the data before any launch, so a worker that cannot see it is on a host
+    without the shared storage; failing here takes seconds, while waiting for peers would hang."""
+    if not rd.manifest.is_file():
+        raise not_visible(rd, [socket.gethostname()])
+
+
+def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
+    """Record where this rank starts; returns how often it started before in this launch (0: first)."""
+    start = len(rd.placements(launch_id, rank=rank))
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    write_json(rd.placement_file(launch_id, rank, start), {"rank": rank, "host": socket.gethostname(),
+                                                           "pid": os.getpid(), "time": time.time()}, indent=None)
+    return start
+
+
+def start_heartbeat(placement: Path) -> None:
+    def beat() -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            try:
+                os.utime(placement)
+            except OSError:
+                pass
+
+    threading.Thread(target=beat, name="torchloom-heartbeat", daemon=True).start()
+
+
+def note_stop_signal(placement: Path) -> None:
+    """When the launcher stops this rank with SIGTERM (torch elastic does, after another rank failed or
+    when a node joins), mark its placement file "stopped" and exit, so the next start does not report
+    it lost. Python runs a signal handler only between bytecodes, and a rank blocked in a collective
+    would not run one until the collective times out; so the signal wakes a thread, which records the
+    stop and exits at once. Only from the main thread (Ray runs the training function in another)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    wake, wakeup = os.pipe()  # plain descriptors: they stay open for the life of the process
+    os.set_blocking(wakeup, False)
+    signal.signal(signal.SIGTERM, lambda *_: None)  # a Python-level handler makes the C handler write to the fd
+    signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while data := os.read(wake, 64):
+            if signal.SIGTERM in data:
+                try:
+                    write_json(placement, {**read_json(placement), "stopped": True, "stopped_at": time.time()},
+                               indent=None)
+                finally:
+                    os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=watch, name="torchloom-sigterm", daemon=True).start()
+
+
+def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int) -> dict:
+    """The config of a worker that the engine (torch elastic, Ray, Spark's own stage retry or torchloom's)
+    started again after a failure: resuming from the latest checkpoint. Whoever restarts,
+    engine.max_restarts bounds how often; and a rank's own error, which would recur, stops it at once."""
+    limit = cfg_dict["engine"]["max_restarts"]
+    if starts > limit:
+        raise RestartLimit(f"rank {rank} was restarted {starts} times; engine.max_restarts is {limit}")
+    cause = failure_cause(rd, launch_id)
+    if cause is not None:  # an engine that restarts on any failure (Ray, torchrun): stop at once
+        raise NotRestarted(f"not restarted: rank {cause['rank']} failed with {cause['type']}, which would"
+                           " happen again; restarts are for lost processes")
+    if not cfg_dict["train"]["resume"]:
+        cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
+    loss = describe_loss(rd, launch_id, starts - 1)
+    print(f"restart {starts}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
+          f" {rd.checkpoints}", flush=True)
+    return cfg_dict
+
+
+def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Reporter | None = None,
+               capture: bool = False, launched_at: float | None = None, device: str | None = None) -> TrainResult:
+    """Train on this rank; record a failure where the driver looks for it, and re-raise it."""
+    from torchloom.train.entry import run
+
+    rd = RunDir(run_dir)
+    rank = env_rank()
+    check_visible(rd)  # before anything is written: on a host without the shared storage it would land locally
+    if capture:
+        capture_output(rd, rank)
+    try:
+        cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
+        starts = record_start(rd, launch_id, rank)
+        note_stop_signal(rd.placement_file(launch_id, rank, starts))
+        start_heartbeat(rd.placement_file(launch_id, rank, starts))
+        if starts:
+            cfg_dict = restarted(rd, cfg_dict, launch_id, rank, starts)
+        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter, launch_id), launched_at=launched_at,
+                     device=device)
+        if rank == 0:
+            write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
+        return result
+    except BaseException as e:
+        record_error(rd, rank, e, launch_id)
+        raise
+    finally:
+        if capture:
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None = None) -> None:
+    """Write this rank's error for the driver; the first one stays (a restarted attempt may fail too)."""
+    path = rd.error_file(rank)
+    if path.exists():
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {
+        "rank": rank,
+        "launch": launch_id,
+        "time": time.time(),
+        "type": type(e).__name__,
+        "user_error": isinstance(e, UserError),
+        "message": str(e),
+        "traceback": "".join(traceback.format_exception(e)),
+    }, indent=None)
