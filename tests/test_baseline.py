@@ -4,13 +4,63 @@ and how it is reported beside the transformer."""
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from torchloom.data.synthetic import write_synthetic_dataset
-from torchloom.evaluate.metrics import classification_metrics
+from torchloom.manifest import Manifest, Shard, Split
 from torchloom.manifest import read as read_manifest
+from torchloom.scoring import classification_metrics
 
-pytest.importorskip("pyspark")
+pytest.importorskip("sklearn")
+
+
+def topic_texts(n: int, rng: np.random.Generator, priors=(0.55, 0.15, 0.15, 0.15)) -> tuple[list[str], np.ndarray]:
+    """Texts of 3 words from their class's own 40 and 30 shared noise words; one class is most of the rows.
+    A strong L2 penalty (C=1 on ~400 rows) leans on the priors and underfits the other classes."""
+    labels = rng.choice(len(priors), n, p=priors)
+    texts = []
+    for label in labels:
+        words = [f"s{label}x{rng.integers(40)}" for _ in range(3)] + [f"n{rng.integers(400)}" for _ in range(30)]
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+    return texts, labels
+
+
+def write_prepared(out, splits: dict[str, tuple[list[str], np.ndarray]], num_labels: int) -> Manifest:
+    """A prepared data dir (the shards' text, label and label_id columns, and the manifest) from texts."""
+    names = [f"topic_{k}" for k in range(num_labels)]
+    written = {}
+    for split, (texts, labels) in splits.items():
+        (out / split).mkdir(parents=True)
+        for i, first in enumerate(range(0, len(texts), 150)):  # a few shards, as prepare writes them
+            chunk = slice(first, first + 150)
+            pq.write_table(pa.table({"text": texts[chunk], "label": [names[k] for k in labels[chunk]],
+                                     "label_id": pa.array(labels[chunk], pa.int32())}),
+                           out / split / f"part-{i:05d}.parquet", row_group_size=64)
+        shards = [Shard(path=f"{split}/{f.name}", rows=pq.read_metadata(f).num_rows, row_groups=[])
+                  for f in sorted((out / split).glob("*.parquet"))]
+        counts = np.bincount(labels, minlength=num_labels)
+        written[split] = Split(rows=len(texts), shards=shards, per_class=dict(zip(names, map(int, counts))))
+    Manifest(labels=names, splits=written, tokenizer={"truncation": "head"}, fingerprint="topics").write(out)
+    return read_manifest(out)
+
+
+@pytest.fixture(scope="module")
+def topics(tmp_path_factory) -> Manifest:
+    rng = np.random.default_rng(0)
+    splits = {"train": topic_texts(400, rng), "val": topic_texts(200, rng), "test": topic_texts(400, rng)}
+    return write_prepared(tmp_path_factory.mktemp("topics"), splits, 4)
+
+
+@pytest.fixture(scope="module")
+def two_topics(tmp_path_factory) -> Manifest:
+    """Two classes: scikit-learn fits one coefficient vector, so must MLlib (binomial, not a multinomial pair)."""
+    rng = np.random.default_rng(1)
+    splits = {name: topic_texts(n, rng, priors=(0.7, 0.3)) for name, n in (("train", 300), ("val", 150),
+                                                                              ("test", 300))}
+    return write_prepared(tmp_path_factory.mktemp("two_topics"), splits, 2)
 
 
 def test_baseline_scores_agree_with_the_evaluation_metrics():
@@ -26,20 +76,91 @@ def test_baseline_scores_agree_with_the_evaluation_metrics():
     assert s["accuracy"] == pytest.approx(m["accuracy"]) and s["macro_f1"] == pytest.approx(m["macro_f1"])
 
 
-def test_the_baseline_trains_on_train_and_scores_exactly_the_prepared_splits(spark, tmp_path):
-    from torchloom.etl.baseline import fit_and_score
+def test_the_baseline_trains_on_train_and_scores_exactly_the_prepared_splits(tmp_path):
+    from torchloom.etl.baseline import C_GRID, fit_and_score
 
     written = write_synthetic_dataset(tmp_path / "data", rows={"train": 150, "val": 30, "test": 45})
     m = read_manifest(tmp_path / "data")
-    result = fit_and_score(spark, m, ["val", "test"])
+    result = fit_and_score(None, m, ["val", "test"])  # small: scikit-learn on the driver, no Spark
+    assert result["engine"] == "driver" and result["num_features"] > 0
     assert result["train_rows"] == 150 and result["fingerprint"] == written.fingerprint
     assert set(result["splits"]) == {"val", "test"}
+    assert [g["C"] for g in result["grid"]] == list(C_GRID) and result["C_from"] == "val"
     for split in ("val", "test"):
         confusion = result["splits"][split]["confusion_matrix"]
         # every row of the split scored once, under its own label
         assert [sum(row) for row in confusion] == [m.split(split).per_class.get(lb, 0) for lb in m.labels]
     # the synthetic texts draw most words from their label's band of the vocabulary: learnable (chance: 1/3)
     assert result["splits"]["test"]["accuracy"] >= 0.7, result["splits"]["test"]
+
+
+def test_c_is_chosen_on_val_where_c_1_underfits(topics):
+    from torchloom.etl import baseline, baseline_driver
+
+    result = baseline.fit_and_score(None, topics, ["val", "test"], engine="driver")
+    by_c = {g["C"]: g["val_accuracy"] for g in result["grid"]}
+    assert result["C"] != 1 and by_c[result["C"]] == max(by_c.values()), result["grid"]
+    assert result["splits"]["val"]["accuracy"] == by_c[result["C"]]  # the chosen model is the one scored
+    # and the choice holds on test: the chosen C beats C=1 there by a wide margin
+    c1 = driver_predictions(topics, 1.0)
+    test_texts, test_labels = baseline_driver.read_split(topics, "test")
+    c1_accuracy = float(np.mean([c1[t] for t in test_texts] == test_labels))
+    assert result["splits"]["test"]["accuracy"] >= c1_accuracy + 0.1, (result["splits"]["test"], c1_accuracy)
+
+
+def test_without_val_rows_the_default_c_is_used_and_said(tmp_path):
+    from torchloom.etl import baseline
+
+    write_synthetic_dataset(tmp_path / "data", rows={"train": 150, "val": 0, "test": 45})
+    result = baseline.fit_and_score(None, read_manifest(tmp_path / "data"), ["val", "test"], engine="driver")
+    assert result["C"] == baseline.DEFAULT_C and result["grid"] == [] and set(result["splits"]) == {"test"}
+    assert result["C_from"].startswith("default")
+    assert f"C={baseline.DEFAULT_C:g}, the default: no val rows" in baseline.summary_line(result)
+
+
+def driver_predictions(m: Manifest, c: float) -> dict[str, int]:
+    """scikit-learn's prediction for each test text, fitted on train at C=c."""
+    from torchloom.etl import baseline_driver
+
+    texts, labels = baseline_driver.read_split(m, "train")
+    vec = baseline_driver.vectorizer()
+    model = baseline_driver.classifier(c).fit(vec.fit_transform(texts), labels)
+    test_texts, _ = baseline_driver.read_split(m, "test")
+    return dict(zip(test_texts, model.predict(vec.transform(test_texts)).tolist()))
+
+
+def spark_predictions(spark, m: Manifest, c: float) -> dict[str, int]:
+    """MLlib's prediction for each test text, fitted on train at C=c."""
+    from torchloom.etl import baseline, baseline_spark
+
+    rows = baseline.train_texts(m)
+    docs, counts = baseline_spark.term_counts(baseline_spark.read_split(spark, m, "train"))
+    vocab = baseline_spark.vocabulary(counts, rows)
+    n = vocab.count()
+    model = baseline_spark.classifier(c, rows, m.num_labels).fit(baseline_spark.features(docs, counts, vocab, n))
+    docs, counts = baseline_spark.term_counts(baseline_spark.read_split(spark, m, "test"))
+    scored = model.transform(baseline_spark.features(docs, counts, vocab, n)).select("text", "prediction")
+    return {r["text"]: int(r["prediction"]) for r in scored.collect()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", ["topics", "two_topics"])
+def test_the_driver_and_spark_paths_fit_the_same_model(spark, data, request):
+    """Same features, same C, same predictions: at least 98% of the test rows identical, accuracy within a
+    point (both fit to the optimum, each with its own optimiser and stopping rule)."""
+    from torchloom.etl import baseline
+
+    m = request.getfixturevalue(data)
+    driver = baseline.fit_and_score(None, m, ["val", "test"], engine="driver")
+    on_spark = baseline.fit_and_score(spark, m, ["val", "test"], engine="spark")
+    assert on_spark["engine"] == "spark" and on_spark["num_features"] == driver["num_features"]
+    assert on_spark["C"] == driver["C"], (driver["grid"], on_spark["grid"])
+    for split in ("val", "test"):
+        assert abs(on_spark["splits"][split]["accuracy"] - driver["splits"][split]["accuracy"]) <= 0.01
+    mine, theirs = driver_predictions(m, driver["C"]), spark_predictions(spark, m, driver["C"])
+    assert theirs.keys() == mine.keys()
+    same = sum(theirs[t] == mine[t] for t in mine) / len(mine)
+    assert same >= 0.98, same
 
 
 def comparison_with(transformer_accuracy: float, baseline_accuracy: float, split: str = "test") -> dict:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import sys
 import time
@@ -18,6 +17,28 @@ from torchloom.train.result import TrainResult
 
 def say(msg: str) -> None:
     print(f"torchloom: {msg}", file=sys.stderr, flush=True)
+
+
+def visible_gpus(cfg: Config) -> int:
+    """CUDA devices a local run could use here: nvidia-smi first (no torch to import on a machine without
+    one), then torch's own count, which is what the workers will see."""
+    if cfg.engine.name != "local" or cfg.engine.device == "cpu":
+        return 0
+    from torchloom.machine import gpu_names
+
+    if not gpu_names() and cfg.engine.device == "auto":
+        return 0
+    from torchloom.model.device import gpu_count
+
+    return gpu_count()
+
+
+def for_this_machine(cfg: Config) -> Config:
+    """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
+    starts (config/load.resolve_workers); a config already counted passes through."""
+    if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
+        return cfg
+    return config_mod.resolve_workers(cfg, visible_gpus(cfg))
 
 
 def run_dir(cfg: Config) -> RunDir:
@@ -70,7 +91,9 @@ def stop_spark() -> None:
 
 
 def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
-    """prepare, then (eval.baseline) the baseline in the same SparkSession, which is stopped after."""
+    """prepare, then (eval.baseline) the baseline: on the driver, or on Spark in prepare's SparkSession,
+    which is stopped after."""
+    cfg = for_this_machine(cfg)
     if not cfg.eval.baseline:
         return prepare_stage(cfg, tracker=tracker)
     from torchloom.etl.session import get_spark
@@ -91,35 +114,40 @@ def baseline_splits(cfg: Config) -> list[str]:
 
 
 def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
-    """Fit the classical baseline on the train split and score the others (etl/baseline.py) into
-    baseline.json; None when eval.baseline is off. Uses `spark`, or starts a session and stops it."""
+    """Fit the classical baseline on the train split, C chosen on val, and score the others (etl/baseline.py)
+    into baseline.json; None when eval.baseline is off. The driver path (scikit-learn) needs no Spark; the
+    Spark path uses `spark`, or starts a session and stops it."""
     if not cfg.eval.baseline:
         return None
     from torchloom import manifest as manifest_mod
-    from torchloom.etl.baseline import NAME, fit_and_score
-    from torchloom.etl.session import get_spark
+    from torchloom.etl import baseline
 
     rd = run_dir(cfg)
     m = manifest_mod.read(rd.data)
-    say(f"baseline: {NAME} (Spark MLlib) on the train split's {m.split('train').documents or m.split('train').rows}"
-        " texts")
+    how, started = "the baseline", False
     try:
-        result = fit_and_score(spark or get_spark(cfg.prepare), m, baseline_splits(cfg))
+        engine = baseline.engine_for(m, cfg.eval.baseline_engine)
+        how = baseline.ENGINE_NAMES[engine]
+        say(f"baseline: {baseline.NAME} ({how}) on the train split's {baseline.train_texts(m)} texts")
+        if spark is None and engine == "spark":
+            from torchloom.etl.session import get_spark
+
+            spark, started = get_spark(cfg.prepare), True
+        result = baseline.fit_and_score(spark, m, baseline_splits(cfg), engine)
     except UserError:
         raise
     except Exception as e:  # the transformer's results do not depend on it: say why, and go on without it
         from torchloom.errors import one_line
 
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        say(f"baseline: skipped, Spark MLlib failed ({one_line(f'{type(e).__name__}: {first}', 160)});"
+        say(f"baseline: skipped, {how} failed ({one_line(f'{type(e).__name__}: {first}', 160)});"
             " --eval.baseline false turns it off")
         return None
     finally:
-        if spark is None:
+        if started:
             stop_spark()
     write_json(rd.baseline, result)
-    scored = ", ".join(f"{k} accuracy {v['accuracy']:.4f}" for k, v in result["splits"].items())
-    say(f"baseline: {scored} ({result['seconds']:.0f} s)")
+    say(f"baseline: {baseline.summary_line(result)}")
     if tracker is not None:
         tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in result["splits"].items()
                              for metric in ("accuracy", "macro_f1")})
@@ -176,10 +204,28 @@ def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
     return local.train(cfg, rd.root, quiet=quiet)
 
 
-def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None) -> TrainResult:
-    """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py)."""
+def precision_line(cfg: Config) -> str:
+    """What train.precision is for the workers: decided here for the local engine (this machine is theirs),
+    by each worker on its own device on Spark and Ray (the result says what they chose)."""
+    if cfg.engine.name != "local":
+        return f"precision {cfg.train.precision}" + (" (each worker decides on its device)"
+                                                       if cfg.train.precision == "auto" else "")
+    from torchloom.model.device import choose_precision
+
+    device = "cuda" if visible_gpus(cfg) else "cpu"
+    choice = choose_precision(cfg.train.precision, device, scaler_ok=cfg.train.strategy == "ddp")
+    if choice.warning:
+        say(f"warning: {choice.warning}")
+    return f"precision {choice.precision} ({choice.reason})"
+
+
+def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
+                startup: dict | None = None) -> TrainResult:
+    """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py);
+    startup: the driver's phases before the launch (seconds), the first record of metrics.jsonl."""
     from torchloom.tracking import MetricsForwarder, NullTracker
 
+    cfg = for_this_machine(cfg)
     resume_step = check_trainable(cfg)
     rd = run_dir(cfg)
     save_config(cfg, rd)
@@ -191,7 +237,10 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     rd.write_hooks(hooks or {})
     # Before any worker starts, so the driver never forwards another run's lines to this run's tracker.
     rd.reset_metrics(resume_step)
-    say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, precision {cfg.train.precision},"
+    if startup:
+        rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
+                           **{k: round(v, 3) for k, v in startup.items()}})
+    say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, {precision_line(cfg)},"
         f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.logs}")
     started = time.perf_counter()
     forward = nullcontext()
@@ -214,8 +263,8 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     if result.resumed_world_size:
         say(f"train: resumed at step {result.resumed_at_step} on {result.world_size} workers (the checkpoint's run"
             f" had {result.resumed_world_size}); the same global batches went on")
-    say(f"train: {result.steps} steps in {result.train_s:.1f} s ({result.samples_per_s:.1f} samples/s);"
-        f" validation {result.last_eval or '-'}")
+    say(f"train: {result.steps} steps in {result.train_s:.1f} s ({result.samples_per_s:.1f} samples/s),"
+        f" precision {result.precision} ({result.precision_reason}); validation {result.last_eval or '-'}")
     return result
 
 
@@ -244,6 +293,7 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     say(f"export: {ckpt.name} -> {out}")
     onnx_info = None
     if cfg.export.format != "hf":
+        from torchloom.data.texts import gate_rows
         from torchloom.model.onnx import export_onnx
 
         onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
@@ -252,34 +302,6 @@ def export_stage(cfg: Config, tracker=None) -> dict:
         tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
             "onnx": onnx_info}
-
-
-def gate_rows(m, limit: int):
-    """Up to `limit` rows of the test split (else val) in file order, whole texts only: what the ONNX parity
-    gate scores."""
-    import numpy as np
-    import pyarrow.parquet as pq
-
-    from torchloom.model.onnx import GateRows
-
-    split = "test" if m.split("test").rows else "val"
-    chunked = m.tokenizer.get("truncation") == "chunks"
-    ids: list[list[int]] = []
-    labels: list[int] = []
-    chunk: list[int] = []
-    for shard in m.split(split).shards:
-        table = pq.read_table(m.shard_uri(shard), columns=["input_ids", "label_id"] + (["chunk"] if chunked else []))
-        ids += table.column("input_ids").to_pylist()
-        labels += table.column("label_id").to_pylist()
-        if chunked:
-            chunk += table.column("chunk").to_pylist()
-        if len(ids) > limit:
-            break
-    if chunked:
-        docs = np.cumsum(np.array(chunk) == 0) - 1
-        keep = int(np.searchsorted(docs, docs[min(limit, len(docs)) - 1], side="right")) if len(docs) else 0
-        return GateRows(split, ids[:keep], np.array(labels[:keep]), docs[:keep])
-    return GateRows(split, ids[:limit], np.array(labels[:limit]))
 
 
 def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announce: bool = True) -> dict:
@@ -356,6 +378,7 @@ def _train_result(rd: RunDir) -> dict | None:
 
 def run_all(cfg: Config) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
+    cfg = for_this_machine(cfg)
     rd = run_dir(cfg)
     exists = rd.root.exists()
     if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume:
@@ -374,42 +397,22 @@ def run_all(cfg: Config) -> dict:
 def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     started = time.perf_counter()
     timings: dict[str, float] = {}
-    spark = None
-    if cfg.engine.name == "spark" or cfg.eval.baseline:
-        from torchloom.etl.session import get_spark
-
-        # one SparkSession for the ETL, the baseline and (on the Spark engine) the training
-        spark = get_spark(cfg.prepare)
-    if cfg.train.resume and rd.manifest.is_file():
-        say(f"run: resuming; reusing the prepared data in {rd.data}")
-    else:
-        timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
-    if cfg.eval.baseline:
-        stored = stored_baseline(cfg, read_manifest(rd.data))
-        if stored is None:  # fitted now, and logged as it is
-            fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
-            if fitted:
-                timings["baseline_s"] = fitted["seconds"]
-        else:  # a resumed run reuses it: this run's tracker gets its scores once
-            tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in stored["splits"].items()
-                                 for metric in ("accuracy", "macro_f1")})
-    if spark is not None and cfg.engine.name != "spark":
-        # Nothing later needs the session: its JVM would keep memory and wake-ups away from the workers.
-        stop_spark()
-        spark = None
-    result = train_stage(cfg, spark=spark, tracker=tracker)
+    startup: dict[str, float] = {}  # the driver's phases before the workers launch (the start-up account)
+    spark = _prepare_and_baseline(cfg, rd, tracker, timings, startup)
+    result = train_stage(cfg, spark=spark, tracker=tracker, startup=startup)
     timings["train_s"] = result.wall_s
     timings["export_s"] = export_stage(cfg, tracker=tracker)["seconds"]
     ev = evaluate_stage(cfg, extra={"timings": timings, "train": result.to_dict()}, tracker=tracker, announce=False)
     timings["evaluate_s"] = ev["seconds"]
     timings["total_s"] = round(time.perf_counter() - started, 2)
+    # the first step ended this long after the run started: everything before training, then the launch's part
+    startup["first_step_after_s"] = round(timings["total_s"] - timings["train_s"] - timings["export_s"]
+                                          - timings["evaluate_s"] + result.first_step_s, 2)
     summary = {
-        "run_dir": str(rd.root),
-        "accuracy": ev["metrics"]["accuracy"],
-        "macro_f1": ev["metrics"]["macro_f1"],
-        "timings": timings,
-        "model_dir": str(rd.model),
-        "report": str(rd.report_md),
+        "run_dir": str(rd.root), "accuracy": ev["metrics"]["accuracy"], "macro_f1": ev["metrics"]["macro_f1"],
+        "timings": timings, "model_dir": str(rd.model), "report": str(rd.report_md),
+        "precision": result.precision, "precision_reason": result.precision_reason,
+        "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
     }
     cmp = ev.get("baseline")
     if cmp:
@@ -421,22 +424,76 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     write_json(rd.summary, summary)
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
     tracker.log_artifact(rd.summary)
+    print(summary_text(summary, cfg.eval.split, rd, tracker), flush=True)
+    return summary
+
+
+def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, startup: dict):
+    """prepare (or, on a resume, the prepared data as it is) and the baseline in one SparkSession; returns
+    the session when the Spark engine trains next, else stops it (its JVM would keep memory and wake-ups
+    away from the workers)."""
+    from torchloom.etl.session import get_spark
+
+    t = time.perf_counter()
+    spark = get_spark(cfg.prepare)  # one SparkSession for the ETL, the baseline and the Spark engine
+    startup["spark_start_s"] = time.perf_counter() - t
+    if cfg.train.resume and rd.manifest.is_file():
+        say(f"run: resuming; reusing the prepared data in {rd.data}")
+    else:
+        timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+        done = read_manifest(rd.data).timings
+        startup.update({"read_clean_s": done.get("read_clean_dedup", 0.0) + done.get("write_rejected", 0.0),
+                        "tokenize_s": done.get("tokenize_write", 0.0)})
+    if cfg.eval.baseline:
+        stored = stored_baseline(cfg, read_manifest(rd.data))
+        if stored is None:  # fitted now, and logged as it is
+            fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+            if fitted:
+                timings["baseline_s"] = startup["baseline_s"] = fitted["seconds"]
+        else:  # a resumed run reuses it: this run's tracker gets its scores once
+            tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in stored["splits"].items()
+                                 for metric in ("accuracy", "macro_f1")})
+    if cfg.engine.name == "spark":
+        return spark
+    stop_spark()
+    return None
+
+
+def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
+    """What `torchloom run` prints at the end."""
+    timings = summary["timings"]
     stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
     lines = [f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})",
-             f"  {cfg.eval.split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}"]
+             f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}",
+             f"  precision {summary['precision']} ({summary['precision_reason']}); {summary['workers']} workers",
+             f"  start-up {startup_line(summary['startup'])}"]
+    cmp = summary.get("baseline")
     if cmp:
         lines.append(f"  baseline {cmp['accuracy']:.4f}   macro-F1 {cmp['macro_f1']:.4f}   ({cmp['name']};"
                      f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")
-    if ev.get("verdict"):
-        lines.append(f"  note    {ev['verdict']}")
+    if summary.get("verdict"):
+        lines.append(f"  note    {summary['verdict']}")
     lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.plots}",
               f"  predict torchloom predict --model {summary['model_dir']} \"some text\""]
     if tracker.enabled:
         lines.append(f"  mlflow  run {tracker.run_id} in {tracker.uri}")
-    print("\n".join(lines), flush=True)
-    return summary
+    return "\n".join(lines)
+
+
+STARTUP_NAMES = {"spark_start_s": "Spark start", "read_clean_s": "read+clean", "tokenize_s": "tokenize",
+                 "baseline_s": "baseline", "worker_launch_s": "worker launch", "process_group_s": "process group",
+                 "model_load_s": "model load", "data_s": "loader", "first_step_s": "first step"}
+
+
+def startup_line(startup: dict) -> str:
+    """The start-up account as one line: each phase before the first step, then when that step ended."""
+    parts = [f"{name} {startup[k]:.1f}s" for k, name in STARTUP_NAMES.items() if startup.get(k) is not None]
+    end = startup.get("first_step_after_s")
+    return ", ".join(parts) + (f" (first step done {end:.0f} s after the start)" if end is not None else "")
 
 
 def env_defaults() -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    """The environment of the command (and the local workers it starts): models from local directories only."""
+    from torchloom.model.env import use_model_env
+
+    use_model_env()

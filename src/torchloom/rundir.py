@@ -245,17 +245,21 @@ class RunDir:
         for p in self.error_files():
             p.unlink(missing_ok=True)
 
-    def reset_metrics(self, resume_step: int | None) -> None:
+    def reset_metrics(self, resume_step: int | None, keep_driver: bool = False) -> None:
         """A fresh run (resume_step None) starts a fresh metrics.jsonl; a resumed one keeps the lines up to
-        its checkpoint, since the interrupted run's later lines are about to be logged again."""
+        its checkpoint, since the interrupted run's later lines are about to be logged again. keep_driver:
+        rank 0's fresh start keeps the driver's start-up record of this launch, written just before it."""
         path = self.metrics
         if not path.exists():
             return
+        records = [line for line in path.read_text().splitlines() if line.strip()]
         if resume_step is None:
+            kept = [line for line in records if keep_driver and json.loads(line).get("side") == "driver"]
+        else:
+            kept = [line for line in records if json.loads(line).get("step", 0) <= resume_step]
+        if not kept:
             path.unlink()
             return
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= resume_step]
         write_atomic(path, "".join(line + "\n" for line in kept))
 
     def append_metrics(self, record: dict) -> None:

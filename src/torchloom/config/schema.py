@@ -98,6 +98,9 @@ class EvalConfig:
     # auto` answers, so the reported numbers are the served ones
     precision: str = field(default="auto", metadata=choices("auto", "fp32", "bf16", "fp16"))
     baseline: bool = True  # score a TF-IDF + logistic-regression baseline beside the transformer
+    # the classical baseline's path: scikit-learn on the driver, Spark MLlib, or auto (the driver up to 200k
+    # train texts / 50 MB of text, Spark beyond)
+    baseline_engine: str = field(default="auto", metadata=choices("auto", "driver", "spark"))
 
 
 @dataclass

@@ -1,13 +1,19 @@
-"""The classical baseline every evaluation is measured against, as a Spark MLlib pipeline.
+"""The classical baseline every evaluation is measured against: the standard TF-IDF + logistic regression.
 
-Words (lower-cased, split at non-word characters), hashed into a fixed feature space, weighted by
-TF-IDF and scaled to unit length, then a multinomial logistic regression (L-BFGS, L2 with the strength
-scikit-learn's default C=1 gives). It trains on the prepared train split and scores the
-other splits' rows, the same rows the transformer is scored on. It runs where prepare runs: on a
-cluster the fit and the scoring are Spark jobs on the executors, and only the confusion counts come
-back to the driver, so it scales with the data as prepare does.
+Words (lower-cased runs of two or more letters, digits or underscores, any script) and word bigrams;
+the terms in at least 2 train texts, at most the 300,000 most frequent; sublinear term frequency
+(1 + log tf), TF-IDF (scikit-learn's smoothed idf) and unit length; then a multinomial logistic regression
+(L2) whose strength C is chosen from C_GRID by accuracy on the val split, each C fitted on the train split.
+It scores the other splits' rows, the same rows the transformer is scored on.
 
-What MLlib offers for text stops about here: sparse linear models on bag-of-words features. It has no
+Two paths fit the same model (tests/test_baseline.py holds them to the same predictions):
+- driver: scikit-learn in this process, the splits read from the prepared Parquet with pyarrow; no Spark.
+  Used while the train split is small enough for one process (DRIVER_MAX_TEXTS, DRIVER_MAX_TEXT_BYTES).
+- spark: the same features as Spark SQL and MLlib's LogisticRegression, where prepare runs; on a cluster the
+  fit and the scoring are jobs on the executors and only confusion counts come back (baseline_spark.py).
+`eval.baseline_engine` (auto, driver, spark) picks one; auto goes by the train split's size.
+
+Neither scikit-learn nor MLlib offers more for text than sparse linear models on bag-of-words features: no
 contextual model, no fine-tuning of a pretrained network, no GPU; that is what the transformer is for.
 The baseline is there to say whether the transformer earned its cost on this data.
 """
@@ -17,55 +23,56 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from torchloom.errors import UserError
+from torchloom.etl.baseline_model import (  # the baseline's public face: what callers read from here
+    C_GRID,
+    DEFAULT_C,
+    MAX_FEATURES,
+    MIN_DF,
+    Fitted,
+    choose_c,
+    has_val,
+    train_texts,
+)
 from torchloom.manifest import Manifest
 
+__all__ = ["C_GRID", "DEFAULT_C", "DESCRIPTION", "ENGINES", "ENGINE_NAMES", "MAX_FEATURES", "MIN_DF", "NAME",
+           "Fitted", "choose_c", "engine_for", "fit_and_score", "has_val", "scores", "summary_line",
+           "train_texts"]
+
 NAME = "TF-IDF + logistic regression"
-DESCRIPTION = ("words, hashed, TF-IDF weighted, unit length; multinomial logistic regression (Spark MLlib, L2 as"
-               " scikit-learn's C=1)")
-# Each L-BFGS iteration is a Spark job over the train split; on the demo (1,700 rows) 100 iterations at a
-# tolerance of 1e-4 take ~15 s and reach scikit-learn's accuracy, 30 cost a point (docs/evaluation.md).
-MAX_ITER = 100
-TOL = 1e-4
-# The coefficient matrix is classes x features doubles, and L-BFGS keeps about 20 copies of it: the
-# feature space shrinks as classes grow, so the driver's share stays near 4M doubles (~700 MB in all).
-# Word bigrams and 2^18 features gave no more accuracy on the demo for 3x the time (the dense gradient
-# every iteration sends grows with the features).
-FEATURE_BUDGET = 1 << 22
-MIN_FEATURES, MAX_FEATURES = 1 << 12, 1 << 16
+DESCRIPTION = ("word 1-2-grams (in 2+ train texts, at most 300,000), sublinear TF-IDF, unit length; multinomial"
+               " logistic regression, C chosen on val")
+ENGINES = ("auto", "driver", "spark")
+ENGINE_NAMES = {"driver": "scikit-learn on the driver", "spark": "Spark MLlib"}
+# auto: scikit-learn on the driver up to here, Spark beyond. One process's memory and time grow with the
+# train text; past this a cluster's executors do better (docs/evaluation.md, "Where the line is, and why").
+DRIVER_MAX_TEXTS = 200_000
+DRIVER_MAX_TEXT_BYTES = 50_000_000  # the train split's text column, uncompressed (UTF-8)
 
 
-def num_features(num_labels: int) -> int:
-    n = MAX_FEATURES
-    while n > MIN_FEATURES and n * max(2, num_labels) > FEATURE_BUDGET:
-        n //= 2
-    return n
+def engine_for(manifest: Manifest, requested: str = "auto") -> str:
+    """driver or spark: the requested one, or (auto) driver while the train split is within the driver's line."""
+    if requested not in ENGINES:
+        raise UserError(f"eval.baseline_engine {requested!r}: not one of {', '.join(ENGINES)}")
+    if requested != "auto":
+        return requested
+    if train_texts(manifest) > DRIVER_MAX_TEXTS:
+        return "spark"
+    return "driver" if text_bytes(manifest, "train") <= DRIVER_MAX_TEXT_BYTES else "spark"
 
 
-def read_split(spark, manifest: Manifest, split: str):
-    """The split's texts and labels, one row per text (with truncation chunks, its first window's row)."""
-    paths = [manifest.shard_uri(s) for s in manifest.split(split).shards]
-    df = spark.read.parquet(*paths)
-    if manifest.tokenizer.get("truncation") == "chunks":
-        df = df.filter(df["chunk"] == 0)
-    return df.select("text", "label_id")
+def text_bytes(manifest: Manifest, split: str) -> int:
+    """The split's text column, uncompressed, from the Parquet footers alone (with truncation chunks each
+    window's row repeats its text: an overestimate, which errs towards Spark)."""
+    from torchloom.etl.baseline_model import open_parquet
 
-
-def pipeline(num_labels: int, train_rows: int):
-    from pyspark.ml import Pipeline
-    from pyspark.ml.classification import LogisticRegression
-    from pyspark.ml.feature import IDF, HashingTF, Normalizer, RegexTokenizer
-
-    return Pipeline(stages=[
-        # (?U): \W by Unicode, not ASCII only (the prepared text is NFKC-cleaned, any script)
-        RegexTokenizer(inputCol="text", outputCol="words", pattern="(?U)\\W+", toLowercase=True),
-        HashingTF(inputCol="words", outputCol="tf", numFeatures=num_features(num_labels)),
-        IDF(inputCol="tf", outputCol="tfidf"),
-        Normalizer(inputCol="tfidf", outputCol="features", p=2.0),
-        # scikit-learn's C=1 sums the loss over rows; MLlib averages it: regParam = 1 / (C * rows)
-        LogisticRegression(featuresCol="features", labelCol="label_id", family="multinomial",
-                           maxIter=MAX_ITER, tol=TOL, regParam=1.0 / max(1, train_rows), elasticNetParam=0.0,
-                           standardization=False),
-    ])
+    total = 0
+    for shard in manifest.split(split).shards:
+        meta = open_parquet(manifest.shard_uri(shard)).metadata
+        column = meta.schema.names.index("text")
+        total += sum(meta.row_group(i).column(column).total_uncompressed_size for i in range(meta.num_row_groups))
+    return total
 
 
 def scores(confusion: list[list[int]]) -> dict[str, Any]:
@@ -84,26 +91,41 @@ def scores(confusion: list[list[int]]) -> dict[str, Any]:
             "macro_f1": sum(f1s) / len(f1s) if f1s else 0.0, "confusion_matrix": confusion}
 
 
-def fit_and_score(spark, manifest: Manifest, splits: list[str]) -> dict[str, Any]:
-    """Fit on the train split, score each of `splits` that has rows; returns what baseline.json holds."""
+def summary_line(result: dict[str, Any]) -> str:
+    """The line the baseline stage prints: its scores, the chosen C and where it came from, the time."""
+    scored = ", ".join(f"{k} accuracy {v['accuracy']:.4f}" for k, v in result["splits"].items())
+    if result["grid"]:
+        grid = ", ".join(f"{g['C']:g}: {g['val_accuracy']:.4f}" for g in result["grid"])
+        chosen = f"C={result['C']:g} chosen on val (val accuracy by C: {grid})"
+    else:
+        chosen = f"C={result['C']:g}, the default: no val rows to choose on"
+    return f"{scored}; {chosen}; {result['num_features']} features ({result['seconds']:.0f} s)"
+
+
+def scored_splits(manifest: Manifest, splits: list[str]) -> list[str]:
+    return [s for s in dict.fromkeys(splits) if s in manifest.splits and manifest.split(s).rows > 0]
+
+
+def fit_and_score(spark, manifest: Manifest, splits: list[str], engine: str = "auto") -> dict[str, Any]:
+    """Fit on the train split (C chosen on val), score each of `splits` that has rows; returns what
+    baseline.json holds. `spark` may be None where the driver path runs."""
     started = time.perf_counter()
-    k = manifest.num_labels
-    train_rows = manifest.split("train").documents or manifest.split("train").rows
-    model = pipeline(k, train_rows).fit(read_split(spark, manifest, "train"))
-    fitted = time.perf_counter()
-    results: dict[str, Any] = {}
-    for split in splits:
-        if split not in manifest.splits or manifest.split(split).rows == 0:
-            continue
-        counts = (model.transform(read_split(spark, manifest, split))
-                  .groupBy("label_id", "prediction").count().collect())
-        confusion = [[0] * k for _ in range(k)]
-        for row in counts:
-            confusion[int(row["label_id"])][int(row["prediction"])] += int(row["count"])
-        results[split] = scores(confusion)
+    wanted = scored_splits(manifest, splits)
+    if engine_for(manifest, engine) == "driver":
+        from torchloom.etl import baseline_driver
+
+        fitted = baseline_driver.fit(manifest, wanted)
+    else:
+        if spark is None:
+            raise ValueError("the Spark baseline needs a SparkSession")
+        from torchloom.etl import baseline_spark
+
+        fitted = baseline_spark.fit(spark, manifest, wanted)
     return {
         "name": NAME, "description": DESCRIPTION, "fingerprint": manifest.fingerprint,
-        "train_rows": train_rows, "num_features": num_features(k), "max_iter": MAX_ITER, "tol": TOL,
-        "fit_s": round(fitted - started, 2), "seconds": round(time.perf_counter() - started, 2),
-        "splits": results,
+        "engine": fitted.engine, "C": fitted.c,
+        "C_from": "val" if fitted.grid else f"default (no val rows to choose on; grid {list(C_GRID)})",
+        "grid": fitted.grid, "train_rows": train_texts(manifest), "num_features": fitted.num_features,
+        "fit_s": round(fitted.fit_s, 2), "seconds": round(time.perf_counter() - started, 2),
+        "splits": {split: scores(m) for split, m in fitted.confusion.items()},
     }

@@ -342,7 +342,7 @@ class Trainer:
         path = checkpoint.resolve(self.tc.resume, self.rd.checkpoints, warn=self.d.is_main)
         if path is None:
             if self.d.is_main:
-                self.rd.reset_metrics(None)
+                self.rd.reset_metrics(None, keep_driver=True)
             return None
         ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
         self.scheduler.load_state_dict(ts["scheduler"])

@@ -1,0 +1,94 @@
+"""The baseline with scikit-learn on the driver: the prepared splits read with pyarrow, no Spark.
+
+The model is etl/baseline.py's: TfidfVectorizer (word 1-2-grams, min_df 2, at most 300,000 terms,
+sublinear tf, smoothed idf, L2 unit length) and a LogisticRegression (Newton-CG) per C of the grid.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from torchloom.etl import baseline_model as baseline
+from torchloom.etl.baseline_model import open_parquet
+from torchloom.manifest import Manifest
+
+
+def read_split(manifest: Manifest, split: str) -> tuple[list[str], np.ndarray]:
+    """The split's texts and label ids, one per text (with truncation chunks, its first window's row)."""
+    chunks = manifest.tokenizer.get("truncation") == "chunks"
+    columns = ["text", "label_id", "chunk"] if chunks else ["text", "label_id"]
+    table = pa.concat_tables([open_parquet(manifest.shard_uri(s)).read(columns=columns)
+                              for s in manifest.split(split).shards])
+    if chunks:
+        table = table.filter(pc.equal(table.column("chunk"), 0))
+    return table.column("text").to_pylist(), table.column("label_id").to_numpy().astype(np.int64)
+
+
+def vectorizer():
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    return TfidfVectorizer(lowercase=True, token_pattern=baseline.TOKEN_PATTERN, ngram_range=(1, 2),
+                           min_df=baseline.MIN_DF, max_features=baseline.MAX_FEATURES, sublinear_tf=True,
+                           norm="l2", use_idf=True, smooth_idf=True, dtype=np.float64)
+
+
+def classifier(c: float, warm_start: bool = False):
+    from sklearn.linear_model import LogisticRegression
+
+    # Newton-CG to a tight tolerance: the optimum MLlib's L-BFGS reaches too, in a few Newton steps; scikit-learn's
+    # default L-BFGS-B took several times longer to get there (docs/evaluation.md, "Measured choices").
+    return LogisticRegression(C=c, solver="newton-cg", tol=baseline.TOL, max_iter=baseline.MAX_ITER,
+                              warm_start=warm_start)
+
+
+def grid_fitter(x, y):
+    """fit(C) for baseline.choose_c: one estimator through the grid (C ascending), each fit starting from the
+    last one's coefficients, which spares most Newton steps at the weakly regularised end; returns copies."""
+    import copy
+
+    model = classifier(baseline.C_GRID[0], warm_start=True)
+    return lambda c: copy.deepcopy(model.set_params(C=c).fit(x, y))
+
+
+def confusion(labels: np.ndarray, predicted: np.ndarray, k: int) -> list[list[int]]:
+    counts = np.zeros((k, k), np.int64)
+    np.add.at(counts, (labels, predicted), 1)
+    return counts.tolist()
+
+
+def fit(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
+    """Fit on train, C chosen on val; the chosen model's confusion matrix on each of `splits`."""
+    from threadpoolctl import threadpool_limits
+
+    # One BLAS thread: Newton-CG's work is sparse products (one thread anyway) and vector operations, and
+    # OpenBLAS's waiting threads spin, which costs the most where other work shares the cores (docs/evaluation.md).
+    with threadpool_limits(limits=1, user_api="blas"):
+        return _fit(manifest, splits)
+
+
+def _fit(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
+    started = time.perf_counter()
+    texts, labels = read_split(manifest, "train")
+    vec = vectorizer()
+    x_train = vec.fit_transform(texts)
+    features = {"train": (x_train, labels)}
+    for split in dict.fromkeys(["val", *splits]):
+        if split != "train" and (split != "val" or baseline.has_val(manifest)):
+            texts, y = read_split(manifest, split)
+            features[split] = (vec.transform(texts), y)
+
+    def val_accuracy(model) -> float:
+        x_val, y_val = features["val"]
+        return float(np.mean(model.predict(x_val) == y_val))
+
+    c, model, grid = baseline.choose_c(grid_fitter(x_train, labels),
+                                       val_accuracy if "val" in features else None)
+    fit_s = time.perf_counter() - started
+    k = manifest.num_labels
+    return baseline.Fitted(engine="driver", c=c, grid=grid, num_features=x_train.shape[1], fit_s=fit_s,
+                           confusion={s: confusion(features[s][1], model.predict(features[s][0]), k)
+                                      for s in splits})
