@@ -288,7 +288,9 @@ def test_activation_checkpointing_lowers_peak_memory_at_equal_results(tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["--train.strategy", "pipeline", "--train.pipeline_stages", "3"], "train.pipeline_stages 3: must equal"),
+    (["--train.strategy", "pipeline", "--train.pipeline_stages", "3", "--engine.workers", "2"],
+     "train.pipeline_stages 3: must equal"),
+    (["--train.strategy", "pipeline", "--train.pipeline_stages", "1"], "needs 2 or more stages"),
     (["--train.strategy", "pipeline", "--engine.workers", "1"], "needs 2 or more stages"),
     (["--train.strategy", "fsdp", "--train.precision", "fp16"], "fp16 (with a gradient scaler) runs with"),
     (["--train.strategy", "zero2"], "choose one of ddp, fsdp, pipeline"),

@@ -107,9 +107,11 @@ def validate(cfg: Config) -> Config:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
-    if cfg.engine.workers == "auto":
-        return cfg  # the world-size checks run once resolve_workers has counted this machine
     validate_strategy(cfg)
+    if cfg.engine.workers == "auto":
+        if cfg.train.strategy == "pipeline":
+            micro_batch_size(cfg.train, 1)  # one pipeline's batch: the same on any number of workers
+        return cfg  # the world-size checks run once resolve_workers has counted this machine
     micro_batch_size(cfg.train, cfg.engine.workers)
     low = cfg.engine.min_workers
     if low:
@@ -141,8 +143,8 @@ def resolve_workers(cfg: Config, gpus: int) -> Config:
                         " auto")
     if e.workers == "auto":
         e.workers = largest_divisor(cfg.train.batch_size // cfg.train.grad_accum, gpus) if on_gpus else CPU_WORKERS
-        if cfg.train.strategy == "pipeline" and e.workers < 2:
-            e.workers = 2
+        if cfg.train.strategy == "pipeline":  # one stage per worker
+            e.workers = cfg.train.pipeline_stages or max(2, e.workers)
     elif on_gpus and e.workers > gpus:
         raise UserError(f"engine.workers {e.workers}: this machine has {gpus} visible GPU{'s' if gpus != 1 else ''}"
                         f" and each worker takes one; set --engine.workers {gpus} (or leave it auto) or"
@@ -204,8 +206,11 @@ def validate_strategy(cfg: Config) -> None:
         raise UserError(f"config train.precision: fp16 (with a gradient scaler) runs with train.strategy ddp only;"
                         f" use bf16 with train.strategy {train_cfg.strategy}")
     if train_cfg.strategy == "pipeline":
-        stages = train_cfg.pipeline_stages or cfg.engine.workers
-        if stages != cfg.engine.workers:
+        if cfg.engine.workers == "auto":  # resolve_workers makes it pipeline_stages (or 2 or more)
+            stages = train_cfg.pipeline_stages or 2
+        else:
+            stages = train_cfg.pipeline_stages or cfg.engine.workers
+        if cfg.engine.workers != "auto" and stages != cfg.engine.workers:
             raise UserError(f"config train.pipeline_stages {stages}: must equal engine.workers {cfg.engine.workers}"
                             " (one stage per worker; pipelines side by side are not supported); set them equal")
         if stages < 2:
