@@ -173,6 +173,8 @@ def from_run(args: argparse.Namespace) -> None:
         args.mean_tokens = min(args.seq, int(lengths["p50"]))
     args.num_labels = args.num_labels or m.num_labels
     args.devices = args.devices or workers
+    if args.nodes is None and args.devices_per_node is None:
+        args.devices_per_node = args.devices  # the local engine: every worker on this one machine
     args.micro_batch = args.micro_batch or max(1, cfg.train.batch_size // (workers * cfg.train.grad_accum))
     args.grad_accum = cfg.train.grad_accum if args.grad_accum == 1 else args.grad_accum
     args.epochs = args.epochs if args.epochs != 1 else cfg.train.epochs
