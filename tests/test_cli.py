@@ -491,3 +491,19 @@ def test_a_failed_onnx_gate_writes_nothing_and_a_model_without_onnx_is_one_line(
     assert proc.stderr.strip().splitlines() == [
         f"torchloom: error: model dir {model}: no ONNX export there; run torchloom export --format onnx (or onnx-int8)"
         " on the run first, or use --runtime torch"]
+
+
+def test_predict_and_serve_name_where_they_run_and_take_the_old_flag(capsys):
+    """--engine meant three things; predict says --score-with, serve --serve-with, and the old name still works
+    with one line naming the new one."""
+    from torchloom.cli import parser
+
+    p = parser()
+    assert p.parse_args(["predict", "m", "--score-with", "spark"]).score_with == "spark"
+    assert p.parse_args(["serve", "m", "--serve-with", "ray"]).serve_with == "ray"
+    assert capsys.readouterr().err == ""
+    args = p.parse_args(["serve", "m", "--engine", "ray"])
+    assert args.serve_with == "ray"
+    assert "--engine is now --serve-with" in capsys.readouterr().err
+    assert p.parse_args(["predict", "m", "--engine", "spark"]).score_with == "spark"
+    assert "--engine is now --score-with" in capsys.readouterr().err

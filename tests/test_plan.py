@@ -43,7 +43,7 @@ def plan_json(capsys, *argv: str) -> dict:
 
 
 def test_bert_large_params_from_preset_and_from_config_json(tmp_path):
-    preset = models.count_params(models.bert_large()).total
+    preset = models.count_params(models.PRESETS["bert-large"]).total
     assert 335e6 <= preset <= 340e6
     (tmp_path / "config.json").write_text(json.dumps(BERT_LARGE_CONFIG))
     assert models.count_params(models.resolve(str(tmp_path))).total == preset
@@ -54,7 +54,7 @@ def test_minilm_from_the_embedded_config_dir():
     spec = models.resolve(str(gt.get_model_path()))
     assert spec.family == "bert" and (spec.hidden, spec.layers, spec.ffn) == (384, 6, 1536)
     assert 22.6e6 <= models.count_params(spec).total <= 22.8e6
-    assert models.count_params(spec).total == models.count_params(models.minilm_l6()).total
+    assert models.count_params(spec).total == models.count_params(models.PRESETS["minilm-l6"]).total
 
 
 @pytest.mark.parametrize("name, low, high", [
@@ -73,7 +73,7 @@ def model_state_bytes_per_param(st: estimate.Strategy, psi: int) -> float:
 
 
 def test_mixed_precision_adam_is_16_bytes_per_param_and_fp32_is_4_4_8():
-    psi = models.count_params(models.bert_large()).total
+    psi = models.count_params(models.PRESETS["bert-large"]).total
     ddp = by_name(job())["ddp"]
     assert (ddp.params_bytes / psi, ddp.grads_bytes / psi, ddp.optimizer_bytes / psi) == (2, 2, 12)
     fp32 = by_name(job(precision="fp32"))["ddp"]
@@ -82,7 +82,7 @@ def test_mixed_precision_adam_is_16_bytes_per_param_and_fp32_is_4_4_8():
 
 def test_zero_stages_follow_the_paper_formulas():
     n = 16
-    psi = models.count_params(models.bert_large()).total
+    psi = models.count_params(models.PRESETS["bert-large"]).total
     s = by_name(job(devices=n))
     assert model_state_bytes_per_param(s["zero1"], psi) == pytest.approx(4 + 12 / n)
     assert model_state_bytes_per_param(s["zero2"], psi) == pytest.approx(2 + 14 / n)
@@ -118,7 +118,7 @@ def test_7b_does_not_fit_ddp_on_a100_40g_but_zero3_on_enough_devices(capsys):
 
 def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_gradients():
     n = 8
-    psi = models.count_params(models.bert_large()).total
+    psi = models.count_params(models.PRESETS["bert-large"]).total
     s = by_name(job(devices=n))
     size = 2 * psi  # 16-bit gradients
     assert s["ddp"].comm_bytes == pytest.approx(2 * (n - 1) / n * size)

@@ -860,7 +860,7 @@ def test_local_batch_predict_memory_stays_flat_as_the_input_grows(model_dir, tmp
 @pytest.mark.slow
 def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_path):
     pytest.importorskip("ray.serve")
-    s = Server(model_dir, "--engine", "ray", "--port", str(free_port()), "--max-wait-ms", "20",
+    s = Server(model_dir, "--serve-with", "ray", "--port", str(free_port()), "--max-wait-ms", "20",
                "--device", "cpu", log_dir=tmp_path, ready_timeout=150)
     try:
         r = s.client.post("/v1/predict", json={"texts": TEXTS})

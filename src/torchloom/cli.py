@@ -16,7 +16,7 @@ COMMANDS = {
     "export": "write the selected checkpoint as a Hugging Face model dir (<run>/model)",
     "evaluate": "score the exported model on a split: report.md, report.json, plots/",
     "predict": "predict labels with an exported model: texts as JSON lines, or a whole file to Parquet (--output)",
-    "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--engine ray)",
+    "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--serve-with ray)",
     "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
@@ -112,18 +112,30 @@ def build_config(args: argparse.Namespace, rest: list[str]):
     return build(args.config, extra)
 
 
+class _OldName(argparse.Action):
+    """`--engine`, the name predict and serve used before: it still works, and says its new name once. Training's
+    engine is `--engine.name`; a command's own choice of where it runs is named for what it does."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == "--engine":
+            print(f"torchloom: --engine is now {self.option_strings[0]} (--engine.name is training's engine)",
+                  file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
     sp.usage = ('torchloom predict --model DIR "text" ... | --input FILE\n'
-                "       torchloom predict MODEL_DIR --input PATH --output PATH [--engine local|spark]")
+                "       torchloom predict MODEL_DIR --input PATH --output PATH [--score-with local|spark]")
     sp.add_argument("--model", help="an exported model dir (e.g. runs/bbc-minilm/model); or give it as the first"
                                     " argument")
     sp.add_argument("--input", help="without --output: a .txt (one text per line), .jsonl or .csv file with a text"
                                     " field; with --output: a CSV, JSONL or Parquet file or directory")
-    sp.add_argument("--output", help="write a Parquet file (local engine) or directory (spark engine): the input"
+    sp.add_argument("--output", help="write a Parquet file (--score-with local) or directory (spark): the input"
                                      " columns plus label, score and probabilities")
-    sp.add_argument("--engine", choices=("local", "spark"), default="local", help="for --output (default local)")
+    sp.add_argument("--score-with", "--engine", dest="score_with", choices=("local", "spark"), default="local",
+                    action=_OldName, help="for --output: score in this process (local, the default) or on Spark")
     sp.add_argument("--text-column", default="text", help="for --output: the column with the texts (default text)")
-    sp.add_argument("--spark-master", default="local[*]", help="for --engine spark (default local[*])")
+    sp.add_argument("--spark-master", default="local[*]", help="for --score-with spark (default local[*])")
     sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     sp.add_argument("--batch-size", type=int, default=32)
     sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
@@ -156,8 +168,8 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.output:
         return predict_file(args, model, texts)
-    if args.engine != "local":
-        raise UserError(f"--engine {args.engine}: only for batch prediction to a file; add --output PATH")
+    if args.score_with != "local":
+        raise UserError(f"--score-with {args.score_with}: only for batch prediction to a file; add --output PATH")
     if args.input:
         texts += read_texts(args.input)
     if not texts:
@@ -184,7 +196,7 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
         raise UserError("predict: --output needs --input PATH (a CSV, JSONL or Parquet file or directory)")
     options = dict(text_column=args.text_column, batch_size=args.batch_size, device=args.device,
                    overwrite=args.overwrite, runtime=args.runtime)
-    if args.engine == "spark":
+    if args.score_with == "spark":
         from torchloom.config.schema import PrepareConfig
         from torchloom.etl.session import get_spark
         from torchloom.model.export import check_exported
@@ -203,9 +215,9 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model_dir", metavar="MODEL_DIR", help="an exported model dir (e.g. runs/bbc-minilm/model)")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
-    sp.add_argument("--engine", choices=("local", "ray"), default="local",
-                    help="local: one process with dynamic batching; ray: Ray Serve replicas")
-    sp.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (engine ray)")
+    sp.add_argument("--serve-with", "--engine", dest="serve_with", choices=("local", "ray"), default="local",
+                    action=_OldName, help="local: one process with dynamic batching (default); ray: Ray Serve replicas")
+    sp.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (--serve-with ray)")
     sp.add_argument("--max-batch-size", type=int, default=32, help="texts per model forward (default 32)")
     sp.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="padded tokens (texts x the longest) per model forward (default 8192; 0: no limit)")
@@ -221,7 +233,8 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set TORCHLOOM_API_KEY)")
     sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                    help="auto: fp32 on CPU, bf16 (or fp16) autocast on CUDA")
+                    help="auto (default): what training's rule picks: a GPU's bf16 (else fp16); on a CPU bf16 only"
+                         " where it is native (AMX, AVX512-BF16), else fp32")
     sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
                     help="torch, or onnx: the gated ONNX file of `torchloom export --format onnx|onnx-int8`")
 
@@ -234,14 +247,14 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         raise UserError(f"serve: unexpected arguments {' '.join(rest)}; see torchloom serve --help")
     check_exported(args.model_dir)
     settings = ServeSettings(
-        model_dir=args.model_dir, host=args.host, port=args.port, engine=args.engine, replicas=args.replicas,
+        model_dir=args.model_dir, host=args.host, port=args.port, serve_with=args.serve_with, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
         max_batch_tokens=args.max_batch_tokens,
         fixed_wait=args.fixed_wait,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
     ).check()
-    if settings.engine == "ray":
+    if settings.serve_with == "ray":
         from torchloom.serve.ray_engine import run_ray
 
         return run_ray(settings)

@@ -40,10 +40,16 @@ def one_line(message: str, limit: int = LINE_LIMIT) -> str:
     return f"{line[:keep // 2]}...{line[-(keep - keep // 2):]}"
 
 
+def message_line(text: str) -> str:
+    """The first line of a message ("" for an empty one)."""
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def first_line(e: BaseException) -> str:
     """An exception as one short line: its type and its message's first line."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    line = message_line(str(e))
+    return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
 def missing_extra(module: str, extra: str) -> UserError:

@@ -98,10 +98,10 @@ def read(directory: str | Path) -> Manifest:
     if RunDir(d).manifest.is_file():
         d = RunDir(d).data
     path = d / MANIFEST_FILE
-    if not path.is_file():
-        raise UserError(f"{directory}: no prepared data (manifest.json) here; run torchloom prepare first")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise UserError(f"{directory}: no prepared data (manifest.json) here; run torchloom prepare first") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e}); run torchloom prepare --output.overwrite true") from None
     if data.get("format_version") != FORMAT_VERSION:

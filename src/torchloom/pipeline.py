@@ -137,10 +137,9 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     except UserError:
         raise
     except Exception as e:  # the transformer's results do not depend on it: say why, and go on without it
-        from torchloom.errors import one_line
+        from torchloom.errors import first_line, one_line
 
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        say(f"baseline: skipped, {how} failed ({one_line(f'{type(e).__name__}: {first}', 160)});"
+        say(f"baseline: skipped, {how} failed ({one_line(first_line(e), 160)});"
             " --eval.baseline false turns it off")
         return None
     finally:

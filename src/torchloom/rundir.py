@@ -102,6 +102,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+class _In:
+    """A path inside the run directory, named on the class: `metrics = _In("metrics.jsonl")` reads as
+    `run.metrics`, the root joined with those parts."""
+
+    def __init__(self, *parts: str):
+        self.parts = parts
+
+    def __get__(self, run: RunDir | None, owner: type | None = None) -> Any:
+        return self if run is None else run.root.joinpath(*self.parts)
+
+
 class RunDir:
     """Named paths of one run directory (it need not exist yet)."""
 
@@ -115,81 +126,33 @@ class RunDir:
         return str(self.root)
 
     # -- what the stages write ------------------------------------------------------------------
-    @property
-    def config(self) -> Path:
-        return self.root / "config.toml"
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def manifest(self) -> Path:
-        return self.data / MANIFEST_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
+    config = _In("config.toml")
+    data = _In("data")
+    manifest = _In("data", MANIFEST_FILE)
+    checkpoints = _In("checkpoints")
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step}"
 
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def train_result(self) -> Path:
-        return self.root / "train_result.json"
-
-    @property
-    def model(self) -> Path:
-        return self.root / "model"
-
-    @property
-    def report_md(self) -> Path:
-        return self.root / "report.md"
-
-    @property
-    def report_json(self) -> Path:
-        return self.root / "report.json"
-
-    @property
-    def misclassified(self) -> Path:
-        return self.root / "misclassified.jsonl"
-
-    @property
-    def plots(self) -> Path:
-        return self.root / "plots"
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def baseline(self) -> Path:
-        """The classical baseline's scores on the prepared splits (etl/baseline.py)."""
-        return self.root / "baseline.json"
+    metrics = _In("metrics.jsonl")
+    train_result = _In("train_result.json")
+    model = _In("model")
+    report_md = _In("report.md")
+    report_json = _In("report.json")
+    misclassified = _In("misclassified.jsonl")
+    plots = _In("plots")
+    summary = _In("summary.json")
+    baseline = _In("baseline.json")  # the classical baseline's scores on the prepared splits (etl/baseline.py)
 
     # -- the driver <-> worker protocol ---------------------------------------------------------
-    @property
-    def hooks(self) -> Path:
-        return self.root / "hooks.json"
-
-    @property
-    def progress(self) -> Path:
-        return self.root / "progress.json"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
+    hooks = _In("hooks.json")
+    progress = _In("progress.json")
+    logs = _In("logs")
+    worker_logs = _In("logs", "workers")  # torch elastic's per-attempt logs (local engine)
+    ray_storage = _In("ray")  # Ray Train's own storage
 
     def row_trace(self, rank: int) -> Path:
         return self.logs / f"rows-rank{rank}.jsonl"
-
-    @property
-    def worker_logs(self) -> Path:
-        return self.logs / "workers"
 
     def rank_log(self, rank: int) -> Path:
         return self.logs / f"rank-{rank}.log"
@@ -217,18 +180,9 @@ class RunDir:
     def fault_marker(self, rank: int, step: int) -> Path:
         return self.logs / f"fault-fired-rank{rank}-step{step}"
 
-    @property
-    def ray_storage(self) -> Path:
-        return self.root / "ray"
-
     # -- a tune trial's run dir --------------------------------------------------------------
-    @property
-    def trial_info(self) -> Path:
-        return self.root / "trial.json"  # the trial's parameters and MLflow run
-
-    @property
-    def trial_result(self) -> Path:
-        return self.root / "trial_result.json"  # how the trial ended
+    trial_info = _In("trial.json")  # the trial's parameters and MLflow run
+    trial_result = _In("trial_result.json")  # how the trial ended
 
     # -- operations on the protocol files -------------------------------------------------------
     def write_hooks(self, hooks: dict) -> None:
@@ -276,40 +230,18 @@ class RunDir:
 class StudyDir(RunDir):
     """A `torchloom tune` study: the prepared data once, and one ordinary run directory per trial."""
 
-    @property
-    def marker(self) -> Path:
-        return self.root / "study.json"
-
-    @property
-    def trials(self) -> Path:
-        return self.root / "trials"
+    marker = _In("study.json")
+    trials = _In("trials")
 
     def trial(self, name: str) -> RunDir:
         return RunDir(self.trials / name)
 
-    @property
-    def results_csv(self) -> Path:
-        return self.root / "results.csv"
-
-    @property
-    def results_png(self) -> Path:
-        return self.root / "results.png"
-
-    @property
-    def best_config(self) -> Path:
-        return self.root / "best_config.toml"
-
-    @property
-    def prepare_key(self) -> Path:
-        return self.data / "prepare_key.txt"
-
-    @property
-    def optuna_db(self) -> Path:
-        return self.root / "optuna.db"
-
-    @property
-    def ray_tune(self) -> Path:
-        return self.ray_storage / "tune"
+    results_csv = _In("results.csv")
+    results_png = _In("results.png")
+    best_config = _In("best_config.toml")
+    prepare_key = _In("data", "prepare_key.txt")
+    optuna_db = _In("optuna.db")
+    ray_tune = _In("ray", "tune")
 
     def lock(self, name: str) -> Path:
         """A lock file that processes sharing the study take turns on (prepare, report, storage)."""

@@ -37,22 +37,11 @@ def _coerce(value: Any, f: dataclasses.Field, where: str) -> Any:
             if from_cli and value.lower() in ("false", "0", "no", "off"):
                 return False
             raise ValueError
-        if kind is int:
-            if isinstance(value, bool):
+        if kind in (int, float):
+            # A TOML int is a fine float; a float is never an int, and a bool is neither.
+            if isinstance(value, bool) or not (from_cli or isinstance(value, (int, kind))):
                 raise ValueError
-            if from_cli:
-                return int(value)
-            if isinstance(value, int):
-                return value
-            raise ValueError
-        if kind is float:
-            if isinstance(value, bool):
-                raise ValueError
-            if from_cli:
-                return float(value)
-            if isinstance(value, (int, float)):
-                return float(value)
-            raise ValueError
+            return kind(value)
         if kind is dict:
             if from_cli:
                 loaded = tomllib.loads(f"x = {value}")["x"]

@@ -20,7 +20,7 @@ from typing import TextIO
 from torchloom.config import Config
 from torchloom.engines.common import NOT_A_CAUSE, TrainingFailed, describe_loss, failure_cause, is_peer_loss
 from torchloom.engines.progress import LogTailer, ProgressMonitor
-from torchloom.errors import UserError
+from torchloom.errors import UserError, message_line
 from torchloom.rundir import RunDir, read_json
 from torchloom.train.result import TrainResult
 
@@ -116,7 +116,7 @@ def rerun_or_raise(rd: RunDir, launch_id: str, attempt: int, attempts: int, erro
         return
     if isinstance(error, AttemptFailed):
         raise_worker_failure(rd, error.fallback)
-    first = text.splitlines()[0] if text else repr(error)
+    first = message_line(text) or repr(error)
     raise_worker_failure(rd, f"training on {engine_label} failed: {loss or first}", text)
 
 
@@ -146,7 +146,7 @@ def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> N
     if is_peer_loss(first["message"]) or first["type"] in NOT_A_CAUSE:
         # Only consequences were recorded: a rank vanished without a word (killed, its host lost), and
         # the engine's account names it; the others' connection errors would only mislead.
-        line = first["message"].strip().splitlines()[0] if first["message"].strip() else first["type"]
+        line = message_line(first["message"]) or first["type"]
         raise TrainingFailed(f"{fallback}\n(rank {first['rank']} then lost its peer: {line[:200]})")
     raise TrainingFailed(
         f"training failed on rank {first['rank']}: {first['type']}: {first['message']}\n"

@@ -18,7 +18,7 @@ import sys
 from torchloom.config import build, to_dict
 from torchloom.engines.common import NotRestarted, RestartLimit, is_peer_loss
 from torchloom.engines.worker import run_worker, worker_env
-from torchloom.errors import UserError, one_line
+from torchloom.errors import UserError, first_line, one_line
 from torchloom.rundir import RunDir
 
 
@@ -52,9 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         if not is_peer_loss(str(e)):
             raise
         # A consequence, not a cause: the rank that went away is named at the restart.
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"torchloom: rank {os.environ.get('RANK', '0')} on host {socket.gethostname()}: a peer stopped"
-              f" answering ({first}); torchrun restarts the workers if --max-restarts allows", file=sys.stderr,
+              f" answering ({first_line(e)}); torchrun restarts the workers if --max-restarts allows", file=sys.stderr,
               flush=True)
         return 1
     return 0

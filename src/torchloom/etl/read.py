@@ -8,7 +8,7 @@ from collections import Counter
 from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
-from torchloom.errors import UserError
+from torchloom.errors import UserError, message_line
 
 FORMATS = ("csv", "jsonl", "parquet", "folder")
 EXTENSIONS = {
@@ -206,7 +206,7 @@ def read_input(spark, cfg: DataConfig, path: str, fmt: str):
             return df.select(F.col("value").alias("text"), label.alias("label"),
                              F.col("_metadata.file_path").alias("source"))
     except AnalysisException as e:
-        first = str(e).strip().splitlines()[0]
+        first = message_line(str(e))
         if "PATH_NOT_FOUND" in first or "does not exist" in first:
             raise UserError(f"data.path {path}: no such file or directory (nothing matched); check the path") from None
         if "UNABLE_TO_INFER_SCHEMA" in first:

@@ -11,7 +11,7 @@ import threading
 import warnings
 
 from torchloom.config.schema import PrepareConfig
-from torchloom.errors import UserError, missing_extra
+from torchloom.errors import UserError, first_line, missing_extra
 from torchloom.private import private_file
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
@@ -238,7 +238,7 @@ def _connect(cfg: PrepareConfig):
             spark.conf.set(key, value)
         except Exception as e:
             if key in cfg.spark_conf:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise UserError(f"prepare.spark_conf {key}: the Spark Connect server at {cfg.spark_master} does"
-                                f" not take it from a client ({first}); set it where the server starts") from None
+                                f" not take it from a client ({first_line(e)}); set it where the server starts"
+                                ) from None
     return spark

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.errors import UserError
+from torchloom.errors import UserError, first_line
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info
 from torchloom.scoring import text_scores
@@ -58,9 +58,7 @@ class Predictor:
                 self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as e:
-            lines = str(e).strip().splitlines()
-            reason = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
-            raise UserError(f"model dir {model_dir}: cannot load the model or tokenizer ({reason});"
+            raise UserError(f"model dir {model_dir}: cannot load the model or tokenizer ({first_line(e)});"
                             " export the model again") from None
         self.device = torch.device(device)
         if self.model is not None:

@@ -72,17 +72,19 @@ def _model_arguments(g) -> None:
 def _device_arguments(g) -> None:
     g.add_argument("--device-type", metavar="NAME", default="auto",
                    help=f"auto, {', '.join(hardware.DEVICES)} (default: auto, this machine: its GPU, else its CPU)")
-    g.add_argument("--devices", metavar="N", type=int, help="devices in all (default: 1, or nodes x devices-per-node)")
-    g.add_argument("--nodes", metavar="N", type=int, help="machines (default: devices / devices-per-node)")
-    g.add_argument("--devices-per-node", metavar="N", type=int, help="default: 8 for GPUs given --nodes, 1 for cpu")
-    g.add_argument("--memory-gib", metavar="GIB", type=float, help="memory per device (cpu: per machine)")
-    g.add_argument("--tflops", metavar="TFLOPS", type=float, help="peak dense TFLOP/s per device at --precision")
-    g.add_argument("--mfu", metavar="FRACTION", type=float,
-                   help="model FLOPs utilisation 0-1 (default: 0.4 GPU, 0.5 cpu)")
-    g.add_argument("--mem-bw", metavar="GB/S", type=float, help="memory bandwidth, GB/s")
-    g.add_argument("--intra-bw", metavar="GB/S", type=float,
-                   help="device-to-device bandwidth inside a node, GB/s per direction")
-    g.add_argument("--inter-bw", metavar="GB/S", type=float, help="network bandwidth per node, GB/s per direction")
+    # The machine's numbers: each flag overrides what the device type (or this machine) says.
+    for flag, metavar, kind, text in (
+        ("--devices", "N", int, "devices in all (default: 1, or nodes x devices-per-node)"),
+        ("--nodes", "N", int, "machines (default: devices / devices-per-node)"),
+        ("--devices-per-node", "N", int, "default: 8 for GPUs given --nodes, 1 for cpu"),
+        ("--memory-gib", "GIB", float, "memory per device (cpu: per machine)"),
+        ("--tflops", "TFLOPS", float, "peak dense TFLOP/s per device at --precision"),
+        ("--mfu", "FRACTION", float, "model FLOPs utilisation 0-1 (default: 0.4 GPU, 0.5 cpu)"),
+        ("--mem-bw", "GB/S", float, "memory bandwidth, GB/s"),
+        ("--intra-bw", "GB/S", float, "device-to-device bandwidth inside a node, GB/s per direction"),
+        ("--inter-bw", "GB/S", float, "network bandwidth per node, GB/s per direction"),
+    ):
+        g.add_argument(flag, metavar=metavar, type=kind, help=text)
     g.add_argument("--headroom", metavar="FRACTION", type=float, default=0.9,
                    help="usable fraction of device memory (default: 0.9)")
     g.add_argument("--no-overlap", action="store_true", help="communication never overlaps compute")

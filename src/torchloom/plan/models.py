@@ -44,62 +44,27 @@ class ModelSpec:
         return self.patches + 1 if self.family == "vit" else min(128, self.max_positions)
 
 
-# -- presets: Python functions built on a base, as the published configs have them ---------------
+# -- presets: the published configs, each a base or a base with the fields its config changes ------
 
+_BERT = ModelSpec("bert-base", "bert", hidden=768, layers=12, heads=12, ffn=3072, vocab_size=30522,
+                  max_positions=512, type_vocab=2)
+_VIT = ModelSpec("vit-base", "vit", hidden=768, layers=12, heads=12, ffn=3072, max_positions=0,
+                 image_size=224, patch_size=16)
+_LARGE = {"hidden": 1024, "layers": 24, "heads": 16, "ffn": 4096}
 
-def bert_base() -> ModelSpec:
-    return ModelSpec("bert-base", "bert", hidden=768, layers=12, heads=12, ffn=3072, vocab_size=30522,
-                     max_positions=512, type_vocab=2)
-
-
-def bert_large() -> ModelSpec:
-    return replace(bert_base(), name="bert-large", hidden=1024, layers=24, heads=16, ffn=4096)
-
-
-def minilm_l6() -> ModelSpec:
-    # sentence-transformers/all-MiniLM-L6-v2, the embedded demo model.
-    return replace(bert_base(), name="minilm-l6", hidden=384, layers=6, heads=12, ffn=1536)
-
-
-def distilbert_base() -> ModelSpec:
-    return replace(bert_base(), name="distilbert-base", family="distilbert", layers=6, type_vocab=0)
-
-
-def roberta_base() -> ModelSpec:
-    return replace(bert_base(), name="roberta-base", family="roberta", vocab_size=50265, max_positions=514,
-                   type_vocab=1)
-
-
-def vit_base() -> ModelSpec:
-    return ModelSpec("vit-base", "vit", hidden=768, layers=12, heads=12, ffn=3072, max_positions=0,
-                     image_size=224, patch_size=16)
-
-
-def vit_large() -> ModelSpec:
-    return replace(vit_base(), name="vit-large", hidden=1024, layers=24, heads=16, ffn=4096)
-
-
-def gpt2_xl() -> ModelSpec:
-    return ModelSpec("gpt2-xl", "gpt2", hidden=1600, layers=48, heads=25, ffn=6400, vocab_size=50257,
-                     max_positions=1024)
-
-
-def llama_7b() -> ModelSpec:
-    return ModelSpec("llama-7b", "llama", hidden=4096, layers=32, heads=32, ffn=11008, vocab_size=32000,
-                     max_positions=4096, kv_heads=32)
-
-
-PRESETS = {
-    "minilm-l6": minilm_l6,
-    "distilbert-base": distilbert_base,
-    "bert-base": bert_base,
-    "bert-large": bert_large,
-    "roberta-base": roberta_base,
-    "vit-base": vit_base,
-    "vit-large": vit_large,
-    "gpt2-xl": gpt2_xl,
-    "llama-7b": llama_7b,
-}
+PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in (
+    # sentence-transformers/all-MiniLM-L6-v2, the embedded demo model
+    replace(_BERT, name="minilm-l6", hidden=384, layers=6, heads=12, ffn=1536),
+    replace(_BERT, name="distilbert-base", family="distilbert", layers=6, type_vocab=0),
+    _BERT,
+    replace(_BERT, name="bert-large", **_LARGE),
+    replace(_BERT, name="roberta-base", family="roberta", vocab_size=50265, max_positions=514, type_vocab=1),
+    _VIT,
+    replace(_VIT, name="vit-large", **_LARGE),
+    ModelSpec("gpt2-xl", "gpt2", hidden=1600, layers=48, heads=25, ffn=6400, vocab_size=50257, max_positions=1024),
+    ModelSpec("llama-7b", "llama", hidden=4096, layers=32, heads=32, ffn=11008, vocab_size=32000,
+              max_positions=4096, kv_heads=32),
+)}
 
 
 # -- config.json -----------------------------------------------------------------------------------
@@ -146,7 +111,7 @@ def from_config(config: dict, name: str) -> ModelSpec:
 def resolve(model: str) -> ModelSpec:
     """A preset name, or a local Hugging Face model directory (its config.json is all that is read)."""
     if model in PRESETS:
-        return PRESETS[model]()
+        return PRESETS[model]
     path = Path(model)
     looks_like_path = "/" in model or "\\" in model or model.startswith(".") or path.exists()
     if not looks_like_path:

@@ -1,4 +1,4 @@
-"""`torchloom serve --engine ray`: the same HTTP API as a Ray Serve deployment with `@serve.batch`.
+"""`torchloom serve --serve-with ray`: the same HTTP API as a Ray Serve deployment with `@serve.batch`.
 
 Each replica loads the model once and batches texts from concurrent requests with `@serve.batch`
 (one call per text, so a batch counts texts, as in the local server). Ray's proxy routes requests over
@@ -223,9 +223,9 @@ def run_ray(settings: ServeSettings) -> int:
         try:
             serve.run(deployment.bind(fields), name=APP_NAME, route_prefix="/", blocking=False)
         except Exception as e:  # a replica that cannot start: show its reason in one line
-            raise UserError(f"serve --engine ray: the deployment did not start ({str(e).strip().splitlines()[-1]})")\
+            raise UserError(f"serve --serve-with ray: the deployment did not start ({str(e).strip().splitlines()[-1]})")\
                 from None
-        print(f"torchloom serve: listening on http://{settings.host}:{settings.port} (engine ray,"
+        print(f"torchloom serve: listening on http://{settings.host}:{settings.port} (Ray Serve,"
               f" {settings.replicas} replica(s), max batch {settings.max_batch_size},"
               f" max wait {settings.max_wait_ms:g} ms)", flush=True)
         while not stop.wait(0.5):

@@ -52,7 +52,7 @@ def _data_files(root: Path) -> list[Path]:
 def _check_paths(input_path: str, output_path: str, overwrite: bool, local_only: bool) -> None:
     remote = "://" in input_path and not input_path.startswith("file:")
     if local_only and remote:
-        raise UserError(f"--input {input_path}: the local engine reads local files; use --engine spark for"
+        raise UserError(f"--input {input_path}: the local engine reads local files; use --score-with spark for"
                         " HDFS or object stores")
     if not remote and not os.path.exists(input_path.removeprefix("file:")):
         raise UserError(f"--input {input_path}: no such file or directory")

@@ -1,4 +1,4 @@
-"""`torchloom serve --engine local`: one process, uvicorn, the micro-batcher, one model thread.
+"""`torchloom serve --serve-with local`: one process, uvicorn, the micro-batcher, one model thread.
 
 SIGTERM (or Ctrl+C): uvicorn stops accepting connections and waits up to `drain_timeout_s` for the
 requests in flight; then the batcher finishes what is queued and the process exits 0.

@@ -17,7 +17,7 @@ class ServeSettings:
     model_dir: str
     host: str = "127.0.0.1"
     port: int = 8000
-    engine: str = "local"
+    serve_with: str = "local"
     replicas: int = 1  # ray only
     max_batch_size: int = 32  # texts per model forward
     max_batch_tokens: int = 8192  # padded tokens (rows x longest) per model forward; 0: no limit
@@ -43,7 +43,7 @@ class ServeSettings:
 
     def check(self) -> ServeSettings:
         checks = [
-            (self.engine in ENGINES, f"--engine {self.engine}: unknown; use one of {', '.join(ENGINES)}"),
+            (self.serve_with in ENGINES, f"--serve-with {self.serve_with}: unknown; use one of {', '.join(ENGINES)}"),
             (self.runtime in RUNTIMES, f"--runtime {self.runtime}: unknown; use one of {', '.join(RUNTIMES)}"),
             (0 <= self.port <= 65535, f"--port {self.port}: must be 0..65535 (0 picks a free port)"),
             (self.replicas >= 1, f"--replicas {self.replicas}: must be at least 1"),
@@ -60,7 +60,7 @@ class ServeSettings:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        if self.engine == "local" and self.replicas != 1:
-            raise UserError(f"--replicas {self.replicas}: only --engine ray runs replicas; the local engine"
+        if self.serve_with == "local" and self.replicas != 1:
+            raise UserError(f"--replicas {self.replicas}: only --serve-with ray runs replicas; the local engine"
                             " uses one model per process (start more processes behind a load balancer)")
         return self

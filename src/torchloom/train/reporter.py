@@ -56,21 +56,21 @@ class Reporters(Reporter):
                 self.stop_reason = self.stop_reason or r.stop_reason
         return stop
 
-    def log(self, record: dict) -> None:
+    def _each(self, method: str, *args) -> None:
         for r in self.reporters:
-            r.log(record)
+            getattr(r, method)(*args)
+
+    def log(self, record: dict) -> None:
+        self._each("log", record)
 
     def progress(self, fields: dict) -> None:
-        for r in self.reporters:
-            r.progress(fields)
+        self._each("progress", fields)
 
     def step_done(self, step: int) -> None:
-        for r in self.reporters:
-            r.step_done(step)
+        self._each("step_done", step)
 
     def failed(self, error: BaseException) -> None:
-        for r in self.reporters:
-            r.failed(error)
+        self._each("failed", error)
 
     def close(self) -> None:
         errors = []
