@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import tempfile
 
 import pytest
@@ -14,6 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _mlflow_dir = tempfile.mkdtemp(prefix="torchloom-test-mlflow-")
 atexit.register(shutil.rmtree, _mlflow_dir, ignore_errors=True)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (test modules import it: `from conftest import free_port`)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

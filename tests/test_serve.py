@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from torchloom.serve.batcher import MicroBatcher, ModelFailed, Overloaded, ShuttingDown
 from torchloom.serve.metrics import ServeMetrics
@@ -824,11 +825,6 @@ def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, r
 # Ray Serve
 # ---------------------------------------------------------------------------------------------
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_local_batch_predict_memory_stays_flat_as_the_input_grows(model_dir, tmp_path):

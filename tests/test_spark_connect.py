@@ -9,13 +9,13 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 from engine_reference import COMMON, LAST, assert_same_weights, new_run, reference
 
 pyspark = pytest.importorskip("pyspark")
@@ -38,11 +38,6 @@ reason = connect_unavailable()
 if reason:
     pytest.skip(reason, allow_module_level=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

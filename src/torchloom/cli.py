@@ -146,8 +146,21 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
 
 def _is_model_dir(path: str) -> bool:
     from torchloom.model.export import is_exported
+    from torchloom.rundir import is_uri
 
-    return is_exported(path)
+    return is_uri(path) or is_exported(path)
+
+
+def local_model(model: str, what: str) -> str:
+    """An exported model on a store (s3://bucket/run/model): downloaded once into torchloom's private cache,
+    keyed by its objects and checked by their hashes (storage.fetch_dir); a local directory as it is."""
+    from torchloom.rundir import is_uri
+
+    if not is_uri(model):
+        return model
+    from torchloom import storage
+
+    return str(storage.fetch_dir(model, what))
 
 
 def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
@@ -164,6 +177,7 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
             first = f"{texts[0]!r} is not a model dir (no config.json)" if texts else "none was given"
             raise UserError(f"predict: pass the exported model dir as --model DIR or as the first argument; {first}")
         model = texts.pop(0)
+    model = local_model(model, "--model")
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.output:
@@ -245,6 +259,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
     if rest:
         raise UserError(f"serve: unexpected arguments {' '.join(rest)}; see torchloom serve --help")
+    args.model_dir = local_model(args.model_dir, "MODEL_DIR")
     check_exported(args.model_dir)
     settings = ServeSettings(
         model_dir=args.model_dir, host=args.host, port=args.port, serve_with=args.serve_with, replicas=args.replicas,

@@ -6,8 +6,10 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 
 from torchloom import config as config_mod
+from torchloom import storage
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
@@ -48,6 +50,22 @@ def run_dir(cfg: Config) -> RunDir:
 def save_config(cfg: Config, rd: RunDir) -> None:
     rd.root.mkdir(parents=True, exist_ok=True)
     config_mod.save(cfg, rd.config)
+    storage.push(rd, rd.config)
+
+
+def local_input(cfg: Config, rd: RunDir) -> Config:
+    """Data on a store, read by the embedded local Spark: streamed to this host's working copy first (that
+    Spark has no Hadoop S3 connector, and none is on PyPI). A Spark cluster reads its own s3a:// or gs://
+    paths with the connector it has."""
+    if not cfg.prepare.spark_master.startswith("local"):
+        return cfg
+    paths = {}
+    for key in ("path", "val_path", "test_path"):
+        value = getattr(cfg.data, key)
+        if storage.is_uri(value):
+            say(f"prepare: reading {storage.redact(value)} from the store")
+            paths[key] = storage.stage_input(value, rd.root / "input" / key, f"data.{key}")
+    return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
 
 
 def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
@@ -56,12 +74,13 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     rd = run_dir(cfg)
     started = time.perf_counter()
     try:
-        manifest = prepare(cfg, str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"))
+        manifest = prepare(local_input(cfg, rd), str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"))
     finally:
         if spark is None:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
             # away from the training workers.
             stop_spark()
+    storage.push(rd, rd.data)  # manifest.json last: the prepared data counts once it is there
     save_config(cfg, rd)
     splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
                        for k, v in manifest.splits.items())
@@ -123,6 +142,7 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     from torchloom.etl import baseline
 
     rd = run_dir(cfg)
+    storage.ensure(rd, rd.data)
     m = manifest_mod.read(rd.data)
     how, started = "the baseline", False
     try:
@@ -146,6 +166,7 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
         if started:
             stop_spark()
     write_json(rd.baseline, result)
+    storage.push(rd, rd.baseline)
     say(f"baseline: {baseline.summary_line(result)}")
     if tracker is not None:
         tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in result["splits"].items()
@@ -156,6 +177,7 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
 def stored_baseline(cfg: Config, m) -> dict | None:
     """baseline.json, when it was made from these prepared rows and scored the evaluated split."""
     rd = run_dir(cfg)
+    storage.ensure(rd, rd.baseline)
     if not rd.baseline.is_file():
         return None
     try:
@@ -176,6 +198,9 @@ def check_trainable(cfg: Config) -> int | None:
     from torchloom.train import checkpoint
 
     rd = run_dir(cfg)
+    storage.ensure(rd, rd.data)
+    if cfg.train.resume == "latest":
+        storage.pull_checkpoints(rd)
     m = manifest_mod.read(rd.data)
     check_model_dir(model_path(cfg.model.path))
     if m.split("train").rows < cfg.engine.workers:
@@ -193,14 +218,14 @@ def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
     if cfg.engine.name == "spark":
         from torchloom.engines import spark as spark_engine
 
-        return spark_engine.train(cfg, rd.root, quiet=quiet, spark=spark)
+        return spark_engine.train(cfg, rd.location, quiet=quiet, spark=spark)
     if cfg.engine.name == "ray":
         from torchloom.engines import ray as ray_engine
 
-        return ray_engine.train(cfg, rd.root, quiet=quiet)
+        return ray_engine.train(cfg, rd.location, quiet=quiet)
     from torchloom.engines import local
 
-    return local.train(cfg, rd.root, quiet=quiet)
+    return local.train(cfg, rd.location, quiet=quiet)
 
 
 def precision_line(cfg: Config) -> str:
@@ -240,7 +265,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
         rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
                            **{k: round(v, 3) for k, v in startup.items()}})
     say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, {precision_line(cfg)},"
-        f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.logs}")
+        f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.home(rd.logs)}")
     started = time.perf_counter()
     forward = nullcontext()
     if tracker.enabled:
@@ -253,6 +278,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
         rd.write_hooks({})  # a later run must not report into this run's trial
     result.wall_s = round(time.perf_counter() - started, 2)
     write_json(rd.train_result, result.to_dict())
+    storage.push(rd, rd.train_result, rd.metrics, rd.progress, rd.logs)
     tracker.log_metrics({"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
                          "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s})
     if isinstance(result.best_metric, (int, float)):
@@ -277,6 +303,8 @@ def export_stage(cfg: Config, tracker=None) -> dict:
 
     rd = run_dir(cfg)
     started = time.perf_counter()
+    storage.ensure(rd, rd.data)
+    storage.pull_checkpoints(rd)
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)
     src = model_path(cfg.model.path)
@@ -297,6 +325,7 @@ def export_stage(cfg: Config, tracker=None) -> dict:
 
         onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
                                 say=lambda msg: say(f"export: {msg}"))
+    storage.push(rd, rd.model)
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
@@ -314,10 +343,11 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
     from torchloom import manifest as manifest_mod
     from torchloom.model.export import check_exported
 
+    storage.ensure(rd, rd.model, rd.data)
     check_exported(rd.model, "run torchloom export (or torchloom run) first")
     m = manifest_mod.read(rd.data)
     if m.split(cfg.eval.split).rows == 0:
-        raise UserError(f"eval.split {cfg.eval.split}: the split is empty in {rd.data}; choose another split"
+        raise UserError(f"eval.split {cfg.eval.split}: the split is empty in {rd.home(rd.data)}; choose another split"
                         " or prepare with a non-zero fraction for it")
     metrics, misclassified = evaluate_model_dir(cfg, str(rd.model))
     cmp, line = None, None
@@ -332,6 +362,7 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
     write_report(rd, metrics, split=cfg.eval.split, label_names=m.labels, misclassified=misclassified,
                  extra={"evaluate_s": seconds, **(extra or {}), **({"onnx_export": gate} if gate else {})},
                  baseline=cmp, verdict=line)
+    storage.push(rd, rd.report_md, rd.report_json, rd.misclassified, rd.plots)
     if tracker is not None:
         tracker.log_metrics({f"{cfg.eval.split}_{k}": v for k, v in metrics.items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool)})
@@ -340,7 +371,7 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
         tracker.log_artifact(rd.plots, "plots")
     against = f" (baseline {cmp['accuracy']:.4f}, {cmp['macro_f1']:.4f})" if cmp else ""
     say(f"evaluate ({cfg.eval.split}, {metrics['n']} rows): accuracy {metrics['accuracy']:.4f},"
-        f" macro-F1 {metrics['macro_f1']:.4f}{against}; report {rd.report_md}")
+        f" macro-F1 {metrics['macro_f1']:.4f}{against}; report {rd.home(rd.report_md)}")
     if line and announce:
         say(line)
     return {"seconds": seconds, "metrics": metrics, "baseline": cmp, "verdict": line}
@@ -379,18 +410,34 @@ def run_all(cfg: Config) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
     cfg = for_this_machine(cfg)
     rd = run_dir(cfg)
+    if rd.remote:
+        _fresh_remote(cfg, rd)
     exists = rd.root.exists()
-    if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume:
+    if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume and not rd.remote:
         raise UserError(
             f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
         )
-    if exists and cfg.output.overwrite and not cfg.train.resume:
-        check_replaceable(rd.root)
+    if exists and (rd.remote or cfg.output.overwrite) and not cfg.train.resume:
+        if not rd.remote:  # a staging copy is ours to replace; the store's side was checked above
+            check_replaceable(rd.root)
         shutil.rmtree(rd.root)
     from torchloom import tracking
 
     with tracking.start(cfg, "run") as tracker:
         return _run_all(cfg, rd, tracker)
+
+
+def _fresh_remote(cfg: Config, rd: RunDir) -> None:
+    """A run on a store: the store answers and takes writes (one line otherwise, before any work); a prefix
+    that holds a run is refused without --overwrite or --resume, and replaced with --overwrite."""
+    storage.check_writable(rd.remote, "output.dir")
+    if cfg.train.resume:
+        return
+    if storage.list_files(rd.remote):
+        if not cfg.output.overwrite:
+            raise UserError(f"output.dir {rd.where}: holds objects already; pass --output.overwrite true or another"
+                            " --output.dir")
+        storage.replace_remote(rd)
 
 
 def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
@@ -408,8 +455,8 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     startup["first_step_after_s"] = round(timings["total_s"] - timings["train_s"] - timings["export_s"]
                                           - timings["evaluate_s"] + result.first_step_s, 2)
     summary = {
-        "run_dir": str(rd.root), "accuracy": ev["metrics"]["accuracy"], "macro_f1": ev["metrics"]["macro_f1"],
-        "timings": timings, "model_dir": str(rd.model), "report": str(rd.report_md),
+        "run_dir": rd.where, "accuracy": ev["metrics"]["accuracy"], "macro_f1": ev["metrics"]["macro_f1"],
+        "timings": timings, "model_dir": rd.home(rd.model), "report": rd.home(rd.report_md),
         "precision": result.precision, "precision_reason": result.precision_reason,
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
     }
@@ -421,6 +468,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         summary["mlflow_run_id"] = tracker.run_id
         summary["mlflow_uri"] = tracker.uri
     write_json(rd.summary, summary)
+    storage.push(rd, rd.summary)
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
     tracker.log_artifact(rd.summary)
     print(summary_text(summary, cfg.eval.split, rd, tracker), flush=True)
@@ -437,7 +485,7 @@ def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, start
     spark = get_spark(cfg.prepare)  # one SparkSession for the ETL, the baseline and the Spark engine
     startup["spark_start_s"] = time.perf_counter() - t
     if cfg.train.resume and rd.manifest.is_file():
-        say(f"run: resuming; reusing the prepared data in {rd.data}")
+        say(f"run: resuming; reusing the prepared data in {rd.home(rd.data)}")
     else:
         timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
         done = read_manifest(rd.data).timings
@@ -472,7 +520,7 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
                      f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")
     if summary.get("verdict"):
         lines.append(f"  note    {summary['verdict']}")
-    lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.plots}",
+    lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.home(rd.plots)}",
               f"  predict torchloom predict --model {summary['model_dir']} \"some text\""]
     if tracker.enabled:
         lines.append(f"  mlflow  run {tracker.run_id} in {tracker.uri}")

@@ -27,8 +27,10 @@ Nothing heavy is imported here: every layer may use it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -113,14 +115,66 @@ class _In:
         return self if run is None else run.root.joinpath(*self.parts)
 
 
-class RunDir:
-    """Named paths of one run directory (it need not exist yet)."""
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root).resolve()
+
+def is_uri(path: str | os.PathLike | None) -> bool:
+    """A storage URI (s3://bucket/prefix, gs://, abfs://, hdfs://), not a local path (file:// is local)."""
+    m = _URI.match(str(path or ""))
+    return bool(m) and m.group(1).lower() != "file"
+
+
+def redact(uri: str) -> str:
+    """A URI fit for a log line: no user:password@ part, no query string (presigned URLs carry keys)."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", str(uri)).split("?", 1)[0]
+
+
+def cache_root() -> Path:
+    """torchloom's private cache on this host: staging copies of runs on a store, downloaded models."""
+    return Path(os.environ.get("TORCHLOOM_CACHE") or Path.home() / ".cache" / "torchloom")
+
+
+def staging_dir(uri: str) -> Path:
+    """This host's working copy of a run that lives on a store (the same URI, the same directory)."""
+    digest = hashlib.sha256(redact(uri).rstrip("/").encode()).hexdigest()[:16]
+    return cache_root() / "staging" / digest
+
+
+class RunDir:
+    """Named paths of one run directory (it need not exist yet).
+
+    A run on object storage (`root` a URI such as s3://bucket/runs/x) has its home on the store
+    (`remote`) and this host's working copy at `root`, a staging directory; storage.py moves files
+    between them. Every path below is local either way."""
+
+    def __init__(self, root: str | os.PathLike):
+        if isinstance(root, RunDir):
+            root = root.location
+        if is_uri(root):
+            self.remote: str | None = str(root).rstrip("/")
+            self.root = staging_dir(self.remote)
+        else:
+            self.remote = None
+            self.root = Path(os.fspath(root).removeprefix("file://")).resolve()
+
+    @property
+    def location(self) -> str:
+        """What names this run to another process or host: the URI on the store, or the local directory."""
+        return self.remote or str(self.root)
+
+    @property
+    def where(self) -> str:
+        """The run's home as a user names it: the URI (without credentials) or the local directory."""
+        return redact(self.remote) if self.remote else str(self.root)
 
     def __repr__(self) -> str:
-        return f"RunDir({str(self.root)!r})"
+        return f"RunDir({self.where!r})"
+
+    def home(self, path: str | Path) -> str:
+        """Where a file of the run lives, as a user names it: its URI on the store, or its local path."""
+        if not self.remote:
+            return str(path)
+        return f"{redact(self.remote)}/{Path(path).resolve().relative_to(self.root).as_posix()}"
 
     def __fspath__(self) -> str:
         return str(self.root)

@@ -68,8 +68,9 @@ def git_commit(cwd: Path | None = None) -> str | None:
 
 
 def metric_items(record: dict) -> dict[str, float]:
-    """A metrics.jsonl record as MLflow metrics: train_* per logged step, val_* per evaluation."""
-    prefix = "val_" if record.get("kind") == "eval" else "train_"
+    """A metrics.jsonl record as MLflow metrics: train_* per logged step, val_* per evaluation, checkpoint_*
+    per checkpoint uploaded to a store (bytes, blocked_s, upload_s)."""
+    prefix = {"eval": "val_", "checkpoint": "checkpoint_"}.get(record.get("kind"), "train_")
     out = {}
     for k, v in record.items():
         if k in ("kind", "step") or isinstance(v, bool) or not isinstance(v, (int, float)):

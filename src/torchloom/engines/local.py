@@ -97,7 +97,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
 
     def launch_once(attempt: Attempt) -> None:
         try:
-            elastic_launch(launch_config(cfg, log_dir), _entry)(to_dict(cfg), str(rd.root), attempt.launch_id,
+            elastic_launch(launch_config(cfg, log_dir), _entry)(to_dict(cfg), rd.location, attempt.launch_id,
                                                                attempt.launched_at)
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()

@@ -251,7 +251,7 @@ def trainer(cfg: Config, rd: RunDir, attempt: Attempt, scaling_config, started_l
     return TorchTrainer(
         _entry,
         torch_config=TorchConfig(timeout_s=int(cfg.engine.collective_timeout_s)),  # Ray makes the group
-        train_loop_config={"cfg": to_dict(cfg), "run_dir": str(rd.root), "launch_id": attempt.launch_id,
+        train_loop_config={"cfg": to_dict(cfg), "run_dir": rd.location, "launch_id": attempt.launch_id,
                            "use_gpu": scaling_config.use_gpu, "launched_at": attempt.launched_at},
         scaling_config=scaling_config,
         run_config=RunConfig(

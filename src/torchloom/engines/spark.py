@@ -95,7 +95,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     def launch_once(attempt: Attempt) -> None:
         distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
         distributor.logger.setLevel(logging.WARNING)  # its constructor sets INFO: "Started distributed ..."
-        distributor.run(_entry, to_dict(cfg), str(rd.root), attempt.launch_id, worker_env(), attempt.launched_at)
+        distributor.run(_entry, to_dict(cfg), rd.location, attempt.launch_id, worker_env(), attempt.launched_at)
 
     # Spark wraps a worker's failure in its own error; the run directory's error files hold the real one
     return attempts(rd, cfg, launch_once, f"Spark ({master})", quiet=quiet)

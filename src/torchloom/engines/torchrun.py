@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
     try:
-        run_worker(to_dict(cfg), str(RunDir(cfg.output.dir).root), launch_id)
+        run_worker(to_dict(cfg), RunDir(cfg.output.dir).location, launch_id)
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
         print(f"torchloom: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2

@@ -112,7 +112,12 @@ def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = No
 # -- the worker ----------------------------------------------------------------------------------
 def check_visible(rd: RunDir) -> None:
     """The driver prepared the data before any launch, so a worker that cannot see it is on a host
-    without the shared storage; failing here takes seconds, while waiting for peers would hang."""
+    without the shared storage; failing here takes seconds, while waiting for peers would hang. A run on a
+    store has no shared directory: this host's working copy takes the prepared data from the store."""
+    if rd.remote:
+        from torchloom import storage
+
+        storage.ensure(rd, rd.data)
     if not rd.manifest.is_file():
         raise not_visible(rd, [socket.gethostname()])
 
@@ -193,7 +198,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     if capture:
         capture_output(rd, rank)
     try:
-        cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": str(rd.root)}}
+        cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": rd.location}}
         starts = record_start(rd, launch_id, rank)
         note_stop_signal(rd.placement_file(launch_id, rank, starts))
         start_heartbeat(rd.placement_file(launch_id, rank, starts))

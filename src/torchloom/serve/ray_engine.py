@@ -223,8 +223,8 @@ def run_ray(settings: ServeSettings) -> int:
         try:
             serve.run(deployment.bind(fields), name=APP_NAME, route_prefix="/", blocking=False)
         except Exception as e:  # a replica that cannot start: show its reason in one line
-            raise UserError(f"serve --serve-with ray: the deployment did not start ({str(e).strip().splitlines()[-1]})")\
-                from None
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise UserError(f"serve --serve-with ray: the deployment did not start ({last})") from None
         print(f"torchloom serve: listening on http://{settings.host}:{settings.port} (Ray Serve,"
               f" {settings.replicas} replica(s), max batch {settings.max_batch_size},"
               f" max wait {settings.max_wait_ms:g} ms)", flush=True)

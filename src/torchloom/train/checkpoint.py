@@ -276,7 +276,14 @@ def load(d: Dist, path: Path, *, model, optimizer, sharded: bool = False) -> dic
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                        options=sharded_options())
     else:
-        unwrap(model).load_state_dict(load_file(str(path / "model.safetensors"), device=str(d.device)))
+        try:
+            unwrap(model).load_state_dict(load_file(str(path / "model.safetensors"), device=str(d.device)))
+        except RuntimeError as e:  # another architecture: a different model.path than the run's
+            if "size mismatch" not in str(e) and "Missing key" not in str(e) and "Unexpected key" not in str(e):
+                raise
+            raise UserError(f"train.resume {path}: the checkpoint holds another model's weights than model.path"
+                            " builds; resume with the model.path of the run that wrote it (its config.toml)"
+                            ) from None
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=d.device, weights_only=True))
     trainer_state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
     rng_file = path / f"rng-rank{d.rank}.pt"

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from torchloom import storage
 from torchloom.config import Config, elastic_micro_batch, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
@@ -40,6 +41,7 @@ from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
+from torchloom.train.upload import CheckpointUploader
 
 # A shuffle window spans shuffle_buffer / batch_size global batches (data/loader.py); with a large global
 # batch and the default buffer that would be 1 or 2, so rows next to each other in the data would meet
@@ -121,6 +123,8 @@ class Trainer:
                 print(f"warning: {self.precision.warning}", flush=True)
         self.rd = RunDir(cfg.output.dir)
         self.reporter = reporter or Reporter()
+        # A run on a store: rank 0 uploads each checkpoint in the background (train/upload.py).
+        self.uploader = CheckpointUploader(self.rd, self.log) if d.is_main and self.rd.remote else None
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         self.manifest = read_manifest(self.rd.data)
         seed_everything(self.tc.seed)
@@ -189,7 +193,10 @@ class Trainer:
             self.run_eval()
         if s.last_checkpoint_step != s.step:
             self.save_checkpoint()
-        return self.result(time.perf_counter() - started)
+        uploads = self.uploader.drain() if self.uploader else {}  # the job ends with its last upload done
+        result = self.result(time.perf_counter() - started)
+        result.uploads = uploads
+        return result
 
     def seconds_since_launch(self, fit_started: float) -> float:
         """From the engine's launch when it said when (start-up included), else from the start of fit()."""
@@ -339,6 +346,10 @@ class Trainer:
 
     # -- resume and checkpoints ---------------------------------------------------------------
     def _maybe_resume(self) -> str | None:
+        if self.rd.remote and self.tc.resume == "latest":
+            if self.d.local_rank == 0:  # one download per host; the ranks beside it read the same copy
+                storage.pull_checkpoints(self.rd)
+            self.d.io_barrier()
         path = checkpoint.resolve(self.tc.resume, self.rd.checkpoints, warn=self.d.is_main)
         if path is None:
             if self.d.is_main:
@@ -381,10 +392,15 @@ class Trainer:
         meta = {"epoch": s.epoch, "samples_seen": s.samples_seen, "best_step": s.best_step,
                 "strategy": self.par.strategy, "eval": self.last_eval_summary()}
         keep = {s.best_step} if s.best_step >= 0 else set()
-        return str(checkpoint.save(
+        # Backpressure: the previous upload finishes before this checkpoint is written (and pruned against).
+        blocked = self.uploader.wait() if self.uploader else 0.0
+        path = checkpoint.save(
             self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
             trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
-        ))
+        )
+        if self.uploader:
+            self.uploader.submit(path, blocked)
+        return str(path)
 
     def result(self, train_s: float) -> TrainResult:
         s = self.state

@@ -30,6 +30,7 @@ class TrainResult:
     precision: str = ""  # what train.precision became on the workers' device (auto resolved)
     precision_reason: str = ""  # why: "auto: this CPU has no native bf16", or "as configured"
     startup: dict = field(default_factory=dict)  # seconds of each phase before the first step (see loop.py)
+    uploads: dict = field(default_factory=dict)  # a run on a store: checkpoints uploaded, blocked_s, upload_s
     wall_s: float = 0.0  # the driver's wall time for the whole launch; 0 until the driver sets it
 
     def to_dict(self) -> dict:

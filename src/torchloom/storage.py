@@ -1,0 +1,417 @@
+"""Object storage: the one owner of I/O on a storage URI (s3://, gs://, abfs://, hdfs://).
+
+A run whose `output.dir` is a URI lives on the store; each host works in a local staging directory
+(`RunDir(uri).root`, see rundir.py) and the stages move files between the two at fixed points:
+`push` after a stage writes, `pull` before a stage on another host reads. A local run directory has no
+remote side, and `push`/`pull` do nothing, so one code path serves both.
+
+The client is pyarrow.fs, in every pyarrow wheel: no Hadoop jars, no extra package. Its S3 client takes
+credentials from the standard places (AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, a profile, an instance
+role) and AWS_ENDPOINT_URL for S3-compatible stores (MinIO, Ceph, moto); nothing of them is written
+anywhere by torchloom. `s3a://` (Spark's name) is read as `s3://`.
+
+What readers may rely on: an object appears whole or not at all (a PUT and a multipart upload both
+become visible only when complete), and a directory uploaded with `push_tree` has its `last` file
+(a checkpoint's meta.json, prepared data's manifest.json) written after every other: a reader that
+waits for that file never takes a half-uploaded directory for a finished one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+from torchloom.errors import UserError
+from torchloom.rundir import RunDir, cache_root, is_uri, redact, staging_dir  # noqa: F401 (re-exported)
+
+# The schemes pyarrow.fs opens (hdfs:// and viewfs:// where libhdfs is installed).
+SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
+           "hdfs": "hdfs", "viewfs": "viewfs"}
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
+
+
+def scheme(uri: str) -> str:
+    m = _URI.match(uri)
+    if not m:
+        raise UserError(f"{redact(uri)}: not a storage URI; use s3://bucket/prefix, gs://..., abfs://... or a local"
+                        " path")
+    name = m.group(1).lower()
+    if name not in SCHEMES:
+        raise UserError(f"{redact(uri)}: unknown storage scheme {name}://; use one of "
+                        f"{', '.join(sorted(set(SCHEMES)))} or a local path")
+    return SCHEMES[name]
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(canonical_root: str):
+    from pyarrow import fs as pafs
+
+    if canonical_root.startswith("s3://"):
+        # An endpoint of an S3-compatible store: AWS_ENDPOINT_URL (the AWS SDKs' own variable, which
+        # pyarrow's client also reads); a plain http:// endpoint needs the scheme said explicitly.
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        options = {}
+        if endpoint:
+            options["endpoint_override"] = endpoint
+            options["scheme"] = "http" if endpoint.startswith("http://") else "https"
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if region:
+            options["region"] = region
+        return pafs.S3FileSystem(**options)
+    return pafs.FileSystem.from_uri(canonical_root)[0]
+
+
+def resolve(uri: str):
+    """(pyarrow filesystem, path inside it) for a store URI."""
+    kind = scheme(uri)
+    rest = _URI.sub("", uri, count=1)
+    bucket = rest.split("/", 1)[0]
+    if not bucket:
+        raise UserError(f"{redact(uri)}: no bucket in the URI; use {kind}://BUCKET/prefix")
+    try:
+        fs = _filesystem(f"{kind}://{bucket}")
+    except Exception as e:  # e.g. no libhdfs for hdfs://, no Azure support in this pyarrow build
+        raise UserError(f"{redact(uri)}: cannot open a {kind}:// client here ({_reason(e)});"
+                        " install what pyarrow needs for it, or use a local path") from None
+    return fs, rest.rstrip("/")
+
+
+def _reason(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    for code, say in (("NO_SUCH_BUCKET", "the bucket does not exist"),
+                      ("ACCESS_DENIED", "access denied: the credentials may not use this bucket or prefix"),
+                      ("INVALID_ACCESS_KEY_ID", "the access key is not known to the store"),
+                      ("SIGNATURE_DOES_NOT_MATCH", "the secret key does not match the access key"),
+                      ("NETWORK_CONNECTION", "the store does not answer: check AWS_ENDPOINT_URL and the network"),
+                      ("Unable to connect to endpoint", "the store does not answer: check AWS_ENDPOINT_URL and the"
+                                                        " network"),
+                      ("No response body", "the store does not answer: check AWS_ENDPOINT_URL and the network")):
+        if code in text:
+            return say
+    return text[:200]
+
+
+def _store_error(uri: str, action: str, e: BaseException) -> UserError:
+    return UserError(f"{redact(uri)}: cannot {action} ({_reason(e)}); check the URI, the credentials"
+                     " (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL")
+
+
+def check_writable(uri: str, key: str) -> None:
+    """Before any work: the store answers, the bucket exists and these credentials may write and delete
+    under `uri`. One line naming `key`, the URI and the fix otherwise."""
+    fs, path = resolve(uri)
+    probe = f"{path}/.torchloom-probe-{os.getpid()}"
+    try:
+        with fs.open_output_stream(probe) as f:
+            f.write(b"torchloom")
+        fs.delete_file(probe)
+    except OSError as e:
+        raise UserError(f"{key} {redact(uri)}: the store refused a test write ({_reason(e)}); check the bucket,"
+                        " the credentials (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL"
+                        ) from None
+
+
+def check_readable(uri: str, key: str) -> None:
+    """Before any work: `uri` exists on the store and these credentials may read it."""
+    fs, path = resolve(uri)
+    try:
+        info = fs.get_file_info(path)
+    except OSError as e:
+        raise UserError(f"{key} {redact(uri)}: cannot read it ({_reason(e)}); check the URI, the credentials"
+                        " and AWS_ENDPOINT_URL") from None
+    from pyarrow import fs as pafs
+
+    if info.type == pafs.FileType.NotFound:
+        raise UserError(f"{key} {redact(uri)}: no such object or prefix on the store; check the path")
+
+
+# -- objects ----------------------------------------------------------------------------------------
+
+
+def exists(uri: str) -> bool:
+    from pyarrow import fs as pafs
+
+    fs, path = resolve(uri)
+    try:
+        return fs.get_file_info(path).type != pafs.FileType.NotFound
+    except OSError as e:
+        raise _store_error(uri, "look it up", e) from None
+
+
+def read_bytes(uri: str) -> bytes:
+    fs, path = resolve(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if "NotFound" in str(e) or "NO_SUCH_KEY" in str(e) or "does not exist" in str(e):
+            raise FileNotFoundError(redact(uri)) from None
+        raise _store_error(uri, "read it", e) from None
+
+
+def write_bytes(uri: str, data: bytes) -> None:
+    """One object, whole: readers see the old one or the new, never a part."""
+    fs, path = resolve(uri)
+    try:
+        with fs.open_output_stream(path) as f:
+            f.write(data)
+    except OSError as e:
+        raise _store_error(uri, "write it", e) from None
+
+
+def list_files(uri: str) -> dict[str, int]:
+    """{path relative to uri: size} of every object under the prefix ({} when there is none)."""
+    from pyarrow import fs as pafs
+
+    fs, path = resolve(uri)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
+    except OSError as e:
+        raise _store_error(uri, "list it", e) from None
+    return {i.path[len(path) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
+
+
+def delete_tree(uri: str) -> None:
+    """Every object under the prefix (nothing there is fine)."""
+    fs, path = resolve(uri)
+    try:
+        fs.delete_dir_contents(path, missing_dir_ok=True)
+        for extra in (path,):  # a directory marker some stores keep
+            try:
+                fs.delete_dir(extra)
+            except OSError:
+                pass
+    except OSError as e:
+        raise _store_error(uri, "delete it", e) from None
+
+
+def open_input(uri: str):
+    """A random-access file on the store: reads are ranged GETs (Parquet reads only the footer and the
+    row groups asked for)."""
+    fs, path = resolve(uri)
+    try:
+        return fs.open_input_file(path)
+    except OSError as e:
+        raise _store_error(uri, "open it", e) from None
+
+
+# -- files and directories between the store and local disk ---------------------------------------
+
+
+def upload(local: str | Path, uri: str) -> None:
+    fs, path = resolve(uri)
+    try:
+        with open(local, "rb") as src, fs.open_output_stream(path) as dst:
+            while chunk := src.read(CHUNK):
+                dst.write(chunk)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) and not Path(local).exists():
+            raise
+        raise _store_error(uri, "upload to it", e) from None
+
+
+def download(uri: str, local: str | Path) -> Path:
+    """Stream one object to a local file, written under a temporary name and renamed when complete."""
+    fs, path = resolve(uri)
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
+    try:
+        with fs.open_input_stream(path) as src, open(tmp, "wb") as dst:
+            while chunk := src.read(CHUNK):
+                dst.write(chunk)
+        os.replace(tmp, local)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if "NotFound" in str(e) or "NO_SUCH_KEY" in str(e) or isinstance(e, FileNotFoundError):
+            raise FileNotFoundError(redact(uri)) from None
+        raise _store_error(uri, "download it", e) from None
+    return local
+
+
+def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = ()) -> int:
+    """Upload every file under local_dir to uri/<same relative path>, the names in `last` after all the
+    others (the file whose presence says the directory is complete). Returns the bytes uploaded."""
+    local_dir = Path(local_dir)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.name.endswith((".tmp", ".part")))
+    files.sort(key=lambda p: p.name in last)  # stable: the `last` files go at the end
+    total = 0
+    for p in files:
+        upload(p, join(uri, p.relative_to(local_dir).as_posix()))
+        total += p.stat().st_size
+    return total
+
+
+def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True) -> int:
+    """Download every object under uri into local_dir (those whose local copy has the same size are kept
+    when only_if_changed). Returns the number of files downloaded."""
+    local_dir = Path(local_dir)
+    n = 0
+    for rel, size in list_files(uri).items():
+        target = local_dir / rel
+        if only_if_changed and target.is_file() and target.stat().st_size == size:
+            continue
+        download(join(uri, rel), target)
+        n += 1
+    return n
+
+
+# -- a private cache of downloaded directories, keyed by what they hold -----------------------------
+
+
+def fetch_dir(uri: str, what: str) -> Path:
+    """A directory on the store (an exported model) as a local directory, downloaded once into a private
+    cache keyed by the objects' names and sizes plus the sha256 of each file once downloaded; a copy
+    whose hashes no longer match is downloaded again."""
+    listing = list_files(uri)
+    if not listing:
+        raise UserError(f"{what} {redact(uri)}: nothing on the store there; check the URI (an exported model"
+                        " directory, e.g. s3://bucket/run/model)")
+    key = hashlib.sha256(repr(sorted(listing.items())).encode() + redact(uri).encode()).hexdigest()[:20]
+    target = cache_root() / "models" / key
+    stamp = target / ".torchloom-digests"
+    if stamp.is_file() and stamp.read_text() == _digests(target, listing):
+        return target
+    tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pull_tree(uri, tmp, only_if_changed=False)
+    (tmp / ".torchloom-digests").write_text(_digests(tmp, listing))
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, target)
+    return target
+
+
+def _digests(directory: Path, listing: dict[str, int]) -> str:
+    lines = []
+    for rel in sorted(listing):
+        p = directory / rel
+        if not p.is_file() or p.stat().st_size != listing[rel]:
+            return "missing"
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(CHUNK):
+                h.update(chunk)
+        lines.append(f"{rel} {listing[rel]} {h.hexdigest()}")
+    return "\n".join(lines)
+
+
+# -- a run's working copy and its home on the store -------------------------------------------------
+
+# The file that says a directory is complete, uploaded after every other file of it.
+COMPLETE_LAST = ("meta.json", "manifest.json")
+
+
+def _remote_of(rd: RunDir, path: str | Path) -> str:
+    assert rd.remote is not None
+    return join(rd.remote, Path(path).resolve().relative_to(rd.root).as_posix())
+
+
+def push(rd: RunDir, *paths: str | Path) -> None:
+    """Upload these files or directories of a run's working copy to its home on the store (a run on a local
+    directory: nothing to do). A directory's meta.json / manifest.json goes last."""
+    if rd.remote is None:
+        return
+    for p in map(Path, paths):
+        if p.is_dir():
+            push_tree(p, _remote_of(rd, p), last=COMPLETE_LAST)
+        elif p.is_file():
+            upload(p, _remote_of(rd, p))
+
+
+def pull(rd: RunDir, *paths: str | Path) -> None:
+    """Download these files or directories of a run from the store into its working copy (what the store
+    does not hold is left as it is; a run on a local directory: nothing to do)."""
+    if rd.remote is None:
+        return
+    for p in map(Path, paths):
+        uri = _remote_of(rd, p)
+        listing = list_files(uri)
+        if listing:
+            pull_tree(uri, p)
+        else:
+            try:
+                download(uri, p)
+            except FileNotFoundError:
+                pass
+
+
+def remove(rd: RunDir, path: str | Path) -> None:
+    """Delete a file or directory of the run from the store."""
+    if rd.remote is None:
+        return
+    uri = _remote_of(rd, path)
+    delete_tree(uri)
+    fs, key = resolve(uri)
+    try:
+        fs.delete_file(key)
+    except OSError:
+        pass  # it was a prefix, or nothing
+
+
+def pull_checkpoints(rd: RunDir) -> list[int]:
+    """Bring the store's complete checkpoints (those with meta.json) into the working copy, newest first,
+    each downloaded beside and renamed into place; returns their steps. Their hashes are checked where
+    they are loaded (train/checkpoint.py), which skips a damaged one for the next."""
+    if rd.remote is None:
+        return []
+    listing = list_files(_remote_of(rd, rd.checkpoints))
+    steps = sorted({int(m.group(1)) for rel in listing
+                    if (m := re.match(r"^step-(\d+)/meta\.json$", rel))}, reverse=True)
+    for step in steps:
+        local = rd.checkpoint(step)
+        if (local / "meta.json").is_file():
+            continue
+        tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
+        shutil.rmtree(tmp, ignore_errors=True)
+        pull_tree(_remote_of(rd, local), tmp, only_if_changed=False)
+        shutil.rmtree(local, ignore_errors=True)
+        os.replace(tmp, local)
+    return steps
+
+
+def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
+    """--overwrite on a store: refuse a prefix that holds objects but no torchloom run (one line), else
+    delete everything under it."""
+    from torchloom.rundir import OWN_MARKERS
+
+    listing = list_files(rd.remote)
+    if listing and not any(m in listing or any(r.startswith(m + "/") for r in listing) for m in OWN_MARKERS):
+        raise UserError(f"{key} {rd.where}: not replaced: the prefix holds objects that are not a torchloom run;"
+                        " pass another --output.dir")
+    delete_tree(rd.remote)
+
+
+def ensure(rd: RunDir, *paths: str | Path) -> None:
+    """Pull the files or directories this host's working copy lacks (a stage about to read them)."""
+    if rd.remote is None:
+        return
+    missing = [p for p in map(Path, paths) if not p.exists()]
+    if missing:
+        pull(rd, *missing)
+
+
+def stage_input(path: str, into: Path, key: str) -> str:
+    """A data path on a store, for the embedded local Spark (which has no Hadoop S3 connector): the object,
+    or every object under the prefix, streamed to local disk under `into`; returns the local path to read.
+    The same listing gives the same copy, so a re-run downloads only what changed."""
+    check_readable(path, key)
+    listing = list_files(path)
+    name = path.rstrip("/").rsplit("/", 1)[-1] or "input"
+    target = into / name
+    if listing:  # a prefix: a folder of files
+        pull_tree(path, target)
+    else:
+        download(path, target)
+    return str(target)

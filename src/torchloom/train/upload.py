@@ -1,0 +1,81 @@
+"""Checkpoints to the store in the background, while training goes on (a run whose output.dir is a URI).
+
+Rank 0 writes each checkpoint to local disk as always (train/checkpoint.py), then hands the directory to
+one upload thread and returns to training. Backpressure: a new checkpoint waits until the previous
+upload is done, so at most one is in flight and the local copies it reads are never pruned under it;
+`blocked_s` is how long the loop waited. meta.json is uploaded last, so a checkpoint on the store counts
+only once it is whole; a crash in the middle leaves the previous one the newest complete. After each
+upload the store keeps what the local directory keeps (keep_last and the best). The job does not end
+before the last upload is done (`drain`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from torchloom import storage
+from torchloom.rundir import RunDir
+
+
+class CheckpointUploader:
+    def __init__(self, rd: RunDir, log=None):
+        self.rd = rd
+        self.log = log or (lambda record: None)  # a metrics.jsonl line per finished upload
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._done: dict | None = None
+        self.uploads: list[dict] = []
+
+    def wait(self) -> float:
+        """Block until the upload in flight is done (raising its error); returns the seconds waited."""
+        started = time.perf_counter()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        blocked = time.perf_counter() - started
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._done is not None:
+            record, self._done = self._done, None
+            self.uploads.append(record)
+            self.log(record)
+        return blocked
+
+    def submit(self, checkpoint_dir: str | Path, blocked_s: float) -> None:
+        """Upload this (complete, local) checkpoint in the background; `blocked_s` is what the loop waited
+        for the previous one before writing it."""
+        assert self._thread is None, "wait() first: one upload in flight at the most"
+        checkpoint_dir = Path(checkpoint_dir)
+        step = int(checkpoint_dir.name.removeprefix("step-"))
+        self._thread = threading.Thread(target=self._upload, args=(checkpoint_dir, step, blocked_s),
+                                        name=f"torchloom-upload-step-{step}", daemon=True)
+        self._thread.start()
+
+    def _upload(self, checkpoint_dir: Path, step: int, blocked_s: float) -> None:
+        started = time.perf_counter()
+        try:
+            size = storage.push_tree(checkpoint_dir, storage.join(self.rd.remote, "checkpoints", checkpoint_dir.name),
+                                     last=("meta.json",))
+            self._prune()
+            self._done = {"kind": "checkpoint", "step": step, "bytes": size, "blocked_s": round(blocked_s, 3),
+                          "upload_s": round(time.perf_counter() - started, 3)}
+        except BaseException as e:  # raised in the training thread at the next wait()
+            self._error = e
+
+    def _prune(self) -> None:
+        """The store keeps the checkpoints the local directory kept (keep_last and the best)."""
+        local = {p.name for p in self.rd.checkpoints.glob("step-*")}
+        remote = {rel.split("/", 1)[0] for rel in storage.list_files(storage.join(self.rd.remote, "checkpoints"))}
+        for name in sorted(remote - local):
+            if name.startswith("step-"):
+                storage.delete_tree(storage.join(self.rd.remote, "checkpoints", name))
+
+    def drain(self) -> dict:
+        """Wait for the last upload; the totals for the summary."""
+        self.wait()
+        return {"checkpoints_uploaded": len(self.uploads),
+                "blocked_s": round(sum(u["blocked_s"] for u in self.uploads), 3),
+                "upload_s": round(sum(u["upload_s"] for u in self.uploads), 3)}

@@ -1,0 +1,217 @@
+"""A run on object storage, against a real S3 server (moto's, over HTTP on 127.0.0.1): the storage layer,
+background checkpoint uploads, and `torchloom run --output.dir s3://...` as a user runs it, then a second
+"host" (an empty staging cache) that resumes, predicts and serves from the store alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+pytest.importorskip("moto")
+
+from torchloom import storage  # noqa: E402
+from torchloom.errors import UserError  # noqa: E402
+from torchloom.rundir import RunDir  # noqa: E402
+
+BUCKET = "torchloom-test"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on 127.0.0.1 with one bucket; this process and its children reach it through
+    AWS_ENDPOINT_URL, as a user's S3-compatible store."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("the moto S3 server did not start")
+    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
+    os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
+    storage._filesystem.cache_clear()
+    from pyarrow import fs as pafs
+
+    pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True,
+                      region="us-east-1").create_dir(BUCKET)
+    yield endpoint
+    proc.terminate()
+    proc.wait(timeout=10)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    storage._filesystem.cache_clear()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh private cache (staging copies, downloaded models): a host that has seen nothing."""
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def uri(*parts: str) -> str:
+    return storage.join(f"s3://{BUCKET}", *parts)
+
+
+# -- the storage layer --------------------------------------------------------------------------
+
+
+def test_objects_round_trip_and_list(s3, tmp_path):
+    storage.write_bytes(uri("a/b.txt"), b"hello")
+    assert storage.read_bytes(uri("a/b.txt")) == b"hello"
+    assert storage.exists(uri("a/b.txt")) and not storage.exists(uri("a/none.txt"))
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "meta.json").write_text("{}")
+    (tmp_path / "d" / "sub" / "x.bin").write_bytes(b"\0" * 1000)
+    assert storage.push_tree(tmp_path / "d", uri("tree"), last=("meta.json",)) == 1002
+    assert storage.list_files(uri("tree")) == {"meta.json": 2, "sub/x.bin": 1000}
+    assert storage.pull_tree(uri("tree"), tmp_path / "back") == 2
+    assert (tmp_path / "back" / "sub" / "x.bin").read_bytes() == b"\0" * 1000
+    with storage.open_input(uri("tree/sub/x.bin")) as f:  # a ranged read, not a download
+        assert f.read_at(10, 500) == b"\0" * 10
+    storage.delete_tree(uri("tree"))
+    assert storage.list_files(uri("tree")) == {}
+    with pytest.raises(FileNotFoundError):
+        storage.read_bytes(uri("a/none.txt"))
+
+
+def test_bad_store_uris_are_one_line_before_any_work(s3):
+    with pytest.raises(UserError, match=r"output.dir s3://no-such-bucket/run: the store refused a test write"
+                                        r" \(the bucket does not exist\)"):
+        storage.check_writable("s3://no-such-bucket/run", "output.dir")
+    with pytest.raises(UserError, match=r"unknown storage scheme ftp://"):
+        storage.resolve("ftp://host/x")
+    with pytest.raises(UserError, match=r"data.path s3://torchloom-test/none.csv: no such object"):
+        storage.check_readable(uri("none.csv"), "data.path")
+    # credentials never reach a line
+    assert storage.redact("s3://user:secret@bucket/x?X-Amz-Signature=abc") == "s3://bucket/x"
+
+
+def test_a_checkpoint_counts_on_the_store_only_once_its_meta_json_is_there(s3, cache):
+    """An upload cut off halfway (the files but not meta.json, written last) leaves the previous checkpoint the
+    one a new host resumes from."""
+    run = uri("half-upload")
+    for step, files in ((2, ("model.safetensors", "trainer.pt", "meta.json")),
+                        (4, ("model.safetensors", "trainer.pt"))):
+        for name in files:
+            storage.write_bytes(storage.join(run, "checkpoints", f"step-{step}", name), b"x")
+    rd = RunDir(run)
+    assert rd.root.is_relative_to(cache)
+    assert storage.pull_checkpoints(rd) == [2]
+    assert (rd.checkpoint(2) / "meta.json").is_file() and not rd.checkpoint(4).exists()
+
+
+def test_uploads_run_behind_training_and_the_store_keeps_what_the_run_keeps(s3, cache, tmp_path):
+    from torchloom.train.upload import CheckpointUploader
+
+    rd = RunDir(uri("uploads"))
+    logged = []
+    up = CheckpointUploader(rd, logged.append)
+    for step in (1, 2, 3):
+        d = rd.checkpoint(step)
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(os.urandom(1 << 16))
+        (d / "meta.json").write_text(json.dumps({"step": step}))
+        if step == 3:  # keep_last 2, as checkpoint.prune leaves it
+            import shutil
+
+            shutil.rmtree(rd.checkpoint(1))
+        blocked = up.wait()
+        up.submit(d, blocked)
+    totals = up.drain()
+    assert totals["checkpoints_uploaded"] == 3 and [r["step"] for r in logged] == [1, 2, 3]
+    assert all(r["kind"] == "checkpoint" and r["upload_s"] >= 0 and r["blocked_s"] >= 0 for r in logged)
+    names = {rel.split("/")[0] for rel in storage.list_files(storage.join(rd.remote, "checkpoints"))}
+    assert names == {"step-2", "step-3"}
+
+
+# -- the whole run on the store, as a user runs it ----------------------------------------------
+
+
+def torchloom(*args: str, cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TORCHLOOM_CACHE": str(cache),
+           "TORCHLOOM_CPU_BF16": "0"}
+    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def store_run(s3, tmp_path_factory, tiny_model_dir):
+    """`torchloom run` with its data and its run directory on the store: nothing shared but S3."""
+    words = {"sport": "match goal team win league", "money": "bank market price shares profit",
+             "music": "album song band concert guitar"}
+    lines = ["body,topic"] + [f"{vocab} number {i} {' '.join(reversed(vocab.split()))},{label}"
+                              for label, vocab in words.items() for i in range(30)]
+    storage.write_bytes(uri("input/reviews.csv"), ("\n".join(lines) + "\n").encode())
+    host_a = tmp_path_factory.mktemp("host-a")
+    proc = torchloom("run", "--data.path", uri("input/reviews.csv"), "--data.text_column", "body",
+                     "--data.label_column", "topic", "--model.path", tiny_model_dir,
+                     "--output.dir", uri("runs/reviews"), "--prepare.spark_master", "local[2]",
+                     "--train.epochs", "2", "--train.batch_size", "8", "--train.lr", "3e-3",
+                     "--train.checkpoint_every", "4", "--train.keep_last", "1", "--tracking.enabled", "false",
+                     cache=host_a)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, host_a
+
+
+def test_run_on_the_store_leaves_the_whole_run_there(store_run):
+    proc, _ = store_run
+    on_store = storage.list_files(uri("runs/reviews"))
+    for name in ("config.toml", "data/manifest.json", "baseline.json", "metrics.jsonl", "train_result.json",
+                 "model/config.json", "model/model.safetensors", "report.md", "report.json", "plots/confusion.png",
+                 "summary.json"):
+        assert name in on_store, name
+    assert any(n.startswith("data/train/") and n.endswith(".parquet") for n in on_store)
+    # keep_last 1 (and the best): the store keeps what the run keeps, each checkpoint whole
+    steps = {n.split("/")[1] for n in on_store if n.startswith("checkpoints/")}
+    assert 1 <= len(steps) <= 2 and all(f"checkpoints/{s}/meta.json" in on_store for s in steps)
+    summary = json.loads(storage.read_bytes(uri("runs/reviews/summary.json")))
+    assert summary["run_dir"] == uri("runs/reviews") and summary["model_dir"] == uri("runs/reviews/model")
+    records = [json.loads(x) for x in storage.read_bytes(uri("runs/reviews/metrics.jsonl")).splitlines()]
+    uploads = [r for r in records if r["kind"] == "checkpoint"]
+    assert uploads and all(r["upload_s"] >= 0 and r["blocked_s"] >= 0 for r in uploads)
+    assert json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))["uploads"]["checkpoints_uploaded"]
+    assert "testing-secret" not in proc.stdout + proc.stderr
+
+
+def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_path, tiny_model_dir):
+    proc, host_a = store_run
+    # predict from the model URI on a host that has nothing: the same answers as from the run's local copy
+    text = "match goal team win league"
+    remote = torchloom("predict", "--model", uri("runs/reviews/model"), text, cache=tmp_path / "host-b")
+    assert remote.returncode == 0, remote.stderr[-2000:]
+    staged = next((host_a / "staging").iterdir()) / "model"
+    local = torchloom("predict", "--model", str(staged), text, cache=tmp_path / "host-c")
+    assert json.loads(remote.stdout.splitlines()[0]) == json.loads(local.stdout.splitlines()[0])
+    # resume on a third host: data and the newest complete checkpoint come from the store
+    args = ("train", "--output.dir", uri("runs/reviews"), "--train.resume", "latest", "--train.epochs", "3",
+            "--engine.workers", "1", "--tracking.enabled", "false", "--train.batch_size", "8")
+    wrong = torchloom(*args, cache=tmp_path / "host-d")  # the default model, not the run's: one line
+    assert wrong.returncode != 0 and "holds another model's weights than model.path" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+    resumed = torchloom(*args, "--model.path", tiny_model_dir, cache=tmp_path / "host-d")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))
+    assert result["resumed_at_step"] and result["steps"] > result["resumed_at_step"]
