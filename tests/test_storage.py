@@ -215,3 +215,16 @@ def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))
     assert result["resumed_at_step"] and result["steps"] > result["resumed_at_step"]
+
+
+def test_a_store_that_cannot_be_used_is_one_line_before_spark_starts(s3, tmp_path):
+    started = time.monotonic()
+    proc = torchloom("run", "--output.dir", "s3://no-such-bucket/run", "--tracking.enabled", "false",
+                     cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("torchloom: error:")]
+    assert "output.dir s3://no-such-bucket/run: the store refused a test write (the bucket does not exist)" in line
+    assert "prepare:" not in proc.stderr and time.monotonic() - started < 60
+    proc = torchloom("run", "--data.path", uri("nothing-here.csv"), "--output.dir", uri("runs/none"),
+                     "--tracking.enabled", "false", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "data.path s3://torchloom-test/nothing-here.csv: no such object" in proc.stderr

@@ -35,9 +35,27 @@ def visible_gpus(cfg: Config) -> int:
     return gpu_count()
 
 
+_STORES_CHECKED: set[str] = set()
+
+
+def check_stores(cfg: Config) -> None:
+    """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
+    write the run, said in one line before any stage starts (once per URI and process)."""
+    for key, uri, check in (("output.dir", cfg.output.dir, storage.check_writable),
+                            ("data.path", cfg.data.path, storage.check_readable),
+                            ("data.val_path", cfg.data.val_path, storage.check_readable),
+                            ("data.test_path", cfg.data.test_path, storage.check_readable)):
+        if storage.is_uri(uri) and uri not in _STORES_CHECKED:
+            if key.startswith("data.") and not cfg.prepare.spark_master.startswith("local"):
+                continue  # a Spark cluster reads it with its own connector and credentials
+            check(uri, key)
+            _STORES_CHECKED.add(uri)
+
+
 def for_this_machine(cfg: Config) -> Config:
     """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
-    starts (config/load.resolve_workers); a config already counted passes through."""
+    starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too."""
+    check_stores(cfg)
     if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
         return cfg
     return config_mod.resolve_workers(cfg, visible_gpus(cfg))
@@ -198,7 +216,7 @@ def check_trainable(cfg: Config) -> int | None:
     from torchloom.train import checkpoint
 
     rd = run_dir(cfg)
-    storage.ensure(rd, rd.data)
+    storage.ensure(rd, rd.manifest)  # the workers stream the shards from the store
     if cfg.train.resume == "latest":
         storage.pull_checkpoints(rd)
     m = manifest_mod.read(rd.data)

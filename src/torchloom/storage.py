@@ -393,6 +393,16 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
     delete_tree(rd.remote)
 
 
+def streamed(rd: RunDir, manifest):
+    """A run on a store: its prepared data's manifest with the shards read from the store (ranged reads of the
+    row groups asked for, never a whole download); a local run's manifest as it is."""
+    if rd.remote is None:
+        return manifest
+    from dataclasses import replace
+
+    return replace(manifest, root=join(rd.remote, "data"))
+
+
 def ensure(rd: RunDir, *paths: str | Path) -> None:
     """Pull the files or directories this host's working copy lacks (a stage about to read them)."""
     if rd.remote is None:

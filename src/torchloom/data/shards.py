@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import torch
 
@@ -118,9 +117,10 @@ def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def _open(uri: str) -> pq.ParquetFile:
-    if "://" in uri:
-        fs, path = pafs.FileSystem.from_uri(uri)
-        return pq.ParquetFile(fs.open_input_file(path))
+    if "://" in uri:  # a shard on a store: a random-access file whose reads are ranged GETs
+        from torchloom import storage
+
+        return pq.ParquetFile(storage.open_input(uri))
     return pq.ParquetFile(uri)
 
 

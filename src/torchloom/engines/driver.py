@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
+from torchloom import storage
 from torchloom.config import Config
 from torchloom.engines.common import NOT_A_CAUSE, TrainingFailed, describe_loss, failure_cause, is_peer_loss
 from torchloom.engines.progress import LogTailer, ProgressMonitor
@@ -77,13 +78,16 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     count = cfg.engine.max_restarts + 1
     with driver_stream(quiet) as stream:
         for number in range(count):
+            storage.pull(rd, rd.logs)  # a run on a store: what the workers of other hosts recorded so far
             try:
                 tailer = LogTailer(rd, stream=stream) if tail_logs else contextlib.nullcontext()
                 with ProgressMonitor(rd, stream=stream), tailer:
                     launch_once(Attempt(launch_id, number, launched_at))
                 break
             except failures as e:  # the engine wraps the workers' failure; our error files hold the real one
+                storage.pull(rd, rd.logs)
                 rerun_or_raise(rd, launch_id, number, count, e, engine_label)
+    storage.pull(rd, rd.logs, rd.metrics, rd.progress)
     return read_result(rd, launch_id)
 
 

@@ -32,7 +32,8 @@ class ProgressMonitor(Poller):
 
     def __init__(self, rd: RunDir, every: float = 15.0, stream=None):
         super().__init__(interval=0.5, name="torchloom-progress")
-        self.path = rd.progress
+        self.rd, self.path = rd, rd.progress
+        self._pulled = 0.0
         self.stream = stream or sys.stderr
         self.every = every
         self.tty = self.stream.isatty()
@@ -49,7 +50,27 @@ class ProgressMonitor(Poller):
             self.stream.write("\n")
             self.stream.flush()
 
+    def pull(self) -> None:
+        """A run on a store whose rank 0 is on another host: its progress.json comes from the store (every 2 s;
+        not while a rank on this host keeps the local file fresh)."""
+        now = time.monotonic()
+        if not self.rd.remote or now - self._pulled < 2.0:
+            return
+        self._pulled = now
+        try:
+            if time.time() - self.path.stat().st_mtime < 3.0:
+                return
+        except OSError:
+            pass
+        from torchloom import storage
+
+        try:
+            storage.pull(self.rd, self.path)
+        except Exception:  # the bar is best effort: the store may be slow or briefly away
+            pass
+
     def poll(self, final: bool = False) -> None:
+        self.pull()
         try:
             text = render(json.loads(self.path.read_text()))
         except (OSError, ValueError):

@@ -27,7 +27,7 @@ from torchloom.engines.common import (
     failure_cause,
     not_visible,
 )
-from torchloom.errors import UserError
+from torchloom.errors import UserError, first_line
 from torchloom.model.env import model_env
 from torchloom.rundir import RunDir, read_json, write_json
 from torchloom.train.reporter import Reporter, combine
@@ -71,13 +71,20 @@ def capture_output(rd: RunDir, rank: int) -> None:
 
 # -- the reporters a worker gets -----------------------------------------------------------------
 class ProgressFile(Reporter):
-    """Rank 0's progress, for the driver's live bar, whatever engine runs the workers."""
+    """Rank 0's progress, for the driver's live bar, whatever engine runs the workers (a run on a store:
+    uploaded too, at most every PUSH_EVERY_S, for a driver on another host)."""
+
+    PUSH_EVERY_S = 2.0
 
     def __init__(self, rd: RunDir):
-        self.path = rd.progress
+        self.rd, self.path = rd, rd.progress
+        self._pushed = 0.0
 
     def progress(self, fields: dict) -> None:
         write_json(self.path, fields, indent=None)
+        if self.rd.remote and time.monotonic() - self._pushed >= self.PUSH_EVERY_S:
+            self._pushed = time.monotonic()
+            publish(self.rd, self.path)
 
 
 class ErrorFile(Reporter):
@@ -117,9 +124,24 @@ def check_visible(rd: RunDir) -> None:
     if rd.remote:
         from torchloom import storage
 
-        storage.ensure(rd, rd.data)
+        storage.ensure(rd, rd.manifest)  # the shards themselves are streamed from the store (train/loop.py)
     if not rd.manifest.is_file():
         raise not_visible(rd, [socket.gethostname()])
+
+
+def publish(rd: RunDir, *paths) -> None:
+    """A run on a store: the protocol files the driver reads (result, errors, placements, progress, rank
+    logs, metrics), uploaded from this host's copy; never fails the rank over it (the driver then reports
+    what it does see)."""
+    if not rd.remote:
+        return
+    from torchloom import storage
+
+    try:
+        storage.push(rd, *paths)
+    except Exception as e:
+        print(f"torchloom: warning: could not upload {', '.join(rd.home(p) for p in paths)} ({first_line(e)})",
+              file=sys.stderr, flush=True)
 
 
 def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
@@ -128,6 +150,7 @@ def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
     rd.logs.mkdir(parents=True, exist_ok=True)
     write_json(rd.placement_file(launch_id, rank, start), {"rank": rank, "host": socket.gethostname(),
                                                            "pid": os.getpid(), "time": time.time()}, indent=None)
+    publish(rd, rd.placement_file(launch_id, rank, start))
     return start
 
 
@@ -208,6 +231,8 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
                      device=device)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
+            # the result last: a driver that sees it finds everything it reads with it
+            publish(rd, rd.metrics, rd.progress, rd.result_file(launch_id))
         return result
     except BaseException as e:
         record_error(rd, rank, e, launch_id)
@@ -216,6 +241,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         if capture:
             sys.stdout.flush()
             sys.stderr.flush()
+            publish(rd, rd.rank_log(rank))
 
 
 def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None = None) -> None:
@@ -233,3 +259,4 @@ def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None 
         "message": str(e),
         "traceback": "".join(traceback.format_exception(e)),
     }, indent=None)
+    publish(rd, path)

@@ -114,10 +114,13 @@ def sharded_state(model, optimizer) -> dict[str, Any]:
 
 
 def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_state: dict, meta: dict,
-         keep_last: int, keep: set[int], sharded: bool = False) -> Path:
+         keep_last: int, keep: set[int], sharded: bool = False, remote: str | None = None) -> Path:
     """Collective: every rank calls it. Returns the final directory.
 
     sharded: every rank writes its part of the model and optimizer (torch.distributed.checkpoint).
+    remote: the run's checkpoints on a store (hosts share no directory): each rank but 0 writes its own files
+    on its host and uploads them itself before the barrier after which rank 0 completes the checkpoint
+    (rank 0's files go up in the background, meta.json last: train/upload.py).
     """
     root = Path(root)
     final = root / f"step-{step}"
@@ -127,6 +130,7 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     d.io_barrier()
+    tmp.mkdir(parents=True, exist_ok=True)  # a host that does not share rank 0's directory has its own
     torch.save(rng_state(), tmp / f"rng-rank{d.rank}.pt")
     if sharded:
         from torch.distributed import checkpoint as dcp
@@ -137,6 +141,8 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
             save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(trainer_state, tmp / "trainer.pt")
+    if remote and not d.is_main:
+        _upload_own_files(tmp, f"{remote.rstrip('/')}/step-{step}")
     d.io_barrier()
     if d.is_main:
         # Last, once every rank's files are there: their sizes and hashes, which resume and export check.
@@ -147,7 +153,18 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         os.replace(tmp, final)
         prune(root, keep_last, keep | {step})
     d.io_barrier()
+    if remote and not d.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # uploaded; rank 0's copy is the checkpoint
     return final
+
+
+def _upload_own_files(tmp: Path, uri: str) -> None:
+    """This rank's files of a checkpoint (its RNG state, its shards), straight to the store."""
+    from torchloom import storage
+
+    for p in sorted(tmp.rglob("*")):
+        if p.is_file() and (p.name.startswith("rng-rank") or SHARDED_DIR in p.relative_to(tmp).parts):
+            storage.upload(p, f"{uri}/{p.relative_to(tmp).as_posix()}")
 
 
 def prune(root: Path, keep_last: int, keep: set[int]) -> None:

@@ -126,7 +126,8 @@ class Trainer:
         # A run on a store: rank 0 uploads each checkpoint in the background (train/upload.py).
         self.uploader = CheckpointUploader(self.rd, self.log) if d.is_main and self.rd.remote else None
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
-        self.manifest = read_manifest(self.rd.data)
+        # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
+        self.manifest = storage.streamed(self.rd, read_manifest(self.rd.data))
         seed_everything(self.tc.seed)
         t = time.perf_counter()
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
@@ -397,6 +398,7 @@ class Trainer:
         path = checkpoint.save(
             self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
             trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
+            remote=storage.join(self.rd.remote, "checkpoints") if self.rd.remote else None,
         )
         if self.uploader:
             self.uploader.submit(path, blocked)

@@ -1,0 +1,184 @@
+"""A run on an S3 store against the same run on local disk (issue 28).
+
+    .venv/bin/python benchmarks/storage.py [--rows 100000] [--rounds 3] [--train-steps 40] [--skip-train]
+
+Starts an S3 server (moto, over HTTP on 127.0.0.1: a real S3 API, no network latency) and measures, in one
+sitting, each pair interleaved round by round so that a slow spell of the machine hits both sides:
+
+1. the loader alone: one epoch of rank 0 of 2 (shuffled global batches, read-ahead) over a synthetic
+   prepared split, its shards read from local disk, then the same shards streamed from the store
+   (ranged reads of the row groups); rows/s, and the ratio store / local (goal >= 0.9);
+2. training: `torchloom train` of the demo's model on the demo's prepared data, --train-steps optimizer
+   steps with a checkpoint every 10, into a local run directory, then into s3://; steady-state samples/s
+   (the log windows after the first) and the ratio (goal >= 0.97);
+3. per checkpoint of the store run: blocked_s (how long the loop waited for the previous upload) against
+   a synchronous upload of the same checkpoint directory, timed here; ratio (goal <= 0.2).
+
+Prints the CPU first: write it beside every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUCKET = "bench"
+
+
+def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1")
+    from pyarrow import fs as pafs
+
+    pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True,
+                      region="us-east-1").create_dir(BUCKET)
+    return proc, endpoint
+
+
+def loader_rate(manifest) -> float:
+    from torchloom.data import ShardedLoader
+
+    loader = ShardedLoader(manifest, "train", rank=0, world_size=2, batch_size=8, seed=0)
+    started, rows = time.perf_counter(), 0
+    for batch in loader:
+        rows += len(batch["labels"])
+    return rows / (time.perf_counter() - started)
+
+
+def bench_loader(tmp: Path, rows: int, rounds: int) -> list[tuple[str, float, float]]:
+    from dataclasses import replace
+
+    from torchloom import storage
+    from torchloom.data.synthetic import write_synthetic_dataset
+
+    local = write_synthetic_dataset(tmp / "data", rows={"train": rows}, max_len=128, vocab_size=30522,
+                                    rows_per_group=1024, rows_per_shard=25_000)
+    uri = f"s3://{BUCKET}/loader/data"
+    storage.push_tree(tmp / "data", uri, last=("manifest.json",))
+    remote = replace(local, root=uri)
+    out = []
+    for r in range(rounds):
+        a, b = loader_rate(local), loader_rate(remote)
+        out.append((f"round {r + 1}", a, b))
+        print(f"loader round {r + 1}: local {a:,.0f} rows/s, store {b:,.0f} rows/s ({b / a:.3f}x)", flush=True)
+    return out
+
+
+def train(output: str, steps: int, data: Path, cache: Path) -> dict:
+    """One `torchloom train`, returning {samples_per_s (steady), wall_s, records}."""
+    from torchloom import storage
+    from torchloom.rundir import RunDir
+
+    rd = RunDir(output)
+    if rd.remote:
+        storage.delete_tree(rd.remote)
+        storage.push_tree(data, storage.join(rd.remote, "data"), last=("manifest.json",))
+    else:
+        import shutil
+
+        shutil.rmtree(output, ignore_errors=True)
+        shutil.copytree(data, Path(output) / "data")
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "torchloom", "train", "--output.dir", output, "--train.max_steps",
+                    str(steps), "--train.checkpoint_every", "10", "--train.eval_every", str(10 * steps),
+                    "--train.log_every", "5", "--tracking.enabled", "false"],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache)})
+    wall = time.perf_counter() - started
+    text = (storage.read_bytes(storage.join(rd.remote, "metrics.jsonl")).decode() if rd.remote
+            else (Path(output) / "metrics.jsonl").read_text())
+    records = [json.loads(x) for x in text.splitlines() if x.strip()]
+    rates = [r["samples_per_s"] for r in records if r.get("kind") == "train"][1:]
+    return {"samples_per_s": statistics.median(rates), "wall_s": wall, "records": records}
+
+
+def sync_upload_s(cache: Path, output: str) -> float:
+    """A synchronous upload of the store run's last local checkpoint directory, timed."""
+    from torchloom import storage
+    from torchloom.rundir import RunDir
+
+    os.environ["TORCHLOOM_CACHE"] = str(cache)
+    rd = RunDir(output)
+    last = sorted(rd.checkpoints.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    started = time.perf_counter()
+    storage.push_tree(last, storage.join(f"s3://{BUCKET}", "sync-upload", last.name), last=("meta.json",))
+    return time.perf_counter() - started
+
+
+def prepared_demo(tmp: Path) -> Path:
+    out = tmp / "demo"
+    subprocess.run([sys.executable, "-m", "torchloom", "prepare", "--output.dir", str(out), "--tracking.enabled",
+                    "false"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return out / "data"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=100_000)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=40)
+    p.add_argument("--train-rounds", type=int, default=1)
+    p.add_argument("--skip-train", action="store_true")
+    a = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from torchloom.machine import cpu
+
+    print(f"cpu: {cpu().describe()}", flush=True)
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        server, endpoint = start_server(tmp / "moto.log")
+        try:
+            loader = bench_loader(tmp, a.rows, a.rounds)
+            runs = []
+            if not a.skip_train:
+                data = prepared_demo(tmp)
+                for r in range(a.train_rounds):
+                    local = train(str(tmp / "local-run"), a.train_steps, data, tmp / "cache")
+                    store = train(f"s3://{BUCKET}/train-run", a.train_steps, data, tmp / "cache")
+                    sync = sync_upload_s(tmp / "cache", f"s3://{BUCKET}/train-run")
+                    runs.append((local, store, sync))
+                    print(f"train round {r + 1}: local {local['samples_per_s']:.2f}, store {store['samples_per_s']:.2f}"
+                          f" samples/s; synchronous upload {sync:.2f} s", flush=True)
+        finally:
+            server.terminate()
+    print("\n| measure | local | store | store / local | goal |\n|---|---:|---:|---:|---|")
+    med = statistics.median
+    la, lb = med(x[1] for x in loader), med(x[2] for x in loader)
+    print(f"| loader rows/s (median of {len(loader)} rounds, {a.rows:,} rows) | {la:,.0f} | {lb:,.0f} | {lb / la:.3f}"
+          " | >= 0.9 |")
+    for i, (local, store, sync) in enumerate(runs, 1):
+        print(f"| training samples/s, round {i} ({a.train_steps} steps, checkpoint every 10) |"
+              f" {local['samples_per_s']:.2f} | {store['samples_per_s']:.2f} |"
+              f" {store['samples_per_s'] / local['samples_per_s']:.3f} | >= 0.97 |")
+        ups = [r for r in store["records"] if r.get("kind") == "checkpoint"]
+        blocked = med(r["blocked_s"] for r in ups)
+        print(f"| blocked_s per checkpoint (median of {len(ups)}) against a synchronous upload, round {i} |"
+              f" {sync:.2f} (sync) | {blocked:.2f} | {blocked / sync:.3f} | <= 0.2 |")
+        print(f"| upload_s per checkpoint in the background (median), round {i} | - |"
+              f" {med(r['upload_s'] for r in ups):.2f} | - | - |")
+
+
+if __name__ == "__main__":
+    main()
