@@ -56,17 +56,23 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
     return proc, endpoint
 
 
-def loader_rate(manifest) -> float:
+def loader_rate(manifest, server=None) -> tuple[float, float, float]:
+    """(rows/s, this process's CPU seconds, the S3 server's CPU seconds) of one epoch of rank 0 of 2."""
+    import psutil
+
     from torchloom.data import ShardedLoader
 
+    me = psutil.Process()
+    cpu0, srv0 = sum(me.cpu_times()[:2]), sum(server.cpu_times()[:2]) if server else 0.0
     loader = ShardedLoader(manifest, "train", rank=0, world_size=2, batch_size=8, seed=0)
     started, rows = time.perf_counter(), 0
     for batch in loader:
         rows += len(batch["labels"])
-    return rows / (time.perf_counter() - started)
+    rate = rows / (time.perf_counter() - started)
+    return rate, sum(me.cpu_times()[:2]) - cpu0, (sum(server.cpu_times()[:2]) - srv0) if server else 0.0
 
 
-def bench_loader(tmp: Path, rows: int, rounds: int) -> list[tuple[str, float, float]]:
+def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tuple]:
     from dataclasses import replace
 
     from torchloom import storage
@@ -77,11 +83,15 @@ def bench_loader(tmp: Path, rows: int, rounds: int) -> list[tuple[str, float, fl
     uri = f"s3://{BUCKET}/loader/data"
     storage.push_tree(tmp / "data", uri, last=("manifest.json",))
     remote = replace(local, root=uri)
+    import psutil
+
+    server = psutil.Process(server_pid)
     out = []
     for r in range(rounds):
-        a, b = loader_rate(local), loader_rate(remote)
-        out.append((f"round {r + 1}", a, b))
-        print(f"loader round {r + 1}: local {a:,.0f} rows/s, store {b:,.0f} rows/s ({b / a:.3f}x)", flush=True)
+        (a, cpu_a, _), (b, cpu_b, srv) = loader_rate(local), loader_rate(remote, server)
+        out.append((f"round {r + 1}", a, b, cpu_b / cpu_a, srv))
+        print(f"loader round {r + 1}: local {a:,.0f} rows/s, store {b:,.0f} rows/s ({b / a:.3f}x); the loader's CPU"
+              f" {cpu_b / cpu_a:.2f}x local's; the S3 server's CPU {srv:.2f} s (on the same cores)", flush=True)
     return out
 
 
@@ -150,7 +160,7 @@ def main() -> None:
         tmp = Path(t)
         server, endpoint = start_server(tmp / "moto.log")
         try:
-            loader = bench_loader(tmp, a.rows, a.rounds)
+            loader = bench_loader(tmp, a.rows, a.rounds, server.pid)
             runs = []
             if not a.skip_train:
                 data = prepared_demo(tmp)
@@ -168,6 +178,9 @@ def main() -> None:
     la, lb = med(x[1] for x in loader), med(x[2] for x in loader)
     print(f"| loader rows/s (median of {len(loader)} rounds, {a.rows:,} rows) | {la:,.0f} | {lb:,.0f} | {lb / la:.3f}"
           " | >= 0.9 |")
+    print(f"| loader CPU seconds per epoch, store / local (median); the S3 server's CPU on the same cores |"
+          f" 1.00 | {med(x[3] for x in loader):.2f} | {1 / med(x[3] for x in loader):.3f} (CPU-bound bound) |"
+          f" {med(x[4] for x in loader):.2f} s |")
     for i, (local, store, sync) in enumerate(runs, 1):
         print(f"| training samples/s, round {i} ({a.train_steps} steps, checkpoint every 10) |"
               f" {local['samples_per_s']:.2f} | {store['samples_per_s']:.2f} |"

@@ -105,8 +105,14 @@ def test_bad_store_uris_are_one_line_before_any_work(s3):
         storage.resolve("ftp://host/x")
     with pytest.raises(UserError, match=r"data.path s3://torchloom-test/none.csv: no such object"):
         storage.check_readable(uri("none.csv"), "data.path")
-    # credentials never reach a line
+    # credentials never reach a line, nor config.toml: a URI that carries them is refused
     assert storage.redact("s3://user:secret@bucket/x?X-Amz-Signature=abc") == "s3://bucket/x"
+    from torchloom.config import build
+    from torchloom.pipeline import check_stores
+
+    with pytest.raises(UserError, match=r"^output.dir s3://bucket/run: holds credentials") as e:
+        check_stores(build(None, ["--output.dir", "s3://key:secret@bucket/run"]))
+    assert "secret" not in str(e.value)
 
 
 def test_a_checkpoint_counts_on_the_store_only_once_its_meta_json_is_there(s3, cache):

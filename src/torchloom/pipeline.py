@@ -45,6 +45,10 @@ def check_stores(cfg: Config) -> None:
                             ("data.path", cfg.data.path, storage.check_readable),
                             ("data.val_path", cfg.data.val_path, storage.check_readable),
                             ("data.test_path", cfg.data.test_path, storage.check_readable)):
+        if storage.is_uri(uri) and storage.redact(uri) != uri:
+            raise UserError(f"{key} {storage.redact(uri)}: holds credentials (user:password@ or a query string);"
+                            " give them in the environment (AWS_ACCESS_KEY_ID ..., a profile, an instance role),"
+                            " never in the URI, which is written to config.toml and logs")
         if storage.is_uri(uri) and uri not in _STORES_CHECKED:
             if key.startswith("data.") and not cfg.prepare.spark_master.startswith("local"):
                 continue  # a Spark cluster reads it with its own connector and credentials

@@ -6,6 +6,7 @@ job must end at the local engine's weights, bit for bit, read back from the stor
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -15,7 +16,7 @@ import pytest
 from engine_reference import LAST, assert_same_weights, reference
 
 from cluster.netns import Cluster, unavailable
-from cluster.test_multihost import clean_env, rank_hosts, torchrun_argv
+from cluster.test_multihost import COMMON, clean_env, rank_hosts, torchloom, torchrun_argv
 
 pytest.importorskip("moto")
 reason = unavailable()
@@ -49,41 +50,124 @@ def setup(tmp_path_factory):
 
 
 def test_torchrun_on_two_hosts_sharing_only_an_s3_store_trains_the_local_weights(setup, tmp_path):
-    model = tmp_path / "model"  # installed on every host, as the package would be
-    shutil.copytree(setup["model"], model)
     with Cluster(["s", "b", "c"]) as hosts:
         s, b, c = hosts["s"], hosts["b"], hosts["c"]
-        caches = {h.name: tmp_path / f"cache-{h.name}" for h in (s, b, c)}
-        for h in (b, c):  # nothing of the run on a shared directory: the store connects them
-            h.hidden += [str(setup["root"]), *(str(p) for name, p in caches.items() if name != h.name)]
-        for p in caches.values():
-            p.mkdir()
-        port = 5000
-        endpoint = f"http://{s.name}:{port}"
-        env = clean_env(TMPDIR=str(tmp_path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", AWS_ENDPOINT_URL=endpoint,
-                        **CREDENTIALS)
-        logs = {h.name: tmp_path / f"{h.name}.log" for h in (s, b, c)}
-        s.popen([sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)], log=logs[s.name], env=env)
-        deadline = time.monotonic() + 60
-        while True:
-            up = s.run([sys.executable, "-c", UPLOAD, endpoint, BUCKET, str(setup["data"]), f"{RUN}/data"],
-                       env={**env, "TORCHLOOM_CACHE": str(caches[s.name])}, timeout=60)
-            if up.returncode == 0:
-                break
-            assert time.monotonic() < deadline, up.stderr[-2000:]
-            time.sleep(1)
+        env, caches, model = store_hosts(hosts, setup, tmp_path, [b, c], RUN)
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         argv = [a if a != str(setup["model"]) else str(model)
                 for a in torchrun_argv(Path("/unused"), setup, b.name, "tl-store", 0)]
         argv[argv.index("--output.dir") + 1] = RUN
+        logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c)}
         procs = [h.popen(argv, log=logs[h.name], env={**env, "TORCHLOOM_CACHE": str(caches[h.name])}) for h in (b, c)]
         for p in procs:
             p.wait(timeout=300)
         text = {h: p.read_text(errors="replace") for h, p in logs.items()}
         assert all(p.returncode == 0 for p in procs), text[b.name][-3000:] + text[c.name][-3000:]
         assert set(rank_hosts(text[b.name]).values()) == {b.name} and set(rank_hosts(text[c.name]).values()) == {c.name}
-        back = tmp_path / "back"
-        got = s.run([sys.executable, "-c", DOWNLOAD, f"{RUN}/checkpoints/{LAST}", str(back)],
-                    env={**env, "TORCHLOOM_CACHE": str(caches[s.name])}, timeout=120)
-        assert got.returncode == 0, got.stderr[-2000:]
+        back = weights_from_store(s, env, caches, RUN, tmp_path)
     assert (back / "meta.json").is_file()
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
+
+
+def store_hosts(hosts, setup, tmp_path: Path, workers: list, run: str) -> tuple[dict, dict, Path]:
+    """The S3 server on host s with the prepared data uploaded; each host a private cache, the others' and the
+    reference hidden from the workers. Returns (env for all, caches by host, the model dir every host has)."""
+    s = hosts["s"]
+    model = tmp_path / "model"
+    shutil.copytree(setup["model"], model)
+    caches = {h.name: tmp_path / f"cache-{h.name}" for h in hosts.hosts.values()}
+    for p in caches.values():
+        p.mkdir()
+    for h in workers:
+        h.hidden += [str(setup["root"]), *(str(p) for name, p in caches.items() if name != h.name)]
+    endpoint = f"http://{s.name}:5000"
+    env = clean_env(TMPDIR=str(tmp_path), AWS_ENDPOINT_URL=endpoint, **CREDENTIALS)
+    s.popen([sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", "5000"], log=tmp_path / "s3.log", env=env)
+    deadline = time.monotonic() + 60
+    while True:
+        up = s.run([sys.executable, "-c", UPLOAD, endpoint, BUCKET, str(setup["data"]), f"{run}/data"],
+                   env={**env, "TORCHLOOM_CACHE": str(caches[s.name])}, timeout=60)
+        if up.returncode == 0:
+            return env, caches, model
+        assert time.monotonic() < deadline, up.stderr[-2000:]
+        time.sleep(1)
+
+
+def from_store(s, env: dict, caches: dict, uri: str, dest: Path) -> Path:
+    """Download a prefix of the store, on the store's host (the test process is outside the namespaces)."""
+    got = s.run([sys.executable, "-c", DOWNLOAD, uri, str(dest)], env={**env, "TORCHLOOM_CACHE": str(caches[s.name])},
+                timeout=120)
+    assert got.returncode == 0, got.stderr[-2000:]
+    return dest
+
+
+def weights_from_store(s, env: dict, caches: dict, run: str, tmp_path: Path) -> Path:
+    return from_store(s, env, caches, f"{run}/checkpoints/{LAST}", tmp_path / "back")
+
+
+def placement_hosts(logs: Path) -> set[str]:
+    """The hosts the ranks ran on, from the placement files they uploaded."""
+    return {json.loads(p.read_text())["host"] for p in logs.glob("placement-*.json")}
+
+
+def test_ray_head_and_two_nodes_sharing_only_an_s3_store_train_the_local_weights(setup, tmp_path):
+    import secrets
+    import tempfile
+
+    with Cluster(["s", "a", "b", "c"]) as hosts:
+        s, a, b, c = (hosts[n] for n in "sabc")
+        env, caches, model = store_hosts(hosts, setup, tmp_path, [a, b, c], f"{RUN}-ray")
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
+                   PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, b, c)}
+        try:
+            for h in (a, b, c):  # each node's workers inherit its environment: its own cache
+                start = ["ray", "start", "--node-ip-address", h.address, "--temp-dir", temps[h.name]]
+                start += (["--head", "--port", "6379", "--num-cpus", "0", "--disable-usage-stats"] if h is a
+                          else ["--address", f"{a.address}:6379", "--num-cpus", "1"])
+                out = h.run(start, env={**env, "TORCHLOOM_CACHE": str(caches[h.name])}, timeout=120)
+                assert out.returncode == 0, out.stderr[-3000:]
+            proc = torchloom(a, ["train", "--output.dir", f"{RUN}-ray", "--engine.name", "ray",
+                                 "--engine.ray_address", f"{a.address}:6379", "--engine.cpus_per_worker", "1",
+                                 "--model.path", str(model), *COMMON],
+                             {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 420, tmp_path / "driver.log")
+            back = weights_from_store(s, env, caches, f"{RUN}-ray", tmp_path)
+            logs = from_store(s, env, caches, f"{RUN}-ray/logs", tmp_path / "logs")
+        finally:
+            for t in temps.values():
+                shutil.rmtree(t, ignore_errors=True)
+    # the driver on a read rank 0's result (on b or c) from the store, and the weights are the local engine's
+    assert "train: 13 steps" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    assert placement_hosts(logs) == {b.name, c.name}  # the head has no CPUs: the ranks ran on b and c
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
+
+
+def test_spark_standalone_workers_sharing_only_an_s3_store_train_the_local_weights(setup, tmp_path):
+    from cluster.test_multihost import spark_class, wait_for
+
+    with Cluster(["s", "a", "b", "c"]) as hosts:
+        s, a, b, c = (hosts[n] for n in "sabc")
+        env, caches, model = store_hosts(hosts, setup, tmp_path, [a, b, c], f"{RUN}-spark")
+        env.update(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1")
+        master_log = tmp_path / "master.log"
+        a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
+                 "--webui-port", "8080"], log=master_log, env=env)
+        worker_logs = []
+        for h in (b, c):  # executors inherit their worker's environment: its own cache
+            worker_logs.append(tmp_path / f"worker-{h.name}.log")
+            h.popen([spark_class(), "org.apache.spark.deploy.worker.Worker", f"spark://{a.name}:7077",
+                     "--host", h.name, "--cores", "1", "--memory", "1500m", "--webui-port", "8081",
+                     "--work-dir", str(tmp_path / f"work-{h.name}")], log=worker_logs[-1],
+                    env={**env, "TORCHLOOM_CACHE": str(caches[h.name])})
+        wait_for("two Spark workers registered with the master",
+                 lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 2,
+                 120, [master_log, *worker_logs])
+        proc = torchloom(a, ["train", "--output.dir", f"{RUN}-spark", "--engine.name", "spark",
+                             "--prepare.spark_master", f"spark://{a.name}:7077", "--model.path", str(model), *COMMON],
+                         {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 420, tmp_path / "driver.log")
+        back = weights_from_store(s, env, caches, f"{RUN}-spark", tmp_path)
+        logs = from_store(s, env, caches, f"{RUN}-spark/logs", tmp_path / "logs")
+    assert placement_hosts(logs) == {b.name, c.name}, proc.stderr[-3000:]  # one rank per executor host
+    assert {p.name for p in logs.glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}  # their output reached the store
+    assert "train: 13 steps" in proc.stdout + proc.stderr
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)

@@ -116,8 +116,9 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-# engine.workers auto without GPUs: 1 process with every core against 2 with half each, measured on 2 cores
-# (docs/benchmarks.md, "Workers on a CPU"). Set by the measurement below.
+# engine.workers auto without GPUs: 2 processes of one thread each trained 1.04x as fast as 1 process with both
+# threads on a 2-core machine, and a 2-thread process stalls when one core is taken (docs/benchmarks.md,
+# "Precision and workers on an AVX2-only CPU", benchmarks/workers.py).
 CPU_WORKERS = 2
 
 

@@ -7,6 +7,8 @@ row groups that overlap it.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +134,10 @@ class RangeReader:
     `rows_read` counts the rows returned, for tests and benchmarks.
     """
 
+    # Shards on a store: each row group is a ranged GET (or a few) whose latency would stall the reader, so the
+    # next PREFETCH row groups of a slot are read in the background, each on its own worker's file handle.
+    PREFETCH = 4
+
     def __init__(self, uris: list[str], groups: list[RowGroup]):
         self._uris = uris
         self._groups = groups
@@ -139,6 +145,10 @@ class RangeReader:
         self._files: dict[int, pq.ParquetFile] = {}
         self._last: dict[int, tuple[RowGroup, pa.Table]] = {}
         self.rows_read = 0
+        self._remote = any("://" in u for u in uris)
+        self._pool = None
+        self._ahead: dict[int, dict[int, Future]] = {}  # slot -> {group position: its read}
+        self._local = threading.local()
 
     def read(self, start: int, stop: int, slot: int = 0) -> pa.Table:
         """Columns input_ids, label_id and index (the row's position in the split, manifest order)."""
@@ -147,7 +157,7 @@ class RangeReader:
         j = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
             group = self._groups[j]
-            table = self._read_group(group, slot)
+            table = self._prefetched(j, slot) if self._remote else self._read_group(group, slot)
             lo = start - int(self._starts[j])
             hi = min(stop - int(self._starts[j]), group.rows)
             part = table.slice(lo, hi - lo)
@@ -164,15 +174,52 @@ class RangeReader:
         if group.shard not in self._files:
             self._files[group.shard] = _open(self._uris[group.shard])
         table = self._files[group.shard].read_row_group(group.index, columns=READ_COLUMNS)
+        self._check_rows(group, table)
+        self._last[slot] = (group, table)
+        return table
+
+    def _prefetched(self, j: int, slot: int) -> pa.Table:
+        """Row group j of a remote shard, read ahead: the next PREFETCH of this slot are in flight."""
+        last = self._last.get(slot)
+        if last is not None and last[0] == self._groups[j]:
+            return last[1]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.PREFETCH, thread_name_prefix="torchloom-prefetch")
+        ahead = self._ahead.setdefault(slot, {})
+        for k in list(ahead):
+            if k < j or k >= j + self.PREFETCH:  # the slot moved on (or jumped): drop what it will not read
+                ahead.pop(k).cancel()
+        for k in range(j, min(j + self.PREFETCH, len(self._groups))):
+            if k not in ahead:
+                ahead[k] = self._pool.submit(self._read_remote, k)
+        table = ahead.pop(j).result()
+        self._last[slot] = (self._groups[j], table)
+        return table
+
+    def _read_remote(self, j: int) -> pa.Table:
+        group = self._groups[j]
+        files = self._local.__dict__.setdefault("files", {})  # pyarrow files are not shared across threads
+        if group.shard not in files:
+            files[group.shard] = _open(self._uris[group.shard])
+        table = files[group.shard].read_row_group(group.index, columns=READ_COLUMNS)
+        self._check_rows(group, table)
+        return table
+
+    def _check_rows(self, group: RowGroup, table: pa.Table) -> None:
         if table.num_rows != group.rows:
             raise UserError(
                 f"{self._uris[group.shard]}: row group {group.index} has {table.num_rows} rows, the manifest"
                 f" says {group.rows}; the data changed after prepare, prepare it again"
             )
-        self._last[slot] = (group, table)
-        return table
 
     def close(self) -> None:
+        for ahead in self._ahead.values():
+            for f in ahead.values():
+                f.cancel()
+        self._ahead.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for f in self._files.values():
             f.close()
         self._files.clear()

@@ -43,6 +43,11 @@ class RunDirNotVisible(UserError):
 
 
 def not_visible(rd: RunDir, hosts: list[str]) -> RunDirNotVisible:
+    if rd.remote:
+        return RunDirNotVisible(
+            f"output.dir {rd.where}: the store's prepared data ({rd.home(rd.manifest)}) cannot be read from"
+            f" host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}; give those hosts the store's credentials"
+            " (AWS_ACCESS_KEY_ID ..., a profile, an instance role) and AWS_ENDPOINT_URL")
     return RunDirNotVisible(
         f"output.dir {rd.root}: not visible on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} (no"
         f" {rd.manifest.relative_to(rd.root)} there); put the run directory on storage every host mounts at the same"

@@ -49,13 +49,23 @@ def wants_gpu(cfg: Config, spark) -> bool:
 
 
 def _sees(manifest: str):
+    def visible() -> bool:
+        if "://" not in manifest:
+            return os.path.isfile(manifest)
+        from torchloom import storage  # a run on a store: the executor's host must reach it
+
+        try:
+            return storage.exists(manifest)
+        except Exception:
+            return False
+
     def check(batches):
         import socket
 
         import pandas as pd
 
         for _ in batches:
-            yield pd.DataFrame({"host": [socket.gethostname()], "visible": [os.path.isfile(manifest)]})
+            yield pd.DataFrame({"host": [socket.gethostname()], "visible": [visible()]})
     return check
 
 
@@ -64,7 +74,7 @@ def check_executors_see(spark, rd: RunDir, workers: int) -> None:
     each task's host and whether it sees the run directory. A host without it fails the launch in
     seconds with one line, where the training processes would fail one by one, retried."""
     rows = (spark.range(0, workers, 1, workers)
-            .mapInPandas(_sees(str(rd.manifest)), schema="host string, visible boolean", barrier=True).collect())
+            .mapInPandas(_sees(rd.home(rd.manifest)), schema="host string, visible boolean", barrier=True).collect())
     blind = sorted({r.host for r in rows if not r.visible})
     if blind:
         raise not_visible(rd, blind)
