@@ -199,6 +199,7 @@ def test_run_on_the_store_leaves_the_whole_run_there(store_run):
     uploads = [r for r in records if r["kind"] == "checkpoint"]
     assert uploads and all(r["upload_s"] >= 0 and r["blocked_s"] >= 0 for r in uploads)
     assert json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))["uploads"]["checkpoints_uploaded"]
+    assert summary["uploads"]["checkpoints_uploaded"] == len(uploads) and summary["uploads"]["blocked_s"] >= 0
     assert "testing-secret" not in proc.stdout + proc.stderr
 
 

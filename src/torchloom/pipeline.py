@@ -482,6 +482,8 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         "precision": result.precision, "precision_reason": result.precision_reason,
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
     }
+    if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
+        summary["uploads"] = result.uploads
     cmp = ev.get("baseline")
     if cmp:
         summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain")}

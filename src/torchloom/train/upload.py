@@ -57,13 +57,25 @@ class CheckpointUploader:
     def _upload(self, checkpoint_dir: Path, step: int, blocked_s: float) -> None:
         started = time.perf_counter()
         try:
-            size = storage.push_tree(checkpoint_dir, storage.join(self.rd.remote, "checkpoints", checkpoint_dir.name),
-                                     last=("meta.json",))
+            uri = storage.join(self.rd.remote, "checkpoints", checkpoint_dir.name)
+            size = storage.push_tree(checkpoint_dir, uri, last=("meta.json",))
+            self._verify(checkpoint_dir, uri)
             self._prune()
             self._done = {"kind": "checkpoint", "step": step, "bytes": size, "blocked_s": round(blocked_s, 3),
                           "upload_s": round(time.perf_counter() - started, 3)}
         except BaseException as e:  # raised in the training thread at the next wait()
             self._error = e
+
+    @staticmethod
+    def _verify(checkpoint_dir: Path, uri: str) -> None:
+        """Every file of the checkpoint is on the store at its local size (the hashes are in meta.json, which
+        resume checks); a store that lost or cut an object fails the upload here, not at resume."""
+        local = {p.relative_to(checkpoint_dir).as_posix(): p.stat().st_size
+                 for p in checkpoint_dir.rglob("*") if p.is_file()}
+        remote = storage.list_files(uri)
+        wrong = sorted(name for name, size in local.items() if remote.get(name) != size)
+        if wrong:
+            raise OSError(f"{uri}: after the upload {wrong[0]} is missing or of another size on the store")
 
     def _prune(self) -> None:
         """The store keeps the checkpoints the local directory kept (keep_last and the best)."""
