@@ -1,7 +1,8 @@
-"""Hosts that share nothing but an S3 store (issue 28): torchrun on two hosts, the run on s3:// served by a
-real S3 server (moto's) on a host of its own. No host sees another's files: each has a private cache (its
-staging copy of the run), the others' are hidden, and so are the prepared data and the reference run. The
-job must end at the local engine's weights, bit for bit, read back from the store.
+"""Hosts that share nothing but an S3 store (issue 28): Ray (head + 2 nodes), Spark standalone (2 worker
+hosts) and torchrun (2 nodes, one of them lost and replaced), the run on s3:// served by a real S3 server
+(moto's) on a host of its own. No host sees another's files: each has a private cache (its staging copy of
+the run), the others' are hidden, and so are the prepared data and the reference run. Every job must end at
+the local engine's weights, bit for bit, read back from the store.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from engine_reference import LAST, assert_same_weights, reference
 
 from cluster.netns import Cluster, unavailable
-from cluster.test_multihost import COMMON, clean_env, rank_hosts, torchloom, torchrun_argv
+from cluster.test_multihost import COMMON, clean_env, torchloom, torchrun_argv
 
 pytest.importorskip("moto")
 reason = unavailable()
@@ -47,26 +48,6 @@ storage.pull_tree(sys.argv[1], sys.argv[2])
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("store"))
-
-
-def test_torchrun_on_two_hosts_sharing_only_an_s3_store_trains_the_local_weights(setup, tmp_path):
-    with Cluster(["s", "b", "c"]) as hosts:
-        s, b, c = hosts["s"], hosts["b"], hosts["c"]
-        env, caches, model = store_hosts(hosts, setup, tmp_path, [b, c], RUN)
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        argv = [a if a != str(setup["model"]) else str(model)
-                for a in torchrun_argv(Path("/unused"), setup, b.name, "tl-store", 0)]
-        argv[argv.index("--output.dir") + 1] = RUN
-        logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c)}
-        procs = [h.popen(argv, log=logs[h.name], env={**env, "TORCHLOOM_CACHE": str(caches[h.name])}) for h in (b, c)]
-        for p in procs:
-            p.wait(timeout=300)
-        text = {h: p.read_text(errors="replace") for h, p in logs.items()}
-        assert all(p.returncode == 0 for p in procs), text[b.name][-3000:] + text[c.name][-3000:]
-        assert set(rank_hosts(text[b.name]).values()) == {b.name} and set(rank_hosts(text[c.name]).values()) == {c.name}
-        back = weights_from_store(s, env, caches, RUN, tmp_path)
-    assert (back / "meta.json").is_file()
-    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
 
 
 def store_hosts(hosts, setup, tmp_path: Path, workers: list, run: str) -> tuple[dict, dict, Path]:
@@ -170,4 +151,37 @@ def test_spark_standalone_workers_sharing_only_an_s3_store_train_the_local_weigh
     assert placement_hosts(logs) == {b.name, c.name}, proc.stderr[-3000:]  # one rank per executor host
     assert {p.name for p in logs.glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}  # their output reached the store
     assert "train: 13 steps" in proc.stdout + proc.stderr
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
+
+
+def test_torchrun_on_the_store_survives_the_loss_of_a_host_and_resumes_from_the_store(setup, tmp_path):
+    # As tests/cluster/test_multihost.py's torchrun loss, with no shared directory: the rank on c stops
+    # answering at step 8 (after the step-5 checkpoint reached the store), c goes, a replacement node on d (an
+    # empty cache) joins; d's rank takes the step-5 checkpoint and the data from the store.
+    from cluster.test_multihost import wait_for
+
+    with Cluster(["s", "b", "c", "d"]) as hosts:
+        s, b, c, d = (hosts[n] for n in "sbcd")
+        run = f"{RUN}-loss"
+        env, caches, model = store_hosts(hosts, setup, tmp_path, [b, c, d], run)
+        env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCHLOOM_FAULT=f"host={c.name},step=8,kind=hang")
+        argv = [x if x != str(setup["model"]) else str(model)
+                for x in torchrun_argv(Path("/unused"), setup, b.name, "tl-store-loss", 3,
+                                       "--engine.collective_timeout_s", "15")]
+        argv[argv.index("--output.dir") + 1] = run
+        logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c, d)}
+        survivor = b.popen(argv, log=logs[b.name], env={**env, "TORCHLOOM_CACHE": str(caches[b.name])})
+        c.popen(argv, log=logs[c.name], env={**env, "TORCHLOOM_CACHE": str(caches[c.name])})
+        wait_for("the rank on c to stop at step 8", lambda: any(caches[c.name].rglob("fault-fired-*")), 240,
+                 list(logs.values()))
+        c.link_down()
+        c.kill_all()
+        replacement = d.popen(argv, log=logs[d.name], env={**env, "TORCHLOOM_CACHE": str(caches[d.name])})
+        for p in (survivor, replacement):
+            p.wait(timeout=300)
+        text = {h: p.read_text(errors="replace") for h, p in logs.items()}
+        assert survivor.returncode == 0 and replacement.returncode == 0, text[b.name][-3000:] + text[d.name][-3000:]
+        back = weights_from_store(s, env, caches, run, tmp_path)
+    assert "resuming from the latest checkpoint in s3://" in text[d.name], text[d.name][-3000:]
+    assert any(caches[d.name].rglob("step-5/meta.json"))  # d took the checkpoint from the store
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)

@@ -21,7 +21,7 @@ from torchloom import storage
 from torchloom.config import Config
 from torchloom.engines.common import NOT_A_CAUSE, TrainingFailed, describe_loss, failure_cause, is_peer_loss
 from torchloom.engines.progress import LogTailer, ProgressMonitor
-from torchloom.errors import UserError, message_line
+from torchloom.errors import UserError, first_line, message_line
 from torchloom.rundir import RunDir, read_json
 from torchloom.train.result import TrainResult
 
@@ -78,17 +78,27 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     count = cfg.engine.max_restarts + 1
     with driver_stream(quiet) as stream:
         for number in range(count):
-            storage.pull(rd, rd.logs)  # a run on a store: what the workers of other hosts recorded so far
+            pull_quietly(rd, rd.logs)  # a run on a store: what the workers of other hosts recorded so far
             try:
                 tailer = LogTailer(rd, stream=stream) if tail_logs else contextlib.nullcontext()
                 with ProgressMonitor(rd, stream=stream), tailer:
                     launch_once(Attempt(launch_id, number, launched_at))
                 break
             except failures as e:  # the engine wraps the workers' failure; our error files hold the real one
-                storage.pull(rd, rd.logs)
+                pull_quietly(rd, rd.logs)
                 rerun_or_raise(rd, launch_id, number, count, e, engine_label)
-    storage.pull(rd, rd.logs, rd.metrics, rd.progress)
+    pull_quietly(rd, rd.logs, rd.metrics, rd.progress)
     return read_result(rd, launch_id)
+
+
+def pull_quietly(rd: RunDir, *paths) -> None:
+    """A run on a store: the workers' files from it. A store that does not answer now must not hide the
+    workers' own error (the driver then reports what this host has), so its failure is a warning."""
+    try:
+        storage.pull(rd, *paths)
+    except Exception as e:
+        print(f"torchloom: warning: could not read the workers' files from {rd.where} ({first_line(e)})",
+              file=sys.stderr, flush=True)
 
 
 def read_result(rd: RunDir, launch_id: str) -> TrainResult:

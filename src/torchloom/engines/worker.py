@@ -145,7 +145,16 @@ def publish(rd: RunDir, *paths) -> None:
 
 
 def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
-    """Record where this rank starts; returns how often it started before in this launch (0: first)."""
+    """Record where this rank starts; returns how often it started before in this launch (0: first). A run on
+    a store counts the starts the store holds: a replacement host has none of its own."""
+    if rd.remote:
+        from torchloom import storage
+
+        try:
+            storage.pull(rd, rd.logs)  # placements and errors of the ranks before this start, from every host
+        except Exception as e:
+            print(f"torchloom: warning: could not read {rd.home(rd.logs)} ({first_line(e)})", file=sys.stderr,
+                  flush=True)
     start = len(rd.placements(launch_id, rank=rank))
     rd.logs.mkdir(parents=True, exist_ok=True)
     write_json(rd.placement_file(launch_id, rank, start), {"rank": rank, "host": socket.gethostname(),
@@ -206,7 +215,7 @@ def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int
         cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
     loss = describe_loss(rd, launch_id, starts - 1)
     print(f"restart {starts}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
-          f" {rd.checkpoints}", flush=True)
+          f" {rd.home(rd.checkpoints)}", flush=True)
     return cfg_dict
 
 

@@ -1,0 +1,190 @@
+"""Store faults with the real server: the S3 server (moto, over HTTP) behind a TCP proxy on 127.0.0.1 that the
+test can cut (the store stops answering, halfway through a checkpoint's upload) or slow down (latency on every
+chunk). Training runs on the local engine with its run on s3://; nothing is mocked."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+pytest.importorskip("moto")
+
+from torchloom import storage  # noqa: E402
+from torchloom.data.synthetic import write_synthetic_dataset  # noqa: E402
+
+BUCKET = "faults"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "faults", "AWS_SECRET_ACCESS_KEY": "faults-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+class Proxy:
+    """Forwards 127.0.0.1:port to the S3 server. `cut_on(marker)`: the first request whose bytes hold
+    `marker` closes every connection and every later one (the store is gone) until `restore()`.
+    `delay_s`: each chunk from the client waits this long (a slow store)."""
+
+    def __init__(self, target: int):
+        self.target, self.port = target, free_port()
+        self.marker: bytes | None = None
+        self.down = threading.Event()
+        self.cut_seen = threading.Event()
+        self.delay_s = 0.0
+        self.conns: list[socket.socket] = []
+        self.server = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def cut_on(self, marker: bytes) -> None:
+        self.marker = marker
+
+    def restore(self) -> None:
+        self.marker = None
+        self.down.clear()
+
+    def _accept(self) -> None:
+        while True:
+            client, _ = self.server.accept()
+            if self.down.is_set():
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.conns += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if from_client and self.marker and self.marker in chunk:
+                    self._cut()
+                    return
+                if from_client and self.delay_s:
+                    time.sleep(self.delay_s)
+                if self.down.is_set():
+                    return
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def _cut(self) -> None:
+        self.down.set()
+        self.cut_seen.set()
+        for s in self.conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+        self.conns.clear()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The S3 server, a proxy in front of it, the bucket, and prepared data; this process talks to the
+    server through the proxy as the training processes do."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(300):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    proxy = Proxy(port)
+    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
+    os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
+    storage._filesystem.cache_clear()
+    from pyarrow import fs as pafs
+
+    pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", scheme="http", allow_bucket_creation=True,
+                      region="us-east-1").create_dir(BUCKET)
+    data = tmp_path_factory.mktemp("prepared") / "data"
+    write_synthetic_dataset(data, rows={"train": 48, "val": 16, "test": 16})  # 6 steps of 8
+    yield proxy, data
+    proc.terminate()
+    proc.wait(timeout=10)
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    storage._filesystem.cache_clear()
+
+
+def start_train(run: str, data: Path, model: str, cache: Path, *extra: str) -> subprocess.Popen:
+    storage.push_tree(data, storage.join(run, "data"), last=("manifest.json",))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--model.path", model,
+                             "--train.precision", "fp32", "--train.batch_size", "8", "--engine.workers", "2",
+                             "--engine.threads_per_worker", "1", "--train.epochs", "1", "--train.checkpoint_every",
+                             "3", "--train.keep_last", "5", "--tracking.enabled", "false", "--engine.max_restarts",
+                             "0", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def checkpoints_on_store(run: str) -> dict[int, bool]:
+    """{step: complete (meta.json there)} of the checkpoints on the store."""
+    out: dict[int, bool] = {}
+    for rel in storage.list_files(storage.join(run, "checkpoints")):
+        step = int(rel.split("/")[0].removeprefix("step-"))
+        out[step] = out.get(step, False) or rel.endswith("/meta.json")
+    return out
+
+
+def test_the_store_stopping_halfway_through_an_upload_leaves_the_previous_checkpoint_the_one_resumed(
+        store, tiny_model_dir, tmp_path):
+    proxy, data = store
+    run = f"s3://{BUCKET}/runs/cut"
+    proxy.cut_on(f"/{BUCKET}/runs/cut/checkpoints/step-6/".encode())  # the second checkpoint's first object
+    proc = start_train(run, data, tiny_model_dir, tmp_path / "host-a")
+    out, err = proc.communicate(timeout=300)
+    assert proxy.cut_seen.is_set(), err[-3000:]
+    # training fails with one line that names the store, not a traceback
+    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    errors = [x for x in err.splitlines() if x.startswith("torchloom: error:")]
+    assert len(errors) == 1 and "s3://faults/runs/cut" in errors[0], err[-3000:]
+    proxy.restore()
+    on_store = checkpoints_on_store(run)
+    assert on_store.get(3) is True and not on_store.get(6), on_store  # step 6 never completed
+    # another host resumes from the store: the newest complete checkpoint is step 3
+    resumed = start_train(run, data, tiny_model_dir, tmp_path / "host-b", "--train.resume", "latest")
+    out, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    result = json.loads(storage.read_bytes(storage.join(run, "train_result.json")))
+    assert result["resumed_at_step"] == 3 and result["steps"] == 6 and result["uploads"]["checkpoints_uploaded"] == 1
+    assert checkpoints_on_store(run).get(6) is True
+
+
+def test_a_slow_store_makes_training_wait_only_for_the_upload_still_in_flight(store, tiny_model_dir, tmp_path):
+    proxy, data = store
+    run = f"s3://{BUCKET}/runs/slow"
+    proxy.delay_s = 0.02  # every chunk from the client: a slow link to the store
+    try:
+        proc = start_train(run, data, tiny_model_dir, tmp_path / "host", "--train.checkpoint_every", "2",
+                           "--train.keep_last", "10")
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proxy.delay_s = 0.0
+    assert proc.returncode == 0, err[-3000:]
+    records = [json.loads(x) for x in storage.read_bytes(storage.join(run, "metrics.jsonl")).splitlines()]
+    uploads = sorted((r for r in records if r["kind"] == "checkpoint"), key=lambda r: r["step"])
+    assert [r["step"] for r in uploads] == [2, 4, 6]
+    # backpressure: a checkpoint waits for the previous upload and for nothing else (at most its upload time)
+    for before, r in zip(uploads, uploads[1:]):
+        assert r["blocked_s"] <= before["upload_s"] + 0.5, (before, r)
+    assert uploads[0]["blocked_s"] < 0.5 and any(r["blocked_s"] > 0 for r in uploads[1:])
+    assert checkpoints_on_store(run) == {2: True, 4: True, 6: True}
