@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import s3_server
 
 pytest.importorskip("moto")
 
@@ -31,37 +30,8 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 def s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 with one bucket; this process and its children reach it through
     AWS_ENDPOINT_URL, as a user's S3-compatible store."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("the moto S3 server did not start")
-    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
-    os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
-    storage._filesystem.cache_clear()
-    from pyarrow import fs as pafs
-
-    pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True,
-                      region="us-east-1").create_dir(BUCKET)
-    yield endpoint
-    proc.terminate()
-    proc.wait(timeout=10)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    storage._filesystem.cache_clear()
+    with s3_server(tmp_path_factory.mktemp("moto"), BUCKET, CREDENTIALS) as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture

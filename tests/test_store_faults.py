@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import free_port, s3_server
 
 pytest.importorskip("moto")
 
@@ -95,35 +95,16 @@ class Proxy:
 def store(tmp_path_factory):
     """The S3 server, a proxy in front of it, the bucket, and prepared data; this process talks to the
     server through the proxy as the training processes do."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.2)
-    proxy = Proxy(port)
-    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
-    os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"})
-    storage._filesystem.cache_clear()
-    from pyarrow import fs as pafs
+    made: dict[str, Proxy] = {}
 
-    pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", scheme="http", allow_bucket_creation=True,
-                      region="us-east-1").create_dir(BUCKET)
-    data = tmp_path_factory.mktemp("prepared") / "data"
-    write_synthetic_dataset(data, rows={"train": 48, "val": 16, "test": 16})  # 6 steps of 8
-    yield proxy, data
-    proc.terminate()
-    proc.wait(timeout=10)
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    storage._filesystem.cache_clear()
+    def front(port: int) -> int:
+        made["proxy"] = Proxy(port)
+        return made["proxy"].port
+
+    with s3_server(tmp_path_factory.mktemp("moto"), BUCKET, CREDENTIALS, front=front):
+        data = tmp_path_factory.mktemp("prepared") / "data"
+        write_synthetic_dataset(data, rows={"train": 48, "val": 16, "test": 16})  # 6 steps of 8
+        yield made["proxy"], data
 
 
 def start_train(run: str, data: Path, model: str, cache: Path, *extra: str) -> subprocess.Popen:

@@ -115,12 +115,12 @@ class _In:
         return self if run is None else run.root.joinpath(*self.parts)
 
 
-_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # a storage URI's scheme
 
 
 def is_uri(path: str | os.PathLike | None) -> bool:
     """A storage URI (s3://bucket/prefix, gs://, abfs://, hdfs://), not a local path (file:// is local)."""
-    m = _URI.match(str(path or ""))
+    m = URI.match(str(path or ""))
     return bool(m) and m.group(1).lower() != "file"
 
 

@@ -26,17 +26,16 @@ import shutil
 from pathlib import Path
 
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir, cache_root, is_uri, redact, staging_dir  # noqa: F401 (re-exported)
+from torchloom.rundir import URI, RunDir, cache_root, is_uri, redact, staging_dir  # noqa: F401 (re-exported)
 
 # The schemes pyarrow.fs opens (hdfs:// and viewfs:// where libhdfs is installed).
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
            "hdfs": "hdfs", "viewfs": "viewfs"}
-_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
 
 
 def scheme(uri: str) -> str:
-    m = _URI.match(uri)
+    m = URI.match(uri)
     if not m:
         raise UserError(f"{redact(uri)}: not a storage URI; use s3://bucket/prefix, gs://..., abfs://... or a local"
                         " path")
@@ -73,7 +72,7 @@ def _filesystem(canonical_root: str):
 def resolve(uri: str):
     """(pyarrow filesystem, path inside it) for a store URI."""
     kind = scheme(uri)
-    rest = _URI.sub("", uri, count=1)
+    rest = URI.sub("", uri, count=1)
     bucket = rest.split("/", 1)[0]
     if not bucket:
         raise UserError(f"{redact(uri)}: no bucket in the URI; use {kind}://BUCKET/prefix")
@@ -187,13 +186,12 @@ def delete_tree(uri: str) -> None:
     fs, path = resolve(uri)
     try:
         fs.delete_dir_contents(path, missing_dir_ok=True)
-        for extra in (path,):  # a directory marker some stores keep
-            try:
-                fs.delete_dir(extra)
-            except OSError:
-                pass
     except OSError as e:
         raise _store_error(uri, "delete it", e) from None
+    try:
+        fs.delete_dir(path)  # a directory marker some stores keep
+    except OSError:
+        pass
 
 
 def open_input(uri: str):
@@ -293,17 +291,21 @@ def fetch_dir(uri: str, what: str) -> Path:
     return target
 
 
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _digests(directory: Path, listing: dict[str, int]) -> str:
     lines = []
     for rel in sorted(listing):
         p = directory / rel
         if not p.is_file() or p.stat().st_size != listing[rel]:
             return "missing"
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(CHUNK):
-                h.update(chunk)
-        lines.append(f"{rel} {listing[rel]} {h.hexdigest()}")
+        lines.append(f"{rel} {listing[rel]} {sha256_file(p)}")
     return "\n".join(lines)
 
 
@@ -345,19 +347,6 @@ def pull(rd: RunDir, *paths: str | Path) -> None:
                 download(uri, p)
             except FileNotFoundError:
                 pass
-
-
-def remove(rd: RunDir, path: str | Path) -> None:
-    """Delete a file or directory of the run from the store."""
-    if rd.remote is None:
-        return
-    uri = _remote_of(rd, path)
-    delete_tree(uri)
-    fs, key = resolve(uri)
-    try:
-        fs.delete_file(key)
-    except OSError:
-        pass  # it was a prefix, or nothing
 
 
 def pull_checkpoints(rd: RunDir) -> list[int]:

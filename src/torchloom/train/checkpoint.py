@@ -21,7 +21,6 @@ resume only checkpoints you wrote.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -37,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from torchloom.errors import UserError
+from torchloom.storage import sha256_file, upload
 from torchloom.train.distributed import Dist
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -160,11 +160,9 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
 
 def _upload_own_files(tmp: Path, uri: str) -> None:
     """This rank's files of a checkpoint (its RNG state, its shards), straight to the store."""
-    from torchloom import storage
-
     for p in sorted(tmp.rglob("*")):
         if p.is_file() and (p.name.startswith("rng-rank") or SHARDED_DIR in p.relative_to(tmp).parts):
-            storage.upload(p, f"{uri}/{p.relative_to(tmp).as_posix()}")
+            upload(p, f"{uri}/{p.relative_to(tmp).as_posix()}")
 
 
 def prune(root: Path, keep_last: int, keep: set[int]) -> None:
@@ -175,17 +173,9 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def file_digests(directory: Path) -> dict[str, dict]:
     """{relative path: {size, sha256}} of every file in a checkpoint directory but meta.json."""
-    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != META}
 
 
@@ -205,7 +195,7 @@ def damage(path: str | Path) -> str | None:
         size = f.stat().st_size
         if size != want["size"]:
             return f"{f} has {size} bytes, {want['size']} when written"
-        if _sha256(f) != want["sha256"]:
+        if sha256_file(f) != want["sha256"]:
             return f"{f} differs from what was written"
     return None
 
