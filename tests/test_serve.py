@@ -411,18 +411,27 @@ def texts_counted(server: Server, family: str) -> float:
     return sample_value(server.metrics(), family, f"{family}_total")
 
 
-def assert_gone_clients_texts_dropped(server: Server, predicted: float) -> None:
+def assert_gone_clients_texts_dropped(server: Server, predicted: float, attempts: int = 1) -> None:
+    """attempts > 1 where a proxy between client and model forwards the disconnect only at best (Ray Serve's
+    proxy, measured here: about one close in six never cancels the replica's call): each attempt whose texts
+    ran anyway is counted as predicted and tried again; one that drops them must come within `attempts`."""
     from urllib.parse import urlsplit
 
-    dropped = texts_counted(server, "torchloom_texts_dropped")
-    body = json.dumps({"texts": ["gone one", "gone two", "gone three"]}).encode()
-    url = urlsplit(server.url)
-    client = socket.create_connection((url.hostname, url.port))
-    client.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                   + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    wait_for(lambda: queue_depth(server) == 3)  # queued: the batch waits 1.5 s to fill
-    client.close()  # the client gives up before its batch runs
-    wait_for(lambda: texts_counted(server, "torchloom_texts_dropped") == dropped + 3)
+    for attempt in range(attempts):
+        dropped = texts_counted(server, "torchloom_texts_dropped")
+        body = json.dumps({"texts": ["gone one", "gone two", "gone three"]}).encode()
+        url = urlsplit(server.url)
+        client = socket.create_connection((url.hostname, url.port))
+        client.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                       + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_for(lambda: queue_depth(server) == 3)  # queued: the batch waits to fill
+        client.close()  # the client gives up before its batch runs
+        retry = attempt + 1 < attempts
+        wait_for(lambda d=dropped, p=predicted, r=retry: texts_counted(server, "torchloom_texts_dropped") == d + 3
+                 or (r and texts_counted(server, "torchloom_texts") == p + 3), 30)
+        if texts_counted(server, "torchloom_texts_dropped") == dropped + 3:
+            break
+        predicted += 3  # the disconnect never reached the model's side: its texts ran; try again
     assert queue_depth(server) == 0
     r = server.client.post("/v1/predict", json={"texts": ["kept"]})
     assert r.status_code == 200 and len(r.json()["predictions"]) == 1
@@ -883,8 +892,9 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
 @pytest.mark.slow
 def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_texts(faulty_model_dir, tmp_path):
     pytest.importorskip("ray.serve")
-    # A batch waits 8 s to fill: a closed connection reaches the replica through Ray's proxy, which on a
-    # loaded machine took longer than 4 s: the gone client's batch must not run first.
+    # A batch waits 8 s to fill, so a closed connection has time to reach the replica through Ray's proxy.
+    # Measured (2026-11-24, 20 s windows): 7 closes of 9 cancelled the replica's call within 0.04 s, 2 never
+    # did, whatever the wait; the drop is then tried up to 4 times (CI failed once on a single try).
     s = Server(faulty_model_dir, "--engine", "ray", "--port", str(free_port()), "--max-queue", "4",
                "--max-batch-size", "8", "--max-wait-ms", "8000", "--fixed-wait", "--device", "cpu",
                log_dir=tmp_path, ready_timeout=150)
@@ -904,7 +914,7 @@ def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_text
         assert result[0].status_code == 200 and len(result[0].json()["predictions"]) == 4
         assert s.client.post("/v1/predict", json={"texts": ["again"]}).status_code == 200
         # a client that closes early: its texts never reach the model
-        assert_gone_clients_texts_dropped(s, texts_counted(s, "torchloom_texts"))
+        assert_gone_clients_texts_dropped(s, texts_counted(s, "torchloom_texts"), attempts=4)
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()
