@@ -124,8 +124,8 @@ def wait_for_idle(max_wait: float, threshold: float = 0.85) -> float:
 # --- offline limit ---------------------------------------------------------------------------------------
 
 
-def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "torch", rounds: int = 3
-            ) -> dict[int, float]:
+def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "torch", rounds: int = 3,
+            device: str = "cpu") -> dict[int, float]:
     """Texts/s of Predictor.predict on lists of B texts, for each B in OFFLINE_BATCHES: the median of `rounds`
     rounds that time every B in turn (a noisy machine then moves all B alike instead of crowning the luckiest)."""
     import statistics
@@ -133,8 +133,8 @@ def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "t
     from torchloom.model.predict import Predictor
     from torchloom.serve.model import default_threads
 
-    predictors = {b: Predictor(model_dir, batch_size=b, runtime="torch" if runtime == "torch" else "onnx",
-                               threads=default_threads()) for b in OFFLINE_BATCHES}
+    predictors = {b: Predictor(model_dir, device=device, batch_size=b, threads=default_threads(),
+                               runtime="torch" if runtime == "torch" else "onnx") for b in OFFLINE_BATCHES}
     for b, predictor in predictors.items():
         predictor.predict(texts[:b])  # warm-up
     samples: dict[int, list[float]] = {b: [] for b in OFFLINE_BATCHES}
@@ -157,14 +157,14 @@ def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "t
 # --- servers ---------------------------------------------------------------------------------------------
 
 
-def naive_app(model_dir: str):
+def naive_app(model_dir: str, device: str = "cpu"):
     """One model call per request; FastAPI runs the plain `def` endpoint in its thread pool."""
     from fastapi import FastAPI
     from pydantic import BaseModel
 
     from torchloom.model.predict import Predictor
 
-    predictor = Predictor(model_dir)
+    predictor = Predictor(model_dir, device=device)
     app = FastAPI()
 
     class Body(BaseModel):
@@ -181,13 +181,13 @@ def naive_app(model_dir: str):
     return app
 
 
-def run_naive_server(model_dir: str) -> None:
+def run_naive_server(model_dir: str, device: str = "cpu") -> None:
     import uvicorn
 
     from torchloom.serve.server import listen, url_of
 
     sock = listen("127.0.0.1", 0)
-    app = naive_app(model_dir)
+    app = naive_app(model_dir, device)
     print(f"naive server: listening on {url_of(sock)}", flush=True)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
 
@@ -349,11 +349,11 @@ def targets(rows: list[dict], offline_rates: dict[str, dict[int, float]]) -> str
     return "\n".join(out)
 
 
-def write_doc(body: str) -> Path:
+def write_doc(body: str, title: str = "Serving") -> Path:
     path = ROOT / "docs" / "benchmarks.md"
     old = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
-    section = f"## Serving\n\n{body.strip()}\n"
-    match = re.search(r"^## Serving\n.*?(?=^## |\Z)", old, flags=re.M | re.S)
+    section = f"## {title}\n\n{body.strip()}\n"
+    match = re.search(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", old, flags=re.M | re.S)
     if match:
         new = old[:match.start()] + section + ("\n" if old[match.end():] else "") + old[match.end():]
     else:
@@ -373,12 +373,14 @@ def main() -> None:
     p.add_argument("--model", help="an exported model dir to serve (e.g. runs/bbc-minilm/model); default: MiniLM"
                                    " with a fresh head, which the int8 gate refuses (near-ties everywhere)")
     p.add_argument("--server-args", default="", help="more torchloom serve options, e.g. '--max-batch-size 64'")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the model runs (offline, torchloom serve, naive); cuda writes '## Serving on a GPU'")
     p.add_argument("--naive-server", metavar="MODEL_DIR", help=argparse.SUPPRESS)
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if a.naive_server:
-        run_naive_server(a.naive_server)
+        run_naive_server(a.naive_server, a.device)
         return
 
     idle = wait_for_idle(a.wait_idle)
@@ -390,17 +392,18 @@ def main() -> None:
               for runtime in {"torch", *runtimes}}
     what = a.model or f"MiniLM-L6 + fresh {len(LABELS)}-label head"
     print(f"model: {what}; {len(texts)} texts of <= {TEXT_CHARS} chars", flush=True)
-    offline_rates = {runtime: offline(models[runtime], texts, a.time_cap / 3, runtime) for runtime in runtimes}
+    offline_rates = {runtime: offline(models[runtime], texts, a.time_cap / 3, runtime, device=a.device)
+                     for runtime in runtimes}
 
     rows: list[dict] = []
     servers = [("torchloom serve", runtime, [sys.executable, "-m", "torchloom", "serve", models[runtime], "--port",
-                                             "0", "--device", "cpu", "--runtime",
+                                             "0", "--device", a.device, "--runtime",
                                              "torch" if runtime == "torch" else "onnx", *a.server_args.split()])
                for runtime in runtimes]
     servers.append(("naive", "torch", [sys.executable, str(Path(__file__).resolve()), "--naive-server",
-                                       models["torch"]]))
+                                       models["torch"], "--device", a.device]))
     if "torch" not in offline_rates:
-        offline_rates["torch"] = offline(models["torch"], texts, a.time_cap / 3)
+        offline_rates["torch"] = offline(models["torch"], texts, a.time_cap / 3, device=a.device)
     for name, runtime, args in servers:
         server = Process(args, work, f"{name}-{runtime}".replace(" ", "-"))
         try:
@@ -412,8 +415,9 @@ def main() -> None:
     cpu = platform.processor() or platform.machine()
     import torch
 
-    header = (f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/serve.py` on {os.cpu_count()}"
-              f" cores ({cpu}), no GPU, torch {torch.__version__}, Python {platform.python_version()}."
+    gpu = f"GPU {torch.cuda.get_device_name(0)}" if a.device == "cuda" else "no GPU"
+    header = (f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/serve.py --device {a.device}` on"
+              f" {os.cpu_count()} cores ({cpu}), {gpu}, torch {torch.__version__}, Python {platform.python_version()}."
               f" Model: {what}, max_length 128; one BBC News headline + lede"
               f" (<= {TEXT_CHARS} chars) per request; load generator on the same cores (aiohttp, loopback),"
               f" {a.requests} requests per level (c=1: {max(100, a.requests // 4)}) or {a.time_cap:g} s."
@@ -430,7 +434,7 @@ def main() -> None:
     print("\n" + body)
     shutil.rmtree(work, ignore_errors=True)
     if not a.no_write:
-        print(f"\nwritten to {write_doc(body)}")
+        print(f"\nwritten to {write_doc(body, 'Serving on a GPU' if a.device == 'cuda' else 'Serving')}")
 
 
 if __name__ == "__main__":

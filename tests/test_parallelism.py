@@ -351,3 +351,18 @@ def test_gpu_strategies_train(tmp_path, data_dir, tiny, strategy):
     result = local.train(cfg, rd, quiet=True)
     assert result.device.startswith("cuda") and result.steps == 4
     assert checkpoint.load_weights(rd / "checkpoints" / "step-4")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_fsdp_on_one_gpu_with_nccl(tmp_path, data_dir, tiny, precision):
+    # what one GPU can show of the FSDP path: nccl, sharded checkpoints and activation checkpointing on CUDA
+    rd = new_run(tmp_path, data_dir, "fsdp")
+    cfg = cfg_for(rd, tiny, "--train.strategy", "fsdp", "--engine.device", "cuda", "--engine.workers", "1",
+                  "--train.batch_size", "16", "--train.grad_accum", "1", "--train.max_steps", "6",
+                  "--train.precision", precision, "--train.activation_checkpointing", "true",
+                  "--train.checkpoint_every", "3")
+    result = local.train(cfg, rd, quiet=True)
+    assert result.device.startswith("cuda") and result.steps == 6 and result.precision == precision
+    assert checkpoint.load_weights(rd / "checkpoints" / "step-6")
