@@ -334,8 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         print("torchloom: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        from torchloom.engines.common import TrainingFailed
+        from torchloom.engines.common import Preempted, TrainingFailed
 
+        if isinstance(e, Preempted):  # one line: where it stopped, and the command that goes on
+            print(f"torchloom: {e}", file=sys.stderr)
+            return Preempted.exit_code
         if isinstance(e, TrainingFailed):  # the failing rank's error and traceback: several lines on purpose
             print(f"torchloom: error: {e}", file=sys.stderr)
             return TrainingFailed.exit_code

@@ -302,11 +302,16 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     write_json(rd.train_result, result.to_dict())
     storage.push(rd, rd.train_result, rd.metrics, rd.progress, rd.logs)
     tracker.log_metrics({"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
-                         "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s})
+                         "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s,
+                         "train_preemptions": len(result.preemptions)})
     if isinstance(result.best_metric, (int, float)):
         tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)
     for path in (rd.config, rd.metrics, rd.train_result):
         tracker.log_artifact(path)
+    for p in result.preemptions:  # apart from failures: they never used engine.max_restarts
+        written = f"checkpoint written in {p['checkpoint_s']:.1f} s" if p["checkpoint_s"] >= 0 else "no checkpoint"
+        say(f"train: preempted at step {p['step']} (notice: {p['notice']}), {written}; resumed on {p['workers']}"
+            f" workers from step {p['resumed_from_step']}")
     if result.resumed_world_size:
         say(f"train: resumed at step {result.resumed_at_step} on {result.world_size} workers (the checkpoint's run"
             f" had {result.resumed_world_size}); the same global batches went on")
@@ -484,6 +489,8 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     }
     if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
         summary["uploads"] = result.uploads
+    if result.preemptions:
+        summary["preemptions"] = result.preemptions
     cmp = ev.get("baseline")
     if cmp:
         summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain")}

@@ -56,6 +56,8 @@ MEANINGS: dict[str, str] = {
     'train.pipeline_stages': 'with `pipeline`: the number of stages, which must equal engine.workers (one pipeline, no replicas side by side); 0 = one per worker',
     'train.microbatches': "with `pipeline`: micro-batches each micro-step's batch is cut into; must divide batch_size / grad_accum",
     'train.resume': '`latest` (the newest intact checkpoint), or a `checkpoints/step-N` directory; see "Checkpoints" below',
+    'train.preemption_grace_s': 'after a notice of preemption (SIGTERM to a worker or its launcher, or train.preemption_url), every worker stops after the same step and a checkpoint of it is written if that fits in this many seconds; else the newest periodic checkpoint stands, and the run says so. Keep it below what the platform gives (Kubernetes terminationGracePeriodSeconds, 30 by default; a spot VM 30-120 s); see engines.md, "Spot and preemptible capacity"',
+    'train.preemption_url': 'a preemption notice URL to poll every 5 s from each host (GCE: http://metadata.google.internal/computeMetadata/v1/instance/preempted; AWS: http://169.254.169.254/latest/meta-data/spot/instance-action); an answer 200 that is not empty or FALSE is a notice. "" = off',
     'eval.split': 'which split `evaluate` scores',
     'eval.batch_size': 'rows per forward pass; on CPU small batches are faster per row',
     'eval.calibration_bins': 'bins of the reliability diagram and the expected calibration error',

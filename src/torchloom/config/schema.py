@@ -86,6 +86,10 @@ class TrainConfig:
     pipeline_stages: int = field(default=0, metadata={"min": 0})  # strategy pipeline; 0: one per worker
     microbatches: int = field(default=4, metadata={"min": 1})  # strategy pipeline: per micro-step
     resume: str = ""  # "": start fresh; "latest"; or a checkpoint directory
+    # a notice of preemption (SIGTERM, train.preemption_url): every rank stops after the same step and writes
+    # a checkpoint, if that fits in this many seconds from the notice (else the newest periodic one stands)
+    preemption_grace_s: float = field(default=25.0, metadata={"min": 0.0})
+    preemption_url: str = ""  # a cloud's preemption notice URL to poll every 5 s; "": off
 
 
 @dataclass

@@ -30,6 +30,13 @@ class TrainingFailed(Exception):
     exit_code = 1
 
 
+class Preempted(Exception):
+    """The launcher itself was told to stop (its host is taken back): the workers stopped after the same
+    step with a checkpoint, and nothing is left here to go on with. The message is one line."""
+
+    exit_code = 75  # EX_TEMPFAIL: the same command with --resume goes on (train/preemption.EXIT_PREEMPTED)
+
+
 class RestartLimit(RuntimeError):
     """A worker refused to start again: the job already used its restarts."""
 

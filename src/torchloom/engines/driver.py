@@ -19,7 +19,14 @@ from typing import TextIO
 
 from torchloom import storage
 from torchloom.config import Config
-from torchloom.engines.common import NOT_A_CAUSE, TrainingFailed, describe_loss, failure_cause, is_peer_loss
+from torchloom.engines.common import (
+    NOT_A_CAUSE,
+    Preempted,
+    TrainingFailed,
+    describe_loss,
+    failure_cause,
+    is_peer_loss,
+)
 from torchloom.engines.progress import LogTailer, ProgressMonitor
 from torchloom.errors import UserError, first_line, message_line
 from torchloom.rundir import RunDir, read_json
@@ -33,6 +40,11 @@ class Attempt:
     launch_id: str  # the same for every attempt: a re-run worker finds its earlier starts by it
     number: int  # 0 for the first attempt
     launched_at: float  # the launch's start (time.time()): workers time their first step from it
+
+
+class LauncherStopped(Exception):
+    """An engine's launch function saw its launcher told to stop (SIGTERM to `torchloom train`); the workers
+    had the notice too and, given the grace period, stopped after the same step with a checkpoint."""
 
 
 class AttemptFailed(Exception):
@@ -76,19 +88,47 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     launch_id = new_launch_id()
     launched_at = time.time()
     count = cfg.engine.max_restarts + 1
+    failed, number, preemptions = 0, 0, []  # failed attempts (the budget), all attempts, notices met
     with driver_stream(quiet) as stream:
-        for number in range(count):
+        while True:
             pull_quietly(rd, rd.logs)  # a run on a store: what the workers of other hosts recorded so far
+            stopped = False
             try:
                 tailer = LogTailer(rd, stream=stream) if tail_logs else contextlib.nullcontext()
                 with ProgressMonitor(rd, stream=stream), tailer:
                     launch_once(Attempt(launch_id, number, launched_at))
-                break
+            except LauncherStopped:
+                stopped = True
             except failures as e:  # the engine wraps the workers' failure; our error files hold the real one
                 pull_quietly(rd, rd.logs)
-                rerun_or_raise(rd, launch_id, number, count, e, engine_label)
-    pull_quietly(rd, rd.logs, rd.metrics, rd.progress)
-    return read_result(rd, launch_id)
+                rerun_or_raise(rd, launch_id, failed, count, e, engine_label, start=number)
+                failed, number = failed + 1, number + 1
+                continue
+            pull_quietly(rd, rd.logs, rd.metrics, rd.progress)
+            result = read_result(rd, launch_id, stopped)
+            own, preemptions = result.preemptions, preemptions + result.preemptions
+            result.preemptions = preemptions
+            if not own:
+                return result
+            # notices that keep coming with no step done between them (a host whose notice URL stays up): stop
+            stalled = len(preemptions) > 1 and preemptions[-1]["step"] == preemptions[-2]["step"]
+            go_on_or_stop(rd, cfg, launch_id, preemptions[-1], stopped or stalled)
+            number += 1
+
+
+def go_on_or_stop(rd: RunDir, cfg: Config, launch_id: str, preemption: dict, stopped: bool) -> None:
+    """After an attempt that ended preempted: say so in one line; go on with the workers this engine can
+    start now (the attempt does not count against engine.max_restarts), or, when the launcher itself was
+    told to stop, raise Preempted."""
+    step, resume_at = preemption["step"], preemption["resumed_from_step"]
+    written = (f"checkpoint written in {preemption['checkpoint_s']:.1f} s" if preemption["checkpoint_s"] >= 0 else
+               f"no checkpoint fitted in train.preemption_grace_s, so step {resume_at} is where it goes on")
+    line = f"preempted at step {step} (notice: {preemption['notice']}), {written}"
+    if stopped:
+        raise Preempted(f"train: {line}; run the same command with --resume to go on from step {resume_at}")
+    rd.result_file(launch_id).unlink(missing_ok=True)  # the next attempt writes its own
+    preemption["workers"] = cfg.engine.workers
+    print(f"torchloom: train: {line}; resuming on {cfg.engine.workers} workers", file=sys.stderr, flush=True)
 
 
 def pull_quietly(rd: RunDir, *paths) -> None:
@@ -101,9 +141,13 @@ def pull_quietly(rd: RunDir, *paths) -> None:
               file=sys.stderr, flush=True)
 
 
-def read_result(rd: RunDir, launch_id: str) -> TrainResult:
-    """Rank 0's result of this launch; without one, the first worker error (or a pointer to the logs)."""
+def read_result(rd: RunDir, launch_id: str, stopped: bool = False) -> TrainResult:
+    """Rank 0's result of this launch; without one, the first worker error (or a pointer to the logs).
+    stopped: the launcher was told to stop, and the workers had no time to end with a result."""
     path = rd.result_file(launch_id)
+    if not path.is_file() and stopped:
+        raise Preempted(f"train: stopped by a signal before the workers could write a checkpoint; run the same"
+                        f" command with --resume to go on from the newest checkpoint in {rd.home(rd.checkpoints)}")
     if not path.is_file():
         raise_worker_failure(rd, f"training ended without a result from rank 0; see the logs in {rd.logs}")
     return TrainResult.from_dict(read_json(path))
@@ -117,12 +161,12 @@ def worker_user_error(text: str) -> str | None:
 
 
 def rerun_or_raise(rd: RunDir, launch_id: str, attempt: int, attempts: int, error: Exception,
-                   engine_label: str) -> None:
+                   engine_label: str, start: int | None = None) -> None:
     """After `attempt` (0-based) of `attempts` failed with `error`: when a lost process caused it and an
     attempt is left, say so and return (the caller re-runs the workers, which resume from the latest
     checkpoint); else raise the job's error. A rank's own error (a user error too) would come back the same."""
     text = str(error)
-    loss = describe_loss(rd, launch_id, attempt)
+    loss = describe_loss(rd, launch_id, attempt if start is None else start)  # start: counting preempted ones
     if attempt + 1 < attempts and not worker_user_error(text) and failure_cause(rd, launch_id) is None:
         how = error.how if isinstance(error, AttemptFailed) else type(error).__name__
         print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({loss or how});"

@@ -2,8 +2,11 @@
 
 Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" in the environment of the job; host=NAME instead of
 rank=R picks whichever rank runs on that host. kind=raise raises, kind=kill is SIGKILL, kind=hang stops
-answering (as a rank on a host that lost power or network does). A fault fires once per run directory
-(a marker file records it), so a job that restarts and resumes from a checkpoint does not hit it again.
+answering (as a rank on a host that lost power or network does), kind=term sends the rank SIGTERM (a
+notice of preemption) and lets it go on; kind=slow,sleep=S makes every step from `step` on S seconds
+longer (no marker: every run), so a test can signal a launcher while its workers train. Any other fault
+fires once per run directory (a marker file records it), so a job that restarts and resumes from a
+checkpoint does not hit it again.
 The launcher adds a FaultInjector to the worker's reporter only when the variable is set; the
 training loop knows nothing of it.
 """
@@ -35,13 +38,19 @@ class FaultInjector(Reporter):
         self.spec, self.rd, self.rank = spec, rd, rank
         self.at_rank, self.at_step, self.kind = int(f.get("rank", -1)), int(f.get("step", -1)), f.get("kind", "raise")
         self.at_host = f.get("host")  # instead of a rank: whichever rank runs on this host
+        self.sleep = float(f.get("sleep", 0.5))
+
+    def mine(self) -> bool:
+        if self.at_host is not None:
+            return self.at_host == socket.gethostname()
+        return self.at_rank == self.rank
 
     def step_done(self, step: int) -> None:
-        if self.at_step != step:
+        if self.kind == "slow":  # every step from `step` on takes `sleep` seconds longer, every run
+            if step >= self.at_step and self.mine():
+                time.sleep(self.sleep)
             return
-        if self.at_host is not None and self.at_host != socket.gethostname():
-            return
-        if self.at_host is None and self.at_rank != self.rank:
+        if self.at_step != step or not self.mine():
             return
         marker = self.rd.fault_marker(self.rank, step)
         if marker.exists():
@@ -50,6 +59,9 @@ class FaultInjector(Reporter):
         marker.write_text(self.spec)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "term":  # a notice of preemption, through the real signal; training goes on
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
         if self.kind == "hang":
             while True:  # the test takes the whole host away from here
                 time.sleep(60)

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.engines.driver import Attempt, AttemptFailed, attempts
+from torchloom.engines.driver import Attempt, AttemptFailed, LauncherStopped, attempts
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError
 from torchloom.rundir import RunDir
@@ -86,6 +86,7 @@ def quiet_launcher() -> Iterator[None]:
 
 def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers local processes; returns rank 0's result."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
@@ -99,6 +100,10 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
         try:
             elastic_launch(launch_config(cfg, log_dir), _entry)(to_dict(cfg), rd.location, attempt.launch_id,
                                                                attempt.launched_at)
+        except SignalException as e:
+            # SIGTERM to this launcher: torch elastic passed it to the workers and gave them 30 s to stop
+            # (they stop after the same step with a checkpoint: train/preemption.py)
+            raise LauncherStopped(str(e)) from e
         except ChildFailedError as e:
             rank, failure = e.get_first_failure()
             exited = failure.exitcode >= 0  # else a signal, which the message names

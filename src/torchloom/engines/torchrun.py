@@ -16,7 +16,7 @@ import socket
 import sys
 
 from torchloom.config import build, to_dict
-from torchloom.engines.common import NotRestarted, RestartLimit, is_peer_loss
+from torchloom.engines.common import NotRestarted, Preempted, RestartLimit, is_peer_loss
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, first_line, one_line
 from torchloom.rundir import RunDir
@@ -41,7 +41,17 @@ def main(argv: list[str] | None = None) -> int:
     # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
     try:
-        run_worker(to_dict(cfg), RunDir(cfg.output.dir).location, launch_id)
+        result = run_worker(to_dict(cfg), RunDir(cfg.output.dir).location, launch_id)
+        if result.preemptions:
+            # Not done: exit 75 so that torchrun starts the workers again, with the hosts that are left or
+            # a replacement, and they go on from this step's checkpoint (torchrun counts it in its own
+            # --max-restarts; engine.max_restarts does not count it).
+            p = result.preemptions[-1]
+            if os.environ.get("RANK", "0") == "0":
+                print(f"torchloom: train: preempted at step {p['step']} (notice: {p['notice']}); torchrun starts"
+                      " the workers again if its --max-restarts allows, else run again with --train.resume latest",
+                      file=sys.stderr, flush=True)
+            return Preempted.exit_code
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
         print(f"torchloom: error: {one_line(e)}", file=sys.stderr, flush=True)
         return 2

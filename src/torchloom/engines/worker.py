@@ -30,6 +30,7 @@ from torchloom.engines.common import (
 from torchloom.errors import UserError, first_line
 from torchloom.model.env import model_env
 from torchloom.rundir import RunDir, read_json, write_json
+from torchloom.train import preemption
 from torchloom.train.reporter import Reporter, combine
 from torchloom.train.result import TrainResult
 
@@ -175,29 +176,34 @@ def start_heartbeat(placement: Path) -> None:
     threading.Thread(target=beat, name="torchloom-heartbeat", daemon=True).start()
 
 
-def note_stop_signal(placement: Path) -> None:
-    """When the launcher stops this rank with SIGTERM (torch elastic does, after another rank failed or
-    when a node joins), mark its placement file "stopped" and exit, so the next start does not report
-    it lost. Python runs a signal handler only between bytecodes, and a rank blocked in a collective
-    would not run one until the collective times out; so the signal wakes a thread, which records the
-    stop and exits at once. Only from the main thread (Ray runs the training function in another)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    wake, wakeup = os.pipe()  # plain descriptors: they stay open for the life of the process
-    os.set_blocking(wakeup, False)
-    signal.signal(signal.SIGTERM, lambda *_: None)  # a Python-level handler makes the C handler write to the fd
-    signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
+def note_stop_signal(placement: Path, rank: int, grace_s: float) -> None:
+    """SIGTERM to this rank (a preempted host, a scheduler, or its launcher stopping it) is a notice of
+    preemption (train/preemption.py): the rank stops after the step every rank agrees on, with a
+    checkpoint. Its placement file records the notice; if the process is still alive `grace_s` later (it
+    waits in a collective on a peer that vanished, or the checkpoint did not fit), it is marked "stopped"
+    and exits, so the next start does not report it lost."""
 
-    def watch() -> None:
-        while data := os.read(wake, 64):
-            if signal.SIGTERM in data:
-                try:
-                    write_json(placement, {**read_json(placement), "stopped": True, "stopped_at": time.time()},
-                               indent=None)
-                finally:
-                    os._exit(128 + signal.SIGTERM)
+    def mark(**fields) -> None:
+        write_json(placement, {**read_json(placement), **fields}, indent=None)
 
-    threading.Thread(target=watch, name="torchloom-sigterm", daemon=True).start()
+    def expire() -> None:
+        try:
+            mark(stopped=True, stopped_at=time.time())
+        finally:
+            os._exit(128 + signal.SIGTERM)
+
+    preemption.watch_sigterm(f"rank {rank}", grace_s, lambda: mark(notice_at=time.time()), expire)
+
+
+def preempted_starts(rd: RunDir, launch_id: str, rank: int) -> int:
+    """Starts of this rank that ended preempted: they never count against engine.max_restarts."""
+    count = 0
+    for path in rd.placements(launch_id, rank=rank):
+        try:
+            count += bool(read_json(path).get("preempted"))
+        except (OSError, ValueError):
+            continue
+    return count
 
 
 def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int) -> dict:
@@ -205,8 +211,9 @@ def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int
     started again after a failure: resuming from the latest checkpoint. Whoever restarts,
     engine.max_restarts bounds how often; and a rank's own error, which would recur, stops it at once."""
     limit = cfg_dict["engine"]["max_restarts"]
-    if starts > limit:
-        raise RestartLimit(f"rank {rank} was restarted {starts} times; engine.max_restarts is {limit}")
+    failed = starts - preempted_starts(rd, launch_id, rank)  # a start after a preemption is not a restart
+    if failed > limit:
+        raise RestartLimit(f"rank {rank} was restarted {failed} times; engine.max_restarts is {limit}")
     cause = failure_cause(rd, launch_id)
     if cause is not None:  # an engine that restarts on any failure (Ray, torchrun): stop at once
         raise NotRestarted(f"not restarted: rank {cause['rank']} failed with {cause['type']}, which would"
@@ -232,12 +239,18 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     try:
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": rd.location}}
         starts = record_start(rd, launch_id, rank)
-        note_stop_signal(rd.placement_file(launch_id, rank, starts))
-        start_heartbeat(rd.placement_file(launch_id, rank, starts))
+        placement = rd.placement_file(launch_id, rank, starts)
+        note_stop_signal(placement, rank, float(cfg_dict["train"]["preemption_grace_s"]))
+        if cfg_dict["train"].get("preemption_url") and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            preemption.poll_url(cfg_dict["train"]["preemption_url"])
+        start_heartbeat(placement)
         if starts:
             cfg_dict = restarted(rd, cfg_dict, launch_id, rank, starts)
         result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter, launch_id), launched_at=launched_at,
                      device=device)
+        if result.preemptions:  # this start ended preempted: the next one is not a restart
+            write_json(placement, {**read_json(placement), "preempted": True}, indent=None)
+            publish(rd, placement)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
             # the result last: a driver that sees it finds everything it reads with it

@@ -21,6 +21,7 @@ class Dist:
     device: torch.device
     owns_group: bool  # we initialised the process group, so we destroy it
     io_group: Any = None  # gloo, 30-minute timeout: barriers around checkpoint writes
+    control_group: Any = None  # gloo, the collective timeout: small flags at every step (None: the default group)
 
     @property
     def is_main(self) -> bool:
@@ -67,6 +68,15 @@ def io_group(world: int):
     return dist.new_group(backend="gloo", timeout=IO_TIMEOUT) if world > 1 else None
 
 
+def control_group(world: int, timeout_s: float):
+    """Small CPU collectives under the collective timeout (the preemption flag at every step): the default
+    group where it is gloo, else a gloo group of its own, so a GPU's stream never waits for them.
+    Every rank creates it, in the same order, right after io_group."""
+    if world <= 1 or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def setup(device_kind: str, threads: int, assigned: str | None = None, timeout_s: float = 1800.0) -> Dist:
     """Join the process group the engine described (env vars) or use the one it already made.
 
@@ -79,7 +89,7 @@ def setup(device_kind: str, threads: int, assigned: str | None = None, timeout_s
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         return Dist(rank, world, local_rank, pick_device(device_kind, local_rank, assigned), owns_group=False,
-                    io_group=io_group(world))
+                    io_group=io_group(world), control_group=control_group(world, timeout_s))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -95,7 +105,8 @@ def setup(device_kind: str, threads: int, assigned: str | None = None, timeout_s
             device_id=device if device.type == "cuda" else None,
             store=attempt_store(rank, world, IO_TIMEOUT), rank=rank, world_size=world,
         )
-    return Dist(rank, world, local_rank, device, owns_group=world > 1, io_group=io_group(world))
+    return Dist(rank, world, local_rank, device, owns_group=world > 1, io_group=io_group(world),
+                control_group=control_group(world, timeout_s))
 
 
 def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
@@ -130,6 +141,14 @@ def all_reduce_sum(d: Dist, values: list[float], slow: bool = False) -> list[flo
     if d.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.io_group if slow else None)
     return t.tolist()
+
+
+def any_rank(d: Dist, flag: bool) -> bool:
+    """Collective: whether `flag` holds on any rank (on the control group: CPU, under the collective timeout)."""
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+    if d.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.control_group)
+    return t.item() > 0
 
 
 def all_gather_objects(d: Dist, obj):

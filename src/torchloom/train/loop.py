@@ -35,8 +35,8 @@ from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.rundir import RunDir
-from torchloom.train import checkpoint, optim
-from torchloom.train.distributed import Dist, all_reduce_sum
+from torchloom.train import checkpoint, optim, preemption
+from torchloom.train.distributed import Dist, all_gather_objects, all_reduce_sum, any_rank
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
 from torchloom.train.reporter import Reporter
@@ -152,6 +152,7 @@ class Trainer:
         self.first_step_s: float | None = None
         self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
         self.resumed_step: int | None = None
+        self.checkpoint_s = 0.0  # the last checkpoint's write (0 before the first)
         self.resumed_from = self._maybe_resume()
         self.startup["data_s"] = time.perf_counter() - t  # the loader, the optimizer and a resume
         if self.tc.trace_rows:
@@ -190,6 +191,8 @@ class Trainer:
             every = tc.checkpoint_every
             if s.last_checkpoint_step != s.step and ((every and s.step % every == 0) or (epoch_ends and not every)):
                 self.save_checkpoint()
+            if s.step < self.total_steps and self.notice_shared():  # the last step ends the run anyway
+                return self.preempted(time.perf_counter() - started)
         if s.last_eval_step != s.step:
             self.run_eval()
         if s.last_checkpoint_step != s.step:
@@ -345,6 +348,41 @@ class Trainer:
             if stop and not s.stopped_early:
                 s.stopped_early, s.stop_reason = True, self.reporter.stop_reason
 
+    # -- preemption ----------------------------------------------------------------------------
+    def notice_shared(self) -> bool:
+        """Collective, at every step boundary: whether any rank got a notice of preemption (train/preemption.py).
+        On a CPU group under the collective timeout, so a GPU's stream is not made to wait for it."""
+        return any_rank(self.d, preemption.NOTICE.given)
+
+    def preempted(self, train_s: float) -> TrainResult:
+        """Every rank is here after the same step: one checkpoint of it, if it fits in what is left of
+        train.preemption_grace_s on every rank (else the newest checkpoint stands), uploads drained."""
+        s, grace = self.state, self.tc.preemption_grace_s
+        own = preemption.NOTICE.source if preemption.NOTICE.given else ""
+        preemption.NOTICE.give("a peer's notice")  # a rank that learned it from the all-reduce: its grace starts now
+        sources = [x for x in all_gather_objects(self.d, own) if x]
+        earliest = min(x for x in all_gather_objects(self.d, preemption.NOTICE.at))
+        newest, need = s.last_checkpoint_step, 1.5 * self.checkpoint_s
+        short = any_rank(self.d, s.last_checkpoint_step != s.step and need > preemption.NOTICE.left_s(grace))
+        if s.last_checkpoint_step != s.step and not short:
+            self.save_checkpoint()
+        uploads = self.uploader.drain() if self.uploader else {}
+        resume_at = s.step if not short else max(0, newest)
+        written_s = round(time.time() - earliest, 2) if not short else -1.0
+        record = {"kind": "preempted", "step": s.step, "notice": sources[0] if sources else "a notice",
+                  "checkpoint_s": written_s, "resume_at_step": resume_at, "time": round(time.time(), 3)}
+        self.log(record)
+        if short and self.d.is_main:
+            where = f"the newest checkpoint, step {newest}," if newest > 0 else "with no checkpoint yet, the start"
+            print(f"torchloom: preempted at step {s.step}: a checkpoint takes about {need:.0f} s, more than the"
+                  f" {preemption.NOTICE.left_s(grace):.0f} s left of train.preemption_grace_s {grace:g}; {where}"
+                  " is where the run goes on", flush=True)
+        result = self.result(train_s)
+        result.uploads = uploads
+        result.preemptions = [{"step": s.step, "notice": record["notice"], "checkpoint_s": written_s,
+                               "resumed_from_step": resume_at, "workers": 0}]
+        return result
+
     # -- resume and checkpoints ---------------------------------------------------------------
     def _maybe_resume(self) -> str | None:
         if self.rd.remote and self.tc.resume == "latest":
@@ -395,11 +433,13 @@ class Trainer:
         keep = {s.best_step} if s.best_step >= 0 else set()
         # Backpressure: the previous upload finishes before this checkpoint is written (and pruned against).
         blocked = self.uploader.wait() if self.uploader else 0.0
+        started = time.perf_counter()
         path = checkpoint.save(
             self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
             trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
             remote=storage.join(self.rd.remote, "checkpoints") if self.rd.remote else None,
         )
+        self.checkpoint_s = time.perf_counter() - started  # what a checkpoint at a preemption would take
         if self.uploader:
             self.uploader.submit(path, blocked)
         return str(path)

@@ -32,6 +32,10 @@ class TrainResult:
     startup: dict = field(default_factory=dict)  # seconds of each phase before the first step (see loop.py)
     uploads: dict = field(default_factory=dict)  # a run on a store: checkpoints uploaded, blocked_s, upload_s
     wall_s: float = 0.0  # the driver's wall time for the whole launch; 0 until the driver sets it
+    # each preemption of this launch: step (the last one done), notice (who got it, on which host),
+    # checkpoint_s (notice to checkpoint written; -1: none fitted in the grace period), resumed_from_step,
+    # workers (of the attempt that went on; 0: none did)
+    preemptions: list = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
