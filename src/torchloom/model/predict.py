@@ -192,7 +192,9 @@ def pad_batch(features: list[dict[str, list[int]]], tokenizer) -> dict[str, Any]
     side), without its Python walk over every token, which on a GPU was most of a batch's time."""
     import torch
 
-    if tokenizer.pad_token_id is None:  # the tokenizer's own error says what is missing
+    if getattr(tokenizer, "pad_token_id", None) is None or not all(
+            isinstance(v, list) for v in features[0].values()):
+        # no pad token (the tokenizer's own error says what is missing), or inputs that are not token lists
         return tokenizer.pad(features, return_tensors="pt")
     longest = max(len(f["input_ids"]) for f in features)
     fill = {"input_ids": tokenizer.pad_token_id, "token_type_ids": tokenizer.pad_token_type_id}
