@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +23,24 @@ from torchloom.train.result import TrainResult
 def _entry(cfg_dict: dict, run_dir: str, launch_id: str, launched_at: float) -> TrainResult:
     # torchloom re-launches the workers after a lost process; run_worker sees the restart and resumes
     # from the latest complete checkpoint instead of starting over.
-    return run_worker(cfg_dict, run_dir, launch_id, launched_at=launched_at)
+    result = run_worker(cfg_dict, run_dir, launch_id, launched_at=launched_at)
+    if result.preemptions:
+        leave_soon()
+    return result
+
+
+def leave_soon(after_s: float = 2.0) -> None:
+    """A worker whose run ended preempted leaves `after_s` after returning its result. torch elastic's
+    worker waits, after handing its result to the launcher, until the launcher has read every rank's; a
+    launcher that was itself told to stop never does, and the worker would wait for the SIGKILL 30 s later.
+    The result is in the pipe by then, so a launcher that reads it still finds it."""
+    def leave() -> None:
+        time.sleep(after_s)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    threading.Thread(target=leave, name="torchloom-leave", daemon=True).start()
 
 
 def tail_text(path: Path, lines: int = 20) -> str:
