@@ -99,14 +99,19 @@ def reference(model_dir):
     return Predictor(model_dir)
 
 
-def assert_same_predictions(got: list[dict], expected: list[dict]) -> None:
+# Concurrent requests meet in batches the test does not choose: a text padded beside a longer one than in the
+# reference's batch comes out a little different in float32 (1.1e-5 in probability seen in CI, tiny model).
+BATCHED = 1e-4
+
+
+def assert_same_predictions(got: list[dict], expected: list[dict], tolerance: float = 1e-5) -> None:
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         assert g["label"] == e["label"]
-        assert g["score"] == pytest.approx(e["score"], abs=1e-5)
+        assert g["score"] == pytest.approx(e["score"], abs=tolerance)
         assert set(g["probabilities"]) == set(LABELS)
         for label in LABELS:
-            assert g["probabilities"][label] == pytest.approx(e["probabilities"][label], abs=1e-5)
+            assert g["probabilities"][label] == pytest.approx(e["probabilities"][label], abs=tolerance)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +339,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_answer(server, re
     responses = asyncio.run(send_all())
     assert [r.status_code for r in responses] == [200] * len(texts)
     got = [r.json()["predictions"][0] for r in responses]
-    assert_same_predictions(got, reference.predict(texts))
+    assert_same_predictions(got, reference.predict(texts), BATCHED)
     after = server.metrics()
 
     def batches(families, le=None):
@@ -882,7 +887,7 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
 
         responses = asyncio.run(send_all())
         assert all(r.status_code == 200 for r in responses)
-        assert_same_predictions([r.json()["predictions"][0] for r in responses], reference.predict(TEXTS * 3))
+        assert_same_predictions([r.json()["predictions"][0] for r in responses], reference.predict(TEXTS * 3), BATCHED)
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()
