@@ -226,6 +226,8 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
 
 
 def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
+    from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
+
     sp.add_argument("model_dir", metavar="MODEL_DIR", help="an exported model dir (e.g. runs/bbc-minilm/model)")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
@@ -245,6 +247,16 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-texts-per-request", type=int, default=256)
     sp.add_argument("--max-text-chars", type=int, default=20_000)
     sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set TORCHLOOM_API_KEY)")
+    sp.add_argument("--require-api-key", action="store_true",
+                    help="refuse to start without an API key (default: start, with a warning when --host is not"
+                         " loopback)")
+    sp.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                    help=f"largest request body in bytes; past it 413, refused before it is read whole (default"
+                         f" {DEFAULT_MAX_BODY_BYTES}; less where --max-texts-per-request x --max-text-chars allow"
+                         " less)")
+    sp.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                    help=f"open connections at once (idle keep-alive ones too); past it a plain 503 (default"
+                         f" {DEFAULT_MAX_CONNECTIONS}; local engine)")
     sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                     help="auto (default): what training's rule picks: a GPU's bf16 (else fp16); on a CPU bf16 only"
@@ -268,7 +280,12 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         fixed_wait=args.fixed_wait,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
+        max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+        require_api_key=args.require_api_key,
     ).check()
+    warning = settings.exposure_warning()
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if settings.serve_with == "ray":
         from torchloom.serve.ray_engine import run_ray
 

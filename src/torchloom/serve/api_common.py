@@ -1,5 +1,6 @@
 """What both HTTP APIs (native and TEI-compatible) stand on: the backend they call, the error they raise for a
-request that cannot be answered, reading a bounded body, and dropping the work of a client that went away.
+request that cannot be answered, reading a bounded body, parsing it off the event loop, and dropping the work
+of a client that went away.
 
 An `ApiError` carries the native API's status and code; `app.error_reply` answers it (and the backend's own
 errors) in the shape of the API the request came to.
@@ -8,12 +9,19 @@ errors) in the shape of the API the request came to.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from torchloom.serve.metrics import ServeMetrics
 from torchloom.serve.model import ModelIdentity
+
+T = TypeVar("T")
+# Bodies up to this size are parsed on the event loop (a thread hop costs more than parsing them); larger ones
+# on a worker thread, so a few MB of JSON never stall the other connections.
+PARSE_INLINE_BYTES = 16 * 1024
 
 
 class Backend(Protocol):
@@ -40,7 +48,11 @@ class ApiError(Exception):
 
 
 class ClientGone(Exception):
-    """The client closed the connection while its texts waited."""
+    """The client closed the connection: while sending its body ("body"), or while its texts waited ("waiting")."""
+
+    def __init__(self, stage: str = "waiting") -> None:
+        super().__init__(f"the client disconnected ({stage})")
+        self.stage = stage
 
 
 async def until_disconnect(request: Request, work) -> Any:
@@ -63,22 +75,40 @@ async def until_disconnect(request: Request, work) -> Any:
             await task
         except asyncio.CancelledError:
             pass
-        raise ClientGone
+        raise ClientGone("waiting")
     return task.result()
 
 
+def body_too_large(size: str, limit: int) -> ApiError:
+    """413 for a body past `limit`, closing the connection so that the rest of the body is never read."""
+    return ApiError(413, "body_too_large", f"the request body has {size}, more than the {limit} bytes allowed;"
+                                           " send fewer or shorter texts per request", headers={"Connection": "close"})
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it passes `limit` bytes (never buffered whole)."""
+    """The body, refused with 413 up front when its Content-Length passes `limit` bytes, and as soon as it
+    passes them when it has none (chunked): never buffered past `limit`. A client that disconnects while
+    sending it is ClientGone("body")."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "body_too_large", f"the body has {declared} bytes, more than the {limit} allowed")
+        raise body_too_large(f"{declared} bytes (its Content-Length)", limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, "body_too_large", f"the body is larger than the {limit} bytes allowed")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(f"{size} bytes so far (no Content-Length)", limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone("body") from None
     return b"".join(chunks)
+
+
+async def parse_off_loop(parse: Callable[..., T], body: bytes, *args: Any) -> T:
+    """`parse(body, *args)`: on the event loop for a small body, on a worker thread for a larger one."""
+    if len(body) <= PARSE_INLINE_BYTES:
+        return parse(body, *args)
+    return await asyncio.to_thread(parse, body, *args)
 
 
 def json_type(value: Any) -> str:

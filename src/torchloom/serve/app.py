@@ -25,9 +25,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import torchloom
 from torchloom.errors import UserError, one_line
 from torchloom.serve import tei
-from torchloom.serve.api_common import ApiError, Backend, ClientGone, json_type, read_body, until_disconnect
+from torchloom.serve.api_common import (
+    ApiError,
+    Backend,
+    ClientGone,
+    json_type,
+    parse_off_loop,
+    read_body,
+    until_disconnect,
+)
 from torchloom.serve.batcher import ModelFailed, Overloaded, ShuttingDown
 from torchloom.serve.metrics import CONTENT_TYPE, ServeMetrics
+from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("torchloom.serve")
 
@@ -109,7 +118,10 @@ async def error_reply(request: Request, e: Exception) -> Response:
     """The one answer to a failed request, for both APIs: a domain error as a status, code and message (with
     Retry-After or an error id where they help), in the shape of the API the request came to."""
     if isinstance(e, ClientGone):
-        # Nobody to answer: the texts were dropped from the queue before the model saw them.
+        # Nobody to answer: the body was cut off, or the texts were dropped from the queue before the model saw them.
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.client_disconnects.inc(e.stage)
         return Response(status_code=499)
     if isinstance(e, Overloaded):
         e = ApiError(429, "overloaded", f"the server is at capacity ({e}); retry after {e.retry_after} s",
@@ -207,7 +219,7 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
             "application/json": {"schema": request_schema(max_texts, max_chars)}}}},
     )
     async def predict(request: Request) -> Response:
-        texts = parse_texts(await read_body(request, body_limit), max_texts, max_chars)
+        texts = await parse_off_loop(parse_texts, await read_body(request, body_limit), max_texts, max_chars)
         predictions = await until_disconnect(request, backend.predict(texts))
         shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
         body = json.dumps({"model": model_info, "predictions": shown}, ensure_ascii=False, separators=(",", ":"))
@@ -287,11 +299,16 @@ def api_key_check(api_key: str | None):
     return check_api_key
 
 
+def body_limit_for(max_texts: int, max_chars: int, max_body_bytes: int) -> int:
+    """The largest body a request may send: `max_body_bytes`, or less where the text limits allow less."""
+    return min(max_body_bytes, max_texts * (max_chars * _BYTES_PER_CHAR + _BYTES_PER_ITEM) + _BODY_SLACK)
+
+
 def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | None = None,
-               engine: str = "local") -> FastAPI:
+               engine: str = "local", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app for `backend`, one router per API; its lifespan starts and stops the backend."""
     identity = backend.identity
-    body_limit = max_texts * (max_chars * _BYTES_PER_CHAR + _BYTES_PER_ITEM) + _BODY_SLACK
+    body_limit = body_limit_for(max_texts, max_chars, max_body_bytes)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -308,6 +325,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
                     f" {', '.join(identity.labels)}. Served by torchloom ({engine} engine).",
         lifespan=lifespan,
     )
+    app.state.metrics = backend.metrics  # error_reply counts client disconnects
     app.add_middleware(MetricsMiddleware, metrics=backend.metrics)
     _answer_errors(app)
     app.include_router(health_router(backend))

@@ -114,13 +114,19 @@ class ServeMetrics:
         self.texts = Counter("torchloom_texts_total", "Texts predicted.")
         self.dropped = Counter("torchloom_texts_dropped_total",
                                "Texts dropped before the model because their client disconnected.")
+        self.client_disconnects = Counter("torchloom_client_disconnects_total",
+                                          "Requests whose client closed the connection before the answer: while"
+                                          " sending the body (stage=body) or while its texts waited"
+                                          " (stage=waiting).", ("stage",))
+        for stage in ("body", "waiting"):  # both series from the start, at 0
+            self.client_disconnects.inc(stage, amount=0)
         self.model_errors = Counter("torchloom_model_errors_total", "Batches or requests the model failed on.")
         self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
-                       self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped, self.model_errors,
-                       self.queue_depth):
+                       self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped,
+                       self.client_disconnects, self.model_errors, self.queue_depth):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -104,7 +104,7 @@ def run_local(settings: ServeSettings) -> int:
     try:
         import uvicorn
 
-        from torchloom.serve.app import create_app
+        from torchloom.serve.app import body_limit_for, create_app
     except ImportError as e:
         raise missing_extra(e.name or "fastapi", "serve") from None
 
@@ -119,19 +119,25 @@ def run_local(settings: ServeSettings) -> int:
     if model.warning:
         print(f"torchloom serve: warning: {model.warning}", file=sys.stderr, flush=True)
     backend = LocalBackend(model, settings)
-    app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local")
+    app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local",
+                     max_body_bytes=settings.max_body_bytes)
     identity = model.identity
     # One line on stdout that scripts (and the tests) can wait for; the socket already queues connections.
     print(f"torchloom serve: listening on {url_of(sock)} (model {identity.name} {identity.version},"
           f" device {model.device}, runtime {model.runtime}, precision {model.precision} ({model.precision_reason}),"
-          f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms)", flush=True)
+          f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms,"
+          f" max body {body_limit_for(settings.texts_per_request, settings.max_text_chars, settings.max_body_bytes)}"
+          f" bytes, max connections {settings.max_connections})", flush=True)
 
     stop_signal: list[int] = []
     # uvicorn re-raises the signal it stopped on once it has drained; this handler turns that into exit 0.
     previous = {sig: signal.signal(sig, lambda s, _f: stop_signal.append(s)) for sig in (signal.SIGTERM,
                                                                                           signal.SIGINT)}
+    # limit_concurrency: past max_connections open connections (or requests in flight) uvicorn answers a plain
+    # 503 without calling the app, so the bodies held at once stay below max_connections x the body limit.
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
-                            timeout_graceful_shutdown=settings.drain_timeout_s)
+                            timeout_graceful_shutdown=settings.drain_timeout_s,
+                            limit_concurrency=settings.max_connections)
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

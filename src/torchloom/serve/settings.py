@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 
 from torchloom.errors import UserError
@@ -10,6 +12,8 @@ from torchloom.errors import UserError
 ENGINES = ("local", "ray")
 RUNTIMES = ("torch", "onnx")
 API_KEY_ENV = "TORCHLOOM_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 4_000_000  # 4 MB: about 200 texts of 20,000 ASCII characters
+DEFAULT_MAX_CONNECTIONS = 128  # open connections (idle keep-alive ones too); bodies held at once <= this x 4 MB
 
 
 @dataclass
@@ -31,6 +35,9 @@ class ServeSettings:
     precision: str = "auto"
     runtime: str = "torch"  # or onnx: the exported model.onnx / model.int8.onnx on ONNX Runtime
     drain_timeout_s: float = 30.0  # after SIGTERM, in-flight requests get this long to finish
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body -> 413, refused before it is read whole
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # uvicorn's limit_concurrency: past it a plain 503 (local only)
+    require_api_key: bool = False  # refuse to start without an API key (else: a warning when not on loopback)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -54,6 +61,8 @@ class ServeSettings:
             (self.max_texts_per_request >= 1,
              f"--max-texts-per-request {self.max_texts_per_request}: must be at least 1"),
             (self.max_text_chars >= 1, f"--max-text-chars {self.max_text_chars}: must be at least 1"),
+            (self.max_body_bytes >= 1, f"--max-body-bytes {self.max_body_bytes}: must be at least 1"),
+            (self.max_connections >= 1, f"--max-connections {self.max_connections}: must be at least 1"),
             (self.api_key is None or (self.api_key.strip() == self.api_key and len(self.api_key) >= 8),
              "--api-key: use at least 8 characters without surrounding spaces"),
         ]
@@ -63,4 +72,32 @@ class ServeSettings:
         if self.serve_with == "local" and self.replicas != 1:
             raise UserError(f"--replicas {self.replicas}: only --serve-with ray runs replicas; the local engine"
                             " uses one model per process (start more processes behind a load balancer)")
+        if self.require_api_key and self.api_key is None:
+            raise UserError(f"--require-api-key: no API key is set (--host {self.host}); pass --api-key KEY or set"
+                            f" {API_KEY_ENV} (at least 8 characters)")
         return self
+
+    def exposure_warning(self) -> str | None:
+        """The one warning line for a server that anyone on the network may call: bound beyond loopback
+        without an API key (None when it binds loopback only, or has a key)."""
+        if self.api_key is not None or is_loopback(self.host):
+            return None
+        return (f"torchloom serve: warning: --host {self.host} is reachable beyond this machine and no API key is set,"
+                f" so anyone who reaches it can call /v1/*; set --api-key KEY or {API_KEY_ENV} (--require-api-key"
+                " refuses to start without one)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) reaches this machine only; "0.0.0.0", "::" and "" are every
+    interface, and a name that does not resolve is taken as not loopback."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)

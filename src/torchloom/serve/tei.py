@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from torchloom.serve.api_common import ApiError, Backend, json_type, read_body, until_disconnect
+from torchloom.serve.api_common import ApiError, Backend, json_type, parse_off_loop, read_body, until_disconnect
 
 STATUS = {"Validation": 413, "Tokenizer": 422, "Overloaded": 429, "Backend": 424, "Unhealthy": 503, "Empty": 400}
 # An ApiError's code -> TEI's error_type; any other code is a body TEI cannot read: Tokenizer.
@@ -121,7 +121,8 @@ def router(backend: Backend, max_texts: int, max_chars: int, body_limit: int) ->
             "schema": request_schema(max_texts, max_chars)}}}},
     )
     async def tei_predict(request: Request) -> Response:
-        texts, batched, raw = parse_request(await read_body(request, body_limit), max_texts, max_chars)
+        texts, batched, raw = await parse_off_loop(parse_request, await read_body(request, body_limit), max_texts,
+                                                   max_chars)
         predictions = await until_disconnect(request, backend.predict(texts))
         answers = [answer(p, raw) for p in predictions]
         body = json.dumps(answers if batched else answers[0], ensure_ascii=False, separators=(",", ":"))
