@@ -120,3 +120,67 @@ def test_a_sharded_checkpoint_whose_hashes_differ_is_refused(tmp_path):
     flip_a_byte(shards[0])
     with pytest.raises(UserError, match=rf"no intact checkpoint in {root}.*{shards[0].name} differs"):
         checkpoint.resolve("latest", root)
+
+
+def test_rank_0_hashes_its_files_as_it_writes_them_and_never_reads_them_back(tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    one = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
+    reads = []
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda p: reads.append(p) or "")
+    path = checkpoint.save(one, tmp_path / "checkpoints", 1, model=model, optimizer=optimizer,
+                           trainer_state={"step": 1}, meta={}, keep_last=2, keep=set())
+    assert reads == []  # before: every file read back once for meta.json
+    monkeypatch.undo()
+    files = checkpoint.read_meta(path)["files"]
+    assert set(files) == {"model.safetensors", "optimizer.pt", "trainer.pt", "rng-rank0.pt"}
+    assert checkpoint.damage(path) is None  # the hashes taken while writing are the files' hashes
+    assert torch.load(path / "trainer.pt", weights_only=True) == {"step": 1}
+
+
+def _resolve_on_two_ranks(rank: int, root: str, port: int, out) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        d = Dist(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), owns_group=False)
+        checked = []
+        real = checkpoint.damage
+        checkpoint.damage = lambda p: checked.append(str(p)) or real(p)
+        try:
+            got = str(checkpoint.resolve_once(d, "latest", root))
+        except UserError as e:
+            got = f"error: {e}"
+        out.put((rank, got, len(checked)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_resume_is_resolved_and_checked_once_by_rank_0_and_handed_to_every_rank(setup, tmp_path, damaged):
+    import multiprocessing as mp
+
+    from conftest import free_port
+
+    rd = copy_run(setup, tmp_path, "resolve")
+    root = rd / "checkpoints"
+    if damaged:  # every checkpoint: rank 0's one-line error reaches rank 1 too
+        for _, p in checkpoint.list_checkpoints(root):
+            truncate(p / "model.safetensors")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_resolve_on_two_ranks, args=(r, str(root), port, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict((rank, (got, checked)) for rank, got, checked in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(60)
+    assert results[0][0] == results[1][0]  # the same answer on both ranks
+    assert results[1][1] == 0 and results[0][1] >= 1  # only rank 0 read the checkpoint's files
+    if damaged:
+        assert results[1][0].startswith("error: train.resume latest: no intact checkpoint")
+    else:
+        assert results[0][0] == str(root / LAST)

@@ -21,6 +21,7 @@ resume only checkpoints you wrote.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -33,11 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
 from torchloom.storage import sha256_file, upload
-from torchloom.train.distributed import Dist
+from torchloom.train.distributed import Dist, broadcast_from_main
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 SHARDED_DIR = "sharded"
@@ -131,23 +133,25 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         tmp.mkdir()
     d.io_barrier()
     tmp.mkdir(parents=True, exist_ok=True)  # a host that does not share rank 0's directory has its own
-    torch.save(rng_state(), tmp / f"rng-rank{d.rank}.pt")
+    written: dict[str, dict] = {}  # rank 0's files, hashed as they were written (never read back)
+    _write_torch(rng_state(), tmp, f"rng-rank{d.rank}.pt", written)
     if sharded:
         from torch.distributed import checkpoint as dcp
 
         dcp.save(sharded_state(model, optimizer), checkpoint_id=tmp / SHARDED_DIR)
     if d.is_main:
         if not sharded:
-            save_file(model_state(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(trainer_state, tmp / "trainer.pt")
+            _write_bytes(safetensors_bytes(model_state(model), metadata={"format": "pt"}), tmp, "model.safetensors",
+                         written)
+            _write_torch(optimizer.state_dict(), tmp, "optimizer.pt", written)
+        _write_torch(trainer_state, tmp, "trainer.pt", written)
     if remote and not d.is_main:
         _upload_own_files(tmp, f"{remote.rstrip('/')}/step-{step}")
     d.io_barrier()
     if d.is_main:
         # Last, once every rank's files are there: their sizes and hashes, which resume and export check.
         (tmp / META).write_text(json.dumps({"step": step, "world_size": d.world_size, "sharded": sharded,
-                                            **meta, "files": file_digests(tmp)}, indent=2))
+                                            **meta, "files": file_digests(tmp, written)}, indent=2))
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -173,10 +177,52 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def file_digests(directory: Path) -> dict[str, dict]:
-    """{relative path: {size, sha256}} of every file in a checkpoint directory but meta.json."""
-    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != META}
+class _Digesting:
+    """A file being written that hashes and counts its bytes on the way (torch.save writes to it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "wb")
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha.update(view)
+        self.size += len(view)
+        return self.file.write(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def digest(self) -> dict:
+        self.file.close()
+        return {"size": self.size, "sha256": self.sha.hexdigest()}
+
+
+def _write_torch(obj: Any, directory: Path, name: str, written: dict[str, dict]) -> None:
+    out = _Digesting(directory / name)
+    try:
+        torch.save(obj, out)
+    finally:
+        written[name] = out.digest()
+
+
+def _write_bytes(data: bytes, directory: Path, name: str, written: dict[str, dict]) -> None:
+    out = _Digesting(directory / name)
+    try:
+        out.write(data)
+    finally:
+        written[name] = out.digest()
+
+
+def file_digests(directory: Path, written: dict[str, dict] | None = None) -> dict[str, dict]:
+    """{relative path: {size, sha256}} of every file in a checkpoint directory but meta.json: `written`'s
+    (hashed while this process wrote them) as they are, the rest (other ranks' files: RNG states, shards)
+    read and hashed here."""
+    written = written or {}
+    return {rel: written.get(rel) or {"size": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != META
+            for rel in [str(p.relative_to(directory))]}
 
 
 def damage(path: str | Path) -> str | None:
@@ -262,6 +308,26 @@ def resolve(resume: str, root: str | Path, warn: bool = True) -> Path | None:
         raise UserError(f"train.resume {resume}: damaged: {why}; resume from another checkpoint"
                         " ('latest' takes the newest intact one)")
     return p
+
+
+def resolve_once(d: Dist, resume: str, root: str | Path) -> Path | None:
+    """Collective: `resolve` on rank 0 alone (the hashes read once, not once per rank), its answer on every
+    rank, so a flaky read on one rank cannot send the ranks to different checkpoints. `latest` travels as a
+    name under `root`, which each host has (a run on a store: its own copy); rank 0's error is every rank's."""
+    answer: tuple[str, str] = ("none", "")
+    if d.is_main:
+        try:
+            path = resolve(resume, root, warn=True)
+            if path is not None:
+                answer = ("latest", path.name) if resume == "latest" else ("path", str(path))
+        except UserError as e:
+            answer = ("error", str(e))
+    kind, value = broadcast_from_main(d, answer)
+    if kind == "error":
+        raise UserError(value)
+    if kind == "none":
+        return None
+    return Path(root) / value if kind == "latest" else Path(value)
 
 
 def load(d: Dist, path: Path, *, model, optimizer, sharded: bool = False) -> dict:

@@ -151,6 +151,16 @@ def any_rank(d: Dist, flag: bool) -> bool:
     return t.item() > 0
 
 
+def broadcast_from_main(d: Dist, obj):
+    """Collective: rank 0's `obj` on every rank (on the 30-minute I/O group: rank 0 may be reading a
+    checkpoint meanwhile)."""
+    if not d.enabled:
+        return obj
+    box = [obj if d.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=d.io_group)
+    return box[0]
+
+
 def all_gather_objects(d: Dist, obj):
     if not d.enabled:
         return [obj]

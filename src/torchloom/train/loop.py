@@ -389,7 +389,7 @@ class Trainer:
             if self.d.local_rank == 0:  # one download per host; the ranks beside it read the same copy
                 storage.pull_checkpoints(self.rd)
             self.d.io_barrier()
-        path = checkpoint.resolve(self.tc.resume, self.rd.checkpoints, warn=self.d.is_main)
+        path = checkpoint.resolve_once(self.d, self.tc.resume, self.rd.checkpoints)
         if path is None:
             if self.d.is_main:
                 self.rd.reset_metrics(None, keep_driver=True)
