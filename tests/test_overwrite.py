@@ -14,9 +14,10 @@ import pytest
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def torchloom(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def torchloom(*args: str, cwd: Path | None = None, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
+    """The real CLI in a fresh process (the environment read now: a store fixture may have set AWS_*)."""
     return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV, cwd=cwd)
+                          timeout=timeout, env={**os.environ, **ENV, **env}, cwd=cwd)
 
 
 def one_error(proc: subprocess.CompletedProcess) -> str:
@@ -48,9 +49,11 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, topics_csv, t
 
 
 def test_overwrite_refuses_the_working_directory(tmp_path, topics_csv, tiny_model_dir):
+    from torchloom.config import build, save
+
     run = tmp_path / "run"
     (run / "data").mkdir(parents=True)
-    (run / "config.toml").write_text("")  # a torchloom run, but the one the user stands in
+    save(build(None, []), run / "config.toml")  # a torchloom run, but the one the user stands in
     error = one_error(torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
                                 "--output.dir", ".", "--overwrite", cwd=run))
     assert "is the working directory" in error
@@ -101,3 +104,186 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
     monkeypatch.chdir(earlier)
     with pytest.raises(UserError, match="is the working directory"):
         _check_paths(str(src), ".", overwrite=True, local_only=True)
+
+
+# -- what counts as torchloom's: a marker file's content, never its name ---------------------------------------
+
+# Directories with a name torchloom also uses (checkpoints/, config.toml, manifest.json) that are not torchloom's.
+FOREIGN = {
+    "lightning": {"train.py": "import lightning as L\n", "lightning_logs/version_0/hparams.yaml": "lr: 0.001\n",
+                  "checkpoints/epoch=0.ckpt": "weights"},
+    "hugo": {"config.toml": 'baseURL = "https://example.org/"\ntitle = "x"\n[params]\n',
+             "content/_index.md": "# Home\n", "themes/plain/theme.toml": 'name = "plain"\n'},
+    "webapp": {"manifest.json": '{"name": "App", "short_name": "A", "start_url": "/", "icons": []}',
+               "index.html": "<!doctype html><title>App</title>\n"},
+}
+
+
+def make_tree(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def real_config() -> bytes:
+    from torchloom.config import build, to_toml
+
+    return to_toml(build(None, ["--output.dir", "runs/x"])).encode()
+
+
+def real_manifest() -> bytes:
+    from torchloom.manifest import Manifest, Shard, Split
+
+    split = Split(rows=2, shards=[Shard("train/part-0.parquet", 2, [2])], per_class={"a": 1, "b": 1})
+    return Manifest(labels=["a", "b"], splits={"train": split}, tokenizer={"path": "m", "hash": "h"},
+                    fingerprint="f").to_json().encode()
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+@pytest.mark.parametrize("command", ["run", "tune"])
+def test_overwrite_refuses_a_foreign_project_that_shares_a_name_with_torchloom(tmp_path, topics_csv, tiny_model_dir,
+                                                                              kind, command):
+    project = tmp_path / kind
+    make_tree(project, FOREIGN[kind])
+    before = tree(project)
+    error = one_error(torchloom(command, "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
+                                "--output.dir", str(project), "--tracking.enabled", "false", "--overwrite"))
+    assert f"output.dir {project}: not replaced" in error and "neither empty nor a torchloom run" in error
+    assert "pass another --output.dir" in error
+    assert tree(project) == before
+
+
+def test_prepare_without_overwrite_never_writes_over_a_foreign_config(tmp_path, topics_csv, tiny_model_dir):
+    """No --overwrite and no data/ yet: prepare would write data/ and then config.toml over Hugo's own."""
+    project = tmp_path / "hugo"
+    make_tree(project, FOREIGN["hugo"])
+    before = tree(project)
+    error = one_error(torchloom("prepare", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
+                                "--output.dir", str(project), "--tracking.enabled", "false"))
+    assert "holds a config.toml that torchloom did not write" in error, error
+    assert tree(project) == before
+
+
+@pytest.mark.parametrize(("rel", "content", "own"), [
+    ("config.toml", real_config(), True),
+    ("config.toml", FOREIGN["hugo"]["config.toml"].encode(), False),
+    ("config.toml", b"", False),  # parses, but none of torchloom's sections
+    ("config.toml", b'[data]\npath = "x.csv"\n', False),  # torchloom's keys, but not a config torchloom saved
+    ("config.toml", real_config() + b"\n[params]\ntheme = 'x'\n", False),  # a foreign section
+    ("config.toml", real_config().replace(b"[train]\n", b"[train]\nfoo = 1\n"), False),  # a foreign key
+    ("config.toml", b"\xff\xfe not text", False),
+    ("manifest.json", real_manifest(), True),
+    ("data/manifest.json", real_manifest(), True),
+    ("manifest.json", FOREIGN["webapp"]["manifest.json"].encode(), False),
+    ("manifest.json", b"{}", False),
+    ("manifest.json", real_manifest().replace(b'"labels"', b'"start_url": "/", "labels"'), False),
+    ("manifest.json", b"not json", False),
+    ("study.json", b'{"format": "torchloom-study/1", "backend": "optuna"}', True),
+    ("study.json", b'{"backend": "ray", "study_name": "s", "created": 1.0, "metric": "macro_f1", "mode": "max",'
+                   b' "trials": 4, "best_trial": "t0"}', True),  # written before the format marker
+    ("study.json", b'{"backend": "optuna", "study_name": "s"}', False),
+    ("study.json", b'{"backend": "optuna", "study_name": "s", "created": 1.0, "metric": "loss", "mode": "min",'
+                   b' "author": "me"}', False),
+    ("checkpoints", b"", False),  # not a marker at all
+])
+def test_a_marker_counts_only_by_its_content(rel, content, own):
+    from torchloom.rundir import is_own_file
+
+    assert is_own_file(rel, content) is own
+
+
+def test_overwrite_still_replaces_a_run_prepared_data_and_a_study(tmp_path):
+    from torchloom.errors import UserError
+    from torchloom.rundir import check_replaceable
+
+    dirs = {"run/config.toml": real_config(), "prepared/manifest.json": real_manifest(),
+            "study/study.json": b'{"format": "torchloom-study/1", "backend": "optuna"}',
+            "lightning/checkpoints/epoch=0.ckpt": b"weights"}
+    for rel, content in dirs.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(content)
+        (tmp_path / rel).with_name("notes.txt").write_text("x")
+    for name in ("run", "prepared", "study"):
+        check_replaceable(tmp_path / name)
+    with pytest.raises(UserError, match=r"lightning: not replaced: it is neither empty nor a torchloom run"):
+        check_replaceable(tmp_path / "lightning")
+
+
+def test_overwrite_replaces_a_real_run_from_the_cli(tmp_path, tiny_model_dir):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_bytes(real_config())
+    (run / "metrics.jsonl").write_text("{}\n")
+    # the run dir goes first; the missing data is found after, before any Spark work
+    error = one_error(torchloom("run", "--data.path", str(tmp_path / "none.csv"), "--model.path", tiny_model_dir,
+                                "--output.dir", str(run), "--tracking.enabled", "false", "--overwrite"))
+    assert "none.csv" in error and "not replaced" not in error
+    assert not (run / "metrics.jsonl").exists()
+
+
+# -- the same rule on a store ----------------------------------------------------------------------------------
+
+BUCKET = "torchloom-overwrite"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    pytest.importorskip("moto")
+    from conftest import s3_server
+
+    with s3_server(tmp_path_factory.mktemp("moto"), BUCKET, CREDENTIALS) as port:
+        yield port
+
+
+def put_tree(prefix: str, files: dict[str, str | bytes]) -> None:
+    from torchloom import storage
+
+    for rel, content in files.items():
+        storage.write_bytes(storage.join(prefix, rel), content.encode() if isinstance(content, str) else content)
+
+
+@pytest.mark.parametrize("kind", sorted(FOREIGN))
+def test_overwrite_on_a_store_refuses_a_foreign_project(s3, tmp_path, topics_csv, tiny_model_dir, kind):
+    from torchloom import storage
+
+    prefix = f"s3://{BUCKET}/{kind}"
+    put_tree(prefix, FOREIGN[kind])
+    before = storage.list_files(prefix)
+    error = one_error(torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
+                                "--output.dir", prefix, "--tracking.enabled", "false", "--overwrite",
+                                TORCHLOOM_CACHE=str(tmp_path / "cache")))
+    assert f"output.dir {prefix}: not replaced" in error and "pass another --output.dir" in error
+    assert storage.list_files(prefix) == before
+    assert {rel: storage.read_bytes(storage.join(prefix, rel)).decode() for rel in before} == FOREIGN[kind]
+
+
+def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
+    from torchloom import storage
+    from torchloom.errors import UserError
+    from torchloom.rundir import RunDir
+
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    prefix = f"s3://{BUCKET}/run"
+    put_tree(prefix, {"config.toml": real_config(), "checkpoints/step-2/meta.json": "{}",
+                      "data/manifest.json": real_manifest()})
+    storage.replace_remote(RunDir(prefix))
+    assert storage.list_files(prefix) == {}
+    put_tree(prefix, {"data/manifest.json": FOREIGN["webapp"]["manifest.json"], "checkpoints/step-2/x": "w"})
+    with pytest.raises(UserError, match=r"not replaced: the prefix holds objects that are not a torchloom run"):
+        storage.replace_remote(RunDir(prefix))
+    assert len(storage.list_files(prefix)) == 2
+
+
+def test_the_manifest_keys_rundir_knows_are_the_manifests_fields():
+    import dataclasses
+
+    from torchloom.manifest import Manifest
+    from torchloom.rundir import MANIFEST_KEYS
+
+    assert {f.name for f in dataclasses.fields(Manifest)} - {"root"} == MANIFEST_KEYS

@@ -13,7 +13,7 @@ import pytest
 
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
-from torchloom.manifest import COLUMNS, SPLITS
+from torchloom.manifest import COLUMNS, SPLITS, Manifest
 from torchloom.manifest import read as read_manifest
 
 pytest.importorskip("pyspark")
@@ -319,7 +319,7 @@ def test_overwrite_replaces_output(spark, tiny_model_dir, tmp_path):
     cfg.output.overwrite = True
     with pytest.raises(UserError, match="not replaced: it is neither empty nor a torchloom"):
         prepare(cfg, str(out), spark=spark)  # not prepared data: --overwrite leaves it alone
-    (out / "manifest.json").write_text("{}")  # an earlier prepare's output
+    Manifest(labels=["a", "b"], splits={}, tokenizer={}, fingerprint="x").write(out)  # an earlier prepare's
     m = prepare(cfg, str(out), spark=spark)
     assert not (out / "stale.txt").exists() and m.counts["rows_kept"] == 6
     assert leftovers(tmp_path, {"in.parquet", "data"}) == []

@@ -32,12 +32,103 @@ import json
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 MANIFEST_FILE = "manifest.json"  # in a prepared data dir: what it holds (manifest.py)
-# What makes a directory torchloom's own, so that --overwrite may replace it: a run, prepared data, a study.
-OWN_MARKERS = ("config.toml", f"data/{MANIFEST_FILE}", "checkpoints", MANIFEST_FILE, "study.json")
+# The keys manifest.py's Manifest writes (its fields but `root`; tests/test_overwrite.py holds them equal).
+MANIFEST_KEYS = frozenset({"counts", "fingerprint", "format_version", "inputs", "labels", "splits", "timings",
+                           "tokenizer"})
+CONFIG_FILE = "config.toml"  # in a run dir: the resolved config (config/load.save)
+STUDY_FILE = "study.json"  # in a tune study: what ran and which trial won (tune/study.py, tune/results.py)
+# What may make a directory torchloom's own, so that --overwrite may replace it: a run's config, prepared data's
+# manifest, a study's marker. A name alone proves nothing (a Hugo site has a config.toml, a web app a
+# manifest.json, a Lightning project checkpoints/): each counts only when its content is torchloom's (is_own_file).
+OWN_MARKERS = (CONFIG_FILE, f"data/{MANIFEST_FILE}", MANIFEST_FILE, STUDY_FILE)
+STUDY_FORMAT = "torchloom-study/1"  # study.json's "format"
+# The sections of every config.toml torchloom has written (later versions add more, never fewer).
+CONFIG_SECTIONS = ("data", "prepare", "model", "train", "eval", "engine", "output")
+# study.json before it carried "format": what open_study_dir wrote, and what the report added.
+LEGACY_STUDY_KEYS = {"backend", "study_name", "created", "metric", "mode"}
+LEGACY_STUDY_REPORT_KEYS = {"trials", "stopped_early", "seconds", "results_csv", "best_trial", "best_value",
+                            "best_params", "best_config", "model_dir", "test"}
+
+
+def _is_own_config(text: str) -> bool:
+    """A config.toml that torchloom's own loader reads back: only torchloom's sections, each a table, the
+    sections every saved config has, and nothing the loader refuses (an unknown key, a bad value)."""
+    import tomllib
+
+    from torchloom.config import from_dict
+    from torchloom.errors import UserError
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    if not all(isinstance(v, dict) for v in data.values()) or not all(s in data for s in CONFIG_SECTIONS):
+        return False
+    try:
+        from_dict(data)
+    except (UserError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _is_own_manifest(data: Any) -> bool:
+    """A manifest.json as manifest.py writes it: every required key, no key of anyone else's."""
+    known = MANIFEST_KEYS
+    required = {"labels", "splits", "tokenizer", "fingerprint", "format_version"}
+    if not isinstance(data, dict) or not required <= data.keys() <= known:
+        return False
+    splits = data["splits"]
+    return (isinstance(data["format_version"], int) and isinstance(data["labels"], list)
+            and isinstance(data["tokenizer"], dict) and isinstance(data["fingerprint"], str)
+            and isinstance(splits, dict)
+            and all(isinstance(s, dict) and {"rows", "shards"} <= s.keys() for s in splits.values()))
+
+
+def _is_own_study(data: Any) -> bool:
+    """A study.json with torchloom's format marker, or an older one with exactly torchloom's keys."""
+    if not isinstance(data, dict):
+        return False
+    if data.get("format") == STUDY_FORMAT:
+        return True
+    return (LEGACY_STUDY_KEYS <= data.keys() <= LEGACY_STUDY_KEYS | LEGACY_STUDY_REPORT_KEYS
+            and data["backend"] in ("optuna", "ray") and data["mode"] in ("min", "max"))
+
+
+def is_own_file(rel: str, content: bytes) -> bool:
+    """Did torchloom write this marker file (`rel`, one of OWN_MARKERS), judged by its content?"""
+    name = rel.rsplit("/", 1)[-1]
+    try:
+        text = content.decode("utf-8")
+        if name == CONFIG_FILE:
+            return _is_own_config(text)
+        data = json.loads(text)
+    except ValueError:  # not UTF-8, not JSON
+        return False
+    if name == MANIFEST_FILE:
+        return _is_own_manifest(data)
+    return name == STUDY_FILE and _is_own_study(data)
+
+
+def is_own(read: Callable[[str], bytes | None]) -> bool:
+    """Is a directory torchloom's own (a run, prepared data, a study)? `read(rel)` gives the content of a file
+    in it, or None when there is none: the same decision for a local directory and a prefix on a store."""
+    for rel in OWN_MARKERS:
+        content = read(rel)
+        if content is not None and is_own_file(rel, content):
+            return True
+    return False
+
+
+def _read_local(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None
 
 
 def holds_cwd(path: str | Path) -> bool:
@@ -59,9 +150,10 @@ def check_replaceable(path: str | Path, key: str = "output.dir") -> None:
     if holds_cwd(path):
         raise UserError(f"{key} {path}: is the working directory or holds it; --overwrite would delete it;"
                         " pass another --output.dir")
-    if any(path.iterdir()) and not any((path / m).exists() for m in OWN_MARKERS):
+    if any(path.iterdir()) and not is_own(lambda rel: _read_local(path / rel)):
         raise UserError(f"{key} {path}: not replaced: it is neither empty nor a torchloom run, prepared data or"
-                        " study; pass another --output.dir")
+                        " study (no config.toml, manifest.json or study.json that torchloom wrote);"
+                        " pass another --output.dir")
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
@@ -180,7 +272,7 @@ class RunDir:
         return str(self.root)
 
     # -- what the stages write ------------------------------------------------------------------
-    config = _In("config.toml")
+    config = _In(CONFIG_FILE)
     data = _In("data")
     manifest = _In("data", MANIFEST_FILE)
     checkpoints = _In("checkpoints")
@@ -284,7 +376,7 @@ class RunDir:
 class StudyDir(RunDir):
     """A `torchloom tune` study: the prepared data once, and one ordinary run directory per trial."""
 
-    marker = _In("study.json")
+    marker = _In(STUDY_FILE)
     trials = _In("trials")
 
     def trial(self, name: str) -> RunDir:

@@ -371,14 +371,23 @@ def pull_checkpoints(rd: RunDir) -> list[int]:
 
 
 def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
-    """--overwrite on a store: refuse a prefix that holds objects but no torchloom run (one line), else
-    delete everything under it."""
-    from torchloom.rundir import OWN_MARKERS
+    """--overwrite on a store: refuse a prefix that holds objects but no torchloom run, prepared data or study
+    (one line; decided from the marker files' content, as for a local directory: rundir.is_own), else delete
+    everything under it."""
+    from torchloom.rundir import is_own
 
     listing = list_files(rd.remote)
-    if listing and not any(m in listing or any(r.startswith(m + "/") for r in listing) for m in OWN_MARKERS):
-        raise UserError(f"{key} {rd.where}: not replaced: the prefix holds objects that are not a torchloom run;"
-                        " pass another --output.dir")
+
+    def read(rel: str) -> bytes | None:
+        try:
+            return read_bytes(join(rd.remote, rel)) if rel in listing else None
+        except FileNotFoundError:
+            return None
+
+    if listing and not is_own(read):
+        raise UserError(f"{key} {rd.where}: not replaced: the prefix holds objects that are not a torchloom run,"
+                        " prepared data or study (no config.toml, manifest.json or study.json that torchloom"
+                        " wrote); pass another --output.dir")
     delete_tree(rd.remote)
 
 

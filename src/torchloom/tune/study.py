@@ -29,7 +29,7 @@ from torchloom import config as config_mod
 from torchloom import pipeline, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, missing_extra
-from torchloom.rundir import StudyDir, check_replaceable, read_json, write_json
+from torchloom.rundir import STUDY_FORMAT, StudyDir, check_replaceable, read_json, write_json
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
 
@@ -92,8 +92,8 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
     _hold(sd)
     if not marker.is_file():
         tmp = sd.root / f".{marker.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        write_json(tmp, {"backend": backend, "study_name": study_name(cfg), "created": time.time(),
-                         "metric": cfg.tune.metric, "mode": mode_of(cfg)})
+        write_json(tmp, {"format": STUDY_FORMAT, "backend": backend, "study_name": study_name(cfg),
+                         "created": time.time(), "metric": cfg.tune.metric, "mode": mode_of(cfg)})
         try:
             os.link(tmp, marker)  # fails if another process made the marker first
             resuming = False
