@@ -3,6 +3,8 @@ rendering of any exception."""
 
 from __future__ import annotations
 
+from torchloom.redaction import redact_text
+
 
 class UserError(Exception):
     """Bad input from the user: names the input, the problem and the fix."""
@@ -16,7 +18,7 @@ LINE_LIMIT = 300  # an error line a terminal shows whole
 def one_line(message: str, limit: int = LINE_LIMIT) -> str:
     """`message` as one line of at most `limit` characters: long embedded values (a path, a pasted text,
     a column name) are cut in their middle first, so the input, the problem and the fix all stay."""
-    line = " ".join(str(message).split())
+    line = " ".join(redact_text(message).split())
     prefix = len("torchloom: error: ")
     if len(line) + prefix <= limit:
         return line
@@ -47,8 +49,8 @@ def message_line(text: str) -> str:
 
 
 def first_line(e: BaseException) -> str:
-    """An exception as one short line: its type and its message's first line."""
-    line = message_line(str(e))
+    """An exception as one short line: its type and its message's first line, secrets masked."""
+    line = message_line(redact_text(e))
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 

@@ -13,7 +13,7 @@ from torchloom import storage
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir, check_replaceable, read_json, write_json
+from torchloom.rundir import RunDir, check_replaceable, is_own_file, read_json, write_json
 from torchloom.train.result import TrainResult
 
 
@@ -60,6 +60,8 @@ def for_this_machine(cfg: Config) -> Config:
     """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
     starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too."""
     check_stores(cfg)
+    if not storage.is_uri(cfg.output.dir) and not cfg.output.overwrite:  # --overwrite: check_replaceable says
+        check_foreign_config(RunDir(cfg.output.dir))
     if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
         return cfg
     return config_mod.resolve_workers(cfg, visible_gpus(cfg))
@@ -69,7 +71,15 @@ def run_dir(cfg: Config) -> RunDir:
     return RunDir(cfg.output.dir)
 
 
+def check_foreign_config(rd: RunDir) -> None:
+    """Never write over a config.toml torchloom did not write (a Hugo site's, say): refused before any stage."""
+    if rd.config.is_file() and not is_own_file(rd.config.name, rd.config.read_bytes()):
+        raise UserError(f"output.dir {rd.where}: holds a config.toml that torchloom did not write; it is left"
+                        " alone; pass another --output.dir")
+
+
 def save_config(cfg: Config, rd: RunDir) -> None:
+    check_foreign_config(rd)
     rd.root.mkdir(parents=True, exist_ok=True)
     config_mod.save(cfg, rd.config)
     storage.push(rd, rd.config)
@@ -497,7 +507,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         summary["verdict"] = ev.get("verdict")
     if tracker.enabled:
         summary["mlflow_run_id"] = tracker.run_id
-        summary["mlflow_uri"] = tracker.uri
+        summary["mlflow_uri"] = tracker.shown_uri
     write_json(rd.summary, summary)
     storage.push(rd, rd.summary)
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
@@ -554,7 +564,7 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.home(rd.plots)}",
               f"  predict torchloom predict --model {summary['model_dir']} \"some text\""]
     if tracker.enabled:
-        lines.append(f"  mlflow  run {tracker.run_id} in {tracker.uri}")
+        lines.append(f"  mlflow  run {tracker.run_id} in {tracker.shown_uri}")
     return "\n".join(lines)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, first_line
 from torchloom.poller import Poller
+from torchloom.redaction import redact_config, redact_text
 
 SCHEMES = ("sqlite:", "http:", "https:", "databricks", "postgresql", "mysql", "mssql")
 
@@ -124,6 +125,11 @@ class Tracker(NullTracker):
         self.client, self.uri, self.experiment_id, self.run_id, self.cfg = client, uri, experiment_id, run_id, cfg
         self._finished = False
 
+    @property
+    def shown_uri(self) -> str:
+        """The store's URI as lines and files show it: no user:password@."""
+        return redact_text(self.uri)
+
     @classmethod
     def start(cls, cfg: Config, kind: str, run_name: str | None = None, parent: Tracker | None = None,
               extra_tags: dict | None = None, parent_run_id: str | None = None) -> NullTracker:
@@ -141,6 +147,8 @@ class Tracker(NullTracker):
             return NullTracker()
         _quiet_mlflow()
         uri = resolve_uri(tracking_cfg.uri)
+        if redact_text(uri) != uri:  # MLflow's own "View run at" line would show the password
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         if uri.startswith("sqlite:///"):
             Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -181,7 +189,7 @@ class Tracker(NullTracker):
             raise UserError(f"tracking.uri {uri}: cannot use this MLflow store ({first[:200]}); start the server,"
                             " fix the URI, or pass --tracking.enabled false") from None
         tracker = cls(client, uri, exp_id, run.info.run_id, cfg)
-        tracker._guard("the config as params", tracker.log_params, to_dict(cfg))
+        tracker._guard("the config as params", tracker.log_params, redact_config(to_dict(cfg)))
         return tracker
 
     def _guard(self, what: str, fn, *args) -> None:
@@ -190,7 +198,7 @@ class Tracker(NullTracker):
             fn(*args)
         except Exception as e:
             first = first_line(e)
-            print(f"torchloom: tracking: could not log {what} to {self.uri} ({first[:200]})", file=sys.stderr)
+            print(f"torchloom: tracking: could not log {what} to {self.shown_uri} ({first[:200]})", file=sys.stderr)
 
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param

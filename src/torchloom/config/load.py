@@ -9,6 +9,7 @@ from typing import Any
 
 from torchloom.config.schema import Config, TrainConfig
 from torchloom.errors import UserError
+from torchloom.redaction import redact_config
 
 
 def sections(cfg: Config) -> dict[str, Any]:
@@ -266,9 +267,10 @@ def from_dict(data: dict[str, Any]) -> Config:
 
 
 def to_toml(cfg: Config) -> str:
+    """The config as TOML with its secrets masked (redaction.py): what is written to config.toml and printed."""
     import tomli_w
 
-    return tomli_w.dumps(to_dict(cfg))
+    return tomli_w.dumps(redact_config(to_dict(cfg)))
 
 
 def save(cfg: Config, path: str | Path) -> None:

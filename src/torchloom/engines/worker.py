@@ -29,6 +29,7 @@ from torchloom.engines.common import (
 )
 from torchloom.errors import UserError, first_line
 from torchloom.model.env import model_env
+from torchloom.redaction import TUNE_STORAGE_ENV
 from torchloom.rundir import RunDir, read_json, write_json
 from torchloom.train import preemption
 from torchloom.train.reporter import Reporter, combine
@@ -36,7 +37,7 @@ from torchloom.train.result import TrainResult
 
 # Variables of the driver's environment that go to its workers only when set there (a test's fault):
 # a long-lived process that runs workers (a Spark executor) must not keep an earlier job's.
-FORWARDED = (faults.ENV,)
+FORWARDED = (faults.ENV, TUNE_STORAGE_ENV)
 
 
 def worker_env() -> dict[str, str]:

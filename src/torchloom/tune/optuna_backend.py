@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from torchloom.config import Config
 from torchloom.config.schema import TuneConfig
+from torchloom.errors import UserError, first_line
+from torchloom.redaction import redact_text
 from torchloom.rundir import StudyDir
 from torchloom.tune import trial as trial_mod
 from torchloom.tune.common import mode_of, say, study_name
-from torchloom.tune.pruning import PruningReporter, make_pruner, make_storage
+from torchloom.tune.pruning import PruningReporter, hook_storage, make_pruner, make_storage
 from torchloom.tune.space import Param
 
 
@@ -46,10 +48,25 @@ def open_study(url: str, name: str, direction: str, tune_cfg: TuneConfig, sd: St
                                                        n_startup_trials=min(10, max(2, tune_cfg.trials // 2))),
                     pruner=make_pruner(tune_cfg.scheduler, tune_cfg.grace_period, tune_cfg.reduction_factor),
                 )
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError):
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError) as e:
             if attempt == 4:
-                raise
+                raise _storage_error(url, e) from None
             time.sleep(1 + attempt)
+        except (ImportError, sqlalchemy.exc.ArgumentError, ValueError) as e:
+            raise _storage_error(url, e) from None
+
+
+def _storage_error(url: str, e: BaseException) -> UserError:
+    """The study database cannot be opened: one line, its URL without the password."""
+    if isinstance(e, ImportError):
+        cause: BaseException | None = e  # Optuna wraps the driver's ModuleNotFoundError in its own ImportError
+        while cause is not None and not getattr(cause, "name", None):
+            cause = cause.__cause__ or cause.__context__
+        name = getattr(cause, "name", None) or "the database's Python driver"
+        return UserError(f"tune.storage {redact_text(url)}: its database driver is not installed ({name});"
+                         f" pip install {name}, or leave tune.storage empty for the study's own SQLite file")
+    return UserError(f"tune.storage {redact_text(url)}: cannot open the study database ({first_line(e)[:160]});"
+                     " check that it runs and the URL, or leave tune.storage empty for a SQLite file")
 
 
 def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | None) -> None:
@@ -61,8 +78,9 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
     name = study_name(cfg)
     direction = "maximize" if mode_of(cfg) == "max" else "minimize"
     study = open_study(url, name, direction, tune_cfg, sd)
-    hooks_base = {"storage": url, "study_name": name, "metric": tune_cfg.metric, "scheduler": tune_cfg.scheduler,
-                  "grace_period": tune_cfg.grace_period, "reduction_factor": tune_cfg.reduction_factor}
+    hooks_base = {"storage": hook_storage(url), "study_name": name, "metric": tune_cfg.metric,
+                  "scheduler": tune_cfg.scheduler, "grace_period": tune_cfg.grace_period,
+                  "reduction_factor": tune_cfg.reduction_factor}
 
     def objective(trial: optuna.Trial) -> float:
         values = {p.key: p.suggest(trial) for p in params}

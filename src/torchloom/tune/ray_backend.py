@@ -51,19 +51,20 @@ def trial_engine(cfg: Config, concurrent: int, started_local: bool) -> Config:
     return replace_engine(cfg, name="ray", cpus_per_worker=cpus, threads_per_worker=threads)
 
 
-def _trainable(config: dict) -> None:
-    """One trial, in a Ray Tune trial process: train on Ray Train workers; Tune sees every eval."""
+def _trainable(config: dict, cfg_dict: dict, study_dir: str, parent_run_id: str | None) -> None:
+    """One trial, in a Ray Tune trial process: train on Ray Train workers; Tune sees every eval. The study's
+    config comes through Ray's object store (tune.with_parameters), not the param space, which Tune writes
+    to the study's experiment state on disk (with any secret in the config)."""
     from ray import tune
 
     from torchloom.pipeline import env_defaults
 
     env_defaults()
     ctx = tune.get_context()
-    cfg = from_dict(config["__cfg"])
-    sd = StudyDir(config["__study_dir"])
-    values = {k: v for k, v in config.items() if not k.startswith("__")}
+    cfg = from_dict(cfg_dict)
+    sd = StudyDir(study_dir)
     name = f"trial-{ctx.get_trial_id()}"
-    trial_mod.run_trial(cfg, sd, name, values, config.get("__parent_run_id"))
+    trial_mod.run_trial(cfg, sd, name, dict(config), parent_run_id)
 
 
 class _Progress:
@@ -103,9 +104,10 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
         logging.getLogger("ray.tune").setLevel(logging.WARNING)
         concurrent = concurrency(cfg)
         trial_cfg = trial_engine(cfg, concurrent, started_local)
-        fixed = {"__cfg": to_dict(trial_cfg), "__study_dir": str(sd.root), "__parent_run_id": parent_run_id}
-        trainable = tune.with_resources(_trainable, {"CPU": TRIAL_CPU})
-        param_space = {**{p.key: p.ray_domain() for p in params}, **fixed}
+        fixed = tune.with_parameters(_trainable, cfg_dict=to_dict(trial_cfg), study_dir=str(sd.root),
+                                     parent_run_id=parent_run_id)
+        trainable = tune.with_resources(fixed, {"CPU": TRIAL_CPU})
+        param_space = {p.key: p.ray_domain() for p in params}
         tuner = _tuner(cfg, sd, trainable, param_space, concurrent)
         say(f"{concurrent} trial(s) at a time, {trial_cfg.engine.workers} Ray Train workers each with"
             f" {trial_cfg.engine.cpus_per_worker:g} CPUs")

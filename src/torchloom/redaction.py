@@ -1,0 +1,70 @@
+"""The one place that decides what of a config, a parameter or a line of text is a secret, and masks it.
+
+Everything torchloom writes where others read it goes through here: config.toml and best_config.toml, the
+MLflow params, summary.json, hooks.json, the tracking and error lines. Two rules:
+  - a URI's userinfo (`scheme://user:password@host`) becomes `scheme://***@host`, wherever it appears;
+  - the value of a key whose name says secret, password, token, credential, access key, api key, account
+    key, private key or signature becomes `***` (a config key such as `spark.hadoop.fs.s3a.secret.key`, a
+    `key=value` in a line of text, a presigned URL's signature).
+Secrets belong in the environment (AWS_*, MLFLOW_TRACKING_PASSWORD, a Hadoop credential provider), where
+torchloom neither writes nor logs them; a masked config file says so by its `***`.
+Standard library only: the contracts and the CLI import it."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+MASK = "***"
+# A study database URL with a password reaches the workers' pruner in this variable (every engine forwards
+# it, engines/worker.FORWARDED), never through hooks.json.
+TUNE_STORAGE_ENV = "TORCHLOOM_TUNE_STORAGE"
+_SECRET_WORDS = {"secret", "secrets", "password", "passwd", "pwd", "passphrase", "token", "credential",
+                 "credentials", "signature", "sig", "sas", "apikey", "accesskey", "secretkey", "privatekey",
+                 "accountkey", "authorization", "auth"}
+_KEY_QUALIFIERS = {"access", "api", "private", "account", "secret", "master", "encryption", "client"}
+_WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]+@")
+# key=value, key: value or "key": "value" in free text (a query string, a Spark conf line, a JSON body)
+_PAIR = re.compile(r"(?P<key>[A-Za-z][\w.\-]*)(?P<sep>[\"']?\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;&'\"}]+)")
+
+
+def is_secret_name(name: str) -> bool:
+    """Does a key's name say its value is a secret? Judged by its words: `fs.s3a.secret.key`, `api_key`,
+    `X-Amz-Signature`, `sessionToken` do; `max_batch_tokens`, `tokenizer`, `author` do not."""
+    words = [w.lower() for w in _WORD_SPLIT.split(str(name)) if w]
+    if any(w in _SECRET_WORDS for w in words):
+        return True
+    return any(a in _KEY_QUALIFIERS and b == "key" for a, b in zip(words, words[1:]))
+
+
+def _mask_pair(m: re.Match) -> str:
+    value = m.group("value")
+    if not is_secret_name(m.group("key")) or value.strip("\"'") in ("", MASK) or value.startswith("//"):
+        return m.group(0)
+    quote = value[0] if value[0] in "\"'" else ""
+    return f"{m.group('key')}{m.group('sep')}{quote}{MASK}{quote}"
+
+
+def redact_text(text: Any) -> str:
+    """A line fit for a log or an error: no URI userinfo, no value of a secret-named key."""
+    return _PAIR.sub(_mask_pair, _USERINFO.sub(rf"\1{MASK}@", str(text)))
+
+
+def redact_value(key: str, value: Any) -> Any:
+    """One config value: masked whole when its key names a secret; strings stripped of userinfo and secret
+    pairs; dicts and lists walked, each dict entry judged by its own key."""
+    if isinstance(value, dict):
+        return {k: redact_value(str(k), v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_value(key, v) for v in value)
+    if isinstance(value, str) and value and is_secret_name(key):
+        return MASK
+    if isinstance(value, str):
+        return redact_text(value)
+    return value
+
+
+def redact_config(data: dict[str, Any]) -> dict[str, Any]:
+    """A config's dict (sections of keys, or any nesting) with every secret masked; the input is unchanged."""
+    return {k: redact_value(str(k), v) for k, v in data.items()}

@@ -1,0 +1,155 @@
+"""Secrets stay out of everything torchloom writes: redaction.py's rules, and a real run with a secret planted in
+each place a user puts one (a tracking URI's user:password@, a study database URL, a Spark conf key), grepped
+for in every file of the run dir, the MLflow server's store and artifacts, and the captured output."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import free_port
+
+from torchloom.model.tiny import write_tiny_model
+from torchloom.redaction import MASK, is_secret_name, redact_config, redact_text
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+SECRETS = {"tracking": "PLANTED-tracking-pw", "storage": "PLANTED-study-pw", "spark": "PLANTED-s3a-secret"}
+
+
+@pytest.fixture(scope="module")
+def topics_csv(tmp_path_factory):
+    path = tmp_path_factory.mktemp("csv") / "topics.csv"
+    vocab = {"sport": "match goal team win league", "money": "bank market price shares profit"}
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([["text", "label"], *([f"{v} number {i}", k] for k, v in vocab.items()
+                                                      for i in range(30))])
+    return path
+
+
+@pytest.mark.parametrize("name", ["spark.hadoop.fs.s3a.secret.key", "spark.hadoop.fs.s3a.session.token", "api_key",
+                                  "X-Amz-Signature", "fs.azure.account.key.acct.blob.core.windows.net", "password",
+                                  "sessionToken", "MLFLOW_TRACKING_PASSWORD", "client_secret", "sas_token"])
+def test_secret_names_are_masked(name):
+    assert is_secret_name(name)
+    assert redact_config({"s": {name: "hunter2"}}) == {"s": {name: MASK}}
+    assert "hunter2" not in redact_text(f"failed with {name}=hunter2, retrying")
+
+
+@pytest.mark.parametrize("name", ["max_batch_tokens", "tokenizer", "author", "text_column", "key", "keep_last",
+                                  "spark.executor.memory", "monkey"])
+def test_ordinary_names_are_kept(name):
+    assert not is_secret_name(name)
+    assert redact_config({"s": {name: "value"}}) == {"s": {name: "value"}}
+
+
+def test_uri_userinfo_is_stripped_wherever_it_appears():
+    line = "tracking.uri http://alice:pw1@mlflow:5000: refused; tune.storage postgresql://bob:pw2@db/optuna failed"
+    out = redact_text(line)
+    assert "pw1" not in out and "pw2" not in out and "alice" not in out
+    assert "http://***@mlflow:5000" in out and "postgresql://***@db/optuna" in out
+    # presigned URLs: the signature's value goes, the rest of the address stays
+    url = "https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIA%2F&X-Amz-Signature=abcdef&X-Amz-Expires=60"
+    assert "abcdef" not in redact_text(url) and "X-Amz-Expires=60" in redact_text(url)
+    # a config walk judges each dict entry by its own key, lists by their owner's, and leaves the input alone
+    cfg = {"tune": {"storage": "postgresql://u:pw3@db/x", "space": {"train.lr": "loguniform(1e-5, 3e-4)"}}}
+    assert redact_config(cfg)["tune"] == {"storage": "postgresql://***@db/x",
+                                         "space": {"train.lr": "loguniform(1e-5, 3e-4)"}}
+    assert cfg["tune"]["storage"] == "postgresql://u:pw3@db/x"
+
+
+def test_a_study_database_password_reaches_workers_through_the_environment(tmp_path, monkeypatch):
+    pytest.importorskip("optuna")
+    from torchloom.engines.worker import worker_env
+    from torchloom.redaction import TUNE_STORAGE_ENV
+    from torchloom.tune.pruning import hook_storage, make_storage
+
+    monkeypatch.delenv(TUNE_STORAGE_ENV, raising=False)
+    plain = f"sqlite:///{tmp_path / 'optuna.db'}"
+    assert hook_storage(plain) == plain and TUNE_STORAGE_ENV not in os.environ
+    assert hook_storage("postgresql://u:pw4@db/optuna") == f"env:{TUNE_STORAGE_ENV}"  # what hooks.json holds
+    assert worker_env()[TUNE_STORAGE_ENV] == "postgresql://u:pw4@db/optuna"  # what every engine forwards
+    monkeypatch.setenv(TUNE_STORAGE_ENV, plain)
+    assert make_storage(f"env:{TUNE_STORAGE_ENV}") is not None  # a worker opens the study from there
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server on 127.0.0.1 with its own store and proxied artifacts."""
+    port = free_port()
+    store = tmp_path / "mlflow-server"
+    store.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                             "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
+                             "--artifacts-destination", str(store / "artifacts"), "--workers", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    pytest.fail("the MLflow server did not start")
+                time.sleep(0.5)
+        yield port, store
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(30)
+
+
+def _files_holding(root: Path, needles: list[str]) -> list[str]:
+    hits = []
+    for path in root.rglob("*"):
+        if path.is_file():
+            data = path.read_bytes()
+            hits += [f"{path}: {n}" for n in needles if n.encode() in data]
+    return hits
+
+
+def test_no_secret_reaches_a_file_a_param_or_a_line(tmp_path, mlflow_server, topics_csv):
+    port, store = mlflow_server
+    tiny = write_tiny_model(tmp_path / "tiny")
+    rd = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchloom", "run", "--data.path", str(topics_csv), "--model.path", tiny,
+         "--output.dir", str(rd), "--prepare.spark_master", "local[2]", "--train.epochs", "1",
+         "--engine.workers", "1", "--tracking.uri", f"http://alice:{SECRETS['tracking']}@127.0.0.1:{port}",
+         "--tune.storage", f"postgresql://bob:{SECRETS['storage']}@127.0.0.1:1/optuna",
+         "--prepare.spark_conf", f'{{"spark.hadoop.fs.s3a.secret.key" = "{SECRETS["spark"]}"}}'],
+        capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    needles = list(SECRETS.values())
+    assert not [line for line in (proc.stdout + proc.stderr).splitlines() if any(n in line for n in needles)]
+    assert not _files_holding(rd, needles)
+    assert not _files_holding(store, needles)  # the params, tags and every logged artifact
+    config = (rd / "config.toml").read_text()
+    assert f"http://{MASK}@127.0.0.1:{port}" in config and '"spark.hadoop.fs.s3a.secret.key" = "***"' in config
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"http://127.0.0.1:{port}")
+    run = client.search_runs([client.get_experiment_by_name("torchloom").experiment_id])[0]
+    assert run.data.params["tune.storage"] == f"postgresql://{MASK}@127.0.0.1:1/optuna"
+    assert run.data.metrics["test_accuracy"] >= 0  # the run was logged through the URI with the password
+
+
+def test_a_tune_with_an_unreachable_study_database_says_so_without_its_password(tmp_path, topics_csv):
+    pytest.importorskip("optuna")
+    tiny = write_tiny_model(tmp_path / "tiny")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchloom", "tune", "--data.path", str(topics_csv), "--model.path", tiny,
+         "--output.dir", str(tmp_path / "study"), "--tune.backend", "optuna", "--tracking.enabled", "false",
+         "--tune.storage", f"postgresql://bob:{SECRETS['storage']}@127.0.0.1:1/optuna"],
+        capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode != 0
+    assert SECRETS["storage"] not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("torchloom: error: tune.storage postgresql://***@127.0.0.1:1/optuna:"), last
+    assert not _files_holding(tmp_path / "study", [SECRETS["storage"]])
