@@ -507,3 +507,21 @@ def test_predict_and_serve_name_where_they_run_and_take_the_old_flag(capsys):
     assert "--engine is now --serve-with" in capsys.readouterr().err
     assert p.parse_args(["predict", "m", "--engine", "spark"]).score_with == "spark"
     assert "--engine is now --score-with" in capsys.readouterr().err
+
+
+def test_install_hints_name_the_extras_packages_never_a_torchloom_package():
+    """torchloom is not on PyPI: `pip install 'torchloom[x]'` would fail today and install a stranger's code
+    once someone registers the name. The hints name each extra's own packages, as pyproject.toml has them."""
+    import re
+
+    from torchloom.errors import EXTRAS
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for name, packages in EXTRAS.items():
+        assert re.findall(r"'([^']+)'", packages) == extras[name], name
+    for path in [*(Path(__file__).parents[1] / "src" / "torchloom").rglob("*.py"),
+                 *(Path(__file__).parents[1] / "docs").glob("*.md"), Path(__file__).parents[1] / "README.md"]:
+        text = path.read_text()
+        assert not re.search(r"pip install '?torchloom\[", text), path
+        assert "torchloom==" not in text, path

@@ -128,7 +128,7 @@ def test_missing_engine_gives_an_install_hint(monkeypatch, tmp_path):
             "try:\n    r.train(build(None, []), '.')\nexcept Exception as e:\n    print(type(e).__name__, e)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"}).stdout
-    assert "UserError ray is not installed: pip install 'torchloom[ray]'" in out
+    assert "UserError ray is not installed: pip install 'ray[train,tune]>=2.40' 'optuna>=4.0'" in out
 
 
 def test_torchrun_on_the_worker_module_gives_the_same_weights(setup, tmp_path):

@@ -27,7 +27,8 @@ def test_a_run_without_mlflow_says_so_in_one_line_and_trains(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     notes = [line for line in proc.stderr.splitlines() if "MLflow is not installed" in line]
     assert notes == ["torchloom: tracking: MLflow is not installed, so this run is not tracked"
-                     " (pip install 'torchloom[track]'; --tracking.enabled false silences this)"], proc.stderr[-3000:]
+                     " (pip install 'mlflow-skinny>=3.0' 'pandas>=2.2'; --tracking.enabled false silences this)"
+                     ], proc.stderr[-3000:]
     assert (rd / "checkpoints").is_dir()
     # asked for by URI, its absence is an error, before anything runs
     shutil.rmtree(rd / "checkpoints")

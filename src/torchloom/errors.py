@@ -54,6 +54,24 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line}" if line else type(e).__name__
 
 
+# What each extra of pyproject.toml installs (tests/test_cli.py holds them equal). Install hints name these
+# packages, never `torchloom[extra]`: torchloom is not on PyPI, and a name there could be anyone's.
+EXTRAS = {
+    "spark": "'pyspark>=4.0,<5' 'pandas>=2.2' 'grpcio-status>=1.67' 'zstandard>=0.23'",
+    "ray": "'ray[train,tune]>=2.40' 'optuna>=4.0'",
+    "tune": "'optuna>=4.0'",
+    "serve": "'fastapi>=0.110' 'uvicorn[standard]>=0.29' 'ray[serve]>=2.40' 'httpx>=0.27' 'aiohttp>=3.9'"
+             " 'prometheus-client>=0.20'",
+    "track": "'mlflow-skinny>=3.0' 'pandas>=2.2'",
+    "onnx": "'onnxruntime>=1.20' 'onnx>=1.17' 'onnxscript>=0.5'",
+}
+
+
+def install_hint(extra: str) -> str:
+    """`pip install ...` of an extra's packages (from a checkout, `pip install -e '.[extra]'` does the same)."""
+    return f"pip install {EXTRAS[extra]}"
+
+
 def missing_extra(module: str, extra: str) -> UserError:
     """The error for an optional engine that is not installed."""
-    return UserError(f"{module} is not installed: pip install 'torchloom[{extra}]'")
+    return UserError(f"{module} is not installed: {install_hint(extra)}")

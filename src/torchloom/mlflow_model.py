@@ -1,10 +1,15 @@
 """The exported model as an MLflow pyfunc model, served by `mlflow models serve` or loaded with
 `mlflow.pyfunc.load_model`: input a table with a `text` column (or a list of strings), output one row
 per text with `label`, `score` and one `p_<label>` column per label, the same numbers as
-`torchloom predict` (the model dir itself travels as an artifact)."""
+`torchloom predict` (the model dir itself travels as an artifact).
+
+The model carries torchloom's own code (`code/torchloom`, MLflow's `code_paths`), and MLflow puts that
+folder first on `sys.path` when it loads the model: torchloom is not a package on PyPI, so it is not among
+the model's pip requirements, where a name anyone could register would install a stranger's code."""
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -43,15 +48,23 @@ class TextClassifier(PythonModel):
 
 
 def requirements() -> list[str]:
+    """The third-party packages the model needs, pinned; torchloom itself travels as code (`code_paths`)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = []
-    for pkg in ("torchloom", "torch", "transformers", "tokenizers", "pandas"):
+    for pkg in ("torch", "transformers", "tokenizers", "pandas"):
         try:
             v = version(pkg)
         except PackageNotFoundError:
             continue
-        out.append(f"{pkg}=={v.split('+')[0]}" if pkg != "torchloom" else f"{pkg}=={v}")
+        out.append(f"{pkg}=={v.split('+')[0]}")
+    return out
+
+
+def stage_package(tmp: Path) -> Path:
+    """A copy of the torchloom package to carry with the model: sources only, no caches or dot-files."""
+    out = tmp / "stage" / "torchloom"
+    shutil.copytree(Path(__file__).parent, out, ignore=shutil.ignore_patterns("__pycache__", "*.py[cod]", ".*"))
     return out
 
 
@@ -68,6 +81,6 @@ def log_model(tracker, model_dir: Path) -> None:
         path = Path(tmp) / "model"
         mlflow.pyfunc.save_model(
             path=str(path), python_model=str(code), artifacts={"model_dir": str(model_dir)},
-            signature=signature, pip_requirements=requirements(),
+            code_paths=[str(stage_package(Path(tmp)))], signature=signature, pip_requirements=requirements(),
         )
         tracker.client.log_artifacts(tracker.run_id, str(path), "model")

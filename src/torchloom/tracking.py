@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
-from torchloom.errors import UserError, first_line
+from torchloom.errors import UserError, first_line, install_hint
 from torchloom.poller import Poller
 from torchloom.redaction import redact_config, redact_text
 
@@ -140,10 +140,10 @@ class Tracker(NullTracker):
             from mlflow import MlflowClient
         except ImportError:
             if tracking_cfg.uri:
-                raise UserError("tracking.uri is set but MLflow is not installed; pip install 'torchloom[track]'"
+                raise UserError(f"tracking.uri is set but MLflow is not installed; {install_hint('track')}"
                                 " or pass --tracking.enabled false") from None
             print("torchloom: tracking: MLflow is not installed, so this run is not tracked"
-                  " (pip install 'torchloom[track]'; --tracking.enabled false silences this)", file=sys.stderr)
+                  f" ({install_hint('track')}; --tracking.enabled false silences this)", file=sys.stderr)
             return NullTracker()
         _quiet_mlflow()
         uri = resolve_uri(tracking_cfg.uri)

@@ -82,7 +82,7 @@ MEANINGS: dict[str, str] = {
     'tracking.uri': '"" = `$MLFLOW_TRACKING_URI`, else `sqlite:///<working dir>/mlflow.db` with artifacts in `mlartifacts/` beside it; or a server (`http://host:5000`), a database URL, or a directory to keep `mlflow.db` in',
     'tracking.experiment': 'the MLflow experiment (created when missing)',
     'tracking.run_name': '"" = the run directory\'s name',
-    'tracking.log_model': 'log the exported model as an MLflow pyfunc model (`mlflow models serve -m runs:/<id>/model`)',
+    'tracking.log_model': 'log the exported model as an MLflow pyfunc model (`mlflow models serve -m runs:/<id>/model --env-manager local`: it carries torchloom\'s own code)',
     'tune.backend': '`ray` (Ray Tune: Optuna search, ASHA, each trial a Ray Train run), `optuna` (trials on the local or spark engine, pruning, shared storage); auto = ray when installed',
     'tune.space': 'config key -> distribution: `uniform(a, b)`, `loguniform(a, b)`, `int(a, b)`, `logint(a, b)` (both ends included), `choice(x, y, ...)`; a bare key (`lr`) is looked up in train, model, eval, prepare, engine',
     'tune.trials': 'trials in the study (all processes together, for Optuna)',

@@ -11,7 +11,7 @@ import threading
 import warnings
 
 from torchloom.config.schema import PrepareConfig
-from torchloom.errors import UserError, first_line, missing_extra
+from torchloom.errors import UserError, first_line, install_hint, missing_extra
 from torchloom.private import private_file
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
@@ -225,7 +225,7 @@ def _connect(cfg: PrepareConfig):
             check_dependencies(*(["torchloom"] if inspect.signature(check_dependencies).parameters else []))
     except ImportError as e:
         raise UserError(f"prepare.spark_master {cfg.spark_master}: Spark Connect needs its client libraries"
-                        f" ({e}); install them with: pip install 'torchloom[spark]'") from None
+                        f" ({e}); install them with: {install_hint('spark')}") from None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
         spark = SparkSession.builder.remote(cfg.spark_master.strip()).getOrCreate()

@@ -28,7 +28,7 @@ from pathlib import Path
 from torchloom import config as config_mod
 from torchloom import pipeline, tracking
 from torchloom.config import Config, to_dict
-from torchloom.errors import UserError, missing_extra
+from torchloom.errors import UserError, install_hint, missing_extra
 from torchloom.rundir import STUDY_FORMAT, StudyDir, check_replaceable, read_json, write_json
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
@@ -49,8 +49,8 @@ def choose_backend(cfg: Config) -> str:
             return "ray"
         except ImportError:
             if optuna is None:
-                raise UserError("torchloom tune needs Ray Tune or Optuna; pip install 'torchloom[ray]' or"
-                                " 'torchloom[tune]'") from None
+                raise UserError(f"torchloom tune needs Ray Tune or Optuna; {install_hint('ray')}, or for Optuna"
+                                f" alone {install_hint('tune')}") from None
             return "optuna"
     if cfg.tune.backend == "ray":
         try:
