@@ -37,3 +37,17 @@ def test_own_instance_listens_on_loopback_only_with_token_auth(monkeypatch, tmp_
     from ray._private import ray_constants
 
     assert ray_constants.ENABLE_RAY_CLUSTER  # restored: a later ray.init may join a real cluster
+
+
+def test_joining_a_cluster_that_is_not_there_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("from torchloom.engines.ray import init_ray\nfrom torchloom.errors import UserError\n"
+            "try:\n    init_ray('auto')\nexcept UserError as e:\n    print(e)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**env, "RAY_ADDRESS": ""})
+    line = proc.stdout.strip()
+    assert line.startswith("engine.ray_address auto: no Ray cluster answers there"), proc.stdout + proc.stderr[-2000:]
+    assert "leave engine.ray_address empty" in line and "\n" not in line and len(line) < 300

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -122,7 +123,8 @@ def assert_same_predictions(got: list[dict], expected: list[dict], tolerance: fl
 class Server:
     """`python -m torchloom serve MODEL --port 0 ...`; the URL comes from its 'listening on' line."""
 
-    def __init__(self, model: str, *args: str, log_dir: Path, ready_timeout: float = 120) -> None:
+    def __init__(self, model: str, *args: str, log_dir: Path, ready_timeout: float = 120,
+                 local_url: bool = False) -> None:
         self.stdout_path, self.stderr_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
         port = [] if "--port" in args else ["--port", "0"]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
@@ -137,6 +139,8 @@ class Server:
             for line in self.stdout().splitlines():
                 if "listening on " in line:
                     self.url = line.split("listening on ", 1)[1].split()[0]
+                    if local_url:  # bound to 0.0.0.0: the test still talks to 127.0.0.1 only
+                        self.url = self.url.replace("://0.0.0.0:", "://127.0.0.1:")
             time.sleep(0.1)
         self.client = httpx.Client(base_url=self.url, timeout=60)
         while True:
@@ -866,13 +870,51 @@ def test_local_batch_predict_memory_stays_flat_as_the_input_grows(model_dir, tmp
     assert large - small < 30, (small, large)
 
 
+def assert_own_ray_is_private(pid: int, http_port: int, api_key: str) -> None:
+    """The server's Ray instance, as training's (tests/test_ray_local.py): every process of it listens on
+    loopback except Serve's proxy on --host, it runs with token authentication, and the API key is in no
+    process's command line or environment and no file of the instance but the 0600 file the replicas read."""
+    import ipaddress
+    import stat
+
+    psutil = pytest.importorskip("psutil")
+    ours = {p.pid: p for p in psutil.Process(pid).children(recursive=True)}
+    listening = {(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours}
+    exposed = [(ip, port, ours[p].name()) for ip, port, p in listening
+               if port != http_port and not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
+    assert listening and not exposed, f"listening beyond loopback: {exposed}"
+    modes = set()
+    for proc in ours.values():
+        try:
+            environ = proc.environ()
+            assert api_key not in " ".join(proc.cmdline()) and api_key not in environ.values()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        assert environ.get("RAY_AUTH_MODE") != "disabled", proc.name()  # before: the whole instance
+        if proc.name().startswith("ray::Serve"):  # the replicas and Serve's controller
+            modes.add(environ.get("RAY_AUTH_MODE", "token" if "RAY_AUTH_TOKEN" in environ else proc.name()))
+    assert modes == {"token"}, modes
+    key_file = next(f for f in Path(tempfile.gettempdir()).glob("torchloom-ray-*/api_key")
+                    if f.read_text() == api_key)
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    holding = [f for f in key_file.parent.rglob("*") if f.is_file() and f != key_file
+               and api_key.encode() in f.read_bytes()]
+    assert not holding, holding  # Ray's session files and logs (the replicas' init args among them)
+
+
 @needs_http
 @pytest.mark.slow
 def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_path):
     pytest.importorskip("ray.serve")
-    s = Server(model_dir, "--serve-with", "ray", "--port", str(free_port()), "--max-wait-ms", "20",
-               "--device", "cpu", log_dir=tmp_path, ready_timeout=150)
+    port = free_port()
+    # bound beyond loopback with a key: only Serve's proxy may listen there; requests go to 127.0.0.1 only
+    s = Server(model_dir, "--serve-with", "ray", "--host", "0.0.0.0", "--port", str(port), "--api-key", API_KEY,
+               "--max-wait-ms", "20", "--device", "cpu", log_dir=tmp_path, ready_timeout=150, local_url=True)
     try:
+        assert_own_ray_is_private(s.proc.pid, port, API_KEY)
+        assert s.client.post("/v1/predict", json={"texts": TEXTS}).status_code == 401  # the key reached replicas
+        s.client.headers.update(AUTH)
         r = s.client.post("/v1/predict", json={"texts": TEXTS})
         assert r.status_code == 200, r.text
         assert r.json()["model"]["name"] == "shop"
@@ -882,7 +924,7 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
         assert s.client.get("/v1/labels").json()["labels"] == LABELS
 
         async def send_all():
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
+            async with httpx.AsyncClient(base_url=s.url, timeout=60, headers=AUTH) as client:
                 return await asyncio.gather(*(client.post("/v1/predict", json={"texts": [t]}) for t in TEXTS * 3))
 
         responses = asyncio.run(send_all())

@@ -11,10 +11,8 @@ checkpoint in the run directory, which must be on storage every node sees.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -23,9 +21,10 @@ from torchloom.config import Config, to_dict, valid_world_sizes
 from torchloom.engines.common import lost_ranks, replace_engine
 from torchloom.engines.driver import Attempt, attempts
 from torchloom.engines.worker import run_worker, worker_env
-from torchloom.errors import UserError, missing_extra
+from torchloom.errors import UserError, first_line, missing_extra
 from torchloom.model.env import model_env
 from torchloom.private import private_dir
+from torchloom.ray_instance import start_local_ray
 from torchloom.rundir import RunDir
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
@@ -67,78 +66,26 @@ def init_ray(address: str) -> bool:
     """Connect to (or start) Ray; returns True when this call started a local instance.
 
     A cluster is joined with whatever authentication it runs (its token in ~/.ray/auth_token,
-    RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, as Ray reads them). A local instance binds 127.0.0.1 only
-    and keeps Ray's token authentication on, with a random token of its own held in this process's
-    environment (which the instance's processes inherit), so nothing is written to ~/.ray.
+    RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN, as Ray reads them). A local instance is ray_instance's:
+    127.0.0.1 only, Ray's token authentication on, nothing written to ~/.ray.
     """
     import ray
 
     if ray.is_initialized():
         return False
     if address:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, TimeoutError, ValueError) as e:
+            raise UserError(f"engine.ray_address {address}: no Ray cluster answers there ({first_line(e)[:150]});"
+                            " start one (`ray start --head`), fix the address, or leave engine.ray_address empty"
+                            " for a local instance") from None
         return False
     # Unix socket paths are limited to 107 bytes, so Ray's session dir cannot live in a deep run dir.
     temp = private_dir(f"torchloom-ray-{os.getuid()}")
-    if "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
-        # Ray turns token authentication on for a new local instance (and refreshes the mode it read at
-        # import); with a token in the environment it writes none to ~/.ray. A RAY_AUTH_MODE of the
-        # user's is theirs to keep.
-        os.environ["RAY_AUTH_TOKEN"] = process_token()
-    # Ray announces the token authentication torchloom asked for ("enabled ... set RAY_AUTH_MODE=disabled
-    # to opt out"): not about the user's job. Its warning when authentication is off stays.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
-        lambda record: not record.getMessage().startswith("Token authentication is enabled"))
-    # The instance's processes (raylet, GCS, dashboard, Ray's actors) inherit this environment.
-    env = {**worker_malloc(), **LOOPBACK_ONLY}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        with loopback_node():
-            ray.init(num_cpus=os.cpu_count(), _temp_dir=str(temp), log_to_driver=False,
-                     logging_level=logging.WARNING,
-                     runtime_env={"env_vars": {**model_env(), OWN_INSTANCE: "1"}})
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    start_local_ray(temp, num_cpus=os.cpu_count() or 1, env_vars={**model_env(), OWN_INSTANCE: "1"},
+                    env=worker_malloc(), log_to_driver=False)
     return True
-
-
-_TOKEN: list[str] = []
-
-
-def process_token() -> str:
-    """One token per process: Ray keeps the first token it loads for the life of the process."""
-    if not _TOKEN:
-        _TOKEN.append(secrets.token_hex(32))
-    return _TOKEN[0]
-
-
-# Ray replaces a node IP of 127.0.0.1 by the machine's routable address, and then its GCS, raylet and
-# workers listen on every interface, unless clusters are off, as Ray has them on macOS and Windows:
-# then the node is 127.0.0.1 and every server binds loopback (seen with Ray 2.60: docs/benchmarks.md).
-LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-@contextlib.contextmanager
-def loopback_node():
-    """This process's Ray, for the start of a local instance: no cluster, so the node is 127.0.0.1.
-    Ray reads the switch at import, so the already imported flag is set too, and restored after."""
-    try:
-        from ray._private import ray_constants
-    except ImportError:  # another Ray layout: the environment variable alone (read by the new processes)
-        yield
-        return
-    before = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        if before is not None:
-            ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 def in_tune_trial() -> bool:

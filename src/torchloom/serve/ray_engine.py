@@ -2,7 +2,7 @@
 
 Each replica loads the model once and batches texts from concurrent requests with `@serve.batch`
 (one call per text, so a batch counts texts, as in the local server). Ray's proxy routes requests over
-`--replicas` replicas. The driver starts a local Ray instance (auth off, a temp dir of its own) and
+`--replicas` replicas. The driver starts a local Ray instance (loopback only, token auth on, a temp dir of its own) and
 blocks until SIGTERM/SIGINT, then shuts Serve down, which lets replicas finish their requests.
 """
 
@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torchloom.errors import UserError, missing_extra
+from torchloom.ray_instance import start_local_ray
 from torchloom.serve.batcher import ModelFailed, Overloaded
 from torchloom.serve.settings import ServeSettings
 
@@ -141,6 +142,28 @@ class RayBackend:
         return _Failed(error_id)
 
 
+def replica_grpc_on_loopback() -> None:
+    """In a replica, before Ray Serve starts its inter-deployment gRPC server: bind it to 127.0.0.1.
+
+    Ray Serve (2.60) binds that server to [::]:0, every interface, whatever the node's address, and without
+    Ray's token check; torchloom's own instance is one loopback node, where nothing from outside may reach a
+    replica (the HTTP proxy is the one door, on --host). The proxy reaches replicas by actor calls unless
+    RAY_SERVE_USE_GRPC_BY_DEFAULT is on, and then at the node's address, 127.0.0.1, as well."""
+    try:
+        from ray.serve._private import replica as replica_module
+    except ImportError:  # another Ray layout: tests/test_serve.py would see the open port
+        return
+    bind = getattr(replica_module, "add_port_to_grpc_server", None)
+    if bind is None or getattr(bind, "loopback", False):
+        return
+
+    def on_loopback(server, address: str):
+        return bind(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    on_loopback.loopback = True
+    replica_module.add_port_to_grpc_server = on_loopback
+
+
 def build_deployment(settings: ServeSettings, cpus_per_replica: float):
     """The Ray Serve deployment class with `settings` baked in (batch size and wait are set per replica)."""
     from ray import serve
@@ -158,7 +181,13 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float):
     @serve.ingress()
     class TorchloomDeployment:
         def __init__(self, settings_dict: dict[str, Any]) -> None:
+            replica_grpc_on_loopback()
+            settings_dict = dict(settings_dict)
+            key_file = settings_dict.pop("api_key_file", None)
             replica_settings = ServeSettings(**settings_dict)
+            if key_file:  # the key never travels in these init args (replica_fields)
+                with open(key_file, encoding="utf-8") as f:
+                    replica_settings.api_key = f.read()
             threads = max(1, int(cpus_per_replica))
             self.backend = RayBackend(replica_settings, threads)
             self.predict_one.set_max_batch_size(replica_settings.max_batch_size)
@@ -173,23 +202,33 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float):
             from torchloom.serve.app import create_app
 
             s = self.backend.settings
-            return create_app(self.backend, s.texts_per_request, s.max_text_chars, s.api_key, "ray")
+            return create_app(self.backend, s.texts_per_request, s.max_text_chars, s.api_key, "ray",
+                              max_body_bytes=s.max_body_bytes)
 
     return TorchloomDeployment
 
 
-def start_ray(settings: ServeSettings, temp_dir: str) -> None:
-    import ray
-
+def start_ray(temp_dir: str) -> None:
+    """The server's own Ray instance, as training starts one (ray_instance): loopback only, token auth on.
+    Only Serve's HTTP proxy listens on --host."""
     from torchloom.model.env import model_env
 
-    # Ray writes an auth token to ~/.ray unless auth is off (PITFALLS.md); its files go to temp_dir.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    cpus = max(2, os.cpu_count() or 1)
-    ray.init(num_cpus=cpus, _temp_dir=temp_dir, include_dashboard=None, configure_logging=True,
-             logging_level=logging.WARNING, log_to_driver=True,
-             runtime_env={"env_vars": model_env()})
+    start_local_ray(temp_dir, num_cpus=max(2, os.cpu_count() or 1), env_vars=model_env(), include_dashboard=None,
+                    configure_logging=True, log_to_driver=True)
+
+
+def replica_fields(settings: ServeSettings, temp_dir: str) -> dict[str, Any]:
+    """The settings the replicas are built with, which Ray keeps in its GCS: the API key is not among them.
+    It goes to a file of mode 0600 in the instance's private temp dir, and the fields name that file."""
+    fields = {k: v for k, v in vars(settings).items() if k != "api_key"}
+    if settings.api_key is not None:
+        path = os.path.join(temp_dir, "api_key")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(settings.api_key)
+        fields["api_key_file"] = path
+    return fields
 
 
 def run_ray(settings: ServeSettings) -> int:
@@ -210,16 +249,16 @@ def run_ray(settings: ServeSettings) -> int:
     cpus = os.cpu_count() or 1
     # The proxy and controller need a little CPU too; replicas share the rest.
     cpus_per_replica = max(0.01, (cpus - 0.2) / settings.replicas)
-    temp_dir = tempfile.mkdtemp(prefix="torchloom-ray-")
+    temp_dir = tempfile.mkdtemp(prefix="torchloom-ray-")  # mode 0700
     stop = threading.Event()
     previous: dict[int, Any] = {}
     try:
-        start_ray(settings, temp_dir)
+        start_ray(temp_dir)
         # After ray.init, which installs its own handlers (a SIGTERM would kill the driver mid-request).
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         serve.start(http_options={"host": settings.host, "port": settings.port})
         deployment = build_deployment(settings, cpus_per_replica)
-        fields = {k: v for k, v in vars(settings).items()}
+        fields = replica_fields(settings, temp_dir)
         try:
             serve.run(deployment.bind(fields), name=APP_NAME, route_prefix="/", blocking=False)
         except Exception as e:  # a replica that cannot start: show its reason in one line
