@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -177,19 +178,33 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+_HASHER: list[ThreadPoolExecutor] = []
+_CHUNK = 64 << 20
+
+
 class _Digesting:
-    """A file being written that hashes and counts its bytes on the way (torch.save writes to it)."""
+    """A file being written that hashes and counts its bytes on the way (torch.save writes to it). Each
+    chunk is hashed on a helper thread while this one writes it (both release the GIL), so the hash costs
+    next to nothing beside the write, and the file is never read back."""
 
     def __init__(self, path: Path) -> None:
         self.file = open(path, "wb")
         self.sha = hashlib.sha256()
         self.size = 0
+        if not _HASHER:
+            _HASHER.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-hash"))
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
-        self.sha.update(view)
+        for start in range(0, len(view), _CHUNK):
+            chunk = view[start:start + _CHUNK]
+            hashed = _HASHER[0].submit(self.sha.update, chunk)
+            try:
+                self.file.write(chunk)
+            finally:
+                hashed.result()  # in order, and before the caller may reuse its buffer
         self.size += len(view)
-        return self.file.write(view)
+        return len(view)
 
     def flush(self) -> None:
         self.file.flush()
