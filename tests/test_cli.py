@@ -230,6 +230,158 @@ def test_user_errors_are_one_line_with_exit_2(args, needle):
     assert not Path("/tmp/torchloom-never").exists()
 
 
+# --- common mistakes: one line on stderr, exit 2, nothing written ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny):
+    """A tiny classifier as `torchloom export` writes it."""
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+
+    out = tmp_path_factory.mktemp("exported") / "model"
+    return Path(export_model(build_classifier(tiny, ["money", "sport"]), tiny, ["money", "sport"], str(out)))
+
+
+def _small_csv(tmp: Path) -> Path:
+    path = tmp / "small.csv"
+    path.write_text("text,label\n" + "".join(f"match goal {i},sport\nbank price {i},money\n" for i in range(10)))
+    return path
+
+
+def _texts_csv(tmp: Path) -> Path:
+    path = tmp / "texts.csv"
+    path.write_text("id,text\n" + "".join(f"{i},match goal {i}\n" for i in range(10)))
+    return path
+
+
+def _truncated(tmp: Path, exported: Path) -> Path:
+    import shutil
+
+    model = tmp / "model"
+    shutil.copytree(exported, model)
+    weights = model / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)  # an interrupted copy
+    return model
+
+
+def _file_in(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("not a directory\n")
+    return tmp / "a-file"
+
+
+def _prepare(tmp: Path, tiny: str, *more: str) -> list[str]:
+    return ["prepare", "--data.path", str(_small_csv(tmp)), "--model.path", tiny, "--output.dir", str(tmp / "run"),
+            "--prepare.spark_master", "local[1]", *more]
+
+
+def _spark_engine_on_one_slot(tmp: Path, request) -> list[str]:
+    import shutil
+
+    run = tmp / "run"
+    shutil.copytree(request.getfixturevalue("finished_run")[0], run)
+    return ["train", "--output.dir", str(run), "--model.path", request.getfixturevalue("tiny"), "--engine.name",
+            "spark", "--engine.workers", "2", "--prepare.spark_master", "local-cluster[1,1,1024]"]
+
+
+# case: (args, extra environment, what the error line says: a string or several); each gets a fresh tmp dir
+MISTAKES = {
+    "spark_conf_the_jvm_refuses": lambda tmp, rq: (
+        _prepare(tmp, rq.getfixturevalue("tiny"), "--prepare.spark_conf", '{"spark.driver.memory" = "lots"}'),
+        {}, "prepare.spark_conf spark.driver.memory: Spark did not start (Invalid maximum heap size"),
+    "spark_conf_spark_refuses": lambda tmp, rq: (
+        _prepare(tmp, rq.getfixturevalue("tiny"), "--prepare.spark_conf", '{"spark.driver.maxResultSize" = "lots"}'),
+        {}, "prepare.spark_conf spark.driver.maxResultSize: Spark did not start"),
+    "spark_sql_conf_spark_refuses": lambda tmp, rq: (
+        _prepare(tmp, rq.getfixturevalue("tiny"), "--prepare.spark_conf", '{"spark.sql.shuffle.partitions" = "x"}'),
+        {}, "prepare.spark_conf spark.sql.shuffle.partitions: Spark did not start"),
+    "java_home_without_java": lambda tmp, rq: (
+        _prepare(tmp, rq.getfixturevalue("tiny")), {"JAVA_HOME": "/nonexistent"},
+        "JAVA_HOME /nonexistent: no bin/java"),
+    "no_java_on_path": lambda tmp, rq: (
+        _prepare(tmp, rq.getfixturevalue("tiny")), {"JAVA_HOME": "", "PATH": os.path.dirname(sys.executable)},
+        "java: not found"),
+    "prepare_output_dir_under_a_file": lambda tmp, rq: (
+        [*_prepare(tmp, rq.getfixturevalue("tiny")), "--output.dir", str(_file_in(tmp) / "run")], {},
+        ("output.dir ", "a-file/run: cannot be created, ", "a-file is a file, not a directory")),
+    "run_output_dir_under_a_file": lambda tmp, rq: (
+        ["run", "--data.path", str(_small_csv(tmp)), "--output.dir", str(_file_in(tmp) / "run")], {},
+        "output.dir"),
+    "run_output_dir_is_a_file": lambda tmp, rq: (
+        ["run", "--data.path", str(_small_csv(tmp)), "--output.dir", str(_file_in(tmp))], {},
+        "is a file, not a directory"),
+    "train_output_dir_under_a_file": lambda tmp, rq: (
+        ["train", "--output.dir", str(_file_in(tmp) / "run")], {}, "output.dir"),
+    "prepare_output_dir_read_only": lambda tmp, rq: (
+        [*_prepare(tmp, rq.getfixturevalue("tiny")), "--output.dir", str(_read_only(tmp) / "run")], {},
+        "is not writable"),
+    "predict_with_truncated_weights": lambda tmp, rq: (
+        ["predict", str(_truncated(tmp, rq.getfixturevalue("exported"))), "some text"], {},
+        "model.safetensors is truncated or corrupt (SafetensorError"),
+    "serve_with_truncated_weights": lambda tmp, rq: (
+        ["serve", str(_truncated(tmp, rq.getfixturevalue("exported"))), "--port", "0"], {},
+        "model.safetensors is truncated or corrupt"),
+    "unreachable_spark_connect_server": lambda tmp, rq: (
+        [*_prepare(tmp, rq.getfixturevalue("tiny")), "--prepare.spark_master", "sc://127.0.0.1:1"], {},
+        "prepare.spark_master sc://127.0.0.1:1: no Spark Connect server answered"),
+    "no_file_system_for_the_scheme": lambda tmp, rq: (
+        [*_prepare(tmp, rq.getfixturevalue("tiny")), "--data.path", "foo:/bucket/reviews.csv"], {},
+        "data.path foo:/bucket/reviews.csv: this Spark has no file system for foo://"),
+    "more_workers_than_barrier_slots": lambda tmp, rq: (
+        _spark_engine_on_one_slot(tmp, rq), {}, "engine.workers 2: Spark (local-cluster[1,1,1024]) has 1 barrier slot"),
+    "spark_scoring_output_under_a_file": lambda tmp, rq: (
+        ["predict", str(rq.getfixturevalue("exported")), "--input", str(_texts_csv(tmp)), "--output",
+         str(_file_in(tmp) / "out"), "--score-with", "spark", "--spark-master", "local[1]"], {},
+        ("--output ", "a-file/out: Spark cannot write there (ParentNotDirect")),
+    "local_scoring_output_under_a_file": lambda tmp, rq: (
+        ["predict", str(rq.getfixturevalue("exported")), "--input", str(_texts_csv(tmp)), "--output",
+         str(_file_in(tmp) / "out")], {}, ("--output ", "a-file/out: cannot write there (a part of its path")),
+}
+
+
+def _read_only(tmp: Path) -> Path:
+    if os.geteuid() == 0:
+        pytest.skip("root writes to a read-only directory")
+    ro = tmp / "read-only"
+    ro.mkdir(mode=0o555)
+    return ro
+
+
+def _paths(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("case", MISTAKES)
+def test_common_mistakes_are_one_line_with_exit_2_and_write_nothing(case, tmp_path, request):
+    if case == "unreachable_spark_connect_server":
+        pytest.importorskip("grpc")
+    args, env, needle = MISTAKES[case](tmp_path, request)
+    before = _paths(tmp_path)
+    proc = torchloom(*args, env=env, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("torchloom: error: ")]
+    foreign = [line for line in lines if not line.startswith("torchloom: ")]  # the rest: progress lines
+    assert len(errors) == 1 and not foreign, proc.stderr[-3000:]
+    assert len(errors[0]) < 300 and all(n in errors[0] for n in ([needle] if isinstance(needle, str) else needle)), \
+        errors[0]
+    assert _paths(tmp_path) == before  # nothing half-written (a run dir, a temp dir, a Parquet part)
+
+
+def test_predict_into_a_reader_that_stops_early_ends_quietly(exported, tmp_path):
+    """`torchloom predict ... | head -1`: the Unix convention, no traceback and no message."""
+    many = tmp_path / "many.txt"
+    many.write_text("".join(f"match goal team number {i} and more words to make a long line\n" for i in range(3000)))
+    err = tmp_path / "stderr.txt"
+    shell = '"$0" -m torchloom predict --model "$1" --input "$2" 2>"$3" | head -1; exit "${PIPESTATUS[0]}"'
+    proc = subprocess.run(["bash", "-c", shell, sys.executable, str(exported), str(many), str(err)],
+                          capture_output=True, text=True, timeout=180, env=ENV)
+    assert proc.returncode in (0, 141), err.read_text()
+    assert err.read_text() == "" and len(proc.stdout.splitlines()) == 1, err.read_text()
+    assert json.loads(proc.stdout)["label"] in ("money", "sport")
+
+
 def test_config_prints_toml_that_loads_back(tmp_path):
     proc = torchloom("config", "--train.lr", "3e-5", "--engine.workers", "4")
     assert proc.returncode == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from torchloom import __version__
@@ -195,8 +196,25 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
 
         device = resolve_device(device)
     predictor = Predictor(model, device=device, batch_size=args.batch_size, runtime=args.runtime)
-    for text, pred in zip(texts, predictor.predict(texts)):
-        print(json.dumps({"text": text[:200], **pred}, ensure_ascii=False))
+    lines = (json.dumps({"text": text[:200], **pred}, ensure_ascii=False)
+             for text, pred in zip(texts, predictor.predict(texts)))
+    return print_lines(lines)
+
+
+SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process that SIGPIPE ended
+
+
+def print_lines(lines) -> int:
+    """Print to stdout; a reader that stops early (`| head -1`) ends this quietly, as it ends any Unix tool."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's advice (docs: "Note on SIGPIPE"): point stdout at devnull, so the flush at exit does not fail too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return SIGPIPE_EXIT
     return 0
 
 

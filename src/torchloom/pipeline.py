@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 from torchloom import config as config_mod
 from torchloom import storage
@@ -60,11 +62,29 @@ def for_this_machine(cfg: Config) -> Config:
     """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
     starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too."""
     check_stores(cfg)
+    if not storage.is_uri(cfg.output.dir):
+        check_output_dir(RunDir(cfg.output.dir).root)
     if not storage.is_uri(cfg.output.dir) and not cfg.output.overwrite:  # --overwrite: check_replaceable says
         check_foreign_config(RunDir(cfg.output.dir))
     if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
         return cfg
     return config_mod.resolve_workers(cfg, visible_gpus(cfg))
+
+
+def check_output_dir(path: Path) -> None:
+    """A local output.dir that cannot be made or written (a file on its path, a directory this user may not
+    write) is one line before any stage starts, and nothing is created to find out."""
+    fix = "pass another --output.dir"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output.dir {path}: is a file, not a directory; {fix}")
+    nearest = path
+    while not nearest.exists() and nearest.parent != nearest:  # a path under a file does not exist either
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise UserError(f"output.dir {path}: cannot be created, {nearest} is a file, not a directory; {fix}")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        made = "written" if nearest == path else f"created, {nearest} is not writable"
+        raise UserError(f"output.dir {path}: cannot be {made} for this user; {fix} or make it writable")
 
 
 def run_dir(cfg: Config) -> RunDir:
@@ -80,7 +100,11 @@ def check_foreign_config(rd: RunDir) -> None:
 
 def save_config(cfg: Config, rd: RunDir) -> None:
     check_foreign_config(rd)
-    rd.root.mkdir(parents=True, exist_ok=True)
+    try:
+        rd.root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"output.dir {rd.root}: cannot be created ({e.strerror}); pass another --output.dir") \
+            from None
     config_mod.save(cfg, rd.config)
     storage.push(rd, rd.config)
 
@@ -283,6 +307,10 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
 
     cfg = for_this_machine(cfg)
     resume_step = check_trainable(cfg)
+    if cfg.engine.name == "spark":  # its barrier slots counted before anything is written
+        from torchloom.engines.spark import check_slots
+
+        spark = check_slots(cfg, spark)
     rd = run_dir(cfg)
     save_config(cfg, rd)
     tracker = tracker or NullTracker()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
@@ -46,6 +48,61 @@ def wants_gpu(cfg: Config, spark) -> bool:
         raise UserError(f"engine.device cuda: Spark has no GPUs configured ({key} is unset); set it with"
                         f" --prepare.spark_conf '{{\"{key}\" = \"1\"}}' or use engine.device cpu")
     return has
+
+
+SLOT_WAIT_S = 30.0  # how long executors may take to register before too few barrier slots is an error
+
+
+def barrier_slots(spark) -> int | None:
+    """Tasks a barrier stage may run at once, as Spark's own check counts them (executor cores over
+    spark.task.cpus, and GPUs); None where this process cannot ask (Spark Connect: no SparkContext)."""
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    try:
+        sc = spark.sparkContext._jsc.sc()
+        return int(sc.maxNumConcurrentTasks(sc.resourceProfileManager().defaultResourceProfile()))
+    except (AttributeError, Py4JError, PySparkException):
+        return None
+
+
+def planned_slots(master: str, spark) -> int | None:
+    """The slots a local-cluster[N,C,M] master will have once its executors registered; None for others."""
+    m = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master.strip())
+    if not m:
+        return None
+    return int(m.group(1)) * (int(m.group(2)) // max(1, int(conf_value(spark, "spark.task.cpus", "1") or 1)))
+
+
+def registered_slots(spark, tasks: int) -> int | None:
+    """The barrier slots of the executors registered so far, asked again for up to SLOT_WAIT_S while fewer
+    than `tasks` (executors register for a while after the session starts)."""
+    deadline = time.monotonic() + SLOT_WAIT_S
+    while True:
+        slots = barrier_slots(spark)
+        if slots is None or slots >= tasks or time.monotonic() >= deadline:
+            return slots
+        time.sleep(0.5)
+
+
+def check_slots(cfg: Config, spark=None):
+    """Before anything is written: a barrier stage runs all of its tasks at once, and with fewer slots than
+    workers Spark retries it for minutes before it fails. Returns the session (started if `spark` is None)."""
+    spark = spark or get_spark(cfg.prepare)
+    master = conf_value(spark, "spark.master", cfg.prepare.spark_master)
+    if is_local_master(master):  # TorchDistributor's local mode: processes on the driver, no barrier stage
+        return spark
+    gpus = int(float(conf_value(spark, "spark.task.resource.gpu.amount", "0") or 0)) if wants_gpu(cfg, spark) else 0
+    tasks = cfg.engine.workers // gpus if gpus > 1 else cfg.engine.workers  # as TorchDistributor counts them
+    slots = planned_slots(master, spark)
+    if slots is None or slots >= tasks:
+        slots = registered_slots(spark, tasks)
+    if slots is not None and slots < tasks:
+        raise UserError(f"engine.workers {cfg.engine.workers}: Spark ({master}) has {slots} barrier slot"
+                        f"{'' if slots == 1 else 's'} (executor cores / spark.task.cpus) and the workers need"
+                        f" {tasks} at once; lower --engine.workers to {max(slots, 1) * max(gpus, 1)} or give Spark"
+                        " more executors or cores")
+    return spark
 
 
 def _sees(manifest: str):
@@ -100,6 +157,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     # torchrun prints a banner unless OMP_NUM_THREADS is set; our workers set their own thread count.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not local_mode:
+        check_slots(cfg, spark)
         check_executors_see(spark, rd, cfg.engine.workers)
 
     def launch_once(attempt: Attempt) -> None:

@@ -74,9 +74,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f"{out.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    tmp = _make_tmp(out)
     try:
         with warnings.catch_warnings():
             # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
@@ -96,6 +94,17 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     manifest.root = str(out)
     say(f"prepared {manifest.counts['rows_kept']} rows into {out} in {manifest.timings['total']:.1f}s")
     return manifest
+
+
+def _make_tmp(out: Path) -> Path:
+    """The temporary sibling of `out` that prepare writes into (its parents made as needed)."""
+    tmp = out.parent / f"{out.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise UserError(f"output {out}: cannot be created ({e.strerror}); choose another --output.dir") from None
+    return tmp
 
 
 def _publish(tmp: Path, out: Path) -> None:

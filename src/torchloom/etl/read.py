@@ -168,10 +168,33 @@ def _select(df, cfg: DataConfig, path: str):
 
 def read_input(spark, cfg: DataConfig, path: str, fmt: str):
     """Read `path` as `fmt` into columns text, label, source."""
+    from py4j.protocol import Py4JJavaError
+
+    check_exists(path)
+    try:
+        return _read(spark, cfg, path, fmt)
+    except Py4JJavaError as e:  # the file system's own error: no connector for the scheme, no access, ...
+        raise unreadable(path, e) from None
+
+
+def unreadable(path: str, e: BaseException) -> UserError:
+    """A Java error from reading `path` as one line: the exception's class and message, and the fix."""
+    from torchloom.etl.jvm import java_reason
+
+    reason = java_reason(e)
+    if "No FileSystem for scheme" in reason:
+        scheme = urlparse(path).scheme
+        return UserError(f"data.path {path}: this Spark has no file system for {scheme}:// ({reason}); add its"
+                         " Hadoop connector (prepare.spark_conf spark.jars.packages) or copy the data to a local"
+                         " path")
+    return UserError(f"data.path {path}: Spark cannot read it ({reason}); check the path and that Spark may read"
+                     " it")
+
+
+def _read(spark, cfg: DataConfig, path: str, fmt: str):
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
-    check_exists(path)
     reader = spark.read
     try:
         if fmt == "csv":

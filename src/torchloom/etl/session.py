@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
 import sys
-import threading
 import warnings
 
 from torchloom.config.schema import PrepareConfig
 from torchloom.errors import UserError, first_line, install_hint, missing_extra
+from torchloom.etl.jvm import JvmStderr, start_errors, start_failed
 from torchloom.private import private_file
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
@@ -142,6 +141,10 @@ def get_spark(cfg: PrepareConfig | None = None):
 
     if is_connect(cfg.spark_master):
         return _connect(cfg)
+    return _classic(cfg)
+
+
+def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
     conf = {
         "spark.app.name": "torchloom",
         "spark.ui.enabled": "false",
@@ -160,54 +163,33 @@ def get_spark(cfg: PrepareConfig | None = None):
         # (docs/benchmarks.md, "Scale"). A quarter of the machine, 1 to 8 GB; spark_conf overrides.
         conf["spark.driver.memory"] = f"{local_heap_gb()}g"
     conf.update({str(k): str(v) for k, v in cfg.spark_conf.items()})
+    return conf
+
+
+def _classic(cfg: PrepareConfig):
+    """A SparkSession with a JVM of its own; a JVM that does not start (no Java, a setting it refuses) is
+    one line naming the setting, with the JVM's own reason."""
+    from pyspark.sql import SparkSession
+
     builder = SparkSession.builder.master(cfg.spark_master)
-    for key, value in conf.items():
+    for key, value in _classic_conf(cfg).items():
         builder = builder.config(key, value)
-    with warnings.catch_warnings(), _jvm_stderr_filtered():
-        # pyspark imports its test helpers on start-up, which warn that pandas 3 is not fully supported.
-        warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
-        spark = builder.getOrCreate()
+    jvm = JvmStderr()
+    try:
+        with warnings.catch_warnings(), jvm.attached():
+            # pyspark imports its test helpers on start-up, which warn that pandas 3 is not fully supported.
+            warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+            spark = builder.getOrCreate()
+            spark.conf.get("spark.sql.session.timeZone")  # builds the SQL session state: a bad SQL setting fails here
+    except start_errors() as e:
+        error = start_failed(cfg, e, jvm)
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        jvm.release()
     spark.sparkContext.setLogLevel("WARN")
     return spark
-
-
-# Lines the JVM prints that say nothing about the user's job (Spark 4 loads an incubator module; MLlib
-# looks for a native BLAS).
-_FOREIGN_JVM_LINES = (b"WARNING: Using incubator modules",
-                      b"netlib-blas: JNI_OnLoad")  # MLlib falls back to Java BLAS without libblas: no harm
-
-
-@contextlib.contextmanager
-def _jvm_stderr_filtered():
-    """While the JVM starts, fd 2 is a pipe: the JVM (and every process it starts) keeps writing there
-    for its whole life, and a thread forwards each line to the real stderr except the foreign ones."""
-    try:
-        real = os.dup(2)
-        read_end, write_end = os.pipe()
-    except OSError:
-        yield
-        return
-
-    def pump() -> None:
-        with os.fdopen(read_end, "rb") as lines:
-            for line in lines:
-                if not line.startswith(_FOREIGN_JVM_LINES):
-                    try:
-                        os.write(real, line)
-                    except OSError:
-                        return
-
-    threading.Thread(target=pump, name="torchloom-jvm-stderr", daemon=True).start()
-    sys.stderr.flush()
-    ours = os.dup(2)
-    os.dup2(write_end, 2)
-    os.close(write_end)
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(ours, 2)  # this process writes to the real stderr again; the JVM keeps the pipe
-        os.close(ours)
 
 
 def _connect(cfg: PrepareConfig):
@@ -229,6 +211,7 @@ def _connect(cfg: PrepareConfig):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
         spark = SparkSession.builder.remote(cfg.spark_master.strip()).getOrCreate()
+    _check_answers(spark, cfg.spark_master)
     conf = {"spark.sql.shuffle.partitions": str(shuffle_partitions(cfg)), **ADAPTIVE,
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.files.openCostInBytes": str(64 * 1024)}
@@ -242,3 +225,42 @@ def _connect(cfg: PrepareConfig):
                                 f" not take it from a client ({first_line(e)}); set it where the server starts"
                                 ) from None
     return spark
+
+
+# How long a new Spark Connect session waits for its server: about 6 s of retries (pyspark's own default
+# retries for 10 minutes, so a wrong address looked like a hang).
+CONNECT_RETRIES = {"max_retries": 5, "initial_backoff": 200, "backoff_multiplier": 2.0}
+
+
+def _check_answers(spark, master: str) -> None:
+    """The Spark Connect server at `master` answers a first request, within seconds; else one line."""
+    from pyspark.errors.exceptions.connect import SparkConnectGrpcException
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    client = spark.client
+    policies = client.get_retry_policies()
+    client.set_retry_policies([DefaultPolicy(**CONNECT_RETRIES)])
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", r"\[RETRIES_EXCEEDED\]", UserWarning)
+            spark.version  # noqa: B018 (a request to the server)
+    except SparkConnectGrpcException as e:
+        spark.release_session_on_close = False  # nobody to release it with: stop() would retry for seconds
+        spark.stop()
+        raise UserError(f"prepare.spark_master {master.strip()}: no Spark Connect server answered there"
+                        f" ({_grpc_reason(e)}); start the server (sbin/start-connect-server.sh) or fix the host and"
+                        " port") from None
+    finally:
+        client.set_retry_policies(policies)
+
+
+def _grpc_reason(e: BaseException) -> str:
+    """gRPC's status and details from a Spark Connect error (its message is a multi-line repr)."""
+    text = str(e)
+    status = re.search(r"status = StatusCode\.(\w+)", text)
+    details = re.search(r'details = "([^"]*)"', text)
+    if not (status or details):
+        return first_line(e)[:150]
+    reason = details.group(1) if details else ""
+    reason = reason.split("last error: ")[-1]  # "failed to connect to all addresses; last error: UNKNOWN: ..."
+    return f"{status.group(1) if status else 'error'}: {reason}"[:150]

@@ -31,7 +31,29 @@ def check_exported(model_dir: str | Path,
     """The one check every reader of an exported model makes; `fix` says what to do instead."""
     if not is_exported(model_dir):
         raise UserError(f"model dir {model_dir}: no config.json there; {fix}")
+    check_weights(model_dir)
     return Path(model_dir)
+
+
+WEIGHTS_FIX = "export the model again (torchloom export) or point at another model directory"
+
+
+def check_weights(model_dir: str | Path) -> None:
+    """Every *.safetensors file of the model reads whole: a truncated or damaged one (an interrupted copy,
+    a full disk) is one line here, before a server binds or a job starts. Reads the headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for weights in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise weights_error(weights, e) from None
+
+
+def weights_error(weights: str | Path, e: BaseException) -> UserError:
+    return UserError(f"model {weights}: {Path(weights).name} is truncated or corrupt ({first_line(e)});"
+                     f" {WEIGHTS_FIX}")
 
 
 def unwrap_model(model):

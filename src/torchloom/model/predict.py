@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
 from torchloom.model.env import use_model_env
-from torchloom.model.export import check_exported, read_export_info
+from torchloom.model.export import check_exported, read_export_info, weights_error
 from torchloom.scoring import text_scores
 from torchloom.textclean import clean_text
 from torchloom.truncation import MARGIN, STRATEGIES, cut, default_stride, prefix, special_layout, windows
@@ -60,6 +61,8 @@ class Predictor:
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"model dir {model_dir}: cannot load the model or tokenizer ({first_line(e)});"
                             " export the model again") from None
+        except SafetensorError as e:  # damaged after check_exported read its header
+            raise weights_error(Path(model_dir) / "model.safetensors", e) from None
         self.device = torch.device(device)
         if self.model is not None:
             self.model.to(self.device).eval()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from functools import partial
@@ -214,13 +215,12 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     schema, batches = _local_batches(input_path, fmt)
     text_is_string = text_column in schema.names and _is_text(schema.field(text_column).type)
     _check_schema(schema.names, text_is_string, text_column, input_path)
+    out = Path(output_path)
+    tmp = _writable_tmp(out)
     model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=default_threads(), runtime=runtime)
 
     started = last_report = time.perf_counter()
     rows = 0
-    out = Path(output_path)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     try:
         with pq.ParquetWriter(tmp, _with_predictions(schema)) as writer:
             for batch in batches:
@@ -234,6 +234,22 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     finally:
         tmp.unlink(missing_ok=True)
     return {"rows": rows, "seconds": round(time.perf_counter() - started, 2), "output": str(out)}
+
+
+def _writable_tmp(out: Path) -> Path:
+    """The temporary file beside `out` the local engine writes, once its directory has taken (and given back) a
+    file: an --output that cannot be written is one line before the model loads."""
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        open(tmp, "wb").close()
+        tmp.unlink()
+    except OSError as e:
+        why = ("a part of its path is a file, not a directory" if isinstance(e, FileExistsError | NotADirectoryError)
+               else e.strerror)
+        raise UserError(f"--output {out}: cannot write there ({why}); choose an --output whose parent is a"
+                        " directory you may write") from None
+    return tmp
 
 
 def _replace(tmp: Path, out: Path) -> None:
@@ -313,7 +329,52 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
                              StructField("probabilities", MapType(StringType(), DoubleType()))])
     predict = partial(_predict_partition, model_dir=model_dir, text_column=text_column, device=device,
                       batch_size=batch_size, runtime=runtime)
-    result = df.mapInArrow(predict, out_schema)
-    result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
+    with warnings.catch_warnings():  # mapInArrow warns of pandas 3 on every call; nothing here uses pandas
+        warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+        result = df.mapInArrow(predict, out_schema)
+    _spark_write(spark, result, output_path, overwrite)
     rows = spark.read.parquet(output_path).count()
     return {"rows": rows, "seconds": round(time.perf_counter() - started, 2), "output": output_path}
+
+
+def _spark_write(spark, result, output_path: str, overwrite: bool) -> None:
+    """Write the predictions; the output's own file-system error (its parent a file, no permission, no
+    space) is one line naming --output, and a directory this write began is removed again."""
+    from py4j.protocol import Py4JJavaError
+
+    local = output_path.removeprefix("file:") if "://" not in output_path or output_path.startswith("file:") \
+        else None
+    existed = local is not None and os.path.lexists(local)
+    try:
+        result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
+    except Py4JJavaError as e:
+        if not _is_io_error(spark, e):  # a task's failure (the model, the input): Spark's own error says it
+            raise
+        if local is not None and not existed and os.path.isdir(local):
+            shutil.rmtree(local, ignore_errors=True)
+        raise UserError(f"--output {output_path}: Spark cannot write there ({_java_line(e)}); choose an --output"
+                        " whose parent is a directory you may write") from None
+
+
+def _is_io_error(spark, e) -> bool:
+    """Is the Java exception itself (not a failed task's, which Spark wraps) a java.io.IOException?"""
+    from py4j.protocol import Py4JError
+
+    try:
+        io_error = spark._jvm.java.lang.Class.forName("java.io.IOException")
+        return bool(io_error.isInstance(e.java_exception))
+    except (Py4JError, AttributeError):  # no gateway (gone, or Spark Connect): not the output path
+        return False
+
+
+def _java_line(e) -> str:
+    """The Java exception as `SimpleName: message`, first line only, at most 150 characters."""
+    from py4j.protocol import Py4JError
+
+    try:
+        java = e.java_exception
+        line = f"{java.getClass().getSimpleName()}: {java.getMessage()}"
+    except Py4JError:
+        line = first_line(e)
+    line = line.strip().splitlines()[0] if line.strip() else type(e).__name__
+    return line if len(line) <= 150 else line[:147] + "..."
