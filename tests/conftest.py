@@ -105,3 +105,16 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from torchloom.model.tiny import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def topics_csv(tmp_path_factory):
+    """Two topics whose words give them away, 30 rows each (a module may define a topics_csv of its own)."""
+    import csv
+
+    path = tmp_path_factory.mktemp("csv") / "topics.csv"
+    vocab = {"sport": "match goal team win league", "money": "bank market price shares profit"}
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([["text", "label"], *([f"{v} number {i}", k] for k, v in vocab.items()
+                                                      for i in range(30))])
+    return path

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
@@ -26,16 +25,6 @@ def one_error(proc: subprocess.CompletedProcess) -> str:
     errors = [line for line in proc.stderr.splitlines() if line.startswith("torchloom: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
     return errors[0]
-
-
-@pytest.fixture(scope="module")
-def topics_csv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("csv") / "topics.csv"
-    vocab = {"sport": "match goal team win league", "money": "bank market price shares profit"}
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["text", "label"], *([f"{v} number {i}", k] for k, v in vocab.items()
-                                                      for i in range(30))])
-    return path
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, topics_csv, tiny_model_dir):

@@ -4,7 +4,6 @@ for in every file of the run dir, the MLflow server's store and artifacts, and t
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
@@ -20,16 +19,6 @@ from torchloom.redaction import MASK, is_secret_name, redact_config, redact_text
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 SECRETS = {"tracking": "PLANTED-tracking-pw", "storage": "PLANTED-study-pw", "spark": "PLANTED-s3a-secret"}
-
-
-@pytest.fixture(scope="module")
-def topics_csv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("csv") / "topics.csv"
-    vocab = {"sport": "match goal team win league", "money": "bank market price shares profit"}
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        csv.writer(f).writerows([["text", "label"], *([f"{v} number {i}", k] for k, v in vocab.items()
-                                                      for i in range(30))])
-    return path
 
 
 @pytest.mark.parametrize("name", ["spark.hadoop.fs.s3a.secret.key", "spark.hadoop.fs.s3a.session.token", "api_key",
