@@ -77,7 +77,7 @@ def init_ray(address: str) -> bool:
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, TimeoutError, ValueError) as e:
-            raise UserError(f"engine.ray_address {address}: no Ray cluster answers there ({first_line(e)[:150]});"
+            raise UserError(f"engine.ray_address {address}: no Ray cluster answers there ({first_line(e)[:90]});"
                             " start one (`ray start --head`), fix the address, or leave engine.ray_address empty"
                             " for a local instance") from None
         return False
