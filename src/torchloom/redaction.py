@@ -25,8 +25,10 @@ _SECRET_WORDS = {"secret", "secrets", "password", "passwd", "pwd", "passphrase",
 _KEY_QUALIFIERS = {"access", "api", "private", "account", "secret", "master", "encryption", "client"}
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
 _USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]+@")
-# key=value, key: value or "key": "value" in free text (a query string, a Spark conf line, a JSON body)
-_PAIR = re.compile(r"(?P<key>[A-Za-z][\w.\-]*)(?P<sep>[\"']?\s*[=:]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;&'\"}]+)")
+# key=value or "key": "value" in free text (a query string, a Spark conf line, a JSON body). A bare
+# `key: text` is not one: it is how torchloom's own error lines start (`--api-key: use at least 8 ...`).
+_PAIR = re.compile(r"(?P<key>[A-Za-z][\w.\-]*)(?P<sep>\s*=\s*|[\"']\s*:\s*)"
+                   r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;&'\"}]+)")
 
 
 def is_secret_name(name: str) -> bool:
