@@ -167,3 +167,27 @@ def test_under_your_own_torchrun_a_ranks_error_is_not_trained_again(setup, tmp_p
     assert "NotRestarted" not in out  # the refusal is a line, not a traceback
     assert "resuming from the latest checkpoint" not in out
     assert not list((rd / "checkpoints").glob("step-1[0-9]"))  # nothing trained past the fault
+
+
+@pytest.mark.parametrize("round_", [0, 1])
+@pytest.mark.parametrize("engine", ["spark", "ray"])
+def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_local_weights(
+        engine, round_, setup, fault):
+    # The real signal to a Spark executor's or a Ray Train actor's training process at a random step: a notice of
+    # preemption, not a lost process. Every rank stops after the same step with a checkpoint of it, the run goes
+    # on from there to the local engine's weights, and engine.max_restarts 0 shows no restart was spent.
+    import random
+
+    rng = random.Random(f"{engine}-{round_}")
+    rank, step = rng.randrange(2), rng.randrange(2, 12)
+    fault(f"rank={rank},step={step},kind=term")
+    rd, result = run_on(engine, setup, f"{engine}-term-{round_}", "--engine.max_restarts", "0",
+                        "--train.keep_last", "20")
+    [p] = result.preemptions
+    assert p["step"] in (step, step + 1), (step, p)  # the notice reaches the loop at this step's end or the next's
+    assert p["notice"].startswith(f"SIGTERM to rank {rank} on host ") and p["checkpoint_s"] >= 0, p
+    assert p["resumed_from_step"] == p["step"] and p["workers"] == 2
+    assert (rd / "checkpoints" / f"step-{p['step']}").is_dir()
+    assert result.steps == 13 and result.resumed_from.endswith(f"step-{p['step']}")
+    assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
+    assert not list((rd / "logs").glob("error-rank*.json"))

@@ -73,7 +73,8 @@ def driver_stream(quiet: bool) -> Iterator[TextIO]:
 
 def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], engine_label: str,
              quiet: bool = False, tail_logs: bool = True,
-             failures: tuple[type[BaseException], ...] = (Exception,)) -> TrainResult:
+             failures: tuple[type[BaseException], ...] = (Exception,),
+             resize: Callable[[], int] | None = None) -> TrainResult:
     """Launch the workers, up to engine.max_restarts + 1 attempts; returns rank 0's result.
 
     launch_once starts one attempt's workers and returns when they are done, or raises one of `failures`.
@@ -81,6 +82,8 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     (killed, or gone without a word), never after an error of a rank's own, which would recur.
     engine_label: the engine as the job's error names it ("Spark (local[2])").
     tail_logs: copy the ranks' logs/rank-*.log to the terminal (workers that run with capture=True).
+    resize: after a preemption, how many workers the next attempt gets (an engine that sizes to what the
+    cluster holds now: Ray with engine.min_workers); None: engine.workers.
     """
     # Errors stay across the attempts of a launch: the first one is the cause, and a restarted rank
     # tells a peer that failed from one that vanished.
@@ -112,11 +115,12 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
                 return result
             # notices that keep coming with no step done between them (a host whose notice URL stays up): stop
             stalled = len(preemptions) > 1 and preemptions[-1]["step"] == preemptions[-2]["step"]
-            go_on_or_stop(rd, cfg, launch_id, preemptions[-1], stopped or stalled)
+            go_on_or_stop(rd, launch_id, preemptions[-1], stopped or stalled,
+                          lambda: resize() if resize else cfg.engine.workers)
             number += 1
 
 
-def go_on_or_stop(rd: RunDir, cfg: Config, launch_id: str, preemption: dict, stopped: bool) -> None:
+def go_on_or_stop(rd: RunDir, launch_id: str, preemption: dict, stopped: bool, workers: Callable[[], int]) -> None:
     """After an attempt that ended preempted: say so in one line; go on with the workers this engine can
     start now (the attempt does not count against engine.max_restarts), or, when the launcher itself was
     told to stop, raise Preempted."""
@@ -127,8 +131,8 @@ def go_on_or_stop(rd: RunDir, cfg: Config, launch_id: str, preemption: dict, sto
     if stopped:
         raise Preempted(f"train: {line}; run the same command with --resume to go on from step {resume_at}")
     rd.result_file(launch_id).unlink(missing_ok=True)  # the next attempt writes its own
-    preemption["workers"] = cfg.engine.workers
-    print(f"torchloom: train: {line}; resuming on {cfg.engine.workers} workers", file=sys.stderr, flush=True)
+    preemption["workers"] = workers()
+    print(f"torchloom: train: {line}; resuming on {preemption['workers']} workers", file=sys.stderr, flush=True)
 
 
 def pull_quietly(rd: RunDir, *paths) -> None:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict, valid_world_sizes
+from torchloom.engines import ray_notice
 from torchloom.engines.common import lost_ranks, replace_engine
 from torchloom.engines.driver import Attempt, attempts
 from torchloom.engines.worker import run_worker, worker_env
@@ -42,6 +43,8 @@ class RayReporter(Reporter):
 def _entry(config: dict) -> None:
     import logging
 
+    import ray.train
+
     logging.getLogger("ray.train").setLevel(logging.WARNING)  # one INFO line per report and rank otherwise
     try:  # Train v2 logs "Reporting training result ..." per rank on a logger named by its file path
         from ray.train.v2._internal.execution import context as train_context
@@ -49,9 +52,11 @@ def _entry(config: dict) -> None:
         logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
     except ImportError:
         pass
+    if ray.train.get_context().get_local_rank() == 0:
+        ray_notice.watch_drain()  # one worker per node asks whether Ray is draining it
     device = "cpu"
     if config["use_gpu"]:  # the GPU Ray assigned this worker, not one picked by LOCAL_RANK
-        import ray.train.torch
+        import ray.train.torch  # noqa: F811
 
         device = str(ray.train.torch.get_device())
     run_worker(config["cfg"], config["run_dir"], config["launch_id"], engine_reporter=RayReporter(), capture=True,
@@ -118,9 +123,10 @@ def placeable_workers(scaling_config) -> int:
     import ray
 
     cpu = float(scaling_config.resources_per_worker.get("CPU", 1) or 0)
+    draining = ray_notice.draining_nodes()  # alive, but being taken back: nothing new is placed there
     total = 0
     for node in ray.nodes():
-        if not node.get("Alive"):
+        if not node.get("Alive") or node.get("NodeID") in draining:
             continue
         res = node.get("Resources", {})
         n = int(res.get("CPU", 0) // cpu + 1e-9) if cpu else 1 << 30
@@ -191,8 +197,20 @@ def tune_callbacks() -> list:
     return [TuneReportCallback()]  # rank 0's eval metrics to the trial, for the scheduler (ASHA)
 
 
+def failure_config():
+    """Ray restarts nothing: not after a failure (torchloom re-runs after a lost process only), and not
+    after a preemption (torchloom's workers stop at one step with a checkpoint, and torchloom goes on)."""
+    import dataclasses
+
+    from ray.train import FailureConfig
+
+    names = {f.name for f in dataclasses.fields(FailureConfig)}
+    preemptions = {"max_preemption_failures": 0} if "max_preemption_failures" in names else {}
+    return FailureConfig(max_failures=0, **preemptions)
+
+
 def trainer(cfg: Config, rd: RunDir, attempt: Attempt, scaling_config, started_local: bool):
-    from ray.train import FailureConfig, RunConfig
+    from ray.train import RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     return TorchTrainer(
@@ -204,12 +222,13 @@ def trainer(cfg: Config, rd: RunDir, attempt: Attempt, scaling_config, started_l
         run_config=RunConfig(
             # a run name per attempt: Ray would take a run of the same name for one to continue
             name=f"torchloom-{attempt.launch_id}-{attempt.number}", storage_path=str(rd.ray_storage),
-            failure_config=FailureConfig(max_failures=0),  # torchloom restarts, only after a lost process
+            failure_config=failure_config(),  # torchloom restarts, only after a lost process
             callbacks=tune_callbacks(),
             worker_runtime_env={"env_vars": {
                 **worker_env(),
                 **worker_priority(started_local),
                 **worker_malloc(),
+                **ray_notice.setup_hook_env(),  # SIGTERM to a worker is a notice of preemption
                 # Train v2 sends each print to its logger as well, and so to our rank log a second time
                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
             }},
@@ -239,9 +258,15 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
             cfg, scaling_config = shrink_to_alive(cfg, scaling_config, lost)
         trainer(cfg, rd, attempt, scaling_config, started_local).fit()
 
+    def resize() -> int:  # after a preemption: a draining node places nothing, so go on on what is left
+        nonlocal cfg, scaling_config
+        if cfg.engine.min_workers:
+            cfg, scaling_config = shrink_to_alive(cfg, scaling_config)
+        return cfg.engine.workers
+
     try:
         # Ray wraps a worker's failure in its own error; the run directory's error files hold the real one
-        return attempts(rd, cfg, launch_once, "Ray", quiet=quiet)
+        return attempts(rd, cfg, launch_once, "Ray", quiet=quiet, resize=resize)
     finally:
         if started_local:
             ray.shutdown()

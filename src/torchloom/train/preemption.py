@@ -27,6 +27,10 @@ from collections.abc import Callable
 # write a checkpoint to leave cleanly, inside the platform's own limit (Kubernetes: 30 s, our default grace 25 s).
 EXIT_MARGIN_S = 3.0
 
+# A process whose SIGTERM watch was armed at its start (arm_sigterm) but whose training never said what to do
+# on a notice (it was signalled while starting) leaves this long after the signal.
+UNTOLD_EXIT_S = 20.0
+
 # Exit code of `torchloom train` / `run` when the attempt ended preempted and nothing is left to go on
 # with (the launcher itself was told to stop): EX_TEMPFAIL, "try again later".
 EXIT_PREEMPTED = 75
@@ -61,11 +65,43 @@ class Notice:
 NOTICE = Notice()
 
 
-def watch_sigterm(who: str, grace_s: float, on_notice: Callable[[], None], on_expire: Callable[[], None]) -> bool:
-    """SIGTERM gives the notice: a thread gives it, runs `on_notice` (it may do I/O), and after `grace_s`
-    runs `on_expire`, which must end the process. Only from the main thread (Ray runs the training
-    function in another, and only the main thread may set signal handlers); False where not installed.
-    on_expire runs EXIT_MARGIN_S after the grace period, time for a rank that wrote nothing to leave."""
+class _Watch:
+    """The SIGTERM watch of this process: armed once from the main thread; what to do on a notice is
+    said later, by the rank (watch_sigterm), possibly from another thread."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.who = "a worker"
+        self.grace_s = 0.0
+        self.on_notice: Callable[[], None] | None = None
+        self.on_expire: Callable[[], None] | None = None
+        self.signalled = threading.Event()  # a SIGTERM came
+        self.told = threading.Event()  # watch_sigterm said what to do
+
+    def run(self) -> None:
+        """After a SIGTERM: the notice, then (once the rank has said what to do) on_notice, and on_expire
+        EXIT_MARGIN_S after the grace period."""
+        NOTICE.give(f"SIGTERM to {self.who} on host {socket.gethostname()}")
+        if not self.told.wait(UNTOLD_EXIT_S):  # a worker signalled before its training started: just leave
+            os._exit(128 + signal.SIGTERM)
+        try:
+            if self.on_notice is not None:
+                self.on_notice()
+        finally:
+            time.sleep(max(0.0, NOTICE.left_s(self.grace_s)) + EXIT_MARGIN_S)
+            if self.on_expire is not None:
+                self.on_expire()
+
+
+_WATCH = _Watch()
+
+
+def arm_sigterm() -> bool:
+    """From the main thread: SIGTERM to this process becomes a notice (the handler only makes the C
+    handler write to a pipe; a thread reads it and gives the notice). False where not the main thread.
+    Engines whose training function runs off the main thread (Ray) call this at the worker's start."""
+    if _WATCH.armed:
+        return True
     if threading.current_thread() is not threading.main_thread():
         return False
     wake, wakeup = os.pipe()  # plain descriptors: they stay open for the life of the process
@@ -75,15 +111,26 @@ def watch_sigterm(who: str, grace_s: float, on_notice: Callable[[], None], on_ex
 
     def watch() -> None:
         while data := os.read(wake, 64):
-            if signal.SIGTERM in data:
-                NOTICE.give(f"SIGTERM to {who} on host {socket.gethostname()}")
-                try:
-                    on_notice()
-                finally:
-                    time.sleep(max(0.0, NOTICE.left_s(grace_s)) + EXIT_MARGIN_S)
-                    on_expire()
+            if signal.SIGTERM in data and not _WATCH.signalled.is_set():
+                _WATCH.signalled.set()
+                _WATCH.run()
 
     threading.Thread(target=watch, name="torchloom-preemption", daemon=True).start()
+    _WATCH.armed = True
+    return True
+
+
+def watch_sigterm(who: str, grace_s: float, on_notice: Callable[[], None], on_expire: Callable[[], None]) -> bool:
+    """SIGTERM gives the notice: a thread gives it, runs `on_notice` (it may do I/O), and EXIT_MARGIN_S
+    after the grace period runs `on_expire`, which must end the process (time for a rank that wrote
+    nothing to leave). Arms the watch from the main thread; from another thread (Ray runs the training
+    function in one) only a watch armed at the worker's start (arm_sigterm) can serve: False without one.
+    A SIGTERM that came before this call gave the notice already; on_notice and the clock run from here."""
+    if not arm_sigterm():
+        return False
+    _WATCH.who, _WATCH.grace_s = who, grace_s
+    _WATCH.on_notice, _WATCH.on_expire = on_notice, on_expire
+    _WATCH.told.set()
     return True
 
 
