@@ -60,6 +60,27 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_same
     assert not list((rd / "logs").glob("error-rank*.json"))
 
 
+def test_sigterm_while_a_checkpoint_is_being_written_leaves_it_whole_and_goes_on_from_it(
+        tmp_path, data_dir, models, reference):  # noqa: F811
+    # The notice lands while rank 1 writes the periodic checkpoint of step 4: the handler does no I/O, so the
+    # write finishes untouched; the ranks stop after step 4 (or 5) and the run goes on to the same weights.
+    rd = new_run(tmp_path, data_dir, "saving")
+    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=4,kind=term_saving"
+    try:
+        result = local.train(cfg_for(rd, models["dropout"], *COMMON, "--engine.max_restarts", "0"), rd, quiet=True)
+    finally:
+        del os.environ["TORCHLOOM_FAULT"]
+    assert (rd / "logs" / "fault-fired-rank1-step4").read_text().endswith("while saving: True")
+    [p] = result.preemptions
+    assert p["step"] in (4, 5) and p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"], p
+    for step in {4, p["step"]}:
+        meta = json.loads((rd / "checkpoints" / f"step-{step}" / "meta.json").read_text())
+        assert meta["step"] == step and meta["files"]
+    assert not list((rd / "checkpoints").glob(".step-*.tmp"))
+    assert result.steps == STEPS and result.resumed_from.endswith(f"step-{p['step']}")
+    assert_same_weights(reference, rd)
+
+
 def train_command(rd, model: str, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", model,
             "--train.precision", "fp32", "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2",

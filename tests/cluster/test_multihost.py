@@ -284,17 +284,85 @@ def test_ray_with_min_workers_goes_on_on_the_survivor_after_losing_a_host(setup,
     assert "resumed at step 5 on 1 workers (the checkpoint's run had 2)" in text
     survivor = next(h for h in nodes if h.name != lost_name)
     assert set(rank_hosts((rd / "logs" / "rank-0.log").read_text()).values()) == {survivor.name}
-    # The survivor's steps 6..13 (after its restart) against two uninterrupted workers' global batches.
+    assert_two_workers_batches_after(rd, 5)
+    assert (rd / "checkpoints" / LAST).is_dir()
+
+
+def assert_two_workers_batches_after(rd: Path, resumed_at: int) -> None:
+    """One worker's steps after resuming at `resumed_at` (to 13) took the global batches, as row ids
+    (train.trace_rows), that two uninterrupted workers would have had."""
     records = [json.loads(line) for line in (rd / "logs" / "rows-rank0.jsonl").read_text().splitlines()]
-    restart = max(i for i, r in enumerate(records) if r["step"] == 6)
+    restart = max(i for i, r in enumerate(records) if r["step"] == resumed_at + 1)
     after = {r["step"]: r["rows"] for r in records[restart:]}
     manifest = read_manifest(rd / "data")
     two = [list(ShardedLoader(manifest, "train", rank=r, world_size=2, batch_size=4, global_batch=8, seed=42,
                               shuffle_buffer=4096)) for r in range(2)]
     expected = {i + 1: two[0][i]["index"].tolist() + two[1][i]["index"].tolist() for i in range(13)}
-    assert sorted(after) == list(range(6, 14))
-    assert after == {s: expected[s] for s in range(6, 14)}
-    assert (rd / "checkpoints" / LAST).is_dir()
+    assert sorted(after) == list(range(resumed_at + 1, 14))
+    assert after == {s: expected[s] for s in range(resumed_at + 1, 14)}
+
+
+def last_step(rd: Path) -> int:
+    if not (rd / "metrics.jsonl").is_file():
+        return 0
+    records = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return max((r["step"] for r in records if r.get("kind") == "train"), default=0)
+
+
+def ray_node_id(head: Host, node: Host, env: dict) -> str:
+    code = ("import ray; ray.init(address='{0}:6379', logging_level='ERROR');"
+            "print(next(n['NodeID'] for n in ray.nodes() if n['Alive'] and n['NodeManagerAddress'] == '{1}'))")
+    out = head.run([sys.executable, "-c", code.format(head.address, node.address)], env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_ray_drain_node_is_a_notice_and_training_goes_on_on_the_survivor(setup, tmp_path):
+    # Two nodes, two workers, engine.min_workers 1, engine.max_restarts 0. Mid-run, `ray drain-node` (what an
+    # autoscaler does to a spot node it is told will go) drains rank 1's node: both ranks stop after the same
+    # step with a checkpoint of it, and torchloom goes on on the node that is not draining, with the same
+    # global batches, spending no restart.
+    rd = new_run(setup["root"], setup["data"], "ray-drain")
+    with Cluster(["a", "b", "c"]) as hosts:
+        a, nodes = hosts["a"], [hosts["b"], hosts["c"]]
+        env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
+                        TORCHLOOM_FAULT="rank=0,step=1,kind=slow,sleep=1.5")  # time to drain mid-run
+        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, *nodes)}
+        try:
+            start_ray(nodes, a, env, temps)
+            args = ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
+                    "--engine.cpus_per_worker", "1", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
+                    "--engine.max_restarts", "0", "--engine.min_workers", "1", "--train.trace_rows", "true",
+                    "--train.log_every", "1"]
+            log = tmp_path / "driver.log"
+            driver = a.popen([sys.executable, "-m", "torchloom", *args], log=log, env=env)
+            wait_for("step 2", lambda: last_step(rd) >= 2, 240, [log])
+            drained_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
+            drained = next(h for h in nodes if h.name == drained_name)
+            # --node-id given: without it, this Ray's CLI starts an instance of its own and drains that
+            out = drained.run(["ray", "drain-node", "--address", f"{a.address}:6379", "--node-id",
+                               ray_node_id(a, drained, env), "--reason",
+                               "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
+                               "--deadline-remaining-seconds", "300"],
+                              env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}, timeout=60)
+            assert out.returncode == 0, out.stderr[-3000:]
+            driver.wait(timeout=420)
+            text = log.read_text(errors="replace")
+            assert driver.returncode == 0, text[-4000:]
+        finally:
+            for t in temps.values():
+                shutil.rmtree(t, ignore_errors=True)
+    result = json.loads((rd / "train_result.json").read_text())
+    [p] = result["preemptions"]
+    assert p["notice"].startswith("Ray drains node ") and f"on host {drained_name}" in p["notice"], p
+    assert p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"] and p["workers"] == 1, p
+    assert (result["world_size"], result["resumed_world_size"], result["resumed_at_step"]) == (1, 2, p["step"])
+    line = f"preempted at step {p['step']} (notice: Ray drains node "
+    assert line in text and "resuming on 1 workers" in text, text[-3000:]
+    assert "attempt 1 of 1 failed" not in text and "stopped answering" not in text
+    survivor = next(h for h in nodes if h.name != drained_name)
+    assert set(rank_hosts((rd / "logs" / "rank-0.log").read_text()).values()) >= {survivor.name}
+    assert_two_workers_batches_after(rd, p["step"])
 
 
 def test_spark_survives_the_loss_of_a_worker_host_and_trains_the_local_weights(setup, tmp_path):

@@ -3,7 +3,9 @@
 Set TORCHLOOM_FAULT="rank=1,step=5,kind=raise" in the environment of the job; host=NAME instead of
 rank=R picks whichever rank runs on that host. kind=raise raises, kind=kill is SIGKILL, kind=hang stops
 answering (as a rank on a host that lost power or network does), kind=term sends the rank SIGTERM (a
-notice of preemption) and lets it go on; kind=slow,sleep=S makes every step from `step` on S seconds
+notice of preemption) and lets it go on; kind=term_saving sends it SIGTERM while the checkpoint of `step`
+is being written (its `.step-N.tmp` directory exists; the marker says whether it was caught there);
+kind=slow,sleep=S makes every step from `step` on S seconds
 longer (no marker: every run), so a test can signal a launcher while its workers train. Any other fault
 fires once per run directory (a marker file records it), so a job that restarts and resumes from a
 checkpoint does not hit it again.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 
 from torchloom.rundir import RunDir
@@ -46,6 +49,10 @@ class FaultInjector(Reporter):
         return self.at_rank == self.rank
 
     def step_done(self, step: int) -> None:
+        if self.kind == "term_saving":
+            if step == 1 and self.mine() and not self.rd.fault_marker(self.rank, self.at_step).exists():
+                threading.Thread(target=self.term_while_saving, daemon=True).start()
+            return
         if self.kind == "slow":  # every step from `step` on takes `sleep` seconds longer, every run
             if step >= self.at_step and self.mine():
                 time.sleep(self.sleep)
@@ -66,6 +73,19 @@ class FaultInjector(Reporter):
             while True:  # the test takes the whole host away from here
                 time.sleep(60)
         raise InjectedFault(f"injected fault on rank {self.rank} at step {step}")
+
+
+    def term_while_saving(self) -> None:
+        """SIGTERM to this rank as soon as the checkpoint of at_step is being written (or, if its write
+        was missed, once it is there)."""
+        tmp, final = self.rd.checkpoints / f".step-{self.at_step}.tmp", self.rd.checkpoints / f"step-{self.at_step}"
+        while not tmp.exists() and not final.exists():
+            time.sleep(0.0002)
+        caught = tmp.exists()
+        os.kill(os.getpid(), signal.SIGTERM)
+        marker = self.rd.fault_marker(self.rank, self.at_step)
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{self.spec}\nwhile saving: {caught}")
 
 
 def from_env(rd: RunDir, rank: int) -> FaultInjector | None:

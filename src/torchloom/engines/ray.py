@@ -156,7 +156,7 @@ def shrink_to_alive(cfg: Config, scaling_config, lost: int = 0):
     workers = next((w for w in sizes if w <= fits), sizes[-1])
     if workers == scaling_config.num_workers:
         return cfg, scaling_config
-    print(f"torchloom: train: the alive Ray nodes place {fits} workers; going on with {workers}"
+    print(f"torchloom: train: the alive Ray nodes that are not draining place {fits} workers; going on with {workers}"
           f" (engine.workers {cfg.engine.workers}, engine.min_workers {cfg.engine.min_workers})",
           file=sys.stderr, flush=True)
     return replace_engine(cfg, workers=workers), ScalingConfig(

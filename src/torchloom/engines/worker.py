@@ -222,7 +222,8 @@ def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int
     if not cfg_dict["train"]["resume"]:
         cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
     loss = describe_loss(rd, launch_id, starts - 1)
-    print(f"restart {starts}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
+    label = f"restart {starts}" if failed else f"start {starts + 1}, after a preemption"
+    print(f"{label}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
           f" {rd.home(rd.checkpoints)}", flush=True)
     return cfg_dict
 
