@@ -129,6 +129,39 @@ def test_torchrun_survives_the_loss_of_a_host_when_a_replacement_joins(setup, tm
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
 
 
+def test_torchrun_sigterm_to_a_worker_on_one_host_checkpoints_and_goes_on_to_the_local_weights(setup, tmp_path):
+    # Nodes on b and c. The worker on c gets SIGTERM (its host is being taken back) at a random step: both ranks
+    # stop after the same step with a checkpoint of it and exit 75; torchrun on each host starts its worker
+    # again, they meet in a new rendezvous round, go on from that checkpoint and end at the local weights,
+    # with engine.max_restarts 0 untouched.
+    import random
+
+    step = random.Random(2929).randrange(2, 12)
+    rd = new_run(setup["root"], setup["data"], "torchrun-term")
+    with Cluster(["b", "c"]) as hosts:
+        b, c = hosts["b"], hosts["c"]
+        env = clean_env(TMPDIR=str(tmp_path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                        TORCHLOOM_FAULT=f"host={c.name},step={step},kind=term")
+        argv = torchrun_argv(rd, setup, b.name, "tl-term", 2, "--engine.max_restarts", "0",
+                             "--train.keep_last", "20")
+        logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c)}
+        procs = [h.popen(argv, log=logs[h.name], env=env) for h in (b, c)]
+        for p in procs:
+            p.wait(timeout=420)
+        text = {h: p.read_text(errors="replace") for h, p in logs.items()}
+        assert all(p.returncode == 0 for p in procs), text[b.name][-3000:] + text[c.name][-3000:]
+    (on_c,) = rank_hosts(text[c.name])
+    said = [x for x in (text[b.name] + text[c.name]).splitlines() if "torchloom: train: preempted at step" in x]
+    assert len(said) == 1 and f"(notice: SIGTERM to rank {on_c} on host {c.name})" in said[0], said
+    stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
+    assert stopped_at in (step, step + 1) and (rd / "checkpoints" / f"step-{stopped_at}").is_dir()
+    assert "after a preemption: resuming from the latest checkpoint" in text[b.name] + text[c.name]
+    assert "Traceback" not in text[b.name] + text[c.name]
+    records = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    assert [r["step"] for r in records if r.get("kind") == "preempted"] == [stopped_at]
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
 def write_csv(path: Path) -> Path:
     """120 usable rows of 3 topics, plus one without text and one without a label (set aside)."""
     import csv
