@@ -22,6 +22,9 @@ pytest.importorskip("ray")
 def setup(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("engines"))
 
+# 2 rounds in CI; `-m soak` runs the other 8 of the 10
+ROUNDS = [0, 1, *(pytest.param(n, marks=pytest.mark.soak) for n in range(2, 10))]
+
 
 @pytest.fixture
 def fault(monkeypatch):
@@ -169,7 +172,7 @@ def test_under_your_own_torchrun_a_ranks_error_is_not_trained_again(setup, tmp_p
     assert not list((rd / "checkpoints").glob("step-1[0-9]"))  # nothing trained past the fault
 
 
-@pytest.mark.parametrize("round_", [0, 1])
+@pytest.mark.parametrize("round_", ROUNDS)
 @pytest.mark.parametrize("engine", ["spark", "ray"])
 def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_local_weights(
         engine, round_, setup, fault):

@@ -21,6 +21,9 @@ from torchloom.engines import local
 COMMON = ("--train.epochs", "1", "--train.keep_last", "20", "--train.checkpoint_every", "4")
 STEPS = 13
 
+# 2 rounds in CI; `-m soak` runs the other 8 of the 10
+ROUNDS = [0, 1, *(pytest.param(n, marks=pytest.mark.soak) for n in range(2, 10))]
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_dir, models):  # noqa: F811
@@ -35,7 +38,7 @@ def assert_same_weights(reference, rd) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("round_", [0, 1])
+@pytest.mark.parametrize("round_", ROUNDS)
 def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_same_weights(
         tmp_path, data_dir, models, reference, round_):  # noqa: F811
     rng = random.Random(2900 + round_)
