@@ -38,8 +38,9 @@ def run_on(engine: str, setup, name: str, *extra: str):
     rd.mkdir()
     shutil.copytree(setup["data"], rd / "data")
     args = ["--output.dir", str(rd), "--model.path", setup["model"], "--engine.name", engine, *COMMON, *extra]
-    if engine == "spark":
-        args += ["--prepare.spark_master", "local-cluster[2,1,1024]"]
+    if engine == "spark":  # decommission on, as a cluster that takes executors back with notice has it
+        args += ["--prepare.spark_master", "local-cluster[2,1,1024]",
+                 "--prepare.spark_conf", '{"spark.decommission.enabled" = "true"}']
     cfg = build(None, args)
     if engine == "spark":
         from torchloom.engines import spark
@@ -191,6 +192,59 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_loca
     assert p["notice"].startswith(f"SIGTERM to rank {rank} on host ") and p["checkpoint_s"] >= 0, p
     assert p["resumed_from_step"] == p["step"] and p["workers"] == 2
     assert (rd / "checkpoints" / f"step-{p['step']}").is_dir()
+    assert result.steps == 13 and result.resumed_from.endswith(f"step-{p['step']}")
+    assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
+    assert not list((rd / "logs").glob("error-rank*.json"))
+
+
+def test_spark_decommissioning_an_executor_is_a_notice_and_the_run_goes_on_to_the_local_weights(setup, fault):
+    # Spark tells the driver, not the executor's Python processes, that an executor is being decommissioned (a
+    # standalone worker leaving, a Kubernetes pod or YARN node taken back). Here the driver's scheduler backend
+    # gets the message a master sends when a worker decommissions (tests/cluster does it through the worker
+    # itself). torchloom's driver passes it on: every rank stops after one step with its checkpoint, and the run
+    # goes on, when the slots are back, to the local engine's weights with engine.max_restarts 0.
+    import json
+    import random
+    import threading
+    import time
+
+    fault("rank=0,step=1,kind=slow,sleep=0.8")  # time for the notice to travel while the workers train
+    rd = setup["root"] / "spark-decommission"
+    done, said = threading.Event(), []
+
+    def decommission_at_step_3() -> None:
+        try:
+            decommission()
+        except Exception as e:  # the test fails on it below
+            said.append(repr(e))
+
+    def decommission() -> None:
+        metrics = rd / "metrics.jsonl"
+        while not done.is_set():
+            lines = metrics.read_text().splitlines() if metrics.is_file() else []
+            if any(json.loads(x).get("kind") == "train" and json.loads(x)["step"] >= 3 for x in lines if x.strip()):
+                break
+            time.sleep(0.1)
+        spark = _sessions["local-cluster"]
+        sc = spark.sparkContext._jsc.sc()
+        running = sorted(str(sc.taskScheduler().runningTasksByExecutors().keys().mkString(",")).split(","))
+        executor = random.Random(29).choice(running)
+        info = spark._jvm.org.apache.spark.scheduler.ExecutorDecommissionInfo(
+            "spot instance reclaimed", spark._jvm.scala.Some("worker-host"))
+        assert sc.schedulerBackend().decommissionExecutor(executor, info, False, False)
+
+    thread = threading.Thread(target=decommission_at_step_3, daemon=True)
+    thread.start()
+    try:
+        rd, result = run_on("spark", setup, "spark-decommission", "--engine.max_restarts", "0",
+                            "--train.keep_last", "20", "--train.log_every", "1")
+    finally:
+        done.set()
+        thread.join(timeout=10)
+    assert not said, said
+    [p] = result.preemptions
+    assert p["notice"].startswith("Spark decommissions executor ") and "on host worker-host" in p["notice"], p
+    assert 3 <= p["step"] < 13 and p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"], p
     assert result.steps == 13 and result.resumed_from.endswith(f"step-{p['step']}")
     assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
     assert not list((rd / "logs").glob("error-rank*.json"))

@@ -315,6 +315,10 @@ class RunDir:
     def result_file(self, launch_id: str) -> Path:
         return self.logs / f"result-{launch_id}.json"
 
+    def notice_file(self, launch_id: str, attempt: int) -> Path:
+        """A notice of preemption the driver got for an attempt's workers (Spark's executor decommission)."""
+        return self.logs / f"notice-{launch_id}-attempt{attempt}.json"
+
     def placement_file(self, launch_id: str, rank: int, start: int) -> Path:
         return self.logs / f"placement-{launch_id}-rank{rank}-start{start}.json"
 

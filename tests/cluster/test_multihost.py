@@ -437,3 +437,68 @@ def test_spark_survives_the_loss_of_a_worker_host_and_trains_the_local_weights(s
     assert f"(rank 1 on host {lost_name} stopped answering (lost)); re-running the workers" in text, text[-3000:]
     assert f"restart 1: rank 1 on host {lost_name} stopped answering (lost); resuming" in text, text[-3000:]
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
+
+
+def java_pid(host: Host, main_class: str) -> int:
+    for pid in host.pids():
+        try:
+            if main_class in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no {main_class} on {host.name}")
+
+
+def test_spark_worker_decommissioned_by_its_signal_is_a_notice_and_training_goes_on_when_slots_are_back(
+        setup, tmp_path):
+    # Spark's own mechanism: with spark.decommission.enabled, SIGPWR to a standalone Worker (what Spark's
+    # scripts and Kubernetes use) decommissions it and its executors; the driver hears of it, the executor's
+    # Python processes do not. torchloom's driver passes the notice on: both ranks stop after one step with its
+    # checkpoint. A replacement worker host joins, the next attempt waits for its slot, and the run ends at the
+    # local weights with engine.max_restarts 0.
+    import signal
+
+    rd = new_run(setup["root"], setup["data"], "spark-decommission")
+    with Cluster(["a", "b", "c", "d"]) as hosts:
+        a, workers, spare = hosts["a"], [hosts["b"], hosts["c"]], hosts["d"]
+        env = clean_env(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", TMPDIR=str(tmp_path),
+                        SPARK_WORKER_OPTS="-Dspark.decommission.enabled=true")
+        master_log = tmp_path / "master.log"
+        a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
+                 "--webui-port", "8080"], log=master_log, env=env)
+
+        def worker(h: Host) -> None:
+            h.popen([spark_class(), "org.apache.spark.deploy.worker.Worker", f"spark://{a.name}:7077",
+                     "--host", h.name, "--cores", "1", "--memory", "1500m", "--webui-port", "8081",
+                     "--work-dir", str(tmp_path / f"work-{h.name}")], log=tmp_path / f"worker-{h.name}.log", env=env)
+
+        for h in workers:
+            worker(h)
+        wait_for("two Spark workers registered with the master",
+                 lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 2,
+                 120, [master_log])
+        log = tmp_path / "driver.log"
+        driver = a.popen([sys.executable, "-m", "torchloom", "train", "--engine.name", "spark",
+                          "--prepare.spark_master", f"spark://{a.name}:7077",
+                          "--prepare.spark_conf", '{"spark.decommission.enabled" = "true"}',
+                          "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
+                          "--engine.max_restarts", "0", "--train.keep_last", "20", "--train.log_every", "1"],
+                         log=log, env={**env, "TORCHLOOM_FAULT": "rank=0,step=1,kind=slow,sleep=1.0"})
+        wait_for("step 3", lambda: last_step(rd) >= 3, 240, [log])
+        gone_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
+        gone = next(h for h in workers if h.name == gone_name)
+        os.kill(java_pid(gone, "org.apache.spark.deploy.worker.Worker"), signal.SIGPWR)
+        wait_for("the notice", lambda: any((rd / "logs").glob("notice-*.json")), 60, [log, master_log])
+        worker(spare)  # the capacity comes back on another host
+        driver.wait(timeout=480)
+        text = log.read_text(errors="replace")
+        assert driver.returncode == 0, text[-4000:]
+    said = [x for x in text.splitlines() if "torchloom: train: preempted at step" in x and "resuming on" in x]
+    assert len(said) == 1 and "(notice: Spark decommissions executor " in said[0], text[-3000:]
+    stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
+    assert (rd / "checkpoints" / f"step-{stopped_at}").is_dir()
+    assert "failed" not in text and "Traceback" not in text, text[-3000:]
+    result = json.loads((rd / "train_result.json").read_text())
+    assert result["resumed_at_step"] == stopped_at and result["steps"] == 13
+    assert set(rank_hosts("".join(p.read_text() for p in rd.glob("logs/rank-*.log"))).values()) >= {spare.name}
+    assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)

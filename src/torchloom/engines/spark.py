@@ -12,26 +12,97 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
 from torchloom.config import Config, to_dict
 from torchloom.engines.common import not_visible, replace_engine
 from torchloom.engines.driver import Attempt, attempts
-from torchloom.engines.worker import enter_worker_env, run_worker, worker_env
+from torchloom.engines.worker import enter_worker_env, publish, run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
 from torchloom.etl.session import conf_value, get_spark
-from torchloom.rundir import RunDir
+from torchloom.poller import Poller
+from torchloom.rundir import RunDir, write_json
 from torchloom.train.result import TrainResult
 
 
-def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict, launched_at: float) -> None:
+def _entry(cfg_dict: dict, run_dir: str, launch_id: str, env: dict, launched_at: float,
+           attempt: int | None = None) -> None:
     # Executors are long-lived processes started with whatever environment the session had, not the
     # driver's at launch: the job brings its workers' environment along.
     enter_worker_env(env)
     # Output goes to the run's log files: Spark would otherwise print it twice on local[N] and keep
     # it in executor work dirs on a cluster. The driver tails the files.
-    run_worker(cfg_dict, run_dir, launch_id, capture=True, launched_at=launched_at)
+    run_worker(cfg_dict, run_dir, launch_id, capture=True, launched_at=launched_at, attempt=attempt)
+
+
+def decommissioning(spark) -> list[tuple[str, str]]:
+    """(executor id, host) of the executors that run a task now and that Spark is decommissioning (a
+    standalone worker told to leave, a Kubernetes pod or YARN node being taken back, with
+    spark.decommission.enabled). [] where this process cannot ask (Spark Connect: no SparkContext)."""
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException
+
+    try:
+        scheduler = spark.sparkContext._jsc.sc().taskScheduler()
+        running = [x for x in str(scheduler.runningTasksByExecutors().keys().mkString(",")).split(",") if x]
+        found = []
+        for executor in running:
+            state = scheduler.getExecutorDecommissionState(executor)
+            if state.isDefined():
+                host = state.get().workerHost()
+                found.append((executor, str(host.get()) if host.isDefined() else "?"))
+        return found
+    except (AttributeError, Py4JError, PySparkException):
+        return []
+
+
+SLOTS_BACK_WAIT_S = 900.0  # after a preemption: how long the next attempt waits for the slots to come back
+
+
+def wait_for_slots(spark, cfg: Config, master: str) -> None:
+    """After a preemption: the next attempt's barrier stage needs all of its slots at once, and Spark fails it
+    at once without them, so wait (up to SLOTS_BACK_WAIT_S) for executors to replace the ones taken back."""
+    tasks = cfg.engine.workers
+    slots = barrier_slots(spark)
+    if slots is None or slots >= tasks:
+        return
+    print(f"torchloom: train: Spark ({master}) has {slots} of the {tasks} barrier slots the workers need; waiting"
+          f" up to {SLOTS_BACK_WAIT_S / 60:.0f} min for executors to come back", file=sys.stderr, flush=True)
+    slots = registered_slots(spark, tasks, SLOTS_BACK_WAIT_S)
+    if slots is not None and slots < tasks:
+        raise UserError(f"engine.workers {tasks}: Spark ({master}) still has {slots} barrier slots"
+                        f" {SLOTS_BACK_WAIT_S / 60:.0f} min after a preemption; run the same command with --resume"
+                        " once the cluster has its executors back")
+
+
+class DecommissionWatch(Poller):
+    """The driver's side of Spark's notice: an executor that runs a worker is being decommissioned (its
+    Python processes get no signal from Spark), so the driver writes the attempt's notice file, which the
+    workers watch (worker.watch_notice_file)."""
+
+    def __init__(self, spark, rd: RunDir, path: Path, told: set[str], every_s: float = 2.0):
+        super().__init__(every_s, "torchloom-spark-decommission")
+        self.spark, self.rd, self.path, self.given = spark, rd, path, False
+        self.told = told  # executors whose decommission an earlier attempt was told of
+
+    def poll(self) -> None:
+        if self.given:
+            return
+        found = [(e, h) for e, h in decommissioning(self.spark) if e not in self.told]
+        if not found:
+            return
+        executor, host = found[0]
+        self.told.update(e for e, _ in found)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(self.path, {"notice": f"Spark decommissions executor {executor} on host {host}",
+                               "time": time.time()}, indent=None)
+        publish(self.rd, self.path)
+        self.given = True
+
+    def last_poll(self) -> None:  # the attempt is over: a notice now is for nobody
+        pass
 
 
 def is_local_master(master: str) -> bool:
@@ -74,10 +145,10 @@ def planned_slots(master: str, spark) -> int | None:
     return int(m.group(1)) * (int(m.group(2)) // max(1, int(conf_value(spark, "spark.task.cpus", "1") or 1)))
 
 
-def registered_slots(spark, tasks: int) -> int | None:
-    """The barrier slots of the executors registered so far, asked again for up to SLOT_WAIT_S while fewer
+def registered_slots(spark, tasks: int, wait_s: float = SLOT_WAIT_S) -> int | None:
+    """The barrier slots of the executors registered so far, asked again for up to `wait_s` while fewer
     than `tasks` (executors register for a while after the session starts)."""
-    deadline = time.monotonic() + SLOT_WAIT_S
+    deadline = time.monotonic() + wait_s
     while True:
         slots = barrier_slots(spark)
         if slots is None or slots >= tasks or time.monotonic() >= deadline:
@@ -160,10 +231,19 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
         check_slots(cfg, spark)
         check_executors_see(spark, rd, cfg.engine.workers)
 
+    told: set[str] = set()  # executors being decommissioned that a notice named already
+
     def launch_once(attempt: Attempt) -> None:
         distributor = TorchDistributor(num_processes=cfg.engine.workers, local_mode=local_mode, use_gpu=use_gpu)
         distributor.logger.setLevel(logging.WARNING)  # its constructor sets INFO: "Started distributed ..."
-        distributor.run(_entry, to_dict(cfg), rd.location, attempt.launch_id, worker_env(), attempt.launched_at)
+        if local_mode:  # the workers run beside the driver: no executor to decommission
+            distributor.run(_entry, to_dict(cfg), rd.location, attempt.launch_id, worker_env(), attempt.launched_at)
+            return
+        if attempt.number:
+            wait_for_slots(spark, cfg, master)
+        with DecommissionWatch(spark, rd, rd.notice_file(attempt.launch_id, attempt.number), told):
+            distributor.run(_entry, to_dict(cfg), rd.location, attempt.launch_id, worker_env(), attempt.launched_at,
+                            attempt.number)
 
     # Spark wraps a worker's failure in its own error; the run directory's error files hold the real one
     return attempts(rd, cfg, launch_once, f"Spark ({master})", quiet=quiet)

@@ -196,6 +196,31 @@ def note_stop_signal(placement: Path, rank: int, grace_s: float) -> None:
     preemption.watch_sigterm(f"rank {rank}", grace_s, lambda: mark(notice_at=time.time()), expire)
 
 
+NOTICE_POLL_S = 2.0  # how often one worker per host looks for the driver's notice file
+
+
+def watch_notice_file(rd: RunDir, path: Path, every_s: float = NOTICE_POLL_S) -> None:
+    """A notice that reaches the driver rather than the workers (Spark decommissioning an executor): the
+    driver writes it to `path`, and this thread gives it here when the file appears (on a store: when the
+    store has it). One worker per host is enough: the flag reaches every rank at the next step boundary."""
+
+    def poll() -> None:
+        while not preemption.NOTICE.given:
+            try:
+                if rd.remote:
+                    from torchloom import storage
+
+                    storage.pull(rd, path)
+                if path.is_file():
+                    preemption.NOTICE.give(str(read_json(path).get("notice") or "the driver's notice"))
+                    return
+            except Exception:  # a store that does not answer now: ask again
+                pass
+            time.sleep(every_s)
+
+    threading.Thread(target=poll, name="torchloom-notice-file", daemon=True).start()
+
+
 def preempted_starts(rd: RunDir, launch_id: str, rank: int) -> int:
     """Starts of this rank that ended preempted: they never count against engine.max_restarts."""
     count = 0
@@ -229,8 +254,10 @@ def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int
 
 
 def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Reporter | None = None,
-               capture: bool = False, launched_at: float | None = None, device: str | None = None) -> TrainResult:
-    """Train on this rank; record a failure where the driver looks for it, and re-raise it."""
+               capture: bool = False, launched_at: float | None = None, device: str | None = None,
+               attempt: int | None = None) -> TrainResult:
+    """Train on this rank; record a failure where the driver looks for it, and re-raise it.
+    attempt: the driver's attempt number, given where the driver may pass on a notice (rd.notice_file)."""
     from torchloom.train.entry import run
 
     rd = RunDir(run_dir)
@@ -245,6 +272,8 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         note_stop_signal(placement, rank, float(cfg_dict["train"]["preemption_grace_s"]))
         if cfg_dict["train"].get("preemption_url") and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             preemption.poll_url(cfg_dict["train"]["preemption_url"])
+        if attempt is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            watch_notice_file(rd, rd.notice_file(launch_id, attempt))
         start_heartbeat(placement)
         if starts:
             cfg_dict = restarted(rd, cfg_dict, launch_id, rank, starts)
