@@ -121,9 +121,9 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="torchloom-bench-preempt-"))
     model, data, extra = setup(a.model, work)
+    total = int(extra[-1])
     if a.engine == "spark":
         extra = [*extra, "--prepare.spark_master", "local-cluster[2,1,2048]", "--engine.threads_per_worker", "1"]
-    total = int(extra[-1])
     rng = random.Random(29)
     rows = []
     for n in range(a.rounds):

@@ -64,15 +64,12 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_same
 
 
 def test_sigterm_while_a_checkpoint_is_being_written_leaves_it_whole_and_goes_on_from_it(
-        tmp_path, data_dir, models, reference):  # noqa: F811
+        tmp_path, data_dir, models, reference, monkeypatch):  # noqa: F811
     # The notice lands while rank 1 writes the periodic checkpoint of step 4: the handler does no I/O, so the
     # write finishes untouched; the ranks stop after step 4 (or 5) and the run goes on to the same weights.
     rd = new_run(tmp_path, data_dir, "saving")
-    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=4,kind=term_saving"
-    try:
-        result = local.train(cfg_for(rd, models["dropout"], *COMMON, "--engine.max_restarts", "0"), rd, quiet=True)
-    finally:
-        del os.environ["TORCHLOOM_FAULT"]
+    monkeypatch.setenv("TORCHLOOM_FAULT", "rank=1,step=4,kind=term_saving")
+    result = local.train(cfg_for(rd, models["dropout"], *COMMON, "--engine.max_restarts", "0"), rd, quiet=True)
     assert (rd / "logs" / "fault-fired-rank1-step4").read_text().endswith("while saving: True")
     [p] = result.preemptions
     assert p["step"] in (4, 5) and p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"], p

@@ -7,6 +7,7 @@ run directory), as hosts on NFS would. CPU, fp32, one thread per rank: results a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -273,6 +274,28 @@ def start_ray(hosts: list[Host], head: Host, env: dict, temps: dict, cpus: int =
         assert out.returncode == 0, out.stderr[-3000:]
 
 
+@contextlib.contextmanager
+def ray_cluster_driver(setup, tmp_path: Path, rd: Path, fault: str, *extra: str):
+    """A Ray head on a (no CPUs) and nodes on b and c, token auth on, and `torchloom train` of two workers with
+    engine.min_workers 1 started on a with this fault; yields (head, nodes, env, driver, its log)."""
+    with Cluster(["a", "b", "c"]) as hosts:
+        a, nodes = hosts["a"], [hosts["b"], hosts["c"]]
+        env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
+                        TORCHLOOM_FAULT=fault)
+        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, *nodes)}
+        try:
+            start_ray(nodes, a, env, temps)
+            args = ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
+                    "--engine.cpus_per_worker", "1", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
+                    "--engine.min_workers", "1", "--train.trace_rows", "true", *extra]
+            log = tmp_path / "driver.log"
+            driver = a.popen([sys.executable, "-m", "torchloom", *args], log=log, env=env)
+            yield a, nodes, env, driver, log
+        finally:
+            for t in temps.values():
+                shutil.rmtree(t, ignore_errors=True)
+
+
 def test_ray_with_min_workers_goes_on_on_the_survivor_after_losing_a_host(setup, tmp_path):
     # Two nodes, two workers, engine.min_workers 1. Rank 1 stops answering at step 8 (after the step-5
     # checkpoint); then its whole host goes: every process SIGKILLed, the link down. torchloom re-runs
@@ -280,34 +303,20 @@ def test_ray_with_min_workers_goes_on_on_the_survivor_after_losing_a_host(setup,
     # the same global batches as row ids (train.trace_rows) as two uninterrupted workers would have had.
     # (Not the same weights: dropout masks are drawn per worker.)
     rd = new_run(setup["root"], setup["data"], "ray-loss")
-    with Cluster(["a", "b", "c"]) as hosts:
-        a, nodes = hosts["a"], [hosts["b"], hosts["c"]]
-        env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
-                        TORCHLOOM_FAULT="rank=1,step=8,kind=hang")
-        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, *nodes)}
-        try:
-            start_ray(nodes, a, env, temps)
-            args = ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
-                    "--engine.cpus_per_worker", "1", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
-                    "--engine.collective_timeout_s", "15", "--engine.max_restarts", "3", "--engine.min_workers", "1",
-                    "--train.trace_rows", "true"]
-            log = tmp_path / "driver.log"
-            driver = a.popen([sys.executable, "-m", "torchloom", *args], log=log, env=env)
-            wait_for("rank 1 to stop at step 8", lambda: (rd / "logs" / "fault-fired-rank1-step8").exists(), 240,
-                     [log])
-            lost_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
-            lost = next(h for h in nodes if h.name == lost_name)
-            lost.link_down()  # first: no FIN or RST reaches the others, as when a host loses power
-            lost.kill_all()
-            lost_at = time.monotonic()
-            wait_for("the survivor to notice", lambda: (rd / "logs" / "error-rank0.json").exists(), 60, [log])
-            noticed_s = time.monotonic() - lost_at
-            driver.wait(timeout=420)
-            text = log.read_text(errors="replace")
-            assert driver.returncode == 0, text[-4000:]
-        finally:
-            for t in temps.values():
-                shutil.rmtree(t, ignore_errors=True)
+    with ray_cluster_driver(setup, tmp_path, rd, "rank=1,step=8,kind=hang", "--engine.collective_timeout_s", "15",
+                            "--engine.max_restarts", "3") as (_, nodes, _, driver, log):
+        wait_for("rank 1 to stop at step 8", lambda: (rd / "logs" / "fault-fired-rank1-step8").exists(), 240,
+                 [log])
+        lost_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
+        lost = next(h for h in nodes if h.name == lost_name)
+        lost.link_down()  # first: no FIN or RST reaches the others, as when a host loses power
+        lost.kill_all()
+        lost_at = time.monotonic()
+        wait_for("the survivor to notice", lambda: (rd / "logs" / "error-rank0.json").exists(), 60, [log])
+        noticed_s = time.monotonic() - lost_at
+        driver.wait(timeout=420)
+        text = log.read_text(errors="replace")
+        assert driver.returncode == 0, text[-4000:]
     assert noticed_s < 60  # the collective timeout (15 s here), not the 30-minute default
     assert f"rank 1 on host {lost_name} stopped answering (lost); resuming from the latest checkpoint" in text, \
         text[-3000:]
@@ -356,35 +365,21 @@ def test_ray_drain_node_is_a_notice_and_training_goes_on_on_the_survivor(setup, 
     # step with a checkpoint of it, and torchloom goes on on the node that is not draining, with the same
     # global batches, spending no restart.
     rd = new_run(setup["root"], setup["data"], "ray-drain")
-    with Cluster(["a", "b", "c"]) as hosts:
-        a, nodes = hosts["a"], [hosts["b"], hosts["c"]]
-        env = clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
-                        TORCHLOOM_FAULT="rank=0,step=1,kind=slow,sleep=1.5")  # time to drain mid-run
-        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, *nodes)}
-        try:
-            start_ray(nodes, a, env, temps)
-            args = ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
-                    "--engine.cpus_per_worker", "1", "--output.dir", str(rd), "--model.path", setup["model"], *COMMON,
-                    "--engine.max_restarts", "0", "--engine.min_workers", "1", "--train.trace_rows", "true",
-                    "--train.log_every", "1"]
-            log = tmp_path / "driver.log"
-            driver = a.popen([sys.executable, "-m", "torchloom", *args], log=log, env=env)
-            wait_for("step 2", lambda: last_step(rd) >= 2, 240, [log])
-            drained_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
-            drained = next(h for h in nodes if h.name == drained_name)
-            # --node-id given: without it, this Ray's CLI starts an instance of its own and drains that
-            out = drained.run(["ray", "drain-node", "--address", f"{a.address}:6379", "--node-id",
-                               ray_node_id(a, drained, env), "--reason",
-                               "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot instance reclaimed",
-                               "--deadline-remaining-seconds", "300"],
-                              env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}, timeout=60)
-            assert out.returncode == 0, out.stderr[-3000:]
-            driver.wait(timeout=420)
-            text = log.read_text(errors="replace")
-            assert driver.returncode == 0, text[-4000:]
-        finally:
-            for t in temps.values():
-                shutil.rmtree(t, ignore_errors=True)
+    # time to drain mid-run: rank 0's steps take 1.5 s more
+    with ray_cluster_driver(setup, tmp_path, rd, "rank=0,step=1,kind=slow,sleep=1.5", "--engine.max_restarts", "0",
+                            "--train.log_every", "1") as (a, nodes, env, driver, log):
+        wait_for("step 2", lambda: last_step(rd) >= 2, 240, [log])
+        drained_name = rank_hosts((rd / "logs" / "rank-1.log").read_text())[1]
+        drained = next(h for h in nodes if h.name == drained_name)
+        # --node-id given: without it, this Ray's CLI starts an instance of its own and drains that
+        out = drained.run(["ray", "drain-node", "--address", f"{a.address}:6379", "--node-id",
+                           ray_node_id(a, drained, env), "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                           "--reason-message", "spot instance reclaimed", "--deadline-remaining-seconds", "300"],
+                          env={**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}, timeout=60)
+        assert out.returncode == 0, out.stderr[-3000:]
+        driver.wait(timeout=420)
+        text = log.read_text(errors="replace")
+        assert driver.returncode == 0, text[-4000:]
     result = json.loads((rd / "train_result.json").read_text())
     [p] = result["preemptions"]
     assert p["notice"].startswith("Ray drains node ") and f"on host {drained_name}" in p["notice"], p
