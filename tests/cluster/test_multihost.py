@@ -130,20 +130,22 @@ def test_torchrun_survives_the_loss_of_a_host_when_a_replacement_joins(setup, tm
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
 
 
-def test_torchrun_sigterm_to_a_worker_on_one_host_checkpoints_and_goes_on_to_the_local_weights(setup, tmp_path):
+@pytest.mark.parametrize("round_", [0, 1])
+def test_torchrun_sigterm_to_a_worker_on_one_host_checkpoints_and_goes_on_to_the_local_weights(setup, tmp_path,
+                                                                                              round_):
     # Nodes on b and c. The worker on c gets SIGTERM (its host is being taken back) at a random step: both ranks
     # stop after the same step with a checkpoint of it and exit 75; torchrun on each host starts its worker
     # again, they meet in a new rendezvous round, go on from that checkpoint and end at the local weights,
     # with engine.max_restarts 0 untouched.
     import random
 
-    step = random.Random(2929).randrange(2, 12)
-    rd = new_run(setup["root"], setup["data"], "torchrun-term")
+    step = random.Random(2929 + round_).randrange(2, 12)
+    rd = new_run(setup["root"], setup["data"], f"torchrun-term-{round_}")
     with Cluster(["b", "c"]) as hosts:
         b, c = hosts["b"], hosts["c"]
         env = clean_env(TMPDIR=str(tmp_path), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
                         TORCHLOOM_FAULT=f"host={c.name},step={step},kind=term")
-        argv = torchrun_argv(rd, setup, b.name, "tl-term", 2, "--engine.max_restarts", "0",
+        argv = torchrun_argv(rd, setup, b.name, f"tl-term-{round_}", 2, "--engine.max_restarts", "0",
                              "--train.keep_last", "20")
         logs = {h.name: tmp_path / f"{h.name}.log" for h in (b, c)}
         procs = [h.popen(argv, log=logs[h.name], env=env) for h in (b, c)]
