@@ -125,7 +125,8 @@ def watch_sigterm(who: str, grace_s: float, on_notice: Callable[[], None], on_ex
     after the grace period runs `on_expire`, which must end the process (time for a rank that wrote
     nothing to leave). Arms the watch from the main thread; from another thread (Ray runs the training
     function in one) only a watch armed at the worker's start (arm_sigterm) can serve: False without one.
-    A SIGTERM that came before this call gave the notice already; on_notice and the clock run from here."""
+    A SIGTERM that came before this call gave the notice already: on_notice runs from here, the grace period
+    counts from the signal."""
     if not arm_sigterm():
         return False
     _WATCH.who, _WATCH.grace_s = who, grace_s
