@@ -178,11 +178,11 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
             first = f"{texts[0]!r} is not a model dir (no config.json)" if texts else "none was given"
             raise UserError(f"predict: pass the exported model dir as --model DIR or as the first argument; {first}")
         model = texts.pop(0)
-    model = local_model(model, "--model")
+    given, model = model, local_model(model, "--model")
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.output:
-        return predict_file(args, model, texts)
+        return predict_file(args, model, texts, given)
     if args.score_with != "local":
         raise UserError(f"--score-with {args.score_with}: only for batch prediction to a file; add --output PATH")
     if args.input:
@@ -218,8 +218,10 @@ def print_lines(lines) -> int:
     return 0
 
 
-def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
-    """The batch form: --input file(s) to a Parquet --output, on Spark or locally."""
+def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: str) -> int:
+    """The batch form: --input file(s) to a Parquet --output, on Spark or locally. `model` is a local
+    directory; `given` what the user named (a store's URI: Spark's executors fetch the model from there)."""
+    from torchloom.rundir import is_uri
     from torchloom.serve import score_files
 
     if texts:
@@ -235,7 +237,8 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str]) -> int:
 
         check_exported(model)
         spark = get_spark(PrepareConfig(spark_master=args.spark_master))
-        result = score_files.predict_spark(spark, model, args.input, args.output, **options)
+        result = score_files.predict_spark(spark, model, args.input, args.output, **options,
+                                           model_uri=given if is_uri(given) else None)
     else:
         result = score_files.predict_local(model, args.input, args.output, **options)
     rate = result["rows"] / result["seconds"] if result["seconds"] else 0.0

@@ -18,6 +18,7 @@ waits for that file never takes a half-uploaded directory for a finished one.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -279,15 +280,19 @@ def fetch_dir(uri: str, what: str) -> Path:
     key = hashlib.sha256(repr(sorted(listing.items())).encode() + redact(uri).encode()).hexdigest()[:20]
     target = cache_root() / "models" / key
     stamp = target / ".torchloom-digests"
-    if stamp.is_file() and stamp.read_text() == _digests(target, listing):
-        return target
-    tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    pull_tree(uri, tmp, only_if_changed=False)
-    (tmp / ".torchloom-digests").write_text(_digests(tmp, listing))
-    shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, target)
+    # One fetch per host at a time (Spark's executors on one host ask together); the others wait, then
+    # find the copy whole.
+    with open(target.with_name(f".{key}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if stamp.is_file() and stamp.read_text() == _digests(target, listing):
+            return target
+        tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        pull_tree(uri, tmp, only_if_changed=False)
+        (tmp / ".torchloom-digests").write_text(_digests(tmp, listing))
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
     return target
 
 

@@ -270,7 +270,13 @@ def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str =
     if model is None:
         from pyspark import TaskContext
 
+        from torchloom.rundir import is_uri
         from torchloom.serve.model import ServedModel
+
+        if is_uri(model_dir):  # a model on a store: this executor's host fetches it once into its own cache
+            from torchloom import storage
+
+            model_dir = str(storage.fetch_dir(model_dir, "--model"))
 
         context = TaskContext.get()
         # Each concurrent task gets its own Python worker; give each the cores its task was granted.
@@ -302,8 +308,11 @@ def _spark_read(spark, path: str, fmt: str):
 
 def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text_column: str = "text",
                   batch_size: int = 32, device: str = "cpu", overwrite: bool = False,
-                  runtime: str = "torch") -> dict[str, Any]:
-    """Predict every row of `input_path` with Spark into the Parquet directory `output_path`."""
+                  runtime: str = "torch", model_uri: str | None = None) -> dict[str, Any]:
+    """Predict every row of `input_path` with Spark into the Parquet directory `output_path`.
+
+    model_uri: where `model_dir` (the driver's checked copy) came from on a store; the executors then fetch
+    the model from there into their own hosts' caches (hosts that share no directory with the driver's)."""
     from pyspark.errors import AnalysisException
     from pyspark.sql.types import DoubleType, MapType, StringType, StructField, StructType
 
@@ -315,7 +324,8 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
 
         onnx_file(model_dir)  # here, before a job whose every task would fail on it
     _check_paths(input_path, output_path, overwrite, local_only=False)
-    model_dir = os.path.abspath(model_dir)  # executors may run elsewhere in the same file system
+    # executors may run elsewhere: in the same file system, or fetching from the store themselves
+    model_dir = model_uri or os.path.abspath(model_dir)
     fmt = input_format(input_path) if "://" not in input_path else FORMATS.get(Path(input_path).suffix, "parquet")
     started = time.perf_counter()
     try:
