@@ -130,7 +130,11 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     rd = run_dir(cfg)
     started = time.perf_counter()
     try:
-        manifest = prepare(local_input(cfg, rd), str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"))
+        # a Spark cluster's executors do not see this host's working copy: they write through the store
+        through = storage.join(rd.remote, "data") if rd.remote and not cfg.prepare.spark_master.startswith("local") \
+            else None
+        manifest = prepare(local_input(cfg, rd), str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"),
+                           store=through)
     finally:
         if spark is None:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups

@@ -48,11 +48,13 @@ def check_output(out: Path, overwrite: bool) -> None:
         check_replaceable(out, "output")
 
 
-def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None) -> Manifest:
+def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None,
+            store: str | None = None) -> Manifest:
     """Prepare cfg.data into `out_dir` (train/ val/ test/ rejected/ manifest.json); returns the manifest.
 
     Everything is written to a temporary sibling directory first and renamed at the end, so a failure
-    leaves nothing half-written behind.
+    leaves nothing half-written behind. store: a URI on an object store that the executors write their
+    rows through (etl/store_write.py): a Spark cluster whose hosts do not see `out_dir`.
     """
     say = progress or (lambda msg: None)
     start = time.perf_counter()
@@ -80,7 +82,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
             # nothing here uses pandas.
             warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
-            manifest = _prepare(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, start)
+            manifest = _prepare(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, start, store)
         manifest.write(tmp)
         _publish(tmp, out)
     except BaseException:
@@ -130,6 +132,7 @@ class _Job:
     tokenizer_json: str
     tmp: Path
     say: Progress
+    store: str | None = None  # the executors write through this URI (a cluster that does not see `tmp`)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -159,15 +162,15 @@ class _Counts:
 
 
 def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, tokenizer_json: str,
-             tmp: Path, say: Progress, start: float) -> Manifest:
+             tmp: Path, say: Progress, start: float, store: str | None = None) -> Manifest:
     """The jobs of prepare, in order: count, set aside, choose the length, write the splits, fingerprint."""
-    job = _Job(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say)
+    job = _Job(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, store)
     cached = broadcast = None
     try:
         cached, counts = _read_and_count(job)
         marked, plans = _set_aside(job, cached, counts)
         t = time.perf_counter()
-        _write_rejected(marked, tmp / "rejected", counts.rows_rejected)
+        _write_rejected(marked, tmp / "rejected", counts.rows_rejected, store)
         job.timings["write_rejected"] = time.perf_counter() - t
         t = time.perf_counter()
         broadcast = _broadcast(spark, tokenizer_json)
@@ -386,9 +389,14 @@ def _write_splits(job: _Job, marked, counts: _Counts, plans, info: dict, broadca
                          p.max_chunks), TOKENIZED_SCHEMA
     )
     spark_out = job.tmp / "_spark"
-    with _sql_conf(job.spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
-        (tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
-         .partitionBy("split").parquet(str(spark_out)))
+    if job.store:
+        from torchloom.etl.store_write import write_parquet
+
+        write_parquet(tokenized, spark_out, job.store, p.rows_per_group, partition_by="split")
+    else:
+        with _sql_conf(job.spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
+            (tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
+             .partitionBy("split").parquet(str(spark_out)))
     expected = {
         "train": {plan.label: plan.train for plan in plans},
         "val": {plan.label: plan.val + given.get(("val", plan.label), 0) for plan in plans},
@@ -598,8 +606,9 @@ def _broadcast(spark, value):
         return _Shipped(value)
 
 
-def _write_rejected(marked, out: Path, rows: int) -> None:
-    """Rejected rows, with the original text and the reason, as Parquet under `out`."""
+def _write_rejected(marked, out: Path, rows: int, store: str | None = None) -> None:
+    """Rejected rows, with the original text and the reason, as Parquet under `out` (through `store`: see
+    prepare)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
@@ -620,7 +629,13 @@ def _write_rejected(marked, out: Path, rows: int) -> None:
         return
     # repartition, not coalesce: coalesce(1) would scan every input row in one task to find the few
     # rejected ones; this scans on every core and moves only the rejected rows.
-    rejected.repartition(max(1, math.ceil(rows / REJECTED_ROWS_PER_FILE))).write.parquet(str(out))
+    spread = rejected.repartition(max(1, math.ceil(rows / REJECTED_ROWS_PER_FILE)))
+    if store:
+        from torchloom.etl.store_write import write_parquet
+
+        write_parquet(spread, out, store, REJECTED_ROWS_PER_FILE)
+    else:
+        spread.write.parquet(str(out))
     _tidy(out)
 
 
