@@ -205,3 +205,65 @@ def test_a_store_that_cannot_be_used_is_one_line_before_spark_starts(s3, tmp_pat
     proc = torchloom("run", "--data.path", uri("nothing-here.csv"), "--output.dir", uri("runs/none"),
                      "--tracking.enabled", "false", cache=tmp_path / "cache")
     assert proc.returncode == 2 and "data.path s3://torchloom-test/nothing-here.csv: no such object" in proc.stderr
+
+
+def test_spark_batch_scoring_executors_fetch_the_model_from_the_store_themselves(store_run, tmp_path):
+    # The executors get the model's URI, not the driver's copy: each host fetches it into its own cache (here
+    # the executors' cache is another directory than the driver's, through spark.executorEnv).
+    import pyarrow.parquet as pq
+
+    texts = ["match goal team win league", "bank market price shares profit", "album song band concert guitar"]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    conf = tmp_path / "spark-conf"
+    conf.mkdir()
+    executors = tmp_path / "executors-cache"
+    (conf / "spark-defaults.conf").write_text(f"spark.executorEnv.TORCHLOOM_CACHE {executors}\n")
+    os.environ["SPARK_CONF_DIR"] = str(conf)
+    try:
+        proc = torchloom("predict", "--model", uri("runs/reviews/model"), "--input", str(src), "--output",
+                         str(tmp_path / "scored"), "--score-with", "spark", "--spark-master", "local[1]",
+                         cache=tmp_path / "driver-cache")
+    finally:
+        del os.environ["SPARK_CONF_DIR"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(executors.glob("models/*/model.safetensors")), "the executors did not fetch the model themselves"
+    scored = sorted(pq.read_table(tmp_path / "scored").to_pylist(), key=lambda r: r["id"])
+    local = torchloom("predict", "--model", uri("runs/reviews/model"), *texts, cache=tmp_path / "driver-cache")
+    expected = [json.loads(line) for line in local.stdout.splitlines()]
+    assert [r["label"] for r in scored] == [e["label"] for e in expected]
+    assert all(abs(r["score"] - e["score"]) < 1e-5 for r, e in zip(scored, expected))
+
+
+def test_executors_writing_through_the_store_give_the_shards_spark_writes(s3, cache, spark, tmp_path, tiny_model_dir):
+    # A Spark cluster whose hosts do not see the driver's working copy writes prepare's rows through the store
+    # (etl/store_write.py): the same files, rows in the same order and the same row groups as Spark's writer,
+    # rejected rows included; nothing is left under the temporary prefix.
+    import pyarrow.parquet as pq
+
+    from torchloom.config.schema import Config
+    from torchloom.etl.prepare import prepare
+
+    words = ["match goal team", "bank market price", "album song band"]
+    lines = ["text,label"] + [f"{w} {i} {'x' * (i % 7)},{w.split()[0]}" for w in words for i in range(200)]
+    lines += [",match", "   ,bank"]  # set aside: empty texts
+    src = tmp_path / "in.csv"
+    src.write_text("\n".join(lines) + "\n")
+    cfg = Config()
+    cfg.data.path, cfg.model.path = str(src), tiny_model_dir
+    cfg.prepare.rows_per_group, cfg.prepare.partitions = 64, 3
+    direct = prepare(cfg, str(tmp_path / "direct"), spark=spark)
+    through = prepare(cfg, str(tmp_path / "through"), spark=spark, store=uri("prep-through"))
+    assert direct.splits.keys() == through.splits.keys() and direct.counts == through.counts
+    for name, split in direct.splits.items():
+        other = through.splits[name]
+        assert [(s.path, s.rows, s.row_groups) for s in split.shards] == \
+            [(s.path, s.rows, s.row_groups) for s in other.shards], name
+        assert len(split.shards) > 1 or name != "train"
+        for a, b in zip(split.shards, other.shards):
+            ta, tb = pq.read_table(tmp_path / "direct" / a.path), pq.read_table(tmp_path / "through" / b.path)
+            assert ta.column_names == tb.column_names and ta.to_pylist() == tb.to_pylist()
+    assert sorted(pq.read_table(tmp_path / "through" / "rejected").column("reason").to_pylist()) == \
+        sorted(pq.read_table(tmp_path / "direct" / "rejected").column("reason").to_pylist())
+    assert direct.fingerprint == through.fingerprint
+    assert storage.list_files(uri("prep-through")) == {}
