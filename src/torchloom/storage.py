@@ -337,6 +337,18 @@ def push(rd: RunDir, *paths: str | Path) -> None:
             upload(p, _remote_of(rd, p))
 
 
+def refresh(rd: RunDir, *files: str | Path) -> None:
+    """Download these small files of a run again, whatever this host's copy holds (files rewritten in place at
+    the same size, such as a rank's heartbeat); a file the store does not hold is left as it is."""
+    if rd.remote is None:
+        return
+    for p in map(Path, files):
+        try:
+            download(_remote_of(rd, p), p)
+        except FileNotFoundError:
+            pass
+
+
 def pull(rd: RunDir, *paths: str | Path) -> None:
     """Download these files or directories of a run from the store into its working copy (what the store
     does not hold is left as it is; a run on a local directory: nothing to do)."""

@@ -71,23 +71,38 @@ def replace_engine(cfg, **changes):
 # last of its attempt's did not simply fail with the others: its process or host went away.
 HEARTBEAT_S = 1.0
 LOST_AFTER_S = 3.0  # under the smallest engine.collective_timeout_s (5), less a beat each side
+# A run on a store: hosts share no file whose time they could touch, so each rank writes its beat's time into
+# its placement file and uploads it every REMOTE_BEAT_S; a beat that reached the store counts.
+REMOTE_BEAT_S = 2.0
 
 
 def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
     """The ranks of the given start of this launch that vanished: they left no error of their own (a
     failing rank records one before it leaves), were not stopped by their launcher, and their heartbeat
-    ended well before the others' (as when a host dies or is cut off, and the others wait for it)."""
-    placed = []
-    for p in rd.placements(launch_id, start):
+    ended well before the others' (as when a host dies or is cut off, and the others wait for it). On a store
+    the beats are the times the ranks uploaded in their placement files (the hosts' clocks, kept in step by
+    NTP as on any cluster)."""
+    paths = rd.placements(launch_id, start)
+    if rd.remote:
+        from torchloom import storage
+
         try:
-            placed.append((read_json(p), p.stat().st_mtime))
-        except (OSError, ValueError):
+            storage.refresh(rd, *paths)
+        except Exception:  # a store that does not answer now: judge by what this host has
+            pass
+    placed = []
+    for p in paths:
+        try:
+            info = read_json(p)
+            placed.append((info, float(info.get("beat") or info.get("time") or 0) if rd.remote else p.stat().st_mtime))
+        except (OSError, ValueError, TypeError):
             continue
     if not placed:
         return []
     last = max(beat for _, beat in placed)
+    after = LOST_AFTER_S + (REMOTE_BEAT_S if rd.remote else 0.0)
     return [info for info, beat in placed
-            if not info.get("stopped") and not rd.error_file(info["rank"]).exists() and last - beat > LOST_AFTER_S]
+            if not info.get("stopped") and not rd.error_file(info["rank"]).exists() and last - beat > after]
 
 
 def describe_loss(rd: RunDir, launch_id: str, start: int) -> str:

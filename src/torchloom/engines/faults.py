@@ -7,8 +7,9 @@ notice of preemption) and lets it go on; kind=term_saving sends it SIGTERM while
 is being written (its `.step-N.tmp` directory exists; the marker says whether it was caught there);
 kind=slow,sleep=S makes every step from `step` on S seconds
 longer (no marker: every run), so a test can signal a launcher while its workers train. Any other fault
-fires once per run directory (a marker file records it), so a job that restarts and resumes from a
-checkpoint does not hit it again.
+fires once per run directory (a marker file records it; a run on a store keeps it there, so a rank
+that resumes on another host knows too), so a job that restarts and resumes from a checkpoint does not hit
+it again.
 The launcher adds a FaultInjector to the worker's reporter only when the variable is set; the
 training loop knows nothing of it.
 """
@@ -50,7 +51,7 @@ class FaultInjector(Reporter):
 
     def step_done(self, step: int) -> None:
         if self.kind == "term_saving":
-            if step == 1 and self.mine() and not self.rd.fault_marker(self.rank, self.at_step).exists():
+            if step == 1 and self.mine() and not self.fired(self.rd.fault_marker(self.rank, self.at_step)):
                 threading.Thread(target=self.term_while_saving, daemon=True).start()
             return
         if self.kind == "slow":  # every step from `step` on takes `sleep` seconds longer, every run
@@ -60,10 +61,9 @@ class FaultInjector(Reporter):
         if self.at_step != step or not self.mine():
             return
         marker = self.rd.fault_marker(self.rank, step)
-        if marker.exists():
+        if self.fired(marker):
             return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(self.spec)
+        self.record(marker, self.spec)
         if self.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "term":  # a notice of preemption, through the real signal; training goes on
@@ -83,9 +83,26 @@ class FaultInjector(Reporter):
             time.sleep(0.0002)
         caught = tmp.exists()
         os.kill(os.getpid(), signal.SIGTERM)
-        marker = self.rd.fault_marker(self.rank, self.at_step)
+        self.record(self.rd.fault_marker(self.rank, self.at_step), f"{self.spec}\nwhile saving: {caught}")
+
+    def fired(self, marker) -> bool:
+        """This fault fired before in this run (on a store: on any host)."""
+        if self.rd.remote and not marker.exists():
+            from torchloom import storage
+
+            try:
+                storage.pull(self.rd, marker)
+            except Exception:
+                pass
+        return marker.exists()
+
+    def record(self, marker, text: str) -> None:
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{self.spec}\nwhile saving: {caught}")
+        marker.write_text(text)
+        if self.rd.remote:
+            from torchloom import storage
+
+            storage.push(self.rd, marker)
 
 
 def from_env(rd: RunDir, rank: int) -> FaultInjector | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -139,6 +140,37 @@ def placeable_workers(scaling_config) -> int:
 NODE_DEATH_WAIT_S = 90.0  # how long a re-run waits for Ray to mark a lost rank's node dead
 
 
+def answers(node: dict, timeout_s: float = 2.0) -> bool:
+    """The node's raylet accepts a TCP connection: its host is up (a process on it may still be lost)."""
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], int(node["NodeManagerPort"])), timeout=timeout_s):
+            return True
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def wait_for_lost_nodes(lost: list[dict]) -> None:
+    """Before a re-run after lost ranks (engine.min_workers waits in shrink_to_alive instead): Ray marks a node
+    dead only after missed heartbeats, and until then places workers of the next attempt there, which fail
+    again and spend the restart budget. A lost rank's node whose raylet does not answer is gone with its
+    host: wait (up to NODE_DEATH_WAIT_S) for Ray to mark it dead. A lost process on a host that answers is
+    re-run at once."""
+    import ray
+
+    hosts = {p.get("host") for p in lost}
+    gone = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeManagerHostname") in hosts and not answers(n)]
+    if not gone:
+        return
+    names = ", ".join(sorted({n["NodeManagerHostname"] for n in gone}))
+    print(f"torchloom: train: the Ray node on {names} does not answer; waiting for Ray to mark it dead before"
+          " re-running the workers", file=sys.stderr, flush=True)
+    deadline = time.monotonic() + NODE_DEATH_WAIT_S
+    while gone and time.monotonic() < deadline:
+        time.sleep(1.0)
+        alive = {n.get("NodeID") for n in ray.nodes() if n.get("Alive")}
+        gone = [n for n in gone if n.get("NodeID") in alive]
+
+
 def shrink_to_alive(cfg: Config, scaling_config, lost: int = 0):
     """Before a re-run (engine.min_workers set): as many workers as the alive nodes place, within the
     allowed sizes. The workers resume the latest checkpoint on the new count with the same global
@@ -253,9 +285,12 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
 
     def launch_once(attempt: Attempt) -> None:
         nonlocal cfg, scaling_config
-        if attempt.number and cfg.engine.min_workers:
-            lost = len(lost_ranks(rd, attempt.launch_id, attempt.number - 1))
-            cfg, scaling_config = shrink_to_alive(cfg, scaling_config, lost)
+        if attempt.number:
+            lost = lost_ranks(rd, attempt.launch_id, attempt.number - 1)
+            if cfg.engine.min_workers:
+                cfg, scaling_config = shrink_to_alive(cfg, scaling_config, len(lost))
+            elif lost:
+                wait_for_lost_nodes(lost)
         trainer(cfg, rd, attempt, scaling_config, started_local).fit()
 
     def resize() -> int:  # after a preemption: a draining node places nothing, so go on on what is left

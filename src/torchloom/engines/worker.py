@@ -21,6 +21,7 @@ from pathlib import Path
 from torchloom.engines import faults
 from torchloom.engines.common import (
     HEARTBEAT_S,
+    REMOTE_BEAT_S,
     NotRestarted,
     RestartLimit,
     describe_loss,
@@ -165,13 +166,30 @@ def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
     return start
 
 
-def start_heartbeat(placement: Path) -> None:
+PLACEMENT_LOCK = threading.Lock()  # the threads that rewrite this rank's placement file take turns
+
+
+def update_placement(placement: Path, **fields) -> None:
+    with PLACEMENT_LOCK:
+        write_json(placement, {**read_json(placement), **fields}, indent=None)
+
+
+def start_heartbeat(placement: Path, rd: RunDir | None = None) -> None:
+    """Touch the placement file every HEARTBEAT_S; a run on a store also uploads the beat's time in it every
+    REMOTE_BEAT_S (common.lost_ranks), quietly: a store that does not answer now is judged by the driver."""
     def beat() -> None:
+        pushed = 0.0
         while True:
             time.sleep(HEARTBEAT_S)
             try:
                 os.utime(placement)
-            except OSError:
+                if rd is not None and rd.remote and time.monotonic() - pushed >= REMOTE_BEAT_S:
+                    pushed = time.monotonic()
+                    update_placement(placement, beat=time.time())
+                    from torchloom import storage
+
+                    storage.push(rd, placement)
+            except Exception:
                 pass
 
     threading.Thread(target=beat, name="torchloom-heartbeat", daemon=True).start()
@@ -185,7 +203,7 @@ def note_stop_signal(placement: Path, rank: int, grace_s: float) -> None:
     and exits, so the next start does not report it lost."""
 
     def mark(**fields) -> None:
-        write_json(placement, {**read_json(placement), **fields}, indent=None)
+        update_placement(placement, **fields)
 
     def expire() -> None:
         try:
@@ -274,13 +292,13 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             preemption.poll_url(cfg_dict["train"]["preemption_url"])
         if attempt is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             watch_notice_file(rd, rd.notice_file(launch_id, attempt))
-        start_heartbeat(placement)
+        start_heartbeat(placement, rd)
         if starts:
             cfg_dict = restarted(rd, cfg_dict, launch_id, rank, starts)
         result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter, launch_id), launched_at=launched_at,
                      device=device)
         if result.preemptions:  # this start ended preempted: the next one is not a restart
-            write_json(placement, {**read_json(placement), "preempted": True}, indent=None)
+            update_placement(placement, preempted=True)
             publish(rd, placement)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
