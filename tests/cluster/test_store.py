@@ -17,7 +17,7 @@ import pytest
 from engine_reference import LAST, assert_same_weights, reference
 
 from cluster.netns import Cluster, unavailable
-from cluster.test_multihost import COMMON, clean_env, torchloom, torchrun_argv
+from cluster.test_multihost import COMMON, assert_not_visible_error, clean_env, private_run, torchloom, torchrun_argv
 
 pytest.importorskip("moto")
 reason = unavailable()
@@ -91,66 +91,161 @@ def placement_hosts(logs: Path) -> set[str]:
     return {json.loads(p.read_text())["host"] for p in logs.glob("placement-*.json")}
 
 
-def test_ray_head_and_two_nodes_sharing_only_an_s3_store_train_the_local_weights(setup, tmp_path):
+def torchloom_here(args: list[str], tmp_path: Path):
+    """torchloom in this process's host (outside the namespaces), for a reference that needs no cluster."""
+    import subprocess
+
+    env = clean_env(TMPDIR=str(tmp_path), TORCHLOOM_CACHE=str(tmp_path / "cache-here"))
+    return subprocess.run([sys.executable, "-m", "torchloom", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def lost_rank_host(workers: list, caches: dict, rank: int, step: int):
+    """The worker host whose cache holds the fault marker of `rank` at `step` (None before it fired)."""
+    return next((h for h in workers if any(caches[h.name].rglob(f"fault-fired-rank{rank}-step{step}"))), None)
+
+
+def cut_off(host) -> None:
+    host.link_down()  # first: no FIN or RST reaches the others, as when a host loses power
+    host.kill_all()
+
+
+def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains_the_local_weights(setup, tmp_path):
+    # Head on a (no CPUs), nodes on b, c and d (one worker slot each) for two workers, no shared directory.
+    # Rank 0, the rank that writes and uploads the checkpoints, stops answering at step 8 (after the step-5
+    # checkpoint reached the store); then its host is cut off. torchloom re-runs both workers on the two nodes
+    # left: neither has a checkpoint in its cache, so rank 0 resumes step 5 from the store.
     import secrets
     import tempfile
 
-    with Cluster(["s", "a", "b", "c"]) as hosts:
-        s, a, b, c = (hosts[n] for n in "sabc")
-        env, caches, model = store_hosts(hosts, setup, tmp_path, [a, b, c], f"{RUN}-ray")
+    from cluster.test_multihost import wait_for
+
+    run = f"{RUN}-ray"
+    with Cluster(["s", "a", "b", "c", "d"]) as hosts:
+        s, a = hosts["s"], hosts["a"]
+        nodes = [hosts[n] for n in "bcd"]
+        env, caches, model = store_hosts(hosts, setup, tmp_path, [a, *nodes], run)
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0",
                    PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
-        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, b, c)}
+        temps = {h.name: tempfile.mkdtemp(prefix="tlray") for h in (a, *nodes)}
+        hidden_rd = private_run(setup, tmp_path, nodes)  # a directory only the driver's host sees
         try:
-            for h in (a, b, c):  # each node's workers inherit its environment: its own cache
+            for h in (a, *nodes):  # each node's workers inherit its environment: its own cache
                 start = ["ray", "start", "--node-ip-address", h.address, "--temp-dir", temps[h.name]]
                 start += (["--head", "--port", "6379", "--num-cpus", "0", "--disable-usage-stats"] if h is a
                           else ["--address", f"{a.address}:6379", "--num-cpus", "1"])
                 out = h.run(start, env={**env, "TORCHLOOM_CACHE": str(caches[h.name])}, timeout=120)
                 assert out.returncode == 0, out.stderr[-3000:]
-            proc = torchloom(a, ["train", "--output.dir", f"{RUN}-ray", "--engine.name", "ray",
-                                 "--engine.ray_address", f"{a.address}:6379", "--engine.cpus_per_worker", "1",
-                                 "--model.path", str(model), *COMMON],
-                             {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 420, tmp_path / "driver.log")
-            back = weights_from_store(s, env, caches, f"{RUN}-ray", tmp_path)
-            logs = from_store(s, env, caches, f"{RUN}-ray/logs", tmp_path / "logs")
+            # a run on a local directory the nodes do not see (no shared file system): one line, at once
+            started = time.monotonic()
+            hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), "--engine.name", "ray",
+                                   "--engine.ray_address", f"{a.address}:6379", "--engine.cpus_per_worker", "1",
+                                   "--model.path", str(model), *COMMON],
+                               {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
+                               expect=2)
+            assert_not_visible_error(hidden, hidden_rd, nodes, time.monotonic() - started)
+            log = tmp_path / "driver.log"
+            driver = a.popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--engine.name", "ray",
+                              "--engine.ray_address", f"{a.address}:6379", "--engine.cpus_per_worker", "1",
+                              "--model.path", str(model), *COMMON, "--engine.collective_timeout_s", "15",
+                              "--engine.max_restarts", "3"], log=log,
+                             env={**env, "TORCHLOOM_CACHE": str(caches[a.name]),
+                                  "TORCHLOOM_FAULT": "rank=0,step=8,kind=hang"})
+            wait_for("rank 0 to stop at step 8", lambda: lost_rank_host(nodes, caches, 0, 8) is not None, 240,
+                     [log])
+            lost = lost_rank_host(nodes, caches, 0, 8)
+            cut_off(lost)
+            driver.wait(timeout=420)
+            text = log.read_text(errors="replace")
+            assert driver.returncode == 0, text[-4000:]
+            back = weights_from_store(s, env, caches, run, tmp_path)
+            logs = from_store(s, env, caches, f"{run}/logs", tmp_path / "logs")
         finally:
             for t in temps.values():
                 shutil.rmtree(t, ignore_errors=True)
-    # the driver on a read rank 0's result (on b or c) from the store, and the weights are the local engine's
-    assert "train: 13 steps" in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
-    assert placement_hosts(logs) == {b.name, c.name}  # the head has no CPUs: the ranks ran on b and c
+    # the driver names the lost rank from the beats the ranks uploaded, waits for Ray to mark its node dead,
+    # and the one re-run (no restart wasted on the dead node) resumes from the store
+    assert f"attempt 1 of 4 failed (rank 0 on host {lost.name} stopped answering (lost))" in text, text[-3000:]
+    assert f"the Ray node on {lost.name} does not answer; waiting for Ray" in text, text[-3000:]
+    assert "attempt 2 of 4 failed" not in text, text[-3000:]
+    assert f"restart 1: rank 0 on host {lost.name} stopped answering (lost); resuming from the latest checkpoint in" \
+           f" {run}/checkpoints" in (logs / "rank-0.log").read_text()
+    assert placement_hosts(logs) == {h.name for h in nodes}  # the head has no CPUs; the third node took over
+    survivors = [h for h in nodes if h is not lost]
+    assert any(any(caches[h.name].rglob("step-5/meta.json")) for h in survivors)  # taken from the store
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
 
 
-def test_spark_standalone_workers_sharing_only_an_s3_store_train_the_local_weights(setup, tmp_path):
-    from cluster.test_multihost import spark_class, wait_for
+def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains_the_local_weights(
+        setup, tmp_path):
+    # Master and driver on a, three worker hosts (b, c, d) for two ranks, no shared directory. Rank 0 (it
+    # writes and uploads the checkpoints) stops answering at step 8, after the step-5 checkpoint reached the
+    # store; its host is cut off. The survivor's collective times out, the barrier stage fails, torchloom
+    # re-runs it on the executors left, and rank 0, on a host whose cache has no checkpoint, resumes step 5
+    # from the store.
+    from cluster.test_multihost import spark_class, wait_for, write_csv
 
-    with Cluster(["s", "a", "b", "c"]) as hosts:
-        s, a, b, c = (hosts[n] for n in "sabc")
-        env, caches, model = store_hosts(hosts, setup, tmp_path, [a, b, c], f"{RUN}-spark")
-        env.update(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1")
+    run = f"{RUN}-spark"
+    with Cluster(["s", "a", "b", "c", "d"]) as hosts:
+        s, a = hosts["s"], hosts["a"]
+        workers = [hosts[n] for n in "bcd"]
+        env, caches, model = store_hosts(hosts, setup, tmp_path, [a, *workers], run)
+        env.update(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", SPARK_MASTER_OPTS="-Dspark.worker.timeout=15")
         master_log = tmp_path / "master.log"
         a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
                  "--webui-port", "8080"], log=master_log, env=env)
-        worker_logs = []
-        for h in (b, c):  # executors inherit their worker's environment: its own cache
-            worker_logs.append(tmp_path / f"worker-{h.name}.log")
+        for h in workers:  # executors inherit their worker's environment: its own cache
             h.popen([spark_class(), "org.apache.spark.deploy.worker.Worker", f"spark://{a.name}:7077",
                      "--host", h.name, "--cores", "1", "--memory", "1500m", "--webui-port", "8081",
-                     "--work-dir", str(tmp_path / f"work-{h.name}")], log=worker_logs[-1],
+                     "--work-dir", str(tmp_path / f"work-{h.name}")], log=tmp_path / f"worker-{h.name}.log",
                     env={**env, "TORCHLOOM_CACHE": str(caches[h.name])})
-        wait_for("two Spark workers registered with the master",
-                 lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 2,
-                 120, [master_log, *worker_logs])
-        proc = torchloom(a, ["train", "--output.dir", f"{RUN}-spark", "--engine.name", "spark",
-                             "--prepare.spark_master", f"spark://{a.name}:7077", "--model.path", str(model), *COMMON],
-                         {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 420, tmp_path / "driver.log")
-        back = weights_from_store(s, env, caches, f"{RUN}-spark", tmp_path)
-        logs = from_store(s, env, caches, f"{RUN}-spark/logs", tmp_path / "logs")
-    assert placement_hosts(logs) == {b.name, c.name}, proc.stderr[-3000:]  # one rank per executor host
+        wait_for("three Spark workers registered with the master",
+                 lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 3,
+                 120, [master_log])
+        conf = ('{"spark.network.timeout" = "20s", "spark.network.timeoutInterval" = "5s",'
+                ' "spark.executor.heartbeatInterval" = "4s"}')
+        log = tmp_path / "driver.log"
+        driver = a.popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--engine.name", "spark",
+                          "--prepare.spark_master", f"spark://{a.name}:7077", "--prepare.spark_conf", conf,
+                          "--model.path", str(model), *COMMON, "--engine.collective_timeout_s", "15",
+                          "--engine.max_restarts", "3"], log=log,
+                         env={**env, "TORCHLOOM_CACHE": str(caches[a.name]),
+                              "TORCHLOOM_FAULT": "rank=0,step=8,kind=hang"})
+        wait_for("rank 0 to stop at step 8", lambda: lost_rank_host(workers, caches, 0, 8) is not None, 240, [log])
+        lost = lost_rank_host(workers, caches, 0, 8)
+        cut_off(lost)
+        driver.wait(timeout=480)
+        text = log.read_text(errors="replace")
+        assert driver.returncode == 0, text[-4000:]
+        back = weights_from_store(s, env, caches, run, tmp_path)
+        logs = from_store(s, env, caches, f"{run}/logs", tmp_path / "logs")
+        # prepare on the cluster, for a run on the store: the executors write their rows through the store
+        # (no Hadoop connector here); the CSV is where every host reads it (as on HDFS)
+        csv = write_csv(tmp_path / "texts.csv")
+        prep = f"{RUN}-spark-prepare"
+        prepare_args = ["--data.path", str(csv), "--data.text_column", "body", "--data.label_column", "topic",
+                        "--model.path", str(model), "--prepare.partitions", "3", "--prepare.rows_per_group", "16",
+                        "--tracking.enabled", "false"]
+        torchloom(a, ["prepare", "--output.dir", prep, "--prepare.spark_master", f"spark://{a.name}:7077",
+                      "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}', *prepare_args],
+                  {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-prepare.log")
+        prepared = from_store(s, env, caches, f"{prep}/data", tmp_path / "prepared")
+    # the same shards as a local Spark writes for the same input
+    local = torchloom_here(["prepare", "--output.dir", str(tmp_path / "local-prep"), "--prepare.spark_master",
+                            "local[2]", *prepare_args], tmp_path)
+    assert local.returncode == 0, local.stderr[-3000:]
+    ours, theirs = (json.loads((d / "manifest.json").read_text()) for d in (prepared, tmp_path / "local-prep" / "data"))
+    assert ours["fingerprint"] == theirs["fingerprint"] and ours["counts"]["rows_read"] == 122
+    assert ours["splits"] == theirs["splits"] and len(ours["splits"]["train"]["shards"]) == 3
+    assert not any(p.name.startswith(".spark-write") for p in prepared.rglob("*"))
+    assert f"(rank 0 on host {lost.name} stopped answering (lost)); re-running the workers" in text, text[-3000:]
+    assert "attempt 2 of 4 failed" not in text, text[-3000:]
+    assert f"restart 1: rank 0 on host {lost.name} stopped answering (lost); resuming from the latest checkpoint in" \
+           f" {run}/checkpoints" in (logs / "rank-0.log").read_text()
+    assert placement_hosts(logs) == {h.name for h in workers}  # one rank per executor host, the third took over
     assert {p.name for p in logs.glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}  # their output reached the store
-    assert "train: 13 steps" in proc.stdout + proc.stderr
+    survivors = [h for h in workers if h is not lost]
+    assert any(any(caches[h.name].rglob("step-5/meta.json")) for h in survivors)  # taken from the store
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
 
 
