@@ -325,6 +325,23 @@ def _remote_of(rd: RunDir, path: str | Path) -> str:
     return join(rd.remote, Path(path).resolve().relative_to(rd.root).as_posix())
 
 
+def write_through(rd: RunDir, path: str | Path, text: str) -> None:
+    """Write a small file of a run to the store first, then to this host's copy: once the local file is
+    there, so is the store's (a host cut off right after sees no local file the store lacks)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if rd.remote is None:
+        path.write_text(text)
+        return
+    staged = path.with_name(f".{path.name}.{os.getpid()}.pending")
+    staged.write_text(text)
+    try:
+        upload(staged, _remote_of(rd, path))
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
 def push(rd: RunDir, *paths: str | Path) -> None:
     """Upload these files or directories of a run's working copy to its home on the store (a run on a local
     directory: nothing to do). A directory's meta.json / manifest.json goes last."""

@@ -110,6 +110,26 @@ def cut_off(host) -> None:
     host.kill_all()
 
 
+def lose_rank0_host_midway(a, workers: list, argv: list[str], env: dict, caches: dict, s, run: str, tmp_path: Path):
+    """Start `torchloom` on a with rank 0 stopping at step 8 (after the step-5 checkpoint reached the store),
+    cut rank 0's host off, and let the job finish; returns (the lost host, the driver's output, the final
+    weights and the logs, read back from the store)."""
+    from cluster.test_multihost import wait_for
+
+    log = tmp_path / "driver.log"
+    driver = a.popen([sys.executable, "-m", "torchloom", *argv, "--output.dir", run, *COMMON,
+                      "--engine.collective_timeout_s", "15", "--engine.max_restarts", "3"], log=log,
+                     env={**env, "TORCHLOOM_CACHE": str(caches[a.name]), "TORCHLOOM_FAULT": "rank=0,step=8,kind=hang"})
+    wait_for("rank 0 to stop at step 8", lambda: lost_rank_host(workers, caches, 0, 8) is not None, 240, [log])
+    lost = lost_rank_host(workers, caches, 0, 8)
+    cut_off(lost)
+    driver.wait(timeout=480)
+    text = log.read_text(errors="replace")
+    assert driver.returncode == 0, text[-4000:]
+    return (lost, text, weights_from_store(s, env, caches, run, tmp_path),
+            from_store(s, env, caches, f"{run}/logs", tmp_path / "logs"))
+
+
 def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains_the_local_weights(setup, tmp_path):
     # Head on a (no CPUs), nodes on b, c and d (one worker slot each) for two workers, no shared directory.
     # Rank 0, the rank that writes and uploads the checkpoints, stops answering at step 8 (after the step-5
@@ -118,7 +138,6 @@ def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains
     import secrets
     import tempfile
 
-    from cluster.test_multihost import wait_for
 
     run = f"{RUN}-ray"
     with Cluster(["s", "a", "b", "c", "d"]) as hosts:
@@ -144,22 +163,9 @@ def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains
                                {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
                                expect=2)
             assert_not_visible_error(hidden, hidden_rd, nodes, time.monotonic() - started)
-            log = tmp_path / "driver.log"
-            driver = a.popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--engine.name", "ray",
-                              "--engine.ray_address", f"{a.address}:6379", "--engine.cpus_per_worker", "1",
-                              "--model.path", str(model), *COMMON, "--engine.collective_timeout_s", "15",
-                              "--engine.max_restarts", "3"], log=log,
-                             env={**env, "TORCHLOOM_CACHE": str(caches[a.name]),
-                                  "TORCHLOOM_FAULT": "rank=0,step=8,kind=hang"})
-            wait_for("rank 0 to stop at step 8", lambda: lost_rank_host(nodes, caches, 0, 8) is not None, 240,
-                     [log])
-            lost = lost_rank_host(nodes, caches, 0, 8)
-            cut_off(lost)
-            driver.wait(timeout=420)
-            text = log.read_text(errors="replace")
-            assert driver.returncode == 0, text[-4000:]
-            back = weights_from_store(s, env, caches, run, tmp_path)
-            logs = from_store(s, env, caches, f"{run}/logs", tmp_path / "logs")
+            lost, text, back, logs = lose_rank0_host_midway(
+                a, nodes, ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
+                           "--engine.cpus_per_worker", "1", "--model.path", str(model)], env, caches, s, run, tmp_path)
         finally:
             for t in temps.values():
                 shutil.rmtree(t, ignore_errors=True)
@@ -204,21 +210,9 @@ def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_ho
                  120, [master_log])
         conf = ('{"spark.network.timeout" = "20s", "spark.network.timeoutInterval" = "5s",'
                 ' "spark.executor.heartbeatInterval" = "4s"}')
-        log = tmp_path / "driver.log"
-        driver = a.popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--engine.name", "spark",
-                          "--prepare.spark_master", f"spark://{a.name}:7077", "--prepare.spark_conf", conf,
-                          "--model.path", str(model), *COMMON, "--engine.collective_timeout_s", "15",
-                          "--engine.max_restarts", "3"], log=log,
-                         env={**env, "TORCHLOOM_CACHE": str(caches[a.name]),
-                              "TORCHLOOM_FAULT": "rank=0,step=8,kind=hang"})
-        wait_for("rank 0 to stop at step 8", lambda: lost_rank_host(workers, caches, 0, 8) is not None, 240, [log])
-        lost = lost_rank_host(workers, caches, 0, 8)
-        cut_off(lost)
-        driver.wait(timeout=480)
-        text = log.read_text(errors="replace")
-        assert driver.returncode == 0, text[-4000:]
-        back = weights_from_store(s, env, caches, run, tmp_path)
-        logs = from_store(s, env, caches, f"{run}/logs", tmp_path / "logs")
+        lost, text, back, logs = lose_rank0_host_midway(
+            a, workers, ["train", "--engine.name", "spark", "--prepare.spark_master", f"spark://{a.name}:7077",
+                         "--prepare.spark_conf", conf, "--model.path", str(model)], env, caches, s, run, tmp_path)
         # prepare on the cluster, for a run on the store: the executors write their rows through the store
         # (no Hadoop connector here); the CSV is where every host reads it (as on HDFS)
         csv = write_csv(tmp_path / "texts.csv")

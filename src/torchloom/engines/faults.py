@@ -97,12 +97,13 @@ class FaultInjector(Reporter):
         return marker.exists()
 
     def record(self, marker, text: str) -> None:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(text)
-        if self.rd.remote:
+        if self.rd.remote:  # on the store before it is here: a test that cuts the host off on seeing it loses none
             from torchloom import storage
 
-            storage.push(self.rd, marker)
+            storage.write_through(self.rd, marker, text)
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(text)
 
 
 def from_env(rd: RunDir, rank: int) -> FaultInjector | None:
