@@ -235,14 +235,26 @@ def test_spark_batch_scoring_executors_fetch_the_model_from_the_store_themselves
     assert all(abs(r["score"] - e["score"]) < 1e-5 for r, e in zip(scored, expected))
 
 
-def test_executors_writing_through_the_store_give_the_shards_spark_writes(s3, cache, spark, tmp_path, tiny_model_dir):
+def test_executors_writing_through_the_store_give_the_shards_spark_writes(s3, cache, tmp_path, tiny_model_dir):
     # A Spark cluster whose hosts do not see the driver's working copy writes prepare's rows through the store
     # (etl/store_write.py): the same files, rows in the same order and the same row groups as Spark's writer,
     # rejected rows included; nothing is left under the temporary prefix.
     import pyarrow.parquet as pq
+    from pyspark.sql import SparkSession
 
-    from torchloom.config.schema import Config
+    from torchloom.config.schema import Config, PrepareConfig
     from torchloom.etl.prepare import prepare
+    from torchloom.etl.session import get_spark
+
+    # The executors need this store's endpoint and credentials in their environment, as on a cluster. This
+    # process's JVM (started by an earlier test) runs its Python workers with the environment it started with,
+    # so a session of this test's own hands them over (the shared `spark` fixture starts its own again when it
+    # finds it stopped).
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+    store_env = {f"spark.executorEnv.{k}": os.environ[k] for k in ("AWS_ENDPOINT_URL", *CREDENTIALS)}
+    spark = get_spark(PrepareConfig(spark_master="local[2]", partitions=4, spark_conf=store_env))
 
     words = ["match goal team", "bank market price", "album song band"]
     lines = ["text,label"] + [f"{w} {i} {'x' * (i % 7)},{w.split()[0]}" for w in words for i in range(200)]
