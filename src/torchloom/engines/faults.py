@@ -97,13 +97,10 @@ class FaultInjector(Reporter):
         return marker.exists()
 
     def record(self, marker, text: str) -> None:
-        if self.rd.remote:  # on the store before it is here: a test that cuts the host off on seeing it loses none
-            from torchloom import storage
+        """On a store, there before it is here: a test that cuts the host off on seeing it loses none."""
+        from torchloom import storage
 
-            storage.write_through(self.rd, marker, text)
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(text)
+        storage.write_through(self.rd, marker, text)
 
 
 def from_env(rd: RunDir, rank: int) -> FaultInjector | None:
