@@ -51,3 +51,45 @@ def test_joining_a_cluster_that_is_not_there_is_one_line(tmp_path):
     line = proc.stdout.strip()
     assert line.startswith("engine.ray_address auto: no Ray cluster answers there"), proc.stdout + proc.stderr[-2000:]
     assert "leave engine.ray_address empty" in line and "\n" not in line and len(line) < 300
+
+
+def test_own_instance_is_the_one_its_tasks_find_beside_another_ray():
+    # Ray's State API, called with no address in a task or actor (as Ray Train's placement group cleaner calls
+    # it), looks for "the" Ray on the machine; beside another instance it failed, the cleaner died, and a Tune
+    # trial stopped by ASHA left its workers' CPUs reserved: the next trial waited forever.
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from torchloom.engines.ray import init_ray
+
+    other = tempfile.mkdtemp(prefix="tl-other-ray-")  # short: Ray's socket paths must fit in 107 bytes
+    code = ("import ray, sys, time; ray.init(num_cpus=0, include_dashboard=False, _temp_dir=sys.argv[1]);"
+            " print('up', flush=True); time.sleep(600)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = subprocess.Popen([sys.executable, "-c", code, other], stdout=subprocess.PIPE, text=True,
+                            env={**env, "RAY_AUTH_MODE": "disabled"}, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        before = time.monotonic()
+        assert init_ray("")
+        try:
+            ours = ray.get_runtime_context().gcs_address
+
+            @ray.remote(num_cpus=0)
+            def found() -> tuple[str, list]:
+                from ray.util.state import list_nodes
+
+                return os.environ.get("RAY_ADDRESS", ""), [n.node_ip for n in list_nodes()]
+
+            address, nodes = ray.get(found.remote(), timeout=max(30.0, 120 - (time.monotonic() - before)))
+            assert address == ours and nodes == ["127.0.0.1"]
+        finally:
+            ray.shutdown()
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        subprocess.run(["pkill", "-9", "-f", other], check=False)
+        shutil.rmtree(other, ignore_errors=True)

@@ -9,9 +9,8 @@ import contextlib
 import logging
 import os
 import secrets
+import socket
 from pathlib import Path
-
-_TOKEN: list[str] = []
 
 
 def start_local_ray(temp_dir: str | Path, num_cpus: int, env_vars: dict[str, str], env: dict[str, str] | None = None,
@@ -29,19 +28,30 @@ def start_local_ray(temp_dir: str | Path, num_cpus: int, env_vars: dict[str, str
     # to opt out"): not about the user's job. Its warning when authentication is off stays.
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         lambda record: not record.getMessage().startswith("Token authentication is enabled"))
-    env = {**(env or {}), **LOOPBACK_ONLY}
+    # The instance's own processes are told its address. Ray's State API, called with no address inside a task or
+    # actor, otherwise looks for "the" instance on the machine, and with any other Ray running there it fails:
+    # Ray Train's placement group cleaner then dies, and a Tune trial stopped by ASHA leaves its workers' CPUs
+    # reserved, so the next trial waits for them forever (seen with Ray 2.60 beside a second instance).
+    port = free_loopback_port()
+    env = {**(env or {}), **LOOPBACK_ONLY, "RAY_GCS_SERVER_PORT": str(port)}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
         with loopback_node():
             ray.init(num_cpus=num_cpus, _temp_dir=str(temp_dir), logging_level=logging.WARNING,
-                     runtime_env={"env_vars": env_vars}, **init_args)
+                     runtime_env={"env_vars": {**env_vars, "RAY_ADDRESS": f"127.0.0.1:{port}"}}, **init_args)
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 _TOKEN: list[str] = []
