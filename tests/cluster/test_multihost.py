@@ -48,6 +48,11 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+# Ray's GCS marks a node that stopped answering dead after 5 failed health checks, each with a 10 s timeout and 3 s
+# apart by default (about a minute); on the head of these clusters, 3 s and 1 s: about 20 s.
+RAY_QUICK_DEATH = {"RAY_health_check_timeout_ms": "3000", "RAY_health_check_period_ms": "1000"}
+
+
 def rank_hosts(text: str) -> dict[int, str]:
     """{rank: host} from each rank's first log line ("rank R of W on HOST (pid P): ...")."""
     return {int(r): h for r, h in re.findall(r"rank (\d+) of \d+ on (\S+) \(pid", text)}
@@ -235,7 +240,8 @@ def test_spark_standalone_master_and_two_worker_hosts_runs_the_whole_job_on_a_sh
 def start_ray(hosts: list[Host], head: Host, env: dict, temps: dict, cpus: int = 1) -> None:
     env = {**env, "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
     out = head.run(["ray", "start", "--head", "--node-ip-address", head.address, "--port", "6379", "--num-cpus", "0",
-                    "--temp-dir", temps[head.name], "--disable-usage-stats"], env=env, timeout=120)
+                    "--temp-dir", temps[head.name], "--disable-usage-stats"], env={**env, **RAY_QUICK_DEATH},
+                   timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     for h in hosts:
         out = h.run(["ray", "start", "--address", f"{head.address}:6379", "--node-ip-address", h.address,
