@@ -26,6 +26,30 @@ atexit.register(shutil.rmtree, _mlflow_dir, ignore_errors=True)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
+# -- pytest-xdist: which tests share a worker ------------------------------------------------------------------
+# scripts/test.sh runs the suite on two xdist workers with `--dist loadgroup`. A module's tests stay on one worker
+# (its module fixtures are built once), and two groups run one test at a time on one worker each: the namespace
+# cluster tests (each uses every core, and the root namespace's links), and the modules that start a local Ray
+# instance (they share torchloom's private Ray directory, and one Ray at a time keeps the cores for the
+# rest). Those two are the longest, so they go first; the other modules fill in beside them.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SERIAL_GROUPS = {"cluster": ("cluster/",),
+                 "ray": ("test_engines.py", "test_tune.py", "test_serve.py", "test_ray_local.py")}
+
+
+def xdist_group_of(relpath: str) -> str:
+    return next((name for name, starts in SERIAL_GROUPS.items() if relpath.startswith(starts)), relpath)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SERIAL_GROUPS)}
+    groups = {}
+    for item in items:
+        groups[item.nodeid] = group = xdist_group_of(os.path.relpath(str(item.path), TESTS).replace(os.sep, "/"))
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: the order within stays
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now (test modules import it: `from conftest import free_port`)."""
     with socket.socket() as s:
