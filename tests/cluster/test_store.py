@@ -17,8 +17,15 @@ import pytest
 from engine_reference import LAST, assert_same_weights, reference
 
 from cluster.netns import Cluster, unavailable
-from cluster.test_multihost import (COMMON, RAY_QUICK_DEATH, assert_not_visible_error, clean_env, private_run, torchloom,
-                                    torchrun_argv)
+from cluster.test_multihost import (
+    COMMON,
+    RAY_QUICK_DEATH,
+    assert_not_visible_error,
+    clean_env,
+    private_run,
+    torchloom,
+    torchrun_argv,
+)
 
 pytest.importorskip("moto")
 reason = unavailable()
