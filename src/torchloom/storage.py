@@ -33,6 +33,9 @@ from torchloom.rundir import URI, RunDir, cache_root, is_uri, redact, staging_di
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
            "hdfs": "hdfs", "viewfs": "viewfs"}
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
+# Streams are opened with compression=None: objects hold the bytes of the files, as they are. pyarrow's default
+# ("detect", by the name's extension) gzipped a .gz file a second time on its way up and unpacked it on the
+# way down, so the store held what no other client reads and a staged .gz input was plain text.
 
 
 def scheme(uri: str) -> str:
@@ -111,7 +114,7 @@ def check_writable(uri: str, key: str) -> None:
     fs, path = resolve(uri)
     probe = f"{path}/.torchloom-probe-{os.getpid()}"
     try:
-        with fs.open_output_stream(probe) as f:
+        with fs.open_output_stream(probe, compression=None) as f:
             f.write(b"torchloom")
         fs.delete_file(probe)
     except OSError as e:
@@ -122,6 +125,9 @@ def check_writable(uri: str, key: str) -> None:
 
 def check_readable(uri: str, key: str) -> None:
     """Before any work: `uri` exists on the store and these credentials may read it."""
+    if set(uri) & set("*?[{"):
+        raise UserError(f"{key} {redact(uri)}: a pattern is not looked up on an object store; give the object, or"
+                        " the prefix (folder) whose objects to read")
     fs, path = resolve(uri)
     try:
         info = fs.get_file_info(path)
@@ -150,7 +156,7 @@ def exists(uri: str) -> bool:
 def read_bytes(uri: str) -> bytes:
     fs, path = resolve(uri)
     try:
-        with fs.open_input_stream(path) as f:
+        with fs.open_input_stream(path, compression=None) as f:
             return f.read()
     except FileNotFoundError:
         raise
@@ -164,7 +170,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     """One object, whole: readers see the old one or the new, never a part."""
     fs, path = resolve(uri)
     try:
-        with fs.open_output_stream(path) as f:
+        with fs.open_output_stream(path, compression=None) as f:
             f.write(data)
     except OSError as e:
         raise _store_error(uri, "write it", e) from None
@@ -211,7 +217,7 @@ def open_input(uri: str):
 def upload(local: str | Path, uri: str) -> None:
     fs, path = resolve(uri)
     try:
-        with open(local, "rb") as src, fs.open_output_stream(path) as dst:
+        with open(local, "rb") as src, fs.open_output_stream(path, compression=None) as dst:
             while chunk := src.read(CHUNK):
                 dst.write(chunk)
     except OSError as e:
@@ -227,7 +233,7 @@ def download(uri: str, local: str | Path) -> Path:
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
     try:
-        with fs.open_input_stream(path) as src, open(tmp, "wb") as dst:
+        with fs.open_input_stream(path, compression=None) as src, open(tmp, "wb") as dst:
             while chunk := src.read(CHUNK):
                 dst.write(chunk)
         os.replace(tmp, local)
