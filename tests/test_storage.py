@@ -75,6 +75,8 @@ def test_bad_store_uris_are_one_line_before_any_work(s3):
         storage.resolve("ftp://host/x")
     with pytest.raises(UserError, match=r"data.path s3://torchloom-test/none.csv: no such object"):
         storage.check_readable(uri("none.csv"), "data.path")
+    with pytest.raises(UserError, match=r"data.path s3://torchloom-test/in/\*.csv: a pattern is not looked up"):
+        storage.check_readable(uri("in/*.csv"), "data.path")
     # credentials never reach a line, nor config.toml: a URI that carries them is refused
     assert storage.redact("s3://user:secret@bucket/x?X-Amz-Signature=abc") == "s3://bucket/x"
     from torchloom.config import build
@@ -235,27 +237,38 @@ def test_spark_batch_scoring_executors_fetch_the_model_from_the_store_themselves
     assert all(abs(r["score"] - e["score"]) < 1e-5 for r, e in zip(scored, expected))
 
 
+def store_spark():
+    """A local[2] Spark whose Python workers reach this module's store.
+
+    The executors need the store's endpoint and credentials in their environment, as on a cluster. This
+    process's JVM (started by an earlier test) runs its Python workers with the environment it started with,
+    so a session of this module's own hands them over (the shared `spark` fixture starts its own again when it
+    finds it stopped)."""
+    from pyspark.sql import SparkSession
+
+    from torchloom.config.schema import PrepareConfig
+    from torchloom.etl.session import get_spark
+
+    store_env = {f"spark.executorEnv.{k}": os.environ[k] for k in ("AWS_ENDPOINT_URL", *CREDENTIALS)}
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        conf = active.sparkContext.getConf()
+        if all(conf.get(k) == v for k, v in store_env.items()):
+            return active
+        active.stop()
+    return get_spark(PrepareConfig(spark_master="local[2]", partitions=4, spark_conf=store_env))
+
+
 def test_executors_writing_through_the_store_give_the_shards_spark_writes(s3, cache, tmp_path, tiny_model_dir):
     # A Spark cluster whose hosts do not see the driver's working copy writes prepare's rows through the store
     # (etl/store_write.py): the same files, rows in the same order and the same row groups as Spark's writer,
     # rejected rows included; nothing is left under the temporary prefix.
     import pyarrow.parquet as pq
-    from pyspark.sql import SparkSession
 
-    from torchloom.config.schema import Config, PrepareConfig
+    from torchloom.config.schema import Config
     from torchloom.etl.prepare import prepare
-    from torchloom.etl.session import get_spark
 
-    # The executors need this store's endpoint and credentials in their environment, as on a cluster. This
-    # process's JVM (started by an earlier test) runs its Python workers with the environment it started with,
-    # so a session of this test's own hands them over (the shared `spark` fixture starts its own again when it
-    # finds it stopped).
-    active = SparkSession.getActiveSession()
-    if active is not None:
-        active.stop()
-    store_env = {f"spark.executorEnv.{k}": os.environ[k] for k in ("AWS_ENDPOINT_URL", *CREDENTIALS)}
-    spark = get_spark(PrepareConfig(spark_master="local[2]", partitions=4, spark_conf=store_env))
-
+    spark = store_spark()
     words = ["match goal team", "bank market price", "album song band"]
     lines = ["text,label"] + [f"{w} {i} {'x' * (i % 7)},{w.split()[0]}" for w in words for i in range(200)]
     lines += [",match", "   ,bank"]  # set aside: empty texts
@@ -279,3 +292,88 @@ def test_executors_writing_through_the_store_give_the_shards_spark_writes(s3, ca
         sorted(pq.read_table(tmp_path / "direct" / "rejected").column("reason").to_pylist())
     assert direct.fingerprint == through.fingerprint
     assert storage.list_files(uri("prep-through")) == {}
+
+
+def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(s3, cache, tmp_path,
+                                                                                tiny_model_dir):
+    # A Spark cluster with no Hadoop connector for s3:// (this one has none) reads data.path on the store
+    # with etl/store_read.py: the tasks stream the objects with pyarrow and Spark's own parsers parse them.
+    # Each input gives the rows Spark's reader gives for the same files on local disk.
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchloom.config.schema import Config, DataConfig
+    from torchloom.etl.prepare import prepare
+    from torchloom.etl.read import read_input, resolve_format, spark_reads
+
+    spark = store_spark()
+    assert not spark_reads(spark, uri("x.csv")) and spark_reads(spark, f"file://{tmp_path}")
+    d = tmp_path / "in"
+    (d / "csv").mkdir(parents=True)
+    tricky = ('\ufeffbody,topic,extra\n"line one\nline two, ""quoted""",sport,1\n\n   ,tech,2\n"",money,3\nshort\n'
+              '"a","b","c","d"\nplain text,,5\nsay "hi" there,tech,6\n"never closed,tech\nmore\n')
+    (d / "csv" / "a.csv").write_bytes(tricky.encode())
+    (d / "csv" / "b.csv").write_bytes(b'body,topic,extra\r\n"crlf\r\nline",sport,1\r\n\r\nnot utf-8 \xff,tech,2\r\n')
+    (d / "csv" / "_SUCCESS").write_bytes(b"")
+    (d / "gz").mkdir()
+    (d / "gz" / "a.csv.gz").write_bytes(gzip.compress(tricky.encode()))
+    (d / "t.tsv").write_text('body\ttopic\ntab, separated\tsport\n"quoted\ttab"\ttech\nno label\n')
+    (d / "j.jsonl").write_text('{"body": "x y", "topic": 5}\n\n{"body": "z", "topic": "money"}\nnot json\n'
+                               '{"topic": "t"}\n{"body": 2.5, "topic": true, "more": null}\n')
+    pq.write_table(pa.table({"body": ["p", "q", None, "r"], "topic": [1, 2, 3, None]}), d / "p.parquet",
+                   row_group_size=2)
+    for label, texts in (("sport", ["goal\nmatch", "team"]), ("tech", ["chip"])):
+        (d / "folder" / label).mkdir(parents=True)
+        for i, text in enumerate(texts):
+            (d / "folder" / label / f"{i}.txt").write_text(text)
+    storage.push_tree(d, uri("input"))
+    # the objects hold the files' bytes: a .gz is not gzipped again on its way up
+    with storage.open_input(uri("input/gz/a.csv.gz")) as f:
+        assert f.read() == (d / "gz" / "a.csv.gz").read_bytes()
+
+    cfg = DataConfig(text_column="body", label_column="topic")
+    for rel in ("csv", "gz/a.csv.gz", "t.tsv", "j.jsonl", "p.parquet", "folder"):
+        remote, local = uri("input", rel), str(d / rel)
+        assert resolve_format(cfg, remote) == resolve_format(cfg, local), rel  # a prefix by its listing
+        ours = read_input(spark, cfg, remote, resolve_format(cfg, remote))
+        theirs = read_input(spark, cfg, local, resolve_format(cfg, local))
+        rows = sorted(map(tuple, ours.select("text", "label").collect()), key=repr)
+        assert rows == sorted(map(tuple, theirs.select("text", "label").collect()), key=repr), rel
+        assert len(rows) >= 3, rel
+        assert {r.source for r in ours.select("source").distinct().collect()} <= \
+            {uri("input", rel, f) for f in storage.list_files(uri("input", rel)) or [""]}, rel
+
+    # a column that is not there: one line naming what is
+    for rel in ("csv", "j.jsonl", "p.parquet"):
+        with pytest.raises(UserError, match=rf"data.path {uri('input', rel)}: no column 'label'; columns found:"
+                                            r" body, (more, )?topic"):
+            read_input(spark, DataConfig(text_column="body", label_column="label"), uri("input", rel),
+                       resolve_format(cfg, uri("input", rel)))
+
+    # prepare from the store: the same data as from the same file on disk
+    words = ["match goal team", "bank market price", "album song band"]
+    lines = ["text,label"] + [f'"{w} {i}\n{"x" * (i % 7)}",{w.split()[0]}' for w in words for i in range(60)]
+    (tmp_path / "p.csv").write_text("\n".join([*lines, ",match"]) + "\n")
+    storage.upload(tmp_path / "p.csv", uri("p.csv"))
+    full = Config()
+    full.model.path, full.prepare.partitions = tiny_model_dir, 2
+    full.data.path = uri("p.csv")
+    remote = prepare(full, str(tmp_path / "from-store"), spark=spark)
+    full.data.path = str(tmp_path / "p.csv")
+    local = prepare(full, str(tmp_path / "from-disk"), spark=spark)
+    assert remote.fingerprint == local.fingerprint and remote.counts == local.counts
+    assert remote.counts["rows_read"] == 181
+
+    # the Spark baseline on the shards on the store (a cluster's executors do not see the driver's copy)
+    from dataclasses import replace
+
+    from torchloom.etl import baseline_spark
+    from torchloom.manifest import read as read_manifest
+
+    storage.push_tree(tmp_path / "from-store", uri("prepared"), last=("manifest.json",))
+    here = read_manifest(tmp_path / "from-store")
+    there = replace(here, root=uri("prepared"))
+    assert there.shard_uri(there.split("train").shards[0]).startswith("s3://")
+    assert baseline_spark.fit(spark, there, ["test"]).confusion == baseline_spark.fit(spark, here, ["test"]).confusion

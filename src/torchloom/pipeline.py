@@ -112,8 +112,9 @@ def save_config(cfg: Config, rd: RunDir) -> None:
 def local_input(cfg: Config, rd: RunDir) -> Config:
     """Data on a store, read by the embedded local Spark: streamed to this host's working copy first (that
     Spark has no Hadoop S3 connector, and none is on PyPI). A Spark cluster reads its own s3a:// or gs://
-    paths with the connector it has."""
-    if not cfg.prepare.spark_master.startswith("local"):
+    paths with the connector it has, or its tasks stream them (etl/store_read.py), as the local Spark does
+    with prepare.input_reader pyarrow (no local copy)."""
+    if not cfg.prepare.spark_master.startswith("local") or cfg.prepare.input_reader == "pyarrow":
         return cfg
     paths = {}
     for key in ("path", "val_path", "test_path"):
@@ -208,6 +209,8 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     try:
         engine = baseline.engine_for(m, cfg.eval.baseline_engine)
         how = baseline.ENGINE_NAMES[engine]
+        if engine == "spark" and not cfg.prepare.spark_master.startswith("local"):
+            m = storage.streamed(rd, m)  # a cluster's executors read the shards from the store, not our copy
         say(f"baseline: {baseline.NAME} ({how}) on the train split's {baseline.train_texts(m)} texts")
         if spark is None and engine == "spark":
             from torchloom.etl.session import get_spark

@@ -46,6 +46,11 @@ fs.S3FileSystem(endpoint_override=sys.argv[1], scheme="http", allow_bucket_creat
                 region="us-east-1").create_dir(sys.argv[2])
 storage.push_tree(sys.argv[3], sys.argv[4], last=("manifest.json",))
 """
+UPLOAD_FILE = """
+import sys
+from torchloom import storage
+storage.upload(sys.argv[1], sys.argv[2])
+"""
 DOWNLOAD = """
 import sys
 from torchloom import storage
@@ -207,6 +212,12 @@ def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_ho
         s, a = hosts["s"], hosts["a"]
         workers = [hosts[n] for n in "bcd"]
         env, caches, model = store_hosts(hosts, setup, tmp_path, [a, *workers], run)
+        # prepare's input is on the store alone: its directory is hidden from the driver and the workers
+        inputs = tmp_path / "input"
+        inputs.mkdir()
+        csv = write_csv(inputs / "texts.csv")
+        for h in (a, *workers):
+            h.hidden.append(str(inputs))
         env.update(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", SPARK_MASTER_OPTS="-Dspark.worker.timeout=15")
         master_log = tmp_path / "master.log"
         a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
@@ -224,20 +235,24 @@ def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_ho
         lost, text, back, logs = lose_rank0_host_midway(
             a, workers, ["train", "--engine.name", "spark", "--prepare.spark_master", f"spark://{a.name}:7077",
                          "--prepare.spark_conf", conf, "--model.path", str(model)], env, caches, s, run, tmp_path)
-        # prepare on the cluster, for a run on the store: the executors write their rows through the store
-        # (no Hadoop connector here); the CSV is where every host reads it (as on HDFS)
-        csv = write_csv(tmp_path / "texts.csv")
+        # prepare on the cluster from the store, for a run on the store, with no Hadoop connector: the tasks
+        # stream the CSV from the store (etl/store_read.py) and write their rows through it (etl/store_write.py)
         prep = f"{RUN}-spark-prepare"
-        prepare_args = ["--data.path", str(csv), "--data.text_column", "body", "--data.label_column", "topic",
-                        "--model.path", str(model), "--prepare.partitions", "3", "--prepare.rows_per_group", "16",
-                        "--tracking.enabled", "false"]
-        torchloom(a, ["prepare", "--output.dir", prep, "--prepare.spark_master", f"spark://{a.name}:7077",
-                      "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}', *prepare_args],
-                  {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-prepare.log")
+        put = s.run([sys.executable, "-c", UPLOAD_FILE, str(csv), f"{prep}-input/texts.csv"],
+                    env={**env, "TORCHLOOM_CACHE": str(caches[s.name])}, timeout=60)
+        assert put.returncode == 0, put.stderr[-2000:]
+        prepare_args = ["--data.text_column", "body", "--data.label_column", "topic", "--model.path", str(model),
+                        "--prepare.partitions", "3", "--prepare.rows_per_group", "16", "--tracking.enabled", "false"]
+        said = torchloom(a, ["prepare", "--output.dir", prep, "--data.path", f"{prep}-input/texts.csv",
+                             "--prepare.spark_master", f"spark://{a.name}:7077",
+                             "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}', *prepare_args],
+                         {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-prepare.log")
+        said = said.stdout + said.stderr
         prepared = from_store(s, env, caches, f"{prep}/data", tmp_path / "prepared")
-    # the same shards as a local Spark writes for the same input
-    local = torchloom_here(["prepare", "--output.dir", str(tmp_path / "local-prep"), "--prepare.spark_master",
-                            "local[2]", *prepare_args], tmp_path)
+    assert f"reading {prep}-input/texts.csv (csv) by the tasks with pyarrow" in said, said[-3000:]
+    # the same shards as a local Spark writes for the same input on local disk
+    local = torchloom_here(["prepare", "--output.dir", str(tmp_path / "local-prep"), "--data.path", str(csv),
+                            "--prepare.spark_master", "local[2]", *prepare_args], tmp_path)
     assert local.returncode == 0, local.stderr[-3000:]
     ours, theirs = (json.loads((d / "manifest.json").read_text()) for d in (prepared, tmp_path / "local-prep" / "data"))
     assert ours["fingerprint"] == theirs["fingerprint"] and ours["counts"]["rows_read"] == 122

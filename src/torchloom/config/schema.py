@@ -45,6 +45,10 @@ class PrepareConfig:
     partitions: int = field(default=0, metadata={"min": 0})  # shards per split and shuffle width; 0: sized to the data
     # a val/test text also in train: "report" counts it (manifest, summary); "drop" sets it aside as leaked
     leakage: str = field(default="report", metadata=choices("report", "drop"))
+    # who reads a data.path on an object store on a Spark cluster: "spark" (its own s3a/gs connector),
+    # "pyarrow" (the tasks stream the objects with pyarrow: etl/store_read.py), "auto" (spark when this Spark
+    # has a file system for the URI's scheme, else pyarrow)
+    input_reader: str = field(default="auto", metadata=choices("auto", "spark", "pyarrow"))
 
 
 @dataclass

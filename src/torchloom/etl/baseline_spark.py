@@ -4,8 +4,9 @@ MLlib's own text stages differ from scikit-learn's standard baseline (its IDF la
 idf, and nothing in it takes the log of a term count), so the features are built in Spark SQL with the
 same formulas as scikit-learn's TfidfVectorizer: the terms in at least MIN_DF train texts, the
 MAX_FEATURES most frequent, weight (1 + ln tf) * (ln((1 + n) / (1 + df)) + 1), unit length. No Python runs
-on the executors. MLlib averages the loss over rows where scikit-learn sums it, so C becomes
-regParam = 1 / (C * rows).
+on the executors but that reading. MLlib averages the loss over rows where scikit-learn sums it, so C becomes
+regParam = 1 / (C * rows). Shards on a store this Spark has no Hadoop connector for (a run on s3:// from a
+standalone cluster) are read by the tasks with pyarrow (etl/store_read.py).
 """
 
 from __future__ import annotations
@@ -18,9 +19,17 @@ from torchloom.manifest import Manifest
 
 def read_split(spark, manifest: Manifest, split: str):
     """The split's texts and labels, one row per text (with truncation chunks, its first window's row)."""
+    from torchloom.etl.read import reader_of
+
     paths = [manifest.shard_uri(s) for s in manifest.split(split).shards]
-    df = spark.read.parquet(*paths)
-    if manifest.tokenizer.get("truncation") == "chunks":
+    chunks = manifest.tokenizer.get("truncation") == "chunks"
+    if paths and reader_of(spark, paths[0]) == "pyarrow":  # shards on a store this Spark has no connector for
+        from torchloom.etl.store_read import parquet_frame
+
+        df = parquet_frame(spark, paths, ["text", "label_id", *(["chunk"] if chunks else [])])
+    else:
+        df = spark.read.parquet(*paths)
+    if chunks:
         df = df.filter(df["chunk"] == 0)
     return df.select("text", "label_id")
 

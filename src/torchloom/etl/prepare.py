@@ -20,7 +20,7 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
-from torchloom.etl.read import check_exists, read_input, resolve_format, utf8_files
+from torchloom.etl.read import check_exists, read_input, reader_of, resolve_format, utf8_files
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import (
     DUPLICATE,
@@ -201,9 +201,11 @@ def _read_and_count(job: _Job):
 
     cfg, p, say = job.cfg, job.cfg.prepare, job.say
     t = time.perf_counter()
-    say(f"reading {job.data_path} ({job.fmt})")
+    through = " by the tasks with pyarrow (prepare.input_reader)" \
+        if reader_of(job.spark, job.data_path, p.input_reader) == "pyarrow" else ""
+    say(f"reading {job.data_path} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
-    raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt), width, job.fmt)
+    raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader), width, job.fmt)
     if job.user_split:
         raw = _with_given(job.spark, cfg, raw, width, say)
     inputs = [(job.data_path, job.fmt)] + [(path, resolve_format(cfg.data, path))
@@ -470,7 +472,8 @@ def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
         if path:
             fmt = resolve_format(cfg.data, path)
             say(f"reading {path} ({fmt}) as the {name} split")
-            parts.append(_spread(read_input(spark, cfg.data, path, fmt), width, fmt).withColumn("given", F.lit(name)))
+            parts.append(_spread(read_input(spark, cfg.data, path, fmt, cfg.prepare.input_reader), width, fmt)
+                         .withColumn("given", F.lit(name)))
     return reduce(lambda a, b: a.unionByName(b), parts)
 
 

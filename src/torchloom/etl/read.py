@@ -62,9 +62,24 @@ def resolve_format(cfg: DataConfig, path: str) -> str:
             raise UserError(f"data.path {path}: cannot tell the format from the files in this directory; {fix}")
         return fmt
     fmt = EXTENSIONS.get(_ext(path.rstrip("/")))
+    if fmt is None and not _is_local(path) and not set(path) & _GLOB_CHARS:
+        fmt = _store_format(path)
     if fmt is None:
         raise UserError(f"data.path {path}: cannot tell the format from the name; {fix}")
     return fmt
+
+
+def _store_format(path: str) -> str | None:
+    """The format of a prefix on an object store, from its listing (None when it is not one pyarrow opens)."""
+    from torchloom import storage
+
+    try:
+        storage.scheme(path)
+    except UserError:
+        return None
+    from torchloom.etl.store_read import store_format
+
+    return store_format(path)
 
 
 def check_exists(path: str) -> None:
@@ -138,12 +153,12 @@ def _some(names: list[str], most: int = 8, width: int = 30) -> str:
     return (", ".join(shown) or "none") + more
 
 
-def _select(df, cfg: DataConfig, path: str):
+def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path"):
     from pyspark.sql import functions as F
 
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in df.columns]
     if missing:
-        names = [c for c in df.columns if c != "_corrupt_record"]
+        names = [c for c in df.columns if c not in ("_corrupt_record", source)]
         if any(not c.isprintable() or "\ufffd" in c for c in names):
             raise UserError(f"data.path {path}: does not read as {'text' if not names else 'a table'} (its header"
                             " holds binary or wrongly encoded bytes); pass a UTF-8 CSV, JSON lines or Parquet file")
@@ -155,26 +170,69 @@ def _select(df, cfg: DataConfig, path: str):
     columns = [
         F.col(f"`{cfg.text_column}`").cast("string").alias("text"),
         F.col(f"`{cfg.label_column}`").cast("string").alias("label"),
-        F.col("_metadata.file_path").alias("source"),
+        F.col(source).alias("source"),
     ]
     if cfg.split_column:
         if cfg.split_column not in df.columns:
-            names = [c for c in df.columns if c != "_corrupt_record"]
+            names = [c for c in df.columns if c not in ("_corrupt_record", source)]
             raise UserError(f"data.split_column {cfg.split_column!r}: no such column in {path}; columns found:"
                             f" {_some(names)}")
         columns.append(F.col(f"`{cfg.split_column}`").cast("string").alias("given"))
     return df.select(*columns)
 
 
-def read_input(spark, cfg: DataConfig, path: str, fmt: str):
-    """Read `path` as `fmt` into columns text, label, source."""
+def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto"):
+    """Read `path` as `fmt` into columns text, label, source: with Spark's own readers, or for a URI on an
+    object store with etl/store_read.py (reader "pyarrow", or "auto" when Spark has no file system for the
+    URI's scheme: a cluster without that Hadoop connector). A local path is always Spark's."""
     from py4j.protocol import Py4JJavaError
 
     check_exists(path)
+    if reader_of(spark, path, reader) == "pyarrow":
+        return _read_from_store(spark, cfg, path, fmt)
     try:
         return _read(spark, cfg, path, fmt)
     except Py4JJavaError as e:  # the file system's own error: no connector for the scheme, no access, ...
         raise unreadable(path, e) from None
+
+
+def reader_of(spark, path: str, reader: str = "auto") -> str:
+    """Who reads `path`: "spark", or "pyarrow" (etl/store_read.py) for a URI with reader "pyarrow", or with
+    "auto" when this Spark has no file system for its scheme."""
+    if _is_local(path) or reader == "spark":
+        return "spark"
+    return "pyarrow" if reader == "pyarrow" or not spark_reads(spark, path) else "spark"
+
+
+def spark_reads(spark, path: str) -> bool:
+    """Whether this Spark has a Hadoop file system for the URI's scheme (hdfs://; s3a:// or gs:// only with
+    their connector jars)."""
+    try:
+        jvm = spark._jvm
+        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(urlparse(path).scheme,
+                                                               spark._jsc.hadoopConfiguration())
+        return True
+    except Exception:  # none for the scheme; or Spark Connect, whose server side is not ours to ask
+        return False
+
+
+def _read_from_store(spark, cfg: DataConfig, path: str, fmt: str):
+    from torchloom import storage
+    from torchloom.etl import store_read
+
+    storage.scheme(path)  # one line for a scheme pyarrow does not open
+    if fmt == "folder" and cfg.split_column:
+        raise _folder_has_no_split(cfg, storage.redact(path))
+    df = store_read.read(spark, cfg, path, fmt, sep="\t" if _ext(path) == ".tsv" else ",")
+    if fmt == "folder":
+        return df.withColumnRenamed(store_read.SOURCE, "source")
+    return _select(df, cfg, storage.redact(path), source=store_read.SOURCE)
+
+
+def _folder_has_no_split(cfg: DataConfig, path: str) -> UserError:
+    return UserError(f"data.split_column {cfg.split_column!r}: a folder input ({path}) has no columns; use"
+                     " data.val_path / data.test_path for separate folders, or a CSV, JSON lines or Parquet"
+                     " input with that column")
 
 
 def unreadable(path: str, e: BaseException) -> UserError:
@@ -212,9 +270,7 @@ def _read(spark, cfg: DataConfig, path: str, fmt: str):
         if fmt == "parquet":
             return _select(reader.parquet(path), cfg, path)
         if fmt == "folder" and cfg.split_column:
-            raise UserError(f"data.split_column {cfg.split_column!r}: a folder input ({path}) has no columns; use"
-                            " data.val_path / data.test_path for separate folders, or a CSV, JSON lines or Parquet"
-                            " input with that column")
+            raise _folder_has_no_split(cfg, path)
         if fmt == "folder":
             # Recursive lookup of *.txt instead of a root/*/*.txt glob: same files, no partition
             # inference from "key=value" directory names, and no warning about the glob path.

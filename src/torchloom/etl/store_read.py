@@ -1,0 +1,358 @@
+"""The input of prepare on an object store, read by a Spark cluster that has no Hadoop connector for it.
+
+Spark reads `s3a://` or `gs://` only with the connector jars of that file system, which are not on PyPI and
+which a plain standalone cluster (or a Ray head's local Spark) lacks. Here the driver lists the objects with
+pyarrow (storage.py), and each task streams its share of them from the store itself, with pyarrow as well:
+
+- CSV: the task splits the text into records where Spark's multiLine reader does (a line break outside a
+  quoted field; the header record of each file skipped) and Spark parses each record with `from_csv`, the
+  same parser with the same options as `spark.read.csv`: the same nulls, the same handling of short, long
+  and badly quoted rows.
+- JSON lines: one record per non-blank line, parsed by Spark's `from_json` (a number or an object in a
+  string column comes out as its JSON text, as with `spark.read.json` and a cast).
+- Parquet: the columns asked for, row group by row group (ranged reads), in the first file's types.
+- a folder of label directories: every `*.txt` below the prefix, whole, its directory's name the label.
+
+gzip, bz2 and zstd files (by their extension) are decompressed as they stream. Every row keeps the object's
+URI as its source. `read.read_input` chooses this reader for a URI whose scheme Spark has no file system
+for (`prepare.input_reader auto`), or always (`pyarrow`); see docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from functools import partial
+
+from torchloom import storage
+from torchloom.errors import UserError
+
+SOURCE = "__torchloom_source"  # the column with each row's object URI
+CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
+UNREAD_CODECS = (".snappy", ".lz4", ".deflate")
+BYTES_PER_TASK = 128 << 20
+JSON_SAMPLE_LINES = 1000  # the lines of the first file looked at for the column names
+
+
+def files(path: str, fmt: str) -> list[tuple[str, int]]:
+    """(URI, size) of the objects to read, sorted: the object itself, or those under the prefix whose names
+    fit the format (a folder: *.txt; hidden and _-prefixed names skipped, as Spark does)."""
+    storage.check_readable(path, "data.path")
+    listing = storage.list_files(path)
+    if not listing:
+        return [(path, 0)]
+    keep = []
+    for rel, size in listing.items():
+        parts = rel.split("/")
+        if any(p.startswith((".", "_")) for p in parts):
+            continue
+        if fmt == "folder" and not parts[-1].endswith(".txt"):
+            continue
+        keep.append((storage.join(path, rel), size))
+    if not keep:
+        raise UserError(f"data.path {storage.redact(path)}: no {fmt} files under this prefix; point --data.path at"
+                        " your data files")
+    return sorted(keep)
+
+
+def store_format(path: str) -> str | None:
+    """The format of the files under a prefix on the store (the most common known extension; folder when
+    files sit in subdirectories and end in .txt), or None."""
+    from collections import Counter
+
+    from torchloom.etl.read import EXTENSIONS, _ext
+
+    seen: Counter[str] = Counter()
+    txt_in_subdir = False
+    for rel in storage.list_files(path):
+        parts = rel.split("/")
+        if any(p.startswith((".", "_")) for p in parts):
+            continue
+        txt_in_subdir |= len(parts) > 1 and parts[-1].endswith(".txt")
+        if _ext(parts[-1]) in EXTENSIONS:
+            seen[EXTENSIONS[_ext(parts[-1])]] += 1
+    if txt_in_subdir:
+        return "folder"
+    return seen.most_common(1)[0][0] if seen else None
+
+
+def read(spark, cfg, path: str, fmt: str, sep: str = ","):
+    """`path` on the store as a DataFrame: the input's own columns and SOURCE (folder: text, label, SOURCE)."""
+    from pyspark.sql import functions as F
+
+    objects = files(path, fmt)
+    for uri, _ in objects:
+        if uri.endswith(UNREAD_CODECS):
+            raise UserError(f"data.path {storage.redact(uri)}: compressed as {os.path.splitext(uri)[1]}, which this"
+                            " reader does not decompress; use gzip, bz2 or zstd, or an uncompressed file")
+    uris = [u for u, _ in objects]
+    tasks = min(len(uris), max(_parallelism(spark), sum(s for _, s in objects) // BYTES_PER_TASK + 1))
+    ids = spark.range(0, len(uris), 1, numPartitions=tasks)
+    if fmt == "csv":
+        names = csv_header(uris[0], sep)
+        schema = ", ".join(f"{_quoted(n)} STRING" for n in names)
+        records = ids.mapInArrow(partial(csv_task, uris=uris, sep=sep), f"record STRING, {SOURCE} STRING")
+        parsed = F.from_csv("record", schema, {"sep": sep, "escape": '"'})
+        return records.select(parsed.alias("r"), SOURCE).select("r.*", SOURCE)
+    if fmt == "jsonl":
+        wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
+        found = json_columns(uris[0])
+        if found and not set(wanted) <= found:  # a column in none of the first lines: name what is there
+            return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in sorted(found)))
+        schema = ", ".join(f"{_quoted(n)} STRING" for n in wanted)
+        records = ids.mapInArrow(partial(lines_task, uris=uris), f"record STRING, {SOURCE} STRING")
+        return records.select(F.from_json("record", schema).alias("r"), SOURCE).select("r.*", SOURCE)
+    if fmt == "parquet":
+        from pyspark.sql.pandas.types import from_arrow_schema
+
+        arrow = parquet_schema(uris[0])
+        wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
+        present = [c for c in wanted if c in arrow.names]
+        if len(present) < len(wanted):  # a missing column: the names there, for read._select's line
+            return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in arrow.names))
+        import pyarrow as pa
+
+        schema = pa.schema([arrow.field(c) for c in present] + [pa.field(SOURCE, pa.string())])
+        return ids.mapInArrow(partial(parquet_task, uris=uris, schema=schema), from_arrow_schema(schema))
+    if fmt == "folder":
+        return ids.mapInArrow(partial(folder_task, uris=uris, root=path), f"text STRING, label STRING, {SOURCE} STRING")
+    raise UserError(f"data.format {fmt!r}: unknown; use one of auto, csv, jsonl, parquet, folder")
+
+
+def parquet_frame(spark, uris: list[str], columns: list[str]):
+    """Parquet objects on the store as one DataFrame of `columns`, read by the tasks with pyarrow (one task
+    per object, row group by row group): prepared shards for the Spark baseline on a cluster without a
+    connector for the run's store."""
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    arrow = parquet_schema(uris[0])
+    schema = pa.schema([arrow.field(c) for c in columns] + [pa.field(SOURCE, pa.string())])
+    ids = spark.range(0, len(uris), 1, numPartitions=len(uris))
+    return ids.mapInArrow(partial(parquet_task, uris=uris, schema=schema), from_arrow_schema(schema)).drop(SOURCE)
+
+
+def _parallelism(spark) -> int:
+    try:
+        return max(1, int(spark.sparkContext.defaultParallelism))
+    except Exception:  # Spark Connect
+        return 2
+
+
+def _quoted(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
+# -- on the driver: what the first object says ----------------------------------------------------
+
+
+def csv_header(uri: str, sep: str) -> list[str]:
+    """The column names of a CSV object's header record, as Spark names them: an empty name is _c<i>, a
+    repeated one gets its position appended."""
+    import csv
+
+    with text_stream(uri) as stream:
+        first = next(csv_records(stream, sep), None)
+    if first is None:
+        raise UserError(f"data.path {storage.redact(uri)}: the file is empty; a CSV input needs a header line")
+    names = [n.strip() for n in next(csv.reader([first], delimiter=sep))]
+    counts = {n.lower(): sum(m.lower() == n.lower() for m in names) for n in names}
+    out = []
+    for i, n in enumerate(names):
+        if not n:
+            n = f"_c{i}"
+        elif counts[n.lower()] > 1:
+            n = f"{n}{i}"
+        out.append(n)
+    return out
+
+
+def json_columns(uri: str) -> set[str]:
+    """The keys of the first JSON_SAMPLE_LINES objects of a JSON lines object."""
+    keys: set[str] = set()
+    with text_stream(uri) as stream:
+        for i, line in enumerate(stream):
+            if i >= JSON_SAMPLE_LINES:
+                break
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                keys.update(value)
+    return keys
+
+
+def parquet_schema(uri: str):
+    import pyarrow.parquet as pq
+
+    try:
+        with storage.open_input(uri) as f:
+            return pq.ParquetFile(f).schema_arrow
+    except UserError:
+        raise
+    except Exception as e:
+        raise UserError(f"data.path {storage.redact(uri)}: not a Parquet file ({str(e).strip()[:200]}); check the path"
+                        " and --data.format") from None
+
+
+# -- in the tasks: objects streamed from the store ---------------------------------------------------
+
+
+class text_stream:
+    """An object on the store as text: decompressed by its extension, decoded as UTF-8 (a BOM dropped, bytes
+    that are not UTF-8 as U+FFFD, as Spark decodes), line endings kept."""
+
+    def __init__(self, uri: str):
+        self.uri = uri
+
+    def __enter__(self):
+        import pyarrow as pa
+
+        self.raw = storage.open_input(self.uri)
+        codec = CODECS.get(os.path.splitext(self.uri)[1].lower())
+        stream = pa.CompressedInputStream(self.raw, codec) if codec else self.raw
+        self.text = io.TextIOWrapper(io.BufferedReader(_Raw(stream), 1 << 20), encoding="utf-8-sig",
+                                     errors="replace", newline="")
+        return self.text
+
+    def __exit__(self, *exc):
+        self.raw.close()
+        return False
+
+
+class _Raw(io.RawIOBase):
+    """A pyarrow stream as a Python raw stream (for io.BufferedReader)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        data = self.stream.read(len(buffer))
+        buffer[:len(data)] = data
+        return len(data)
+
+
+def csv_records(lines, sep: str, quote: str = '"'):
+    """The records of CSV text given line by line (line endings kept): a record ends at a line break outside
+    a quoted field, as in Spark's multiLine reader. A quote opens a quoted field only at the field's start; in
+    one, two quotes are a quote. Line breaks inside a record become \\n (as Spark's parser makes them), the
+    record's own is dropped, empty lines are skipped."""
+    pending: list[str] = []
+    in_quotes = False
+    body = ""
+    for line in lines:
+        body = line.rstrip("\r\n")
+        if not in_quotes and quote not in body:
+            if body:
+                yield body
+            continue
+        in_quotes = _ends_quoted(body, in_quotes, sep, quote)
+        pending.append(body)
+        if not in_quotes:
+            yield "\n".join(pending)
+            pending = []
+    if pending:  # a quoted field never closed: the rest of the file is its record, as Spark reads it
+        yield "\n".join(pending) + ("\n" if body != line else "")
+
+
+def _ends_quoted(line: str, in_quotes: bool, sep: str, quote: str) -> bool:
+    """Whether a quoted field is still open at the end of `line`, given whether one was at its start."""
+    n, pos = len(line), 0
+    field_start = not in_quotes
+    while True:
+        if in_quotes:
+            j = line.find(quote, pos)
+            if j < 0:
+                return True
+            if j + 1 < n and line[j + 1] == quote:
+                pos = j + 2
+                continue
+            in_quotes, field_start, pos = False, False, j + 1
+        else:
+            if field_start and pos < n and line[pos] == quote:
+                in_quotes, pos = True, pos + 1
+                continue
+            j = line.find(sep, pos)
+            if j < 0:
+                return False
+            pos, field_start = j + len(sep), True
+
+
+def _batches(rows, names, size: int = 4096):
+    """(values per column) tuples -> Arrow record batches of `size` rows."""
+    import pyarrow as pa
+
+    chunk: list = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == size:
+            yield pa.RecordBatch.from_arrays([pa.array(c, pa.string()) for c in zip(*chunk)], names)
+            chunk = []
+    if chunk:
+        yield pa.RecordBatch.from_arrays([pa.array(c, pa.string()) for c in zip(*chunk)], names)
+
+
+def _my_uris(batches, uris: list[str]):
+    for batch in batches:
+        for i in batch.column(0).to_pylist():
+            yield uris[i]
+
+
+def csv_task(batches, uris: list[str], sep: str):
+    """mapInArrow over object indices: each object's records but its header, with the object's URI."""
+    def rows():
+        for uri in _my_uris(batches, uris):
+            source = storage.redact(uri)
+            with text_stream(uri) as stream:
+                records = csv_records(stream, sep)
+                next(records, None)  # the header
+                for record in records:
+                    yield record, source
+
+    yield from _batches(rows(), ["record", SOURCE])
+
+
+def lines_task(batches, uris: list[str]):
+    """mapInArrow over object indices: each object's non-blank lines, with the object's URI."""
+    def rows():
+        for uri in _my_uris(batches, uris):
+            source = storage.redact(uri)
+            with text_stream(uri) as stream:
+                for line in stream:
+                    if line.strip():
+                        yield line, source
+
+    yield from _batches(rows(), ["record", SOURCE])
+
+
+def parquet_task(batches, uris: list[str], schema):
+    """mapInArrow over object indices: the schema's columns of each object, row group by row group, cast to
+    the first object's types, with the object's URI."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = [n for n in schema.names if n != SOURCE]
+    for uri in _my_uris(batches, uris):
+        source = storage.redact(uri)
+        with storage.open_input(uri) as f:
+            pf = pq.ParquetFile(f)
+            for g in range(pf.num_row_groups):
+                table = pf.read_row_group(g, columns=columns)
+                table = table.append_column(SOURCE, pa.array([source] * table.num_rows, pa.string()))
+                yield from table.select(schema.names).cast(schema).to_batches()
+
+
+def folder_task(batches, uris: list[str], root: str):
+    """mapInArrow over object indices: each *.txt object whole, its directory's name the label."""
+    def rows():
+        for uri in _my_uris(batches, uris):
+            with text_stream(uri) as stream:
+                text = stream.read()
+            yield text, uri.rsplit("/", 2)[-2], storage.redact(uri)
+
+    yield from _batches(rows(), ["text", "label", SOURCE], size=256)
