@@ -352,6 +352,13 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
             read_input(spark, DataConfig(text_column="body", label_column="label"), uri("input", rel),
                        resolve_format(cfg, uri("input", rel)))
 
+    # an object that is not what its name says: one line naming it, whether the driver or a task reads it
+    storage.write_bytes(uri("bad", "a.parquet"), b"PAR1 not really")
+    with pytest.raises(UserError, match=rf"^data.path {uri('bad', 'a.parquet')}: cannot be read \(.*Parquet"):
+        read_input(spark, cfg, uri("bad", "a.parquet"), "parquet")
+    storage.upload(d / "csv" / "a.csv", uri("bad", "csv", "a.csv"))
+    storage.write_bytes(uri("bad", "csv", "b.csv.gz"), b"\x1f\x8b\x08\x00 not gzip at all" * 50)
+
     # prepare from the store: the same data as from the same file on disk
     words = ["match goal team", "bank market price", "album song band"]
     lines = ["text,label"] + [f'"{w} {i}\n{"x" * (i % 7)}",{w.split()[0]}' for w in words for i in range(60)]
@@ -365,6 +372,10 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
     local = prepare(full, str(tmp_path / "from-disk"), spark=spark)
     assert remote.fingerprint == local.fingerprint and remote.counts == local.counts
     assert remote.counts["rows_read"] == 181
+    full.data.path, full.data.text_column, full.data.label_column = uri("bad", "csv"), "body", "topic"
+    with pytest.raises(UserError, match=rf"^data.path {uri('bad', 'csv', 'b.csv.gz')}: cannot be read \(.*\); check"):
+        prepare(full, str(tmp_path / "from-bad"), spark=spark)
+    assert not (tmp_path / "from-bad").exists()
 
     # the Spark baseline on the shards on the store (a cluster's executors do not see the driver's copy)
     from dataclasses import replace

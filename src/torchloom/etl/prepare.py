@@ -85,13 +85,18 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             manifest = _prepare(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, start, store)
         manifest.write(tmp)
         _publish(tmp, out)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for p in created:  # the directories this call made, innermost first, if still empty
             try:
                 p.rmdir()
             except OSError:
                 break
+        from torchloom.etl.store_read import input_error
+
+        unreadable = input_error(e) if isinstance(e, Exception) and not isinstance(e, UserError) else None
+        if unreadable is not None:  # a task could not read an object of the input on a store: its line
+            raise unreadable from None
         raise
     manifest.root = str(out)
     say(f"prepared {manifest.counts['rows_kept']} rows into {out} in {manifest.timings['total']:.1f}s")

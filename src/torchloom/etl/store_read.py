@@ -20,6 +20,7 @@ for (`prepare.input_reader auto`), or always (`pyarrow`); see docs/engines.md.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -29,6 +30,7 @@ from torchloom import storage
 from torchloom.errors import UserError
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
+MARK = "torchloom-input-error: "  # begins the message of a task's failure to read an object (input_error)
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 UNREAD_CODECS = (".snappy", ".lz4", ".deflate")
 BYTES_PER_TASK = 128 << 20
@@ -144,6 +146,43 @@ def _quoted(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def cannot_read(uri: str, e: BaseException) -> str:
+    if isinstance(e, UserError):
+        return str(e)
+    return (f"data.path {storage.redact(uri)}: cannot be read ({storage._reason(e)}); check that the object is"
+            " whole and what its name says (a .gz is gzip, a .parquet Parquet), and that every host has the"
+            " store's credentials")
+
+
+@contextlib.contextmanager
+def reading(uri: str, in_task: bool = False):
+    """An object's read: a failure is one line naming it, as a UserError on the driver, or in a task as a
+    RuntimeError whose message starts with MARK (prepare turns it back into that line: input_error)."""
+    try:
+        yield
+    except Exception as e:
+        if in_task:
+            raise RuntimeError(MARK + cannot_read(uri, e)) from None
+        if isinstance(e, UserError):
+            raise
+        raise UserError(cannot_read(uri, e)) from None
+
+
+def input_error(e: BaseException) -> UserError | None:
+    """The line a task of this module failed with, from the Spark error that carries it; None for any other."""
+    text = str(e)
+    java = getattr(e, "java_exception", None)
+    if MARK not in text and java is not None:
+        try:
+            text = java.toString()
+        except Exception:
+            return None
+    at = text.find(MARK)
+    if at < 0:
+        return None
+    return UserError(text[at + len(MARK):].splitlines()[0])
+
+
 # -- on the driver: what the first object says ----------------------------------------------------
 
 
@@ -152,7 +191,7 @@ def csv_header(uri: str, sep: str) -> list[str]:
     repeated one gets its position appended."""
     import csv
 
-    with text_stream(uri) as stream:
+    with reading(uri), text_stream(uri) as stream:
         first = next(csv_records(stream, sep), None)
     if first is None:
         raise UserError(f"data.path {storage.redact(uri)}: the file is empty; a CSV input needs a header line")
@@ -171,7 +210,7 @@ def csv_header(uri: str, sep: str) -> list[str]:
 def json_columns(uri: str) -> set[str]:
     """The keys of the first JSON_SAMPLE_LINES objects of a JSON lines object."""
     keys: set[str] = set()
-    with text_stream(uri) as stream:
+    with reading(uri), text_stream(uri) as stream:
         for i, line in enumerate(stream):
             if i >= JSON_SAMPLE_LINES:
                 break
@@ -187,14 +226,8 @@ def json_columns(uri: str) -> set[str]:
 def parquet_schema(uri: str):
     import pyarrow.parquet as pq
 
-    try:
-        with storage.open_input(uri) as f:
-            return pq.ParquetFile(f).schema_arrow
-    except UserError:
-        raise
-    except Exception as e:
-        raise UserError(f"data.path {storage.redact(uri)}: not a Parquet file ({str(e).strip()[:200]}); check the path"
-                        " and --data.format") from None
+    with reading(uri), storage.open_input(uri) as f:
+        return pq.ParquetFile(f).schema_arrow
 
 
 # -- in the tasks: objects streamed from the store ---------------------------------------------------
@@ -308,7 +341,7 @@ def csv_task(batches, uris: list[str], sep: str):
     def rows():
         for uri in _my_uris(batches, uris):
             source = storage.redact(uri)
-            with text_stream(uri) as stream:
+            with reading(uri, in_task=True), text_stream(uri) as stream:
                 records = csv_records(stream, sep)
                 next(records, None)  # the header
                 for record in records:
@@ -322,7 +355,7 @@ def lines_task(batches, uris: list[str]):
     def rows():
         for uri in _my_uris(batches, uris):
             source = storage.redact(uri)
-            with text_stream(uri) as stream:
+            with reading(uri, in_task=True), text_stream(uri) as stream:
                 for line in stream:
                     if line.strip():
                         yield line, source
@@ -339,7 +372,7 @@ def parquet_task(batches, uris: list[str], schema):
     columns = [n for n in schema.names if n != SOURCE]
     for uri in _my_uris(batches, uris):
         source = storage.redact(uri)
-        with storage.open_input(uri) as f:
+        with reading(uri, in_task=True), storage.open_input(uri) as f:
             pf = pq.ParquetFile(f)
             for g in range(pf.num_row_groups):
                 table = pf.read_row_group(g, columns=columns)
@@ -351,7 +384,7 @@ def folder_task(batches, uris: list[str], root: str):
     """mapInArrow over object indices: each *.txt object whole, its directory's name the label."""
     def rows():
         for uri in _my_uris(batches, uris):
-            with text_stream(uri) as stream:
+            with reading(uri, in_task=True), text_stream(uri) as stream:
                 text = stream.read()
             yield text, uri.rsplit("/", 2)[-2], storage.redact(uri)
 
