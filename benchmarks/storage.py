@@ -1,6 +1,7 @@
 """A run on an S3 store against the same run on local disk (issue 28).
 
     .venv/bin/python benchmarks/storage.py [--rows 100000] [--rounds 3] [--train-steps 40] [--skip-train]
+                                           [--input-rows 200000]
 
 Starts an S3 server (moto, over HTTP on 127.0.0.1: a real S3 API, no network latency) and measures, in one
 sitting, each pair interleaved round by round so that a slow spell of the machine hits both sides:
@@ -13,6 +14,11 @@ sitting, each pair interleaved round by round so that a slow spell of the machin
    (the log windows after the first) and the ratio (goal >= 0.97);
 3. per checkpoint of the store run: blocked_s (how long the loop waited for the previous upload) against
    a synchronous upload of the same checkpoint directory, timed here; ratio (goal <= 0.2).
+4. prepare's input (--input-rows, 0 skips): a CSV of that many rows (quoted texts, a third with a line
+   break) in 4 files, read and parsed by a local[2] Spark into text and label (the sum of the texts' lengths
+   as the job's result): Spark's reader on local disk, the tasks streaming the objects from the store
+   (etl/store_read.py: a Spark cluster without a connector), and the embedded Spark's way with an input on a
+   store (download to local disk, then Spark's reader); rows/s and the ratio to Spark's reader on disk.
 
 Prints the CPU first: write it beside every figure.
 """
@@ -95,6 +101,59 @@ def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tup
     return out
 
 
+def bench_input(tmp: Path, rows: int, rounds: int) -> list[tuple]:
+    """[(round, rows/s Spark on disk, rows/s tasks from the store, rows/s download + Spark)] for prepare's read."""
+    import csv
+    import random
+    import shutil
+
+    from pyspark.sql import functions as F
+
+    from torchloom import storage
+    from torchloom.config.schema import DataConfig, PrepareConfig
+    from torchloom.etl.read import read_input
+    from torchloom.etl.session import get_spark
+
+    rng = random.Random(0)
+    words = ["the", "market", "said", "goal", "chip", "team", "price", '"quoted"', "band,", "song", "data", "over",
+             "a", "lazy", "dog"]
+    src = tmp / "input"
+    src.mkdir()
+    for f in range(4):
+        with open(src / f"part-{f}.csv", "w", newline="") as out:
+            w = csv.writer(out)
+            w.writerow(["text", "label"])
+            for i in range(rows // 4):
+                text = " ".join(rng.choice(words) for _ in range(60)) + ("\nmore" if i % 3 == 0 else "")
+                w.writerow([text, f"c{i % 5}"])
+    uri = f"s3://{BUCKET}/input"
+    storage.push_tree(src, uri)
+    env = {f"spark.executorEnv.{k}": os.environ[k]
+           for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    spark = get_spark(PrepareConfig(spark_master="local[2]", spark_conf=env))
+    cfg = DataConfig(text_column="text", label_column="label")
+
+    def rate(path: str, reader: str = "auto", stage: bool = False) -> float:
+        started = time.perf_counter()
+        if stage:
+            shutil.rmtree(tmp / "staged", ignore_errors=True)
+            path = storage.stage_input(path, tmp / "staged", "data.path")
+        df = read_input(spark, cfg, path, "csv", reader)
+        total = df.select(F.sum(F.length("text")), F.count("label")).collect()[0]
+        assert total[1] == rows, total
+        return rows / (time.perf_counter() - started)
+
+    rate(str(src)), rate(uri)  # warm the JVM and the Python workers
+    out = []
+    for r in range(rounds):
+        a, b, c = rate(str(src)), rate(uri, "pyarrow"), rate(uri, stage=True)
+        out.append((f"round {r + 1}", a, b, c))
+        print(f"input round {r + 1}: Spark on disk {a:,.0f} rows/s, tasks from the store {b:,.0f} ({b / a:.3f}x),"
+              f" download + Spark {c:,.0f} ({c / a:.3f}x)", flush=True)
+    spark.stop()
+    return out
+
+
 def train(output: str, steps: int, data: Path, cache: Path) -> dict:
     """One `torchloom train`, returning {samples_per_s (steady), wall_s, records}."""
     from torchloom import storage
@@ -151,6 +210,8 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=40)
     p.add_argument("--train-rounds", type=int, default=1)
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--input-rows", type=int, default=200_000)
+    p.add_argument("--skip-loader", action="store_true")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from torchloom.machine import cpu
@@ -160,7 +221,8 @@ def main() -> None:
         tmp = Path(t)
         server, endpoint = start_server(tmp / "moto.log")
         try:
-            loader = bench_loader(tmp, a.rows, a.rounds, server.pid)
+            loader = [] if a.skip_loader else bench_loader(tmp, a.rows, a.rounds, server.pid)
+            inputs = bench_input(tmp, a.input_rows, a.rounds) if a.input_rows else []
             runs = []
             if not a.skip_train:
                 data = prepared_demo(tmp)
@@ -175,12 +237,19 @@ def main() -> None:
             server.terminate()
     print("\n| measure | local | store | store / local | goal |\n|---|---:|---:|---:|---|")
     med = statistics.median
-    la, lb = med(x[1] for x in loader), med(x[2] for x in loader)
-    print(f"| loader rows/s (median of {len(loader)} rounds, {a.rows:,} rows) | {la:,.0f} | {lb:,.0f} | {lb / la:.3f}"
-          " | >= 0.9 |")
-    print(f"| loader CPU seconds per epoch, store / local (median); the S3 server's CPU on the same cores |"
-          f" 1.00 | {med(x[3] for x in loader):.2f} | {1 / med(x[3] for x in loader):.3f} (CPU-bound bound) |"
-          f" {med(x[4] for x in loader):.2f} s |")
+    if loader:
+        la, lb = med(x[1] for x in loader), med(x[2] for x in loader)
+        print(f"| loader rows/s (median of {len(loader)} rounds, {a.rows:,} rows) | {la:,.0f} | {lb:,.0f} |"
+              f" {lb / la:.3f} | >= 0.9 |")
+        print(f"| loader CPU seconds per epoch, store / local (median); the S3 server's CPU on the same cores |"
+              f" 1.00 | {med(x[3] for x in loader):.2f} | {1 / med(x[3] for x in loader):.3f} (CPU-bound bound) |"
+              f" {med(x[4] for x in loader):.2f} s |")
+    if inputs:
+        ia, ib, ic = (med(x[i] for x in inputs) for i in (1, 2, 3))
+        print(f"| prepare's input, rows/s read and parsed (median of {len(inputs)}, {a.input_rows:,} CSV rows):"
+              f" Spark on disk / the tasks streaming from the store | {ia:,.0f} | {ib:,.0f} | {ib / ia:.3f} | - |")
+        print(f"| prepare's input: Spark on disk / download to disk + Spark (the embedded Spark's way) | {ia:,.0f} |"
+              f" {ic:,.0f} | {ic / ia:.3f} | - |")
     for i, (local, store, sync) in enumerate(runs, 1):
         print(f"| training samples/s, round {i} ({a.train_steps} steps, checkpoint every 10) |"
               f" {local['samples_per_s']:.2f} | {store['samples_per_s']:.2f} |"

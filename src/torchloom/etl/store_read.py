@@ -34,6 +34,7 @@ MARK = "torchloom-input-error: "  # begins the message of a task's failure to re
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 UNREAD_CODECS = (".snappy", ".lz4", ".deflate")
 BYTES_PER_TASK = 128 << 20
+READ_BYTES = 8 << 20  # per request to the store when streaming an object's text
 JSON_SAMPLE_LINES = 1000  # the lines of the first file looked at for the column names
 
 
@@ -246,7 +247,7 @@ class text_stream:
         self.raw = storage.open_input(self.uri)
         codec = CODECS.get(os.path.splitext(self.uri)[1].lower())
         stream = pa.CompressedInputStream(self.raw, codec) if codec else self.raw
-        self.text = io.TextIOWrapper(io.BufferedReader(_Raw(stream), 1 << 20), encoding="utf-8-sig",
+        self.text = io.TextIOWrapper(io.BufferedReader(_Raw(stream)), encoding="utf-8-sig",
                                      errors="replace", newline="")
         return self.text
 
@@ -256,18 +257,23 @@ class text_stream:
 
 
 class _Raw(io.RawIOBase):
-    """A pyarrow stream as a Python raw stream (for io.BufferedReader)."""
+    """A pyarrow stream as a Python raw stream (for io.BufferedReader), read from the store READ_BYTES at a
+    time: each read of a store's file is a request, and the text layer above asks for 8 KB."""
 
     def __init__(self, stream):
         self.stream = stream
+        self.chunk = memoryview(b"")
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        data = self.stream.read(len(buffer))
-        buffer[:len(data)] = data
-        return len(data)
+        if not self.chunk:
+            self.chunk = memoryview(self.stream.read(max(len(buffer), READ_BYTES)))
+        n = min(len(buffer), len(self.chunk))
+        buffer[:n] = self.chunk[:n]
+        self.chunk = self.chunk[n:]
+        return n
 
 
 def csv_records(lines, sep: str, quote: str = '"'):
