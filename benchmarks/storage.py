@@ -63,19 +63,26 @@ def start_server(log: Path) -> tuple[subprocess.Popen, str]:
 
 
 def loader_rate(manifest, server=None) -> tuple[float, float, float]:
-    """(rows/s, this process's CPU seconds, the S3 server's CPU seconds) of one epoch of rank 0 of 2."""
-    import psutil
-
+    """(rows/s, this process's CPU seconds, the S3 server's CPU seconds) of one epoch of rank 0 of 2.
+    server: the S3 server's pid."""
     from torchloom.data import ShardedLoader
 
-    me = psutil.Process()
-    cpu0, srv0 = sum(me.cpu_times()[:2]), sum(server.cpu_times()[:2]) if server else 0.0
+    cpu0, srv0 = cpu_seconds(), cpu_seconds(server) if server else 0.0
     loader = ShardedLoader(manifest, "train", rank=0, world_size=2, batch_size=8, seed=0)
     started, rows = time.perf_counter(), 0
     for batch in loader:
         rows += len(batch["labels"])
     rate = rows / (time.perf_counter() - started)
-    return rate, sum(me.cpu_times()[:2]) - cpu0, (sum(server.cpu_times()[:2]) - srv0) if server else 0.0
+    return rate, cpu_seconds() - cpu0, (cpu_seconds(server) - srv0) if server else 0.0
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User + system CPU seconds of a process (this one, with its threads, by default), from /proc."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tuple]:
@@ -89,9 +96,7 @@ def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tup
     uri = f"s3://{BUCKET}/loader/data"
     storage.push_tree(tmp / "data", uri, last=("manifest.json",))
     remote = replace(local, root=uri)
-    import psutil
-
-    server = psutil.Process(server_pid)
+    server = server_pid
     out = []
     for r in range(rounds):
         (a, cpu_a, _), (b, cpu_b, srv) = loader_rate(local), loader_rate(remote, server)

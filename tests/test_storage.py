@@ -388,3 +388,30 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
     there = replace(here, root=uri("prepared"))
     assert there.shard_uri(there.split("train").shards[0]).startswith("s3://")
     assert baseline_spark.fit(spark, there, ["test"]).confusion == baseline_spark.fit(spark, here, ["test"]).confusion
+
+
+RANK_ON_A_HOST = """
+import os, sys, time
+from torchloom.engines import worker
+from torchloom.rundir import RunDir
+worker.REMOTE_LOG_S = 0.5
+rd = RunDir(sys.argv[1])
+worker.capture_output(rd, 0)
+print("line from " + sys.argv[2], flush=True)
+placement = rd.placement_file("l1", 0, 0)
+worker.write_json(placement, {"host": sys.argv[2]})
+worker.start_heartbeat(placement, rd, rd.rank_log(0))
+time.sleep(3)
+os._exit(9)  # the host is gone: no upload at the end
+"""
+
+
+def test_a_ranks_log_on_the_store_keeps_the_lines_of_a_host_that_was_lost(s3, tmp_path):
+    # Ranks upload their log while they run; a rank that starts again on another host (an empty cache) goes on
+    # from the store's log instead of replacing it.
+    run = uri("rank-log-run")
+    for host in ("first", "second"):
+        proc = subprocess.run([sys.executable, "-c", RANK_ON_A_HOST, run, host], capture_output=True, text=True,
+                              env={**os.environ, "TORCHLOOM_CACHE": str(tmp_path / f"cache-{host}")}, timeout=120)
+        assert proc.returncode == 9, proc.stderr[-2000:]
+    assert storage.read_bytes(storage.join(run, "logs/rank-0.log")).decode() == "line from first\nline from second\n"

@@ -74,6 +74,7 @@ LOST_AFTER_S = 3.0  # under the smallest engine.collective_timeout_s (5), less a
 # A run on a store: hosts share no file whose time they could touch, so each rank writes its beat's time into
 # its placement file and uploads it every REMOTE_BEAT_S; a beat that reached the store counts.
 REMOTE_BEAT_S = 2.0
+REMOTE_LOG_S = 10.0  # a run on a store: how often a rank uploads its log when it grew (engines/worker.py)
 
 
 def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:

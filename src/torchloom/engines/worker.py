@@ -22,6 +22,7 @@ from torchloom.engines import faults
 from torchloom.engines.common import (
     HEARTBEAT_S,
     REMOTE_BEAT_S,
+    REMOTE_LOG_S,
     NotRestarted,
     RestartLimit,
     describe_loss,
@@ -59,9 +60,19 @@ def env_rank() -> int:
 
 
 def capture_output(rd: RunDir, rank: int) -> None:
-    """Send this process's stdout and stderr (Python's and native code's) to logs/rank-{rank}.log."""
+    """Send this process's stdout and stderr (Python's and native code's) to logs/rank-{rank}.log. A run on a
+    store: a host that has no such log yet first takes the store's (an earlier start of this rank, on a host
+    that was lost), so the log goes on from there instead of replacing it."""
     path = rd.rank_log(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if rd.remote and not path.exists():
+        try:
+            from torchloom import storage
+
+            storage.pull(rd, path)
+        except Exception as e:  # the rank runs without the earlier lines; the store is judged elsewhere
+            print(f"torchloom: warning: could not fetch the earlier {rd.home(path)} ({first_line(e)})",
+                  file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -174,21 +185,31 @@ def update_placement(placement: Path, **fields) -> None:
         write_json(placement, {**read_json(placement), **fields}, indent=None)
 
 
-def start_heartbeat(placement: Path, rd: RunDir | None = None) -> None:
+def start_heartbeat(placement: Path, rd: RunDir | None = None, log: Path | None = None) -> None:
     """Touch the placement file every HEARTBEAT_S; a run on a store also uploads the beat's time in it every
-    REMOTE_BEAT_S (common.lost_ranks), quietly: a store that does not answer now is judged by the driver."""
+    REMOTE_BEAT_S (common.lost_ranks), and the rank's `log` when it grew, every REMOTE_LOG_S (a host that is
+    lost keeps its lines up to then), quietly: a store that does not answer now is judged by the driver."""
     def beat() -> None:
-        pushed = 0.0
+        pushed = logged = 0.0
+        log_size = -1
         while True:
             time.sleep(HEARTBEAT_S)
             try:
                 os.utime(placement)
-                if rd is not None and rd.remote and time.monotonic() - pushed >= REMOTE_BEAT_S:
+                if rd is None or not rd.remote:
+                    continue
+                from torchloom import storage
+
+                if time.monotonic() - pushed >= REMOTE_BEAT_S:
                     pushed = time.monotonic()
                     update_placement(placement, beat=time.time())
-                    from torchloom import storage
-
                     storage.push(rd, placement)
+                if log is not None and time.monotonic() - logged >= REMOTE_LOG_S:
+                    logged = time.monotonic()
+                    size = log.stat().st_size
+                    if size != log_size:
+                        storage.push(rd, log)
+                        log_size = size
             except Exception:
                 pass
 
@@ -292,7 +313,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             preemption.poll_url(cfg_dict["train"]["preemption_url"])
         if attempt is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             watch_notice_file(rd, rd.notice_file(launch_id, attempt))
-        start_heartbeat(placement, rd)
+        start_heartbeat(placement, rd, rd.rank_log(rank) if capture else None)
         if starts:
             cfg_dict = restarted(rd, cfg_dict, launch_id, rank, starts)
         result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter, launch_id), launched_at=launched_at,
