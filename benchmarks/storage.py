@@ -18,7 +18,8 @@ sitting, each pair interleaved round by round so that a slow spell of the machin
    break) in 4 files, read and parsed by a local[2] Spark into text and label (the sum of the texts' lengths
    as the job's result): Spark's reader on local disk, the tasks streaming the objects from the store
    (etl/store_read.py: a Spark cluster without a connector), and the embedded Spark's way with an input on a
-   store (download to local disk, then Spark's reader); rows/s and the ratio to Spark's reader on disk.
+   store (download to local disk, then Spark's reader); rows/s and the ratio to Spark's reader on disk;
+   then (--prepare-rounds) whole `torchloom prepare` runs of the same files the same three ways.
 
 Prints the CPU first: write it beside every figure.
 """
@@ -106,7 +107,7 @@ def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tup
     return out
 
 
-def bench_input(tmp: Path, rows: int, rounds: int) -> list[tuple]:
+def bench_input(tmp: Path, rows: int, rounds: int, prepare_rounds: int = 0) -> list[tuple]:
     """[(round, rows/s Spark on disk, rows/s tasks from the store, rows/s download + Spark)] for prepare's read."""
     import csv
     import random
@@ -156,7 +157,31 @@ def bench_input(tmp: Path, rows: int, rounds: int) -> list[tuple]:
         print(f"input round {r + 1}: Spark on disk {a:,.0f} rows/s, tasks from the store {b:,.0f} ({b / a:.3f}x),"
               f" download + Spark {c:,.0f} ({c / a:.3f}x)", flush=True)
     spark.stop()
+    if prepare_rounds:
+        out.append(whole_prepare(tmp, src, uri, prepare_rounds, rows))
     return out
+
+
+def whole_prepare(tmp: Path, src: Path, uri: str, rounds: int, rows: int) -> tuple:
+    """`torchloom prepare` of the same CSV files (the demo's tokenizer, local[2]): from local disk, from the
+    store through the tasks, from the store downloaded first; rows/s of each, the median of `rounds`."""
+    def once(path: str, reader: str) -> float:
+        out = tmp / "prepared"
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "torchloom", "prepare", "--data.path", path, "--output.dir", str(out),
+                        "--output.overwrite", "true", "--prepare.spark_master", "local[2]", "--prepare.input_reader",
+                        reader, "--data.text_column", "text", "--data.label_column", "label", "--eval.baseline",
+                        "false", "--tracking.enabled", "false"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, env={**os.environ, "TORCHLOOM_CACHE": str(tmp / "prep-cache")})
+        return rows / (time.perf_counter() - started)
+
+    got = []
+    for r in range(rounds):
+        a, b, c = once(str(src), "auto"), once(uri, "pyarrow"), once(uri, "auto")
+        got.append((a, b, c))
+        print(f"prepare round {r + 1}: from disk {a:,.0f} rows/s, tasks from the store {b:,.0f} ({b / a:.3f}x),"
+              f" downloaded first {c:,.0f} ({c / a:.3f}x)", flush=True)
+    return ("prepare", *(statistics.median(x[i] for x in got) for i in range(3)))
 
 
 def train(output: str, steps: int, data: Path, cache: Path) -> dict:
@@ -217,6 +242,7 @@ def main() -> None:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--input-rows", type=int, default=200_000)
     p.add_argument("--skip-loader", action="store_true")
+    p.add_argument("--prepare-rounds", type=int, default=1, help="whole `torchloom prepare` runs of the input")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from torchloom.machine import cpu
@@ -227,7 +253,7 @@ def main() -> None:
         server, endpoint = start_server(tmp / "moto.log")
         try:
             loader = [] if a.skip_loader else bench_loader(tmp, a.rows, a.rounds, server.pid)
-            inputs = bench_input(tmp, a.input_rows, a.rounds) if a.input_rows else []
+            inputs = bench_input(tmp, a.input_rows, a.rounds, a.prepare_rounds) if a.input_rows else []
             runs = []
             if not a.skip_train:
                 data = prepared_demo(tmp)
@@ -249,12 +275,19 @@ def main() -> None:
         print(f"| loader CPU seconds per epoch, store / local (median); the S3 server's CPU on the same cores |"
               f" 1.00 | {med(x[3] for x in loader):.2f} | {1 / med(x[3] for x in loader):.3f} (CPU-bound bound) |"
               f" {med(x[4] for x in loader):.2f} s |")
+    whole = [x for x in inputs if x[0] == "prepare"]
+    inputs = [x for x in inputs if x[0] != "prepare"]
     if inputs:
         ia, ib, ic = (med(x[i] for x in inputs) for i in (1, 2, 3))
         print(f"| prepare's input, rows/s read and parsed (median of {len(inputs)}, {a.input_rows:,} CSV rows):"
               f" Spark on disk / the tasks streaming from the store | {ia:,.0f} | {ib:,.0f} | {ib / ia:.3f} | - |")
         print(f"| prepare's input: Spark on disk / download to disk + Spark (the embedded Spark's way) | {ia:,.0f} |"
               f" {ic:,.0f} | {ic / ia:.3f} | - |")
+    for _, pa_, pb, pc in whole:
+        print(f"| `torchloom prepare` rows/s (median of {a.prepare_rounds}): from disk / through the tasks from the"
+              f" store | {pa_:,.0f} | {pb:,.0f} | {pb / pa_:.3f} | - |")
+        print(f"| `torchloom prepare` rows/s: from disk / downloaded first | {pa_:,.0f} | {pc:,.0f} | {pc / pa_:.3f} |"
+              " - |")
     for i, (local, store, sync) in enumerate(runs, 1):
         print(f"| training samples/s, round {i} ({a.train_steps} steps, checkpoint every 10) |"
               f" {local['samples_per_s']:.2f} | {store['samples_per_s']:.2f} |"

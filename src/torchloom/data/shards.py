@@ -122,7 +122,7 @@ def _open(uri: str) -> pq.ParquetFile:
     if "://" in uri:  # a shard on a store: a random-access file whose reads are ranged GETs
         from torchloom import storage
 
-        return pq.ParquetFile(storage.open_input(uri))
+        return pq.ParquetFile(storage.open_input(uri), pre_buffer=True)
     return pq.ParquetFile(uri)
 
 
