@@ -41,12 +41,14 @@ ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "bench"
 
 
-def start_server(log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """The S3 server; on `cpus` only where given (the benchmark then keeps to the others)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -242,6 +244,9 @@ def main() -> None:
     p.add_argument("--skip-train", action="store_true")
     p.add_argument("--input-rows", type=int, default=200_000)
     p.add_argument("--skip-loader", action="store_true")
+    p.add_argument("--server-cpu", type=int, default=None,
+                   help="run the S3 server on this CPU alone and everything else on the others, as a store on"
+                        " hosts of its own would (the loader and training then have one core fewer)")
     p.add_argument("--prepare-rounds", type=int, default=1, help="whole `torchloom prepare` runs of the input")
     a = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -250,7 +255,12 @@ def main() -> None:
     print(f"cpu: {cpu().describe()}", flush=True)
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        server, endpoint = start_server(tmp / "moto.log")
+        server_cpus = {a.server_cpu} if a.server_cpu is not None else None
+        server, endpoint = start_server(tmp / "moto.log", server_cpus)
+        if server_cpus:
+            os.sched_setaffinity(0, os.sched_getaffinity(0) - server_cpus)
+            print(f"the S3 server on CPU {a.server_cpu}; the rest on CPUs {sorted(os.sched_getaffinity(0))}",
+                  flush=True)
         try:
             loader = [] if a.skip_loader else bench_loader(tmp, a.rows, a.rounds, server.pid)
             inputs = bench_input(tmp, a.input_rows, a.rounds, a.prepare_rounds) if a.input_rows else []

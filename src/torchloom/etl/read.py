@@ -70,16 +70,24 @@ def resolve_format(cfg: DataConfig, path: str) -> str:
 
 
 def _store_format(path: str) -> str | None:
-    """The format of a prefix on an object store, from its listing (None when it is not one pyarrow opens)."""
+    """The format of a prefix on an object store, from its listing as _dir_format decides it for a directory
+    (None when it is not a URI pyarrow opens, or nothing there tells)."""
+    if not _pyarrow_opens(path):
+        return None
     from torchloom import storage
 
-    try:
-        storage.scheme(path)
-    except UserError:
-        return None
-    from torchloom.etl.store_read import store_format
-
-    return store_format(path)
+    seen: Counter[str] = Counter()
+    txt_in_subdir = False
+    for rel in storage.list_files(path):
+        parts = rel.split("/")
+        if any(p.startswith((".", "_")) for p in parts):
+            continue
+        txt_in_subdir |= len(parts) > 1 and parts[-1].endswith(".txt")
+        if _ext(parts[-1]) in EXTENSIONS:
+            seen[EXTENSIONS[_ext(parts[-1])]] += 1
+    if txt_in_subdir:
+        return "folder"
+    return seen.most_common(1)[0][0] if seen else None
 
 
 def check_exists(path: str) -> None:
@@ -201,18 +209,33 @@ def reader_of(spark, path: str, reader: str = "auto") -> str:
     "auto" when this Spark has no file system for its scheme."""
     if _is_local(path) or reader == "spark":
         return "spark"
-    return "pyarrow" if reader == "pyarrow" or not spark_reads(spark, path) else "spark"
+    if reader == "pyarrow":
+        return "pyarrow"
+    return "pyarrow" if _pyarrow_opens(path) and not spark_reads(spark, path) else "spark"
+
+
+def _pyarrow_opens(path: str) -> bool:
+    """A store URI whose scheme storage.py knows (s3://, s3a://, gs://, abfs://, hdfs://, ...)."""
+    from torchloom import storage
+
+    try:
+        storage.scheme(path)
+        return True
+    except UserError:
+        return False
 
 
 def spark_reads(spark, path: str) -> bool:
     """Whether this Spark has a Hadoop file system for the URI's scheme (hdfs://; s3a:// or gs:// only with
-    their connector jars)."""
+    their connector jars). A Spark Connect server is not ours to ask: it is taken to read what it is given."""
     try:
-        jvm = spark._jvm
-        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(urlparse(path).scheme,
-                                                               spark._jsc.hadoopConfiguration())
+        jvm, conf = spark._jvm, spark._jsc.hadoopConfiguration()
+    except Exception:  # Spark Connect
         return True
-    except Exception:  # none for the scheme; or Spark Connect, whose server side is not ours to ask
+    try:
+        jvm.org.apache.hadoop.fs.FileSystem.getFileSystemClass(urlparse(path).scheme, conf)
+        return True
+    except Exception:  # none for the scheme
         return False
 
 
@@ -242,9 +265,9 @@ def unreadable(path: str, e: BaseException) -> UserError:
     reason = java_reason(e)
     if "No FileSystem for scheme" in reason:
         scheme = urlparse(path).scheme
+        fix = "prepare.input_reader pyarrow" if _pyarrow_opens(path) else "copy the data to a local path"
         return UserError(f"data.path {path}: this Spark has no file system for {scheme}:// ({reason}); add its"
-                         " Hadoop connector (prepare.spark_conf spark.jars.packages) or copy the data to a local"
-                         " path")
+                         f" Hadoop connector (prepare.spark_conf spark.jars.packages) or {fix}")
     return UserError(f"data.path {path}: Spark cannot read it ({reason}); check the path and that Spark may read"
                      " it")
 

@@ -59,27 +59,6 @@ def files(path: str, fmt: str) -> list[tuple[str, int]]:
     return sorted(keep)
 
 
-def store_format(path: str) -> str | None:
-    """The format of the files under a prefix on the store (the most common known extension; folder when
-    files sit in subdirectories and end in .txt), or None."""
-    from collections import Counter
-
-    from torchloom.etl.read import EXTENSIONS, _ext
-
-    seen: Counter[str] = Counter()
-    txt_in_subdir = False
-    for rel in storage.list_files(path):
-        parts = rel.split("/")
-        if any(p.startswith((".", "_")) for p in parts):
-            continue
-        txt_in_subdir |= len(parts) > 1 and parts[-1].endswith(".txt")
-        if _ext(parts[-1]) in EXTENSIONS:
-            seen[EXTENSIONS[_ext(parts[-1])]] += 1
-    if txt_in_subdir:
-        return "folder"
-    return seen.most_common(1)[0][0] if seen else None
-
-
 def read(spark, cfg, path: str, fmt: str, sep: str = ","):
     """`path` on the store as a DataFrame: the input's own columns and SOURCE (folder: text, label, SOURCE)."""
     from pyspark.sql import functions as F
