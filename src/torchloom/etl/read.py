@@ -75,13 +75,14 @@ def _store_format(path: str) -> str | None:
     if not _pyarrow_opens(path):
         return None
     from torchloom import storage
+    from torchloom.etl.store_read import hidden
 
     seen: Counter[str] = Counter()
     txt_in_subdir = False
     for rel in storage.list_files(path):
-        parts = rel.split("/")
-        if any(p.startswith((".", "_")) for p in parts):
+        if hidden(rel):
             continue
+        parts = rel.split("/")
         txt_in_subdir |= len(parts) > 1 and parts[-1].endswith(".txt")
         if _ext(parts[-1]) in EXTENSIONS:
             seen[EXTENSIONS[_ext(parts[-1])]] += 1

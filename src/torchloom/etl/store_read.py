@@ -45,18 +45,17 @@ def files(path: str, fmt: str) -> list[tuple[str, int]]:
     listing = storage.list_files(path)
     if not listing:
         return [(path, 0)]
-    keep = []
-    for rel, size in listing.items():
-        parts = rel.split("/")
-        if any(p.startswith((".", "_")) for p in parts):
-            continue
-        if fmt == "folder" and not parts[-1].endswith(".txt"):
-            continue
-        keep.append((storage.join(path, rel), size))
+    keep = [(storage.join(path, rel), size) for rel, size in listing.items()
+            if not hidden(rel) and (fmt != "folder" or rel.endswith(".txt"))]
     if not keep:
         raise UserError(f"data.path {storage.redact(path)}: no {fmt} files under this prefix; point --data.path at"
                         " your data files")
     return sorted(keep)
+
+
+def hidden(rel: str) -> bool:
+    """An object Spark's readers skip: a name, at any level, starting with . or _ (_SUCCESS, .crc files)."""
+    return any(p.startswith((".", "_")) for p in rel.split("/"))
 
 
 def read(spark, cfg, path: str, fmt: str, sep: str = ","):
@@ -69,6 +68,7 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
             raise UserError(f"data.path {storage.redact(uri)}: compressed as {os.path.splitext(uri)[1]}, which this"
                             " reader does not decompress; use gzip, bz2 or zstd, or an uncompressed file")
     uris = [u for u, _ in objects]
+    wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
     tasks = min(len(uris), max(_parallelism(spark), sum(s for _, s in objects) // BYTES_PER_TASK + 1))
     ids = spark.range(0, len(uris), 1, numPartitions=tasks)
     if fmt == "csv":
@@ -78,7 +78,6 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
         parsed = F.from_csv("record", schema, {"sep": sep, "escape": '"'})
         return records.select(parsed.alias("r"), SOURCE).select("r.*", SOURCE)
     if fmt == "jsonl":
-        wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
         found = json_columns(uris[0])
         if found and not set(wanted) <= found:  # a column in none of the first lines: name what is there
             return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in sorted(found)))
@@ -86,19 +85,12 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
         records = ids.mapInArrow(partial(lines_task, uris=uris), f"record STRING, {SOURCE} STRING")
         return records.select(F.from_json("record", schema).alias("r"), SOURCE).select("r.*", SOURCE)
     if fmt == "parquet":
-        from pyspark.sql.pandas.types import from_arrow_schema
-
         arrow = parquet_schema(uris[0])
-        wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
-        present = [c for c in wanted if c in arrow.names]
-        if len(present) < len(wanted):  # a missing column: the names there, for read._select's line
+        if not set(wanted) <= set(arrow.names):  # a missing column: the names there, for read._select's line
             return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in arrow.names))
-        import pyarrow as pa
-
-        schema = pa.schema([arrow.field(c) for c in present] + [pa.field(SOURCE, pa.string())])
-        return ids.mapInArrow(partial(parquet_task, uris=uris, schema=schema), from_arrow_schema(schema))
+        return _parquet(ids, uris, arrow, wanted)
     if fmt == "folder":
-        return ids.mapInArrow(partial(folder_task, uris=uris, root=path), f"text STRING, label STRING, {SOURCE} STRING")
+        return ids.mapInArrow(partial(folder_task, uris=uris), f"text STRING, label STRING, {SOURCE} STRING")
     raise UserError(f"data.format {fmt!r}: unknown; use one of auto, csv, jsonl, parquet, folder")
 
 
@@ -106,13 +98,18 @@ def parquet_frame(spark, uris: list[str], columns: list[str]):
     """Parquet objects on the store as one DataFrame of `columns`, read by the tasks with pyarrow (one task
     per object, row group by row group): prepared shards for the Spark baseline on a cluster without a
     connector for the run's store."""
+    ids = spark.range(0, len(uris), 1, numPartitions=len(uris))
+    return _parquet(ids, uris, parquet_schema(uris[0]), columns).drop(SOURCE)
+
+
+def _parquet(ids, uris: list[str], arrow, columns: list[str]):
+    """mapInArrow of parquet_task over object indices `ids`: `columns` in the types of `arrow` (the first
+    object's schema), and SOURCE."""
     import pyarrow as pa
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    arrow = parquet_schema(uris[0])
     schema = pa.schema([arrow.field(c) for c in columns] + [pa.field(SOURCE, pa.string())])
-    ids = spark.range(0, len(uris), 1, numPartitions=len(uris))
-    return ids.mapInArrow(partial(parquet_task, uris=uris, schema=schema), from_arrow_schema(schema)).drop(SOURCE)
+    return ids.mapInArrow(partial(parquet_task, uris=uris, schema=schema), from_arrow_schema(schema))
 
 
 def _parallelism(spark) -> int:
@@ -213,46 +210,18 @@ def parquet_schema(uri: str):
 # -- in the tasks: objects streamed from the store ---------------------------------------------------
 
 
-class text_stream:
+@contextlib.contextmanager
+def text_stream(uri: str):
     """An object on the store as text: decompressed by its extension, decoded as UTF-8 (a BOM dropped, bytes
-    that are not UTF-8 as U+FFFD, as Spark decodes), line endings kept."""
+    that are not UTF-8 as U+FFFD, as Spark decodes), line endings kept; read READ_BYTES per request (each read
+    of a store's file is a request, and the text layer asks for 8 KB at a time)."""
+    import pyarrow as pa
 
-    def __init__(self, uri: str):
-        self.uri = uri
-
-    def __enter__(self):
-        import pyarrow as pa
-
-        self.raw = storage.open_input(self.uri)
-        codec = CODECS.get(os.path.splitext(self.uri)[1].lower())
-        stream = pa.CompressedInputStream(self.raw, codec) if codec else self.raw
-        self.text = io.TextIOWrapper(io.BufferedReader(_Raw(stream)), encoding="utf-8-sig",
-                                     errors="replace", newline="")
-        return self.text
-
-    def __exit__(self, *exc):
-        self.raw.close()
-        return False
-
-
-class _Raw(io.RawIOBase):
-    """A pyarrow stream as a Python raw stream (for io.BufferedReader), read from the store READ_BYTES at a
-    time: each read of a store's file is a request, and the text layer above asks for 8 KB."""
-
-    def __init__(self, stream):
-        self.stream = stream
-        self.chunk = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        if not self.chunk:
-            self.chunk = memoryview(self.stream.read(max(len(buffer), READ_BYTES)))
-        n = min(len(buffer), len(self.chunk))
-        buffer[:n] = self.chunk[:n]
-        self.chunk = self.chunk[n:]
-        return n
+    with storage.open_input(uri) as raw:
+        codec = CODECS.get(os.path.splitext(uri)[1].lower())
+        stream = pa.CompressedInputStream(raw, codec) if codec else raw
+        yield io.TextIOWrapper(pa.BufferedInputStream(stream, READ_BYTES), encoding="utf-8-sig", errors="replace",
+                               newline="")
 
 
 def csv_records(lines, sep: str, quote: str = '"'):
@@ -365,7 +334,7 @@ def parquet_task(batches, uris: list[str], schema):
                 yield from table.select(schema.names).cast(schema).to_batches()
 
 
-def folder_task(batches, uris: list[str], root: str):
+def folder_task(batches, uris: list[str]):
     """mapInArrow over object indices: each *.txt object whole, its directory's name the label."""
     def rows():
         for uri in _my_uris(batches, uris):
