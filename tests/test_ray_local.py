@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 
 import pytest
 
@@ -40,17 +41,33 @@ def test_own_instance_listens_on_loopback_only_with_token_auth(monkeypatch, tmp_
 
 
 def test_joining_a_cluster_that_is_not_there_is_one_line(tmp_path):
+    # "auto" looks for any GCS process on the machine and for Ray's address file under the temp dir: the
+    # child runs in a PID namespace of its own (the suite's other Ray instances are invisible to it) with its
+    # own temp dir. An address where nothing listens is refused in seconds; Ray itself retried it for minutes.
     import subprocess
     import sys
+    import time
 
-    code = ("from torchloom.engines.ray import init_ray\nfrom torchloom.errors import UserError\n"
-            "try:\n    init_ray('auto')\nexcept UserError as e:\n    print(e)\n")
+    code = ("import sys\nfrom torchloom.engines.ray import init_ray\nfrom torchloom.errors import UserError\n"
+            "try:\n    init_ray(sys.argv[1])\nexcept UserError as e:\n    print(e)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                          env={**env, "RAY_ADDRESS": ""})
-    line = proc.stdout.strip()
-    assert line.startswith("engine.ray_address auto: no Ray cluster answers there"), proc.stdout + proc.stderr[-2000:]
-    assert "leave engine.ray_address empty" in line and "\n" not in line and len(line) < 300
+    env = {**env, "RAY_ADDRESS": "", "TMPDIR": str(tmp_path)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]  # closed again: nothing listens there
+    for address, isolate in (("auto", ["unshare", "--pid", "--fork", "--mount-proc"]),
+                             (f"127.0.0.1:{free}", []), (f"ray://127.0.0.1:{free}", [])):
+        started = time.monotonic()
+        proc = subprocess.run([*isolate, sys.executable, "-c", code, address], capture_output=True, text=True,
+                              timeout=120, cwd=tmp_path, env=env)
+        line = proc.stdout.strip()
+        assert line.startswith(f"engine.ray_address {address}: no Ray cluster answers there"), \
+            proc.stdout + proc.stderr[-2000:]
+        assert "leave engine.ray_address empty" in line and "\n" not in line and len(line) < 300
+        if isolate:
+            assert "Could not find any running Ray instance" in line
+        else:
+            assert f"127.0.0.1:{free}: Connection refused" in line and time.monotonic() - started < 30
 
 
 def test_own_instance_is_the_one_its_tasks_find_beside_another_ray():

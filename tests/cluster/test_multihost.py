@@ -78,6 +78,28 @@ def torchloom(host: Host, args: list[str], env: dict, timeout: float, log: Path,
     return proc
 
 
+def without_exit_barrier_race(text: str) -> str:
+    """The text less torch elastic's report of its known exit-barrier race (pytorch/pytorch#69520): an agent
+    that hosts the store may leave as soon as the barrier is complete, and another agent, still waiting for
+    the answer, logs the lost connection (a C++ warning with its frames, then an ERROR with a traceback).
+    The job has ended well by then; every other traceback or failure stays in the text."""
+    if "Error waiting on exit barrier" not in text:
+        return text
+    agent = re.compile(r"^E\d{4} [\d:.]+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] ")
+    kept, in_warning = [], False
+    for line in text.splitlines():
+        if agent.match(line):
+            continue
+        if "failed on SocketImpl" in line and "Failed to recv" in line:
+            in_warning = True  # the C++ warning: its frames and a blank line follow
+            continue
+        if in_warning and (not line.strip() or line.startswith(("Exception raised from", "frame #", "<omitting"))):
+            continue
+        in_warning = False
+        kept.append(line)
+    return "\n".join(kept)
+
+
 def private_run(setup, tmp_path: Path, hosts: list[Host]) -> Path:
     """A prepared run directory that these hosts do not see (storage only the driver's host mounts)."""
     private = tmp_path / "private"
@@ -131,7 +153,8 @@ def test_torchrun_survives_the_loss_of_a_host_when_a_replacement_joins(setup, tm
     assert set(rank_hosts(text[b.name]).values()) == {b.name} and set(rank_hosts(text[d.name]).values()) == {d.name}
     lost = f"restart 1: rank {on_c} on host {c.name} stopped answering (lost); resuming"
     assert lost in text[b.name], text[b.name][-3000:]
-    assert "Traceback" not in text[b.name], text[b.name][-3000:]  # the survivor's collective error is one line
+    survivor = without_exit_barrier_race(text[b.name])
+    assert "Traceback" not in survivor, survivor[-3000:]  # the survivor's collective error is one line
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
 
 
@@ -164,7 +187,7 @@ def test_torchrun_sigterm_to_a_worker_on_one_host_checkpoints_and_goes_on_to_the
     stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
     assert stopped_at in (step, step + 1) and (rd / "checkpoints" / f"step-{stopped_at}").is_dir()
     assert "after a preemption: resuming from the latest checkpoint" in text[b.name] + text[c.name]
-    assert "Traceback" not in text[b.name] + text[c.name]
+    assert "Traceback" not in without_exit_barrier_race(text[b.name] + text[c.name])
     records = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x.strip()]
     assert [r["step"] for r in records if r.get("kind") == "preempted"] == [stopped_at]
     assert_same_weights(setup["ref"] / "checkpoints" / LAST, rd / "checkpoints" / LAST)
@@ -426,6 +449,7 @@ def test_spark_worker_decommissioned_by_its_signal_is_a_notice_and_training_goes
     assert len(said) == 1 and "(notice: Spark decommissions executor " in said[0], text[-3000:]
     stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
     assert (rd / "checkpoints" / f"step-{stopped_at}").is_dir()
+    text = without_exit_barrier_race(text)
     assert "failed" not in text and "Traceback" not in text, text[-3000:]
     result = json.loads((rd / "train_result.json").read_text())
     assert result["resumed_at_step"] == stopped_at and result["steps"] == 13

@@ -68,6 +68,22 @@ def _entry(config: dict) -> None:
 OWN_INSTANCE = "TORCHLOOM_OWN_RAY_INSTANCE"
 
 
+def unreachable(address: str, timeout: float = 5.0) -> str | None:
+    """Why nothing answers a TCP connection at a host:port Ray address (a GCS, or `ray://` a Ray Client
+    server), or None: it answers, or the address is one Ray resolves itself ("auto", another scheme)."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep or "/" in rest or not port.isdigit() or not host:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except TimeoutError:
+        return f"{host}:{port}: no answer in {timeout:g} s"
+    except OSError as e:
+        return f"{host}:{port}: {e.strerror or type(e).__name__}"
+    return None
+
+
 def init_ray(address: str) -> bool:
     """Connect to (or start) Ray; returns True when this call started a local instance.
 
@@ -80,12 +96,18 @@ def init_ray(address: str) -> bool:
     if ray.is_initialized():
         return False
     if address:
+        def nobody_there(why: str) -> UserError:
+            return UserError(f"engine.ray_address {address}: no Ray cluster answers there ({why[:90]});"
+                             " start one (`ray start --head`), fix the address, or leave engine.ray_address empty"
+                             " for a local instance")
+
+        why = unreachable(address)
+        if why:  # Ray itself retries an address where nothing listens for minutes, warning every 5 s
+            raise nobody_there(why)
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
         except (ConnectionError, TimeoutError, ValueError) as e:
-            raise UserError(f"engine.ray_address {address}: no Ray cluster answers there ({first_line(e)[:90]});"
-                            " start one (`ray start --head`), fix the address, or leave engine.ray_address empty"
-                            " for a local instance") from None
+            raise nobody_there(first_line(e)) from None
         return False
     # Unix socket paths are limited to 107 bytes, so Ray's session dir cannot live in a deep run dir.
     temp = private_dir(f"torchloom-ray-{os.getuid()}")
