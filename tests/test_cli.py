@@ -249,6 +249,24 @@ def _small_csv(tmp: Path) -> Path:
     return path
 
 
+def _cut_gzip(tmp: Path, whole_first: bool = False) -> Path:
+    """A .csv.gz whose second half is missing (an interrupted copy); with whole_first, the pattern of a folder
+    holding a whole .csv.gz and then that one (Spark's schema pass reads the whole one only)."""
+    import gzip
+    import random
+
+    r = random.Random(7)
+    text = "text,label\n" + "".join(f"{' '.join(str(r.random()) for _ in range(6))},sport\n" for _ in range(3000))
+    data = gzip.compress(text.encode())
+    folder = tmp / "parts"
+    folder.mkdir()
+    if whole_first:
+        (folder / "a.csv.gz").write_bytes(data)
+    path = folder / "cut.csv.gz"
+    path.write_bytes(data[:len(data) // 2])
+    return folder / "*.csv.gz" if whole_first else path
+
+
 def _texts_csv(tmp: Path) -> Path:
     path = tmp / "texts.csv"
     path.write_text("id,text\n" + "".join(f"{i},match goal {i}\n" for i in range(10)))
@@ -327,6 +345,13 @@ MISTAKES = {
     "no_file_system_for_the_scheme": lambda tmp, rq: (
         [*_prepare(tmp, rq.getfixturevalue("tiny")), "--data.path", "foo:/bucket/reviews.csv"], {},
         "data.path foo:/bucket/reviews.csv: this Spark has no file system for foo://"),
+    "input_gzip_cut_short": lambda tmp, rq: (  # no Spark task's stack trace before the line either
+        [*_prepare(tmp, rq.getfixturevalue("tiny")), "--data.path", str(_cut_gzip(tmp))], {},
+        ("data.path ", "cut.csv.gz: Spark cannot read file:/", "cut.csv.gz (EOFException: Unexpected end of input",
+         "replace that file")),
+    "input_gzip_cut_short_after_a_whole_one": lambda tmp, rq: (  # it fails in prepare's first pass, not in read's
+        [*_prepare(tmp, rq.getfixturevalue("tiny")), "--data.path", str(_cut_gzip(tmp, whole_first=True))], {},
+        ("data.path ", "*.csv.gz: Spark cannot read file:", "parts/cut.csv.gz (EOFException: Unexpected end of input")),
     "more_workers_than_barrier_slots": lambda tmp, rq: (
         _spark_engine_on_one_slot(tmp, rq), {}, "engine.workers 2: Spark (local-cluster[1,1,1024]) has 1 barrier slot"),
     "spark_scoring_output_under_a_file": lambda tmp, rq: (

@@ -146,7 +146,7 @@ def java_missing() -> str | None:
     return f"java: not found (JAVA_HOME is unset and no java is on PATH), and Spark needs it; {fix} and set JAVA_HOME"
 
 
-def _short(line: str) -> str:
+def short(line: str) -> str:
     """A Java error line without package names, thread prefix or SQLSTATE, at most REASON_CHARS."""
     line = re.sub(r"^Exception in thread \"[^\"]*\" ", "", line.strip())
     line = re.sub(r"^\S*spark-class: line \d+: ", "", line)
@@ -161,7 +161,7 @@ def jvm_reason(lines: list[str]) -> str:
         text = line.strip()
         if text and not text.startswith(("at ", "...")) and not text.startswith(_NOISE) \
                 and not line.startswith(("\t", " ")):
-            return _short(text)
+            return short(text)
     return ""
 
 
@@ -172,10 +172,28 @@ def java_reason(e: BaseException) -> str:
     java = getattr(e, "java_exception", None)
     if java is not None:
         try:
-            return _short(message_line(java.toString()))
+            return short(message_line(java.toString()))
         except Py4JError:  # the gateway went away: the Python side's message says the same
             pass
-    return _short(message_line(str(e)))
+    return short(message_line(str(e)))
+
+
+def java_chain(e: BaseException) -> list[str]:
+    """The Java exception behind a Py4JJavaError and its causes, outermost first, each as its class's simple
+    name and its message's first line ("SparkException: [FAILED_READ_FILE.NO_HINT] ... reading file F. ...",
+    ..., "EOFException: Unexpected end of input stream"); [] without a Java exception."""
+    from py4j.protocol import Py4JError
+
+    chain, java = [], getattr(e, "java_exception", None)
+    try:
+        while java is not None and len(chain) < 20:
+            message = java.getMessage()
+            name = java.getClass().getSimpleName()
+            chain.append(f"{name}: {message_line(str(message))}" if message else name)
+            java = java.getCause()
+    except Py4JError:  # the gateway went away
+        pass
+    return chain
 
 
 def conf_input(cfg: PrepareConfig, reason: str) -> str:

@@ -92,11 +92,14 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
                 p.rmdir()
             except OSError:
                 break
+        from torchloom.etl.read import failed_reading
         from torchloom.etl.store_read import input_error
 
-        unreadable = input_error(e) if isinstance(e, Exception) and not isinstance(e, UserError) else None
-        if unreadable is not None:  # a task could not read an object of the input on a store: its line
-            raise unreadable from None
+        if isinstance(e, Exception) and not isinstance(e, UserError):
+            # a task could not read an object of the input on a store, or a file Spark reads: its line
+            unreadable = input_error(e) or failed_reading(data_path, e)
+            if unreadable is not None:
+                raise unreadable from None
         raise
     manifest.root = str(out)
     say(f"prepared {manifest.counts['rows_kept']} rows into {out} in {manifest.timings['total']:.1f}s")

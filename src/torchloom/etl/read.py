@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 from collections import Counter
 from urllib.parse import urlparse
 
@@ -259,11 +260,38 @@ def _folder_has_no_split(cfg: DataConfig, path: str) -> UserError:
                      " input with that column")
 
 
+def read_failure(chain: list[str]) -> str:
+    """The file a Spark task failed to read (its FAILED_READ_FILE error) in a Java exception chain, or ""."""
+    for line in chain:
+        found = re.search(r"\[FAILED_READ_FILE\S*\] Encountered error while reading file (\S+?)\.?(?:\s|$)", line)
+        if found:
+            return found.group(1)
+    return ""
+
+
+def failed_reading(path: str, e: BaseException) -> UserError | None:
+    """The one line for a Spark job that failed because a task could not read a file of the input (a .gz cut
+    short, a damaged Parquet file): read's schema pass may not have opened that file. None for any other."""
+    from torchloom.etl.jvm import java_chain
+
+    return unreadable(path, e) if getattr(e, "java_exception", None) is not None and read_failure(java_chain(e)) \
+        else None
+
+
 def unreadable(path: str, e: BaseException) -> UserError:
     """A Java error from reading `path` as one line: the exception's class and message, and the fix."""
-    from torchloom.etl.jvm import java_reason
+    from torchloom.etl.jvm import java_chain, java_reason, short
 
     reason = java_reason(e)
+    chain = java_chain(e)
+    root = short(chain[-1]) if len(chain) > 1 else ""
+    failed_file = read_failure(chain)  # Spark's "error while reading file F" says which file; the root says why
+    if root and failed_file:
+        root = root if len(root) <= 90 else root[:87] + "..."
+        return UserError(f"data.path {path}: Spark cannot read {failed_file} ({root}); replace that file (cut"
+                         " short, damaged, or not what its name says) or move it out of the input")
+    if root and root not in reason:
+        reason = f"{reason}; at the root: {root}"
     if "No FileSystem for scheme" in reason:
         scheme = urlparse(path).scheme
         fix = "prepare.input_reader pyarrow" if _pyarrow_opens(path) else "copy the data to a local path"

@@ -13,7 +13,8 @@ from torchloom.errors import UserError, first_line, install_hint, missing_extra
 from torchloom.etl.jvm import JvmStderr, start_errors, start_failed
 from torchloom.private import private_file
 
-# Only warnings and errors reach the console; the native-hadoop warning is noise on every start.
+# Only warnings and errors reach the console; the native-hadoop warning is noise on every start, and a failed
+# task's shuffle files that are already gone are 200 lines of "Error deleting".
 _LOG4J2 = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stdout.ref = console
@@ -36,12 +37,27 @@ logger.dagscheduler.name = org.apache.spark.scheduler.DAGScheduler
 logger.dagscheduler.level = error
 logger.blas.name = dev.ludovic.netlib
 logger.blas.level = error
+logger.blockwriter.name = org.apache.spark.storage.DiskBlockObjectWriter
+logger.blockwriter.level = error
 """
 
 
-def _log4j_file() -> str:
-    digest = hashlib.sha256(_LOG4J2.encode()).hexdigest()[:12]  # a changed config gets a new file
-    return str(private_file(f"torchloom-log4j2-{os.getuid()}-{digest}.properties", _LOG4J2))
+# A local master runs its tasks in this JVM: a failed task's stack trace (Executor's ERROR, TaskSetManager's WARN
+# and ERROR) came before the job's error, which holds the same trace and which torchloom turns into one line
+# (a corrupt .gz input: 188 lines, then the line). On a cluster the driver's TaskSetManager says which host lost
+# which task and retries it: kept there.
+_LOCAL_TASKS = """\
+logger.executor.name = org.apache.spark.executor.Executor
+logger.executor.level = off
+logger.tasksets.name = org.apache.spark.scheduler.TaskSetManager
+logger.tasksets.level = off
+"""
+
+
+def _log4j_file(local: bool = False) -> str:
+    text = _LOG4J2 + (_LOCAL_TASKS if local else "")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]  # a changed config gets a new file
+    return str(private_file(f"torchloom-log4j2-{os.getuid()}-{digest}.properties", text))
 
 
 def is_connect(master: str) -> bool:
@@ -71,6 +87,12 @@ def runs_on_this_machine(master: str) -> bool:
     """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback."""
     master = master.strip()
     return master == "local" or master.startswith(("local[", "local-cluster["))
+
+
+def _tasks_here(cfg: PrepareConfig) -> bool:
+    """local and local[N]: the tasks run in the driver's JVM (local-cluster has executor JVMs of its own)."""
+    master = cfg.spark_master.strip()
+    return master == "local" or master.startswith("local[")
 
 
 def local_cores(master: str) -> int:
@@ -155,7 +177,7 @@ def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
         # Spark counts each file as 4 MB when packing files into tasks: a folder of small .txt files
         # became ~70 tasks for 5 MB (BBC News) and 6x slower; 64 KB packs them by their real size.
         "spark.sql.files.openCostInBytes": str(64 * 1024),
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{_log4j_file()}",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{_log4j_file(_tasks_here(cfg))}",
     }
     if runs_on_this_machine(cfg.spark_master) and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
         # Spark's own default is a 1 GB heap for the local JVM, which holds the driver and every
