@@ -267,6 +267,21 @@ def _cut_gzip(tmp: Path, whole_first: bool = False) -> Path:
     return folder / "*.csv.gz" if whole_first else path
 
 
+def _parquet_folder_one_damaged(tmp: Path) -> Path:
+    """Two Parquet files of texts; the second lost its middle (its footer says more than the file holds)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp / "texts"
+    folder.mkdir()
+    table = pa.table({"text": [f"match goal {i}" for i in range(2000)]})
+    pq.write_table(table, folder / "a.parquet")
+    pq.write_table(table, folder / "b.parquet")
+    data = (folder / "b.parquet").read_bytes()
+    (folder / "b.parquet").write_bytes(data[:len(data) // 3] + data[-len(data) // 3:])
+    return folder
+
+
 def _texts_csv(tmp: Path) -> Path:
     path = tmp / "texts.csv"
     path.write_text("id,text\n" + "".join(f"{i},match goal {i}\n" for i in range(10)))
@@ -358,6 +373,10 @@ MISTAKES = {
         ["predict", str(rq.getfixturevalue("exported")), "--input", str(_texts_csv(tmp)), "--output",
          str(_file_in(tmp) / "out"), "--score-with", "spark", "--spark-master", "local[1]"], {},
         ("--output ", "a-file/out: Spark cannot write there (ParentNotDirect")),
+    "spark_scoring_input_file_damaged": lambda tmp, rq: (
+        ["predict", str(rq.getfixturevalue("exported")), "--input", str(_parquet_folder_one_damaged(tmp)),
+         "--output", str(tmp / "out"), "--score-with", "spark", "--spark-master", "local[1]"], {},
+        ("--input ", "texts: Spark cannot read file:", "texts/b.parquet (", "replace that file")),
     "local_scoring_output_under_a_file": lambda tmp, rq: (
         ["predict", str(rq.getfixturevalue("exported")), "--input", str(_texts_csv(tmp)), "--output",
          str(_file_in(tmp) / "out")], {}, ("--output ", "a-file/out: cannot write there (a part of its path")),

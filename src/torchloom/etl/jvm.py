@@ -178,24 +178,6 @@ def java_reason(e: BaseException) -> str:
     return short(message_line(str(e)))
 
 
-def java_chain(e: BaseException) -> list[str]:
-    """The Java exception behind a Py4JJavaError and its causes, outermost first, each as its class's simple
-    name and its message's first line ("SparkException: [FAILED_READ_FILE.NO_HINT] ... reading file F. ...",
-    ..., "EOFException: Unexpected end of input stream"); [] without a Java exception."""
-    from py4j.protocol import Py4JError
-
-    chain, java = [], getattr(e, "java_exception", None)
-    try:
-        while java is not None and len(chain) < 20:
-            message = java.getMessage()
-            name = java.getClass().getSimpleName()
-            chain.append(f"{name}: {message_line(str(message))}" if message else name)
-            java = java.getCause()
-    except Py4JError:  # the gateway went away
-        pass
-    return chain
-
-
 def conf_input(cfg: PrepareConfig, reason: str) -> str:
     """The setting a failed start's reason names: a prepare.spark_conf key (by its name or its value),
     prepare.spark_conf as a whole, or, without one, the master."""

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 from collections import Counter
 from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
+from torchloom.java_errors import unreadable_file
 
 FORMATS = ("csv", "jsonl", "parquet", "folder")
 EXTENSIONS = {
@@ -260,36 +260,24 @@ def _folder_has_no_split(cfg: DataConfig, path: str) -> UserError:
                      " input with that column")
 
 
-def read_failure(chain: list[str]) -> str:
-    """The file a Spark task failed to read (its FAILED_READ_FILE error) in a Java exception chain, or ""."""
-    for line in chain:
-        found = re.search(r"\[FAILED_READ_FILE\S*\] Encountered error while reading file (\S+?)\.?(?:\s|$)", line)
-        if found:
-            return found.group(1)
-    return ""
-
-
 def failed_reading(path: str, e: BaseException) -> UserError | None:
     """The one line for a Spark job that failed because a task could not read a file of the input (a .gz cut
     short, a damaged Parquet file): read's schema pass may not have opened that file. None for any other."""
-    from torchloom.etl.jvm import java_chain
-
-    return unreadable(path, e) if getattr(e, "java_exception", None) is not None and read_failure(java_chain(e)) \
-        else None
+    return unreadable(path, e) if unreadable_file(e) else None
 
 
 def unreadable(path: str, e: BaseException) -> UserError:
     """A Java error from reading `path` as one line: the exception's class and message, and the fix."""
-    from torchloom.etl.jvm import java_chain, java_reason, short
+    from torchloom.etl.jvm import java_reason, short
+    from torchloom.java_errors import java_chain
 
+    failed = unreadable_file(e)  # Spark's "error while reading file F" says which file; the innermost cause why
+    if failed:
+        return UserError(f"data.path {path}: Spark cannot read {failed[0]} ({failed[1]}); replace that file (cut"
+                         " short, damaged, or not what its name says) or move it out of the input")
     reason = java_reason(e)
     chain = java_chain(e)
     root = short(chain[-1]) if len(chain) > 1 else ""
-    failed_file = read_failure(chain)  # Spark's "error while reading file F" says which file; the root says why
-    if root and failed_file:
-        root = root if len(root) <= 90 else root[:87] + "..."
-        return UserError(f"data.path {path}: Spark cannot read {failed_file} ({root}); replace that file (cut"
-                         " short, damaged, or not what its name says) or move it out of the input")
     if root and root not in reason:
         reason = f"{reason}; at the root: {root}"
     if "No FileSystem for scheme" in reason:

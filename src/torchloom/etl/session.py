@@ -43,14 +43,22 @@ logger.blockwriter.level = error
 
 
 # A local master runs its tasks in this JVM: a failed task's stack trace (Executor's ERROR, TaskSetManager's WARN
-# and ERROR) came before the job's error, which holds the same trace and which torchloom turns into one line
-# (a corrupt .gz input: 188 lines, then the line). On a cluster the driver's TaskSetManager says which host lost
-# which task and retries it: kept there.
+# and ERROR; for a write also Utils' "Aborting task" and FileFormatWriter's) came before the job's error, which
+# holds the same trace and which torchloom turns into one line (a corrupt .gz input: 188 lines, then the line).
+# On a cluster the driver's TaskSetManager says which host lost which task and retries it: kept there.
 _LOCAL_TASKS = """\
 logger.executor.name = org.apache.spark.executor.Executor
 logger.executor.level = off
 logger.tasksets.name = org.apache.spark.scheduler.TaskSetManager
 logger.tasksets.level = off
+logger.writer.name = org.apache.spark.sql.execution.datasources.FileFormatWriter
+logger.writer.level = off
+logger.utils.name = org.apache.spark.util.Utils
+logger.utils.level = warn
+logger.utils.filter.aborting.type = RegexFilter
+logger.utils.filter.aborting.regex = Aborting task
+logger.utils.filter.aborting.onMatch = DENY
+logger.utils.filter.aborting.onMismatch = NEUTRAL
 """
 
 

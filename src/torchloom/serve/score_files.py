@@ -342,15 +342,18 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     with warnings.catch_warnings():  # mapInArrow warns of pandas 3 on every call; nothing here uses pandas
         warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
         result = df.mapInArrow(predict, out_schema)
-    _spark_write(spark, result, output_path, overwrite)
+    _spark_write(spark, result, input_path, output_path, overwrite)
     rows = spark.read.parquet(output_path).count()
     return {"rows": rows, "seconds": round(time.perf_counter() - started, 2), "output": output_path}
 
 
-def _spark_write(spark, result, output_path: str, overwrite: bool) -> None:
+def _spark_write(spark, result, input_path: str, output_path: str, overwrite: bool) -> None:
     """Write the predictions; the output's own file-system error (its parent a file, no permission, no
-    space) is one line naming --output, and a directory this write began is removed again."""
+    space) is one line naming --output, a file of the input that a task cannot read (a damaged Parquet
+    file) one line naming --input and that file, and a directory this write began is removed again."""
     from py4j.protocol import Py4JJavaError
+
+    from torchloom.java_errors import unreadable_file
 
     local = output_path.removeprefix("file:") if "://" not in output_path or output_path.startswith("file:") \
         else None
@@ -358,10 +361,14 @@ def _spark_write(spark, result, output_path: str, overwrite: bool) -> None:
     try:
         result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
     except Py4JJavaError as e:
-        if not _is_io_error(spark, e):  # a task's failure (the model, the input): Spark's own error says it
+        failed = unreadable_file(e)
+        if not failed and not _is_io_error(spark, e):  # a task's failure (the model): Spark's own error says it
             raise
         if local is not None and not existed and os.path.isdir(local):
             shutil.rmtree(local, ignore_errors=True)
+        if failed:
+            raise UserError(f"--input {input_path}: Spark cannot read {failed[0]} ({failed[1]}); replace that file"
+                            " (cut short, damaged, or not what its name says) or move it out of the input") from None
         raise UserError(f"--output {output_path}: Spark cannot write there ({_java_line(e)}); choose an --output"
                         " whose parent is a directory you may write") from None
 

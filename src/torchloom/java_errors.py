@@ -1,0 +1,49 @@
+"""A Java exception behind a Py4JJavaError, read for what a user can fix: its chain of causes, and the input
+file a Spark task failed to read. Shared by prepare (etl/) and Spark batch scoring (serve/); py4j only, lazily."""
+
+from __future__ import annotations
+
+import re
+
+from torchloom.errors import message_line
+
+
+def java_chain(e: BaseException) -> list[str]:
+    """The Java exception behind a Py4JJavaError and its causes, outermost first, each as its class's simple
+    name and its message's first line ("SparkException: [FAILED_READ_FILE.NO_HINT] ... reading file F. ...",
+    ..., "EOFException: Unexpected end of input stream"); [] without a Java exception."""
+    java = getattr(e, "java_exception", None)
+    if java is None:
+        return []
+    from py4j.protocol import Py4JError
+
+    chain: list[str] = []
+    try:
+        while java is not None and len(chain) < 20:
+            message = java.getMessage()
+            name = java.getClass().getSimpleName()
+            chain.append(f"{name}: {message_line(str(message))}" if message else name)
+            java = java.getCause()
+    except Py4JError:  # the gateway went away
+        pass
+    return chain
+
+
+def read_failure(chain: list[str]) -> str:
+    """The file a Spark task failed to read (its FAILED_READ_FILE error) in a Java exception chain, or ""."""
+    for line in chain:
+        found = re.search(r"\[FAILED_READ_FILE\S*\] Encountered error while reading file (\S+?)\.?(?:\s|$)", line)
+        if found:
+            return found.group(1)
+    return ""
+
+
+def unreadable_file(e: BaseException) -> tuple[str, str] | None:
+    """(the file, why: the innermost cause, at most 90 characters) when a Spark job failed because a task
+    could not read a file of its input (a .gz cut short, a damaged Parquet file); None for any other error."""
+    chain = java_chain(e)
+    failed = read_failure(chain)
+    if not failed or len(chain) < 2:
+        return None
+    root = re.sub(r"\b(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error))\b", r"\1", chain[-1])
+    return failed, root if len(root) <= 90 else root[:87] + "..."
