@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from torchloom.errors import message_line
+from torchloom.errors import UserError, message_line
 
 
 def java_chain(e: BaseException) -> list[str]:
@@ -38,12 +38,20 @@ def read_failure(chain: list[str]) -> str:
     return ""
 
 
-def unreadable_file(e: BaseException) -> tuple[str, str] | None:
-    """(the file, why: the innermost cause, at most 90 characters) when a Spark job failed because a task
-    could not read a file of its input (a .gz cut short, a damaged Parquet file); None for any other error."""
+def without_packages(line: str) -> str:
+    """A Java error line with its exception classes by their simple names (java.io.EOFException: EOFException)."""
+    return re.sub(r"\b(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error))\b", r"\1", line)
+
+
+def unreadable_input(name: str, e: BaseException) -> UserError | None:
+    """The one line for a Spark job that failed because a task could not read a file of the input `name`
+    ("data.path D", "--input D") names (a .gz cut short, a damaged Parquet file): that file and the innermost
+    cause, at most 90 characters. None for any other error."""
     chain = java_chain(e)
     failed = read_failure(chain)
     if not failed or len(chain) < 2:
         return None
-    root = re.sub(r"\b(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error))\b", r"\1", chain[-1])
-    return failed, root if len(root) <= 90 else root[:87] + "..."
+    root = without_packages(chain[-1])
+    root = root if len(root) <= 90 else root[:87] + "..."
+    return UserError(f"{name}: Spark cannot read {failed} ({root}); replace that file (cut short, damaged, or not"
+                     " what its name says) or move it out of the input")

@@ -21,7 +21,7 @@ from torchloom.engines.common import not_visible, replace_engine
 from torchloom.engines.driver import Attempt, attempts
 from torchloom.engines.worker import enter_worker_env, publish, run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
-from torchloom.etl.session import conf_value, get_spark
+from torchloom.etl.session import conf_value, get_spark, is_local_master
 from torchloom.poller import Poller
 from torchloom.rundir import RunDir, write_json
 from torchloom.train.result import TrainResult
@@ -103,10 +103,6 @@ class DecommissionWatch(Poller):
 
     def last_poll(self) -> None:  # the attempt is over: a notice now is for nobody
         pass
-
-
-def is_local_master(master: str) -> bool:
-    return master == "local" or master.startswith("local[")
 
 
 def wants_gpu(cfg: Config, spark) -> bool:

@@ -11,6 +11,7 @@ import threading
 
 from torchloom.config.schema import PrepareConfig
 from torchloom.errors import UserError, message_line
+from torchloom.java_errors import without_packages
 
 # Lines the JVM prints that say nothing about the user's job (Spark 4 loads an incubator module; MLlib
 # looks for a native BLAS).
@@ -150,7 +151,7 @@ def short(line: str) -> str:
     """A Java error line without package names, thread prefix or SQLSTATE, at most REASON_CHARS."""
     line = re.sub(r"^Exception in thread \"[^\"]*\" ", "", line.strip())
     line = re.sub(r"^\S*spark-class: line \d+: ", "", line)
-    line = re.sub(r"\b(?:[a-z_$][\w$]*\.)+([A-Z][\w$]*(?:Exception|Error))\b", r"\1", line)
+    line = without_packages(line)
     line = re.sub(r"\s*SQLSTATE: \w+\.?$", "", line)
     return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
 

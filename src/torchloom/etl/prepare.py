@@ -92,12 +92,13 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
                 p.rmdir()
             except OSError:
                 break
-        from torchloom.etl.read import failed_reading
         from torchloom.etl.store_read import input_error
+        from torchloom.java_errors import unreadable_input
 
         if isinstance(e, Exception) and not isinstance(e, UserError):
-            # a task could not read an object of the input on a store, or a file Spark reads: its line
-            unreadable = input_error(e) or failed_reading(data_path, e)
+            # a task could not read an object of the input on a store, or a file Spark reads (read's schema pass
+            # may not have opened it): its line
+            unreadable = input_error(e) or unreadable_input(f"data.path {data_path}", e)
             if unreadable is not None:
                 raise unreadable from None
         raise

@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
-from torchloom.java_errors import unreadable_file
+from torchloom.java_errors import unreadable_input
 
 FORMATS = ("csv", "jsonl", "parquet", "folder")
 EXTENSIONS = {
@@ -260,21 +260,14 @@ def _folder_has_no_split(cfg: DataConfig, path: str) -> UserError:
                      " input with that column")
 
 
-def failed_reading(path: str, e: BaseException) -> UserError | None:
-    """The one line for a Spark job that failed because a task could not read a file of the input (a .gz cut
-    short, a damaged Parquet file): read's schema pass may not have opened that file. None for any other."""
-    return unreadable(path, e) if unreadable_file(e) else None
-
-
 def unreadable(path: str, e: BaseException) -> UserError:
     """A Java error from reading `path` as one line: the exception's class and message, and the fix."""
     from torchloom.etl.jvm import java_reason, short
     from torchloom.java_errors import java_chain
 
-    failed = unreadable_file(e)  # Spark's "error while reading file F" says which file; the innermost cause why
+    failed = unreadable_input(f"data.path {path}", e)  # a task's "error while reading file F", and why
     if failed:
-        return UserError(f"data.path {path}: Spark cannot read {failed[0]} ({failed[1]}); replace that file (cut"
-                         " short, damaged, or not what its name says) or move it out of the input")
+        return failed
     reason = java_reason(e)
     chain = java_chain(e)
     root = short(chain[-1]) if len(chain) > 1 else ""

@@ -97,9 +97,9 @@ def runs_on_this_machine(master: str) -> bool:
     return master == "local" or master.startswith(("local[", "local-cluster["))
 
 
-def _tasks_here(cfg: PrepareConfig) -> bool:
+def is_local_master(master: str) -> bool:
     """local and local[N]: the tasks run in the driver's JVM (local-cluster has executor JVMs of its own)."""
-    master = cfg.spark_master.strip()
+    master = master.strip()
     return master == "local" or master.startswith("local[")
 
 
@@ -175,6 +175,7 @@ def get_spark(cfg: PrepareConfig | None = None):
 
 
 def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
+    log4j = _log4j_file(local=is_local_master(cfg.spark_master))
     conf = {
         "spark.app.name": "torchloom",
         "spark.ui.enabled": "false",
@@ -185,7 +186,7 @@ def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
         # Spark counts each file as 4 MB when packing files into tasks: a folder of small .txt files
         # became ~70 tasks for 5 MB (BBC News) and 6x slower; 64 KB packs them by their real size.
         "spark.sql.files.openCostInBytes": str(64 * 1024),
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{_log4j_file(_tasks_here(cfg))}",
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}",
     }
     if runs_on_this_machine(cfg.spark_master) and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
         # Spark's own default is a 1 GB heap for the local JVM, which holds the driver and every

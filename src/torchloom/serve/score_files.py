@@ -353,7 +353,7 @@ def _spark_write(spark, result, input_path: str, output_path: str, overwrite: bo
     file) one line naming --input and that file, and a directory this write began is removed again."""
     from py4j.protocol import Py4JJavaError
 
-    from torchloom.java_errors import unreadable_file
+    from torchloom.java_errors import unreadable_input
 
     local = output_path.removeprefix("file:") if "://" not in output_path or output_path.startswith("file:") \
         else None
@@ -361,14 +361,13 @@ def _spark_write(spark, result, input_path: str, output_path: str, overwrite: bo
     try:
         result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
     except Py4JJavaError as e:
-        failed = unreadable_file(e)
-        if not failed and not _is_io_error(spark, e):  # a task's failure (the model): Spark's own error says it
+        unreadable = unreadable_input(f"--input {input_path}", e)
+        if not unreadable and not _is_io_error(spark, e):  # a task's failure (the model): Spark's own error says it
             raise
         if local is not None and not existed and os.path.isdir(local):
             shutil.rmtree(local, ignore_errors=True)
-        if failed:
-            raise UserError(f"--input {input_path}: Spark cannot read {failed[0]} ({failed[1]}); replace that file"
-                            " (cut short, damaged, or not what its name says) or move it out of the input") from None
+        if unreadable:
+            raise unreadable from None
         raise UserError(f"--output {output_path}: Spark cannot write there ({_java_line(e)}); choose an --output"
                         " whose parent is a directory you may write") from None
 
