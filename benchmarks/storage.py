@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -65,18 +66,28 @@ def start_server(log: Path, cpus: set[int] | None = None) -> tuple[subprocess.Po
     return proc, endpoint
 
 
-def loader_rate(manifest, server=None) -> tuple[float, float, float]:
-    """(rows/s, this process's CPU seconds, the S3 server's CPU seconds) of one epoch of rank 0 of 2.
-    server: the S3 server's pid."""
+def loader_rate(manifest, server=None, log: Path | None = None) -> tuple[float, float, float, int]:
+    """(rows/s, this process's CPU seconds, the S3 server's CPU seconds, requests the server answered) of one
+    epoch of rank 0 of 2. server: the S3 server's pid; log: its log, one line per request."""
     from torchloom.data import ShardedLoader
 
+    before = requests_logged(log)
     cpu0, srv0 = cpu_seconds(), cpu_seconds(server) if server else 0.0
     loader = ShardedLoader(manifest, "train", rank=0, world_size=2, batch_size=8, seed=0)
     started, rows = time.perf_counter(), 0
     for batch in loader:
         rows += len(batch["labels"])
     rate = rows / (time.perf_counter() - started)
-    return rate, cpu_seconds() - cpu0, (cpu_seconds(server) - srv0) if server else 0.0
+    used = cpu_seconds() - cpu0, (cpu_seconds(server) - srv0) if server else 0.0
+    time.sleep(0.2)  # the server writes its log line after the answer
+    return rate, *used, requests_logged(log) - before
+
+
+def requests_logged(log: Path | None) -> int:
+    """Reads (GET, HEAD) in the S3 server's log so far: werkzeug writes a line per request."""
+    if log is None:
+        return 0
+    return len(re.findall(r"(?:GET|HEAD) /\S+ HTTP/1\.1", log.read_text(errors="replace")))
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -88,7 +99,7 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tuple]:
+def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int, log: Path) -> list[tuple]:
     from dataclasses import replace
 
     from torchloom import storage
@@ -102,10 +113,10 @@ def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int) -> list[tup
     server = server_pid
     out = []
     for r in range(rounds):
-        (a, cpu_a, _), (b, cpu_b, srv) = loader_rate(local), loader_rate(remote, server)
-        out.append((f"round {r + 1}", a, b, cpu_b / cpu_a, srv))
+        (a, cpu_a, _, _), (b, cpu_b, srv, asked) = loader_rate(local), loader_rate(remote, server, log)
+        out.append((f"round {r + 1}", a, b, cpu_b / cpu_a, srv, asked))
         print(f"loader round {r + 1}: local {a:,.0f} rows/s, store {b:,.0f} rows/s ({b / a:.3f}x); the loader's CPU"
-              f" {cpu_b / cpu_a:.2f}x local's; the S3 server's CPU {srv:.2f} s (on the same cores)", flush=True)
+              f" {cpu_b / cpu_a:.2f}x local's; the S3 server's CPU {srv:.2f} s, {asked} requests", flush=True)
     return out
 
 
@@ -262,7 +273,7 @@ def main() -> None:
             print(f"the S3 server on CPU {a.server_cpu}; the rest on CPUs {sorted(os.sched_getaffinity(0))}",
                   flush=True)
         try:
-            loader = [] if a.skip_loader else bench_loader(tmp, a.rows, a.rounds, server.pid)
+            loader = [] if a.skip_loader else bench_loader(tmp, a.rows, a.rounds, server.pid, tmp / "moto.log")
             inputs = bench_input(tmp, a.input_rows, a.rounds, a.prepare_rounds) if a.input_rows else []
             runs = []
             if not a.skip_train:
@@ -285,6 +296,7 @@ def main() -> None:
         print(f"| loader CPU seconds per epoch, store / local (median); the S3 server's CPU on the same cores |"
               f" 1.00 | {med(x[3] for x in loader):.2f} | {1 / med(x[3] for x in loader):.3f} (CPU-bound bound) |"
               f" {med(x[4] for x in loader):.2f} s |")
+        print(f"| requests to the S3 server per store epoch (median) | - | {med(x[5] for x in loader):.0f} | - | - |")
     whole = [x for x in inputs if x[0] == "prepare"]
     inputs = [x for x in inputs if x[0] != "prepare"]
     if inputs:

@@ -26,11 +26,16 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 
 
+SERVER_LOG: list[Path] = []  # the S3 server's log: a line per request
+
+
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     """A moto S3 server on 127.0.0.1 with one bucket; this process and its children reach it through
     AWS_ENDPOINT_URL, as a user's S3-compatible store."""
-    with s3_server(tmp_path_factory.mktemp("moto"), BUCKET, CREDENTIALS) as port:
+    logs = tmp_path_factory.mktemp("moto")
+    SERVER_LOG[:] = [logs / "s3-server.log"]
+    with s3_server(logs, BUCKET, CREDENTIALS) as port:
         yield f"http://127.0.0.1:{port}"
 
 
@@ -123,6 +128,45 @@ def test_uploads_run_behind_training_and_the_store_keeps_what_the_run_keeps(s3, 
     assert all(r["kind"] == "checkpoint" and r["upload_s"] >= 0 and r["blocked_s"] >= 0 for r in logged)
     names = {rel.split("/")[0] for rel in storage.list_files(storage.join(rd.remote, "checkpoints"))}
     assert names == {"step-2", "step-3"}
+
+
+def reads_of(prefix: str) -> list[str]:
+    """The GET and HEAD requests for objects under `prefix` in the S3 server's log so far."""
+    import re
+
+    time.sleep(0.3)  # the server logs a request after answering it
+    text = SERVER_LOG[0].read_text(errors="replace")
+    return re.findall(rf"(?:GET|HEAD) /{BUCKET}/{re.escape(prefix)}\S* HTTP/1\.1", text)
+
+
+def test_the_loader_streams_shards_from_the_store_one_get_per_row_group(s3, tmp_path):
+    # The same batches as from local disk, and a request economy that a real store's per-request latency and
+    # price need: each shard opened once (its size and its footer), then one ranged GET per row group read,
+    # however many read-ahead threads fetch them.
+    from dataclasses import replace
+
+    import torch
+
+    from torchloom.data import ShardedLoader
+    from torchloom.data.synthetic import write_synthetic_dataset
+
+    local = write_synthetic_dataset(tmp_path / "data", rows={"train": 600}, rows_per_group=25, rows_per_shard=150)
+    storage.push_tree(tmp_path / "data", uri("loader/data"), last=("manifest.json",))
+    remote = replace(local, root=uri("loader/data"))
+    before = len(reads_of("loader/data/train/"))
+    for rank in (0, 1):
+        a, b = (list(ShardedLoader(m, "train", rank=rank, world_size=2, batch_size=4, seed=3, shuffle_buffer=64))
+                for m in (local, remote))
+        assert len(a) == len(b) == 75
+        for x, y in zip(a, b):
+            assert all(torch.equal(x[k], y[k]) for k in x)
+    reads = reads_of("loader/data/train/")[before:]
+    shards, groups = len(local.split("train").shards), sum(len(s.row_groups) for s in local.split("train").shards)
+    assert (shards, groups) == (4, 24)
+    # each rank opens a shard once (a HEAD, a footer GET) and reads each of its row groups with one GET; the
+    # ranks' rows (300 each) and partitions (75) fall on row-group bounds, so the two read the 24 once in all
+    heads = sum(r.startswith("HEAD") for r in reads)
+    assert heads <= 2 * shards and len(reads) == 2 * heads + groups, reads
 
 
 # -- the whole run on the store, as a user runs it ----------------------------------------------

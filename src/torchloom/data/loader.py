@@ -164,7 +164,7 @@ def _window_rows(e: _Epoch, reader: RangeReader, w: int) -> tuple[Rows, np.ndarr
 
 def _micro_batches(e: _Epoch, first_step: int) -> Iterator[Batch]:
     """The micro-batches of global batches first_step, first_step+1, ...: whole windows read, one at a time."""
-    reader = RangeReader(e.uris, e.groups)
+    reader = RangeReader(e.uris, e.groups, [(start, start + count) for _, start, count in e.parts])
     try:
         for w in range(first_step // e.window, math.ceil(e.steps / e.window)):
             rows, sizes = _window_rows(e, reader, w)
@@ -362,7 +362,7 @@ class ShardedLoader:
 
 def _eval_batches(uris: list[str], groups: list[RowGroup], start: int, sizes: np.ndarray, pad_id: int
                   ) -> Iterator[Batch]:
-    reader = RangeReader(uris, groups)
+    reader = RangeReader(uris, groups, [(start, start + int(sizes.sum()))])
     try:
         for size in sizes:
             yield collate(Rows.from_table(reader.read(start, start + int(size))), pad_id)

@@ -119,10 +119,6 @@ def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def _open(uri: str) -> pq.ParquetFile:
-    if "://" in uri:  # a shard on a store: a random-access file whose reads are ranged GETs
-        from torchloom import storage
-
-        return pq.ParquetFile(storage.open_input(uri), pre_buffer=True)
     return pq.ParquetFile(uri)
 
 
@@ -130,25 +126,33 @@ class RangeReader:
     """Reads rows [a, b) of `groups` concatenated in the given order, a row group at a time.
 
     Keeps the last row group read by each `slot` (a caller reading several ranges side by side gives
-    each its slot), so a row group straddling two consecutive reads of a slot is read once.
+    each its slot), so a row group straddling two consecutive reads of a slot is read once. `spans`, where
+    given, are the rows [a, b) each slot will read, in slot order: read-ahead stays inside them.
     `rows_read` counts the rows returned, for tests and benchmarks.
     """
 
-    # Shards on a store: each row group is a ranged GET (or a few) whose latency would stall the reader, so the
-    # next PREFETCH row groups of a slot are read in the background, each on its own worker's file handle.
+    # Shards on a store: each row group is one ranged GET, whose latency would stall the reader, so the next
+    # PREFETCH row groups of a slot are read in the background. A store answers each request at a fixed cost
+    # (tens of ms on S3, a few ms of a local server's CPU) whatever its size up to a few MB, so each shard is
+    # opened once per reader (one HEAD, one footer GET) and its handle and footer are shared by the threads:
+    # after that a row group costs one GET.
     PREFETCH = 4
 
-    def __init__(self, uris: list[str], groups: list[RowGroup]):
+    def __init__(self, uris: list[str], groups: list[RowGroup], spans: list[tuple[int, int]] | None = None):
         self._uris = uris
         self._groups = groups
         self._starts = np.cumsum([0] + [g.rows for g in groups])
+        # per slot, the position after the last row group it reads (read-ahead goes no further)
+        self._ends = [int(np.searchsorted(self._starts, b, side="left")) for _, b in spans or []]
         self._files: dict[int, pq.ParquetFile] = {}
         self._last: dict[int, tuple[RowGroup, pa.Table]] = {}
         self.rows_read = 0
         self._remote = any("://" in u for u in uris)
         self._pool = None
         self._ahead: dict[int, dict[int, Future]] = {}  # slot -> {group position: its read}
-        self._local = threading.local()
+        self._opened: dict[int, tuple] = {}  # remote shard -> (its file handle, its footer)
+        self._opening = threading.Lock()
+        self._shard_locks: dict[int, threading.Lock] = {}
 
     def read(self, start: int, stop: int, slot: int = 0) -> pa.Table:
         """Columns input_ids, label_id and index (the row's position in the split, manifest order)."""
@@ -189,19 +193,33 @@ class RangeReader:
         for k in list(ahead):
             if k < j or k >= j + self.PREFETCH:  # the slot moved on (or jumped): drop what it will not read
                 ahead.pop(k).cancel()
-        for k in range(j, min(j + self.PREFETCH, len(self._groups))):
+        end = self._ends[slot] if slot < len(self._ends) else len(self._groups)
+        for k in range(j, min(j + self.PREFETCH, end)):
             if k not in ahead:
                 ahead[k] = self._pool.submit(self._read_remote, k)
-        table = ahead.pop(j).result()
+        table = (ahead.pop(j) if j in ahead else self._pool.submit(self._read_remote, j)).result()
         self._last[slot] = (self._groups[j], table)
         return table
 
+    def _remote_shard(self, shard: int) -> tuple:
+        """(handle, footer) of a remote shard, opened by the first thread that needs it."""
+        with self._opening:
+            lock = self._shard_locks.setdefault(shard, threading.Lock())
+        with lock:  # one open per shard; other shards open meanwhile
+            if shard not in self._opened:
+                from torchloom import storage
+
+                handle = storage.open_input(self._uris[shard])
+                self._opened[shard] = (handle, pq.ParquetFile(handle).metadata)
+            return self._opened[shard]
+
     def _read_remote(self, j: int) -> pa.Table:
         group = self._groups[j]
-        files = self._local.__dict__.setdefault("files", {})  # pyarrow files are not shared across threads
-        if group.shard not in files:
-            files[group.shard] = _open(self._uris[group.shard])
-        table = files[group.shard].read_row_group(group.index, columns=READ_COLUMNS)
+        handle, footer = self._remote_shard(group.shard)
+        # A reader of its own over the shared handle: its reads are ReadAt calls, which Arrow's files allow
+        # from several threads at once; pre_buffer makes the row group's column chunks one ranged GET.
+        table = pq.ParquetFile(handle, metadata=footer, pre_buffer=True).read_row_group(group.index,
+                                                                                      columns=READ_COLUMNS)
         self._check_rows(group, table)
         return table
 
@@ -223,4 +241,7 @@ class RangeReader:
         for f in self._files.values():
             f.close()
         self._files.clear()
+        for handle, _ in self._opened.values():
+            handle.close()
+        self._opened.clear()
         self._last.clear()

@@ -62,11 +62,11 @@ def has_val(manifest: Manifest) -> bool:
 
 
 def open_parquet(uri: str):
-    """A Parquet file at a local path or a URI pyarrow opens (s3://, hdfs://, ...)."""
-    import pyarrow.fs as pafs
+    """A Parquet file at a local path or on a store (s3://, s3a://, gs://, hdfs://: storage.py's client)."""
     import pyarrow.parquet as pq
 
     if "://" in uri:
-        fs, path = pafs.FileSystem.from_uri(uri)
-        return pq.ParquetFile(fs.open_input_file(path))
+        from torchloom import storage
+
+        return pq.ParquetFile(storage.open_input(uri))
     return pq.ParquetFile(uri)
