@@ -1,8 +1,10 @@
-"""Hosts that share nothing but an S3 store (issue 28): Ray (head + 2 nodes), Spark standalone (2 worker
+"""Hosts that share nothing but an S3 store (issue 28): Ray (head + 3 nodes), Spark standalone (3 worker
 hosts) and torchrun (2 nodes, one of them lost and replaced), the run on s3:// served by a real S3 server
 (moto's) on a host of its own. No host sees another's files: each has a private cache (its staging copy of
-the run), the others' are hidden, and so are the prepared data and the reference run. Every job must end at
-the local engine's weights, bit for bit, read back from the store.
+the run), the others' are hidden, and so are the input CSV and the reference run. Each engine's job
+prepares the CSV from the store, trains, loses a host in the middle and resumes from the store, and
+exports to the store; its prepared data, final weights and exported model must be the local engine's on
+a local directory, bit for bit, read back from the store.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_reference import LAST, assert_same_weights, reference
+from engine_reference import assert_same_weights
 
 from cluster.netns import Cluster, unavailable
 from cluster.test_multihost import (
@@ -37,19 +39,14 @@ RUN = f"s3://{BUCKET}/runs/torchrun"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "cluster-key", "AWS_SECRET_ACCESS_KEY": "cluster-secret",
                "AWS_DEFAULT_REGION": "us-east-1"}
 
-# Run on the store's host: make the bucket, upload the prepared data (manifest.json last).
+# Run on the store's host: make the bucket, upload the input CSV.
 UPLOAD = """
 import sys
 from pyarrow import fs
 from torchloom import storage
 fs.S3FileSystem(endpoint_override=sys.argv[1], scheme="http", allow_bucket_creation=True,
                 region="us-east-1").create_dir(sys.argv[2])
-storage.push_tree(sys.argv[3], sys.argv[4], last=("manifest.json",))
-"""
-UPLOAD_FILE = """
-import sys
-from torchloom import storage
-storage.upload(sys.argv[1], sys.argv[2])
+storage.upload(sys.argv[3], sys.argv[4])
 """
 DOWNLOAD = """
 import sys
@@ -58,14 +55,32 @@ storage.pull_tree(sys.argv[1], sys.argv[2])
 """
 
 
+# prepare's settings on every engine and in the reference: three shards per split, row groups of 16 rows
+PREPARE = ["--data.text_column", "body", "--data.label_column", "topic", "--prepare.partitions", "3",
+           "--prepare.rows_per_group", "16", "--eval.baseline", "false", "--tracking.enabled", "false"]
+INPUT = f"s3://{BUCKET}/input/texts.csv"
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    return reference(tmp_path_factory.mktemp("store"))
+    """{root, model, csv, data, ref, last}: the tiny model, the CSV every job prepares from the store, and the
+    local engine's whole job on local disk (prepare, train, export) that every cluster job must end at."""
+    from cluster.test_multihost import write_csv
+    from torchloom.model.tiny import write_tiny_model
 
-
+    root = tmp_path_factory.mktemp("store")
+    model = write_tiny_model(root / "tiny")
+    csv = write_csv(root / "texts.csv")
+    ref = root / "ref"
+    for args in (["prepare", "--data.path", str(csv), *PREPARE], ["train", *COMMON], ["export"]):
+        done = torchloom_here([*args, "--output.dir", str(ref), "--model.path", model], root)
+        assert done.returncode == 0, done.stderr[-3000:]
+    last = max((p for p in (ref / "checkpoints").glob("step-*")), key=lambda p: int(p.name.split("-")[1])).name
+    return {"root": root, "model": model, "csv": csv, "data": ref / "data", "ref": ref, "last": last}
 def store_hosts(hosts, setup, tmp_path: Path, workers: list, run: str) -> tuple[dict, dict, Path]:
-    """The S3 server on host s with the prepared data uploaded; each host a private cache, the others' and the
-    reference hidden from the workers. Returns (env for all, caches by host, the model dir every host has)."""
+    """The S3 server on host s with the input CSV uploaded; each host a private cache, the others' and the
+    reference (the CSV included) hidden from the workers. Returns (env for all, caches by host, the model dir
+    every host has)."""
     s = hosts["s"]
     model = tmp_path / "model"
     shutil.copytree(setup["model"], model)
@@ -79,7 +94,7 @@ def store_hosts(hosts, setup, tmp_path: Path, workers: list, run: str) -> tuple[
     s.popen([sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", "5000"], log=tmp_path / "s3.log", env=env)
     deadline = time.monotonic() + 60
     while True:
-        up = s.run([sys.executable, "-c", UPLOAD, endpoint, BUCKET, str(setup["data"]), f"{run}/data"],
+        up = s.run([sys.executable, "-c", UPLOAD, endpoint, BUCKET, str(setup["csv"]), INPUT],
                    env={**env, "TORCHLOOM_CACHE": str(caches[s.name])}, timeout=60)
         if up.returncode == 0:
             return env, caches, model
@@ -95,8 +110,32 @@ def from_store(s, env: dict, caches: dict, uri: str, dest: Path) -> Path:
     return dest
 
 
-def weights_from_store(s, env: dict, caches: dict, run: str, tmp_path: Path) -> Path:
-    return from_store(s, env, caches, f"{run}/checkpoints/{LAST}", tmp_path / "back")
+def assert_the_local_job(setup, s, env: dict, caches: dict, run: str, tmp_path: Path) -> None:
+    """The job on the store ended where the local engine's on local disk did: the same prepared data, final
+    weights and exported model, read back from the store."""
+    back = from_store(s, env, caches, f"{run}/data/manifest.json", tmp_path / "back-data" / "manifest.json")
+    ours, theirs = (json.loads(p.read_text()) for p in (back, setup["data"] / "manifest.json"))
+    assert ours["fingerprint"] == theirs["fingerprint"] and ours["splits"] == theirs["splits"]
+    assert_same_weights(setup["ref"] / "checkpoints" / setup["last"],
+                        from_store(s, env, caches, f"{run}/checkpoints/{setup['last']}", tmp_path / "back"))
+    model = from_store(s, env, caches, f"{run}/model", tmp_path / "back-model")
+    assert_same_weights(setup["ref"] / "model", model)
+    for name in ("config.json", "tokenizer.json"):
+        assert (model / name).read_bytes() == (setup["ref"] / "model" / name).read_bytes(), name
+
+
+def prepare_from_store(host, run: str, env: dict, caches: dict, model: Path, tmp_path: Path, *extra: str) -> str:
+    """`torchloom prepare` on `host` of the CSV on the store into the run on the store; returns what it said."""
+    said = torchloom(host, ["prepare", "--data.path", INPUT, "--output.dir", run, "--model.path", str(model),
+                            *PREPARE, *extra], {**env, "TORCHLOOM_CACHE": str(caches[host.name])}, 300,
+                     tmp_path / f"prepare-{host.name}.log")
+    return said.stdout + said.stderr
+
+
+def export_to_store(host, run: str, env: dict, caches: dict, model: Path, tmp_path: Path) -> None:
+    """`torchloom export` on `host`, from the checkpoints of the run on the store to its model/ on the store."""
+    torchloom(host, ["export", "--output.dir", run, "--model.path", str(model), "--tracking.enabled", "false"],
+              {**env, "TORCHLOOM_CACHE": str(caches[host.name])}, 180, tmp_path / f"export-{host.name}.log")
 
 
 def placement_hosts(logs: Path) -> set[str]:
@@ -125,8 +164,8 @@ def cut_off(host) -> None:
 
 def lose_rank0_host_midway(a, workers: list, argv: list[str], env: dict, caches: dict, s, run: str, tmp_path: Path):
     """Start `torchloom` on a with rank 0 stopping at step 8 (after the step-5 checkpoint reached the store),
-    cut rank 0's host off, and let the job finish; returns (the lost host, the driver's output, the final
-    weights and the logs, read back from the store)."""
+    cut rank 0's host off, and let the job finish; returns (the lost host, the driver's output, the logs read
+    back from the store)."""
     from cluster.test_multihost import wait_for
 
     log = tmp_path / "driver.log"
@@ -139,18 +178,18 @@ def lose_rank0_host_midway(a, workers: list, argv: list[str], env: dict, caches:
     driver.wait(timeout=480)
     text = log.read_text(errors="replace")
     assert driver.returncode == 0, text[-4000:]
-    return (lost, text, weights_from_store(s, env, caches, run, tmp_path),
-            from_store(s, env, caches, f"{run}/logs", tmp_path / "logs"))
+    return lost, text, from_store(s, env, caches, f"{run}/logs", tmp_path / "logs")
 
 
-def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains_the_local_weights(setup, tmp_path):
+def test_ray_on_the_store_prepares_survives_the_loss_of_the_checkpointing_host_and_exports_the_local_model(
+        setup, tmp_path):
     # Head on a (no CPUs), nodes on b, c and d (one worker slot each) for two workers, no shared directory.
+    # The driver on the head prepares the CSV from the store with the embedded local Spark (no S3 connector).
     # Rank 0, the rank that writes and uploads the checkpoints, stops answering at step 8 (after the step-5
     # checkpoint reached the store); then its host is cut off. torchloom re-runs both workers on the two nodes
-    # left: neither has a checkpoint in its cache, so rank 0 resumes step 5 from the store.
+    # left: neither has a checkpoint in its cache, so rank 0 resumes step 5 from the store. A survivor exports.
     import secrets
     import tempfile
-
 
     run = f"{RUN}-ray"
     with Cluster(["s", "a", "b", "c", "d"]) as hosts:
@@ -177,12 +216,17 @@ def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains
                                {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
                                expect=2)
             assert_not_visible_error(hidden, hidden_rd, nodes, time.monotonic() - started)
-            lost, text, back, logs = lose_rank0_host_midway(
+            said = prepare_from_store(a, run, env, caches, model, tmp_path)
+            lost, text, logs = lose_rank0_host_midway(
                 a, nodes, ["train", "--engine.name", "ray", "--engine.ray_address", f"{a.address}:6379",
                            "--engine.cpus_per_worker", "1", "--model.path", str(model)], env, caches, s, run, tmp_path)
+            survivors = [h for h in nodes if h is not lost]
+            export_to_store(survivors[0], run, env, caches, model, tmp_path)
+            assert_the_local_job(setup, s, env, caches, run, tmp_path)
         finally:
             for t in temps.values():
                 shutil.rmtree(t, ignore_errors=True)
+    assert f"prepare: reading {INPUT} from the store" in said, said[-3000:]
     # the driver names the lost rank from the beats the ranks uploaded, waits for Ray to mark its node dead,
     # and the one re-run (no restart wasted on the dead node) resumes from the store
     assert f"attempt 1 of 4 failed (rank 0 on host {lost.name} stopped answering (lost))" in text, text[-3000:]
@@ -193,31 +237,24 @@ def test_ray_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains
     assert f"restart 1: rank 0 on host {lost.name} stopped answering (lost); resuming from the latest checkpoint in" \
            f" {run}/checkpoints" in (logs / "rank-0.log").read_text()
     assert placement_hosts(logs) == {h.name for h in nodes}  # the head has no CPUs; the third node took over
-    survivors = [h for h in nodes if h is not lost]
     assert any(any(caches[h.name].rglob("step-5/meta.json")) for h in survivors)  # taken from the store
-    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
 
 
-def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_host_and_trains_the_local_weights(
+def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpointing_host_and_exports_the_local_model(
         setup, tmp_path):
-    # Master and driver on a, three worker hosts (b, c, d) for two ranks, no shared directory. Rank 0 (it
-    # writes and uploads the checkpoints) stops answering at step 8, after the step-5 checkpoint reached the
-    # store; its host is cut off. The survivor's collective times out, the barrier stage fails, torchloom
+    # Master and driver on a, three worker hosts (b, c, d) for two ranks, no shared directory. Prepare runs on
+    # the executors, from the CSV on the store and for the run on the store, with no Hadoop connector. Rank 0
+    # (it writes and uploads the checkpoints) stops answering at step 8, after the step-5 checkpoint reached
+    # the store; its host is cut off. The survivor's collective times out, the barrier stage fails, torchloom
     # re-runs it on the executors left, and rank 0, on a host whose cache has no checkpoint, resumes step 5
-    # from the store.
-    from cluster.test_multihost import spark_class, wait_for, write_csv
+    # from the store. The driver's host exports.
+    from cluster.test_multihost import spark_class, wait_for
 
     run = f"{RUN}-spark"
     with Cluster(["s", "a", "b", "c", "d"]) as hosts:
         s, a = hosts["s"], hosts["a"]
         workers = [hosts[n] for n in "bcd"]
         env, caches, model = store_hosts(hosts, setup, tmp_path, [a, *workers], run)
-        # prepare's input is on the store alone: its directory is hidden from the driver and the workers
-        inputs = tmp_path / "input"
-        inputs.mkdir()
-        csv = write_csv(inputs / "texts.csv")
-        for h in (a, *workers):
-            h.hidden.append(str(inputs))
         env.update(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", SPARK_MASTER_OPTS="-Dspark.worker.timeout=15")
         master_log = tmp_path / "master.log"
         a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
@@ -230,33 +267,22 @@ def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_ho
         wait_for("three Spark workers registered with the master",
                  lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 3,
                  120, [master_log])
+        master = ["--prepare.spark_master", f"spark://{a.name}:7077"]
+        # the tasks stream the CSV from the store (etl/store_read.py) and write their rows through it
+        # (etl/store_write.py)
+        said = prepare_from_store(a, run, env, caches, model, tmp_path, *master,
+                                  "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}')
         conf = ('{"spark.network.timeout" = "20s", "spark.network.timeoutInterval" = "5s",'
                 ' "spark.executor.heartbeatInterval" = "4s"}')
-        lost, text, back, logs = lose_rank0_host_midway(
-            a, workers, ["train", "--engine.name", "spark", "--prepare.spark_master", f"spark://{a.name}:7077",
-                         "--prepare.spark_conf", conf, "--model.path", str(model)], env, caches, s, run, tmp_path)
-        # prepare on the cluster from the store, for a run on the store, with no Hadoop connector: the tasks
-        # stream the CSV from the store (etl/store_read.py) and write their rows through it (etl/store_write.py)
-        prep = f"{RUN}-spark-prepare"
-        put = s.run([sys.executable, "-c", UPLOAD_FILE, str(csv), f"{prep}-input/texts.csv"],
-                    env={**env, "TORCHLOOM_CACHE": str(caches[s.name])}, timeout=60)
-        assert put.returncode == 0, put.stderr[-2000:]
-        prepare_args = ["--data.text_column", "body", "--data.label_column", "topic", "--model.path", str(model),
-                        "--prepare.partitions", "3", "--prepare.rows_per_group", "16", "--tracking.enabled", "false"]
-        said = torchloom(a, ["prepare", "--output.dir", prep, "--data.path", f"{prep}-input/texts.csv",
-                             "--prepare.spark_master", f"spark://{a.name}:7077",
-                             "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}', *prepare_args],
-                         {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-prepare.log")
-        said = said.stdout + said.stderr
-        prepared = from_store(s, env, caches, f"{prep}/data", tmp_path / "prepared")
-    assert f"reading {prep}-input/texts.csv (csv) by the tasks with pyarrow" in said, said[-3000:]
-    # the same shards as a local Spark writes for the same input on local disk
-    local = torchloom_here(["prepare", "--output.dir", str(tmp_path / "local-prep"), "--data.path", str(csv),
-                            "--prepare.spark_master", "local[2]", *prepare_args], tmp_path)
-    assert local.returncode == 0, local.stderr[-3000:]
-    ours, theirs = (json.loads((d / "manifest.json").read_text()) for d in (prepared, tmp_path / "local-prep" / "data"))
-    assert ours["fingerprint"] == theirs["fingerprint"] and ours["counts"]["rows_read"] == 122
-    assert ours["splits"] == theirs["splits"] and len(ours["splits"]["train"]["shards"]) == 3
+        lost, text, logs = lose_rank0_host_midway(
+            a, workers, ["train", "--engine.name", "spark", *master, "--prepare.spark_conf", conf,
+                         "--model.path", str(model)], env, caches, s, run, tmp_path)
+        export_to_store(a, run, env, caches, model, tmp_path)
+        assert_the_local_job(setup, s, env, caches, run, tmp_path)
+        prepared = from_store(s, env, caches, f"{run}/data", tmp_path / "prepared")
+    assert f"reading {INPUT} (csv) by the tasks with pyarrow" in said, said[-3000:]
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert manifest["counts"]["rows_read"] == 122 and len(manifest["splits"]["train"]["shards"]) == 3
     assert not any(p.name.startswith(".spark-write") for p in prepared.rglob("*"))
     assert f"(rank 0 on host {lost.name} stopped answering (lost)); re-running the workers" in text, text[-3000:]
     assert "attempt 2 of 4 failed" not in text, text[-3000:]
@@ -266,19 +292,20 @@ def test_spark_standalone_on_the_store_survives_the_loss_of_the_checkpointing_ho
     assert {p.name for p in logs.glob("rank-*.log")} == {"rank-0.log", "rank-1.log"}  # their output reached the store
     survivors = [h for h in workers if h is not lost]
     assert any(any(caches[h.name].rglob("step-5/meta.json")) for h in survivors)  # taken from the store
-    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
 
 
-def test_torchrun_on_the_store_survives_the_loss_of_a_host_and_resumes_from_the_store(setup, tmp_path):
-    # As tests/cluster/test_multihost.py's torchrun loss, with no shared directory: the rank on c stops
-    # answering at step 8 (after the step-5 checkpoint reached the store), c goes, a replacement node on d (an
-    # empty cache) joins; d's rank takes the step-5 checkpoint and the data from the store.
+def test_torchrun_on_the_store_prepares_survives_the_loss_of_a_host_and_exports_the_local_model(setup, tmp_path):
+    # As tests/cluster/test_multihost.py's torchrun loss, with no shared directory: b prepares the CSV from the
+    # store (the embedded local Spark); the rank on c stops answering at step 8 (after the step-5 checkpoint
+    # reached the store), c goes, a replacement node on d (an empty cache) joins; d's rank takes the step-5
+    # checkpoint and the data from the store, and d exports.
     from cluster.test_multihost import wait_for
 
     with Cluster(["s", "b", "c", "d"]) as hosts:
         s, b, c, d = (hosts[n] for n in "sbcd")
         run = f"{RUN}-loss"
         env, caches, model = store_hosts(hosts, setup, tmp_path, [b, c, d], run)
+        said = prepare_from_store(b, run, env, caches, model, tmp_path)
         env.update(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", TORCHLOOM_FAULT=f"host={c.name},step=8,kind=hang")
         argv = [x if x != str(setup["model"]) else str(model)
                 for x in torchrun_argv(Path("/unused"), setup, b.name, "tl-store-loss", 3,
@@ -296,7 +323,9 @@ def test_torchrun_on_the_store_survives_the_loss_of_a_host_and_resumes_from_the_
             p.wait(timeout=300)
         text = {h: p.read_text(errors="replace") for h, p in logs.items()}
         assert survivor.returncode == 0 and replacement.returncode == 0, text[b.name][-3000:] + text[d.name][-3000:]
-        back = weights_from_store(s, env, caches, run, tmp_path)
+        env.pop("TORCHLOOM_FAULT")
+        export_to_store(d, run, env, caches, model, tmp_path)
+        assert_the_local_job(setup, s, env, caches, run, tmp_path)
+    assert f"prepare: reading {INPUT} from the store" in said, said[-3000:]
     assert "resuming from the latest checkpoint in s3://" in text[d.name], text[d.name][-3000:]
     assert any(caches[d.name].rglob("step-5/meta.json"))  # d took the checkpoint from the store
-    assert_same_weights(setup["ref"] / "checkpoints" / LAST, back)
