@@ -41,6 +41,7 @@ def xdist_group_of(relpath: str) -> str:
     return next((name for name, starts in SERIAL_GROUPS.items() if relpath.startswith(starts)), relpath)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the markers to name each test's group
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SERIAL_GROUPS)}
     groups = {}

@@ -217,6 +217,10 @@ def test_run_on_the_store_leaves_the_whole_run_there(store_run):
     assert json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))["uploads"]["checkpoints_uploaded"]
     assert summary["uploads"]["checkpoints_uploaded"] == len(uploads) and summary["uploads"]["blocked_s"] >= 0
     assert "testing-secret" not in proc.stdout + proc.stderr
+    # the input is named as the user gave it (the embedded Spark read a local copy of it)
+    manifest = json.loads(storage.read_bytes(uri("runs/reviews/data/manifest.json")))
+    assert manifest["inputs"]["path"] == uri("input/reviews.csv")
+    assert f"prepare: reading {uri('input/reviews.csv')} (csv)" in proc.stderr + proc.stdout
 
 
 def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_path, tiny_model_dir):

@@ -134,8 +134,10 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
         # a Spark cluster's executors do not see this host's working copy: they write through the store
         through = storage.join(rd.remote, "data") if rd.remote and not cfg.prepare.spark_master.startswith("local") \
             else None
-        manifest = prepare(local_input(cfg, rd), str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"),
-                           store=through)
+        local = local_input(cfg, rd)
+        shown = storage.redact(cfg.data.path) if local.data.path != cfg.data.path else None  # a local copy's name
+        manifest = prepare(local, str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"), store=through,
+                           shown_path=shown)
     finally:
         if spark is None:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups

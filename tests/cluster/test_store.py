@@ -113,9 +113,10 @@ def from_store(s, env: dict, caches: dict, uri: str, dest: Path) -> Path:
 def assert_the_local_job(setup, s, env: dict, caches: dict, run: str, tmp_path: Path) -> None:
     """The job on the store ended where the local engine's on local disk did: the same prepared data, final
     weights and exported model, read back from the store."""
-    back = from_store(s, env, caches, f"{run}/data/manifest.json", tmp_path / "back-data" / "manifest.json")
-    ours, theirs = (json.loads(p.read_text()) for p in (back, setup["data"] / "manifest.json"))
+    back = from_store(s, env, caches, f"{run}/data", tmp_path / "back-data")
+    ours, theirs = (json.loads((d / "manifest.json").read_text()) for d in (back, setup["data"]))
     assert ours["fingerprint"] == theirs["fingerprint"] and ours["splits"] == theirs["splits"]
+    assert ours["inputs"]["path"] == INPUT  # named as given, also where a local copy was read
     assert_same_weights(setup["ref"] / "checkpoints" / setup["last"],
                         from_store(s, env, caches, f"{run}/checkpoints/{setup['last']}", tmp_path / "back"))
     model = from_store(s, env, caches, f"{run}/model", tmp_path / "back-model")
@@ -279,7 +280,7 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
                          "--model.path", str(model)], env, caches, s, run, tmp_path)
         export_to_store(a, run, env, caches, model, tmp_path)
         assert_the_local_job(setup, s, env, caches, run, tmp_path)
-        prepared = from_store(s, env, caches, f"{run}/data", tmp_path / "prepared")
+    prepared = tmp_path / "back-data"  # the run's data/, as assert_the_local_job read it back
     assert f"reading {INPUT} (csv) by the tasks with pyarrow" in said, said[-3000:]
     manifest = json.loads((prepared / "manifest.json").read_text())
     assert manifest["counts"]["rows_read"] == 122 and len(manifest["splits"]["train"]["shards"]) == 3

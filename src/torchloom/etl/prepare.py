@@ -49,12 +49,13 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 
 def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None,
-            store: str | None = None) -> Manifest:
+            store: str | None = None, shown_path: str | None = None) -> Manifest:
     """Prepare cfg.data into `out_dir` (train/ val/ test/ rejected/ manifest.json); returns the manifest.
 
     Everything is written to a temporary sibling directory first and renamed at the end, so a failure
     leaves nothing half-written behind. store: a URI on an object store that the executors write their
-    rows through (etl/store_write.py): a Spark cluster whose hosts do not see `out_dir`.
+    rows through (etl/store_write.py): a Spark cluster whose hosts do not see `out_dir`. shown_path: the
+    name of data.path in lines and in the manifest where cfg's is a local copy of it (an input on a store).
     """
     say = progress or (lambda msg: None)
     start = time.perf_counter()
@@ -72,7 +73,8 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
         if extra:
             check_exists(extra)
     fmt = resolve_format(cfg.data, data_path)
-    say(f"{cfg.data.path or 'embedded BBC News'} ({fmt}) -> {out}")
+    shown = shown_path or data_path
+    say(f"{shown_path or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {out}")
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
@@ -82,7 +84,8 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
             # nothing here uses pandas.
             warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
-            manifest = _prepare(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, start, store)
+            job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store)
+            manifest = _prepare(job, start)
         manifest.write(tmp)
         _publish(tmp, out)
     except BaseException as e:
@@ -98,7 +101,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
         if isinstance(e, Exception) and not isinstance(e, UserError):
             # a task could not read an object of the input on a store, or a file Spark reads (read's schema pass
             # may not have opened it): its line
-            unreadable = input_error(e) or unreadable_input(f"data.path {data_path}", e)
+            unreadable = input_error(e) or unreadable_input(f"data.path {shown}", e)
             if unreadable is not None:
                 raise unreadable from None
         raise
@@ -135,7 +138,8 @@ class _Job:
 
     spark: Any
     cfg: Config
-    data_path: str
+    data_path: str  # what is read
+    shown: str  # its name in lines and the manifest (the URI of an input on a store read from a local copy)
     fmt: str
     model_dir: str
     tokenizer_json: str
@@ -170,19 +174,18 @@ class _Counts:
         return sum(self.rejected.values())
 
 
-def _prepare(spark, cfg: Config, data_path: str, fmt: str, model_dir: str, tokenizer_json: str,
-             tmp: Path, say: Progress, start: float, store: str | None = None) -> Manifest:
+def _prepare(job: _Job, start: float) -> Manifest:
     """The jobs of prepare, in order: count, set aside, choose the length, write the splits, fingerprint."""
-    job = _Job(spark, cfg, data_path, fmt, model_dir, tokenizer_json, tmp, say, store)
+    cfg, say = job.cfg, job.say
     cached = broadcast = None
     try:
         cached, counts = _read_and_count(job)
         marked, plans = _set_aside(job, cached, counts)
         t = time.perf_counter()
-        _write_rejected(marked, tmp / "rejected", counts.rows_rejected, store)
+        _write_rejected(marked, job.tmp / "rejected", counts.rows_rejected, job.store)
         job.timings["write_rejected"] = time.perf_counter() - t
         t = time.perf_counter()
-        broadcast = _broadcast(spark, tokenizer_json)
+        broadcast = _broadcast(job.spark, job.tokenizer_json)
         info = _choose_length(job, marked, counts, plans)
         splits = _write_splits(job, marked, counts, plans, info, broadcast)
         job.timings["tokenize_write"] = time.perf_counter() - t
@@ -212,7 +215,7 @@ def _read_and_count(job: _Job):
     t = time.perf_counter()
     through = " by the tasks with pyarrow (prepare.input_reader)" \
         if reader_of(job.spark, job.data_path, p.input_reader) == "pyarrow" else ""
-    say(f"reading {job.data_path} ({job.fmt}){through}")
+    say(f"reading {job.shown} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
     raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader), width, job.fmt)
     if job.user_split:
@@ -245,7 +248,7 @@ def _read_and_count(job: _Job):
     reasons = ", ".join(f"{k} {v}" for k, v in counts.rejected.items() if v) or "none"
     if counts.rows_read == 0:
         marked.unpersist()
-        raise UserError(f"data.path {job.data_path}: no rows read ({job.fmt}); check the path and --data.format")
+        raise UserError(f"data.path {job.shown}: no rows read ({job.fmt}); check the path and --data.format")
     say(f"rejected {counts.rows_rejected} rows ({reasons}); removed {counts.duplicates} exact duplicates")
     return marked, counts
 
@@ -281,15 +284,15 @@ def _set_aside(job: _Job, marked, counts: _Counts):
     if counts.rows_kept == 0:
         reasons = ", ".join(f"{k} {v}" for k, v in counts.rejected.items() if v) or "none"
         raise UserError(
-            f"data.path {job.data_path}: no usable rows after cleaning ({counts.rows_read} read; rejected: {reasons});"
+            f"data.path {job.shown}: no usable rows after cleaning ({counts.rows_read} read; rejected: {reasons});"
             " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
         )
     if job.user_split and not counts.per_label:
-        raise UserError(f"data.path {job.data_path}: no usable train rows ({_given_source(job.cfg)}); the train"
+        raise UserError(f"data.path {job.shown}: no usable train rows ({_given_source(job.cfg)}); the train"
                         " split needs rows to learn from")
     carve_val = p.val_fraction if not job.user_split or not any(k[0] == "val" for k in given) else 0.0
     carve_test = p.test_fraction if not job.user_split else 0.0
-    plans, small = plan_split(counts.per_label, carve_val, carve_test, job.data_path)
+    plans, small = plan_split(counts.per_label, carve_val, carve_test, job.shown)
     usable = {plan.label for plan in plans}
     orphans = sorted({label for _, label in given if label not in usable and label not in small})
     if small or orphans:
@@ -437,7 +440,7 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
     }, sort_keys=True).encode()).hexdigest()
     return Manifest(
         labels=labels, splits=splits, tokenizer=info, fingerprint=fingerprint,
-        inputs={"path": job.data_path, "format": job.fmt, "text_column": cfg.data.text_column,
+        inputs={"path": job.shown, "format": job.fmt, "text_column": cfg.data.text_column,
                 "label_column": cfg.data.label_column,
                 **({"split_column": cfg.data.split_column, "val_path": cfg.data.val_path,
                     "test_path": cfg.data.test_path} if job.user_split else {})},
