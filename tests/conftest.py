@@ -27,28 +27,41 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
 # -- pytest-xdist: which tests share a worker ------------------------------------------------------------------
-# scripts/test.sh runs the suite on two xdist workers with `--dist loadgroup`. A module's tests stay on one worker
-# (its module fixtures are built once), and two groups run one test at a time on one worker each: the namespace
-# cluster tests (each uses every core, and the root namespace's links), and the modules that start a local Ray
-# instance (they share torchloom's private Ray directory, and one Ray at a time keeps the cores for the
-# rest). Those two are the longest, so they go first; the other modules fill in beside them.
+# scripts/test.sh runs the suite on two xdist workers with `--dist loadgroup`, scheduled by the hook below: a
+# module's tests stay on one worker (its module fixtures are built once), and two groups run one test at a time
+# on one worker each: the namespace cluster tests (each uses every core, and the root namespace's links), and the
+# modules that start a local Ray instance (they share torchloom's private Ray directory, and one Ray at a time
+# keeps the cores for the rest). Those two are the longest, so they go first; the other modules fill in beside.
+# (xdist's own loadgroup reads `xdist_group` marks into the test ids through `item._nodeid`, which pytest 9.2 no
+# longer uses: every test was its own unit, and multi-host tests ran two at a time.)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SERIAL_GROUPS = {"cluster": ("cluster/",),
                  "ray": ("test_engines.py", "test_tune.py", "test_serve.py", "test_ray_local.py")}
 
 
 def xdist_group_of(relpath: str) -> str:
+    """The unit of work a test module (its path under tests/) belongs to: its group, or itself."""
     return next((name for name, starts in SERIAL_GROUPS.items() if relpath.startswith(starts)), relpath)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the markers to name each test's group
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SERIAL_GROUPS)}
-    groups = {}
-    for item in items:
-        groups[item.nodeid] = group = xdist_group_of(os.path.relpath(str(item.path), TESTS).replace(os.sep, "/"))
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))  # stable: the order within stays
+    group = {item.nodeid: xdist_group_of(os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")) for item in items}
+    items.sort(key=lambda item: rank.get(group[item.nodeid], len(rank)))  # stable: the order within stays
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup: xdist's scope scheduler, a scope being a group of SERIAL_GROUPS or one module."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = os.path.join(str(config.rootpath), nodeid.split("::", 1)[0])
+            return xdist_group_of(os.path.relpath(path, TESTS).replace(os.sep, "/"))
+
+    return ByGroup(config, log)
 
 
 def free_port() -> int:
