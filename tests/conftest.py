@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -27,39 +28,60 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
 # -- pytest-xdist: which tests share a worker ------------------------------------------------------------------
-# scripts/test.sh runs the suite on two xdist workers with `--dist loadgroup`, scheduled by the hook below: a
-# module's tests stay on one worker (its module fixtures are built once), and two groups run one test at a time
-# on one worker each: the namespace cluster tests (each uses every core, and the root namespace's links), and the
-# modules that start a local Ray instance (they share torchloom's private Ray directory, and one Ray at a time
-# keeps the cores for the rest). Those two are the longest, so they go first; the other modules fill in beside.
+# scripts/test.sh runs the suite on four xdist workers with `--dist loadgroup`, scheduled by the hook below. A
+# module's tests stay on one worker (its module fixtures are built once), and so do the tests of the "ray" group:
+# every test that starts a local Ray instance (they share torchloom's private Ray directory), known by "ray" as
+# a word of its name or its parameters (`test_ray_...`, `[ray]`, `[ray-0]`) or by its module (test_ray_*.py).
+# The namespace cluster modules (tests/cluster) come first, one worker each: their clusters are apart (a subnet
+# and names of their own) and they mostly wait on their hosts, so the other two workers keep the cores busy
+# beside them. Then the Ray group, then the heaviest modules (HEAVY), then the rest.
 # (xdist's own loadgroup reads `xdist_group` marks into the test ids through `item._nodeid`, which pytest 9.2 no
 # longer uses: every test was its own unit, and multi-host tests ran two at a time.)
 TESTS = os.path.dirname(os.path.abspath(__file__))
-SERIAL_GROUPS = {"cluster": ("cluster/",),
-                 "ray": ("test_engines.py", "test_tune.py", "test_serve.py", "test_ray_local.py")}
+FIRST = ("cluster/test_store.py", "cluster/test_multihost.py", "ray")  # the longest units, in this order
+RAY_MODULES = ("test_engines.py", "test_tune.py", "test_serve.py")  # where tests named for Ray are
+HEAVY = ("test_cli.py", "test_engines.py", "test_storage.py", "test_tune.py", "test_serve.py",
+         "test_spark_connect.py", "test_train.py", "test_preemption.py", "test_secrets.py", "test_baseline.py")
+_RAY_WORD = re.compile(r"(^|[_\[-])ray([_\]-]|$)")
 
 
-def xdist_group_of(relpath: str) -> str:
-    """The unit of work a test module (its path under tests/) belongs to: its group, or itself."""
-    return next((name for name, starts in SERIAL_GROUPS.items() if relpath.startswith(starts)), relpath)
+def xdist_scope_of(nodeid: str) -> str:
+    """The unit of work a test belongs to (nodeid relative to the repository): the Ray group, or its module."""
+    path, _, name = nodeid.partition("::")
+    module = os.path.relpath(os.path.join(os.path.dirname(TESTS), path), TESTS).replace(os.sep, "/")
+    if module.startswith("test_ray_") or (module in RAY_MODULES and _RAY_WORD.search(name)):
+        return "ray"
+    return module
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SERIAL_GROUPS)}
-    group = {item.nodeid: xdist_group_of(os.path.relpath(str(item.path), TESTS).replace(os.sep, "/")) for item in items}
-    items.sort(key=lambda item: rank.get(group[item.nodeid], len(rank)))  # stable: the order within stays
+    def rank(item) -> int:
+        scope = xdist_scope_of(item.nodeid)
+        if scope in FIRST:
+            return FIRST.index(scope)
+        return len(FIRST) + (HEAVY.index(scope) if scope in HEAVY else len(HEAVY))
+
+    items.sort(key=rank)  # stable: the order within stays
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup: xdist's scope scheduler, a scope being a group of SERIAL_GROUPS or one module."""
+    """--dist loadgroup: xdist's scope scheduler, a scope being the Ray group or one module."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = os.path.join(str(config.rootpath), nodeid.split("::", 1)[0])
-            return xdist_group_of(os.path.relpath(path, TESTS).replace(os.sep, "/"))
+            return xdist_scope_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # xdist gives a worker its next unit while it still has 2 tests to run: behind the last tests of a
+            # long unit (minutes each), the next would wait, so it gets the queue's last one, a small module
+            behind_long = any(scope in FIRST and not all(done.values())
+                              for scope, done in self.assigned_work.get(node, {}).items())
+            if behind_long and len(self.workqueue) > 1:
+                self.workqueue.move_to_end(next(reversed(self.workqueue)), last=False)
+            super()._assign_work_unit(node)
 
     return ByGroup(config, log)
 

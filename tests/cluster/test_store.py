@@ -25,8 +25,10 @@ from cluster.test_multihost import (
     assert_not_visible_error,
     clean_env,
     private_run,
+    rank_hosts,
     torchloom,
     torchrun_argv,
+    without_exit_barrier_race,
 )
 
 pytest.importorskip("moto")
@@ -257,6 +259,7 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
         workers = [hosts[n] for n in "bcd"]
         env, caches, model = store_hosts(hosts, setup, tmp_path, [a, *workers], run)
         env.update(SPARK_LOG_DIR=str(tmp_path), SPARK_NO_DAEMONIZE="1", SPARK_MASTER_OPTS="-Dspark.worker.timeout=15")
+        hidden_rd = private_run(setup, tmp_path, workers)  # a directory only the driver's host sees
         master_log = tmp_path / "master.log"
         a.popen([spark_class(), "org.apache.spark.deploy.master.Master", "--host", a.name, "--port", "7077",
                  "--webui-port", "8080"], log=master_log, env=env)
@@ -269,6 +272,13 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
                  lambda: master_log.is_file() and master_log.read_text().count("Registering worker") >= 3,
                  120, [master_log])
         master = ["--prepare.spark_master", f"spark://{a.name}:7077"]
+        # a run on a local directory the executors' hosts do not see: one line naming a host and the path, at once
+        started = time.monotonic()
+        hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), "--engine.name", "spark", *master,
+                               "--model.path", str(model), *COMMON],
+                           {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
+                           expect=2)
+        assert_not_visible_error(hidden, hidden_rd, workers, time.monotonic() - started)
         # the tasks stream the CSV from the store (etl/store_read.py) and write their rows through it
         # (etl/store_write.py)
         said = prepare_from_store(a, run, env, caches, model, tmp_path, *master,
@@ -285,6 +295,8 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
     manifest = json.loads((prepared / "manifest.json").read_text())
     assert manifest["counts"]["rows_read"] == 122 and len(manifest["splits"]["train"]["shards"]) == 3
     assert not any(p.name.startswith(".spark-write") for p in prepared.rglob("*"))
+    for r in (0, 1):  # every rank's output reached the driver's terminal, and the store
+        assert f"[rank{r}] rank {r} of 2 on" in text and (logs / f"rank-{r}.log").is_file(), text[-3000:]
     assert f"(rank 0 on host {lost.name} stopped answering (lost)); re-running the workers" in text, text[-3000:]
     assert "attempt 2 of 4 failed" not in text, text[-3000:]
     assert f"restart 1: rank 0 on host {lost.name} stopped answering (lost); resuming from the latest checkpoint in" \
@@ -296,7 +308,7 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
 
 
 def test_torchrun_on_the_store_prepares_survives_the_loss_of_a_host_and_exports_the_local_model(setup, tmp_path):
-    # As tests/cluster/test_multihost.py's torchrun loss, with no shared directory: b prepares the CSV from the
+    # torchrun's loss of a host with a replacement joining, with no shared directory: b prepares the CSV from the
     # store (the embedded local Spark); the rank on c stops answering at step 8 (after the step-5 checkpoint
     # reached the store), c goes, a replacement node on d (an empty cache) joins; d's rank takes the step-5
     # checkpoint and the data from the store, and d exports.
@@ -329,4 +341,8 @@ def test_torchrun_on_the_store_prepares_survives_the_loss_of_a_host_and_exports_
         assert_the_local_job(setup, s, env, caches, run, tmp_path)
     assert f"prepare: reading {INPUT} from the store" in said, said[-3000:]
     assert "resuming from the latest checkpoint in s3://" in text[d.name], text[d.name][-3000:]
+    (on_c,) = rank_hosts(text[c.name])  # one rank on each host, before and after the loss
+    assert set(rank_hosts(text[b.name]).values()) == {b.name} and set(rank_hosts(text[d.name]).values()) == {d.name}
+    assert f"restart 1: rank {on_c} on host {c.name} stopped answering (lost); resuming" in text[b.name]
+    assert "Traceback" not in without_exit_barrier_race(text[b.name])  # the survivor's collective error: one line
     assert any(caches[d.name].rglob("step-5/meta.json"))  # d took the checkpoint from the store
