@@ -28,17 +28,18 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
 # -- pytest-xdist: which tests share a worker ------------------------------------------------------------------
-# scripts/test.sh runs the suite on four xdist workers with `--dist loadgroup`, scheduled by the hook below. A
-# module's tests stay on one worker (its module fixtures are built once), and so do the tests of the "ray" group:
-# every test that starts a local Ray instance (they share torchloom's private Ray directory), known by "ray" as
-# a word of its name or its parameters (`test_ray_...`, `[ray]`, `[ray-0]`) or by its module (test_ray_*.py).
-# The namespace cluster modules (tests/cluster) come first, one worker each: their clusters are apart (a subnet
-# and names of their own) and they mostly wait on their hosts, so the other two workers keep the cores busy
-# beside them. Then the Ray group, then the heaviest modules (HEAVY), then the rest.
+# scripts/test.sh runs the suite on three xdist workers with `--dist loadgroup`, scheduled by the hook below. A
+# module's tests stay on one worker (its module fixtures are built once), and two groups run one test at a time
+# on one worker each. "cluster": the namespace cluster tests (tests/cluster; they mostly wait on their hosts, so
+# the other two workers keep the cores busy beside them, and tests/cluster/conftest.py runs them at a higher CPU
+# priority, as hosts of their own would be). "ray": every test that starts a local Ray instance (they share
+# torchloom's private Ray directory), known by "ray" as a word of its name or its parameters (`test_ray_...`,
+# `[ray]`, `[ray-0]`) or by its module (test_ray_*.py). Those two are the longest, so they go first; then the
+# heaviest modules (HEAVY), then the rest.
 # (xdist's own loadgroup reads `xdist_group` marks into the test ids through `item._nodeid`, which pytest 9.2 no
 # longer uses: every test was its own unit, and multi-host tests ran two at a time.)
 TESTS = os.path.dirname(os.path.abspath(__file__))
-FIRST = ("cluster/test_store.py", "cluster/test_multihost.py", "ray")  # the longest units, in this order
+FIRST = ("cluster", "ray")  # the longest units, in this order
 RAY_MODULES = ("test_engines.py", "test_tune.py", "test_serve.py")  # where tests named for Ray are
 HEAVY = ("test_cli.py", "test_engines.py", "test_storage.py", "test_tune.py", "test_serve.py",
          "test_spark_connect.py", "test_train.py", "test_preemption.py", "test_secrets.py", "test_baseline.py")
@@ -46,9 +47,11 @@ _RAY_WORD = re.compile(r"(^|[_\[-])ray([_\]-]|$)")
 
 
 def xdist_scope_of(nodeid: str) -> str:
-    """The unit of work a test belongs to (nodeid relative to the repository): the Ray group, or its module."""
+    """The unit of work a test belongs to (nodeid relative to the repository): its group, or its module."""
     path, _, name = nodeid.partition("::")
     module = os.path.relpath(os.path.join(os.path.dirname(TESTS), path), TESTS).replace(os.sep, "/")
+    if module.startswith("cluster/"):
+        return "cluster"
     if module.startswith("test_ray_") or (module in RAY_MODULES and _RAY_WORD.search(name)):
         return "ray"
     return module
@@ -65,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup: xdist's scope scheduler, a scope being the Ray group or one module."""
+    """--dist loadgroup: xdist's scope scheduler, a scope being a group of FIRST or one module."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
