@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -28,33 +27,30 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
 # -- pytest-xdist: which tests share a worker ------------------------------------------------------------------
-# scripts/test.sh runs the suite on three xdist workers with `--dist loadgroup`, scheduled by the hook below. A
+# scripts/test.sh runs the suite on two xdist workers with `--dist loadgroup`, scheduled by the hook below. A
 # module's tests stay on one worker (its module fixtures are built once), and two groups run one test at a time
-# on one worker each. "cluster": the namespace cluster tests (tests/cluster; they mostly wait on their hosts, so
-# the other two workers keep the cores busy beside them, and tests/cluster/conftest.py runs them at a higher CPU
-# priority, as hosts of their own would be). "ray": every test that starts a local Ray instance (they share
-# torchloom's private Ray directory), known by "ray" as a word of its name or its parameters (`test_ray_...`,
-# `[ray]`, `[ray-0]`) or by its module (test_ray_*.py). Those two are the longest, so they go first; then the
-# heaviest modules (HEAVY), then the rest.
+# on one worker each. "cluster": the namespace cluster tests (tests/cluster, at a higher CPU priority than the
+# other worker: tests/cluster/conftest.py). "ray": the modules with tests that start a local Ray instance (they
+# share torchloom's private Ray directory). Those two are the longest, so they go first; then the heaviest
+# modules (HEAVY), then the rest.
+# The suite is CPU-bound on 2 cores: a third worker (or the two cluster modules at once on a fourth) did not
+# shorten it and starved time-bound steps (Ray Serve's start, a cluster's not-visible check, a Ray node's step).
 # (xdist's own loadgroup reads `xdist_group` marks into the test ids through `item._nodeid`, which pytest 9.2 no
 # longer uses: every test was its own unit, and multi-host tests ran two at a time.)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FIRST = ("cluster", "ray")  # the longest units, in this order
-RAY_MODULES = ("test_engines.py", "test_tune.py", "test_serve.py")  # where tests named for Ray are
-HEAVY = ("test_cli.py", "test_engines.py", "test_storage.py", "test_tune.py", "test_serve.py",
-         "test_spark_connect.py", "test_train.py", "test_preemption.py", "test_secrets.py", "test_baseline.py")
-_RAY_WORD = re.compile(r"(^|[_\[-])ray([_\]-]|$)")
+RAY_MODULES = ("test_engines.py", "test_tune.py", "test_serve.py", "test_ray_local.py")
+HEAVY = ("test_cli.py", "test_storage.py", "test_spark_connect.py", "test_train.py", "test_preemption.py",
+         "test_secrets.py", "test_baseline.py", "test_store_faults.py", "test_parallelism.py")
 
 
 def xdist_scope_of(nodeid: str) -> str:
     """The unit of work a test belongs to (nodeid relative to the repository): its group, or its module."""
-    path, _, name = nodeid.partition("::")
+    path = nodeid.partition("::")[0]
     module = os.path.relpath(os.path.join(os.path.dirname(TESTS), path), TESTS).replace(os.sep, "/")
     if module.startswith("cluster/"):
         return "cluster"
-    if module.startswith("test_ray_") or (module in RAY_MODULES and _RAY_WORD.search(name)):
-        return "ray"
-    return module
+    return "ray" if module in RAY_MODULES else module
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="module", autouse=True)
 def cluster_priority():
-    """The suite's other workers share these cores (scripts/test.sh), while a cluster's hosts stand for machines
+    """The suite's other worker shares these cores (scripts/test.sh), while a cluster's hosts stand for machines
     of their own: their heartbeats, health checks and collectives must not wait behind unrelated tests. So this
     worker, and every host process it starts (they inherit it), runs at niceness -10 while a cluster module
     runs (as root; otherwise as it is)."""

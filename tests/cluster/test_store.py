@@ -21,6 +21,7 @@ from engine_reference import assert_same_weights
 from cluster.netns import Cluster, unavailable
 from cluster.test_multihost import (
     COMMON,
+    HIDDEN_TIMEOUT,
     RAY_QUICK_DEATH,
     assert_not_visible_error,
     clean_env,
@@ -215,7 +216,7 @@ def test_ray_on_the_store_prepares_survives_the_loss_of_the_checkpointing_host_a
             started = time.monotonic()
             hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), "--engine.name", "ray",
                                    "--engine.ray_address", f"{a.address}:6379", "--engine.cpus_per_worker", "1",
-                                   "--model.path", str(model), *COMMON],
+                                   "--model.path", str(model), *COMMON, *HIDDEN_TIMEOUT],
                                {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
                                expect=2)
             assert_not_visible_error(hidden, hidden_rd, nodes, time.monotonic() - started)
@@ -275,7 +276,7 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
         # a run on a local directory the executors' hosts do not see: one line naming a host and the path, at once
         started = time.monotonic()
         hidden = torchloom(a, ["train", "--output.dir", str(hidden_rd), "--engine.name", "spark", *master,
-                               "--model.path", str(model), *COMMON],
+                               "--model.path", str(model), *COMMON, *HIDDEN_TIMEOUT],
                            {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
                            expect=2)
         assert_not_visible_error(hidden, hidden_rd, workers, time.monotonic() - started)
