@@ -463,3 +463,38 @@ def test_a_ranks_log_on_the_store_keeps_the_lines_of_a_host_that_was_lost(s3, tm
                               env={**os.environ, "TORCHLOOM_CACHE": str(tmp_path / f"cache-{host}")}, timeout=120)
         assert proc.returncode == 9, proc.stderr[-2000:]
     assert storage.read_bytes(storage.join(run, "logs/rank-0.log")).decode() == "line from first\nline from second\n"
+
+
+def test_the_driver_shows_the_lines_of_ranks_on_other_hosts_from_the_store(s3, cache, tmp_path):
+    # Rank 0 writes its log on this host; rank 1 is on another host, whose log reaches the store only. Each line
+    # is shown once with its rank's prefix; a log that another host now holds (shorter) is shown from its start.
+    import io
+    import time
+
+    from torchloom.engines.progress import LogTailer
+
+    rd = RunDir(uri("tailed"))
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    other = tmp_path / "rank-1.log"
+    other.write_text("old attempt line\n")
+    storage.upload(other, uri("tailed", "logs", "rank-1.log"))  # before this launch: not shown
+    out = io.StringIO()
+
+    def shown_until(needle: str) -> str:
+        deadline = time.monotonic() + 20
+        while needle not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return out.getvalue()
+
+    with LogTailer(rd, stream=out, interval=0.2):
+        (rd.logs / "rank-0.log").write_text("rank 0 here\n")
+        other.write_text("old attempt line\nrank 1 on another host\n")
+        storage.upload(other, uri("tailed", "logs", "rank-1.log"))
+        shown_until("[rank1] rank 1 on another host")
+        storage.upload(rd.logs / "rank-0.log", uri("tailed", "logs", "rank-0.log"))  # its own upload: not twice
+        other.write_text("a new host\n")
+        storage.upload(other, uri("tailed", "logs", "rank-1.log"))
+        shown_until("[rank1] a new host")
+        time.sleep(2.5)
+    assert out.getvalue().splitlines() == ["[rank0] rank 0 here", "[rank1] rank 1 on another host",
+                                           "[rank1] a new host"], out.getvalue()

@@ -90,7 +90,9 @@ class ProgressMonitor(Poller):
 
 
 class LogTailer(Poller):
-    """Copies new lines of logs/rank-*.log to the driver's stderr, each prefixed `[rankN] `."""
+    """Copies new lines of logs/rank-*.log to the driver's stderr, each prefixed `[rankN] `. A run on a store:
+    the logs of ranks on other hosts come from the store (each rank uploads its log every 10 s while it grows),
+    read every 2 s into a private directory; a rank whose log grows on this host is read here."""
 
     def __init__(self, rd: RunDir, stream=None, interval: float = 0.5):
         super().__init__(interval=interval, name="torchloom-logs")
@@ -98,15 +100,71 @@ class LogTailer(Poller):
         self.stream = stream or sys.stderr
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, str] = {}
+        self._mirror: Path | None = None
+        self._remote_sizes: dict[str, int] = {}
+        self._local_ranks: set[str] = set()
+        self._pulled = 0.0
 
     def __enter__(self) -> LogTailer:
         # Only what this launch writes: start at the current end of existing logs.
         for p in self.rd.rank_logs():
             self._offsets[p] = p.stat().st_size
+        if self.rd.remote:
+            import tempfile
+
+            self._mirror = Path(tempfile.mkdtemp(prefix="torchloom-logs-"))
+            for name, size in self._remote_logs().items():
+                self._offsets[self._mirror / name] = size
         return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._mirror is not None:
+                import shutil
+
+                shutil.rmtree(self._mirror, ignore_errors=True)
+
+    def _remote_logs(self) -> dict[str, int]:
+        from torchloom import storage
+
+        try:
+            listing = storage.list_files(storage.join(self.rd.remote, "logs"))
+        except Exception:  # best effort, as the progress bar: the store may be slow or briefly away
+            return {}
+        return {name: size for name, size in listing.items() if "/" not in name
+                and name.startswith("rank-") and name.endswith(".log")}
+
+    def _pull_remote(self) -> list[Path]:
+        """The store's copies of the logs of ranks on other hosts, downloaded when they changed."""
+        if self._mirror is None:
+            return []
+        now = time.monotonic()
+        if now - self._pulled >= 2.0:
+            self._pulled = now
+            from torchloom import storage
+
+            for name, size in self._remote_logs().items():
+                if name in self._local_ranks or self._remote_sizes.get(name) == size:
+                    continue
+                try:
+                    storage.download(storage.join(self.rd.remote, "logs", name), self._mirror / name)
+                except Exception:
+                    continue
+                self._remote_sizes[name] = size
+                if size < self._offsets.get(self._mirror / name, 0):  # another host's log of that rank now
+                    self._offsets[self._mirror / name] = 0
+        return sorted(p for p in self._mirror.glob("rank-*.log") if p.name not in self._local_ranks)
 
     def poll(self) -> None:
         for p in self.rd.rank_logs():
+            try:
+                if self._offsets.get(p, 0) < p.stat().st_size:
+                    self._local_ranks.add(p.name)  # written on this host: read here, not from the store
+            except OSError:
+                continue
+        for p in [*(self.rd.logs / name for name in sorted(self._local_ranks)), *self._pull_remote()]:
             start = self._offsets.get(p, 0)
             try:
                 with open(p, "rb") as f:
