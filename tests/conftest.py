@@ -33,8 +33,9 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 # other worker: tests/cluster/conftest.py). "ray": the modules with tests that start a local Ray instance (they
 # share torchloom's private Ray directory). Those two are the longest, so they go first; then the heaviest
 # modules (HEAVY), then the rest.
-# The suite is CPU-bound on 2 cores: a third worker (or the two cluster modules at once on a fourth) did not
-# shorten it and starved time-bound steps (Ray Serve's start, a cluster's not-visible check, a Ray node's step).
+# The suite keeps 2 cores busy with two workers (their summed test time is ~97% of twice the wall time): a third
+# worker (or the two cluster modules at once on a fourth) ran at a load of 8-15 and starved time-bound steps
+# (Ray Serve's start, a cluster's not-visible check, a Ray node's step).
 # (xdist's own loadgroup reads `xdist_group` marks into the test ids through `item._nodeid`, which pytest 9.2 no
 # longer uses: every test was its own unit, and multi-host tests ran two at a time.)
 TESTS = os.path.dirname(os.path.abspath(__file__))
