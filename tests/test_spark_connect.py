@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from conftest import JVM_ENV, free_port
 from engine_reference import COMMON, LAST, assert_same_weights, new_run, reference
 
 pyspark = pytest.importorskip("pyspark")
@@ -45,7 +45,7 @@ def server(tmp_path_factory):
     """sc://127.0.0.1:PORT of a Spark Connect server on a local cluster of two executors."""
     tmp = tmp_path_factory.mktemp("connect")
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_"))}
+    env = {k: v for k, v in os.environ.items() if k in JVM_ENV or not k.startswith(("SPARK_", "PYSPARK_"))}
     env.update(SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=sys.executable, HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", SPARK_LOG_DIR=str(tmp), TMPDIR=str(tmp))
     log = tmp / "server.log"
@@ -76,7 +76,8 @@ def setup(tmp_path_factory):
 
 
 def torchloom(args: list[str], tmp: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SPARK_", "PYSPARK_", "TORCHLOOM_"))}
+    env = {k: v for k, v in os.environ.items()
+           if k in JVM_ENV or not k.startswith(("SPARK_", "PYSPARK_", "TORCHLOOM_"))}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TMPDIR=str(tmp))
     proc = subprocess.run([sys.executable, "-m", "torchloom", *args], env=env, capture_output=True, text=True,
                           timeout=400)

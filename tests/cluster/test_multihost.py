@@ -39,10 +39,13 @@ def setup(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("multihost"))
 
 
+JVM_ENV = ("SPARK_CONF_DIR", "SPARK_DAEMON_JAVA_OPTS")  # the suite's JVM options (tests/conftest.py)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without anything that would pin Spark or Ray to the root namespace's setup."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SPARK_", "PYSPARK_", "RAY_", "MASTER_", "TORCHELASTIC_", "TORCHLOOM_"))}
+    env = {k: v for k, v in os.environ.items() if k in JVM_ENV
+           or not k.startswith(("SPARK_", "PYSPARK_", "RAY_", "MASTER_", "TORCHELASTIC_", "TORCHLOOM_"))}
     env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", GLOO_SOCKET_IFNAME="eth0",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
     return env
