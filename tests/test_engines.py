@@ -22,7 +22,7 @@ pytest.importorskip("ray")
 def setup(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("engines"))
 
-# 2 rounds in CI; `-m soak` runs the other 8 of the 10
+# 1 round in CI; `-m soak` runs the other 9 of the 10
 ROUNDS = [0, *(pytest.param(n, marks=pytest.mark.soak) for n in range(1, 10))]
 
 
@@ -197,6 +197,7 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_loca
     assert not list((rd / "logs").glob("error-rank*.json"))
 
 
+@pytest.mark.soak  # CI proves it across hosts: tests/cluster/test_multihost.py decommissions a worker by its signal
 def test_spark_decommissioning_an_executor_is_a_notice_and_the_run_goes_on_to_the_local_weights(setup, fault):
     # Spark tells the driver, not the executor's Python processes, that an executor is being decommissioned (a
     # standalone worker leaving, a Kubernetes pod or YARN node taken back). Here the driver's scheduler backend

@@ -105,7 +105,7 @@ def ray_study(tmp_path_factory, tiny, topics_csv):
     # range spans learning rates that barely move the model, so ASHA has something to stop. One trial
     # at a time makes ASHA's decisions independent of which concurrent trial reports first.
     proc = torchloom("tune", *common(topics_csv, tiny, out), "--tune.backend", "ray", "--engine.workers", "2",
-                     "--tune.trials", "4", "--tune.max_concurrent", "1", "--tune.metric", "loss",
+                     "--tune.trials", "3", "--tune.max_concurrent", "1", "--tune.metric", "loss",
                      "--train.epochs", "1", "--train.eval_every", "2",
                      "--tune.space", '{"train.lr" = "loguniform(1e-7, 2e-2)"}',
                      "--tracking.uri", store, "--tracking.experiment", "tune-tests")
@@ -118,7 +118,7 @@ def test_ray_asha_study_stops_a_trial_early_and_exports_the_best(ray_study):
     assert "Token authentication is enabled" not in proc.stderr  # Ray's note on what torchloom asked for
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4
+    assert len(rows) == 3
     assert sum(r["stopped_early"] == "True" for r in rows) >= 1, rows
     completed = [r for r in rows if r["status"] == "completed"]
     assert completed and all(int(r["steps"]) == int(completed[0]["steps"]) for r in completed)
@@ -155,7 +155,7 @@ def test_ray_study_trials_are_nested_mlflow_runs(ray_study):
     assert len(parents) == 1
     parent = parents[0]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 4 and len(runs) == 5
+    assert len(children) == 3 and len(runs) == 4
     assert {c.info.status for c in children} <= {"FINISHED", "KILLED"} and parent.info.status == "FINISHED"
     with open(out / "results.csv") as f:
         rows = {r["trial"]: r for r in csv.DictReader(f)}
@@ -239,19 +239,19 @@ def test_optuna_prunes_a_poor_trial_and_a_rerun_resumes_the_study(tmp_path, tiny
     args = ["tune", *common(topics_csv, tiny, out), "--tune.backend", "optuna", "--engine.workers", "1",
             "--tune.metric", "loss", "--train.epochs", "1", "--train.eval_every", "2", "--tracking.enabled", "false",
             "--tune.space", '{"train.lr" = "loguniform(1e-7, 2e-2)"}']
-    first = torchloom(*args, "--tune.trials", "4")
+    first = torchloom(*args, "--tune.trials", "3")
     assert first.returncode == 0, first.stderr[-4000:]
     with open(out / "results.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4 and sum(r["stopped_early"] == "True" for r in rows) >= 1, rows
+    assert len(rows) == 3 and sum(r["stopped_early"] == "True" for r in rows) >= 1, rows
     study = optuna.load_study(study_name="study", storage=f"sqlite:///{out / 'optuna.db'}")
     assert sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials) >= 1
     before = {p.name: (p / "metrics.jsonl").stat().st_mtime for p in (out / "trials").iterdir()}
 
-    again = torchloom(*args, "--tune.trials", "5")
+    again = torchloom(*args, "--tune.trials", "4")
     assert again.returncode == 0, again.stderr[-4000:]
     assert "resuming study" in again.stdout + again.stderr
     with open(out / "results.csv") as f:
-        assert len(list(csv.DictReader(f))) == 5
+        assert len(list(csv.DictReader(f))) == 4
     after = {p.name: (p / "metrics.jsonl").stat().st_mtime for p in (out / "trials").iterdir()}
-    assert len(after) == 5 and all(after[name] == mtime for name, mtime in before.items())  # not re-run
+    assert len(after) == 4 and all(after[name] == mtime for name, mtime in before.items())  # not re-run
