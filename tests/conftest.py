@@ -29,9 +29,11 @@ os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 # executors 74 CPU s against 42 with C1 only. The suite's data is tiny, so C2's faster code never pays. Sessions,
 # the CLI's and executors read SPARK_CONF_DIR (tests/spark-conf), a standalone master and worker
 # SPARK_DAEMON_JAVA_OPTS; environments built for other hosts keep both (JVM_ENV).
-JVM_ENV = {"SPARK_CONF_DIR": os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark-conf"),
-           "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:+UnlockDiagnosticVMOptions"
-                                     " -XX:-BytecodeVerificationRemote"}
+_SPARK_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark-conf")
+with open(os.path.join(_SPARK_CONF, "spark-defaults.conf")) as _f:  # the options, written once there
+    _JVM_OPTIONS = next(line.split(None, 1)[1].strip() for line in _f
+                        if line.startswith("spark.driver.defaultJavaOptions"))
+JVM_ENV = {"SPARK_CONF_DIR": _SPARK_CONF, "SPARK_DAEMON_JAVA_OPTS": _JVM_OPTIONS}
 for _key, _value in JVM_ENV.items():
     os.environ.setdefault(_key, _value)
 
