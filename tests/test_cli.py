@@ -230,6 +230,21 @@ def test_user_errors_are_one_line_with_exit_2(args, needle):
     assert not Path("/tmp/torchloom-never").exists()
 
 
+@pytest.mark.parametrize("args", [
+    ["prepare", "--data.path", "/no/such/file.csv", "--output.dir", "/tmp/torchloom-never"],
+    ["run", "--data.path", "/no/such/file.csv", "--output.dir", "/tmp/torchloom-never"],
+    ["train", "--output.dir", "/no/such/run"],
+    ["predict", "--model", "/no/such/model", "text"],
+], ids=["prepare", "run", "train", "predict"])
+def test_a_wrong_path_is_refused_before_spark_mlflow_or_torch_load(args):
+    # a typo costs no JVM start-up, no MLflow store and no torch import (seconds each)
+    code = ("import sys; from torchloom import cli; rc = cli.main(sys.argv[1:]);"
+            " print(rc, sorted(m for m in ('torch', 'pyspark', 'mlflow', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.stdout.split() == ["2", "[]"], proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "/no/such/" in proc.stderr
+
+
 # --- common mistakes: one line on stderr, exit 2, nothing written ------------------------------------------------
 
 

@@ -165,8 +165,6 @@ def local_model(model: str, what: str) -> str:
 
 
 def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
-    from torchloom.model.predict import Predictor, read_texts
-
     # argparse leaves texts that come after an option in `rest`; they are texts all the same.
     unknown = [r for r in rest if r.startswith("-")]
     if unknown:
@@ -179,12 +177,17 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
             raise UserError(f"predict: pass the exported model dir as --model DIR or as the first argument; {first}")
         model = texts.pop(0)
     given, model = model, local_model(model, "--model")
+    from torchloom.model.export import check_exported
+
+    check_exported(model)  # before torch loads: a wrong --model is one line at once
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
     if args.output:
         return predict_file(args, model, texts, given)
     if args.score_with != "local":
         raise UserError(f"--score-with {args.score_with}: only for batch prediction to a file; add --output PATH")
+    from torchloom.model.predict import Predictor, read_texts  # torch: after the arguments are checked
+
     if args.input:
         texts += read_texts(args.input)
     if not texts:
@@ -336,6 +339,7 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     elif args.command == "train":
         from torchloom import tracking
 
+        pipeline.check_prepared(cfg)  # before MLflow and torch load: a wrong --output.dir is one line at once
         with tracking.start(cfg, "train") as tracker:
             pipeline.train_stage(cfg, tracker=tracker)
     elif args.command == "export":

@@ -71,6 +71,26 @@ def for_this_machine(cfg: Config) -> Config:
     return config_mod.resolve_workers(cfg, visible_gpus(cfg))
 
 
+def check_input(cfg: Config) -> None:
+    """A local data.path (val_path, test_path) that matches nothing is one line before Spark or MLflow start:
+    a typo costs no JVM start-up. prepare checks it again (etl/prepare.py); stores are check_stores'."""
+    from torchloom import embedded
+    from torchloom.etl.read import check_exists
+
+    for path in (embedded.data_path(cfg.data.path), cfg.data.val_path, cfg.data.test_path):
+        if path and not storage.is_uri(path):
+            check_exists(path)
+
+
+def check_prepared(cfg: Config) -> None:
+    """`train` on a local output.dir without prepared data: the one line read_manifest gives, before anything
+    loads (a run on a store is checked when its working copy is staged)."""
+    if not storage.is_uri(cfg.output.dir):
+        rd = RunDir(cfg.output.dir)
+        if not (rd.data / "manifest.json").is_file():
+            read_manifest(rd.data)
+
+
 def check_output_dir(path: Path) -> None:
     """A local output.dir that cannot be made or written (a file on its path, a directory this user may not
     write) is one line before any stage starts, and nothing is created to find out."""
@@ -176,6 +196,7 @@ def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
     """prepare, then (eval.baseline) the baseline: on the driver, or on Spark in prepare's SparkSession,
     which is stopped after."""
     cfg = for_this_machine(cfg)
+    check_input(cfg)
     if not cfg.eval.baseline:
         return prepare_stage(cfg, tracker=tracker)
     from torchloom.etl.session import get_spark
@@ -495,6 +516,8 @@ def run_all(cfg: Config) -> dict:
         if not rd.remote:  # a staging copy is ours to replace; the store's side was checked above
             check_replaceable(rd.root)
         shutil.rmtree(rd.root)
+    if not (cfg.train.resume and rd.manifest.is_file()):  # a resume reuses the prepared data
+        check_input(cfg)
     from torchloom import tracking
 
     with tracking.start(cfg, "run") as tracker:
