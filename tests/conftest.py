@@ -13,6 +13,7 @@ import tempfile
 import time
 
 import pytest
+import spark_jvm
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The same answers on every CI machine: where the CPU runs bf16 natively (AMX, AVX512-BF16) `precision auto`
@@ -24,18 +25,17 @@ os.environ.setdefault("TORCHLOOM_CPU_BF16", "0")
 _mlflow_dir = tempfile.mkdtemp(prefix="torchloom-test-mlflow-")
 atexit.register(shutil.rmtree, _mlflow_dir, ignore_errors=True)
 os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
-# Every Spark JVM a test starts runs C1 only with the serial GC and does not verify Spark's bytecode: a local[1]
-# session took ~31 CPU s here, 17 with C1 only, 13.5 without the verification too; a local-cluster of two
-# executors 74 CPU s against 42 with C1 only. The suite's data is tiny, so C2's faster code never pays. Sessions,
-# the CLI's and executors read SPARK_CONF_DIR (tests/spark-conf), a standalone master and worker
-# SPARK_DAEMON_JAVA_OPTS; environments built for other hosts keep both (JVM_ENV).
-_SPARK_CONF = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spark-conf")
-with open(os.path.join(_SPARK_CONF, "spark-defaults.conf")) as _f:  # the options, written once there
-    _JVM_OPTIONS = next(line.split(None, 1)[1].strip() for line in _f
-                        if line.startswith("spark.driver.defaultJavaOptions"))
-JVM_ENV = {"SPARK_CONF_DIR": _SPARK_CONF, "SPARK_DAEMON_JAVA_OPTS": _JVM_OPTIONS}
-for _key, _value in JVM_ENV.items():
-    os.environ.setdefault(_key, _value)
+# Every Spark JVM a test starts runs C1 only with the serial GC, does not verify Spark's bytecode, and maps a
+# class-data-sharing archive of Spark's classes (tests/spark_jvm.py: what each saves, and how). The pytest
+# controller builds the archive in the background when it is missing; xdist workers inherit the environment.
+# Environments built for other hosts keep these variables (JVM_ENV).
+os.environ.pop("SPARK_CONF_DIR", None)  # first on the JVM's class path: a directory with files there rules CDS out
+_ARCHIVE = os.environ.get("TORCHLOOM_TEST_SPARK_CDS") or spark_jvm.archive_path()
+JVM_ENV = spark_jvm.environment(_ARCHIVE)
+os.environ.update(JVM_ENV)
+if "PYTEST_XDIST_WORKER" not in os.environ and not os.environ.get("TORCHLOOM_TEST_SPARK_CDS"):
+    os.environ["TORCHLOOM_TEST_SPARK_CDS"] = _ARCHIVE  # the workers take this one
+    spark_jvm.build_in_background(_ARCHIVE)
 
 
 # -- pytest-xdist: which tests share a worker ------------------------------------------------------------------

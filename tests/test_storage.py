@@ -268,17 +268,14 @@ def test_spark_batch_scoring_executors_fetch_the_model_from_the_store_themselves
     conf = tmp_path / "spark-conf"
     conf.mkdir()
     executors = tmp_path / "executors-cache"
-    suite = Path(os.environ["SPARK_CONF_DIR"]) / "spark-defaults.conf"  # the suite's JVM options (conftest.py)
-    (conf / "spark-defaults.conf").write_text((suite.read_text() if suite.exists() else "")
-                                              + f"spark.executorEnv.TORCHLOOM_CACHE {executors}\n")
-    saved = os.environ["SPARK_CONF_DIR"]
-    os.environ["SPARK_CONF_DIR"] = str(conf)
+    (conf / "spark-defaults.conf").write_text(f"spark.executorEnv.TORCHLOOM_CACHE {executors}\n")
+    os.environ["SPARK_CONF_DIR"] = str(conf)  # the suite's JVM options stay in SPARK_SUBMIT_OPTS (spark_jvm.py)
     try:
         proc = torchloom("predict", "--model", uri("runs/reviews/model"), "--input", str(src), "--output",
                          str(tmp_path / "scored"), "--score-with", "spark", "--spark-master", "local[1]",
                          cache=tmp_path / "driver-cache")
     finally:
-        os.environ["SPARK_CONF_DIR"] = saved
+        os.environ.pop("SPARK_CONF_DIR")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert list(executors.glob("models/*/model.safetensors")), "the executors did not fetch the model themselves"
     scored = sorted(pq.read_table(tmp_path / "scored").to_pylist(), key=lambda r: r["id"])

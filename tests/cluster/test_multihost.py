@@ -39,7 +39,7 @@ def setup(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("multihost"))
 
 
-JVM_ENV = ("SPARK_CONF_DIR", "SPARK_DAEMON_JAVA_OPTS")  # the suite's JVM options (tests/conftest.py)
+JVM_ENV = ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS")  # the suite's JVM options (tests/spark_jvm.py)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
