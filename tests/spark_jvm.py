@@ -30,18 +30,20 @@ QUIET = "-Xlog:cds=off -Xlog:cds+dynamic=off"  # a missing or mismatched archive
 
 
 def archive_path() -> str:
-    """Where this Java's and pyspark's archive is (or will be): in the virtual environment, keyed by both."""
+    """Where this Java's and pyspark's archive is (or will be): in the virtual environment, keyed by both (an
+    install of either makes a new key)."""
     java = shutil.which("java", path=os.path.join(os.environ["JAVA_HOME"], "bin")) if os.environ.get("JAVA_HOME") \
         else shutil.which("java")
-    try:
-        from importlib.metadata import version
+    try:  # the JVM checks the jars' sizes and times against the archive's: a reinstall needs a new one
+        import pyspark
 
-        pyspark = version("pyspark")
+        jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+        spark = f"{pyspark.__version__} {os.stat(jars).st_mtime_ns}"
     except Exception:
-        pyspark = "none"
+        spark = "none"
     real = os.path.realpath(java) if java else "none"
     stamp = os.stat(real).st_mtime_ns if java else 0
-    key = hashlib.sha256(f"{real} {stamp} {pyspark} {OPTIONS}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{real} {stamp} {spark} {OPTIONS}".encode()).hexdigest()[:16]
     return os.path.join(sys.prefix, "spark-cds", f"spark-{key}.jsa")
 
 
