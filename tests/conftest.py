@@ -43,9 +43,10 @@ if "PYTEST_XDIST_WORKER" not in os.environ and not os.environ.get("TORCHLOOM_TES
 # module's tests stay on one worker (its module fixtures are built once), and two groups run one test at a time
 # on one worker each. "cluster": the namespace cluster tests (tests/cluster, at a higher CPU priority than the
 # other worker: tests/cluster/conftest.py). "ray": the tests that start a local Ray instance (they share
-# torchloom's private Ray directory): test_ray_local.py, and in RAY_MODULES the tests named test_ray_* or with a
-# `ray` parameter; the other tests of those modules stay in their module's unit (a module fixture that both use
-# is built on both workers). Those two groups are the longest, so they go first; then the heaviest modules
+# torchloom's private Ray directory): test_ray_local.py, test_engines.py whole (its reference run, a module
+# fixture, is then built once: ~1 min of a core), and in RAY_MODULES the tests named test_ray_* or with a `ray`
+# parameter; the other tests of those modules stay in their module's unit (a module fixture that both use is
+# built on both workers). Those two groups are the longest, so they go first; then the heaviest modules
 # (HEAVY), then the rest.
 # The suite keeps 2 cores busy with two workers (their summed test time is ~97% of twice the wall time): a third
 # worker (or the two cluster modules at once on a fourth) ran at a load of 8-15 and starved time-bound steps
@@ -54,7 +55,8 @@ if "PYTEST_XDIST_WORKER" not in os.environ and not os.environ.get("TORCHLOOM_TES
 # longer uses: every test was its own unit, and multi-host tests ran two at a time.)
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FIRST = ("cluster", "ray")  # the longest units, in this order
-RAY_MODULES = ("test_engines.py", "test_tune.py", "test_serve.py")
+RAY_WHOLE = ("test_ray_local.py", "test_engines.py")
+RAY_MODULES = ("test_tune.py", "test_serve.py")
 HEAVY = ("test_engines.py", "test_cli.py", "test_storage.py", "test_serve.py", "test_spark_connect.py",
          "test_tune.py", "test_train.py", "test_preemption.py", "test_secrets.py", "test_baseline.py",
          "test_store_faults.py", "test_parallelism.py")
@@ -67,7 +69,7 @@ def xdist_scope_of(nodeid: str) -> str:
     if module.startswith("cluster/"):
         return "cluster"
     starts_ray = name.startswith("test_ray_") or "[ray]" in name or "[ray-" in name
-    return "ray" if module == "test_ray_local.py" or (module in RAY_MODULES and starts_ray) else module
+    return "ray" if module in RAY_WHOLE or (module in RAY_MODULES and starts_ray) else module
 
 
 def pytest_collection_modifyitems(config, items):
