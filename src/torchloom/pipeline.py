@@ -75,11 +75,9 @@ def check_input(cfg: Config) -> None:
     """A local data.path (val_path, test_path) that matches nothing is one line before Spark or MLflow start:
     a typo costs no JVM start-up. prepare checks it again (etl/prepare.py); stores are check_stores'."""
     from torchloom import embedded
-    from torchloom.etl.read import check_exists
+    from torchloom.etl.read import check_inputs
 
-    for path in (embedded.data_path(cfg.data.path), cfg.data.val_path, cfg.data.test_path):
-        if path and not storage.is_uri(path):
-            check_exists(path)
+    check_inputs(cfg.data, embedded.data_path(cfg.data.path))
 
 
 def check_prepared(cfg: Config) -> None:

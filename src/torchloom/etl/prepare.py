@@ -20,7 +20,7 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
-from torchloom.etl.read import check_exists, read_input, reader_of, resolve_format, utf8_files
+from torchloom.etl.read import check_inputs, read_input, reader_of, resolve_format, utf8_files
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import (
     DUPLICATE,
@@ -68,10 +68,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     if cfg.prepare.max_length != "auto" and positions and int(cfg.prepare.max_length) > positions:
         raise UserError(f"config prepare.max_length: {cfg.prepare.max_length} is more than the {positions} positions of"
                         f" the model in {model_dir}; use at most {positions}, or \"auto\"")
-    check_exists(data_path)  # before Spark starts: a typo should cost no JVM start-up
-    for extra in (cfg.data.val_path, cfg.data.test_path):
-        if extra:
-            check_exists(extra)
+    check_inputs(cfg.data, data_path)  # before Spark starts: a typo should cost no JVM start-up
     fmt = resolve_format(cfg.data, data_path)
     shown = shown_path or data_path
     say(f"{shown_path or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {out}")

@@ -107,6 +107,13 @@ def check_exists(path: str) -> None:
         raise UserError(f"data.path {path}: the directory is empty; point --data.path at your data files")
 
 
+def check_inputs(data: DataConfig, data_path: str) -> None:
+    """check_exists for the input (data_path: data.path, or the embedded corpus's) and data.val_path/test_path."""
+    for path in (data_path, data.val_path, data.test_path):
+        if path:
+            check_exists(path)
+
+
 # Local inputs up to this size are checked for UTF-8 on the driver before Spark reads them (~1 GB/s).
 UTF8_CHECK_BUDGET = 8 << 30
 _COMPRESSED = (".gz", ".bz2", ".snappy", ".zst", ".lz4")
