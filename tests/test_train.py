@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -260,3 +261,50 @@ def test_attention_dropout_override(models):
     assert build_classifier(models["dropout"], ["a", "b"], 0.0).config.attention_probs_dropout_prob == 0.0
     kept = build_classifier(models["dropout"], ["a", "b"], -1.0)
     assert kept.config.attention_probs_dropout_prob == 0.1 and kept.config.hidden_dropout_prob == 0.1
+
+
+def _seen_by_a_worker() -> tuple[str | None, bool]:
+    return os.environ.get("TORCHLOOM_TEST_MARK"), "transformers.modeling_utils" in sys.modules
+
+
+def test_local_workers_fork_from_a_server_holding_their_imports_and_this_process_environment(monkeypatch):
+    # Workers start as forks of a server that has imported what they need; it has the environment of the
+    # moment (as spawn would give it), starts again once that changed, and is left alone while a launch runs
+    # from it (that launch's ends are reported through it).
+    import concurrent.futures
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    cfg = build(None, ["--engine.device", "cpu"])
+
+    def in_a_worker():
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+            return pool.submit(_seen_by_a_worker).result(timeout=120)
+
+    monkeypatch.delenv("TORCHLOOM_TEST_MARK", raising=False)
+    try:
+        with local.worker_start(cfg) as method:
+            assert method == "forkserver"
+            first = forkserver._forkserver._forkserver_pid
+            assert in_a_worker() == (None, True)  # the imports are there before the worker's code runs
+            monkeypatch.setenv("TORCHLOOM_TEST_MARK", "1")
+            with local.worker_start(cfg) as during:
+                assert during == "spawn"
+            local.stop_fork_server()
+            assert forkserver._forkserver._forkserver_pid == first
+        with local.worker_start(cfg) as method:
+            assert method == "forkserver" and forkserver._forkserver._forkserver_pid != first
+            assert in_a_worker() == ("1", True)
+    finally:
+        local.stop_fork_server()
+    assert forkserver._forkserver._forkserver_pid is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_workers_start_as_fresh_interpreters():
+    # a forked child cannot initialise CUDA once its parent has: spawn, and no fork server is started
+    from multiprocessing import forkserver
+
+    with local.worker_start(build(None, ["--engine.device", "cuda"])) as method:
+        assert method == "spawn"
+    assert forkserver._forkserver._forkserver_pid is None

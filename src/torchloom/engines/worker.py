@@ -27,6 +27,7 @@ from torchloom.engines.common import (
     RestartLimit,
     describe_loss,
     failure_cause,
+    is_peer_loss,
     not_visible,
 )
 from torchloom.errors import UserError, first_line
@@ -292,6 +293,9 @@ def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int
     return cfg_dict
 
 
+PEER_LOSS_LINGER_S = 1.5
+
+
 def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Reporter | None = None,
                capture: bool = False, launched_at: float | None = None, device: str | None = None,
                attempt: int | None = None) -> TrainResult:
@@ -328,6 +332,10 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         return result
     except BaseException as e:
         record_error(rd, rank, e, launch_id)
+        if is_peer_loss(str(e)):
+            # A consequence of another rank's end: leave a moment after it, so that a launcher that names the
+            # first worker it finds ended (torch elastic polls every 0.5 s) names the rank that went away.
+            time.sleep(PEER_LOSS_LINGER_S)
         raise
     finally:
         if capture:
