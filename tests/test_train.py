@@ -282,6 +282,9 @@ def test_local_workers_fork_from_a_server_holding_their_imports_and_this_process
             return pool.submit(_seen_by_a_worker).result(timeout=120)
 
     monkeypatch.delenv("TORCHLOOM_TEST_MARK", raising=False)
+    local.stop_fork_server()  # one an earlier local.train of this process left
+    with local.worker_start(build(None, ["--engine.device", "cpu", "--engine.start_method", "spawn"])) as method:
+        assert method == "spawn" and forkserver._forkserver._forkserver_pid is None  # the user's way out
     try:
         with local.worker_start(cfg) as method:
             assert method == "forkserver"
@@ -305,6 +308,7 @@ def test_cuda_workers_start_as_fresh_interpreters():
     # a forked child cannot initialise CUDA once its parent has: spawn, and no fork server is started
     from multiprocessing import forkserver
 
+    local.stop_fork_server()
     with local.worker_start(build(None, ["--engine.device", "cuda"])) as method:
         assert method == "spawn"
     assert forkserver._forkserver._forkserver_pid is None

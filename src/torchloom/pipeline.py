@@ -541,6 +541,10 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     startup: dict[str, float] = {}  # the driver's phases before the workers launch (the start-up account)
     spark = _prepare_and_baseline(cfg, rd, tracker, timings, startup)
     result = train_stage(cfg, spark=spark, tracker=tracker, startup=startup)
+    if cfg.engine.name == "local":
+        from torchloom.engines import local
+
+        local.stop_fork_server()  # ~300 MB of the workers' imports, idle from here on
     timings["train_s"] = result.wall_s
     timings["export_s"] = export_stage(cfg, tracker=tracker)["seconds"]
     ev = evaluate_stage(cfg, extra={"timings": timings, "train": result.to_dict()}, tracker=tracker, announce=False)

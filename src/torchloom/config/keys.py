@@ -71,6 +71,7 @@ MEANINGS: dict[str, str] = {
     'engine.name': "`local` (torch's elastic launcher on this machine), `spark` (TorchDistributor), `ray` (Ray Train); see [engines.md](engines.md)",
     'engine.workers': '`auto`: one per visible GPU with the local engine on a GPU machine (the largest that divides the global batch), else 2 (1 process with every core measured slower on 2 cores: docs/benchmarks.md); a number: that many (more local workers than GPUs is refused before prepare)',
     'engine.device': '`auto` uses GPUs when the engine has them (nccl), else the CPU (gloo); `cpu`; `cuda`',
+    'engine.start_method': "local engine: `auto` starts the workers on CPU as forks of a fork server that has imported torch, transformers and the training loop once (with CUDA: `spawn`); `spawn`: a fresh interpreter per worker",
     'engine.threads_per_worker': "torch threads per worker; 0 = cores / workers (local), spark.task.cpus, or Ray's CPUs per worker",
     'engine.min_workers': 'Ray: after a lost worker or host, go on with as many workers as the alive nodes can place, down to this many (each a divisor of train.batch_size / grad_accum), resuming the same global batches; 0 = always engine.workers',
     'engine.max_restarts': "how often workers are restarted after a lost process (killed, or its host gone); they resume from the latest checkpoint. An error of a rank's own fails the job at once",

@@ -126,6 +126,8 @@ class EngineConfig:
     workers: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})
     device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
     threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers on a machine
+    # local engine: auto forks the workers from a fork server holding their imports on CPU, spawn with CUDA
+    start_method: str = field(default="auto", metadata=choices("auto", "spawn"))
     max_restarts: int = field(default=2, metadata={"min": 0})  # worker failures survived by resuming
     min_workers: int = field(default=0, metadata={"min": 0})  # Ray: fewest workers to go on with; 0: workers
     ray_address: str = ""  # "": start a local Ray instance; "auto" or "ray://host:10001": a cluster

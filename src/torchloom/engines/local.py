@@ -102,18 +102,21 @@ def worker_start(cfg: Config) -> Iterator[str]:
     on every restart too), or with spawn (a fresh interpreter each) where forking is not safe: with CUDA,
     which a forked child cannot initialise once its parent has, and where the platform has no fork server.
     The server starts with this process's environment as it is now, and again once that has changed (as
-    spawn would give the workers the environment of the moment)."""
+    spawn would give the workers the environment of the moment). It stays for the next launch of this process
+    (a restart, a tune study's next trial) and ends with the process; `run` stops it once training is done."""
     import multiprocessing
     from multiprocessing import forkserver
 
     import torch
 
-    if (cfg.engine.device != "cpu" and torch.cuda.is_available()) \
+    if cfg.engine.start_method == "spawn" or (cfg.engine.device != "cpu" and torch.cuda.is_available()) \
             or "forkserver" not in multiprocessing.get_all_start_methods() \
             or not hasattr(forkserver._forkserver, "_stop"):
         yield "spawn"
         return
-    env = dict(os.environ)
+    # torch elastic's own settings of the launcher (TORCHELASTIC_SIGNALS_TO_HANDLE, set by the first launch):
+    # the workers get theirs from the launch
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     with _server_lock:
         if _server["env"] not in (None, env) and not _server["launches"]:  # else a launch runs from it: spawn
             _stop_server()
@@ -190,9 +193,6 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
                                 f"training failed on rank {rank} ({how}); its last output:\n{tail_log(log_dir, rank)}"
                                 ) from e
 
-    try:
-        with quiet_launcher():
-            # torch elastic's logs already reach this terminal, each line prefixed (tee)
-            return attempts(rd, cfg, launch_once, "local", quiet=quiet, tail_logs=False, failures=(AttemptFailed,))
-    finally:
-        stop_fork_server()
+    with quiet_launcher():
+        # torch elastic's logs already reach this terminal, each line prefixed (tee)
+        return attempts(rd, cfg, launch_once, "local", quiet=quiet, tail_logs=False, failures=(AttemptFailed,))
