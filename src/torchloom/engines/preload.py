@@ -2,7 +2,8 @@
 fork server (engines/local.py) so that each worker starts as a fork of a process that has them: torch,
 transformers' model loading, pyarrow's Parquet reader and torchloom's training loop. A fresh interpreter
 per worker spends ~8 CPU s on these imports, per worker and per restart. Importing this module is its
-whole job: it starts no thread and touches no device."""
+whole job: it touches no device, and the only threads the imports start (OpenBLAS's pool, pyarrow's
+jemalloc background thread) are ones their libraries make safe to fork."""
 
 from torchloom.model.env import use_model_env
 
