@@ -242,8 +242,6 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_d
 
 
 def test_a_lost_worker_past_max_restarts_fails_the_job(tmp_path, data_dir, models):
-    import os
-
     from torchloom.engines.common import TrainingFailed
 
     rd = new_run(tmp_path, data_dir, "no-restarts")
