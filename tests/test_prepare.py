@@ -282,6 +282,13 @@ def test_input_errors_are_one_line_and_leave_nothing(spark, tiny_model_dir, tmp_
 
     fails(make_cfg(tmp_path / "nope.csv", tiny_model_dir), "nope.csv", "no such file")
     fails(make_cfg(tmp_path / "nope" / "*.csv", tiny_model_dir), "nothing matched")
+    present = tmp_path / "present.csv"
+    present.write_text("text,label\nhello there,a\n")
+    for key in ("val_path", "test_path"):  # the line names the option that holds the missing path
+        cfg = make_cfg(present, tiny_model_dir)
+        setattr(cfg.data, key, str(tmp_path / f"no_{key}.csv"))
+        msg = fails(cfg, f"data.{key} ", f"no_{key}.csv", "no such file")
+        assert "data.path" not in msg, msg
 
     csv = tmp_path / "cols.csv"
     csv.write_text("body,label\nhello there,a\n")

@@ -92,8 +92,10 @@ def _store_format(path: str) -> str | None:
     return seen.most_common(1)[0][0] if seen else None
 
 
-def check_exists(path: str) -> None:
-    """Fail early, with the fix, when a local path or glob matches nothing (Spark's own error is long)."""
+def check_exists(path: str, key: str = "data.path") -> None:
+    """Fail early, with the fix, when a local path or glob matches nothing (Spark's own error is long).
+
+    `key` is the config key the path came from, so the line names the option the user set."""
     if not _is_local(path):
         return
     local = _local(path)
@@ -102,16 +104,16 @@ def check_exists(path: str) -> None:
     else:
         matches = [local] if os.path.exists(local) else []
     if not matches:
-        raise UserError(f"data.path {path}: no such file or directory (nothing matched); check the path")
+        raise UserError(f"{key} {path}: no such file or directory (nothing matched); check the path")
     if all(os.path.isdir(m) and not any(os.scandir(m)) for m in matches):
-        raise UserError(f"data.path {path}: the directory is empty; point --data.path at your data files")
+        raise UserError(f"{key} {path}: the directory is empty; point --{key} at your data files")
 
 
 def check_inputs(data: DataConfig, data_path: str) -> None:
     """check_exists for the input (data_path: data.path, or the embedded corpus's) and data.val_path/test_path."""
-    for path in (data_path, data.val_path, data.test_path):
+    for key, path in (("data.path", data_path), ("data.val_path", data.val_path), ("data.test_path", data.test_path)):
         if path:
-            check_exists(path)
+            check_exists(path, key)
 
 
 # Local inputs up to this size are checked for UTF-8 on the driver before Spark reads them (~1 GB/s).
