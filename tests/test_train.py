@@ -220,20 +220,16 @@ def test_a_failing_rank_becomes_the_error_with_its_traceback_and_is_not_restarte
     assert "re-running the workers" not in proc.stderr and not list((rd / "logs").glob("placement-*-start1.json"))
 
 
-def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_dir, models):
+def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_dir, models, monkeypatch):
     # Uninterrupted reference, then the same job with rank 1 SIGKILLed mid-epoch at step 8, after the
     # checkpoint at step 5: torch elastic restarts both workers, they resume from step 5.
     ref = new_run(tmp_path, data_dir, "ref")
     common = ("--train.checkpoint_every", "5", "--train.keep_last", "10", "--train.epochs", "1")
     local.train(cfg_for(ref, models["dropout"], *common), ref, quiet=True)
     rd = new_run(tmp_path, data_dir, "killed")
-    import os
-
-    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=8,kind=kill"
-    try:
-        result = local.train(cfg_for(rd, models["dropout"], *common, "--engine.max_restarts", "1"), rd, quiet=True)
-    finally:
-        del os.environ["TORCHLOOM_FAULT"]
+    monkeypatch.setenv("TORCHLOOM_FAULT", "rank=1,step=8,kind=kill")
+    result = local.train(cfg_for(rd, models["dropout"], *common, "--engine.max_restarts", "1"), rd, quiet=True)
+    monkeypatch.delenv("TORCHLOOM_FAULT")
     assert (rd / "logs" / "fault-fired-rank1-step8").exists()
     assert result.resumed_from.endswith("step-5") and result.steps == 13
     a, b = weights(ref / "checkpoints" / "step-13"), weights(rd / "checkpoints" / "step-13")
