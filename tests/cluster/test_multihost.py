@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import JVM_ENV  # the suite's JVM options (tests/spark_jvm.py): the cluster's JVMs keep them
 from engine_reference import COMMON as ENGINE_COMMON
 from engine_reference import LAST, assert_same_weights, new_run, reference
 
@@ -37,9 +38,6 @@ COMMON = [*ENGINE_COMMON, "--tracking.enabled", "false"]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     return reference(tmp_path_factory.mktemp("multihost"))
-
-
-JVM_ENV = ("SPARK_SUBMIT_OPTS", "SPARK_DAEMON_JAVA_OPTS")  # the suite's JVM options (tests/spark_jvm.py)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
