@@ -143,6 +143,23 @@ def test_missing_engine_gives_an_install_hint(monkeypatch, tmp_path):
     assert "UserError ray is not installed: pip install 'ray[train,tune]>=2.40' 'optuna>=4.0'" in out
 
 
+def test_a_local_ray_instance_that_cannot_start_is_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("")  # Ray's temp dir is a file: ray.init fails as it does on a host out of room
+    code = ("import ray\nfrom torchloom.ray_instance import start_local_ray\n"
+            f"try:\n    start_local_ray({str(blocked / 'ray')!r}, num_cpus=1, env_vars={{}})\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\nprint('initialized', ray.is_initialized())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[1] == "initialized False", proc.stdout + proc.stderr[-2000:]
+    assert lines[0].startswith(f"UserError ray: the local Ray instance in {blocked / 'ray'} did not start ("), lines
+    assert "engine.ray_address" in lines[0]
+
+
 def test_torchrun_on_the_worker_module_gives_the_same_weights(setup, tmp_path):
     import subprocess
     import sys

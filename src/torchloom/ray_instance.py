@@ -12,11 +12,15 @@ import secrets
 import socket
 from pathlib import Path
 
+from torchloom.errors import UserError, first_line
+
 
 def start_local_ray(temp_dir: str | Path, num_cpus: int, env_vars: dict[str, str], env: dict[str, str] | None = None,
+                    fix: str = "retry when it has room, or set engine.ray_address to a running cluster",
                     **init_args) -> None:
     """ray.init of a new local instance: loopback only, token auth. `env` is set in this process only while
-    the instance starts (its processes inherit it); `env_vars` reach every task and actor."""
+    the instance starts (its processes inherit it); `env_vars` reach every task and actor. An instance that
+    does not start is a UserError whose line ends with `fix`."""
     import ray
 
     if "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ:
@@ -40,6 +44,13 @@ def start_local_ray(temp_dir: str | Path, num_cpus: int, env_vars: dict[str, str
         with loopback_node():
             ray.init(num_cpus=num_cpus, _temp_dir=str(temp_dir), logging_level=logging.WARNING,
                      runtime_env={"env_vars": {**env_vars, "RAY_ADDRESS": f"127.0.0.1:{port}"}}, **init_args)
+    except Exception as e:
+        # Ray's own start-up failures (a raylet not registered within 30 s on a loaded machine, a temp dir it
+        # cannot write) are its tracebacks: one line instead, and none of the half-started instance left.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        raise UserError(f"ray: the local Ray instance in {temp_dir} did not start ({first_line(e)}); this host may"
+                        f" be short of CPU, memory or disk: {fix}") from None
     finally:
         for k, v in saved.items():
             if v is None:

@@ -215,7 +215,8 @@ def start_ray(temp_dir: str) -> None:
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     start_local_ray(temp_dir, num_cpus=max(2, os.cpu_count() or 1), env_vars=model_env(), include_dashboard=None,
-                    configure_logging=True, log_to_driver=True)
+                    configure_logging=True, log_to_driver=True,
+                    fix="retry when it has room, or serve without Ray (--serve-with local)")
 
 
 def replica_fields(settings: ServeSettings, temp_dir: str) -> dict[str, Any]:
