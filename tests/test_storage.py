@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -199,7 +200,7 @@ def store_run(s3, tmp_path_factory, tiny_model_dir):
 
 
 def test_run_on_the_store_leaves_the_whole_run_there(store_run):
-    proc, _ = store_run
+    proc, host_a = store_run
     on_store = storage.list_files(uri("runs/reviews"))
     for name in ("config.toml", "data/manifest.json", "baseline.json", "metrics.jsonl", "train_result.json",
                  "model/config.json", "model/model.safetensors", "report.md", "report.json", "plots/confusion.png",
@@ -220,7 +221,10 @@ def test_run_on_the_store_leaves_the_whole_run_there(store_run):
     # the input is named as the user gave it (the embedded Spark read a local copy of it)
     manifest = json.loads(storage.read_bytes(uri("runs/reviews/data/manifest.json")))
     assert manifest["inputs"]["path"] == uri("input/reviews.csv")
-    assert f"prepare: reading {uri('input/reviews.csv')} (csv)" in proc.stderr + proc.stdout
+    assert f"prepare: {uri('input/reviews.csv')} (csv) -> {uri('runs/reviews/data')}" in proc.stderr
+    assert f"prepare: reading {uri('input/reviews.csv')} (csv)" in proc.stderr
+    assert re.search(rf"export: step-\d+ -> {re.escape(uri('runs/reviews/model'))}\n", proc.stderr), proc.stderr
+    assert str(host_a) not in proc.stderr  # every line names the store's objects, never this host's working copy
 
 
 def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_path, tiny_model_dir):

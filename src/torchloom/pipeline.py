@@ -155,7 +155,7 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
         local = local_input(cfg, rd)
         shown = storage.redact(cfg.data.path) if local.data.path != cfg.data.path else None  # a local copy's name
         manifest = prepare(local, str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"), store=through,
-                           shown_path=shown)
+                           shown_path=shown, shown_out=rd.home(rd.data))
     finally:
         if spark is None:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
@@ -405,12 +405,12 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
-        "torchloom_version": __version__, "checkpoint": str(ckpt), "step": meta.get("step"),
+        "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
         "validation": meta.get("eval", {}), "data_fingerprint": m.fingerprint,
         "max_length": m.tokenizer.get("max_length"), "truncation": m.tokenizer.get("truncation", "head"),
         **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
     })
-    say(f"export: {ckpt.name} -> {out}")
+    say(f"export: {ckpt.name} -> {rd.home(out)}")
     onnx_info = None
     if cfg.export.format != "hf":
         from torchloom.data.texts import gate_rows

@@ -49,13 +49,14 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 
 def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None,
-            store: str | None = None, shown_path: str | None = None) -> Manifest:
+            store: str | None = None, shown_path: str | None = None, shown_out: str | None = None) -> Manifest:
     """Prepare cfg.data into `out_dir` (train/ val/ test/ rejected/ manifest.json); returns the manifest.
 
     Everything is written to a temporary sibling directory first and renamed at the end, so a failure
     leaves nothing half-written behind. store: a URI on an object store that the executors write their
     rows through (etl/store_write.py): a Spark cluster whose hosts do not see `out_dir`. shown_path: the
-    name of data.path in lines and in the manifest where cfg's is a local copy of it (an input on a store).
+    name of data.path in lines and in the manifest where cfg's is a local copy of it (an input on a store);
+    shown_out: the name of `out_dir` in lines where it is a working copy (its URI on the store).
     """
     say = progress or (lambda msg: None)
     start = time.perf_counter()
@@ -71,7 +72,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     check_inputs(cfg.data, data_path)  # before Spark starts: a typo should cost no JVM start-up
     fmt = resolve_format(cfg.data, data_path)
     shown = shown_path or data_path
-    say(f"{shown_path or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {out}")
+    say(f"{shown_path or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {shown_out or out}")
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
@@ -103,7 +104,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
                 raise unreadable from None
         raise
     manifest.root = str(out)
-    say(f"prepared {manifest.counts['rows_kept']} rows into {out} in {manifest.timings['total']:.1f}s")
+    say(f"prepared {manifest.counts['rows_kept']} rows into {shown_out or out} in {manifest.timings['total']:.1f}s")
     return manifest
 
 

@@ -272,7 +272,7 @@ def export_onnx(model_dir: str | Path, rows: GateRows, fmt: str, threads: int | 
     tmp = model_dir / f".onnx-tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        say(f"onnx: exporting {model_dir} (dynamic batch and sequence axes)")
+        say("onnx: exporting (dynamic batch and sequence axes)")
         exporter = _to_onnx(model_dir, tmp / ONNX_FILE, exporter)
         wrapper, pad_id, config = _torch_model(model_dir)  # the reference: the model as it serves
         fused = _fuse(tmp / ONNX_FILE, config)
