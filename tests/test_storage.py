@@ -182,14 +182,20 @@ def torchloom(*args: str, cache: Path, timeout: int = 600) -> subprocess.Complet
 
 @pytest.fixture(scope="module")
 def store_run(s3, tmp_path_factory, tiny_model_dir):
-    """`torchloom run` with its data and its run directory on the store: nothing shared but S3."""
+    """`torchloom run` with its data (train, val and test files) and its run directory on the store: nothing
+    shared but S3."""
     words = {"sport": "match goal team win league", "money": "bank market price shares profit",
              "music": "album song band concert guitar"}
     lines = ["body,topic"] + [f"{vocab} number {i} {' '.join(reversed(vocab.split()))},{label}"
                               for label, vocab in words.items() for i in range(30)]
     storage.write_bytes(uri("input/reviews.csv"), ("\n".join(lines) + "\n").encode())
+    for split in ("val", "test"):
+        held_out = ["body,topic"] + [f"{vocab} {split} text {i},{label}" for label, vocab in words.items()
+                                     for i in range(4)]
+        storage.write_bytes(uri(f"input/{split}.csv"), ("\n".join(held_out) + "\n").encode())
     host_a = tmp_path_factory.mktemp("host-a")
-    proc = torchloom("run", "--data.path", uri("input/reviews.csv"), "--data.text_column", "body",
+    proc = torchloom("run", "--data.path", uri("input/reviews.csv"), "--data.val_path", uri("input/val.csv"),
+                     "--data.test_path", uri("input/test.csv"), "--data.text_column", "body",
                      "--data.label_column", "topic", "--model.path", tiny_model_dir,
                      "--output.dir", uri("runs/reviews"), "--prepare.spark_master", "local[2]",
                      "--train.epochs", "2", "--train.batch_size", "8", "--train.lr", "3e-3",
@@ -221,6 +227,10 @@ def test_run_on_the_store_leaves_the_whole_run_there(store_run):
     # the input is named as the user gave it (the embedded Spark read a local copy of it)
     manifest = json.loads(storage.read_bytes(uri("runs/reviews/data/manifest.json")))
     assert manifest["inputs"]["path"] == uri("input/reviews.csv")
+    for split in ("val", "test"):  # the held-out files too
+        assert manifest["inputs"][f"{split}_path"] == uri(f"input/{split}.csv"), manifest["inputs"]
+        assert manifest["splits"][split]["rows"] == 12
+        assert f"prepare: reading {uri(f'input/{split}.csv')} (csv) as the {split} split" in proc.stderr
     assert f"prepare: {uri('input/reviews.csv')} (csv) -> {uri('runs/reviews/data')}" in proc.stderr
     assert f"prepare: reading {uri('input/reviews.csv')} (csv)" in proc.stderr
     assert re.search(rf"export: step-\d+ -> {re.escape(uri('runs/reviews/model'))}\n", proc.stderr), proc.stderr

@@ -153,9 +153,11 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
         through = storage.join(rd.remote, "data") if rd.remote and not cfg.prepare.spark_master.startswith("local") \
             else None
         local = local_input(cfg, rd)
-        shown = storage.redact(cfg.data.path) if local.data.path != cfg.data.path else None  # a local copy's name
+        # the inputs read from local copies are named by their URIs
+        shown = {getattr(local.data, key): storage.redact(getattr(cfg.data, key))
+                 for key in ("path", "val_path", "test_path") if getattr(local.data, key) != getattr(cfg.data, key)}
         manifest = prepare(local, str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"), store=through,
-                           shown_path=shown, shown_out=rd.home(rd.data))
+                           shown_inputs=shown, shown_out=rd.home(rd.data))
     finally:
         if spark is None:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups

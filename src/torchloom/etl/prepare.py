@@ -49,13 +49,14 @@ def check_output(out: Path, overwrite: bool) -> None:
 
 
 def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None,
-            store: str | None = None, shown_path: str | None = None, shown_out: str | None = None) -> Manifest:
+            store: str | None = None, shown_inputs: dict[str, str] | None = None,
+            shown_out: str | None = None) -> Manifest:
     """Prepare cfg.data into `out_dir` (train/ val/ test/ rejected/ manifest.json); returns the manifest.
 
     Everything is written to a temporary sibling directory first and renamed at the end, so a failure
     leaves nothing half-written behind. store: a URI on an object store that the executors write their
-    rows through (etl/store_write.py): a Spark cluster whose hosts do not see `out_dir`. shown_path: the
-    name of data.path in lines and in the manifest where cfg's is a local copy of it (an input on a store);
+    rows through (etl/store_write.py): a Spark cluster whose hosts do not see `out_dir`. shown_inputs: the
+    names, in lines and in the manifest, of inputs that cfg names by a local copy (local path: its URI on a store);
     shown_out: the name of `out_dir` in lines where it is a working copy (its URI on the store).
     """
     say = progress or (lambda msg: None)
@@ -71,8 +72,9 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
                         f" the model in {model_dir}; use at most {positions}, or \"auto\"")
     check_inputs(cfg.data, data_path)  # before Spark starts: a typo should cost no JVM start-up
     fmt = resolve_format(cfg.data, data_path)
-    shown = shown_path or data_path
-    say(f"{shown_path or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {shown_out or out}")
+    names = dict(shown_inputs or {})
+    shown = names.get(data_path, data_path)
+    say(f"{names.get(data_path) or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {shown_out or out}")
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
@@ -82,7 +84,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
             # nothing here uses pandas.
             warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
-            job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store)
+            job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store, names)
             manifest = _prepare(job, start)
         manifest.write(tmp)
         _publish(tmp, out)
@@ -144,11 +146,16 @@ class _Job:
     tmp: Path
     say: Progress
     store: str | None = None  # the executors write through this URI (a cluster that does not see `tmp`)
+    names: dict[str, str] = field(default_factory=dict)  # local copy -> the input's URI (lines, the manifest)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def user_split(self) -> bool:
         return bool(self.cfg.data.split_column or self.cfg.data.val_path or self.cfg.data.test_path)
+
+    def name(self, path: str | None) -> str | None:
+        """An input's name in lines and the manifest: its URI where `path` is a local copy of it."""
+        return self.names.get(path, path) if path else path
 
 
 @dataclass
@@ -217,7 +224,7 @@ def _read_and_count(job: _Job):
     width = default_parallelism(job.spark, default_partitions(p))
     raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader), width, job.fmt)
     if job.user_split:
-        raw = _with_given(job.spark, cfg, raw, width, say)
+        raw = _with_given(job, raw, width)
     inputs = [(job.data_path, job.fmt)] + [(path, resolve_format(cfg.data, path))
                                            for path in (cfg.data.val_path, cfg.data.test_path) if path]
     utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
@@ -286,7 +293,7 @@ def _set_aside(job: _Job, marked, counts: _Counts):
             " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
         )
     if job.user_split and not counts.per_label:
-        raise UserError(f"data.path {job.shown}: no usable train rows ({_given_source(job.cfg)}); the train"
+        raise UserError(f"data.path {job.shown}: no usable train rows ({_given_source(job)}); the train"
                         " split needs rows to learn from")
     carve_val = p.val_fraction if not job.user_split or not any(k[0] == "val" for k in given) else 0.0
     carve_test = p.test_fraction if not job.user_split else 0.0
@@ -326,7 +333,7 @@ def _say_kept(job: _Job, counts: _Counts, plans, carve_val: float) -> None:
     counts.leaked = (_leaked_by_split(counts.stats) if p.leakage == "drop" else
                      {name: sum(n for (g, _), n in counts.leaks.items() if g == name) for name in ("val", "test")})
     if job.user_split:
-        job.say(f"split as given ({_given_source(job.cfg)}): train {sum(plan.train for plan in plans)}, val "
+        job.say(f"split as given ({_given_source(job)}): train {sum(plan.train for plan in plans)}, val "
                 + (f"{sum(plan.val for plan in plans)} (carved from train by prepare.val_fraction)" if carve_val
                    else str(sum(n for (g, _), n in given.items() if g == "val")))
                 + f", test {sum(n for (g, _), n in given.items() if g == 'test')}")
@@ -440,12 +447,12 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
         labels=labels, splits=splits, tokenizer=info, fingerprint=fingerprint,
         inputs={"path": job.shown, "format": job.fmt, "text_column": cfg.data.text_column,
                 "label_column": cfg.data.label_column,
-                **({"split_column": cfg.data.split_column, "val_path": cfg.data.val_path,
-                    "test_path": cfg.data.test_path} if job.user_split else {})},
+                **({"split_column": cfg.data.split_column, "val_path": job.name(cfg.data.val_path),
+                    "test_path": job.name(cfg.data.test_path)} if job.user_split else {})},
         counts={
             "rows_read": counts.rows_read, "rows_rejected": counts.rejected,
             "duplicates_removed": counts.duplicates, "rows_kept": counts.rows_kept,
-            **({"split": _given_source(cfg), "leaked": counts.leaked, "leakage": p.leakage}
+            **({"split": _given_source(job), "leaked": counts.leaked, "leakage": p.leakage}
                if job.user_split else {}),
             "splits": {name: s.rows for name, s in splits.items()},
         },
@@ -460,20 +467,22 @@ GIVEN_SPLITS = {"train": "train", "training": "train", "val": "val", "valid": "v
                 "dev": "val", "test": "test", "testing": "test"}
 
 
-def _given_source(cfg: Config) -> str:
+def _given_source(job: _Job) -> str:
+    cfg = job.cfg
     if cfg.data.split_column:
         return f"column {cfg.data.split_column!r}"
-    return ", ".join(f"{name} from {path}" for name, path in (("val", cfg.data.val_path),
-                                                                ("test", cfg.data.test_path)) if path)
+    return ", ".join(f"{name} from {job.name(path)}" for name, path in (("val", cfg.data.val_path),
+                                                                          ("test", cfg.data.test_path)) if path)
 
 
-def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
+def _with_given(job: _Job, raw, width: int):
     """The input with `given`, the split each row comes with: the split column's value (null when it is
     none of GIVEN_SPLITS), or train for data.path and val/test for data.val_path / data.test_path."""
     from functools import reduce
 
     from pyspark.sql import functions as F
 
+    spark, cfg, say = job.spark, job.cfg, job.say
     if cfg.data.split_column:
         names = F.create_map(*[F.lit(x) for pair in GIVEN_SPLITS.items() for x in pair])
         return raw.withColumn("given", names[F.lower(F.trim(F.col("given")))])
@@ -481,7 +490,7 @@ def _with_given(spark, cfg: Config, raw, width: int, say: Progress):
     for name, path in (("val", cfg.data.val_path), ("test", cfg.data.test_path)):
         if path:
             fmt = resolve_format(cfg.data, path)
-            say(f"reading {path} ({fmt}) as the {name} split")
+            say(f"reading {job.name(path)} ({fmt}) as the {name} split")
             parts.append(_spread(read_input(spark, cfg.data, path, fmt, cfg.prepare.input_reader), width, fmt)
                          .withColumn("given", F.lit(name)))
     return reduce(lambda a, b: a.unionByName(b), parts)
