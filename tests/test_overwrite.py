@@ -71,9 +71,10 @@ def test_tune_overwrite_refuses_while_another_process_runs_the_study(tmp_path, t
     from torchloom.config import build
     from torchloom.tune.study import open_study_dir
 
-    (out / "leftover").write_text("from the killed study")
+    (out / "trials" / "leftover").parent.mkdir(exist_ok=True)
+    (out / "trials" / "leftover").write_text("from the killed study")
     sd, resuming = open_study_dir(build(None, [*args[1:], "--output.overwrite", "true"]), "optuna")
-    assert not resuming and not (out / "leftover").exists() and sd.marker.is_file()
+    assert not resuming and not (out / "trials" / "leftover").exists() and sd.marker.is_file()
 
 
 def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, monkeypatch):
@@ -185,9 +186,9 @@ def test_a_marker_counts_only_by_its_content(rel, content, own):
     assert is_own_file(rel, content) is own
 
 
-def test_overwrite_still_replaces_a_run_prepared_data_and_a_study(tmp_path):
+def test_overwrite_replaces_only_what_is_torchloom_s_and_refuses_anything_beside_it(tmp_path):
     from torchloom.errors import UserError
-    from torchloom.rundir import check_replaceable
+    from torchloom.rundir import RUN_RECORD, check_replaceable, new_record, replace_local, write_json
 
     dirs = {"run/config.toml": real_config(), "prepared/manifest.json": real_manifest(),
             "study/study.json": b'{"format": "torchloom-study/1", "backend": "optuna"}',
@@ -195,23 +196,53 @@ def test_overwrite_still_replaces_a_run_prepared_data_and_a_study(tmp_path):
     for rel, content in dirs.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(content)
-        (tmp_path / rel).with_name("notes.txt").write_text("x")
-    for name in ("run", "prepared", "study"):
-        check_replaceable(tmp_path / name)
+    (tmp_path / "run" / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "run" / ".metrics.jsonl.123.tmp").write_text("")  # torchloom's own temporary name
+    assert check_replaceable(tmp_path / "run") == [".metrics.jsonl.123.tmp", "checkpoints", "config.toml"]
+    for name in ("prepared", "study"):
+        assert check_replaceable(tmp_path / name)
     with pytest.raises(UserError, match=r"lightning: not replaced: it is neither empty nor a torchloom run"):
         check_replaceable(tmp_path / "lightning")
+    # one foreign file beside a marker refuses the whole replacement, and names what it found
+    for name in ("run", "prepared", "study"):
+        (tmp_path / name / "notes.txt").write_text("mine")
+        with pytest.raises(UserError, match=rf"{name}: not replaced: it holds notes.txt, which torchloom did not"):
+            check_replaceable(tmp_path / name)
+    # a run with a record owns exactly the names it lists: those are deleted, the directory is kept
+    run = tmp_path / "recorded"
+    (run / "model").mkdir(parents=True)
+    write_json(run / RUN_RECORD, {**new_record(), "owns": ["model"]})
+    (run / "summary.json").write_text("{}")  # not in this record's list
+    with pytest.raises(UserError, match=r"it holds summary.json, which torchloom did not write"):
+        replace_local(run)
+    (run / "summary.json").unlink()
+    replace_local(run)
+    assert run.is_dir() and not any(run.iterdir())
 
 
-def test_overwrite_replaces_a_real_run_from_the_cli(tmp_path, tiny_model_dir):
+def test_overwrite_never_deletes_a_project_holding_torchloom_config_s_output(tmp_path, topics_csv, tiny_model_dir):
+    """`torchloom config > config.toml` in a project: a torchloom config.toml beside the user's work."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "train.py").write_text("print('mine')")
+    (project / "notes.md").write_text("years of work")
+    (project / "config.toml").write_bytes(real_config())
+    before = tree(project)
+    error = one_error(torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
+                                "--output.dir", str(project), "--tracking.enabled", "false", "--overwrite"))
+    assert f"output.dir {project}: not replaced: it holds notes.md, src, which torchloom did not write" in error
+    assert tree(project) == before
+
+
+def test_overwrite_deletes_nothing_before_every_input_is_checked(tmp_path, tiny_model_dir):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.toml").write_bytes(real_config())
     (run / "metrics.jsonl").write_text("{}\n")
-    # the run dir goes first; the missing data is found after, before any Spark work
     error = one_error(torchloom("run", "--data.path", str(tmp_path / "none.csv"), "--model.path", tiny_model_dir,
                                 "--output.dir", str(run), "--tracking.enabled", "false", "--overwrite"))
     assert "none.csv" in error and "not replaced" not in error
-    assert not (run / "metrics.jsonl").exists()
+    assert (run / "metrics.jsonl").read_text() == "{}\n" and (run / "config.toml").read_bytes() == real_config()
 
 
 # -- the same rule on a store ----------------------------------------------------------------------------------
@@ -264,9 +295,33 @@ def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
     storage.replace_remote(RunDir(prefix))
     assert storage.list_files(prefix) == {}
     put_tree(prefix, {"data/manifest.json": FOREIGN["webapp"]["manifest.json"], "checkpoints/step-2/x": "w"})
-    with pytest.raises(UserError, match=r"not replaced: the prefix holds objects that are not a torchloom run"):
+    with pytest.raises(UserError, match=r"not replaced: it is neither empty nor a torchloom run"):
         storage.replace_remote(RunDir(prefix))
     assert len(storage.list_files(prefix)) == 2
+    # a run beside a foreign object: refused, naming it
+    put_tree(prefix, {"config.toml": real_config(), "report.pdf": "mine"})
+    with pytest.raises(UserError, match=r"not replaced: it holds report.pdf, which torchloom did not write"):
+        storage.replace_remote(RunDir(prefix))
+    assert len(storage.list_files(prefix)) == 4
+
+
+def test_overwrite_never_empties_a_bucket_s_root(s3, tmp_path, topics_csv, tiny_model_dir):
+    """A torchloom config.toml at a bucket's root, beside the bucket's other prefixes: nothing is deleted."""
+    from pyarrow import fs as pafs
+
+    from torchloom import storage
+
+    root = "s3://torchloom-bucket-root"
+    pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{s3}", scheme="http", allow_bucket_creation=True,
+                      region="us-east-1").create_dir(root[5:])
+    put_tree(f"{root}/elsewhere", {"keep.txt": "other work"})
+    storage.write_bytes(f"{root}/config.toml", real_config())
+    before = storage.list_files(root)
+    error = one_error(torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
+                                "--output.dir", root, "--tracking.enabled", "false", "--overwrite",
+                                TORCHLOOM_CACHE=str(tmp_path / "cache")))
+    assert f"output.dir {root}: not replaced: it is a bucket's root" in error, error
+    assert storage.list_files(root) == before
 
 
 def test_the_manifest_keys_rundir_knows_are_the_manifests_fields():

@@ -15,7 +15,7 @@ from torchloom import storage
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir, check_replaceable, is_own_file, read_json, write_json
+from torchloom.rundir import RunDir, is_own_file, read_json, replace_local, write_json
 from torchloom.train.result import TrainResult
 
 
@@ -64,7 +64,7 @@ def for_this_machine(cfg: Config) -> Config:
     check_stores(cfg)
     if not storage.is_uri(cfg.output.dir):
         check_output_dir(RunDir(cfg.output.dir).root)
-    if not storage.is_uri(cfg.output.dir) and not cfg.output.overwrite:  # --overwrite: check_replaceable says
+    if not cfg.output.overwrite:  # --overwrite: rundir.owned_entries says
         check_foreign_config(RunDir(cfg.output.dir))
     if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
         return cfg
@@ -110,8 +110,11 @@ def run_dir(cfg: Config) -> RunDir:
 
 
 def check_foreign_config(rd: RunDir) -> None:
-    """Never write over a config.toml torchloom did not write (a Hugo site's, say): refused before any stage."""
-    if rd.config.is_file() and not is_own_file(rd.config.name, rd.config.read_bytes()):
+    """Never write over a config.toml torchloom did not write (a Hugo site's, say), nor into a store's prefix
+    that holds objects of someone else's: refused before any stage, from the store itself for a run on one."""
+    if rd.remote:
+        storage.check_own_prefix(rd)
+    elif rd.config.is_file() and not is_own_file(rd.config.name, rd.config.read_bytes()):
         raise UserError(f"output.dir {rd.where}: holds a config.toml that torchloom did not write; it is left"
                         " alone; pass another --output.dir")
 
@@ -148,6 +151,8 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
 
     rd = run_dir(cfg)
     started = time.perf_counter()
+    if rd.remote:
+        _stage_remote_data(cfg, rd)
     try:
         # a Spark cluster's executors do not see this host's working copy: they write through the store
         through = storage.join(rd.remote, "data") if rd.remote and not cfg.prepare.spark_master.startswith("local") \
@@ -163,7 +168,10 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
             # away from the training workers.
             stop_spark()
+    if rd.remote and cfg.output.overwrite:
+        storage.delete_tree(storage.join(rd.remote, "data"))  # the earlier shards, whatever their names
     storage.push(rd, rd.data)  # manifest.json last: the prepared data counts once it is there
+    storage.new_identity(rd)  # after the data: a host that saw the new record finds the new data
     save_config(cfg, rd)
     splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
                        for k, v in manifest.splits.items())
@@ -180,6 +188,17 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
                              **{f"rows_{k}": v for k, v in splits.items()}})
         tracker.log_artifact(rd.manifest)
     return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
+
+
+def _stage_remote_data(cfg: Config, rd: RunDir) -> None:
+    """prepare into a run on a store: the store says whether prepared data is there (never this host's copy,
+    which may be of another run); the copy's data directory is cleared for the new data."""
+    if storage.list_files(storage.join(rd.remote, "data")) and not cfg.output.overwrite:
+        raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true to"
+                        " replace it")
+    storage.sync_copy(rd)
+    if rd.data.exists():
+        shutil.rmtree(rd.data)
 
 
 def stop_spark() -> None:
@@ -349,6 +368,10 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
 
         tracker.set_tags({"data_fingerprint": manifest_mod.read(rd.data).fingerprint})
     rd.write_hooks(hooks or {})
+    if resume_step is None:  # a fresh training: other hosts' copies of the earlier one (checkpoints) are void
+        storage.new_identity(rd)
+    else:  # this host's copy may lack the earlier lines (written on another host): the store's history
+        storage.catch_up_metrics(rd, resume_step)
     # Before any worker starts, so the driver never forwards another run's lines to this run's tracker.
     rd.reset_metrics(resume_step)
     if startup:
@@ -505,6 +528,8 @@ def run_all(cfg: Config) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
     cfg = for_this_machine(cfg)
     rd = run_dir(cfg)
+    if not (cfg.train.resume and rd.manifest.is_file()):  # a resume reuses the prepared data
+        check_input(cfg)  # every input checked before --overwrite deletes anything
     if rd.remote:
         _fresh_remote(cfg, rd)
     exists = rd.root.exists()
@@ -512,12 +537,11 @@ def run_all(cfg: Config) -> dict:
         raise UserError(
             f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
         )
-    if exists and (rd.remote or cfg.output.overwrite) and not cfg.train.resume:
-        if not rd.remote:  # a staging copy is ours to replace; the store's side was checked above
-            check_replaceable(rd.root)
-        shutil.rmtree(rd.root)
-    if not (cfg.train.resume and rd.manifest.is_file()):  # a resume reuses the prepared data
-        check_input(cfg)
+    if exists and not cfg.train.resume:
+        if rd.remote:  # a staging copy is ours to replace; the store's side was replaced above
+            shutil.rmtree(rd.root)
+        elif cfg.output.overwrite:
+            replace_local(rd.root)
     from torchloom import tracking
 
     with tracking.start(cfg, "run") as tracker:
@@ -526,7 +550,7 @@ def run_all(cfg: Config) -> dict:
 
 def _fresh_remote(cfg: Config, rd: RunDir) -> None:
     """A run on a store: the store answers and takes writes (one line otherwise, before any work); a prefix
-    that holds a run is refused without --overwrite or --resume, and replaced with --overwrite."""
+    that holds a run is refused without --overwrite or --resume, and its own objects replaced with --overwrite."""
     storage.check_writable(rd.remote, "output.dir")
     if cfg.train.resume:
         return

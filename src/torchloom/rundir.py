@@ -1,6 +1,7 @@
 """The contract of one run directory: every path in it, who writes it, and one `write_atomic`.
 
     runs/<name>/
+      torchloom-run.json    prepare, fresh train     the run's identity and the names it owns (--overwrite)
       config.toml           driver, each stage       the resolved config, exactly what ran
       data/                 prepare                  manifest.json, train/ val/ test/ shards, rejected/
       checkpoints/step-N/   train workers            see train/checkpoint.py (meta.json is written last)
@@ -31,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -131,29 +133,111 @@ def _read_local(path: Path) -> bytes | None:
         return None
 
 
+# -- the run's record: who it is, and what it owns --------------------------------------------------
+RUN_RECORD = "torchloom-run.json"  # at the top of every run and study directory (write_record)
+RUN_FORMAT = "torchloom-run/1"
+# What torchloom writes at the top of a run or study directory, and in prepared data: --overwrite deletes these
+# names and nothing else. The record lists the run's (a later version may own more; the record says which).
+RUN_ENTRIES = (RUN_RECORD, CONFIG_FILE, "data", "checkpoints", "metrics.jsonl", "train_result.json", "model",
+               "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json",
+               "hooks.json", "progress.json", "logs", "ray", "input", "trial.json", "trial_result.json", STUDY_FILE,
+               "trials", "results.csv", "results.png", "best_config.toml", "optuna.db")
+DATA_ENTRIES = (MANIFEST_FILE, "train", "val", "test", "rejected", "prepare_key.txt")
+# torchloom's own temporary names: `.NAME.<pid>...tmp|part|pending|pull`, a study's `.NAME.lock`, the store's
+# write probe, prepare's `data.tmp-XXXXXXXX` and `data.old-XXXXXXXX` beside the data it replaces.
+TEMP_NAME = re.compile(r"^\..+\.(tmp|part|pending|pull|lock)$|^\.torchloom-probe-\d+$|^[\w.-]+\.(tmp|old)-[0-9a-f]{8}$")
+
+
+def new_record() -> dict:
+    """A run's identity, made anew by every prepare, --overwrite and fresh train: a host's copy of a run on a
+    store counts only while its record equals the store's (storage.sync_copy)."""
+    import time
+    import uuid
+
+    return {"format": RUN_FORMAT, "id": uuid.uuid4().hex, "created": round(time.time(), 3),
+            "owns": list(RUN_ENTRIES)}
+
+
+def parse_record(content: bytes | None) -> dict | None:
+    """A run record as write_record wrote it, or None (missing, damaged, someone else's)."""
+    try:
+        data = json.loads(content) if content is not None else None
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("format") != RUN_FORMAT or not isinstance(data.get("id"), str):
+        return None
+    owns = data.get("owns")
+    return data if isinstance(owns, list) and all(isinstance(n, str) and "/" not in n for n in owns) else None
+
+
+def owned_entries(names: list[str], read: Callable[[str], bytes | None], where: str,
+                  key: str = "output.dir") -> list[str]:
+    """The top-level `names` of a directory (or a prefix on a store) that --overwrite may delete: every one, or a
+    one-line refusal. A directory is torchloom's by its record (the names it lists), or, made before records, by a
+    marker of torchloom's content (is_own: then the names of RUN_ENTRIES and DATA_ENTRIES); anything else in it
+    (a thesis beside a `torchloom config` output, a bucket's other prefixes) refuses the whole replacement."""
+    from torchloom.errors import UserError
+
+    if not names:
+        return []
+    record = parse_record(read(RUN_RECORD))
+    if record is not None:
+        owns = {RUN_RECORD, *record["owns"]}
+    elif is_own(read):
+        owns = {*RUN_ENTRIES, *DATA_ENTRIES}
+    else:
+        raise UserError(f"{key} {where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
+                        f" study (no {RUN_RECORD}, config.toml, manifest.json or study.json that torchloom wrote);"
+                        " pass another --output.dir")
+    foreign = sorted(n for n in names if n not in owns and not TEMP_NAME.match(n))
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise UserError(f"{key} {where}: not replaced: it holds {', '.join(foreign[:3])}{more}, which torchloom did"
+                        " not write; --overwrite deletes only a run's own files: move those away, or pass another"
+                        " --output.dir")
+    return sorted(names)
+
+
 def holds_cwd(path: str | Path) -> bool:
     """Is `path` the working directory or one of its parents (deleting it would delete where we stand)?"""
     resolved, cwd = Path(path).resolve(), Path.cwd().resolve()
     return resolved == cwd or resolved in cwd.parents
 
 
-def check_replaceable(path: str | Path, key: str = "output.dir") -> None:
-    """Refuse (one line) to delete `path` for --overwrite unless it is empty or torchloom's own, and
-    never the working directory or one holding it."""
+def check_replaceable(path: str | Path, key: str = "output.dir") -> list[str]:
+    """The entries of `path` that --overwrite deletes (owned_entries), or a one-line refusal: never the working
+    directory or one holding it, a home directory or a file system's root."""
     from torchloom.errors import UserError
 
     path = Path(path)
     if not path.exists():
-        return
+        return []
     if not path.is_dir():
         raise UserError(f"{key} {path}: exists and is not a directory; --overwrite replaces only torchloom runs")
-    if holds_cwd(path):
-        raise UserError(f"{key} {path}: is the working directory or holds it; --overwrite would delete it;"
-                        " pass another --output.dir")
-    if any(path.iterdir()) and not is_own(lambda rel: _read_local(path / rel)):
-        raise UserError(f"{key} {path}: not replaced: it is neither empty nor a torchloom run, prepared data or"
-                        " study (no config.toml, manifest.json or study.json that torchloom wrote);"
-                        " pass another --output.dir")
+    resolved = path.resolve()
+    if holds_cwd(path) or resolved == Path.home().resolve() or resolved.parent == resolved:
+        raise UserError(f"{key} {path}: is the working directory, a home directory or a root, or holds the working"
+                        " directory; --overwrite would delete it; pass another --output.dir")
+    return owned_entries(sorted(p.name for p in path.iterdir()), lambda rel: _read_local(path / rel), str(path), key)
+
+
+def replace_local(path: str | Path, key: str = "output.dir") -> None:
+    """--overwrite of a local directory: delete what check_replaceable allows, nothing else; the directory stays."""
+    import shutil
+
+    path = Path(path)
+    for name in check_replaceable(path, key):
+        entry = path / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def write_record(root: str | Path) -> Path:
+    """A new identity for the run at `root` (a local directory or a store's working copy), written atomically."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return write_json(Path(root) / RUN_RECORD, new_record())
 
 
 def write_atomic(path: str | Path, data: str | bytes) -> Path:
@@ -272,6 +356,7 @@ class RunDir:
         return str(self.root)
 
     # -- what the stages write ------------------------------------------------------------------
+    record = _In(RUN_RECORD)
     config = _In(CONFIG_FILE)
     data = _In("data")
     manifest = _In("data", MANIFEST_FILE)
@@ -356,11 +441,20 @@ class RunDir:
         path = self.metrics
         if not path.exists():
             return
-        records = [line for line in path.read_text().splitlines() if line.strip()]
+        records = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:  # cut short (a full disk, a killed writer): the rest of the history is kept
+                print(f"torchloom: warning: {path}: skipped a line that is not whole JSON ({line[:60]!r})",
+                      file=sys.stderr, flush=True)
+                continue
+            if isinstance(record, dict):
+                records.append((line, record))
         if resume_step is None:
-            kept = [line for line in records if keep_driver and json.loads(line).get("side") == "driver"]
+            kept = [line for line, r in records if keep_driver and r.get("side") == "driver"]
         else:
-            kept = [line for line in records if json.loads(line).get("step", 0) <= resume_step]
+            kept = [line for line, r in records if (r.get("step") or 0) <= resume_step]
         if not kept:
             path.unlink()
             return

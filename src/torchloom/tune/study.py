@@ -20,7 +20,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from torchloom import config as config_mod
 from torchloom import pipeline, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
-from torchloom.rundir import STUDY_FORMAT, StudyDir, check_replaceable, read_json, write_json
+from torchloom.rundir import STUDY_FORMAT, StudyDir, check_replaceable, read_json, replace_local, write_json
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
 
@@ -81,7 +80,7 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
             except BlockingIOError:
                 raise UserError(f"output.dir {sd.root}: another torchloom tune process is running this study;"
                                 " wait for it to finish, or stop it, before --overwrite") from None
-            shutil.rmtree(sd.root)
+            replace_local(sd.root)
     resuming = True
     if not marker.is_file():
         names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".")} if sd.root.exists() else set()
