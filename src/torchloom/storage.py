@@ -27,7 +27,16 @@ import shutil
 from pathlib import Path
 
 from torchloom.errors import UserError
-from torchloom.rundir import URI, RunDir, cache_root, is_uri, redact, staging_dir  # noqa: F401 (re-exported)
+from torchloom.rundir import (  # noqa: F401 (re-exported)
+    URI,
+    RunDir,
+    cache_root,
+    is_uri,
+    redact,
+    staging_dir,
+    write_atomic,
+    write_record,
+)
 
 # The schemes pyarrow.fs opens (hdfs:// and viewfs:// where libhdfs is installed).
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
@@ -178,6 +187,12 @@ def write_bytes(uri: str, data: bytes) -> None:
 
 def list_files(uri: str) -> dict[str, int]:
     """{path relative to uri: size} of every object under the prefix ({} when there is none)."""
+    return {rel: size for rel, (size, _) in list_objects(uri).items()}
+
+
+def list_objects(uri: str) -> dict[str, tuple[int, int | None]]:
+    """{path relative to uri: (size, modification time in ns)} of every object under the prefix. A key that would
+    leave the prefix once joined to a local directory (`..`, an absolute part) is refused in one line."""
     from pyarrow import fs as pafs
 
     fs, path = resolve(uri)
@@ -185,7 +200,16 @@ def list_files(uri: str) -> dict[str, int]:
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
     except OSError as e:
         raise _store_error(uri, "list it", e) from None
-    return {i.path[len(path) + 1:]: i.size for i in infos if i.type == pafs.FileType.File}
+    out = {}
+    for i in infos:
+        if i.type != pafs.FileType.File:
+            continue
+        rel = i.path[len(path) + 1:]
+        if rel.startswith("/") or ".." in rel.split("/"):
+            raise UserError(f"{redact(uri)}: the store holds an object named {rel!r}, which would be written outside"
+                            " this host's copy; remove or rename it on the store")
+        out[rel] = (i.size, i.mtime_ns)
+    return out
 
 
 def delete_tree(uri: str) -> None:
@@ -277,13 +301,15 @@ def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True) -> 
 
 def fetch_dir(uri: str, what: str) -> Path:
     """A directory on the store (an exported model) as a local directory, downloaded once into a private
-    cache keyed by the objects' names and sizes plus the sha256 of each file once downloaded; a copy
-    whose hashes no longer match is downloaded again."""
-    listing = list_files(uri)
-    if not listing:
+    cache keyed by the objects as the store lists them (names, sizes and modification times: a re-export
+    of the same sizes is another key) plus the sha256 of each file once downloaded; a copy whose hashes no
+    longer match is downloaded again."""
+    objects = list_objects(uri)
+    if not objects:
         raise UserError(f"{what} {redact(uri)}: nothing on the store there; check the URI (an exported model"
                         " directory, e.g. s3://bucket/run/model)")
-    key = hashlib.sha256(repr(sorted(listing.items())).encode() + redact(uri).encode()).hexdigest()[:20]
+    listing = {rel: size for rel, (size, _) in objects.items()}
+    key = hashlib.sha256(repr(sorted(objects.items())).encode() + redact(uri).encode()).hexdigest()[:20]
     target = cache_root() / "models" / key
     stamp = target / ".torchloom-digests"
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -372,6 +398,16 @@ def refresh(rd: RunDir, *files: str | Path) -> None:
             pass
 
 
+def catch_up_metrics(rd: RunDir, step: int) -> None:
+    """A run on a store resumed at `step`: this host's metrics.jsonl becomes the store's when it lacks the lines up
+    to that step (they were written on another host), so the history is appended to, never replaced."""
+    if rd.remote is None:
+        return
+    steps = [r.get("step") or 0 for r in rd.metric_records()]
+    if not steps or max(steps) < step:
+        refresh(rd, rd.metrics)
+
+
 def pull(rd: RunDir, *paths: str | Path) -> None:
     """Download these files or directories of a run from the store into its working copy (what the store
     does not hold is left as it is; a run on a local directory: nothing to do)."""
@@ -391,16 +427,25 @@ def pull(rd: RunDir, *paths: str | Path) -> None:
 
 def pull_checkpoints(rd: RunDir) -> list[int]:
     """Bring the store's complete checkpoints (those with meta.json) into the working copy, newest first,
-    each downloaded beside and renamed into place; returns their steps. Their hashes are checked where
-    they are loaded (train/checkpoint.py), which skips a damaged one for the next."""
+    each downloaded beside and renamed into place; returns their steps. A local copy counts only while its
+    meta.json (which holds every file's sha256) equals the store's; a complete local checkpoint the store does
+    not hold is removed, so no host resumes from a step the others cannot load. Hashes are checked where the
+    checkpoints are loaded (train/checkpoint.py), which skips a damaged one for the next."""
     if rd.remote is None:
         return []
+    sync_copy(rd)
     listing = list_files(_remote_of(rd, rd.checkpoints))
     steps = sorted({int(m.group(1)) for rel in listing
                     if (m := re.match(r"^step-(\d+)/meta\.json$", rel))}, reverse=True)
+    if rd.checkpoints.is_dir():
+        for local in rd.checkpoints.iterdir():
+            m = re.match(r"^step-(\d+)$", local.name)
+            if m and int(m.group(1)) not in steps and (local / "meta.json").is_file():
+                shutil.rmtree(local, ignore_errors=True)
     for step in steps:
         local = rd.checkpoint(step)
-        if (local / "meta.json").is_file():
+        meta = local / "meta.json"
+        if meta.is_file() and meta.read_bytes() == read_bytes(_remote_of(rd, meta)):
             continue
         tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -411,12 +456,17 @@ def pull_checkpoints(rd: RunDir) -> list[int]:
 
 
 def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
-    """--overwrite on a store: refuse a prefix that holds objects but no torchloom run, prepared data or study
-    (one line; decided from the marker files' content, as for a local directory: rundir.is_own), else delete
-    everything under it."""
-    from torchloom.rundir import is_own
+    """--overwrite on a store: delete the run's own objects (rundir.owned_entries: the names its record lists),
+    nothing else; a bucket's root, or a prefix holding anything torchloom did not write, is refused in one line."""
+    from torchloom.rundir import owned_entries
 
+    assert rd.remote is not None
     listing = list_files(rd.remote)
+    if not listing:
+        return
+    if "/" not in resolve(rd.remote)[1]:
+        raise UserError(f"{key} {rd.where}: not replaced: it is a bucket's root, which --overwrite never empties;"
+                        f" give the run a prefix of its own, e.g. {rd.where}/runs/NAME")
 
     def read(rel: str) -> bytes | None:
         try:
@@ -424,11 +474,74 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
         except FileNotFoundError:
             return None
 
-    if listing and not is_own(read):
-        raise UserError(f"{key} {rd.where}: not replaced: the prefix holds objects that are not a torchloom run,"
-                        " prepared data or study (no config.toml, manifest.json or study.json that torchloom"
-                        " wrote); pass another --output.dir")
-    delete_tree(rd.remote)
+    names = sorted({rel.split("/", 1)[0] for rel in listing})
+    fs, path = resolve(rd.remote)
+    for name in owned_entries(names, read, rd.where, key):
+        if name in listing:
+            try:
+                fs.delete_file(f"{path}/{name}")
+            except OSError as e:
+                raise _store_error(join(rd.remote, name), "delete it", e) from None
+        else:
+            delete_tree(join(rd.remote, name))
+
+
+def check_own_prefix(rd: RunDir, key: str = "output.dir") -> None:
+    """Before a stage writes into a run on a store: the prefix is empty or torchloom's (its record, or a marker of
+    torchloom's content), and holds no config.toml of someone else's; one line otherwise. Read from the store,
+    never from this host's copy."""
+    from torchloom.rundir import CONFIG_FILE, RUN_RECORD, is_own, is_own_file, parse_record
+
+    assert rd.remote is not None
+    listing = list_files(rd.remote)
+    if not listing:
+        return
+
+    def read(rel: str) -> bytes | None:
+        try:
+            return read_bytes(join(rd.remote, rel)) if rel in listing else None
+        except FileNotFoundError:
+            return None
+
+    config = read(CONFIG_FILE)
+    if config is not None and not is_own_file(CONFIG_FILE, config):
+        raise UserError(f"{key} {rd.where}: holds a config.toml that torchloom did not write; it is left alone;"
+                        " pass another --output.dir")
+    if parse_record(read(RUN_RECORD)) is None and not is_own(read):
+        some = ", ".join(sorted(listing)[:3])
+        raise UserError(f"{key} {rd.where}: holds {len(listing)} objects that torchloom did not write ({some});"
+                        " they are left alone; pass another --output.dir")
+
+
+def sync_copy(rd: RunDir) -> None:
+    """This host's working copy of a run on a store counts only for the run it was made from: when the store's
+    record (rundir.RUN_RECORD, made anew by every prepare, --overwrite and fresh train) differs from the copy's,
+    the copy is emptied and takes the store's record, so what a stage needs next is pulled again instead of a
+    previous run's manifest, checkpoints or logs being trusted because they exist."""
+    if rd.remote is None:
+        return
+    try:
+        remote = read_bytes(_remote_of(rd, rd.record))
+    except FileNotFoundError:
+        remote = None
+    local = rd.record.read_bytes() if rd.record.is_file() else None
+    if remote == local:
+        return
+    if rd.root.is_dir():
+        for entry in rd.root.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+    if remote is not None:
+        rd.root.mkdir(parents=True, exist_ok=True)
+        write_atomic(rd.record, remote)
+
+
+def new_identity(rd: RunDir) -> None:
+    """Give the run a new record (rundir.write_record), on the store too: every other host's copy of it is void."""
+    write_record(rd.root)
+    push(rd, rd.record)
 
 
 def streamed(rd: RunDir, manifest):
@@ -442,9 +555,11 @@ def streamed(rd: RunDir, manifest):
 
 
 def ensure(rd: RunDir, *paths: str | Path) -> None:
-    """Pull the files or directories this host's working copy lacks (a stage about to read them)."""
+    """Pull the files or directories this host's working copy lacks (a stage about to read them), once the copy
+    is known to be of the store's run (sync_copy)."""
     if rd.remote is None:
         return
+    sync_copy(rd)
     missing = [p for p in map(Path, paths) if not p.exists()]
     if missing:
         pull(rd, *missing)

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
-from torchloom.storage import sha256_file, upload
+from torchloom.storage import delete_tree, join, list_files, sha256_file, upload
 from torchloom.train.distributed import Dist, broadcast_from_main
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -168,6 +168,23 @@ def _upload_own_files(tmp: Path, uri: str) -> None:
     for p in sorted(tmp.rglob("*")):
         if p.is_file() and (p.name.startswith("rng-rank") or SHARDED_DIR in p.relative_to(tmp).parts):
             upload(p, f"{uri}/{p.relative_to(tmp).as_posix()}")
+
+
+def clear_earlier(rd) -> None:
+    """Rank 0 of a fresh training (no train.resume) in a run that was trained before: the earlier training's
+    checkpoints go, here and on the store, once a worker has started (a launch that fails first keeps them), so
+    that neither `export` nor a later --resume takes one of them for this training's."""
+    found = [step for step, _ in list_checkpoints(rd.checkpoints)]
+    if rd.remote:
+        remote = join(rd.remote, "checkpoints")
+        steps = (re.match(r"^step-(\d+)/meta\.json$", rel) for rel in list_files(remote))
+        found = sorted({*found, *(int(m.group(1)) for m in steps if m)})
+        delete_tree(remote)
+    if rd.checkpoints.is_dir():
+        shutil.rmtree(rd.checkpoints, ignore_errors=True)
+    if found:
+        print(f"torchloom: a fresh training (no --resume): the {len(found)} checkpoint(s) of the earlier training in"
+              f" {rd.home(rd.checkpoints)} (steps {', '.join(map(str, found))}) are removed", flush=True)
 
 
 def prune(root: Path, keep_last: int, keep: set[int]) -> None:

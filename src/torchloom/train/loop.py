@@ -393,6 +393,8 @@ class Trainer:
         if path is None:
             if self.d.is_main:
                 self.rd.reset_metrics(None, keep_driver=True)
+                if not self.tc.resume:  # a fresh training: the earlier one's checkpoints would be exported
+                    checkpoint.clear_earlier(self.rd)
             return None
         ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
         self.scheduler.load_state_dict(ts["scheduler"])
@@ -416,6 +418,7 @@ class Trainer:
                       f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
         self.loader.load_state_dict(saved)
         if self.d.is_main:
+            storage.catch_up_metrics(self.rd, self.state.step)
             self.rd.reset_metrics(self.state.step)
         return str(path)
 
