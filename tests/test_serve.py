@@ -821,6 +821,39 @@ def test_predict_cli_batch_form_with_the_model_as_first_argument(inputs, model_d
     check_output(pq.read_table(out), rows, reference)
 
 
+def test_texts_that_are_not_unicode_are_repaired_with_u_fffd_by_one_rule(reference):
+    """A lone surrogate (JSON's "\\ud800", a non-UTF-8 byte of an argument) cannot be tokenized: Predictor (so
+    predict, both servers and batch scoring) replaces each with U+FFFD instead of failing."""
+    from torchloom.model.predict import repair_note, well_formed
+
+    assert well_formed("a\ud800b\udcff") == "a\ufffdb\ufffd"
+    assert well_formed("caf\u00e9 \U0001f600") == "caf\u00e9 \U0001f600"  # a pair JSON decoded is one character
+    assert repair_note(["ok", "caf\u00e9"]) is None
+    assert "1 text(s) (1, counted from 0)" in repair_note(["ok", "x\udce9"])
+    assert reference.predict(["caf\udce9 au lait", "\ud800"]) == reference.predict(["caf\ufffd au lait", "\ufffd"])
+
+
+def test_predict_cli_repairs_a_non_utf8_argument_and_refuses_a_bad_jsonl_in_one_line(model_dir, reference, tmp_path):
+    """A Latin-1 argument (Python decodes argv with surrogateescape) and a JSONL "\\ud800": predicted as their
+    U+FFFD repairs, with one warning line; a JSONL integer past Python's 4300 digits: one error line."""
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "lone \\ud800 surrogate"}\n')
+    proc = subprocess.run([sys.executable, "-m", "torchloom", "predict", model_dir, b"caf\xe9 au lait",
+                           "--input", str(texts)], capture_output=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.decode("utf-8").splitlines()]
+    expected = reference.predict(["caf\ufffd au lait", "lone \ufffd surrogate"])
+    assert [x["text"] for x in lines] == ["caf\ufffd au lait", "lone \ufffd surrogate"]
+    assert_same_predictions(lines, expected)
+    stderr = proc.stderr.decode().splitlines()
+    assert len(stderr) == 1 and "predict: warning: 2 text(s) (0, 1, counted from 0)" in stderr[0], stderr
+    texts.write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")
+    proc = subprocess.run([sys.executable, "-m", "torchloom", "predict", model_dir, "--input", str(texts)],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
+    assert "line 1: not valid JSON" in proc.stderr and "4300" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, reference, tmp_path):
     import pyarrow.dataset as ds
@@ -1045,15 +1078,46 @@ def test_cuda_requested_without_a_device_is_a_user_error():
 
 
 # ---------------------------------------------------------------------------------------------
-# fuzzing the REST API from its own OpenAPI schema (schemathesis), bounded: 30 examples an operation
+# fuzzing the REST API from its own OpenAPI schema (schemathesis), bounded: 30 examples an operation, and with
+# the bodies that once got a 500 and a traceback (issue 51): an integer past Python's 4300 digits, nesting past
+# the parser's recursion limit, a lone surrogate in a text (which no tokenizer can encode)
 # ---------------------------------------------------------------------------------------------
+def hostile_bodies(digits: int, depth: int, surrogate: int) -> list[tuple[str, bytes, int]]:
+    """(route, body, the status it must get): refused as invalid JSON (TEI: 422 Tokenizer), or answered once
+    the surrogate is replaced with U+FFFD."""
+    number, nested, text = b"9" * digits, b"[" * depth + b"]" * depth, f'"caf\\u{surrogate:04x} au lait"'.encode()
+    return [("/v1/predict", b'{"texts": ["a"], "n": ' + number + b"}", 400),
+            ("/v1/predict", b'{"texts": [' + number + b"]}", 400),
+            ("/v1/predict", b'{"texts": ' + nested + b"}", 400),
+            ("/v1/predict", b'{"texts": [' + text + b', "ok"]}', 200),
+            ("/predict", b'{"inputs": ' + number + b"}", 422),
+            ("/predict", b'{"inputs": [' + nested + b"]}", 422),
+            ("/predict", b'{"inputs": [[' + text + b"]]}", 200)]
+
+
+def post_hostile(server, reference, digits: int, depth: int, surrogate: int) -> int:
+    """Sends hostile_bodies; checks each answer (a repaired text's prediction is U+FFFD's); returns the refusals."""
+    refused = 0
+    for route, body, status in hostile_bodies(digits, depth, surrogate):
+        r = server.client.post(route, content=body, headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == status, (route, body[:60], r.text[:300])
+        if status != 200:
+            refused += 1
+            message = r.json()["error"] if route == "/predict" else r.json()["error"]["message"]
+            assert ("digits" in message) if b"999" in body else ("deep" in message), message
+        elif route == "/v1/predict":
+            assert_same_predictions(r.json()["predictions"], reference.predict(["caf\ufffd au lait", "ok"]))
+    return refused
+
+
 @needs_http
-def test_fuzzed_requests_get_no_5xx_answers_as_documented_and_the_server_stays_up(server):
+def test_fuzzed_requests_get_no_5xx_answers_as_documented_and_the_server_stays_up(server, reference):
     # Valid and invalid bodies, headers and parameters the schema allows or breaks: every answer is what
     # the schema documents, never a 5xx (no model fault can happen here), and the server lives on.
     # (schemathesis' own pytest plugin does not run on this pytest; its Python API does.)
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
 
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -1067,3 +1131,17 @@ def test_fuzzed_requests_get_no_5xx_answers_as_documented_and_the_server_stays_u
 
         fuzz()
         assert server.proc.poll() is None, server.stderr()[-3000:]
+
+    logged = server.stderr().count("INFO torchloom.serve: refused ")
+    refused = []
+
+    @given(digits=st.integers(101, 6000), depth=st.integers(33, 3000), surrogate=st.integers(0xD800, 0xDFFF))
+    @settings(max_examples=8, deadline=None, derandomize=True, database=None)
+    def hostile(digits, depth, surrogate):
+        refused.append(post_hostile(server, reference, digits, depth, surrogate))
+
+    hostile()
+    refused.append(post_hostile(server, reference, 4301, 20_000, 0xD800))  # past Python's own limits (in 52 kB)
+    wait_for(lambda: server.stderr().count("INFO torchloom.serve: refused ") == logged + sum(refused), 5)
+    assert "Traceback" not in server.stderr() and "unexpected error" not in server.stderr(), server.stderr()[-3000:]
+    assert server.proc.poll() is None

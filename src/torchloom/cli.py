@@ -186,13 +186,17 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
         return predict_file(args, model, texts, given)
     if args.score_with != "local":
         raise UserError(f"--score-with {args.score_with}: only for batch prediction to a file; add --output PATH")
-    from torchloom.model.predict import Predictor, read_texts  # torch: after the arguments are checked
+    from torchloom.model.predict import Predictor, read_texts, repair_note, well_formed  # torch: after the checks
 
     if args.input:
         texts += read_texts(args.input)
     if not texts:
         raise UserError('predict: no texts; pass them as arguments or --input FILE'
                         ' (e.g. torchloom predict --model DIR "text")')
+    note = repair_note(texts)
+    if note:  # repaired here too, not only in Predictor: each text is printed back, and stdout cannot print them
+        print(f"predict: warning: {note}", file=sys.stderr, flush=True)
+        texts = [well_formed(t) for t in texts]
     device = args.device
     if device != "cpu":
         from torchloom.model.device import resolve_device

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,26 @@ SORT_CHUNK = 4096
 # are not all padded to the longest. On CUDA the batch runs whole: a GPU wants large forwards.
 CPU_FORWARD_TOKENS = 1024
 INPUT_SUFFIXES = (".txt", ".jsonl", ".csv")
+# A str can hold lone surrogates (U+D800-U+DFFF) that no Unicode text can: JSON's "\ud800", or the bytes of a
+# non-UTF-8 argument (Python decodes argv with surrogateescape). A tokenizer cannot encode them, nor stdout print.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+REPLACEMENT_CHARACTER = "\ufffd"
+
+
+def well_formed(text: str) -> str:
+    """`text` with each lone surrogate replaced by U+FFFD, as a UTF-8 decoder replaces bytes it cannot read: the
+    one rule for texts that are not Unicode, in predict, both servers and batch scoring (never an error)."""
+    return _SURROGATE.sub(REPLACEMENT_CHARACTER, text)
+
+
+def repair_note(texts: list[str]) -> str | None:
+    """One line naming the texts `well_formed` changes (None when it changes none), for a command to print."""
+    changed = [i for i, t in enumerate(texts) if _SURROGATE.search(t)]
+    if not changed:
+        return None
+    shown = ", ".join(map(str, changed[:5])) + (", ..." if len(changed) > 5 else "")
+    return (f"{len(changed)} text(s) ({shown}, counted from 0) are not valid Unicode (lone surrogates, e.g. an"
+            " argument that is not UTF-8); each such character was replaced with U+FFFD")
 
 
 class Predictor:
@@ -102,7 +123,7 @@ class Predictor:
 
     def encode(self, texts: list[str]) -> list[dict[str, list[int]]]:
         """The model's inputs for each text: cleaned like prepare's, cut like prepare's (self.truncation)."""
-        cleaned = [clean_text(t) for t in texts]
+        cleaned = [clean_text(well_formed(t)) for t in texts]
         if self.truncation == "head":
             # prepare's shortcut (truncation.prefix): a long text's start alone, when its tokens pass
             # max_length by MARGIN, gives the same ids as the whole text at a fraction of the work and memory
@@ -124,7 +145,7 @@ class Predictor:
         prepare's: truncation.windows), else the one input `encode` gives."""
         if self.truncation != "chunks":
             return [[f] for f in self.encode(texts)]
-        encoded = self.tokenizer([clean_text(t) for t in texts], truncation=False)
+        encoded = self.tokenizer([clean_text(well_formed(t)) for t in texts], truncation=False)
         front, back = self.layout
         out = []
         for values in zip(*encoded.values()):
@@ -244,8 +265,9 @@ def _read_jsonl(p: Path) -> list[str]:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"--input {p} line {number}: not valid JSON ({e.msg}); one object per line") \
+            except (ValueError, RecursionError) as e:  # also an integer past int_max_str_digits, deep nesting
+                reason = e.msg if isinstance(e, json.JSONDecodeError) else first_line(e)
+                raise UserError(f"--input {p} line {number}: not valid JSON ({reason}); one object per line") \
                     from None
             if not isinstance(row, dict) or not isinstance(row.get("text"), str):
                 raise UserError(f"--input {p} line {number}: needs a string field \"text\","

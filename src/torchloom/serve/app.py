@@ -30,6 +30,7 @@ from torchloom.serve.api_common import (
     Backend,
     ClientGone,
     json_type,
+    load_json,
     parse_off_loop,
     read_body,
     until_disconnect,
@@ -112,6 +113,8 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
 
 # What a request can fail with that is not the server's fault: error_reply answers each.
 DOMAIN_ERRORS = (ApiError, UserError, Overloaded, ShuttingDown, ModelFailed, ClientGone)
+# A body refused for what it holds: one log line each (no traceback), so an operator sees what clients send.
+BODY_REFUSALS = (400, 413, 422)
 
 
 async def error_reply(request: Request, e: Exception) -> Response:
@@ -133,6 +136,10 @@ async def error_reply(request: Request, e: Exception) -> Response:
         e = ApiError(500, "model_error", f"{e}; the server log has the traceback under this id", error_id=e.error_id)
     elif isinstance(e, UserError):
         e = ApiError(422, "invalid_request", one_line(str(e)))
+    if e.status in BODY_REFUSALS:
+        client = request.client.host if request.client else "a client"
+        log.info("refused %s %s from %s: %d %s: %s", request.method, request.url.path, client, e.status, e.code,
+                 one_line(e.message))
     # A refused key gets the native answer on both APIs (TEI's own is a bare 401, without a body).
     if isinstance(request.scope.get("route"), tei.TeiRoute) and e.status != 401:
         return tei.error_response(e)
@@ -171,14 +178,7 @@ def parse_texts(body: bytes, max_texts: int, max_chars: int) -> list[str]:
     """The texts of a /v1/predict body, or an ApiError naming what is wrong with it."""
     if not body.strip():
         raise ApiError(400, "empty_body", f"the request body is empty; {EXAMPLE}")
-    try:
-        # JSON over HTTP is UTF-8 (RFC 8259); json.loads(bytes) would also guess UTF-16/32.
-        payload = json.loads(body.decode("utf-8").removeprefix("\ufeff"))
-    except UnicodeDecodeError as e:
-        raise ApiError(400, "invalid_json", f"the body is not UTF-8 ({e.reason} at byte {e.start})") from None
-    except json.JSONDecodeError as e:
-        raise ApiError(400, "invalid_json", f"the body is not valid JSON ({e.msg} at line {e.lineno} column"
-                                            f" {e.colno}); {EXAMPLE}") from None
+    payload = load_json(body, EXAMPLE)
     if not isinstance(payload, dict):
         raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object; {EXAMPLE}")
     if "texts" not in payload:

@@ -15,7 +15,15 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from torchloom.serve.api_common import ApiError, Backend, json_type, parse_off_loop, read_body, until_disconnect
+from torchloom.serve.api_common import (
+    ApiError,
+    Backend,
+    json_type,
+    load_json,
+    parse_off_loop,
+    read_body,
+    until_disconnect,
+)
 
 STATUS = {"Validation": 413, "Tokenizer": 422, "Overloaded": 429, "Backend": 424, "Unhealthy": 503, "Empty": 400}
 # An ApiError's code -> TEI's error_type; any other code is a body TEI cannot read: Tokenizer.
@@ -62,10 +70,7 @@ def parse_request(body: bytes, max_texts: int, max_chars: int) -> tuple[list[str
     lists. A pair of strings ([a, b] or [[a, b], ...]) is for cross-encoders and is refused."""
     if not body.strip():
         raise ApiError(400, "empty_body", f"the request body is empty; {EXAMPLE}")
-    try:
-        payload = json.loads(body.decode("utf-8").removeprefix("\ufeff"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, "invalid_json", f"the body is not UTF-8 JSON ({e}); {EXAMPLE}") from None
+    payload = load_json(body, EXAMPLE)
     if not isinstance(payload, dict) or "inputs" not in payload:
         raise ApiError(422, "invalid_request", f'the body has no "inputs" field; {EXAMPLE}')
     for flag in ("truncate", "raw_scores"):
