@@ -1,7 +1,8 @@
 """A bounded server, as a client sees it: the body limit enforced while reading (a 413 before the rest of an
-oversized body is sent), memory that stays bounded under concurrent large bodies, the connection limit, a
-warning (or a refusal) when it binds beyond loopback without an API key, and a client that disconnects while
-sending its body counted as such, not answered 500.
+oversized body is sent), memory that stays bounded under concurrent large bodies, slow clients (a slowloris,
+slow bodies) dropped after the read timeout without holding the connection cap, a warning (or a refusal) when it
+binds beyond loopback without an API key, and a client that disconnects while sending its body counted as such,
+not answered 500.
 
 The real server runs in a subprocess (test_serve's `Server`, on 127.0.0.1), clients are real sockets.
 """
@@ -216,11 +217,10 @@ def stop(proc: subprocess.Popen) -> int:
 
 
 @needs_http
-def test_binding_every_interface_without_a_key_warns_once_and_connections_are_bounded(model_dir, tmp_path):  # noqa: F811
-    """--host 0.0.0.0 without a key: it starts, with one warning line on stderr that says what to set. Traffic
-    goes to 127.0.0.1 only. --max-connections 3: with two other connections open, a request gets uvicorn's 503;
-    once they close, requests are answered again."""
-    proc, port, err_path = start_cli(model_dir, "--host", "0.0.0.0", "--max-connections", "3", log_dir=tmp_path)
+def test_binding_every_interface_without_a_key_warns_once(model_dir, tmp_path):  # noqa: F811
+    """--host 0.0.0.0 without a key: it starts, with one warning line on stderr that says what to set, and
+    serves. Traffic goes to 127.0.0.1 only."""
+    proc, port, err_path = start_cli(model_dir, "--host", "0.0.0.0", log_dir=tmp_path)
     try:
         warnings = [line for line in err_path.read_text().splitlines() if "no API key" in line]
         assert len(warnings) == 1, err_path.read_text()
@@ -230,16 +230,117 @@ def test_binding_every_interface_without_a_key_warns_once_and_connections_are_bo
 
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             wait_for(lambda: client.get("/readyz").status_code == 200, 120)
-        idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
-        time.sleep(0.2)  # the server has accepted both
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            assert client.get("/healthz").status_code == 503
-            for s in idle:
-                s.close()
-            wait_for(lambda: client.get("/healthz").status_code == 200)
             assert client.post("/v1/predict", json={"texts": ["open, but warned"]}).status_code == 200
     finally:
         assert stop(proc) == 0, err_path.read_text()[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# slow clients: the read timeout, and the cap on requests served (issue 51 item 2)
+# ---------------------------------------------------------------------------------------------
+
+CAP, READ_TIMEOUT = 3, 1.0
+
+
+@pytest.fixture(scope="module")
+def capped(model_dir, tmp_path_factory):  # noqa: F811 (model_dir: test_serve's fixture)
+    """--max-connections 3 and a read timeout of 1 s, no API key, on 127.0.0.1."""
+    s = Server(model_dir, "--device", "cpu", "--max-connections", str(CAP), "--read-timeout", str(READ_TIMEOUT),
+               log_dir=tmp_path_factory.mktemp("capped"))
+    yield s
+    assert s.terminate() == 0, s.stderr()[-3000:]
+
+
+def answered_within(server: Server, seconds: float) -> None:
+    """/healthz and a predict from fresh clients both answer 200 within `seconds` each."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=seconds) as client:
+        started = time.monotonic()
+        assert client.get("/healthz").status_code == 200
+        r = client.post("/v1/predict", json={"texts": ["a normal client"]})
+        assert r.status_code == 200, r.text
+        assert time.monotonic() - started < 2 * seconds
+
+
+def dropped_with_408(sock: socket.socket) -> bool:
+    """Whether the server answered 408 and closed (read until EOF within the socket's timeout)."""
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except ConnectionResetError:
+        pass
+    return data.startswith(b"HTTP/1.1 408 ")
+
+
+@needs_http
+def test_a_slowloris_cannot_hold_the_server_and_its_sockets_are_dropped_after_the_read_timeout(capped):
+    """4 x --max-connections sockets, each sending a request a header line every 0.2 s: half-sent requests take
+    no slot, so /healthz and a normal predict are answered within 1 s while they trickle; each of them is
+    answered 408 and closed once the read timeout passes (1 s here), with one log line."""
+    url = urlsplit(capped.url)
+    logged = capped.stderr().count("its headers did not arrive")
+    socks = [socket.create_connection((url.hostname, url.port), timeout=5) for _ in range(4 * CAP)]
+    stop_trickling = threading.Event()
+
+    def trickle() -> None:
+        for s in socks:
+            s.sendall(b"POST /v1/predict HTTP/1.1\r\n")
+        for i in range(25):  # 5 s at most: far past the read timeout
+            if stop_trickling.wait(0.2):
+                return
+            for s in socks:
+                try:
+                    s.sendall(f"X-Slow-{i}: still coming\r\n".encode())
+                except OSError:
+                    pass  # dropped already
+
+    trickler = threading.Thread(target=trickle, daemon=True)
+    trickler.start()
+    try:
+        time.sleep(0.3)  # every socket has sent its request line and a header line or two
+        answered_within(capped, 1.0)
+        started = time.monotonic()
+        assert all(dropped_with_408(s) for s in socks)
+        assert time.monotonic() - started < READ_TIMEOUT + 2
+    finally:
+        stop_trickling.set()
+        trickler.join()
+        for s in socks:
+            s.close()
+    wait_for(lambda: capped.stderr().count("its headers did not arrive") == logged + 4 * CAP, 5)
+    assert "Traceback" not in capped.stderr(), capped.stderr()[-3000:]
+    answered_within(capped, 1.0)
+
+
+@needs_http
+def test_the_cap_counts_requests_being_served_and_a_slow_body_is_dropped_after_the_read_timeout(capped):
+    """--max-connections requests whose bodies trickle fill the cap: a predict gets 503 (JSON, Retry-After,
+    Connection: close) and /healthz still 200. The read timeout drops them (408; their handlers see the client
+    gone, counted as such, not a 500), and predicts are answered again."""
+    import httpx
+
+    url = urlsplit(capped.url)
+    before_body = disconnects(capped, "body")
+    holders = [socket.create_connection((url.hostname, url.port), timeout=5) for _ in range(CAP)]
+    try:
+        for s in holders:
+            s.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n" + b'{"texts": ["')
+        time.sleep(0.3)  # the server has read their headers: they are being served
+        with httpx.Client(base_url=capped.url, timeout=1.0) as client:
+            full = client.post("/v1/predict", json={"texts": ["one too many"]})
+            assert full.status_code == 503 and full.json()["error"]["code"] == "too_many_connections", full.text
+            assert full.headers["retry-after"] == "1" and full.headers["connection"] == "close"
+            assert client.get("/healthz").status_code == 200
+        assert all(dropped_with_408(s) for s in holders)
+    finally:
+        for s in holders:
+            s.close()
+    wait_for(lambda: disconnects(capped, "body") == before_body + CAP)
+    assert requests_counted(capped, "503") >= 1 and requests_counted(capped, "500") == 0
+    answered_within(capped, 1.0)
 
 
 @needs_http
@@ -267,6 +368,7 @@ def test_defaults_are_bounded():
     s = ServeSettings("model")
     assert s.max_body_bytes == DEFAULT_MAX_BODY_BYTES <= 4 * MB
     assert s.max_connections == DEFAULT_MAX_CONNECTIONS == 128 and not s.require_api_key
+    assert s.read_timeout_s == 10.0
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
@@ -281,7 +383,8 @@ def test_which_hosts_count_as_loopback(host, loopback, monkeypatch):
 
 
 @pytest.mark.parametrize("field, value, needle", [("max_body_bytes", 0, "--max-body-bytes 0: must be at least 1"),
-                                                   ("max_connections", 0, "--max-connections 0: must be at least 1")])
+                                                   ("max_connections", 0, "--max-connections 0: must be at least 1"),
+                                                   ("read_timeout_s", 0, "--read-timeout 0: must be more than 0")])
 def test_limit_settings_are_checked(field, value, needle):
     from torchloom.errors import UserError
 
@@ -310,3 +413,19 @@ def test_large_bodies_are_parsed_off_the_event_loop():
     loop_thread, small, large = asyncio.run(both())
     assert small == (loop_thread, PARSE_INLINE_BYTES, "small")
     assert large[0] != loop_thread and large[1:] == (PARSE_INLINE_BYTES + 1, "large")
+
+
+@needs_http
+def test_load_json_bounds_nesting_and_integers_and_ignores_brackets_in_strings():
+    from torchloom.serve.api_common import MAX_INT_DIGITS, MAX_JSON_DEPTH, ApiError, json_depth, load_json
+
+    assert json_depth(b'{"texts": ["[[[[\\"]]]{{", "a"]}') == 2
+    assert load_json(b'{"texts": ["' + b"[" * 100 + b'"]}', "") == {"texts": ["[" * 100]}
+    deepest = b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH
+    assert load_json(deepest, "") and json_depth(deepest) == MAX_JSON_DEPTH
+    assert load_json(b"[-" + b"7" * MAX_INT_DIGITS + b"]", "") == [-int("7" * MAX_INT_DIGITS)]
+    for body, needle in ((b"[" + deepest + b"]", f"{MAX_JSON_DEPTH + 1} deep"),
+                         (b"[-" + b"7" * (MAX_INT_DIGITS + 1) + b"]", f"{MAX_INT_DIGITS + 1} digits")):
+        with pytest.raises(ApiError, match=needle) as e:
+            load_json(body, "send JSON")
+        assert e.value.status == 400 and e.value.code == "invalid_json" and "send JSON" in e.value.message

@@ -254,7 +254,7 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: 
 
 
 def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
-    from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
+    from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 
     sp.add_argument("model_dir", metavar="MODEL_DIR", help="an exported model dir (e.g. runs/bbc-minilm/model)")
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -283,8 +283,11 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                          f" {DEFAULT_MAX_BODY_BYTES}; less where --max-texts-per-request x --max-text-chars allow"
                          " less)")
     sp.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                    help=f"open connections at once (idle keep-alive ones too); past it a plain 503 (default"
-                         f" {DEFAULT_MAX_CONNECTIONS}; local engine)")
+                    help=f"requests served at once (from their headers to their answer; /healthz, /readyz and"
+                         f" /metrics not counted); past it 503 (default {DEFAULT_MAX_CONNECTIONS}; local engine)")
+    sp.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                    help=f"a request's headers and body must arrive within this of its first byte, else 408 and"
+                         f" the connection closes (default {DEFAULT_READ_TIMEOUT_S:g}; local engine)")
     sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
     sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                     help="auto (default): what training's rule picks: a GPU's bf16 (else fp16); on a CPU bf16 only"
@@ -308,7 +311,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         fixed_wait=args.fixed_wait,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
-        max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
+        max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
         require_api_key=args.require_api_key,
     ).check()
     warning = settings.exposure_warning()

@@ -36,6 +36,7 @@ from torchloom.serve.api_common import (
     until_disconnect,
 )
 from torchloom.serve.batcher import ModelFailed, Overloaded, ShuttingDown
+from torchloom.serve.connections import RequestCap
 from torchloom.serve.metrics import CONTENT_TYPE, ServeMetrics
 from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES
 
@@ -305,8 +306,10 @@ def body_limit_for(max_texts: int, max_chars: int, max_body_bytes: int) -> int:
 
 
 def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | None = None,
-               engine: str = "local", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app for `backend`, one router per API; its lifespan starts and stops the backend."""
+               engine: str = "local", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_connections: int | None = None) -> FastAPI:
+    """The FastAPI app for `backend`, one router per API; its lifespan starts and stops the backend.
+    max_connections: requests served at once, past it 503 (connections.RequestCap); None: no cap (Ray's)."""
     identity = backend.identity
     body_limit = body_limit_for(max_texts, max_chars, max_body_bytes)
 
@@ -326,6 +329,8 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         lifespan=lifespan,
     )
     app.state.metrics = backend.metrics  # error_reply counts client disconnects
+    if max_connections is not None:
+        app.add_middleware(RequestCap, limit=max_connections)  # added first: inside the metrics, which count its 503s
     app.add_middleware(MetricsMiddleware, metrics=backend.metrics)
     _answer_errors(app)
     app.include_router(health_router(backend))

@@ -105,6 +105,7 @@ def run_local(settings: ServeSettings) -> int:
         import uvicorn
 
         from torchloom.serve.app import body_limit_for, create_app
+        from torchloom.serve.connections import timed_protocol
     except ImportError as e:
         raise missing_extra(e.name or "fastapi", "serve") from None
 
@@ -120,24 +121,25 @@ def run_local(settings: ServeSettings) -> int:
         print(f"torchloom serve: warning: {model.warning}", file=sys.stderr, flush=True)
     backend = LocalBackend(model, settings)
     app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local",
-                     max_body_bytes=settings.max_body_bytes)
+                     max_body_bytes=settings.max_body_bytes, max_connections=settings.max_connections)
     identity = model.identity
     # One line on stdout that scripts (and the tests) can wait for; the socket already queues connections.
     print(f"torchloom serve: listening on {url_of(sock)} (model {identity.name} {identity.version},"
           f" device {model.device}, runtime {model.runtime}, precision {model.precision} ({model.precision_reason}),"
           f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms,"
           f" max body {body_limit_for(settings.texts_per_request, settings.max_text_chars, settings.max_body_bytes)}"
-          f" bytes, max connections {settings.max_connections})", flush=True)
+          f" bytes, max connections {settings.max_connections}, read timeout {settings.read_timeout_s:g} s)",
+          flush=True)
 
     stop_signal: list[int] = []
     # uvicorn re-raises the signal it stopped on once it has drained; this handler turns that into exit 0.
     previous = {sig: signal.signal(sig, lambda s, _f: stop_signal.append(s)) for sig in (signal.SIGTERM,
                                                                                           signal.SIGINT)}
-    # limit_concurrency: past max_connections open connections (or requests in flight) uvicorn answers a plain
-    # 503 without calling the app, so the bodies held at once stay below max_connections x the body limit.
+    # Not uvicorn's limit_concurrency: it counts half-sent and idle connections, which a slow client can hold
+    # for ever (connections.py). The app caps the requests it serves; the protocol drops what arrives too slowly.
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
                             timeout_graceful_shutdown=settings.drain_timeout_s,
-                            limit_concurrency=settings.max_connections)
+                            http=timed_protocol(settings.read_timeout_s))
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

@@ -13,7 +13,8 @@ ENGINES = ("local", "ray")
 RUNTIMES = ("torch", "onnx")
 API_KEY_ENV = "TORCHLOOM_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 4_000_000  # 4 MB: about 200 texts of 20,000 ASCII characters
-DEFAULT_MAX_CONNECTIONS = 128  # open connections (idle keep-alive ones too); bodies held at once <= this x 4 MB
+DEFAULT_MAX_CONNECTIONS = 128  # requests served at once (headers in, answer not out); bodies held <= this x 4 MB
+DEFAULT_READ_TIMEOUT_S = 10.0  # a request (headers and body) must arrive whole within this of its first byte
 
 
 @dataclass
@@ -36,7 +37,8 @@ class ServeSettings:
     runtime: str = "torch"  # or onnx: the exported model.onnx / model.int8.onnx on ONNX Runtime
     drain_timeout_s: float = 30.0  # after SIGTERM, in-flight requests get this long to finish
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # a larger request body -> 413, refused before it is read whole
-    max_connections: int = DEFAULT_MAX_CONNECTIONS  # uvicorn's limit_concurrency: past it a plain 503 (local only)
+    max_connections: int = DEFAULT_MAX_CONNECTIONS  # connections.RequestCap: past it 503 (local only)
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # connections.timed_protocol: past it 408, closed (local only)
     require_api_key: bool = False  # refuse to start without an API key (else: a warning when not on loopback)
 
     def __post_init__(self) -> None:
@@ -63,6 +65,7 @@ class ServeSettings:
             (self.max_text_chars >= 1, f"--max-text-chars {self.max_text_chars}: must be at least 1"),
             (self.max_body_bytes >= 1, f"--max-body-bytes {self.max_body_bytes}: must be at least 1"),
             (self.max_connections >= 1, f"--max-connections {self.max_connections}: must be at least 1"),
+            (self.read_timeout_s > 0, f"--read-timeout {self.read_timeout_s:g}: must be more than 0 seconds"),
             (self.api_key is None or (self.api_key.strip() == self.api_key and len(self.api_key) >= 8),
              "--api-key: use at least 8 characters without surrounding spaces"),
         ]
