@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -203,12 +204,32 @@ def test_predict_cli_uses_the_exported_model(finished_run, tmp_path):
 def test_train_resume_latest_continues_to_more_epochs(finished_run, tiny):
     rd, _ = finished_run
     before = json.loads((rd / "train_result.json").read_text())["steps"]
+    with open(rd / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 99')  # a last line cut short (a full disk, a killed writer)
     proc = torchloom("train", "--output.dir", str(rd), "--model.path", tiny, "--resume", "--train.epochs", "4",
                      "--train.batch_size", "8", "--train.lr", "3e-3", "--train.precision", "fp32")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped a line that is not whole JSON" in proc.stderr and "Traceback" not in proc.stderr
     after = json.loads((rd / "train_result.json").read_text())
     assert after["resumed_from"].endswith(f"step-{before}")
     assert after["steps"] == before // 3 * 4
+
+
+def test_a_fresh_train_in_a_trained_run_removes_the_earlier_checkpoints(finished_run, tiny, tmp_path):
+    """Without --resume, export must not pick the earlier training's (higher-numbered) checkpoints."""
+    rd, _ = finished_run
+    run = tmp_path / "again"
+    shutil.copytree(rd, run)
+    earlier = sorted(p.name for p in (run / "checkpoints").iterdir())
+    proc = torchloom("train", "--output.dir", str(run), "--model.path", tiny, "--train.max_steps", "2",
+                     "--train.batch_size", "8", "--train.precision", "fp32", "--engine.workers", "1",
+                     "--tracking.enabled", "false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr + "".join(p.read_text() for p in (run / "logs").rglob("*") if p.is_file())
+    assert f"the {len(earlier)} checkpoint(s) of the earlier training" in said, said[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+    record = json.loads((run / "torchloom-run.json").read_text())
+    assert record["id"] != json.loads((rd / "torchloom-run.json").read_text())["id"]
 
 
 @pytest.mark.parametrize("args, needle", [

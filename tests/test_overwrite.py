@@ -283,6 +283,22 @@ def test_overwrite_on_a_store_refuses_a_foreign_project(s3, tmp_path, topics_csv
     assert {rel: storage.read_bytes(storage.join(prefix, rel)).decode() for rel in before} == FOREIGN[kind]
 
 
+@pytest.mark.parametrize("kind", ["hugo", "webapp"])
+def test_prepare_on_a_store_never_writes_into_a_foreign_prefix(s3, tmp_path, topics_csv, tiny_model_dir, kind):
+    """Decided from the store's objects, never from this host's copy (which has none of them)."""
+    from torchloom import storage
+
+    prefix = f"s3://{BUCKET}/prepare-{kind}"
+    put_tree(prefix, FOREIGN[kind])
+    before = storage.list_files(prefix)
+    error = one_error(torchloom("prepare", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
+                                "--output.dir", prefix, "--tracking.enabled", "false",
+                                TORCHLOOM_CACHE=str(tmp_path / "cache")))
+    assert ("holds a config.toml that torchloom did not write" if "config.toml" in FOREIGN[kind]
+            else "objects that torchloom did not write") in error, error
+    assert storage.list_files(prefix) == before
+
+
 def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
     from torchloom import storage
     from torchloom.errors import UserError

@@ -107,6 +107,64 @@ def test_a_checkpoint_counts_on_the_store_only_once_its_meta_json_is_there(s3, c
     assert (rd.checkpoint(2) / "meta.json").is_file() and not rd.checkpoint(4).exists()
 
 
+def put(run: str, files: dict[str, bytes]) -> None:
+    for rel, content in files.items():
+        storage.write_bytes(storage.join(run, rel), content)
+
+
+def test_a_hosts_copy_counts_only_for_the_run_it_was_made_from(s3, tmp_path, monkeypatch):
+    """Two hosts (two caches) on one URI: host B's copy of the first run (its manifest, its step-4) is not
+    trusted after host A prepares again and trains afresh; a step only B has is never resumed from."""
+    run = uri("reused")
+    host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(host_a))
+    first = RunDir(run)
+    first.data.mkdir(parents=True)
+    first.manifest.write_bytes(b'{"run": 1}')
+    storage.push(first, first.data)
+    storage.new_identity(first)
+    put(run, {"checkpoints/step-4/model.safetensors": b"one", "checkpoints/step-4/meta.json": b'{"run": 1}'})
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
+    b = RunDir(run)
+    storage.ensure(b, b.manifest)
+    assert storage.pull_checkpoints(b) == [4] and b.manifest.read_bytes() == b'{"run": 1}'
+    (b.checkpoint(8)).mkdir()  # written here, never uploaded: the other hosts cannot load it
+    (b.checkpoint(8) / "meta.json").write_bytes(b'{"run": 1}')
+    # host A: prepare again (a new manifest and record), then a fresh training writes its own step-4
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(host_a))
+    a = RunDir(run)
+    a.manifest.write_bytes(b'{"run": 2}')
+    storage.push(a, a.data)
+    storage.new_identity(a)
+    put(run, {"checkpoints/step-4/model.safetensors": b"two", "checkpoints/step-4/meta.json": b'{"run": 2}'})
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
+    b = RunDir(run)
+    storage.ensure(b, b.manifest)
+    assert b.manifest.read_bytes() == b'{"run": 2}'
+    assert storage.pull_checkpoints(b) == [4] and not b.checkpoint(8).exists()
+    assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"two"
+    # the same record, a checkpoint rewritten on the store (a restart's step-4): compared by its meta.json
+    put(run, {"checkpoints/step-4/model.safetensors": b"three", "checkpoints/step-4/meta.json": b'{"run": 3}'})
+    storage.pull_checkpoints(b)
+    assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"three"
+
+
+def test_a_model_re_exported_to_the_same_uri_is_fetched_again_and_keys_never_leave_the_cache(s3, cache):
+    model = uri("cached-model")
+    put(model, {"config.json": b"{}", "model.safetensors": b"AAAA"})
+    first = storage.fetch_dir(model, "--model")
+    assert (first / "model.safetensors").read_bytes() == b"AAAA"
+    time.sleep(1.1)  # the store's modification times count in seconds
+    put(model, {"model.safetensors": b"BBBB"})  # the same size: the listing's names and sizes alone match
+    assert (storage.fetch_dir(model, "--model") / "model.safetensors").read_bytes() == b"BBBB"
+    import boto3  # pyarrow's client makes `a/../../x` a plain key; any other client may write it as it is
+
+    boto3.client("s3", endpoint_url=s3).put_object(Bucket=BUCKET, Key="escape/a/../../outside", Body=b"x")
+    with pytest.raises(UserError, match=r"'a/../../outside', which would be written outside this host's copy"):
+        storage.pull_tree(uri("escape"), cache / "escape" / "copy")
+    assert not (cache / "outside").exists() and not (cache / "escape").exists()
+
+
 def test_uploads_run_behind_training_and_the_store_keeps_what_the_run_keeps(s3, cache, tmp_path):
     from torchloom.train.upload import CheckpointUploader
 
@@ -256,6 +314,10 @@ def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))
     assert result["resumed_at_step"] and result["steps"] > result["resumed_at_step"]
+    # the run's history is appended to from the new host, never replaced by its lines alone
+    steps = {r.get("step") for r in map(json.loads, storage.read_bytes(uri("runs/reviews/metrics.jsonl")).splitlines())
+             if r.get("kind") == "train"}
+    assert min(steps) < result["resumed_at_step"] < max(steps), sorted(steps)
 
 
 def test_a_store_that_cannot_be_used_is_one_line_before_spark_starts(s3, tmp_path):

@@ -524,18 +524,22 @@ def sync_copy(rd: RunDir) -> None:
         remote = read_bytes(_remote_of(rd, rd.record))
     except FileNotFoundError:
         remote = None
-    local = rd.record.read_bytes() if rd.record.is_file() else None
-    if remote == local:
-        return
-    if rd.root.is_dir():
-        for entry in rd.root.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-    if remote is not None:
-        rd.root.mkdir(parents=True, exist_ok=True)
-        write_atomic(rd.record, remote)
+    rd.root.parent.mkdir(parents=True, exist_ok=True)
+    # The ranks of one host share its copy: one of them empties it, the others then find the store's record.
+    with open(rd.root.with_name(f".{rd.root.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        local = rd.record.read_bytes() if rd.record.is_file() else None
+        if remote == local:
+            return
+        if rd.root.is_dir():
+            for entry in rd.root.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+        if remote is not None:
+            rd.root.mkdir(parents=True, exist_ok=True)
+            write_atomic(rd.record, remote)
 
 
 def new_identity(rd: RunDir) -> None:
