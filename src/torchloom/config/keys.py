@@ -10,6 +10,7 @@ MEANINGS: dict[str, str] = {
     'data.format': "`auto`, `csv`, `jsonl`, `parquet`, `folder` (`root/<label>/*.txt`); auto looks at the extension or the directory's contents",
     'data.text_column': 'the column holding the text (CSV, JSONL, Parquet)',
     'data.label_column': 'the column holding the label',
+    'data.encoding': 'the encoding of CSV, JSON lines and folder files: `auto` decides per file (UTF-8, a BOM dropped; UTF-16 with a BOM; else cp1252, or latin-1 where a byte is undefined in cp1252), and counts the rows decoded from other than UTF-8 (manifest `counts.decoded`); a Python codec name (`utf-8`, `cp1252`, `utf-16`, `shift_jis`) reads every file in it, and a file it cannot decode stops prepare with a line naming the file; `strict`: UTF-8 only, rows with other bytes set aside (`invalid_utf8`). Parquet holds typed strings and is read as it is',
     'data.split_column': 'keep the split the data comes with: a column of `train`, `val` (or `validation`, `dev`) and `test` values; without val rows, val is carved from train by prepare.val_fraction; other values are set aside (`unknown_split`)',
     'data.val_path': 'a separate validation input (same format and columns as data.path, which is then the train input); "" = carve val from train',
     'data.test_path': 'a separate test input (same format and columns as data.path); "" = carve test from train by prepare.test_fraction',

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import tomllib
 from pathlib import Path
@@ -88,6 +89,7 @@ def validate(cfg: Config) -> Config:
                 raise UserError(f"{where}: {value!r} must be > {meta['min_exclusive']}")
             if "max" in meta and value > meta["max"]:
                 raise UserError(f"{where}: {value!r} is too large; it must be <= {meta['max']}")
+    _check_encoding(cfg.data.encoding)
     if cfg.prepare.val_fraction + cfg.prepare.test_fraction >= 0.9:
         raise UserError("config prepare.val_fraction + prepare.test_fraction must be < 0.9 to leave rows to train on")
     if cfg.data.split_column and (cfg.data.val_path or cfg.data.test_path):
@@ -115,6 +117,20 @@ def validate(cfg: Config) -> Config:
                             " train.strategy pipeline")
         micro_batch_size(cfg.train, low)  # the smallest size must divide the batch too
     return cfg
+
+
+def _check_encoding(encoding: str) -> None:
+    """data.encoding: auto, strict or a text codec Python knows (not base64 or rot13, which map bytes to bytes)."""
+    if encoding in ("auto", "strict"):
+        return
+    try:
+        text = getattr(codecs.lookup(encoding), "_is_text_encoding", True)
+    except LookupError:
+        text = None
+    if not text:
+        what = "no such encoding" if text is None else "not a text encoding"
+        raise UserError(f"config data.encoding: {encoding!r} is {what}; use auto, strict or a Python codec name"
+                        " such as utf-8, cp1252, latin-1 or utf-16")
 
 
 # engine.workers auto without GPUs: 2 processes of one thread each trained 1.04x as fast as 1 process with both

@@ -1,0 +1,102 @@
+"""Which encoding a file's bytes are read in (data.encoding): the one decision every reader of prepare makes.
+
+Spark's text source (folder inputs) hands the bytes over undecoded, and the CSV/JSON lines readers either
+read files the driver found to be UTF-8 or hand the bytes of the others over whole (etl/read.py), and the
+object store reader streams them (etl/store_read.py): each then calls `detect` or `decode` here, so a file
+is read in the same encoding on the local Spark, a cluster's executors or from a store. Pure Python, no
+imports beyond the standard library: it runs inside Spark's Python workers.
+
+data.encoding:
+- "auto": UTF-8 (a BOM dropped); UTF-16 with its BOM (either byte order); else cp1252 where every byte is
+  defined in it, else latin-1 (which decodes any byte). One decision per file, from all of its bytes.
+- a Python codec name: that codec for every file; a file it cannot decode raises Undecodable (never read
+  with replaced characters).
+- "strict": not decided here; the readers keep UTF-8 with U+FFFD for bad bytes, set aside as invalid_utf8.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Iterable
+
+AUTO = "auto"
+STRICT = "strict"
+UTF8 = "utf-8"
+# Bytes cp1252 leaves undefined: a file holding one is latin-1 (which maps them to C1 controls).
+CP1252_UNDEFINED = (b"\x81", b"\x8d", b"\x8f", b"\x90", b"\x9d")
+
+
+class Undecodable(ValueError):
+    """A file's bytes are not valid in the codec data.encoding forces."""
+
+    def __init__(self, codec: str, position: int, reason: str):
+        super().__init__(f"not valid {codec} at byte {position} ({reason})")
+        self.codec, self.position = codec, position
+
+
+def name(codec: str) -> str:
+    """A codec's name in lines and the manifest: Python's own (cp1252, utf-16), latin-1 for iso8859-1."""
+    canonical = codecs.lookup(codec).name
+    return {"iso8859-1": "latin-1", "utf-8-sig": UTF8}.get(canonical, canonical)
+
+
+def detect(chunks: Iterable[bytes], encoding: str) -> str:
+    """The codec to decode a whole file with, from its bytes in order (any chunking), as data.encoding says;
+    raises Undecodable where a forced codec cannot decode them. UTF-8 is "utf-8-sig" (drops a BOM)."""
+    forced = None if encoding == AUTO else codecs.lookup(encoding).name
+    if forced == UTF8:
+        forced = "utf-8-sig"
+    main = _Check(forced or "utf-8-sig", forced is not None)
+    utf16: _Check | None = None
+    cp1252, head = True, b""
+    for chunk in chunks:
+        rest = chunk
+        if len(head) < 2:  # the UTF-16 decoder wants its BOM whole in its first input
+            taken = chunk[:2 - len(head)]
+            head, rest = head + taken, chunk[len(taken):]
+            if forced is None and head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+                utf16 = _Check("utf-16", False)
+                rest = head + rest
+        main.feed(chunk)
+        if utf16 is not None:
+            utf16.feed(rest)
+        cp1252 = cp1252 and not any(b in chunk for b in CP1252_UNDEFINED)
+    if main.feed(b"", final=True) or forced:
+        return main.codec
+    if utf16 is not None and utf16.feed(b"", final=True):
+        return "utf-16"
+    return "cp1252" if cp1252 else "latin-1"
+
+
+class _Check:
+    """Whether bytes fed in order decode in `codec` (an incremental decoder whose text is dropped)."""
+
+    def __init__(self, codec: str, forced: bool):
+        self.codec, self.forced, self.ok, self.seen = codec, forced, True, 0
+        self.decoder = codecs.getincrementaldecoder(codec)()
+
+    def feed(self, chunk: bytes, final: bool = False) -> bool:
+        if self.ok:
+            pending = len(self.decoder.getstate()[0])  # bytes of an unfinished character, held from before
+            try:
+                self.decoder.decode(chunk, final)
+            except UnicodeDecodeError as e:
+                if self.forced:
+                    raise Undecodable(name(self.codec), self.seen - pending + e.start, e.reason) from None
+                self.ok = False
+            self.seen += len(chunk)
+        return self.ok
+
+
+def skip(head: bytes, codec: str, encoding: str) -> int:
+    """The bytes to skip at a file's start before decoding it in `codec`: a UTF-8 BOM that auto found
+    followed by bytes that are not UTF-8 (a UTF-8 file with a stray byte), which would read as "ï»¿"."""
+    fallback = encoding == AUTO and codec in ("cp1252", "latin-1")
+    return len(codecs.BOM_UTF8) if fallback and head.startswith(codecs.BOM_UTF8) else 0
+
+
+def decode(raw: bytes, encoding: str) -> tuple[str, str]:
+    """A whole file's bytes as text, and the name of the codec used (see `name`); raises Undecodable where
+    a forced codec cannot decode them."""
+    codec = detect([raw], encoding)
+    return raw[skip(raw[:3], codec, encoding):].decode(codec), name(codec)
