@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 # The one cleaning shared with predict/serve, so a served text is cleaned exactly like a trained one.
+from torchloom.etl.encoding import AUTO, STRICT, UTF8, Undecodable
+from torchloom.etl.encoding import decode as encoding_decode
 from torchloom.textclean import clean_text
 
 # Every reason a row can be rejected for; manifest.counts["rows_rejected"] always lists all of them.
@@ -15,7 +17,11 @@ REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short",
 
 # raw is the input text only where cleaning changed it (null where it equals text): it is kept for
 # the rejected rows' output, and leaving out the copies halves what the dedup shuffle and cache hold.
-CLEANED_SCHEMA = "raw string, text string, label string, source string, reason string"
+# An input's `codec` for a row whose text is its file's bytes, not yet decoded (Spark's text source: a folder)
+RAW = ""
+# codec: the encoding a row was decoded from where etl/encoding.py chose it and it is not UTF-8 (null: UTF-8,
+# typed Parquet strings, or data.encoding strict); prepare counts these rows (manifest counts.decoded).
+CLEANED_SCHEMA = "raw string, text string, label string, source string, reason string, codec string"
 # with the user's own split: `given`, the split each row came with (train, val or test; null: unknown)
 CLEANED_SCHEMA_GIVEN = CLEANED_SCHEMA + ", given string"
 
@@ -79,6 +85,47 @@ def _decoded(column, fffd_is_error: bool = True) -> tuple[list, list[bool]]:
     return column.to_pylist(), [not r for r in pc.match_substring(column, "\ufffd").to_pylist()]
 
 
+def _codecs(batch, encoding: str, texts: list, valid: list[bool]) -> list:
+    """Each row's codec where not UTF-8 (else None), from the `codec` column: a row a reader decoded with
+    etl/encoding.py is valid (a U+FFFD in it is a character); a row of a file the text source passed on
+    undecoded (RAW: a folder's files) is decoded here (texts and valid updated), under a forced codec
+    other than UTF-8 whatever its bytes, under auto or utf-8 where they are not valid UTF-8."""
+    import codecs as codec_registry
+
+    import pyarrow as pa
+
+    n = batch.num_rows
+    if "codec" not in batch.schema.names or encoding == STRICT:
+        return [None] * n
+    marks = batch.column("codec").to_pylist()
+    forced = encoding != AUTO and codec_registry.lookup(encoding).name not in (UTF8, "utf-8-sig")
+    out: list = [None] * n
+    binary = sources = None
+    for i, mark in enumerate(marks):
+        if mark != RAW:
+            if mark is not None:
+                valid[i], out[i] = True, None if mark == UTF8 else mark
+            continue
+        if texts[i] is None or not (forced or not valid[i]):
+            continue
+        if binary is None:
+            binary, sources = batch.column("text").cast(pa.binary()), batch.column("source")
+        try:
+            texts[i], codec = encoding_decode(binary[i].as_py(), encoding)
+        except Undecodable as e:
+            from torchloom.etl.store_read import MARK
+
+            raise RuntimeError(MARK + undecodable_line(local_path(sources[i].as_py() or "?"), encoding, e)) from None
+        valid[i], out[i] = True, None if codec == UTF8 else codec
+    return out
+
+
+def undecodable_line(path: str, encoding: str, e: Undecodable) -> str:
+    """The one line for a file data.encoding cannot decode: the file, where and why, and the fix."""
+    return (f"data.path {path}: {e}, so data.encoding {encoding} cannot read it; set data.encoding to the file's"
+            " encoding, or auto to decide per file")
+
+
 def local_path(source: str) -> str:
     """The local path of a file URI as Spark gives it in _metadata.file_path (file:/a%20b or file:///a%20b)."""
     from urllib.parse import unquote, urlparse
@@ -87,12 +134,13 @@ def local_path(source: str) -> str:
 
 
 def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] = frozenset(),
-                  fffd_is_error: bool = True):
-    """A mapInArrow function: (text, label, source[, given]) -> CLEANED_SCHEMA[_GIVEN].
+                  fffd_is_error: bool = True, encoding: str = STRICT):
+    """A mapInArrow function: (text, label, source[, given][, codec]) -> CLEANED_SCHEMA[_GIVEN].
 
     utf8_sources: local files known to be valid UTF-8 (read.utf8_files); a U+FFFD in their rows is a
     character, not a decoding error. fffd_is_error False: no U+FFFD is (Parquet, whose strings are
-    checked byte by byte instead).
+    checked byte by byte instead). encoding: data.encoding; an input `codec` column says how each row
+    was decoded (see _codecs).
     """
 
     def run(batches: Iterator) -> Iterator:
@@ -102,6 +150,7 @@ def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] =
         trusted: dict[str, bool] = {}
         for batch in batches:
             raws, valid = _decoded(batch.column("text").cast(pa.string()), fffd_is_error)
+            codecs = _codecs(batch, encoding, raws, valid)
             if utf8_sources and not all(valid):
                 for i, source in enumerate(batch.column("source").to_pylist()):
                     if not valid[i] and source is not None:
@@ -121,8 +170,9 @@ def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] =
                 clean_labels.append(label)
                 reasons.append(reason_for(raw, ok, text, label, min_chars, max_chars))
             arrays = [pa.array(changed, pa.string()), pa.array(texts, pa.string()),
-                      pa.array(clean_labels, pa.string()), batch.column("source"), pa.array(reasons, pa.string())]
-            names = ["raw", "text", "label", "source", "reason"]
+                      pa.array(clean_labels, pa.string()), batch.column("source"), pa.array(reasons, pa.string()),
+                      pa.array(codecs, pa.string())]
+            names = ["raw", "text", "label", "source", "reason", "codec"]
             if "given" in batch.schema.names:
                 arrays.append(batch.column("given"))
                 names.append("given")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 from collections import Counter
@@ -9,6 +10,7 @@ from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
+from torchloom.etl.clean import RAW
 from torchloom.java_errors import unreadable_input
 
 FORMATS = ("csv", "jsonl", "parquet", "folder")
@@ -129,24 +131,23 @@ def utf8_files(path: str) -> frozenset[str]:
     someone wrote, and its rows are not set aside for them. Remote, compressed or (together) larger
     than UTF8_CHECK_BUDGET inputs are not checked: there the U+FFFD rule stands.
     """
-    import codecs
-
     if not _is_local(path):
         return frozenset()
-    local = _local(path)
-    roots = glob.glob(local, recursive=True) if set(local) & _GLOB_CHARS else [local]
-    files = []
-    for root in roots:
-        if os.path.isfile(root):
-            files.append(root)
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
-            files += [os.path.join(dirpath, f) for f in filenames if not f.startswith((".", "_"))]
-    files = [os.path.abspath(f) for f in files if not f.endswith(_COMPRESSED)]
-    if sum(os.path.getsize(f) for f in files) > UTF8_CHECK_BUDGET:
+    files = [f for f in _local_files(path) if not f.endswith(_COMPRESSED)]
+    stats = [os.stat(f) for f in files]
+    if sum(st.st_size for st in stats) > UTF8_CHECK_BUDGET:
         return frozenset()
+    return _valid_utf8(tuple((f, st.st_size, st.st_mtime_ns) for f, st in zip(files, stats)))
+
+
+@functools.lru_cache(maxsize=8)
+def _valid_utf8(files: tuple[tuple[str, int, int], ...]) -> frozenset[str]:
+    """Of (file, size, mtime) entries, the files that are valid UTF-8: remembered, as prepare asks twice for
+    a CSV or JSON lines input (which files Spark's UTF-8 reader reads, and which rows to trust)."""
+    import codecs
+
     valid = set()
-    for f in files:
+    for f, _, _ in files:
         decoder = codecs.getincrementaldecoder("utf-8")()
         try:
             with open(f, "rb") as stream:
@@ -157,6 +158,21 @@ def utf8_files(path: str) -> frozenset[str]:
             continue
         valid.add(f)
     return frozenset(valid)
+
+
+def _local_files(path: str) -> list[str]:
+    """The files, absolute, of a local file, directory (walked; hidden and _-prefixed names skipped, as Spark
+    skips them) or glob."""
+    local = _local(path)
+    roots = glob.glob(local, recursive=True) if set(local) & _GLOB_CHARS else [local]
+    files = []
+    for root in roots:
+        if os.path.isfile(root):
+            files.append(root)
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = [d for d in dirnames if not d.startswith((".", "_"))]
+            files += [os.path.join(dirpath, f) for f in filenames if not f.startswith((".", "_"))]
+    return sorted(os.path.abspath(f) for f in files)
 
 
 def _strip_bom(df):
@@ -173,11 +189,14 @@ def _some(names: list[str], most: int = 8, width: int = 30) -> str:
 
 
 def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path"):
+    """text, label, source[, given] and codec (the encoding a reader chose with etl/encoding.py, else null)."""
     from pyspark.sql import functions as F
+
+    from torchloom.etl.store_read import CODEC
 
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in df.columns]
     if missing:
-        names = [c for c in df.columns if c not in ("_corrupt_record", source)]
+        names = [c for c in df.columns if c not in ("_corrupt_record", source, CODEC)]
         if any(not c.isprintable() or "\ufffd" in c for c in names):
             raise UserError(f"data.path {path}: does not read as {'text' if not names else 'a table'} (its header"
                             " holds binary or wrongly encoded bytes); pass a UTF-8 CSV, JSON lines or Parquet file")
@@ -190,10 +209,11 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path")
         F.col(f"`{cfg.text_column}`").cast("string").alias("text"),
         F.col(f"`{cfg.label_column}`").cast("string").alias("label"),
         F.col(source).alias("source"),
+        (F.col(CODEC) if CODEC in df.columns else F.lit(None).cast("string")).alias("codec"),
     ]
     if cfg.split_column:
         if cfg.split_column not in df.columns:
-            names = [c for c in df.columns if c not in ("_corrupt_record", source)]
+            names = [c for c in df.columns if c not in ("_corrupt_record", source, CODEC)]
             raise UserError(f"data.split_column {cfg.split_column!r}: no such column in {path}; columns found:"
                             f" {_some(names)}")
         columns.append(F.col(f"`{cfg.split_column}`").cast("string").alias("given"))
@@ -259,7 +279,7 @@ def _read_from_store(spark, cfg: DataConfig, path: str, fmt: str):
         raise _folder_has_no_split(cfg, storage.redact(path))
     df = store_read.read(spark, cfg, path, fmt, sep="\t" if _ext(path) == ".tsv" else ",")
     if fmt == "folder":
-        return df.withColumnRenamed(store_read.SOURCE, "source")
+        return df.withColumnRenamed(store_read.SOURCE, "source").withColumnRenamed(store_read.CODEC, "codec")
     return _select(df, cfg, storage.redact(path), source=store_read.SOURCE)
 
 
@@ -291,24 +311,63 @@ def unreadable(path: str, e: BaseException) -> UserError:
                      " it")
 
 
+def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str):
+    """A CSV or JSON lines input: Spark's own reader for files in UTF-8 (or not checked: see utf8_files),
+    and the local files that are not (or all of them, with a codec other than UTF-8 forced) read whole
+    and decoded as etl/encoding.py decides (store_read.decoded_frame)."""
+    from torchloom.etl import store_read
+
+    sep = "\t" if _ext(path) == ".tsv" else ","
+    spark_reads, decoded = _by_encoding(path, cfg.encoding)
+    if not decoded:
+        return _spark_text_table(spark, cfg, path, path, fmt, sep)
+    df = _select(store_read.decoded_frame(spark, cfg, decoded, fmt, sep), cfg, path, store_read.SOURCE)
+    if spark_reads:
+        df = df.unionByName(_spark_text_table(spark, cfg, spark_reads, path, fmt, sep))
+    return df
+
+
+def _spark_text_table(spark, cfg: DataConfig, files: str | list[str], path: str, fmt: str, sep: str):
+    if fmt == "jsonl":
+        return _select(spark.read.json(files), cfg, path)
+    df = (spark.read.option("header", True).option("multiLine", True).option("escape", '"')
+          .option("encoding", "UTF-8").option("sep", sep).csv(files))
+    return _select(_strip_bom(df), cfg, path)
+
+
+def _by_encoding(path: str, encoding: str) -> tuple[list[str], list[str]]:
+    """The files of a CSV or JSON lines input that Spark's UTF-8 reader reads, and those read whole and
+    decoded as data.encoding says (both empty: Spark reads the input as it is): none for strict; every
+    file with a codec other than UTF-8 forced; with auto or utf-8 the local files utf8_files found not
+    UTF-8 (a URI: none, as for local inputs too large to check)."""
+    import codecs
+
+    from torchloom.etl.encoding import AUTO, STRICT
+
+    if encoding == STRICT:
+        return [], []
+    if encoding != AUTO and codecs.lookup(encoding).name not in ("utf-8", "utf-8-sig"):
+        # every file, wherever Spark reads it (Spark's text source decompresses .gz and .bz2 as its CSV reader does)
+        return [], _local_files(path) if _is_local(path) else [path]
+    if not _is_local(path):
+        return [], []  # the driver does not read a cluster's files: Spark's UTF-8 reader, bad bytes set aside
+    files = _local_files(path)
+    checked = [f for f in files if not f.endswith(_COMPRESSED)]
+    if sum(os.path.getsize(f) for f in checked) > UTF8_CHECK_BUDGET:
+        return [], []  # too much to check on the driver: Spark's reader, with U+FFFD for bytes not UTF-8
+    valid = utf8_files(path)
+    decoded = [f for f in checked if f not in valid]
+    return ([f for f in files if f not in decoded], decoded) if decoded else ([], [])
+
+
 def _read(spark, cfg: DataConfig, path: str, fmt: str):
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
     reader = spark.read
     try:
-        if fmt == "csv":
-            df = (
-                reader.option("header", True)
-                .option("multiLine", True)
-                .option("escape", '"')
-                .option("encoding", "UTF-8")
-                .option("sep", "\t" if _ext(path) == ".tsv" else ",")
-                .csv(path)
-            )
-            return _select(_strip_bom(df), cfg, path)
-        if fmt == "jsonl":
-            return _select(reader.json(path), cfg, path)
+        if fmt in ("csv", "jsonl"):
+            return _read_text_table(spark, cfg, path, fmt)
         if fmt == "parquet":
             return _select(reader.parquet(path), cfg, path)
         if fmt == "folder" and cfg.split_column:
@@ -325,7 +384,7 @@ def _read(spark, cfg: DataConfig, path: str, fmt: str):
             parent = F.element_at(F.split(F.col("_metadata.file_path"), "/"), -2)
             label = F.url_decode(F.regexp_replace(parent, r"\+", "%2B"))
             return df.select(F.col("value").alias("text"), label.alias("label"),
-                             F.col("_metadata.file_path").alias("source"))
+                             F.col("_metadata.file_path").alias("source"), F.lit(RAW).alias("codec"))
     except AnalysisException as e:
         first = message_line(str(e))
         if "PATH_NOT_FOUND" in first or "does not exist" in first:

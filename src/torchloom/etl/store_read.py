@@ -28,8 +28,11 @@ from functools import partial
 
 from torchloom import storage
 from torchloom.errors import UserError
+from torchloom.etl.encoding import STRICT, Undecodable, decode, detect, name, skip
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
+CODEC = "__torchloom_codec"  # the encoding etl/encoding.py read each row's file in (null: data.encoding strict)
+SPOOL_BYTES = 64 << 20  # an object is held in memory up to this size (beyond: local disk) while its encoding is decided
 MARK = "torchloom-input-error: "  # begins the message of a task's failure to read an object (input_error)
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 UNREAD_CODECS = (".snappy", ".lz4", ".deflate")
@@ -59,9 +62,8 @@ def hidden(rel: str) -> bool:
 
 
 def read(spark, cfg, path: str, fmt: str, sep: str = ","):
-    """`path` on the store as a DataFrame: the input's own columns and SOURCE (folder: text, label, SOURCE)."""
-    from pyspark.sql import functions as F
-
+    """`path` on the store as a DataFrame: the input's own columns, SOURCE and CODEC (folder: text, label,
+    SOURCE, CODEC)."""
     objects = files(path, fmt)
     for uri, _ in objects:
         if uri.endswith(UNREAD_CODECS):
@@ -71,27 +73,107 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
     wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
     tasks = min(len(uris), max(_parallelism(spark), sum(s for _, s in objects) // BYTES_PER_TASK + 1))
     ids = spark.range(0, len(uris), 1, numPartitions=tasks)
+    encoding = getattr(cfg, "encoding", STRICT)
     if fmt == "csv":
-        names = csv_header(uris[0], sep)
-        schema = ", ".join(f"{_quoted(n)} STRING" for n in names)
-        records = ids.mapInArrow(partial(csv_task, uris=uris, sep=sep), f"record STRING, {SOURCE} STRING")
-        parsed = F.from_csv("record", schema, {"sep": sep, "escape": '"'})
-        return records.select(parsed.alias("r"), SOURCE).select("r.*", SOURCE)
+        with reading(uris[0]), text_stream(uris[0], encoding) as stream:
+            names = csv_header(stream, storage.redact(uris[0]), sep)
+        records = ids.mapInArrow(partial(csv_task, uris=uris, sep=sep, encoding=encoding), RECORDS)
+        return _parse_csv(records, names, sep)
     if fmt == "jsonl":
-        found = json_columns(uris[0])
+        with reading(uris[0]), text_stream(uris[0], encoding) as stream:
+            found = json_columns(stream)
         if found and not set(wanted) <= found:  # a column in none of the first lines: name what is there
             return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in sorted(found)))
-        schema = ", ".join(f"{_quoted(n)} STRING" for n in wanted)
-        records = ids.mapInArrow(partial(lines_task, uris=uris), f"record STRING, {SOURCE} STRING")
-        return records.select(F.from_json("record", schema).alias("r"), SOURCE).select("r.*", SOURCE)
+        records = ids.mapInArrow(partial(lines_task, uris=uris, encoding=encoding), RECORDS)
+        return _parse_json(records, wanted)
     if fmt == "parquet":
         arrow = parquet_schema(uris[0])
         if not set(wanted) <= set(arrow.names):  # a missing column: the names there, for read._select's line
             return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in arrow.names))
         return _parquet(ids, uris, arrow, wanted)
     if fmt == "folder":
-        return ids.mapInArrow(partial(folder_task, uris=uris), f"text STRING, label STRING, {SOURCE} STRING")
+        return ids.mapInArrow(partial(folder_task, uris=uris, encoding=encoding),
+                              f"text STRING, label STRING, {SOURCE} STRING, {CODEC} STRING")
     raise UserError(f"data.format {fmt!r}: unknown; use one of auto, csv, jsonl, parquet, folder")
+
+
+RECORDS = f"record STRING, {SOURCE} STRING, {CODEC} STRING"
+
+
+def _parse_csv(records, names: list[str], sep: str):
+    """CSV records (RECORDS) parsed by Spark's from_csv into the header's columns, with the options of
+    read.read_input's spark.read.csv: the same nulls and the same handling of short, long and badly
+    quoted rows."""
+    from pyspark.sql import functions as F
+
+    schema = ", ".join(f"{_quoted(n)} STRING" for n in names)
+    parsed = F.from_csv("record", schema, {"sep": sep, "escape": '"'})
+    return records.select(parsed.alias("r"), SOURCE, CODEC).select("r.*", SOURCE, CODEC)
+
+
+def _parse_json(records, wanted: list[str]):
+    from pyspark.sql import functions as F
+
+    schema = ", ".join(f"{_quoted(n)} STRING" for n in wanted)
+    return records.select(F.from_json("record", schema).alias("r"), SOURCE, CODEC).select("r.*", SOURCE, CODEC)
+
+
+def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
+    """CSV or JSON lines files that Spark's UTF-8 reader must not read (read._by_encoding): each read whole
+    by Spark's text source (which leaves the bytes undecoded), decoded in the tasks as etl/encoding.py
+    decides, split into records and parsed as `read` parses a store's objects. Each file is one row of the
+    text source, so one file must fit a task's memory (and 2 GB); the driver fetches one to learn the
+    columns."""
+    from pyspark.sql import functions as F
+
+    from torchloom.etl.clean import local_path
+
+    raw = spark.read.text(files, wholetext=True).select(F.col("value").cast("binary").alias("raw"),
+                                                       F.col("_metadata.file_path").alias(SOURCE))
+    records = raw.mapInArrow(partial(decode_task, fmt=fmt, sep=sep, encoding=cfg.encoding), RECORDS)
+    one = raw.limit(1).collect()
+    if not one:
+        raise UserError(f"data.path {files[0]}: no {fmt} data found there; check the path and --data.format")
+    first = io.StringIO(_decode(bytes(one[0].raw), cfg.encoding, local_path(one[0][SOURCE]))[0], newline="")
+    if fmt == "csv":
+        return _parse_csv(records, csv_header(first, local_path(one[0][SOURCE]), sep), sep)
+    wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
+    found = json_columns(first)
+    if found and not set(wanted) <= found:
+        return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in sorted(found)))
+    return _parse_json(records, wanted)
+
+
+def _decode(raw: bytes, encoding: str, shown: str) -> tuple[str, str]:
+    """etl/encoding.decode, a forced codec's failure as a UserError naming the file."""
+    from torchloom.etl.clean import undecodable_line
+
+    try:
+        return decode(raw, encoding)
+    except Undecodable as e:
+        raise UserError(undecodable_line(shown, encoding, e)) from None
+
+
+def decode_task(batches, fmt: str, sep: str, encoding: str):
+    """mapInArrow over whole files (raw, SOURCE): their records (CSV: but the header; JSON lines: non-blank
+    lines), each with its file and the codec it was decoded from."""
+    from torchloom.etl.clean import local_path
+
+    def rows():
+        for batch in batches:
+            for raw, source in zip(batch.column("raw").to_pylist(), batch.column(SOURCE).to_pylist()):
+                try:
+                    text, codec = _decode(raw, encoding, local_path(source))
+                except UserError as e:
+                    raise RuntimeError(MARK + str(e)) from None
+                stream = io.StringIO(text, newline="")
+                records = csv_records(stream, sep) if fmt == "csv" else (x for x in stream if x.strip())
+                if fmt == "csv":
+                    next(records, None)  # the header
+                for record in records:
+                    yield record, source, codec
+
+    yield from _batches(rows(), ["record", SOURCE, CODEC])
 
 
 def parquet_frame(spark, uris: list[str], columns: list[str]):
@@ -126,6 +208,10 @@ def _quoted(name: str) -> str:
 def cannot_read(uri: str, e: BaseException) -> str:
     if isinstance(e, UserError):
         return str(e)
+    if isinstance(e, Undecodable):
+        from torchloom.etl.clean import undecodable_line
+
+        return undecodable_line(storage.redact(uri), e.codec, e)
     return (f"data.path {storage.redact(uri)}: cannot be read ({storage._reason(e)}); check that the object is"
             " whole and what its name says (a .gz is gzip, a .parquet Parquet), and that every host has the"
             " store's credentials")
@@ -163,15 +249,14 @@ def input_error(e: BaseException) -> UserError | None:
 # -- on the driver: what the first object says ----------------------------------------------------
 
 
-def csv_header(uri: str, sep: str) -> list[str]:
-    """The column names of a CSV object's header record, as Spark names them: an empty name is _c<i>, a
-    repeated one gets its position appended."""
+def csv_header(stream, shown: str, sep: str) -> list[str]:
+    """The column names of the header record of a CSV file's text, as Spark names them: an empty name is
+    _c<i>, a repeated one gets its position appended."""
     import csv
 
-    with reading(uri), text_stream(uri) as stream:
-        first = next(csv_records(stream, sep), None)
+    first = next(csv_records(stream, sep), None)
     if first is None:
-        raise UserError(f"data.path {storage.redact(uri)}: the file is empty; a CSV input needs a header line")
+        raise UserError(f"data.path {shown}: the file is empty; a CSV input needs a header line")
     names = [n.strip() for n in next(csv.reader([first], delimiter=sep))]
     counts = {n.lower(): sum(m.lower() == n.lower() for m in names) for n in names}
     out = []
@@ -184,19 +269,18 @@ def csv_header(uri: str, sep: str) -> list[str]:
     return out
 
 
-def json_columns(uri: str) -> set[str]:
-    """The keys of the first JSON_SAMPLE_LINES objects of a JSON lines object."""
+def json_columns(stream) -> set[str]:
+    """The keys of the first JSON_SAMPLE_LINES objects of a JSON lines file's text."""
     keys: set[str] = set()
-    with reading(uri), text_stream(uri) as stream:
-        for i, line in enumerate(stream):
-            if i >= JSON_SAMPLE_LINES:
-                break
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                keys.update(value)
+    for i, line in enumerate(stream):
+        if i >= JSON_SAMPLE_LINES:
+            break
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            keys.update(value)
     return keys
 
 
@@ -211,17 +295,37 @@ def parquet_schema(uri: str):
 
 
 @contextlib.contextmanager
-def text_stream(uri: str):
-    """An object on the store as text: decompressed by its extension, decoded as UTF-8 (a BOM dropped, bytes
-    that are not UTF-8 as U+FFFD, as Spark decodes), line endings kept; read READ_BYTES per request (each read
-    of a store's file is a request, and the text layer asks for 8 KB at a time)."""
+def text_stream(uri: str, encoding: str = STRICT):
+    """An object on the store as text: decompressed by its extension, line endings kept; read READ_BYTES per
+    request (each read of a store's file is a request, and the text layer asks for 8 KB at a time). Decoded as
+    etl/encoding.py decides from all its bytes (held meanwhile in memory, or on local disk past SPOOL_BYTES),
+    the codec's name in the stream's `codec`; with strict as Spark decodes: UTF-8, a BOM dropped, bytes that
+    are not UTF-8 as U+FFFD, `codec` None."""
+    import tempfile
+
     import pyarrow as pa
 
     with storage.open_input(uri) as raw:
-        codec = CODECS.get(os.path.splitext(uri)[1].lower())
-        stream = pa.CompressedInputStream(raw, codec) if codec else raw
-        yield io.TextIOWrapper(pa.BufferedInputStream(stream, READ_BYTES), encoding="utf-8-sig", errors="replace",
-                               newline="")
+        compression = CODECS.get(os.path.splitext(uri)[1].lower())
+        stream = pa.BufferedInputStream(pa.CompressedInputStream(raw, compression) if compression else raw,
+                                        READ_BYTES)
+        if encoding == STRICT:
+            text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="replace", newline="")
+            text.codec = None
+            yield text
+            return
+        with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
+            def chunks():
+                while chunk := stream.read(READ_BYTES):
+                    spool.write(chunk)
+                    yield chunk
+
+            codec = detect(chunks(), encoding)
+            spool.seek(0)
+            spool.seek(skip(spool.read(3), codec, encoding))
+            text = io.TextIOWrapper(spool, encoding=codec, newline="")
+            text.codec = name(codec)
+            yield text
 
 
 def csv_records(lines, sep: str, quote: str = '"'):
@@ -290,31 +394,32 @@ def _my_uris(batches, uris: list[str]):
             yield uris[i]
 
 
-def csv_task(batches, uris: list[str], sep: str):
-    """mapInArrow over object indices: each object's records but its header, with the object's URI."""
+def csv_task(batches, uris: list[str], sep: str, encoding: str = STRICT):
+    """mapInArrow over object indices: each object's records but its header, with the object's URI and
+    the codec it was decoded from."""
     def rows():
         for uri in _my_uris(batches, uris):
             source = storage.redact(uri)
-            with reading(uri, in_task=True), text_stream(uri) as stream:
+            with reading(uri, in_task=True), text_stream(uri, encoding) as stream:
                 records = csv_records(stream, sep)
                 next(records, None)  # the header
                 for record in records:
-                    yield record, source
+                    yield record, source, stream.codec
 
-    yield from _batches(rows(), ["record", SOURCE])
+    yield from _batches(rows(), ["record", SOURCE, CODEC])
 
 
-def lines_task(batches, uris: list[str]):
-    """mapInArrow over object indices: each object's non-blank lines, with the object's URI."""
+def lines_task(batches, uris: list[str], encoding: str = STRICT):
+    """mapInArrow over object indices: each object's non-blank lines, with the object's URI and codec."""
     def rows():
         for uri in _my_uris(batches, uris):
             source = storage.redact(uri)
-            with reading(uri, in_task=True), text_stream(uri) as stream:
+            with reading(uri, in_task=True), text_stream(uri, encoding) as stream:
                 for line in stream:
                     if line.strip():
-                        yield line, source
+                        yield line, source, stream.codec
 
-    yield from _batches(rows(), ["record", SOURCE])
+    yield from _batches(rows(), ["record", SOURCE, CODEC])
 
 
 def parquet_task(batches, uris: list[str], schema):
@@ -334,12 +439,13 @@ def parquet_task(batches, uris: list[str], schema):
                 yield from table.select(schema.names).cast(schema).to_batches()
 
 
-def folder_task(batches, uris: list[str]):
-    """mapInArrow over object indices: each *.txt object whole, its directory's name the label."""
+def folder_task(batches, uris: list[str], encoding: str = STRICT):
+    """mapInArrow over object indices: each *.txt object whole, its directory's name the label, and the codec
+    it was decoded from."""
     def rows():
         for uri in _my_uris(batches, uris):
-            with reading(uri, in_task=True), text_stream(uri) as stream:
+            with reading(uri, in_task=True), text_stream(uri, encoding) as stream:
                 text = stream.read()
-            yield text, uri.rsplit("/", 2)[-2], storage.redact(uri)
+            yield text, uri.rsplit("/", 2)[-2], storage.redact(uri), stream.codec
 
-    yield from _batches(rows(), ["text", "label", SOURCE], size=256)
+    yield from _batches(rows(), ["text", "label", SOURCE, CODEC], size=256)
