@@ -328,8 +328,11 @@ def test_overwrite_replaces_output(spark, tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="not replaced: it is neither empty nor a torchloom"):
         prepare(cfg, str(out), spark=spark)  # not prepared data: --overwrite leaves it alone
     Manifest(labels=["a", "b"], splits={}, tokenizer={}, fingerprint="x").write(out)  # an earlier prepare's
+    with pytest.raises(UserError, match="not replaced: it holds stale.txt, which torchloom did not write"):
+        prepare(cfg, str(out), spark=spark)  # prepared data, but beside something of someone else's
+    (out / "stale.txt").rename(out / "train")  # now only the earlier prepare's names
     m = prepare(cfg, str(out), spark=spark)
-    assert not (out / "stale.txt").exists() and m.counts["rows_kept"] == 6
+    assert (out / "train").is_dir() and m.counts["rows_kept"] == 6
     assert leftovers(tmp_path, {"in.parquet", "data"}) == []
     assert read_manifest(out).fingerprint == m.fingerprint
 

@@ -270,8 +270,13 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     finally:
         if started:
             stop_spark()
+    lexical = result.pop("lexical", None)
+    shutil.rmtree(rd.baseline_model, ignore_errors=True)  # an earlier fit's arrays never go with this one's scores
+    if lexical is not None:  # the arrays the shipped mix scores with (export copies them into the model)
+        lexical.save(rd.baseline_model)
+        result["model"] = rd.baseline_model.name
     write_json(rd.baseline, result)
-    storage.push(rd, rd.baseline)
+    storage.push(rd, rd.baseline, rd.baseline_model)
     say(f"baseline: {baseline.summary_line(result)}")
     if tracker is not None:
         tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in result["splits"].items()
@@ -348,6 +353,16 @@ def precision_line(cfg: Config) -> str:
     return f"precision {choice.precision} ({choice.reason})"
 
 
+def _start_history(rd: RunDir, resume_step: int | None) -> None:
+    """metrics.jsonl for this training, before any worker starts (so the driver never forwards another run's lines
+    to this run's tracker); a fresh training voids other hosts' copies of the earlier one (its checkpoints)."""
+    if resume_step is None:
+        storage.new_identity(rd)
+    else:  # this host's copy may lack the earlier lines (written on another host): the store's history first
+        storage.catch_up_metrics(rd, resume_step)
+    rd.reset_metrics(resume_step)
+
+
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
                 startup: dict | None = None) -> TrainResult:
     """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py);
@@ -368,12 +383,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
 
         tracker.set_tags({"data_fingerprint": manifest_mod.read(rd.data).fingerprint})
     rd.write_hooks(hooks or {})
-    if resume_step is None:  # a fresh training: other hosts' copies of the earlier one (checkpoints) are void
-        storage.new_identity(rd)
-    else:  # this host's copy may lack the earlier lines (written on another host): the store's history
-        storage.catch_up_metrics(rd, resume_step)
-    # Before any worker starts, so the driver never forwards another run's lines to this run's tracker.
-    rd.reset_metrics(resume_step)
+    _start_history(rd, resume_step)
     if startup:
         rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
                            **{k: round(v, 3) for k, v in startup.items()}})
