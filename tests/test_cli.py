@@ -535,10 +535,13 @@ def test_evaluate_scores_what_serve_answers(finished_run):
     from torchloom.manifest import read as read_manifest
     from torchloom.serve.model import ServedModel
 
+    from torchloom.evaluate.mix import shipped_probabilities
+
     rd = finished_run[0]
     cfg = build(None, ["--output.dir", str(rd), "--engine.device", "cpu"])
     manifest = read_manifest(rd / "data")
     probs, _, index = score_split(cfg, str(rd / "model"), manifest)
+    probs, _ = shipped_probabilities(str(rd / "model"), manifest, "test", probs, index)  # where it ships the mix
     texts = texts_at(manifest, "test", {int(i) for i in index})
     served = ServedModel(str(rd / "model"), device="cpu").predict([texts[int(i)] for i in index])
     assert len(served) == len(probs) > 0
@@ -669,6 +672,57 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
         assert server.terminate() == 0, server.stderr()[-3000:]
     assert [g["label"] for g in got] == [e["label"] for e in expected]
     np.testing.assert_allclose([g["score"] for g in got], [e["score"] for e in expected], atol=1e-5)
+
+
+def test_the_shipped_mix_scores_the_same_on_every_path(onnx_run, tmp_path):
+    """A model that ships 0.4 x the transformer + 0.6 x the baseline: evaluate, predict (PyTorch and ONNX),
+    the server's batched path (REST, TEI and Ray Serve run it), file scoring (Spark's tasks run the same
+    ServedModel) give the same probabilities, and they are the mix of the two models' own."""
+    import numpy as np
+    import pyarrow.dataset as ds
+
+    from torchloom.config import build
+    from torchloom.data.texts import texts_at
+    from torchloom.evaluate.mix import shipped_probabilities
+    from torchloom.evaluate.run import score_split
+    from torchloom.lexical import Lexical
+    from torchloom.manifest import read as read_manifest
+    from torchloom.model.predict import Predictor
+    from torchloom.serve.model import ServedModel
+    from torchloom.serve.score_files import predict_local
+
+    rd, fp32_dir = onnx_run[0], onnx_run[1]
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fp32_dir, mixed)
+    shutil.rmtree(mixed / "baseline", ignore_errors=True)
+    shutil.copytree(rd / "baseline", mixed / "baseline")
+    info = json.loads((mixed / "torchloom.json").read_text())
+    (mixed / "torchloom.json").write_text(json.dumps({**info, "combine": {"weight": 0.4, "baseline": "baseline"}}))
+    manifest = read_manifest(rd / "data")
+    cfg = build(None, ["--output.dir", str(rd), "--engine.device", "cpu"])
+    alone, _, index = score_split(cfg, str(mixed), manifest)
+    shipped, transformer = shipped_probabilities(str(mixed), manifest, "test", alone, index)
+    found = texts_at(manifest, "test", {int(i) for i in index})
+    texts = [found[int(i)] for i in index]
+    baseline = Lexical.load(rd / "baseline").probabilities(texts)
+    np.testing.assert_allclose(shipped, 0.4 * transformer + 0.6 * baseline, atol=1e-6)
+    assert np.abs(shipped - transformer).max() > 1e-3 and np.abs(shipped - baseline).max() > 1e-3
+
+    def table(answers):
+        return np.array([[a["probabilities"][lb] for lb in manifest.labels] for a in answers])
+
+    served = ServedModel(str(mixed), device="cpu")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+    predict_local(str(mixed), str(src), str(tmp_path / "scored.parquet"), device="cpu")
+    scored = ds.dataset(tmp_path / "scored.parquet", format="parquet").to_table().sort_by([("id", "ascending")])
+    paths = {"predict": table(Predictor(str(mixed)).predict(texts)),
+             "onnx": table(Predictor(str(mixed), runtime="onnx").predict(texts)),
+             "server": table(served.predict_encoded(served.encode(texts))),
+             "file scoring": np.array([[dict(p)[lb] for lb in manifest.labels]
+                                       for p in scored.column("probabilities").to_pylist()])}
+    for name, probs in paths.items():
+        np.testing.assert_allclose(probs, shipped, atol=1e-5, err_msg=name)
 
 
 def test_onnx_export_falls_back_to_torch_export_when_the_torchscript_exporter_fails(finished_run, tmp_path,

@@ -439,13 +439,18 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     model = build_classifier(src, m.labels)
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
+    combine = choose_combine(cfg, rd, model, m)
+    shipped = combine is not None and combine["weight"] < 1.0
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
         "validation": meta.get("eval", {}), "data_fingerprint": m.fingerprint,
         "max_length": m.tokenizer.get("max_length"), "truncation": m.tokenizer.get("truncation", "head"),
         **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
-    })
+        **({"combine": combine} if combine else {}),
+    }, extra_dirs={"baseline": rd.baseline_model} if shipped else None)
     say(f"export: {ckpt.name} -> {rd.home(out)}")
+    if combine:
+        say(f"export: {combine_line(combine)}")
     onnx_info = None
     if cfg.export.format != "hf":
         from torchloom.data.texts import gate_rows
@@ -458,6 +463,34 @@ def export_stage(cfg: Config, tracker=None) -> dict:
         tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
             "onnx": onnx_info}
+
+
+def choose_combine(cfg: Config, rd: RunDir, model, m) -> dict | None:
+    """export.combine: the transformer's weight in the shipped mix with the baseline, chosen on val (evaluate/mix.py);
+    None without a baseline fitted on these prepared rows by the driver."""
+    if cfg.export.combine == "off":
+        return None
+    storage.ensure(rd, rd.baseline, rd.baseline_model)
+    try:
+        fitted_on = read_json(rd.baseline).get("fingerprint")
+    except (OSError, ValueError):
+        fitted_on = None
+    if fitted_on != m.fingerprint:  # no baseline, or one of other rows: the transformer alone
+        return None
+    from torchloom.evaluate.mix import choose_combine as choose
+
+    return choose(cfg.export.combine, cfg, model, m, rd.baseline_model)
+
+
+def combine_line(combine: dict) -> str:
+    """What export says of the mix: the weight and why, from the val accuracies it was chosen on."""
+    val = combine["val_accuracy"]
+    scores = (f"val accuracy: transformer {val['transformer']:.4f}, baseline {val['baseline']:.4f},"
+              f" shipped {val['shipped']:.4f} on {combine['texts']} texts")
+    if combine["weight"] >= 1.0:
+        return f"ships the transformer alone (the mix with the baseline did not beat it on val; {scores})"
+    return (f"ships the mix: {combine['weight']:.2f} x the transformer + {1 - combine['weight']:.2f} x the baseline"
+            f" ({scores})")
 
 
 def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announce: bool = True) -> dict:
@@ -601,7 +634,10 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         summary["preemptions"] = result.preemptions
     cmp = ev.get("baseline")
     if cmp:
-        summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain")}
+        summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain",
+                                                   "transformer_accuracy", "transformer_macro_f1")}
+        if cmp.get("shipped"):
+            summary["shipped"] = cmp["shipped"]
         summary["verdict"] = ev.get("verdict")
     if tracker.enabled:
         summary["mlflow_run_id"] = tracker.run_id
@@ -653,7 +689,11 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
              f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}",
              f"  precision {summary['precision']} ({summary['precision_reason']}); {summary['workers']} workers",
              f"  start-up {startup_line(summary['startup'])}"]
-    cmp = summary.get("baseline")
+    cmp, shipped = summary.get("baseline"), summary.get("shipped")
+    if shipped:  # three rows: what ships (above), the transformer alone, the baseline
+        lines[1] += (f"   (shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"
+                     " baseline, the weight chosen on val)")
+        lines.append(f"  transformer {cmp['transformer_accuracy']:.4f}   macro-F1 {cmp['transformer_macro_f1']:.4f}")
     if cmp:
         lines.append(f"  baseline {cmp['accuracy']:.4f}   macro-F1 {cmp['macro_f1']:.4f}   ({cmp['name']};"
                      f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")

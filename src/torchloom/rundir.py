@@ -10,6 +10,7 @@
       model/                export                   the Hugging Face model directory
       report.md report.json misclassified.jsonl plots/     evaluate
       summary.json          run                      what `torchloom run` printed at the end
+      baseline.json baseline/  baseline stage          the classical baseline's scores, and its arrays (lexical.py)
     and the driver <-> worker protocol (shared storage on a cluster; see engines/common.py):
       hooks.json            driver, before a launch  what workers must call out to (an Optuna pruner)
       progress.json         train rank 0             the live progress the driver draws
@@ -139,7 +140,7 @@ RUN_FORMAT = "torchloom-run/1"
 # What torchloom writes at the top of a run or study directory, and in prepared data: --overwrite deletes these
 # names and nothing else. The record lists the run's (a later version may own more; the record says which).
 RUN_ENTRIES = (RUN_RECORD, CONFIG_FILE, "data", "checkpoints", "metrics.jsonl", "train_result.json", "model",
-               "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json",
+               "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json", "baseline",
                "hooks.json", "progress.json", "logs", "ray", "input", "trial.json", "trial_result.json", STUDY_FILE,
                "trials", "results.csv", "results.png", "best_config.toml", "optuna.db")
 DATA_ENTRIES = (MANIFEST_FILE, "train", "val", "test", "rejected", "prepare_key.txt")
@@ -374,6 +375,7 @@ class RunDir:
     plots = _In("plots")
     summary = _In("summary.json")
     baseline = _In("baseline.json")  # the classical baseline's scores on the prepared splits (etl/baseline.py)
+    baseline_model = _In("baseline")  # its fitted arrays (lexical.py), where the driver fitted it
 
     # -- the driver <-> worker protocol ---------------------------------------------------------
     hooks = _In("hooks.json")

@@ -191,3 +191,29 @@ def _safe_divide(numerator: np.ndarray, denominator: np.ndarray) -> np.ndarray:
     np.divide(numerator, denominator, out=out, where=denominator > 0)
     return out
 
+
+
+# -- the shipped mix of the transformer and the classical baseline -------------------------------------------
+# The transformer's weights tried on validation (0: the baseline alone, 1: the transformer alone).
+MIX_GRID = tuple(i / 20 for i in range(21))
+
+
+def mix(transformer: np.ndarray, baseline: np.ndarray, weight: float) -> np.ndarray:
+    """The shipped model's probabilities: `weight` x the transformer's + (1 - weight) x the baseline's."""
+    return weight * np.asarray(transformer, np.float64) + (1.0 - weight) * np.asarray(baseline, np.float64)
+
+
+def choose_weight(transformer: np.ndarray, baseline: np.ndarray, labels: np.ndarray,
+                  grid: tuple[float, ...] = MIX_GRID) -> tuple[float, list[dict[str, float]]]:
+    """The transformer's weight with the best accuracy on these (validation) texts; a tie goes to the lower log
+    loss, then to the higher weight (less of the baseline to serve). Returns (weight, one row per weight tried)."""
+    labels = np.asarray(labels)
+    rows = []
+    for w in grid:
+        p = mix(transformer, baseline, w)
+        accuracy = float(np.mean(p.argmax(axis=1) == labels)) if len(labels) else 0.0
+        picked = p[np.arange(len(labels)), labels] if len(labels) else np.ones(0)
+        loss = float(-np.mean(np.log(np.clip(picked, LOSS_EPS, 1.0)))) if len(labels) else 0.0
+        rows.append({"weight": w, "accuracy": accuracy, "loss": loss})
+    best = max(rows, key=lambda r: (r["accuracy"], -r["loss"], r["weight"]))
+    return best["weight"], rows

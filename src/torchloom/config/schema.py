@@ -121,6 +121,8 @@ class ExportConfig:
     # when it passes its parity gate on held-out prepared rows (model/onnx.py)
     format: str = field(default="hf", metadata=choices("hf", "onnx", "onnx-int8"))
     gate_rows: int = field(default=2000, metadata={"min": 1})  # held-out rows the gate scores, at most
+    # auto: the mix with the baseline where it beats the transformer alone on val (evaluate/mix.py)
+    combine: str = field(default="auto", metadata=choices("auto", "off", "on"))
 
 
 @dataclass

@@ -128,4 +128,5 @@ def fit_and_score(spark, manifest: Manifest, splits: list[str], engine: str = "a
         "grid": fitted.grid, "train_rows": train_texts(manifest), "num_features": fitted.num_features,
         "fit_s": round(fitted.fit_s, 2), "seconds": round(time.perf_counter() - started, 2),
         "splits": {split: scores(m) for split, m in fitted.confusion.items()},
+        "lexical": fitted.lexical,  # not JSON: the caller saves it as files (lexical.Lexical.save) and drops it
     }

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 
 from torchloom.etl import baseline_model as baseline
 from torchloom.etl.baseline_model import open_parquet
+from torchloom.lexical import Lexical
 from torchloom.manifest import Manifest
 
 
@@ -91,4 +92,12 @@ def _fit(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
     k = manifest.num_labels
     return baseline.Fitted(engine="driver", c=c, grid=grid, num_features=x_train.shape[1], fit_s=fit_s,
                            confusion={s: confusion(features[s][1], model.predict(features[s][0]), k)
-                                      for s in splits})
+                                      for s in splits}, lexical=as_lexical(vec, model, manifest.labels))
+
+
+def as_lexical(vec, model, labels: list[str]) -> Lexical:
+    """The fitted vectorizer and classifier as plain arrays, for the shipped mix (lexical.py scores them)."""
+    terms = [""] * len(vec.vocabulary_)
+    for term, column in vec.vocabulary_.items():
+        terms[column] = term
+    return Lexical(labels, model.classes_.tolist(), terms, vec.idf_, model.coef_, model.intercept_)

@@ -35,6 +35,7 @@ class Fitted:
     num_features: int
     confusion: dict[str, list[list[int]]] = field(default_factory=dict)
     fit_s: float = 0.0
+    lexical: Any = None  # the chosen model as plain arrays (lexical.Lexical), where its path can give them
 
 
 def train_texts(manifest: Manifest) -> int:

@@ -36,17 +36,24 @@ def truncated_share(manifest: Manifest, split: str) -> float:
 
 
 def comparison(metrics: dict[str, Any], baseline: dict[str, Any], split: str) -> dict[str, Any] | None:
-    """The baseline's scores on `split` beside the transformer's, or None when it has none there."""
+    """The baseline's scores on `split` beside the transformer's (its own, where the shipped model is the mix:
+    metrics["transformer"]), or None when it has none there. With the mix, "shipped" holds the mix's scores."""
     scores = baseline.get("splits", {}).get(split)
     if scores is None:
         return None
-    return {
+    transformer = metrics.get("transformer") or metrics
+    out = {
         "name": baseline["name"], "description": baseline["description"], "split": split,
         "accuracy": scores["accuracy"], "macro_f1": scores["macro_f1"], "n": scores["n"],
         "seconds": baseline.get("seconds"),
-        "accuracy_gain": metrics["accuracy"] - scores["accuracy"],
-        "macro_f1_gain": metrics["macro_f1"] - scores["macro_f1"],
+        "transformer_accuracy": transformer["accuracy"], "transformer_macro_f1": transformer["macro_f1"],
+        "accuracy_gain": transformer["accuracy"] - scores["accuracy"],
+        "macro_f1_gain": transformer["macro_f1"] - scores["macro_f1"],
     }
+    if "transformer" in metrics:
+        out["shipped"] = {"accuracy": metrics["accuracy"], "macro_f1": metrics["macro_f1"],
+                          "weight": metrics.get("mix_weight")}
+    return out
 
 
 def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -> str:
@@ -73,6 +80,9 @@ def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | Non
     if cmp["accuracy_gain"] > 0:
         return None
     how = "ties with" if cmp["accuracy_gain"] == 0 else "trails"
+    shipped = cmp.get("shipped")
+    mixed = (f"; so the model shipped mixes them ({shipped['weight']:.2f} x the transformer), accuracy"
+             f" {shipped['accuracy']:.4f}" if shipped else "")
     return (f"the transformer {how} the {cmp['name']} baseline on {cmp['split']} (accuracy"
-            f" {cmp['accuracy'] + cmp['accuracy_gain']:.4f} against {cmp['accuracy']:.4f}); likely cause:"
+            f" {cmp['accuracy'] + cmp['accuracy_gain']:.4f} against {cmp['accuracy']:.4f}){mixed}; likely cause:"
             f" {likely_cause(manifest, cmp['split'], train)}")

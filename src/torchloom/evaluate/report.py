@@ -127,9 +127,15 @@ def _baseline_section(metrics: dict[str, Any], split: str, baseline: dict[str, A
              f"The same `{split}` rows, scored by a {baseline['name']} baseline trained on the same train split"
              f" ({baseline['description']}).", "",
              "| model | accuracy | macro F1 |", "|---|---|---|",
-             f"| this transformer | {_fmt(metrics.get('accuracy'))} | {_fmt(metrics.get('macro_f1'))} |",
+             f"| this transformer | {_fmt(baseline['transformer_accuracy'])}"
+             f" | {_fmt(baseline['transformer_macro_f1'])} |",
              f"| {_cell(baseline['name'])} | {_fmt(baseline['accuracy'])} | {_fmt(baseline['macro_f1'])} |",
-             f"| difference | {baseline['accuracy_gain']:+.4f} | {baseline['macro_f1_gain']:+.4f} |", ""]
+             f"| difference | {baseline['accuracy_gain']:+.4f} | {baseline['macro_f1_gain']:+.4f} |"]
+    shipped = baseline.get("shipped")
+    if shipped:  # the model export ships: the two mixed, the weight chosen on val
+        lines.append(f"| shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"
+                     f" baseline | {_fmt(shipped['accuracy'])} | {_fmt(shipped['macro_f1'])} |")
+    lines.append("")
     if verdict:
         lines += [f"**Note:** {verdict}.", ""]
     return lines

@@ -24,19 +24,36 @@ def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.nda
     and its position is its first window's."""
     from transformers import AutoModelForSequenceClassification
 
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True)
+    return split_probabilities(cfg, model, manifest, cfg.eval.split)
+
+
+def split_probabilities(cfg: Config, model, manifest: Manifest, split: str
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """score_split for a model already in memory (export chooses the mix's weight on val with it)."""
     torch.set_num_threads(os.cpu_count() or 1)
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True).to(device)
+    model = model.to(device).eval()
     precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
-    batches = eval_batches(manifest, cfg.eval.split, 0, 1, cfg.eval.batch_size)
+    batches = eval_batches(manifest, split, 0, 1, cfg.eval.batch_size)
     logits, labels, index = prepared_logits(model, batches, device, precision, manifest.num_labels)
-    return to_documents(manifest, cfg.eval.split, logits, labels, index)
+    return to_documents(manifest, split, logits, labels, index)
 
 
 def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
+    """The shipped model's metrics on eval.split (with the mix, "transformer" holds the transformer's alone)."""
+    from torchloom.evaluate.mix import shipped_probabilities
+
     manifest = read_manifest(RunDir(cfg.output.dir).data)
     probs, labels, index = score_split(cfg, model_dir, manifest)
+    probs, alone = shipped_probabilities(model_dir, manifest, cfg.eval.split, probs, index)
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)
+    if alone is not None:
+        from torchloom.model.export import read_export_info
+
+        transformer = classification_metrics(alone, labels, manifest.labels)
+        metrics["transformer"] = {k: transformer[k] for k in ("accuracy", "macro_f1")}
+        metrics["mix_weight"] = float(read_export_info(model_dir)["combine"]["weight"])
     pred = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
     wrong = np.nonzero(pred != labels)[0]
     # Most confident mistakes first: those are the ones worth reading.

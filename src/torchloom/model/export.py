@@ -90,11 +90,13 @@ def export_model(
     out_dir: str,
     extra_info: dict[str, Any] | None = None,
     state_dict: dict[str, Any] | None = None,
+    extra_dirs: dict[str, Path] | None = None,
 ) -> str:
     """Write `model` (wrappers removed) with the tokenizer from `tokenizer_dir` to `out_dir`; returns out_dir.
 
     labels: class names by id. extra_info: merged into torchloom.json (e.g. data_fingerprint, metrics,
     max_length). state_dict: a full state dict to save instead of the model's own (FSDP gathers one).
+    extra_dirs: {name: directory} copied in as they are (the baseline's arrays of the shipped mix).
     The new directory is complete before it replaces an existing `out_dir`.
     """
     model = unwrap_model(model)
@@ -110,6 +112,8 @@ def export_model(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         _write_export(tmp, model, tokenizer, labels, extra_info, state_dict)
+        for name, directory in (extra_dirs or {}).items():
+            shutil.copytree(directory, tmp / name)
         # Two renames: the old export stays whole until the new one is in place.
         if out.exists():
             os.replace(out, old)

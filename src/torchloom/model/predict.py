@@ -12,9 +12,10 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
+from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
-from torchloom.scoring import text_scores
+from torchloom.scoring import LOSS_EPS, mix, text_scores
 from torchloom.textclean import clean_text
 from torchloom.truncation import MARGIN, STRATEGIES, cut, default_stride, prefix, special_layout, windows
 
@@ -53,6 +54,9 @@ def repair_note(texts: list[str]) -> str | None:
 
 class Predictor:
     """A loaded model and tokenizer; `predict` returns label, score and all class probabilities per text."""
+
+    lexical: Lexical | None = None  # the baseline mixed into the shipped probabilities (torchloom.json "combine")
+    weight: float = 1.0  # the transformer's weight in that mix
 
     def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
                  batch_size: int = 32, runtime: str = "torch", threads: int | None = None,
@@ -110,6 +114,7 @@ class Predictor:
             forward_tokens = 0 if self.device.type == "cuda" else CPU_FORWARD_TOKENS
         self.forward_tokens = max(0, int(forward_tokens))
         self.info = info
+        self.lexical, self.weight = shipped_baseline(path, info)
 
     def predict(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
         """One {"label", "score", "probabilities"} per text, in input order; texts are cleaned like prepare's.
@@ -140,18 +145,23 @@ class Predictor:
         return [{k: cut(v, self.max_length, self.truncation) for k, v in zip(encoded.keys(), values)}
                 for values in zip(*encoded.values())]
 
-    def encode_windows(self, texts: list[str]) -> list[list[dict[str, list[int]]]]:
+    def encode_windows(self, texts: list[str]) -> list[Windows]:
         """The model's inputs for each text as a list: its windows with truncation chunks (cut like
-        prepare's: truncation.windows), else the one input `encode` gives."""
+        prepare's: truncation.windows), else the one input `encode` gives. A model that ships the mix with the
+        baseline carries each text's baseline probabilities with its windows (`Windows.lexical`)."""
         if self.truncation != "chunks":
-            return [[f] for f in self.encode(texts)]
-        encoded = self.tokenizer([clean_text(well_formed(t)) for t in texts], truncation=False)
-        front, back = self.layout
-        out = []
-        for values in zip(*encoded.values()):
-            per_key = {k: windows(v, self.max_length, self.stride, self.max_chunks, front, back)
-                       for k, v in zip(encoded.keys(), values)}
-            out.append([dict(zip(per_key, parts)) for parts in zip(*per_key.values())])
+            out = [Windows([f]) for f in self.encode(texts)]
+        else:
+            encoded = self.tokenizer([clean_text(well_formed(t)) for t in texts], truncation=False)
+            front, back = self.layout
+            out = []
+            for values in zip(*encoded.values()):
+                per_key = {k: windows(v, self.max_length, self.stride, self.max_chunks, front, back)
+                           for k, v in zip(encoded.keys(), values)}
+                out.append(Windows(dict(zip(per_key, parts)) for parts in zip(*per_key.values())))
+        if self.lexical is not None:
+            for item, probs in zip(out, self.lexical.probabilities([clean_text(well_formed(t)) for t in texts])):
+                item.lexical = probs
         return out
 
     def logits(self, batch: dict) -> Any:
@@ -201,14 +211,39 @@ class Predictor:
         scores = text_scores(logits.numpy(), np.asarray(owner))
         if len(scores.first) != len(per_text):
             raise ValueError("predict_encoded: every text needs at least one window of model inputs")
+        probs, means = scores.probs, scores.logits
+        if self.lexical is not None:  # the shipped mix; its log-probabilities stand for the logits
+            probs = mix(probs, np.stack([item.lexical for item in per_text]), self.weight)
+            means = np.log(np.clip(probs, LOSS_EPS, 1.0))
         results = []
-        for row, mean in zip(scores.probs.astype(np.float32).tolist(), scores.logits.astype(np.float32).tolist()):
+        for row, mean in zip(probs.astype(np.float32).tolist(), means.astype(np.float32).tolist()):
             best = max(range(len(row)), key=row.__getitem__)
             results.append({"label": self.labels[best], "score": row[best],
                             "probabilities": dict(zip(self.labels, row))})
             if with_logits:
                 results[-1]["logits"] = dict(zip(self.labels, mean))
         return results
+
+
+class Windows(list):
+    """One text's model inputs (its windows), and, where the model ships the mix, its baseline probabilities."""
+
+    lexical: np.ndarray | None = None
+
+
+def shipped_baseline(model_dir: Path, info: dict[str, Any]) -> tuple[Lexical | None, float]:
+    """The baseline an exported model mixes in and the transformer's weight (torchloom.json "combine"); (None, 1.0)
+    for a model that ships the transformer alone."""
+    combine = info.get("combine") or {}
+    weight = float(combine.get("weight", 1.0))
+    if weight >= 1.0:
+        return None, 1.0
+    where = Path(model_dir) / str(combine.get("baseline") or "baseline")
+    try:
+        return Lexical.load(where), weight
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"model dir {model_dir}: ships a mix with the baseline, but {where} cannot be read"
+                        f" ({first_line(e)}); export the model again") from None
 
 
 def pad_batch(features: list[dict[str, list[int]]], tokenizer) -> dict[str, Any]:

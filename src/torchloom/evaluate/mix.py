@@ -1,0 +1,62 @@
+"""The shipped model as a mix of the transformer and the classical baseline: the transformer's weight chosen on
+the val split at export (0 and 1 included), and the shipped probabilities on any prepared split.
+
+Why: on data unlike what the transformer was pretrained for (many classes from few rows, long texts cut to
+max_length), a TF-IDF + logistic regression can beat it; averaging the two models' probabilities is never
+worse on val than the better of them (the grid holds both ends), and often better than either. The arithmetic
+is scoring.mix and scoring.choose_weight; the baseline's probabilities come from its arrays (lexical.py), the
+same code predict and serve run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchloom.data.texts import texts_at
+from torchloom.lexical import Lexical
+from torchloom.manifest import Manifest
+from torchloom.model.export import read_export_info
+from torchloom.model.predict import shipped_baseline
+from torchloom.scoring import choose_weight, mix
+
+COMBINE = ("auto", "off", "on")
+
+
+def split_texts(manifest: Manifest, split: str, index: np.ndarray) -> list[str]:
+    """The prepared (cleaned) text of each scored text, by its first row's position (to_documents' index)."""
+    found = texts_at(manifest, split, {int(i) for i in index})
+    return [found[int(i)] for i in index]
+
+
+def choose_combine(combine: str, cfg, model, manifest: Manifest, baseline_dir: Path) -> dict[str, Any] | None:
+    """torchloom.json's "combine" for an export: the transformer's weight and the val accuracy of the transformer,
+    the baseline and the chosen mix; None when nothing is to be chosen (off, no baseline arrays, no val rows).
+    auto ships the mix only where it beats the transformer alone on val; on ships the best weight whatever."""
+    from torchloom.evaluate.run import split_probabilities
+
+    if combine == "off" or not Lexical.exists(baseline_dir) or manifest.split("val").rows == 0:
+        return None
+    probs, labels, index = split_probabilities(cfg, model, manifest, "val")
+    lexical = Lexical.load(baseline_dir).probabilities(split_texts(manifest, "val", index))
+    weight, grid = choose_weight(probs, lexical, labels)
+    by_weight = {row["weight"]: row for row in grid}
+    if combine == "auto" and by_weight[weight]["accuracy"] <= by_weight[1.0]["accuracy"]:
+        weight = 1.0  # no better on val than the transformer alone: nothing more to serve
+    return {"weight": weight, "baseline": "baseline", "chosen_on": "val", "texts": int(len(labels)),
+            "val_accuracy": {"transformer": by_weight[1.0]["accuracy"], "baseline": by_weight[0.0]["accuracy"],
+                             "shipped": by_weight[weight]["accuracy"]},
+            "grid": [{k: round(v, 6) for k, v in row.items()} for row in grid]}
+
+
+def shipped_probabilities(model_dir: str, manifest: Manifest, split: str, probs: np.ndarray, index: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the shipped model's probabilities, the transformer's alone or None) of a split's texts, from the
+    transformer's: mixed with the baseline where the exported model ships the mix."""
+    lexical, weight = shipped_baseline(Path(model_dir), read_export_info(model_dir))
+    if lexical is None:
+        return probs, None
+    shipped = mix(probs, lexical.probabilities(split_texts(manifest, split, index)), weight)
+    return shipped.astype(np.float32), probs
