@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torchloom import pipeline
 from torchloom.config import build
 from torchloom.data.loader import ShardedLoader
 from torchloom.data.synthetic import write_synthetic_dataset
@@ -51,6 +52,7 @@ def cfg_for(rd: Path, model: str, *overrides: str):
     return build(None, [
         "--output.dir", str(rd), "--model.path", model, "--train.precision", "fp32",
         "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2", "--train.log_every", "2",
+        "--train.budget", "off",  # the fixed 2 epochs the step counts below are written for
         *overrides,
     ])
 
@@ -306,3 +308,21 @@ def test_cuda_workers_start_as_fresh_interpreters():
     with local.worker_start(build(None, ["--engine.device", "cuda"])) as method:
         assert method == "spawn"
     assert forkserver._forkserver._forkserver_pid is None
+
+
+def test_train_budget_auto_trains_longer_where_more_epochs_help_and_off_keeps_the_fixed_two(tmp_path, models):
+    """Three classes from 96 rows (12 steps an epoch at batch 8): ~45 steps a class asks for 11 epochs, budget
+    auto gives at most 5 (stopping once validation has not improved for 2); budget off is the old fixed 2."""
+    data = tmp_path / "three"
+    write_synthetic_dataset(data, rows={"train": 96, "val": 48, "test": 12}, num_labels=3, rows_per_group=12,
+                            rows_per_shard=48)
+    results = {}
+    for budget in ("off", "auto"):
+        rd = new_run(tmp_path, data, budget)
+        cfg = cfg_for(rd, models["no_dropout"], "--train.budget", budget, "--train.metric", "accuracy",
+                      "--train.lr", "3e-3")
+        cfg.train.epochs = cfg.train.early_stopping_patience = "auto"  # the defaults, as a user gets them
+        results[budget] = local.train(pipeline.how_long(cfg), rd, quiet=True)
+    off, auto = results["off"], results["auto"]
+    assert off.steps == 24 and not off.stopped_early
+    assert auto.steps > off.steps and auto.best_metric > off.best_metric, (auto.to_dict(), off.best_metric)

@@ -353,6 +353,17 @@ def precision_line(cfg: Config) -> str:
     return f"precision {choice.precision} ({choice.reason})"
 
 
+def how_long(cfg: Config) -> Config:
+    """train.epochs and early stopping made numbers for the prepared data (config/budget.py), said in one line."""
+    from torchloom.config import budget
+
+    m = read_manifest(run_dir(cfg).data)
+    cfg, line = budget.resolve(cfg, m.num_labels, m.split("train").rows)
+    if line:
+        say(f"train: {line}")
+    return cfg
+
+
 def _start_history(rd: RunDir, resume_step: int | None) -> None:
     """metrics.jsonl for this training, before any worker starts (so the driver never forwards another run's lines
     to this run's tracker); a fresh training voids other hosts' copies of the earlier one (its checkpoints)."""
@@ -371,6 +382,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
 
     cfg = for_this_machine(cfg)
     resume_step = check_trainable(cfg)
+    cfg = how_long(cfg)
     if cfg.engine.name == "spark":  # its barrier slots counted before anything is written
         from torchloom.engines.spark import check_slots
 

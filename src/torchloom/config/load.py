@@ -90,6 +90,9 @@ def validate(cfg: Config) -> Config:
             if "max" in meta and value > meta["max"]:
                 raise UserError(f"{where}: {value!r} is too large; it must be <= {meta['max']}")
     _check_encoding(cfg.data.encoding)
+    from torchloom.config.budget import budget_seconds
+
+    budget_seconds(cfg.train.budget)
     if cfg.prepare.val_fraction + cfg.prepare.test_fraction >= 0.9:
         raise UserError("config prepare.val_fraction + prepare.test_fraction must be < 0.9 to leave rows to train on")
     if cfg.data.split_column and (cfg.data.val_path or cfg.data.test_path):

@@ -65,7 +65,9 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
-    epochs: int = field(default=2, metadata={"min": 1})
+    # auto: from the data within train.budget (config/budget.py: ~45 steps a class, 2 to 5 epochs)
+    epochs: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})
+    budget: str = "auto"  # auto (at most 2.5x the old fixed 2 epochs), off (the fixed 2), or a time: 1800, 30m, 2h
     batch_size: int = field(default=16, metadata={"min": 1})  # global: samples per optimizer step, all workers
     grad_accum: int = field(default=1, metadata={"min": 1})  # micro-steps per optimizer step
     lr: float = field(default=1e-4, metadata={"min_exclusive": 0.0})
@@ -82,7 +84,8 @@ class TrainConfig:
     log_every: int = field(default=10, metadata={"min": 1})
     checkpoint_every: int = field(default=0, metadata={"min": 0})  # optimizer steps; 0: at each epoch end
     keep_last: int = field(default=2, metadata={"min": 1})
-    early_stopping_patience: int = field(default=0, metadata={"min": 0})  # evals without improvement; 0: off
+    # evals without improvement; 0: off; auto: 2 where train.epochs auto chose more than 2, else off
+    early_stopping_patience: int | str = field(default="auto", metadata={"min": 0, "auto": True, "type": int})
     metric: str = field(default="macro_f1", metadata=choices("macro_f1", "accuracy", "loss"))
     class_weights: str = field(default="none", metadata=choices("none", "balanced"))
     shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together, all ranks

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from torchloom import storage
-from torchloom.config import Config, elastic_micro_batch, micro_batch_size
+from torchloom.config import Config, budget, elastic_micro_batch, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
 from torchloom.manifest import Manifest
@@ -128,6 +128,9 @@ class Trainer:
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
         self.manifest = storage.streamed(self.rd, read_manifest(self.rd.data))
+        if "auto" in (self.tc.epochs, self.tc.early_stopping_patience):  # the driver decides where it runs one
+            self.tc = budget.resolve(replace(cfg, train=self.tc), self.manifest.num_labels,
+                                     self.manifest.split("train").rows)[0].train
         seed_everything(self.tc.seed)
         t = time.perf_counter()
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
@@ -148,6 +151,8 @@ class Trainer:
         )
         self.scaler = grad_scaler(self.tc.precision, d.device)
         self.state = TrainState()
+        self.budget_s = budget.budget_seconds(self.tc.budget)
+        self.fit_started = time.perf_counter()
         self.last_eval: dict | None = None
         self.first_step_s: float | None = None
         self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
@@ -172,7 +177,7 @@ class Trainer:
     def fit(self) -> TrainResult:
         """Every optimizer step, then maybe log, evaluate, checkpoint; at the end a last eval and checkpoint."""
         s, tc = self.state, self.tc
-        started = time.perf_counter()
+        started = self.fit_started = time.perf_counter()
         window = LogWindow(torch.zeros((), device=self.d.device))
         steps = self.optimizer_steps()
         while s.step < self.total_steps and not s.stopped_early:
@@ -334,6 +339,8 @@ class Trainer:
             s.stopped_early = patience > 0 and s.evals_without_improvement >= patience
             if s.stopped_early:
                 s.stop_reason = "early_stopping"
+        if self.budget_s is not None and not s.stopped_early and self.budget_spent():
+            s.stopped_early, s.stop_reason = True, "budget"
         record = {"kind": "eval", "step": s.step, "epoch": self.epoch_float(), **self.last_eval_summary(),
                   "weighted_f1": m["weighted_f1"]}
         self.log(record)
@@ -347,6 +354,11 @@ class Trainer:
             stop = all_reduce_sum(self.d, [1.0 if (stop and self.d.is_main) else 0.0], slow=True)[0] > 0
             if stop and not s.stopped_early:
                 s.stopped_early, s.stop_reason = True, self.reporter.stop_reason
+
+    def budget_spent(self) -> bool:
+        """Collective: rank 0's clock says whether train.budget's time is spent (every rank leaves at one step)."""
+        spent = time.perf_counter() - self.fit_started >= self.budget_s
+        return all_reduce_sum(self.d, [1.0 if (spent and self.d.is_main) else 0.0])[0] > 0
 
     # -- preemption ----------------------------------------------------------------------------
     def notice_shared(self) -> bool:
