@@ -107,9 +107,12 @@ def store(tmp_path_factory):
         yield made["proxy"], data
 
 
-def start_train(run: str, data: Path, model: str, cache: Path, *extra: str) -> subprocess.Popen:
+def start_train(run: str, data: Path, model: str, cache: Path, *extra: str, retry_s: float = 0) -> subprocess.Popen:
+    """retry_s: the store's retry window (TORCHLOOM_STORE_RETRY_S); none by default, so a store cut for good fails
+    in seconds (the window's own rules: test_transient_store_errors_are_retried_within_a_window_...)."""
     storage.push_tree(data, storage.join(run, "data"), last=("manifest.json",))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache), "PYTHONUNBUFFERED": "1",
+           storage.RETRY_ENV: str(retry_s)}
     return subprocess.Popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--model.path", model,
                              "--train.precision", "fp32", "--train.batch_size", "8", "--engine.workers", "2",
                              "--engine.threads_per_worker", "1", "--train.epochs", "1", "--train.checkpoint_every",
@@ -148,6 +151,76 @@ def test_the_store_stopping_halfway_through_an_upload_leaves_the_previous_checkp
     result = json.loads(storage.read_bytes(storage.join(run, "train_result.json")))
     assert result["resumed_at_step"] == 3 and result["steps"] == 6 and result["uploads"]["checkpoints_uploaded"] == 1
     assert checkpoints_on_store(run).get(6) is True
+
+
+def test_transient_store_errors_are_retried_within_a_window_and_a_permanent_one_is_one_line_at_once(
+        monkeypatch, capsys, tmp_path):
+    from torchloom.engines.common import failure_cause
+    from torchloom.engines.worker import record_error
+    from torchloom.errors import UserError
+    from torchloom.rundir import RunDir
+
+    monkeypatch.setattr(storage, "BACKOFF_S", (0.01, 0.02))
+    monkeypatch.setenv(storage.RETRY_ENV, "5")
+    calls: list[str] = []
+
+    def fails_with(*messages: str):
+        def op():
+            calls.append("try")
+            if len(calls) <= len(messages):
+                raise OSError(messages[len(calls) - 1])
+            return "done"
+        calls.clear()
+        return op
+
+    slow = "AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate."
+    http_503 = "AWS Error UNKNOWN (HTTP status 503) during GetObject operation: Service Unavailable"
+    assert storage._attempts("s3://b/k", "write it", fails_with(slow, http_503)) == "done" and len(calls) == 3
+    assert capsys.readouterr().err.count("s3://b/k: could not write it") == 1  # one warning per operation
+    denied = "AWS Error ACCESS_DENIED during PutObject operation: Access Denied"
+    with pytest.raises(UserError, match=r"s3://b/k: cannot write it \(access denied") as raised:
+        storage._attempts("s3://b/k", "write it", fails_with(denied))
+    assert len(calls) == 1 and not isinstance(raised.value, storage.StoreUnavailable)
+    monkeypatch.setenv(storage.RETRY_ENV, "0.2")
+    down = "AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Could not connect to server"
+    started = time.monotonic()
+    with pytest.raises(storage.StoreUnavailable, match=r"does not answer.*, for 0.2 s\).*TORCHLOOM_STORE_RETRY_S"):
+        storage._attempts("s3://b/k", "look it up", fails_with(*[down] * 1000))
+    assert 0.2 <= time.monotonic() - started < 1.0 and 5 < len(calls) < 30
+    monkeypatch.setenv(storage.RETRY_ENV, "soon")
+    with pytest.raises(UserError, match=r"TORCHLOOM_STORE_RETRY_S='soon': not a number of seconds"):
+        storage.retry_window()
+    # in a worker, a store that outlasted the window is restartable like a lost process; a user error is not
+    rd = RunDir(tmp_path / "run")
+    record_error(rd, 0, storage.StoreUnavailable("s3://b/k: cannot write it"), "L1")
+    assert failure_cause(rd, "L1") is None
+    record_error(rd, 1, UserError("data.path x: no such file"), "L1")
+    assert failure_cause(rd, "L1")["rank"] == 1
+
+
+def test_a_store_away_for_two_seconds_during_an_upload_costs_a_retry_not_the_run(store, tiny_model_dir, tmp_path):
+    proxy, data = store
+    run = f"s3://{BUCKET}/runs/blip"
+    proxy.cut_on(f"/{BUCKET}/runs/blip/checkpoints/step-6/".encode())  # a rank's first object of the checkpoint
+
+    def restore_later() -> None:
+        if proxy.cut_seen.wait(timeout=300):
+            time.sleep(2.0)
+            proxy.restore()
+
+    proxy.cut_seen.clear()
+    threading.Thread(target=restore_later, daemon=True).start()
+    proc = start_train(run, data, tiny_model_dir, tmp_path / "host", retry_s=30)
+    out, err = proc.communicate(timeout=300)
+    proxy.restore()
+    assert proxy.cut_seen.is_set(), err[-3000:]
+    assert proc.returncode == 0, err[-3000:]
+    # the warning, on the driver's terminal or in the worker's own log on this host (the tail may end first)
+    logs = [p.read_text(errors="replace") for p in (tmp_path / "host").rglob("*") if p.is_file() and "logs" in p.parts]
+    assert any("could not upload to it" in x and "retrying for up to 30 s" in x for x in [err, *logs]), err[-3000:]
+    result = json.loads(storage.read_bytes(storage.join(run, "train_result.json")))
+    assert result["steps"] == 6 and result["uploads"]["checkpoints_uploaded"] == 2
+    assert checkpoints_on_store(run) == {3: True, 6: True}
 
 
 def test_a_slow_store_makes_training_wait_only_for_the_upload_still_in_flight(store, tiny_model_dir, tmp_path):

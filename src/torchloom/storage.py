@@ -10,6 +10,10 @@ credentials from the standard places (AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, a 
 role) and AWS_ENDPOINT_URL for S3-compatible stores (MinIO, Ceph, moto); nothing of them is written
 anywhere by torchloom. `s3a://` (Spark's name) is read as `s3://`.
 
+A store that does not answer for a moment (a reset connection, a timeout, HTTP 5xx, SlowDown) is asked again
+with backoff for a bounded window (retry_window), with one warning line per operation; an error that a retry
+cannot mend (no bucket, access denied, unknown keys) is one line at once.
+
 What readers may rely on: an object appears whole or not at all (a PUT and a multipart upload both
 become visible only when complete), and a directory uploaded with `push_tree` has its `last` file
 (a checkpoint's meta.json, prepared data's manifest.json) written after every other: a reader that
@@ -18,12 +22,17 @@ waits for that file never takes a half-uploaded directory for a finished one.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
 import os
 import re
 import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from torchloom.errors import UserError
@@ -112,9 +121,102 @@ def _reason(e: BaseException) -> str:
     return text[:200]
 
 
-def _store_error(uri: str, action: str, e: BaseException) -> UserError:
-    return UserError(f"{redact(uri)}: cannot {action} ({_reason(e)}); check the URI, the credentials"
-                     " (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL")
+class StoreUnavailable(UserError):
+    """A store that kept failing with transient errors for the whole retry window. Still one line for the user,
+    but in a training worker it counts like a lost process (engines/common.failure_cause reads `transient` from
+    the rank's error file), so engine.max_restarts decides whether the workers try again."""
+
+    transient = True
+
+
+def _store_error(uri: str, action: str, e: BaseException, retried_s: float = 0.0) -> UserError:
+    if not is_transient(e):
+        return UserError(f"{redact(uri)}: cannot {action} ({_reason(e)}); check the URI, the credentials"
+                         " (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL")
+    waited = f", for {retried_s:g} s" if retried_s else ""
+    return StoreUnavailable(f"{redact(uri)}: cannot {action} ({_reason(e)}{waited}); check the URI, the credentials"
+                            f" and AWS_ENDPOINT_URL, or give the store longer with {RETRY_ENV}")
+
+
+# -- transient errors: asked again, for a bounded window ------------------------------------------------
+
+RETRY_ENV = "TORCHLOOM_STORE_RETRY_S"
+# 30 s rides out what S3 and its kin document as passing (503 SlowDown while a prefix scales, a reset
+# connection, a load balancer's restart) and stays under engine.collective_timeout_s (60 s): a rank that waits
+# on the store inside a step is not yet taken for lost by its peers. Longer outages are a restart's business.
+RETRY_S = 30.0
+CHECK_RETRY_S = 3.0  # the pre-flight checks: a wrong endpoint is still one line within seconds
+BACKOFF_S = (0.2, 5.0)  # the first wait, doubled after each failure up to the second
+_TRANSIENT = ("NETWORK_CONNECTION", "Unable to connect", "No response body", "curlCode", "SLOW_DOWN", "SlowDown",
+              "INTERNAL_FAILURE", "InternalError", "SERVICE_UNAVAILABLE", "ServiceUnavailable", "REQUEST_TIMEOUT",
+              "RequestTimeout", "THROTTLING", "Connection reset", "Broken pipe", "timed out", "Timeout was reached")
+_HTTP_5XX = re.compile(r"HTTP (?:status|response code)\D{0,3}5\d\d")
+_window = threading.local()  # a thread's override of the window (retrying_for)
+
+
+def is_transient(e: BaseException) -> bool:
+    """An error the same request may not meet again in a moment: the store did not answer, or said so (5xx)."""
+    text = str(e)
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(t in text for t in _TRANSIENT) or bool(
+        _HTTP_5XX.search(text))
+
+
+def retry_window() -> float:
+    """Seconds a store operation retries transient errors: this thread's retrying_for, else $TORCHLOOM_STORE_RETRY_S,
+    else RETRY_S."""
+    seconds = getattr(_window, "seconds", None)
+    if seconds is not None:
+        return seconds
+    raw = os.environ.get(RETRY_ENV, "").strip()
+    if not raw:
+        return RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise UserError(f"{RETRY_ENV}={raw!r}: not a number of seconds >= 0; set it to e.g. 30 (0: never retry),"
+                        " or unset it")
+    return value
+
+
+@contextlib.contextmanager
+def retrying_for(seconds: float):
+    """Store operations of this thread retry for at most `seconds` (0: not at all) inside the block: what is
+    tried again anyway a moment later (a heartbeat, a progress file) must not hold its caller."""
+    saved = getattr(_window, "seconds", None)
+    _window.seconds = seconds
+    try:
+        yield
+    finally:
+        _window.seconds = saved
+
+
+def _attempts(uri: str, action: str, op: Callable, window: float | None = None,
+              fail: Callable[[BaseException, float], UserError] | None = None):
+    """op() until it returns. A transient error is retried with backoff (BACKOFF_S) for `window` seconds from the
+    first failure (None: retry_window()), with one warning line; anything else, or the window spent, is `fail`'s
+    one line (default _store_error). FileNotFoundError is the caller's business and passes through; op must
+    start over whole (an upload re-sends the whole object), since it is called again from the top."""
+    window = retry_window() if window is None else window
+    fail = fail or (lambda e, waited: _store_error(uri, action, e, waited))
+    started = delay = None
+    while True:
+        try:
+            return op()
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            now = time.monotonic()
+            started = now if started is None else started
+            if not is_transient(e) or now - started >= window:
+                raise fail(e, round(now - started, 1)) from None
+            if delay is None:
+                delay = BACKOFF_S[0]
+                print(f"torchloom: warning: {redact(uri)}: could not {action} ({_reason(e)}); retrying for up to"
+                      f" {window:g} s", file=sys.stderr, flush=True)
+            time.sleep(min(delay, started + window - now))
+            delay = min(delay * 2, BACKOFF_S[1])
 
 
 def check_writable(uri: str, key: str) -> None:
@@ -122,14 +224,17 @@ def check_writable(uri: str, key: str) -> None:
     under `uri`. One line naming `key`, the URI and the fix otherwise."""
     fs, path = resolve(uri)
     probe = f"{path}/.torchloom-probe-{os.getpid()}"
-    try:
+
+    def write_and_delete() -> None:
         with fs.open_output_stream(probe, compression=None) as f:
             f.write(b"torchloom")
         fs.delete_file(probe)
-    except OSError as e:
-        raise UserError(f"{key} {redact(uri)}: the store refused a test write ({_reason(e)}); check the bucket,"
-                        " the credentials (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL"
-                        ) from None
+
+    def fail(e: BaseException, waited: float) -> UserError:
+        return UserError(f"{key} {redact(uri)}: the store refused a test write ({_reason(e)}); check the bucket,"
+                         " the credentials (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL")
+
+    _attempts(uri, "write a test object", write_and_delete, window=CHECK_RETRY_S, fail=fail)
 
 
 def check_readable(uri: str, key: str) -> None:
@@ -138,11 +243,12 @@ def check_readable(uri: str, key: str) -> None:
         raise UserError(f"{key} {redact(uri)}: a pattern is not looked up on an object store; give the object, or"
                         " the prefix (folder) whose objects to read")
     fs, path = resolve(uri)
-    try:
-        info = fs.get_file_info(path)
-    except OSError as e:
-        raise UserError(f"{key} {redact(uri)}: cannot read it ({_reason(e)}); check the URI, the credentials"
-                        " and AWS_ENDPOINT_URL") from None
+
+    def fail(e: BaseException, waited: float) -> UserError:
+        return UserError(f"{key} {redact(uri)}: cannot read it ({_reason(e)}); check the URI, the credentials"
+                         " and AWS_ENDPOINT_URL")
+
+    info = _attempts(uri, "look it up", lambda: fs.get_file_info(path), window=CHECK_RETRY_S, fail=fail)
     from pyarrow import fs as pafs
 
     if info.type == pafs.FileType.NotFound:
@@ -156,33 +262,37 @@ def exists(uri: str) -> bool:
     from pyarrow import fs as pafs
 
     fs, path = resolve(uri)
-    try:
-        return fs.get_file_info(path).type != pafs.FileType.NotFound
-    except OSError as e:
-        raise _store_error(uri, "look it up", e) from None
+    return _attempts(uri, "look it up", lambda: fs.get_file_info(path).type != pafs.FileType.NotFound)
+
+
+def _missing(e: OSError) -> bool:
+    return isinstance(e, FileNotFoundError) or any(t in str(e) for t in ("NotFound", "NO_SUCH_KEY", "does not exist"))
 
 
 def read_bytes(uri: str) -> bytes:
     fs, path = resolve(uri)
-    try:
-        with fs.open_input_stream(path, compression=None) as f:
-            return f.read()
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        if "NotFound" in str(e) or "NO_SUCH_KEY" in str(e) or "does not exist" in str(e):
-            raise FileNotFoundError(redact(uri)) from None
-        raise _store_error(uri, "read it", e) from None
+
+    def read() -> bytes:
+        try:
+            with fs.open_input_stream(path, compression=None) as f:
+                return f.read()
+        except OSError as e:
+            if _missing(e):
+                raise FileNotFoundError(redact(uri)) from None
+            raise
+
+    return _attempts(uri, "read it", read)
 
 
 def write_bytes(uri: str, data: bytes) -> None:
     """One object, whole: readers see the old one or the new, never a part."""
     fs, path = resolve(uri)
-    try:
+
+    def write() -> None:
         with fs.open_output_stream(path, compression=None) as f:
             f.write(data)
-    except OSError as e:
-        raise _store_error(uri, "write it", e) from None
+
+    _attempts(uri, "write it", write)
 
 
 def list_files(uri: str) -> dict[str, int]:
@@ -196,10 +306,8 @@ def list_objects(uri: str) -> dict[str, tuple[int, int | None]]:
     from pyarrow import fs as pafs
 
     fs, path = resolve(uri)
-    try:
-        infos = fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True))
-    except OSError as e:
-        raise _store_error(uri, "list it", e) from None
+    infos = _attempts(uri, "list it",
+                      lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)))
     out = {}
     for i in infos:
         if i.type != pafs.FileType.File:
@@ -215,10 +323,7 @@ def list_objects(uri: str) -> dict[str, tuple[int, int | None]]:
 def delete_tree(uri: str) -> None:
     """Every object under the prefix (nothing there is fine)."""
     fs, path = resolve(uri)
-    try:
-        fs.delete_dir_contents(path, missing_dir_ok=True)
-    except OSError as e:
-        raise _store_error(uri, "delete it", e) from None
+    _attempts(uri, "delete it", lambda: fs.delete_dir_contents(path, missing_dir_ok=True))
     try:
         fs.delete_dir(path)  # a directory marker some stores keep
     except OSError:
@@ -229,25 +334,22 @@ def open_input(uri: str):
     """A random-access file on the store: reads are ranged GETs (Parquet reads only the footer and the
     row groups asked for)."""
     fs, path = resolve(uri)
-    try:
-        return fs.open_input_file(path)
-    except OSError as e:
-        raise _store_error(uri, "open it", e) from None
+    return _attempts(uri, "open it", lambda: fs.open_input_file(path))
 
 
 # -- files and directories between the store and local disk ---------------------------------------
 
 
 def upload(local: str | Path, uri: str) -> None:
+    """One file to one object; a retry sends the whole file again (the store never shows a part of it)."""
     fs, path = resolve(uri)
-    try:
+
+    def send() -> None:
         with open(local, "rb") as src, fs.open_output_stream(path, compression=None) as dst:
             while chunk := src.read(CHUNK):
                 dst.write(chunk)
-    except OSError as e:
-        if isinstance(e, FileNotFoundError) and not Path(local).exists():
-            raise
-        raise _store_error(uri, "upload to it", e) from None
+
+    _attempts(uri, "upload to it", send)
 
 
 def download(uri: str, local: str | Path) -> Path:
@@ -256,16 +358,20 @@ def download(uri: str, local: str | Path) -> Path:
     local = Path(local)
     local.parent.mkdir(parents=True, exist_ok=True)
     tmp = local.with_name(f".{local.name}.{os.getpid()}.part")
-    try:
-        with fs.open_input_stream(path, compression=None) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(CHUNK):
-                dst.write(chunk)
-        os.replace(tmp, local)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if "NotFound" in str(e) or "NO_SUCH_KEY" in str(e) or isinstance(e, FileNotFoundError):
-            raise FileNotFoundError(redact(uri)) from None
-        raise _store_error(uri, "download it", e) from None
+
+    def fetch() -> None:  # from the first byte on each try
+        try:
+            with fs.open_input_stream(path, compression=None) as src, open(tmp, "wb") as dst:
+                while chunk := src.read(CHUNK):
+                    dst.write(chunk)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if _missing(e):
+                raise FileNotFoundError(redact(uri)) from None
+            raise
+
+    _attempts(uri, "download it", fetch)
+    os.replace(tmp, local)
     return local
 
 
@@ -478,10 +584,7 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
     fs, path = resolve(rd.remote)
     for name in owned_entries(names, read, rd.where, key):
         if name in listing:
-            try:
-                fs.delete_file(f"{path}/{name}")
-            except OSError as e:
-                raise _store_error(join(rd.remote, name), "delete it", e) from None
+            _attempts(join(rd.remote, name), "delete it", lambda name=name: fs.delete_file(f"{path}/{name}"))
         else:
             delete_tree(join(rd.remote, name))
 

@@ -88,7 +88,8 @@ def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
         from torchloom import storage
 
         try:
-            storage.refresh(rd, *paths)
+            with storage.retrying_for(0):
+                storage.refresh(rd, *paths)
         except Exception:  # a store that does not answer now: judge by what this host has
             pass
     placed = []
@@ -135,6 +136,9 @@ def failure_cause(rd: RunDir, launch_id: str) -> dict | None:
             e = read_json(p)
         except (OSError, ValueError):
             continue
-        if e.get("launch") == launch_id and e["type"] not in NOT_A_CAUSE and not is_peer_loss(e["message"]):
+        # transient: the store did not answer for its whole retry window (storage.StoreUnavailable), which a
+        # restart may find mended, like a lost host
+        if (e.get("launch") == launch_id and e["type"] not in NOT_A_CAUSE and not is_peer_loss(e["message"])
+                and not e.get("transient")):
             causes.append(e)
     return min(causes, key=lambda e: (e.get("time", 0.0), e["rank"])) if causes else None

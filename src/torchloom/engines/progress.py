@@ -65,7 +65,8 @@ class ProgressMonitor(Poller):
         from torchloom import storage
 
         try:
-            storage.pull(self.rd, self.path)
+            with storage.retrying_for(0):  # asked again in 2 s anyway
+                storage.pull(self.rd, self.path)
         except Exception:  # the bar is best effort: the store may be slow or briefly away
             pass
 
@@ -130,7 +131,8 @@ class LogTailer(Poller):
         from torchloom import storage
 
         try:
-            listing = storage.list_files(storage.join(self.rd.remote, "logs"))
+            with storage.retrying_for(0):  # asked again in 2 s anyway
+                listing = storage.list_files(storage.join(self.rd.remote, "logs"))
         except Exception:  # best effort, as the progress bar: the store may be slow or briefly away
             return {}
         return {name: size for name, size in listing.items() if "/" not in name
@@ -149,7 +151,8 @@ class LogTailer(Poller):
                 if name in self._local_ranks or self._remote_sizes.get(name) == size:
                     continue
                 try:
-                    storage.download(storage.join(self.rd.remote, "logs", name), self._mirror / name)
+                    with storage.retrying_for(0):
+                        storage.download(storage.join(self.rd.remote, "logs", name), self._mirror / name)
                 except Exception:
                     continue
                 self._remote_sizes[name] = size

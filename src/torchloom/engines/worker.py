@@ -98,8 +98,11 @@ class ProgressFile(Reporter):
     def progress(self, fields: dict) -> None:
         write_json(self.path, fields, indent=None)
         if self.rd.remote and time.monotonic() - self._pushed >= self.PUSH_EVERY_S:
+            from torchloom import storage
+
             self._pushed = time.monotonic()
-            publish(self.rd, self.path)
+            with storage.retrying_for(0):  # the training thread never waits on a store for the bar
+                publish(self.rd, self.path)
 
 
 class ErrorFile(Reporter):
@@ -201,16 +204,18 @@ def start_heartbeat(placement: Path, rd: RunDir | None = None, log: Path | None 
                     continue
                 from torchloom import storage
 
-                if time.monotonic() - pushed >= REMOTE_BEAT_S:
-                    pushed = time.monotonic()
-                    update_placement(placement, beat=time.time())
-                    storage.push(rd, placement)
-                if log is not None and time.monotonic() - logged >= REMOTE_LOG_S:
-                    logged = time.monotonic()
-                    size = log.stat().st_size
-                    if size != log_size:
-                        storage.push(rd, log)
-                        log_size = size
+                # a beat is due again in seconds: never wait on the store (and miss the local touches) for one
+                with storage.retrying_for(0):
+                    if time.monotonic() - pushed >= REMOTE_BEAT_S:
+                        pushed = time.monotonic()
+                        update_placement(placement, beat=time.time())
+                        storage.push(rd, placement)
+                    if log is not None and time.monotonic() - logged >= REMOTE_LOG_S:
+                        logged = time.monotonic()
+                        size = log.stat().st_size
+                        if size != log_size:
+                            storage.push(rd, log)
+                            log_size = size
             except Exception:
                 pass
 
@@ -250,7 +255,8 @@ def watch_notice_file(rd: RunDir, path: Path, every_s: float = NOTICE_POLL_S) ->
                 if rd.remote:
                     from torchloom import storage
 
-                    storage.pull(rd, path)
+                    with storage.retrying_for(0):  # asked again in every_s
+                        storage.pull(rd, path)
                 if path.is_file():
                     preemption.NOTICE.give(str(read_json(path).get("notice") or "the driver's notice"))
                     return
@@ -356,6 +362,7 @@ def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None 
         "time": time.time(),
         "type": type(e).__name__,
         "user_error": isinstance(e, UserError),
+        "transient": bool(getattr(e, "transient", False)),  # storage.StoreUnavailable: restartable
         "message": str(e),
         "traceback": "".join(traceback.format_exception(e)),
     }, indent=None)
