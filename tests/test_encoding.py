@@ -22,8 +22,11 @@ WORDS = ["apple pie recipe", "garden tools sale", "train timetable change", "foo
     ("café".encode("latin-1") + b"\x81", "café\x81", "latin-1"),  # 0x81 is undefined in cp1252
     ("café €".encode("utf-16"), "café €", "utf-16"),  # a BOM, either byte order
     (codecs.BOM_UTF16_BE + "café €".encode("utf-16-be"), "café €", "utf-16"),
-    (b"caf\xc3\xa9 and a stray \xff byte", "cafÃ© and a stray ÿ byte", "cp1252"),  # one bad byte: not UTF-8
-    (codecs.BOM_UTF8 + b"a stray \xff", "a stray ÿ", "cp1252"),  # its BOM is no text in cp1252 ("ï»¿")
+    # UTF-8 with a stray byte: as many good multi-byte characters as bad bytes, so the bad one becomes U+FFFD
+    # (in cp1252 the good "é" would read "Ã©"); a UTF-8 BOM counts as a good one, and is dropped
+    (b"caf\xc3\xa9 and a stray \xff byte", "café and a stray \ufffd byte", "utf-8-replaced"),
+    (codecs.BOM_UTF8 + b"a stray \xff", "a stray \ufffd", "utf-8-replaced"),
+    (b"caf\xe9 \xe0 la cr\xe8me, caf\xc3\xa9", "café à la crème, cafÃ©", "cp1252"),  # more bad bytes than good
     (b"", "", "utf-8"),
 ])
 def test_auto_decides_per_file_from_all_its_bytes(raw, text, codec):
@@ -98,7 +101,8 @@ def test_the_store_reader_decides_per_object(tmp_path, monkeypatch):
     ids = [pa.record_batch([pa.array([0, 1, 2, 3])], ["id"])]
     rows = pa.Table.from_batches(store_read.folder_task(iter(ids), uris, "auto")).to_pylist()
     assert [(r["text"], r["label"], r[store_read.CODEC]) for r in rows] == [
-        ("café €", "a", "cp1252"), ("plain", "a", "utf-8"), ("naïve", "b", "utf-16"), ("stray ÿ", "b", "cp1252")]
+        ("café €", "a", "cp1252"), ("plain", "a", "utf-8"), ("naïve", "b", "utf-16"),
+        ("stray \ufffd", "b", "utf-8-replaced")]
     strict = pa.Table.from_batches(store_read.folder_task(iter(ids), uris)).to_pylist()
     assert strict[0]["text"] == "caf\ufffd \ufffd" and strict[0][store_read.CODEC] is None  # as Spark decodes
 
@@ -132,7 +136,7 @@ def write_folder(root: Path) -> dict[str, str]:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(text.encode(codec))
     (root / "b" / "stray.txt").write_bytes(b"mostly utf-8 caf\xc3\xa9 but one \xff")
-    return {**{rel: text for rel, (text, _) in texts.items()}, "b/stray.txt": "mostly utf-8 cafÃ© but one ÿ"}
+    return {**{rel: text for rel, (text, _) in texts.items()}, "b/stray.txt": "mostly utf-8 café but one \ufffd"}
 
 
 def texts_of(out: Path) -> set[str]:
@@ -163,9 +167,9 @@ def test_a_folder_of_mixed_encodings_is_read_whole_and_counted(spark, tiny_model
     m = prepared(spark, tiny_model_dir, tmp_path / "mail", tmp_path / "auto", "auto", lines)
     assert m.counts["rows_read"] == m.counts["rows_kept"] == len(expected) == 22
     assert m.counts["rows_rejected"]["invalid_utf8"] == 0
-    assert m.counts["decoded"] == {"cp1252": 3, "latin-1": 1, "utf-16": 1}
-    assert "decoded as cp1252: 3 files, latin-1: 1 files, utf-16: 1 files (data.encoding auto; the rest UTF-8)" \
-        in lines, lines
+    assert m.counts["decoded"] == {"cp1252": 2, "latin-1": 1, "utf-16": 1, "utf-8-replaced": 1}
+    assert ("decoded as cp1252: 2 files, latin-1: 1 files, utf-16: 1 files, utf-8-replaced: 1 files (data.encoding"
+            " auto; the rest UTF-8)") in lines, lines
     assert texts_of(tmp_path / "auto") == {" ".join(t.replace("\x81", "").split()) for t in expected.values()}
 
     # strict: today's rule, every file that is not UTF-8 set aside

@@ -7,8 +7,11 @@ is read in the same encoding on the local Spark, a cluster's executors or from a
 imports beyond the standard library: it runs inside Spark's Python workers.
 
 data.encoding:
-- "auto": UTF-8 (a BOM dropped); UTF-16 with its BOM (either byte order); else cp1252 where every byte is
-  defined in it, else latin-1 (which decodes any byte). One decision per file, from all of its bytes.
+- "auto": UTF-8 (a BOM dropped); UTF-16 with its BOM (either byte order); UTF-8 with its few bad bytes as
+  U+FFFD ("utf-8-replaced") where the file holds at least as many well-formed multi-byte UTF-8 characters as bad bytes
+  (a UTF-8 file with stray bytes: in cp1252 each of its good characters would turn into two or three wrong
+  ones); else cp1252 where every byte is defined in it, else latin-1 (which decodes any byte). One decision
+  per file, from all of its bytes.
 - a Python codec name: that codec for every file; a file it cannot decode raises Undecodable (never read
   with replaced characters).
 - "strict": not decided here; the readers keep UTF-8 with U+FFFD for bad bytes, set aside as invalid_utf8.
@@ -24,6 +27,22 @@ STRICT = "strict"
 UTF8 = "utf-8"
 # Bytes cp1252 leaves undefined: a file holding one is latin-1 (which maps them to C1 controls).
 CP1252_UNDEFINED = (b"\x81", b"\x8d", b"\x8f", b"\x90", b"\x9d")
+REPLACED = "utf-8-replaced"  # a codec of our own: UTF-8 whose bytes that are not UTF-8 decode as U+FFFD
+
+
+def _search(codec: str) -> codecs.CodecInfo | None:
+    """REPLACED for codecs.lookup, so every reader (bytes.decode, io.TextIOWrapper) takes it as a codec name."""
+    if codec.replace("_", "-") != REPLACED:
+        return None
+    utf8 = codecs.lookup(UTF8)
+    return codecs.CodecInfo(name=REPLACED, encode=utf8.encode,
+                            decode=lambda data, errors="strict": utf8.decode(data, "replace"),
+                            incrementalencoder=utf8.incrementalencoder,
+                            incrementaldecoder=lambda errors="strict": utf8.incrementaldecoder("replace"),
+                            streamreader=utf8.streamreader, streamwriter=utf8.streamwriter)
+
+
+codecs.register(_search)
 
 
 class Undecodable(ValueError):
@@ -47,9 +66,12 @@ def detect(chunks: Iterable[bytes], encoding: str) -> str:
     if forced == UTF8:
         forced = "utf-8-sig"
     main = _Check(forced or "utf-8-sig", forced is not None)
+    evidence = _Utf8Evidence() if forced is None else None
     utf16: _Check | None = None
     cp1252, head = True, b""
     for chunk in chunks:
+        if evidence is not None:
+            evidence.feed(chunk)
         rest = chunk
         if len(head) < 2:  # the UTF-16 decoder wants its BOM whole in its first input
             taken = chunk[:2 - len(head)]
@@ -65,7 +87,28 @@ def detect(chunks: Iterable[bytes], encoding: str) -> str:
         return main.codec
     if utf16 is not None and utf16.feed(b"", final=True):
         return "utf-16"
+    if evidence is not None and evidence.mostly_utf8():
+        return REPLACED
     return "cp1252" if cp1252 else "latin-1"
+
+
+class _Utf8Evidence:
+    """How many well-formed multi-byte UTF-8 characters and how many bad bytes the bytes fed in order hold."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder(UTF8)("replace")
+        self.good = self.bad = 0
+
+    def feed(self, chunk: bytes) -> None:
+        text = self.decoder.decode(chunk)
+        bad = text.count("\ufffd")
+        self.bad += bad
+        self.good += sum(1 for ch in text if ord(ch) > 127) - bad
+
+    def mostly_utf8(self) -> bool:
+        self.feed(b"")
+        self.bad += self.decoder.decode(b"", True).count("\ufffd")
+        return self.good > 0 and self.good >= self.bad
 
 
 class _Check:
@@ -91,7 +134,7 @@ class _Check:
 def skip(head: bytes, codec: str, encoding: str) -> int:
     """The bytes to skip at a file's start before decoding it in `codec`: a UTF-8 BOM that auto found
     followed by bytes that are not UTF-8 (a UTF-8 file with a stray byte), which would read as "ï»¿"."""
-    fallback = encoding == AUTO and codec in ("cp1252", "latin-1")
+    fallback = encoding == AUTO and codec in ("cp1252", "latin-1", REPLACED)
     return len(codecs.BOM_UTF8) if fallback and head.startswith(codecs.BOM_UTF8) else 0
 
 
