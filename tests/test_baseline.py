@@ -184,7 +184,11 @@ def test_the_verdict_names_the_likely_cause_only_when_the_transformer_does_not_w
                            " (accuracy 0.8500 against 0.9000); likely cause: truncation: 100% of the test texts")
     assert "\n" not in line
     assert "ties with" in verdict(comparison_with(0.9, 0.9), cut, None)
-    still_improving = {"steps": 40, "best_step": 40, "stopped_early": False}
-    assert "too few epochs" in verdict(comparison_with(0.85, 0.90), whole, still_improving)
-    plateaued = {"steps": 40, "best_step": 20, "stopped_early": False}
-    assert "likely cause: the baseline suits this data" in verdict(comparison_with(0.85, 0.90), whole, plateaued)
+    still_improving = {"steps": 40, "best_step": 40, "stopped_early": False, "epochs": 2.0, "train_s": 60.0}
+    line = verdict(comparison_with(0.85, 0.90), whole, still_improving)
+    assert "too few epochs: validation was still improving at the last step of 2 epochs" in line
+    assert "--train.epochs 4 or a time, --train.budget 2h (~30 s an epoch here)" in line  # what to do, and its cost
+    plateaued = {"steps": 40, "best_step": 20, "stopped_early": True, "epochs": 4.0, "train_s": 100.0}
+    line = verdict(comparison_with(0.85, 0.90), whole, plateaued)
+    assert "likely cause: the baseline suits this data: 4 epochs, stopped once validation stopped improving," in line
+    assert "a larger pretrained model (--model.path), more labelled rows, or torchloom tune" in line

@@ -70,9 +70,17 @@ def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -
         hint = "; or --prepare.truncation " + ("head_tail" if cut == "head" else "chunks")
         return (f"truncation: {share:.0%} of the {split} texts are longer than max_length {max_length} tokens, so the"
                 f" model reads {reads}; try a longer --prepare.max_length (up to 512){hint}")
+    epochs, train_s = float((train or {}).get("epochs") or 0), float((train or {}).get("train_s") or 0)
+    cost = f" (~{train_s / epochs:.0f} s an epoch here)" if epochs and train_s else ""
     if train and not train.get("stopped_early") and train.get("best_step") == train.get("steps"):
-        return ("too few epochs: validation was still improving at the last step; try more --train.epochs")
-    return "the baseline suits this data (or the default hyperparameters do not); try torchloom tune"
+        more = max(2 * round(epochs), 4)
+        return (f"too few epochs: validation was still improving at the last step of {epochs:g} epochs; train longer"
+                f" with --train.epochs {more} or a time, --train.budget 2h{cost}")
+    tried = f"{epochs:g} epochs" + (", stopped once validation stopped improving" if (train or {}).get(
+        "stopped_early") else "") if epochs else "the default training"
+    return (f"the baseline suits this data: {tried} did not close the gap; a larger pretrained model"
+            f" (--model.path), more labelled rows, or torchloom tune (learning rate, batch size; each trial one"
+            f" training{cost}) may")
 
 
 def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | None) -> str | None:
