@@ -78,9 +78,9 @@ def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -
                 f" with --train.epochs {more} or a time, --train.budget 2h{cost}")
     tried = f"{epochs:g} epochs" + (", stopped once validation stopped improving" if (train or {}).get(
         "stopped_early") else "") if epochs else "the default training"
-    return (f"the baseline suits this data: {tried} did not close the gap; a larger pretrained model"
-            f" (--model.path), more labelled rows, or torchloom tune (learning rate, batch size; each trial one"
-            f" training{cost}) may")
+    return (f"the baseline suits this data: {tried}, did not close the gap; what may: a larger pretrained model"
+            f" (--model.path), more labelled rows, or torchloom tune over the learning rate and batch size (a"
+            f" training a trial{cost})")
 
 
 def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | None) -> str | None:
