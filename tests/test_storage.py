@@ -4,6 +4,7 @@ background checkpoint uploads, and `torchloom run --output.dir s3://...` as a us
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -105,6 +106,54 @@ def test_a_checkpoint_counts_on_the_store_only_once_its_meta_json_is_there(s3, c
     assert rd.root.is_relative_to(cache)
     assert storage.pull_checkpoints(rd) == [2]
     assert (rd.checkpoint(2) / "meta.json").is_file() and not rd.checkpoint(4).exists()
+
+
+def local_files(directory: Path) -> set[str]:
+    return {p.relative_to(directory).as_posix() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_a_resume_downloads_the_newest_intact_checkpoint_alone_and_hashes_it_once(s3, tmp_path, monkeypatch):
+    from torchloom.train import checkpoint
+
+    run = uri("resume-newest")
+    for step in (2, 4, 6):
+        files = {"model.safetensors": bytes([step]) * 4000, "trainer.pt": b"t" * 100}
+        meta = {"step": step, "files": {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+                                        for n, b in files.items()}}
+        put(storage.join(run, "checkpoints", f"step-{step}"), {**files, "meta.json": json.dumps(meta).encode()})
+    hashed: list[str] = []
+    real = checkpoint.sha256_file
+    monkeypatch.setattr(checkpoint, "sha256_file", lambda p: hashed.append(Path(p).name) or real(p))
+
+    def host(name: str) -> RunDir:
+        monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / name))
+        return RunDir(run)
+
+    def intact(p: Path) -> bool:
+        return checkpoint.damage(p) is None
+
+    rd = host("a")
+    assert storage.pull_checkpoints(rd, intact=intact) == [6, 4, 2]
+    assert local_files(rd.checkpoints) >= {"step-6/model.safetensors", "step-4/meta.json", "step-2/meta.json"}
+    assert not {"step-4/model.safetensors", "step-2/trainer.pt"} & local_files(rd.checkpoints)  # meta.json alone
+    # the driver's check, rank 0's pull and resolve on the same host: the checkpoint is read once
+    assert checkpoint.resolve("latest", rd.checkpoints) == rd.checkpoint(6)
+    storage.pull_checkpoints(rd, intact=intact)
+    assert checkpoint.resolve("latest", rd.checkpoints) == rd.checkpoint(6)
+    assert sorted(hashed) == ["model.safetensors", "trainer.pt"]
+    # export (no check: it may take the best of them) makes every one whole
+    storage.pull_checkpoints(rd)
+    assert {"step-2/model.safetensors", "step-4/trainer.pt"} <= local_files(rd.checkpoints)
+    # the newest damaged on the store (same size, other bytes): a new host takes the next, and says so at resume
+    storage.write_bytes(storage.join(run, "checkpoints", "step-6", "model.safetensors"), b"\xff" * 4000)
+    rd = host("b")
+    storage.pull_checkpoints(rd, intact=intact)
+    assert {"step-6/model.safetensors", "step-4/model.safetensors", "step-2/meta.json"} <= local_files(rd.checkpoints)
+    assert "step-2/model.safetensors" not in local_files(rd.checkpoints)
+    assert checkpoint.resolve("latest", rd.checkpoints, warn=False) == rd.checkpoint(4)
+    # a file changed since it was found intact is hashed again, not trusted by its stamp
+    (rd.checkpoint(4) / "trainer.pt").write_bytes(b"T" * 100)
+    assert "differs from what was written" in checkpoint.damage(rd.checkpoint(4))
 
 
 def put(run: str, files: dict[str, bytes]) -> None:

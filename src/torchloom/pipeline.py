@@ -309,8 +309,8 @@ def check_trainable(cfg: Config) -> int | None:
 
     rd = run_dir(cfg)
     storage.ensure(rd, rd.manifest)  # the workers stream the shards from the store
-    if cfg.train.resume == "latest":
-        storage.pull_checkpoints(rd)
+    if cfg.train.resume == "latest":  # the newest intact checkpoint alone, hashed once (rank 0 finds it stamped)
+        storage.pull_checkpoints(rd, intact=lambda p: checkpoint.damage(p) is None)
     m = manifest_mod.read(rd.data)
     check_model_dir(model_path(cfg.model.path))
     if m.split("train").rows < cfg.engine.workers:
@@ -639,6 +639,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         "timings": timings, "model_dir": rd.home(rd.model), "report": rd.home(rd.report_md),
         "precision": result.precision, "precision_reason": result.precision_reason,
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
+        "training": training_line(cfg, result),
     }
     if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
         summary["uploads"] = result.uploads
@@ -693,6 +694,21 @@ def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, start
     return None
 
 
+def training_line(cfg: Config, result: TrainResult) -> str:
+    """How long training ran against what was asked or chosen (train.epochs auto: config/budget.py), one line."""
+    from torchloom.config import budget
+
+    m = read_manifest(run_dir(cfg).data)
+    chosen, why = cfg.train.epochs, None
+    if chosen == "auto":
+        chosen, why = budget.choose_epochs(cfg.train.budget, m.num_labels, m.split("train").rows,
+                                           cfg.train.batch_size)
+    stop = {"early_stopping": "; stopped early: validation had stopped improving",
+            "budget": f"; stopped at train.budget {cfg.train.budget}"}.get(result.stop_reason or "", "")
+    return (f"{result.epochs:g} of {chosen} epochs" + (f" (epochs auto: {why})" if why else "") + stop
+            + (f"; the best on validation, step {result.best_step}, shipped" if result.best_step else ""))
+
+
 def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     """What `torchloom run` prints at the end."""
     timings = summary["timings"]
@@ -700,6 +716,7 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     lines = [f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})",
              f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}",
              f"  precision {summary['precision']} ({summary['precision_reason']}); {summary['workers']} workers",
+             f"  trained {summary['training']}",
              f"  start-up {startup_line(summary['startup'])}"]
     cmp, shipped = summary.get("baseline"), summary.get("shipped")
     if shipped:  # three rows: what ships (above), the transformer alone, the baseline

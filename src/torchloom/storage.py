@@ -531,34 +531,62 @@ def pull(rd: RunDir, *paths: str | Path) -> None:
                 pass
 
 
-def pull_checkpoints(rd: RunDir) -> list[int]:
-    """Bring the store's complete checkpoints (those with meta.json) into the working copy, newest first,
-    each downloaded beside and renamed into place; returns their steps. A local copy counts only while its
-    meta.json (which holds every file's sha256) equals the store's; a complete local checkpoint the store does
-    not hold is removed, so no host resumes from a step the others cannot load. Hashes are checked where the
-    checkpoints are loaded (train/checkpoint.py), which skips a damaged one for the next."""
+def pull_checkpoints(rd: RunDir, intact: Callable[[Path], bool] | None = None) -> list[int]:
+    """Bring the store's complete checkpoints (those with meta.json) into the working copy, newest first, each
+    downloaded beside and renamed into place; returns their steps, newest first. A local copy counts only while
+    its meta.json (which holds every file's sha256) equals the store's and its files are there at their sizes; a
+    complete local checkpoint the store does not hold is removed, so no host resumes from a step the others
+    cannot load.
+
+    intact: a resume's check of a local checkpoint (its files hash as its meta.json says; train/checkpoint.py,
+    which storage does not import). With it the pull stops at the first checkpoint that passes: it, and any
+    damaged newer one (left for the resume to warn of and skip), are downloaded whole; of the older ones only
+    meta.json, so the copy still lists every checkpoint the store keeps (pruning keeps the store's as the copy's,
+    train/upload.py) without their bytes. Without it (export, which may take the best of them) all are whole."""
     if rd.remote is None:
         return []
     sync_copy(rd)
-    listing = list_files(_remote_of(rd, rd.checkpoints))
-    steps = sorted({int(m.group(1)) for rel in listing
+    remote = _remote_of(rd, rd.checkpoints)
+    steps = sorted({int(m.group(1)) for rel in list_files(remote)
                     if (m := re.match(r"^step-(\d+)/meta\.json$", rel))}, reverse=True)
     if rd.checkpoints.is_dir():
         for local in rd.checkpoints.iterdir():
             m = re.match(r"^step-(\d+)$", local.name)
             if m and int(m.group(1)) not in steps and (local / "meta.json").is_file():
                 shutil.rmtree(local, ignore_errors=True)
+    found = False
     for step in steps:
         local = rd.checkpoint(step)
-        meta = local / "meta.json"
-        if meta.is_file() and meta.read_bytes() == read_bytes(_remote_of(rd, meta)):
+        meta = read_bytes(join(remote, local.name, "meta.json"))
+        if found:
+            if not ((local / "meta.json").is_file() and (local / "meta.json").read_bytes() == meta):
+                shutil.rmtree(local, ignore_errors=True)
+                local.mkdir(parents=True)
+                write_atomic(local / "meta.json", meta)
             continue
-        tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
-        shutil.rmtree(tmp, ignore_errors=True)
-        pull_tree(_remote_of(rd, local), tmp, only_if_changed=False)
-        shutil.rmtree(local, ignore_errors=True)
-        os.replace(tmp, local)
+        if not _holds(local, meta):
+            tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
+            shutil.rmtree(tmp, ignore_errors=True)
+            pull_tree(join(remote, local.name), tmp, only_if_changed=False)
+            shutil.rmtree(local, ignore_errors=True)
+            os.replace(tmp, local)
+        found = intact is not None and intact(local)
     return steps
+
+
+def _holds(local: Path, meta: bytes) -> bool:
+    """Does this host's checkpoint directory hold the store's (the same meta.json, every file it records there at
+    its size)? A copy of meta.json alone (pull_checkpoints) does not."""
+    import json
+
+    if not (local / "meta.json").is_file() or (local / "meta.json").read_bytes() != meta:
+        return False
+    try:
+        files = json.loads(meta).get("files") or {}
+    except ValueError:
+        return True  # the resume judges a meta.json it cannot read
+    return all((local / name).is_file() and (local / name).stat().st_size == want.get("size")
+               for name, want in files.items() if isinstance(want, dict))
 
 
 def replace_remote(rd: RunDir, key: str = "output.dir") -> None:

@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
+from torchloom.rundir import write_atomic
 from torchloom.storage import delete_tree, join, list_files, sha256_file, upload
 from torchloom.train.distributed import Dist, broadcast_from_main
 
@@ -193,6 +194,7 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
     for s, p in found:
         if s not in recent and s not in keep:
             shutil.rmtree(p, ignore_errors=True)
+            _stamp(p).unlink(missing_ok=True)
 
 
 _HASHER: list[ThreadPoolExecutor] = []
@@ -260,22 +262,47 @@ def file_digests(directory: Path, written: dict[str, dict] | None = None) -> dic
 def damage(path: str | Path) -> str | None:
     """What is wrong with this checkpoint, naming the file (None: intact as recorded).
 
-    A checkpoint written before checkpoints recorded their files has nothing to check against."""
+    The files are hashed once per copy: a checkpoint found intact gets a stamp beside it (`.step-N.verified`)
+    keyed by its meta.json and its files' sizes, times and inodes, so the driver's check before a resume and
+    rank 0's at it read the checkpoint once; a file rewritten since (a new copy from the store, a truncation)
+    changes the key and is hashed again. A checkpoint written before checkpoints recorded their files has nothing
+    to check against."""
     path = Path(path)
     try:
-        files = read_meta(path).get("files")
+        raw = (path / META).read_bytes()
+        files = json.loads(raw).get("files") or {}
     except (OSError, ValueError) as e:
         return f"{path / META} is unreadable ({type(e).__name__})"
-    for name, want in (files or {}).items():
+    for name, want in files.items():
         f = path / name
         if not f.is_file():
             return f"{f} is missing"
         size = f.stat().st_size
         if size != want["size"]:
             return f"{f} has {size} bytes, {want['size']} when written"
-        if sha256_file(f) != want["sha256"]:
-            return f"{f} differs from what was written"
+    stamp, key = _stamp(path), _stat_key(path, raw, files)
+    if stamp.is_file() and stamp.read_text() == key:
+        return None
+    for name, want in files.items():
+        if sha256_file(path / name) != want["sha256"]:
+            return f"{path / name} differs from what was written"
+    try:
+        write_atomic(stamp, key)
+    except OSError:  # a copy this process may not write to: it is hashed again next time
+        pass
     return None
+
+
+def _stamp(path: Path) -> Path:
+    return path.parent / f".{path.name}.verified"
+
+
+def _stat_key(path: Path, meta: bytes, files: dict) -> str:
+    h = hashlib.sha256(meta)
+    for name in sorted(files):
+        st = (path / name).stat()
+        h.update(f"{name} {st.st_size} {st.st_mtime_ns} {st.st_ino}\n".encode())
+    return h.hexdigest()
 
 
 def newest_intact(root: str | Path, what: str, warn: bool,

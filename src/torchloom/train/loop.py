@@ -399,7 +399,7 @@ class Trainer:
     def _maybe_resume(self) -> str | None:
         if self.rd.remote and self.tc.resume == "latest":
             if self.d.local_rank == 0:  # one download per host; the ranks beside it read the same copy
-                storage.pull_checkpoints(self.rd)
+                storage.pull_checkpoints(self.rd, intact=lambda p: checkpoint.damage(p) is None)
             self.d.io_barrier()
         path = checkpoint.resolve_once(self.d, self.tc.resume, self.rd.checkpoints)
         if path is None:
