@@ -609,7 +609,7 @@ def _fresh_remote(cfg: Config, rd: RunDir) -> None:
     storage.check_writable(rd.remote, "output.dir")
     if cfg.train.resume:
         return
-    if storage.list_files(rd.remote):
+    if storage.run_listing(rd):  # its lease aside: this driver's own, taken before (lease.py)
         if not cfg.output.overwrite:
             raise UserError(f"output.dir {rd.where}: holds objects already; pass --output.overwrite true or another"
                             " --output.dir")
@@ -706,7 +706,8 @@ def training_line(cfg: Config, result: TrainResult) -> str:
     stop = {"early_stopping": "; stopped early: validation had stopped improving",
             "budget": f"; stopped at train.budget {cfg.train.budget}"}.get(result.stop_reason or "", "")
     return (f"{result.epochs:g} of {chosen} epochs" + (f" (epochs auto: {why})" if why else "") + stop
-            + (f"; the best on validation, step {result.best_step}, shipped" if result.best_step else ""))
+            + (f"; the best on validation (step {result.best_step}) exported"
+               if result.best_step and cfg.train.select == "best" else ""))
 
 
 def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:

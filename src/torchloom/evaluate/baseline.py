@@ -71,16 +71,16 @@ def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -
         return (f"truncation: {share:.0%} of the {split} texts are longer than max_length {max_length} tokens, so the"
                 f" model reads {reads}; try a longer --prepare.max_length (up to 512){hint}")
     epochs, train_s = float((train or {}).get("epochs") or 0), float((train or {}).get("train_s") or 0)
-    cost = f" (~{train_s / epochs:.0f} s an epoch here)" if epochs and train_s else ""
+    epoch_s = f"~{train_s / epochs:.0f} s an epoch here" if epochs and train_s else ""
     if train and not train.get("stopped_early") and train.get("best_step") == train.get("steps"):
         more = max(2 * round(epochs), 4)
         return (f"too few epochs: validation was still improving at the last step of {epochs:g} epochs; train longer"
-                f" with --train.epochs {more} or a time, --train.budget 2h{cost}")
+                f" with --train.epochs {more} or a time, --train.budget 2h" + (f" ({epoch_s})" if epoch_s else ""))
     tried = f"{epochs:g} epochs" + (", stopped once validation stopped improving" if (train or {}).get(
         "stopped_early") else "") if epochs else "the default training"
     return (f"the baseline suits this data: {tried}, did not close the gap; what may: a larger pretrained model"
             f" (--model.path), more labelled rows, or torchloom tune over the learning rate and batch size (a"
-            f" training a trial{cost})")
+            f" training a trial" + (f", {epoch_s})" if epoch_s else ")"))
 
 
 def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | None) -> str | None:
