@@ -356,10 +356,10 @@ def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_p
     # resume on a third host: data and the newest complete checkpoint come from the store
     args = ("train", "--output.dir", uri("runs/reviews"), "--train.resume", "latest", "--train.epochs", "3",
             "--engine.workers", "1", "--tracking.enabled", "false", "--train.batch_size", "8")
-    wrong = torchloom(*args, cache=tmp_path / "host-d")  # the default model, not the run's: one line
-    assert wrong.returncode != 0 and "holds another model's weights than model.path" in wrong.stderr
+    wrong = torchloom(*args, "--model.path", "", cache=tmp_path / "host-d")  # the default model, not the run's
+    assert wrong.returncode != 0 and f"trained from model.path {tiny_model_dir}" in wrong.stderr
     assert "Traceback" not in wrong.stderr
-    resumed = torchloom(*args, "--model.path", tiny_model_dir, cache=tmp_path / "host-d")
+    resumed = torchloom(*args, cache=tmp_path / "host-d")  # the run's own model, as its config.toml on the store says
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     result = json.loads(storage.read_bytes(uri("runs/reviews/train_result.json")))
     assert result["resumed_at_step"] and result["steps"] > result["resumed_at_step"]
@@ -623,3 +623,52 @@ def test_the_driver_shows_the_lines_of_ranks_on_other_hosts_from_the_store(s3, c
         time.sleep(2.5)
     assert out.getvalue().splitlines() == ["[rank0] rank 0 here", "[rank1] rank 1 on another host",
                                            "[rank1] a new host"], out.getvalue()
+
+
+# -- the lease: one driver writes a run on a store at a time ------------------------------------------------
+
+
+def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, capsys, monkeypatch):
+    from torchloom import lease
+
+    monkeypatch.setattr(lease, "SETTLE_S", 0.0)
+    run = uri("leased")
+    first = lease.Lease(run, "train", seconds=1.2, owner={"host": "host-a", "pid": 11, "id": "a" * 32})
+    second = lease.Lease(run, "prepare", owner={"host": "host-b", "pid": 22, "id": "b" * 32})
+    with first:
+        held = lease.read(run)
+        assert held["host"] == "host-a" and held["stage"] == "train"
+        time.sleep(0.6)  # renewed every third of its 1.2 s: it stays ahead of the clock while the stage runs
+        assert lease.read(run)["expires"] > held["expires"]
+        with pytest.raises(UserError, match=r"^output.dir s3://torchloom-test/leased: another torchloom writes this"
+                                            r" run: train on host host-a \(pid 11, lease aaaaaaaa\), its lease until"
+                                            r" .* UTC .*; wait for it to end, or if that process is gone, wait \d+ s"
+                                            r" or remove s3://torchloom-test/leased/lease.json$"):
+            second.acquire()
+    assert lease.read(run) is None and not storage.exists(storage.join(run, "lease.json"))  # released: removed
+    # a driver that died holding it: its lease expires, and the next one takes it over with a warning
+    storage.write_bytes(storage.join(run, "lease.json"), json.dumps(
+        {"format": lease.FORMAT, "host": "gone", "pid": 1, "id": "c" * 32, "stage": "run",
+         "expires": time.time() - 1}).encode())
+    with second:
+        assert lease.read(run)["host"] == "host-b"
+    assert "took over the expired lease of run on host gone" in capsys.readouterr().err
+    # the lease is never the reason a prefix counts as someone else's, nor deleted by --overwrite
+    from torchloom.rundir import new_record
+
+    storage.write_bytes(storage.join(run, "lease.json"), b"{}")
+    storage.check_own_prefix(RunDir(run))
+    put(run, {"torchloom-run.json": json.dumps(new_record()).encode(), "metrics.jsonl": b"{}\n"})
+    storage.replace_remote(RunDir(run))
+    assert storage.list_files(run) == {"lease.json": 2}
+
+
+def test_a_second_torchloom_train_on_a_leased_run_is_refused_in_one_line(s3, tmp_path):
+    from torchloom import lease
+
+    run = uri("leased-cli")
+    with lease.Lease(run, "train", owner={"host": "host-a", "pid": 11, "id": "a" * 32}):
+        proc = torchloom("train", "--output.dir", run, "--tracking.enabled", "false", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("torchloom: error:")]
+    assert "another torchloom writes this run: train on host host-a (pid 11" in line and "lease.json" in line

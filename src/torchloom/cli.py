@@ -341,21 +341,30 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         sys.stdout.write(to_toml(cfg))
         return 0
     cfg = pipeline.for_this_machine(cfg)  # what cannot run here fails now, before prepare
-    if args.command == "prepare":
+    from torchloom.lease import hold
+
+    with hold(cfg.output.dir, args.command):  # a run on a store: one driver writes it at a time
+        return run_stage(args.command, cfg)
+
+
+def run_stage(command: str, cfg) -> int:
+    from torchloom import pipeline
+
+    if command == "prepare":
         pipeline.prepare_with_baseline(cfg)
-    elif args.command == "train":
+    elif command == "train":
         from torchloom import tracking
 
         pipeline.check_prepared(cfg)  # before MLflow and torch load: a wrong --output.dir is one line at once
         with tracking.start(cfg, "train") as tracker:
             pipeline.train_stage(cfg, tracker=tracker)
-    elif args.command == "export":
+    elif command == "export":
         pipeline.export_stage(cfg)
-    elif args.command == "evaluate":
+    elif command == "evaluate":
         pipeline.evaluate_stage(cfg)
-    elif args.command == "run":
+    elif command == "run":
         pipeline.run_all(cfg)
-    elif args.command == "tune":
+    elif command == "tune":
         from torchloom.tune.study import run as tune_run
 
         tune_run(cfg)

@@ -23,6 +23,7 @@
                                                      (a second start is a restart; who was lost)
       ray/                  ray engine               Ray Train's own storage
       trial.json trial_result.json   tune                 a trial's parameters, and how it ended
+      lease.json            driver (a run on a store)  which driver writes the run now, until when (lease.py)
 
 Nothing heavy is imported here: every layer may use it.
 """
@@ -142,7 +143,8 @@ RUN_FORMAT = "torchloom-run/1"
 RUN_ENTRIES = (RUN_RECORD, CONFIG_FILE, "data", "checkpoints", "metrics.jsonl", "train_result.json", "model",
                "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json", "baseline",
                "hooks.json", "progress.json", "logs", "ray", "input", "trial.json", "trial_result.json", STUDY_FILE,
-               "trials", "results.csv", "results.png", "best_config.toml", "optuna.db")
+               "trials", "results.csv", "results.png", "best_config.toml", "optuna.db", "lease.json")
+LEASE_FILE = "lease.json"  # a run on a store: which driver writes it now (lease.py); --overwrite leaves it to its owner
 DATA_ENTRIES = (MANIFEST_FILE, "train", "val", "test", "rejected", "prepare_key.txt")
 # torchloom's own temporary names: `.NAME.<pid>...tmp|part|pending|pull`, a study's `.NAME.lock`, the store's
 # write probe, prepare's `data.tmp-XXXXXXXX` and `data.old-XXXXXXXX` beside the data it replaces.

@@ -595,7 +595,7 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
     from torchloom.rundir import owned_entries
 
     assert rd.remote is not None
-    listing = list_files(rd.remote)
+    listing = run_listing(rd)
     if not listing:
         return
     if "/" not in resolve(rd.remote)[1]:
@@ -617,6 +617,28 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
             delete_tree(join(rd.remote, name))
 
 
+def run_listing(rd: RunDir) -> dict[str, int]:
+    """The objects of a run on a store but its lease (lease.py): a driver holds it before it looks whether the prefix
+    is empty or torchloom's, and --overwrite leaves it to its owner."""
+    from torchloom.rundir import LEASE_FILE
+
+    assert rd.remote is not None
+    return {rel: size for rel, size in list_files(rd.remote).items() if rel != LEASE_FILE}
+
+
+def delete(uri: str) -> None:
+    """One object (none there is fine)."""
+    fs, path = resolve(uri)
+
+    def remove() -> None:
+        try:
+            fs.delete_file(path)
+        except FileNotFoundError:
+            pass
+
+    _attempts(uri, "delete it", remove)
+
+
 def check_own_prefix(rd: RunDir, key: str = "output.dir") -> None:
     """Before a stage writes into a run on a store: the prefix is empty or torchloom's (its record, or a marker of
     torchloom's content), and holds no config.toml of someone else's; one line otherwise. Read from the store,
@@ -624,7 +646,7 @@ def check_own_prefix(rd: RunDir, key: str = "output.dir") -> None:
     from torchloom.rundir import CONFIG_FILE, RUN_RECORD, is_own, is_own_file, parse_record
 
     assert rd.remote is not None
-    listing = list_files(rd.remote)
+    listing = run_listing(rd)
     if not listing:
         return
 

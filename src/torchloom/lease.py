@@ -1,0 +1,159 @@
+"""A lease on a run on a store: which driver writes it now.
+
+A run on a store has no shared directory to lock (a local run's stages take flock-style locks on its files), so
+two drivers on two hosts could both write one run and leave a mix of both. The driver of a stage that writes
+(`prepare`, `train`, `run`) holds `lease.json` at the run's prefix: its owner (host, pid, a random id), the
+stage, and an expiry it moves forward every third of LEASE_S from a thread while the stage runs; it removes the
+object at the end. Another driver that finds an unexpired lease of another owner stops in one line that names
+the owner and when the lease ends; an expired one (its driver died without removing it) is taken over with a
+warning.
+
+Best effort, not a consensus protocol: two drivers that start within the same fraction of a second may both
+read "no lease"; each reads the object back after writing it and the one whose id is not there stops, which
+closes that window to the store's read-after-write (S3 and its kin are strongly consistent) but not entirely.
+Expiry times are the writers' clocks (NTP keeps hosts' within far less than LEASE_S).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+
+from torchloom import storage
+from torchloom.errors import UserError, first_line
+from torchloom.rundir import LEASE_FILE, redact
+
+FORMAT = "torchloom-lease/1"
+LEASE_ENV = "TORCHLOOM_LEASE_S"
+# 60 s: a driver that died frees its run within a minute, and a renewal every 20 s outlasts the store's own
+# retry window (storage.RETRY_S, 30 s) before the lease runs out.
+LEASE_S = 60.0
+SETTLE_S = 0.3  # between writing the lease and reading it back: a second writer's lease lands meanwhile
+
+
+def lease_seconds() -> float:
+    raw = os.environ.get(LEASE_ENV, "").strip()
+    try:
+        value = float(raw) if raw else LEASE_S
+    except ValueError:
+        value = -1.0
+    if not 1 <= value < float("inf"):
+        raise UserError(f"{LEASE_ENV}={raw!r}: not a number of seconds >= 1; set it to e.g. 60, or unset it")
+    return value
+
+
+def read(uri: str) -> dict | None:
+    """The lease at the run `uri` (None: none there, or not a lease torchloom wrote)."""
+    try:
+        data = json.loads(storage.read_bytes(storage.join(uri, LEASE_FILE)))
+    except (FileNotFoundError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("expires"), (int, float)):
+        return None
+    return data
+
+
+def _when(t: float) -> str:
+    return time.strftime("%H:%M:%S UTC", time.gmtime(t))
+
+
+def describe(lease: dict) -> str:
+    return (f"{lease.get('stage', 'a stage')} on host {lease.get('host', '?')} (pid {lease.get('pid', '?')},"
+            f" lease {str(lease.get('id', '?'))[:8]})")
+
+
+class Lease:
+    """Hold the run at `uri` for `stage` while the block runs (`with Lease(...)`)."""
+
+    def __init__(self, uri: str, stage: str, seconds: float | None = None, owner: dict | None = None):
+        self.uri, self.stage = uri.rstrip("/"), stage
+        self.seconds = seconds or lease_seconds()
+        self.owner = owner or {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def where(self) -> str:
+        return redact(storage.join(self.uri, LEASE_FILE))
+
+    def _write(self) -> None:
+        now = time.time()
+        body = {"format": FORMAT, **self.owner, "stage": self.stage, "renewed": round(now, 3),
+                "expires": round(now + self.seconds, 3)}
+        storage.write_bytes(storage.join(self.uri, LEASE_FILE), json.dumps(body).encode())
+
+    def _refuse(self, held: dict) -> UserError:
+        left = max(0, round(held["expires"] - time.time()))
+        return UserError(f"output.dir {redact(self.uri)}: another torchloom writes this run: {describe(held)}, its"
+                         f" lease until {_when(held['expires'])} ({left} s from now); wait for it to end, or if that"
+                         f" process is gone, wait {left} s or remove {self.where}")
+
+    def acquire(self) -> None:
+        held = read(self.uri)
+        if held is not None and held.get("id") != self.owner["id"]:
+            if held["expires"] > time.time():
+                raise self._refuse(held)
+            print(f"torchloom: warning: {self.where}: took over the expired lease of {describe(held)}, which ended"
+                  f" at {_when(held['expires'])}", file=sys.stderr, flush=True)
+        self._write()
+        time.sleep(SETTLE_S)
+        held = read(self.uri)
+        if held is not None and held.get("id") != self.owner["id"]:
+            raise self._refuse(held)  # another driver wrote its lease just after ours
+        self._thread = threading.Thread(target=self._renew, name="torchloom-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        warned = False
+        while not self._stop.wait(self.seconds / 3):
+            try:
+                held = read(self.uri)
+                if held is not None and held.get("id") != self.owner["id"]:
+                    print(f"torchloom: warning: {self.where}: now held by {describe(held)} (it was removed or"
+                          " expired); this stage goes on without it", file=sys.stderr, flush=True)
+                    return
+                self._write()
+                warned = False
+            except Exception as e:  # the store away longer than its retry window: said once, tried again
+                if not warned:
+                    print(f"torchloom: warning: {self.where}: could not renew the lease ({first_line(e)})",
+                          file=sys.stderr, flush=True)
+                    warned = True
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            held = read(self.uri)
+            if held is not None and held.get("id") == self.owner["id"]:
+                storage.delete(storage.join(self.uri, LEASE_FILE))
+        except Exception as e:  # the lease then expires by itself
+            print(f"torchloom: warning: {self.where}: could not remove the lease ({first_line(e)}); it expires by"
+                  " itself", file=sys.stderr, flush=True)
+
+    def __enter__(self) -> Lease:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+WRITERS = ("prepare", "train", "run")  # the commands whose driver holds the lease
+
+
+def hold(output_dir: str, command: str):
+    """The lease of a command that writes a run on a store, after the store's pre-flight write check (one line
+    within seconds for a wrong endpoint); nothing for a local run or a command that only reads."""
+    if command not in WRITERS or not storage.is_uri(output_dir):
+        return contextlib.nullcontext()
+    storage.check_writable(output_dir, "output.dir")
+    return Lease(output_dir, command)
