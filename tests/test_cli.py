@@ -220,16 +220,40 @@ def test_a_fresh_train_in_a_trained_run_removes_the_earlier_checkpoints(finished
     rd, _ = finished_run
     run = tmp_path / "again"
     shutil.copytree(rd, run)
-    earlier = sorted(p.name for p in (run / "checkpoints").iterdir())
-    proc = torchloom("train", "--output.dir", str(run), "--model.path", tiny, "--train.max_steps", "2",
+    earlier = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    proc = torchloom("train", "--output.dir", str(run), "--train.max_steps", "2",  # the run's own model
                      "--train.batch_size", "8", "--train.precision", "fp32", "--engine.workers", "1",
                      "--tracking.enabled", "false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr + "".join(p.read_text() for p in (run / "logs").rglob("*") if p.is_file())
     assert f"the {len(earlier)} checkpoint(s) of the earlier training" in said, said[-3000:]
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-2"]
     record = json.loads((run / "torchloom-run.json").read_text())
     assert record["id"] != json.loads((rd / "torchloom-run.json").read_text())["id"]
+
+
+def test_a_stage_run_on_its_own_follows_what_the_run_recorded(finished_run, tiny, tmp_path):
+    """The run trained a tiny model of its own (--model.path): export, evaluate and train --resume with no flags use
+    it and the run's training settings; a --model.path that contradicts the run is one line."""
+    rd, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(rd, run)
+    shutil.rmtree(run / "model")
+    exported = torchloom("export", "--output.dir", str(run))
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f"export: model.path {tiny}, as the run in {run} recorded" in exported.stderr
+    evaluated = torchloom("evaluate", "--output.dir", str(run), "--tracking.enabled", "false")
+    assert evaluated.returncode == 0 and json.loads((run / "report.json").read_text())["metrics"]["accuracy"] >= 0.9
+    other = write_tiny_model(tmp_path / "other")
+    refused = torchloom("export", "--output.dir", str(run), "--model.path", other)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "trained from model.path" in refused.stderr and "leave --model.path out" in refused.stderr
+    before = json.loads((run / "train_result.json").read_text())
+    resumed = torchloom("train", "--output.dir", str(run), "--resume", "--tracking.enabled", "false")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = json.loads((run / "train_result.json").read_text())
+    # the recorded batch size and epochs: the same schedule, so the finished run has no step left
+    assert after["resumed_from"].endswith(f"step-{before['steps']}") and after["total_steps"] == before["total_steps"]
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -531,11 +555,10 @@ def test_evaluate_scores_what_serve_answers(finished_run):
     # eval.precision auto is fp32 on CPU, as `serve --precision auto`: the report's numbers are the served ones
     from torchloom.config import build
     from torchloom.data.texts import texts_at
+    from torchloom.evaluate.mix import shipped_probabilities
     from torchloom.evaluate.run import score_split
     from torchloom.manifest import read as read_manifest
     from torchloom.serve.model import ServedModel
-
-    from torchloom.evaluate.mix import shipped_probabilities
 
     rd = finished_run[0]
     cfg = build(None, ["--output.dir", str(rd), "--engine.device", "cpu"])

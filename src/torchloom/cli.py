@@ -110,7 +110,11 @@ def build_config(args: argparse.Namespace, rest: list[str]):
         extra += ["--train.resume", args.resume]
     if getattr(args, "format", None):
         extra += ["--export.format", args.format]
-    return build(args.config, extra)
+    cfg = build(args.config, extra)
+    from torchloom.recorded import follow, given_keys
+
+    # a stage on its own: the model and (on a resume) the training the run recorded, unless a flag says otherwise
+    return follow(cfg, args.command, given_keys(args.config, extra))
 
 
 class _OldName(argparse.Action):

@@ -60,12 +60,12 @@ def resolve(cfg, classes: int, train_rows: int):
     t = cfg.train
     budget_seconds(t.budget)  # a bad value is refused even where nothing is auto
     said = []
-    epochs, patience = t.epochs, t.early_stopping_patience
-    if epochs == "auto":
+    epochs, patience, chosen = t.epochs, t.early_stopping_patience, t.epochs == "auto"
+    if chosen:
         epochs, why = choose_epochs(t.budget, classes, train_rows, t.batch_size)
         said.append(f"epochs auto: {epochs} ({why})")
     if patience == "auto":
-        patience = AUTO_PATIENCE if t.budget != "off" and epochs > MIN_EPOCHS and not t.max_steps else 0
+        patience = AUTO_PATIENCE if chosen and t.budget != "off" and epochs > MIN_EPOCHS and not t.max_steps else 0
         if patience:
             said.append(f"stops once validation {t.metric} has not improved for {patience} evaluation(s),"
                         f" and exports the best checkpoint on it")

@@ -1,0 +1,131 @@
+"""A stage run on its own follows what the run recorded: `train`, `export` and `evaluate` start from the run's
+own config.toml (what its prepare or training wrote) for the keys that describe the model it trained, instead of
+the defaults, so `torchloom export --output.dir RUN` after `torchloom train --model.path /models/mine` exports
+that model.
+
+- model.path: taken from the run unless given; given and different, `export`, `evaluate` and `train --resume`
+  refuse in one line naming both (the checkpoints hold the recorded model's weights); a fresh `train` takes it
+  only when its tokenizer is the one the data was tokenized with (the manifest's hash), and says so.
+- train.*: `train --resume` goes on with the recorded training settings (epochs, batch size, learning rate and
+  schedule, strategy, precision...), each one a flag names is applied and said in one line.
+Keys a user gives win where that is safe; nothing else of the record is taken (data.*, engine.* and output.*
+describe where and how to run, not what was trained).
+"""
+
+from __future__ import annotations
+
+import sys
+import tomllib
+from dataclasses import fields, replace
+from pathlib import Path
+
+from torchloom.config import Config, from_dict
+from torchloom.errors import UserError
+from torchloom.rundir import CONFIG_FILE, RunDir, is_own_file, is_uri
+
+STAGES = ("train", "export", "evaluate")
+
+
+def say(msg: str) -> None:
+    print(f"torchloom: {msg}", file=sys.stderr, flush=True)
+
+
+def given_keys(config_file: str | None, overrides: list[str]) -> set[str]:
+    """section.key of every value the user gave: in the --config file, or as --section.key flags."""
+    keys = {arg[2:].split("=", 1)[0] for arg in overrides if arg.startswith("--") and "." in arg.split("=", 1)[0]}
+    if config_file and Path(config_file).is_file():
+        try:
+            data = tomllib.loads(Path(config_file).read_text(encoding="utf-8"))
+        except (OSError, tomllib.TOMLDecodeError):
+            data = {}
+        keys |= {f"{section}.{key}" for section, table in data.items() if isinstance(table, dict) for key in table}
+    return keys
+
+
+def recorded_config(rd: RunDir) -> Config | None:
+    """The config.toml the run holds (on its store for a run on one), when torchloom wrote it."""
+    if rd.remote:
+        from torchloom import storage
+
+        try:
+            content = storage.read_bytes(storage.join(rd.remote, CONFIG_FILE))
+        except FileNotFoundError:
+            return None
+    elif rd.config.is_file():
+        content = rd.config.read_bytes()
+    else:
+        return None
+    if not is_own_file(CONFIG_FILE, content):
+        return None
+    return from_dict(tomllib.loads(content.decode("utf-8")))
+
+
+def follow(cfg: Config, command: str, given: set[str]) -> Config:
+    """`cfg` with what the run recorded where the user gave nothing, and the one-line refusals where a given value
+    contradicts the model the run trained."""
+    if command not in STAGES or not (is_uri(cfg.output.dir) or Path(cfg.output.dir).is_dir()):
+        return cfg
+    rd = RunDir(cfg.output.dir)
+    recorded = recorded_config(rd)
+    if recorded is None:
+        return cfg
+    cfg = _model(cfg, recorded, command, given, rd)
+    if command == "train" and cfg.train.resume:
+        cfg = _training(cfg, recorded, given)
+    return cfg
+
+
+def _model(cfg: Config, recorded: Config, command: str, given: set[str], rd: RunDir) -> Config:
+    mine, theirs = cfg.model.path, recorded.model.path
+    if "model.path" not in given or mine == theirs:
+        if mine != theirs:
+            say(f"{command}: model.path {theirs or 'the embedded all-MiniLM-L6-v2'}, as the run in {rd.where}"
+                " recorded")
+        return replace(cfg, model=replace(cfg.model, path=theirs))
+    shown = theirs or '"" (the embedded all-MiniLM-L6-v2)'
+    if command != "train" or cfg.train.resume:
+        raise UserError(f"model.path {mine}: the run in {rd.where} trained from model.path {shown}, whose weights"
+                        f" its checkpoints hold; leave --model.path out (or pass {shown}), or train afresh into"
+                        " another --output.dir")
+    _check_tokenizer(cfg, rd)
+    say(f"train: model.path {mine} instead of the recorded {shown}: a fresh training, its tokenizer the one the"
+        " data was prepared with")
+    return cfg
+
+
+def _check_tokenizer(cfg: Config, rd: RunDir) -> None:
+    """A fresh train on another model: only where the prepared token ids mean the same words to it."""
+    from torchloom import manifest as manifest_mod
+    from torchloom.embedded import model_path
+    from torchloom.etl.tokenize import read_tokenizer_json, tokenizer_hash
+
+    if rd.remote:
+        from torchloom import storage
+
+        storage.ensure(rd, rd.manifest)
+    m = manifest_mod.read(rd.data)
+    want = m.tokenizer.get("hash")
+    try:
+        have = tokenizer_hash(read_tokenizer_json(model_path(cfg.model.path)))
+    except (OSError, UserError):
+        return  # the model dir's own check says what is wrong with it, in the stage
+    if want and have != want:
+        raise UserError(f"model.path {cfg.model.path}: its tokenizer is not the one the data in {rd.home(rd.data)}"
+                        " was prepared with; prepare again with this model (torchloom prepare --model.path ..."
+                        " --overwrite), or train into another --output.dir")
+
+
+def _training(cfg: Config, recorded: Config, given: set[str]) -> Config:
+    """train --resume: the recorded training settings, but for the ones the user gave (said, one line each)."""
+    values = {}
+    for f in fields(recorded.train):
+        key = f"train.{f.name}"
+        if f.name in ("resume", "preemption_url", "preemption_grace_s"):
+            continue
+        old, new = getattr(recorded.train, f.name), getattr(cfg.train, f.name)
+        if key in given:
+            if old != new:
+                say(f"train --resume: {key} {new} instead of the recorded {old}")
+            continue
+        values[f.name] = old
+    return replace(cfg, train=replace(cfg.train, **values))
