@@ -14,7 +14,8 @@ from torchloom.etl import baseline_driver
 from torchloom.lexical import Lexical
 from torchloom.scoring import choose_weight, mix
 
-WORDS = "alpha beta gamma delta épsilon zeta Über theta iota kappa 42 x_y naïve Ωmega".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "épsilon", "zeta", "Über", "theta", "iota", "kappa", "42", "x_y",
+         "naïve", "Ωmega"]
 
 
 def texts(rng: random.Random, n: int) -> list[str]:
