@@ -197,8 +197,9 @@ def test_predict_cli_uses_the_exported_model(finished_run, tmp_path):
     assert all(abs(sum(x["probabilities"].values()) - 1) < 1e-4 for x in lines)
     src = tmp_path / "in.txt"
     src.write_text("match goal team win league\n")
-    proc = torchloom("predict", "--model", str(rd / "model"), "--input", str(src))
-    assert proc.returncode == 0 and json.loads(proc.stdout)["label"] == "sport"
+    proc = torchloom("predict", str(rd), "--input", str(src))  # the run directory: its exported model, said so
+    assert proc.returncode == 0 and json.loads(proc.stdout)["label"] == "sport", proc.stderr[-2000:]
+    assert f"a run directory; using its exported model, {rd / 'model'}" in proc.stderr
 
 
 def test_train_resume_latest_continues_to_more_epochs(finished_run, tiny):

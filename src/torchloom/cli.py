@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from torchloom import __version__
 from torchloom.errors import UserError, one_line
@@ -153,18 +154,29 @@ def _is_model_dir(path: str) -> bool:
     from torchloom.model.export import is_exported
     from torchloom.rundir import is_uri
 
-    return is_uri(path) or is_exported(path)
+    return is_uri(path) or is_exported(path) or is_exported(Path(path) / "model")  # a run directory too
 
 
 def local_model(model: str, what: str) -> str:
     """An exported model on a store (s3://bucket/run/model): downloaded once into torchloom's private cache,
-    keyed by its objects and checked by their hashes (storage.fetch_dir); a local directory as it is."""
+    keyed by its objects and checked by their hashes (storage.fetch_dir); a local directory as it is. A run
+    directory given for its model (runs/x, s3://bucket/runs/x): its exported model/, said in one line."""
+    from torchloom.model.export import is_exported
     from torchloom.rundir import is_uri
 
     if not is_uri(model):
+        if not is_exported(model) and is_exported(Path(model) / "model"):
+            print(f"torchloom: {what} {model}: a run directory; using its exported model, {Path(model) / 'model'}",
+                  file=sys.stderr, flush=True)
+            return str(Path(model) / "model")
         return model
     from torchloom import storage
 
+    if not storage.exists(storage.join(model, "config.json")) and storage.exists(
+            storage.join(model, "model", "config.json")):
+        print(f"torchloom: {what} {storage.redact(model)}: a run on the store; using its exported model,"
+              f" {storage.join(storage.redact(model), 'model')}", file=sys.stderr, flush=True)
+        model = storage.join(model, "model")
     return str(storage.fetch_dir(model, what))
 
 
