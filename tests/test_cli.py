@@ -249,6 +249,9 @@ def test_a_stage_run_on_its_own_follows_what_the_run_recorded(finished_run, tiny
     refused = torchloom("export", "--output.dir", str(run), "--model.path", other)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     assert "trained from model.path" in refused.stderr and "leave --model.path out" in refused.stderr
+    again = torchloom("prepare", "--output.dir", str(run), "--overwrite", "--data.path", str(run / "config.toml"))
+    assert again.returncode == 2 and "holds checkpoints trained on the data that prepare would replace" \
+        in again.stderr, again.stderr[-2000:]  # a second prepare into a trained run: one line, nothing touched
     before = json.loads((run / "train_result.json").read_text())
     resumed = torchloom("train", "--output.dir", str(run), "--resume", "--tracking.enabled", "false")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -216,6 +216,7 @@ def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
     which is stopped after."""
     cfg = for_this_machine(cfg)
     check_input(cfg)
+    check_untrained(cfg)
     if not cfg.eval.baseline:
         return prepare_stage(cfg, tracker=tracker)
     from torchloom.etl.session import get_spark
@@ -229,6 +230,20 @@ def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
     finally:
         stop_spark()
     return out
+
+
+def check_untrained(cfg: Config) -> None:
+    """prepare --overwrite into a run that was trained: its checkpoints (and model) would belong to data that is
+    gone, and a later resume or export would take them; one line before Spark starts, nothing touched."""
+    rd = run_dir(cfg)
+    if rd.remote:
+        trained = bool(storage.list_files(storage.join(rd.remote, "checkpoints")))
+    else:
+        trained = any(rd.checkpoints.glob("step-*")) if rd.checkpoints.is_dir() else False
+    if trained:
+        raise UserError(f"output.dir {rd.where}: holds checkpoints trained on the data that prepare would replace;"
+                        " start the whole run afresh (torchloom run --overwrite) or prepare into another"
+                        " --output.dir")
 
 
 def baseline_splits(cfg: Config) -> list[str]:
