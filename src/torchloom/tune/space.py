@@ -117,12 +117,17 @@ def parse_one(cfg: Config, key: str, spec: Any) -> Param:
     if kind.startswith("log") and low <= 0:
         raise UserError(f"{where}: {kind} needs low > 0 (got {low}); use {kind[3:]} for ranges reaching 0")
     section, _, name = full.partition(".")
-    default = _field(sections(cfg)[section], name, where).default
-    if kind in ("uniform", "loguniform") and isinstance(default, int) and not isinstance(default, float):
+    if kind in ("uniform", "loguniform") and is_int_setting(_field(sections(cfg)[section], name, where)):
         raise UserError(f"{where}: an integer setting; use int({low}, {high}) or choice(...) instead of {kind}")
     if kind in ("int", "logint"):
         low, high = int(low), int(high)
     return Param(full, kind, (low, high))
+
+
+def is_int_setting(f) -> bool:
+    """An integer key of the config (its declared type where it also takes "auto", as train.epochs does)."""
+    kind = f.metadata.get("type") or type(f.default)
+    return kind is int
 
 
 def parse(cfg: Config) -> list[Param]:
@@ -152,7 +157,7 @@ def apply(cfg: Config, values: dict[str, Any], where: str = "tune") -> Config:
     for key, value in values.items():
         section, _, name = key.partition(".")
         f = _field(parts[section], name, f"{where}")
-        if isinstance(value, float) and isinstance(f.default, int) and not isinstance(f.default, bool):
+        if isinstance(value, float) and is_int_setting(f):
             if not value.is_integer():
                 raise UserError(f"{where}: {key} is an integer setting; use int(a, b) or choice of integers")
             value = int(value)
