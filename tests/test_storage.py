@@ -672,3 +672,30 @@ def test_a_second_torchloom_train_on_a_leased_run_is_refused_in_one_line(s3, tmp
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     (line,) = [x for x in proc.stderr.splitlines() if x.startswith("torchloom: error:")]
     assert "another torchloom writes this run: train on host host-a (pid 11" in line and "lease.json" in line
+
+
+def test_a_tune_study_on_the_store_keeps_its_study_trials_and_best_model_there(s3, tmp_path, tiny_model_dir):
+    """`tune --output.dir s3://...` (Optuna, two tiny trials): the study, each trial's run and the best model reach
+    the store; a second host resumes it from the store alone."""
+    pytest.importorskip("optuna")
+    words = {"sport": "match goal team win league", "money": "bank market price shares profit"}
+    rows = ["text,label"] + [f"{v} number {i},{k}" for k, v in words.items() for i in range(24)]
+    data = tmp_path / "topics.csv"
+    data.write_text("\n".join(rows) + "\n")
+    study = uri("studies/topics")
+    args = ("tune", "--data.path", str(data), "--model.path", tiny_model_dir, "--output.dir", study,
+            "--prepare.spark_master", "local[1]", "--train.precision", "fp32", "--train.batch_size", "8",
+            "--train.epochs", "1", "--eval.baseline", "false", "--tune.backend", "optuna", "--engine.workers", "1",
+            "--tracking.enabled", "false", "--tune.space", '{"train.lr" = "loguniform(1e-4, 1e-2)"}')
+    first = torchloom(*args, "--tune.trials", "2", cache=tmp_path / "host-a")
+    assert first.returncode == 0, first.stderr[-3000:]
+    on_store = storage.list_files(study)
+    for name in ("study.json", "optuna.db", "results.csv", "best_config.toml", "model/config.json",
+                 "data/manifest.json", "torchloom-run.json"):
+        assert name in on_store, (name, sorted(on_store)[:20])
+    trials = {rel.split("/")[1] for rel in on_store if rel.startswith("trials/")}
+    assert len(trials) == 2 and all(f"trials/{t}/train_result.json" in on_store for t in trials)
+    again = torchloom(*args, "--tune.trials", "3", cache=tmp_path / "host-b")  # another host, nothing local
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming study" in again.stderr + again.stdout
+    assert len({rel.split("/")[1] for rel in storage.list_files(study) if rel.startswith("trials/")}) == 3

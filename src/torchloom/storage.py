@@ -379,7 +379,7 @@ def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = ()) -> in
     """Upload every file under local_dir to uri/<same relative path>, the names in `last` after all the
     others (the file whose presence says the directory is complete). Returns the bytes uploaded."""
     local_dir = Path(local_dir)
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.name.endswith((".tmp", ".part")))
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.name.endswith((".tmp", ".part", ".lock")))
     files.sort(key=lambda p: p.name in last)  # stable: the `last` files go at the end
     total = 0
     for p in files:
@@ -460,7 +460,8 @@ COMPLETE_LAST = ("meta.json", "manifest.json")
 
 def _remote_of(rd: RunDir, path: str | Path) -> str:
     assert rd.remote is not None
-    return join(rd.remote, Path(path).resolve().relative_to(rd.root).as_posix())
+    rel = Path(path).resolve().relative_to(rd.root).as_posix()
+    return rd.remote if rel == "." else join(rd.remote, rel)
 
 
 def write_through(rd: RunDir, path: str | Path, text: str) -> None:

@@ -15,6 +15,7 @@ backends (ray_backend, optuna_backend) decide which trials run when.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import hashlib
@@ -61,6 +62,36 @@ def choose_backend(cfg: Config) -> str:
         raise UserError("tune.backend optuna runs trials on engine.name local or spark; with Ray use"
                         " tune.backend ray")
     return cfg.tune.backend
+
+
+def from_store(cfg: Config) -> None:
+    """A study on a store (output.dir s3://...): its trials run in this host's copy, which first takes the store's
+    study (a study resumed on another host goes on from what the store holds); --overwrite replaces the store's
+    own objects of it (storage.replace_remote)."""
+    sd = study_dir(cfg)
+    if not sd.remote:
+        return
+    from torchloom import storage
+
+    if cfg.output.overwrite:
+        storage.replace_remote(sd)
+        return
+    storage.sync_copy(sd)
+    storage.pull(sd, sd.root)
+
+
+@contextlib.contextmanager
+def to_store(sd: StudyDir):
+    """A study on a store: everything the study wrote here (its record, prepared data, optuna.db, the trials' run
+    directories, results and the best model) goes up when it ends, whether it finished or not."""
+    try:
+        yield
+    finally:
+        if sd.remote:
+            from torchloom import storage
+
+            storage.push(sd, sd.root)
+            say(f"the study is on the store: {sd.where}")
 
 
 def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
@@ -163,13 +194,14 @@ def run(cfg: Config) -> dict:
     params = space_mod.parse(cfg)  # a bad space fails here, before anything starts
     backend = choose_backend(cfg)
     mode = mode_of(cfg)
+    from_store(cfg)
     sd, resuming = open_study_dir(cfg, backend)
     say(f"{'resuming' if resuming else 'starting'} study {study_name(cfg)!r} in {sd.root}: {cfg.tune.trials} trials,"
         f" {backend} backend, {cfg.engine.workers} workers per trial on the "
         f"{'ray' if backend == 'ray' else cfg.engine.name} engine, {mode}imise validation {cfg.tune.metric}")
     started = time.perf_counter()
     cfg = absolute_paths(cfg)  # trials run in other processes, in other working directories
-    with tracking.start(cfg, "tune", run_name=study_name(cfg)) as tracker:
+    with tracking.start(cfg, "tune", run_name=study_name(cfg)) as tracker, to_store(sd):
         if tracker.enabled:
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri=tracker.uri))
         prepare_once(cfg, sd, tracker)
