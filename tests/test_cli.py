@@ -701,6 +701,16 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
     np.testing.assert_allclose([g["score"] for g in got], [e["score"] for e in expected], atol=1e-5)
 
 
+def test_serve_onnx_with_device_auto_runs_on_the_cpu_where_onnxruntime_has_no_cuda(onnx_run, monkeypatch):
+    """A GPU host with the CPU build of onnxruntime: auto means what runs there (it used to refuse to start)."""
+    from torchloom.model import onnx
+    from torchloom.serve import model as served
+
+    monkeypatch.setattr(served, "resolve_device", lambda device: "cuda")  # torch sees a GPU
+    monkeypatch.setattr(onnx, "has_cuda_provider", lambda: False)
+    assert served.ServedModel(str(onnx_run[1]), device="auto", runtime="onnx").device == "cpu"
+
+
 def test_the_shipped_mix_scores_the_same_on_every_path(onnx_run, tmp_path):
     """A model that ships 0.4 x the transformer + 0.6 x the baseline: evaluate, predict (PyTorch and ONNX),
     the server's batched path (REST, TEI and Ray Serve run it), file scoring (Spark's tasks run the same

@@ -158,3 +158,27 @@ def test_plan_reads_a_prepared_run(tmp_path, capsys):
     assert job["rows"] == 96 and job["epochs"] == 2 and out["cluster"]["devices"] == 2 and job["micro_batch"] == 8
     assert command.main(["--run", str(tmp_path / "nothing")]) == 2
     assert "no prepared data there" in capsys.readouterr().err
+
+
+# -- GPU paths, their logic on a CPU (torch's device queries monkeypatched) -------------------------------------
+def test_a_cuda_device_past_the_count_is_one_line(monkeypatch):
+    monkeypatch.setattr(device.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device.torch.cuda, "device_count", lambda: 2)
+    assert device.resolve_device("cuda:1") == "cuda:1" and device.resolve_device("auto") == "cuda"
+    for wrong in ("cuda:2", "cuda:x"):
+        with pytest.raises(UserError, match=rf"--device {wrong}: this machine shows torch 2 CUDA device\(s\),"
+                                            r" cuda:0 to cuda:1"):
+            device.resolve_device(wrong)
+
+
+def test_a_resume_on_fewer_gpus_than_the_writer_restores_the_rng_of_those_it_has(monkeypatch):
+    from torchloom.train import checkpoint
+
+    state = checkpoint.rng_state()
+    state["cuda"] = ["state of gpu 0", "state of gpu 1"]  # written by a process that saw two devices
+    restored = []
+    monkeypatch.setattr(checkpoint.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(checkpoint.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(checkpoint.torch.cuda, "set_rng_state", lambda s, index: restored.append((index, s)))
+    checkpoint.set_rng_state(state)
+    assert restored == [(0, "state of gpu 0")]

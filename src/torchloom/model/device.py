@@ -60,6 +60,11 @@ def resolve_device(device: str, key: str = "--device") -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{key} {device}: no CUDA device is visible to torch; use {key} cpu or auto")
+    if kind == "cuda" and ":" in device:
+        index, count = device.split(":", 1)[1], torch.cuda.device_count()
+        if not index.isdigit() or int(index) >= count:
+            raise UserError(f"{key} {device}: this machine shows torch {count} CUDA device(s), cuda:0 to"
+                            f" cuda:{count - 1}; pick one of those, or {key} cuda")
     return device
 
 

@@ -85,6 +85,14 @@ def session(path: str | Path, threads: int | None = None, device: str = "cpu"):
     return ort.InferenceSession(str(path), options, providers=providers)
 
 
+def has_cuda_provider() -> bool:
+    """Whether this onnxruntime can run on CUDA (onnxruntime-gpu), without failing where it is not installed."""
+    try:
+        return "CUDAExecutionProvider" in require_onnxruntime().get_available_providers()
+    except UserError:
+        return False
+
+
 def onnx_file(model_dir: str | Path) -> Path:
     """The ONNX file `--runtime onnx` runs for this exported model (int8 when that was exported)."""
     info = read_export_info(model_dir).get("onnx") or {}

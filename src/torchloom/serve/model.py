@@ -53,6 +53,11 @@ class ServedModel:
             # One inference stream owns the cores; more threads than cores only adds contention.
             torch.set_num_threads(threads)
         self.device = resolve_device(device)
+        if runtime == "onnx" and device == "auto" and self.device.startswith("cuda"):
+            from torchloom.model.onnx import has_cuda_provider
+
+            if not has_cuda_provider():  # a GPU, but an onnxruntime built for CPUs only: auto means what runs
+                self.device = "cpu"
         if runtime == "onnx" and precision not in ("auto", "fp32"):
             raise UserError(f"--precision {precision}: the ONNX runtime runs the exported graph as it is (fp32, or"
                             " int8 weights with --format onnx-int8); leave --precision auto")

@@ -81,7 +81,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(("MT19937", np.array(state["numpy"], dtype=np.uint32), state["numpy_pos"], 0, 0.0))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per device the writer saw; a process that sees fewer (another machine, CUDA_VISIBLE_DEVICES)
+        # restores those it has, where set_rng_state_all would raise IndexError
+        for index, device_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(device_state, index)
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
