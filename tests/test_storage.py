@@ -161,37 +161,37 @@ def put(run: str, files: dict[str, bytes]) -> None:
         storage.write_bytes(storage.join(run, rel), content)
 
 
+def prepare_and_train_on(host: Path, run: str, version: int, monkeypatch) -> None:
+    """The host with this cache prepares `run` (manifest `version`, a new record) and trains afresh: its step-4."""
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(host))
+    rd = RunDir(run)
+    rd.data.mkdir(parents=True, exist_ok=True)
+    rd.manifest.write_bytes(b'{"run": %d}' % version)
+    storage.push(rd, rd.data)
+    storage.new_identity(rd)
+    put(run, {"checkpoints/step-4/model.safetensors": b"weights %d" % version,
+              "checkpoints/step-4/meta.json": b'{"run": %d}' % version})
+
+
 def test_a_hosts_copy_counts_only_for_the_run_it_was_made_from(s3, tmp_path, monkeypatch):
     """Two hosts (two caches) on one URI: host B's copy of the first run (its manifest, its step-4) is not
     trusted after host A prepares again and trains afresh; a step only B has is never resumed from."""
     run = uri("reused")
     host_a, host_b = tmp_path / "host-a", tmp_path / "host-b"
-    monkeypatch.setenv("TORCHLOOM_CACHE", str(host_a))
-    first = RunDir(run)
-    first.data.mkdir(parents=True)
-    first.manifest.write_bytes(b'{"run": 1}')
-    storage.push(first, first.data)
-    storage.new_identity(first)
-    put(run, {"checkpoints/step-4/model.safetensors": b"one", "checkpoints/step-4/meta.json": b'{"run": 1}'})
+    prepare_and_train_on(host_a, run, 1, monkeypatch)
     monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
     b = RunDir(run)
     storage.ensure(b, b.manifest)
     assert storage.pull_checkpoints(b) == [4] and b.manifest.read_bytes() == b'{"run": 1}'
     (b.checkpoint(8)).mkdir()  # written here, never uploaded: the other hosts cannot load it
     (b.checkpoint(8) / "meta.json").write_bytes(b'{"run": 1}')
-    # host A: prepare again (a new manifest and record), then a fresh training writes its own step-4
-    monkeypatch.setenv("TORCHLOOM_CACHE", str(host_a))
-    a = RunDir(run)
-    a.manifest.write_bytes(b'{"run": 2}')
-    storage.push(a, a.data)
-    storage.new_identity(a)
-    put(run, {"checkpoints/step-4/model.safetensors": b"two", "checkpoints/step-4/meta.json": b'{"run": 2}'})
+    prepare_and_train_on(host_a, run, 2, monkeypatch)  # host A: prepare again, then a fresh training
     monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
     b = RunDir(run)
     storage.ensure(b, b.manifest)
     assert b.manifest.read_bytes() == b'{"run": 2}'
     assert storage.pull_checkpoints(b) == [4] and not b.checkpoint(8).exists()
-    assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"two"
+    assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"weights 2"
     # the same record, a checkpoint rewritten on the store (a restart's step-4): compared by its meta.json
     put(run, {"checkpoints/step-4/model.safetensors": b"three", "checkpoints/step-4/meta.json": b'{"run": 3}'})
     storage.pull_checkpoints(b)
