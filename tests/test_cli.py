@@ -260,6 +260,36 @@ def test_a_stage_run_on_its_own_follows_what_the_run_recorded(finished_run, tiny
     assert after["resumed_from"].endswith(f"step-{before['steps']}") and after["total_steps"] == before["total_steps"]
 
 
+def test_a_train_whose_launch_fails_before_any_worker_starts_leaves_the_run_as_it_was(finished_run, tiny,
+                                                                                        tmp_path, monkeypatch):
+    from torchloom import pipeline
+    from torchloom.config import build
+
+    rd, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(rd, run)
+    before = {name: (run / name).read_bytes() for name in ("config.toml", "metrics.jsonl")}
+    cfg = build(None, ["--output.dir", str(run), "--model.path", tiny, "--train.lr", "0.5", "--engine.workers", "1",
+                       "--train.batch_size", "8"])
+
+    def unreachable(*args, **kwargs):
+        raise RuntimeError("the cluster did not answer")
+
+    monkeypatch.setattr(pipeline, "launch", unreachable)
+    with pytest.raises(RuntimeError, match="did not answer"):
+        pipeline.train_stage(cfg, quiet=True)
+    assert {name: (run / name).read_bytes() for name in before} == before  # the history and the record of it
+
+    def started_then_failed(cfg, rd, *args):
+        (rd.logs / "placement-x-rank0-start0.json").write_text("{}")  # a rank recorded its start
+        raise RuntimeError("rank 0 failed")
+
+    monkeypatch.setattr(pipeline, "launch", started_then_failed)
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        pipeline.train_stage(cfg, quiet=True)
+    assert (run / "config.toml").read_bytes() != before["config.toml"]  # what ran is what the run says ran
+
+
 @pytest.mark.parametrize("args, needle", [
     (["config", "--train.lr", "0"], "train.lr"),
     (["config", "--train.batch_size", "-4"], "train.batch_size"),

@@ -6,7 +6,7 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from torchloom import storage
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir, is_own_file, read_json, replace_local, write_json
+from torchloom.rundir import RunDir, is_own_file, read_json, replace_local, write_atomic, write_json
 from torchloom.train.result import TrainResult
 
 
@@ -379,14 +379,51 @@ def how_long(cfg: Config) -> Config:
     return cfg
 
 
-def _start_history(rd: RunDir, resume_step: int | None) -> None:
+def _start_history(rd: RunDir, resume_step: int | None, startup: dict | None) -> None:
     """metrics.jsonl for this training, before any worker starts (so the driver never forwards another run's lines
-    to this run's tracker); a fresh training voids other hosts' copies of the earlier one (its checkpoints)."""
+    to this run's tracker), with the driver's start-up record first; a fresh training voids other hosts' copies of
+    the earlier one (its checkpoints)."""
     if resume_step is None:
         storage.new_identity(rd)
     else:  # this host's copy may lack the earlier lines (written on another host): the store's history first
         storage.catch_up_metrics(rd, resume_step)
     rd.reset_metrics(resume_step)
+    if startup:
+        rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
+                           **{k: round(v, 3) for k, v in startup.items()}})
+
+
+@contextmanager
+def kept_unless_started(rd: RunDir):
+    """config.toml and metrics.jsonl as they were before this launch, put back if it fails before any worker has
+    started (an unreachable cluster, no free slots): a launch that never ran takes nothing of the earlier one."""
+    kept = {p: p.read_bytes() if p.is_file() else None for p in (rd.config, rd.metrics)}
+    since = time.time()
+    try:
+        yield
+    except BaseException:
+        if not workers_started(rd, since):
+            for path, content in kept.items():
+                if content is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    write_atomic(path, content)
+                    storage.push(rd, path)
+        raise
+
+
+def workers_started(rd: RunDir, since: float) -> bool:
+    """Whether a rank of a launch begun at `since` recorded its start (logs/placement-*.json), here or on the
+    run's store."""
+    if any(p.stat().st_mtime >= since for p in rd.logs.glob("placement-*")) if rd.logs.is_dir() else False:
+        return True
+    if rd.remote is None:
+        return False
+    try:
+        objects = storage.list_objects(storage.join(rd.remote, "logs"))
+    except UserError:
+        return True  # cannot tell: keep what the launch wrote
+    return any(rel.startswith("placement-") and (mtime or 0) / 1e9 >= since - 5 for rel, (_, mtime) in objects.items())
 
 
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
@@ -403,27 +440,25 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
 
         spark = check_slots(cfg, spark)
     rd = run_dir(cfg)
-    save_config(cfg, rd)
     tracker = tracker or NullTracker()
     if tracker.enabled:
         from torchloom import manifest as manifest_mod
 
         tracker.set_tags({"data_fingerprint": manifest_mod.read(rd.data).fingerprint})
-    rd.write_hooks(hooks or {})
-    _start_history(rd, resume_step)
-    if startup:
-        rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
-                           **{k: round(v, 3) for k, v in startup.items()}})
-    say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, {precision_line(cfg)},"
-        f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.home(rd.logs)}")
     started = time.perf_counter()
-    forward = nullcontext()
-    if tracker.enabled:
-        after = -1 if resume_step is None else resume_step
-        forward = MetricsForwarder(tracker.client, tracker.run_id, rd.metrics, after)
     try:
-        with forward:  # rank 0's per-step metrics to MLflow, from here: the workers never import MLflow
-            result = launch(cfg, rd, quiet, spark)
+        with kept_unless_started(rd):
+            save_config(cfg, rd)
+            rd.write_hooks(hooks or {})
+            _start_history(rd, resume_step, startup)
+            say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, {precision_line(cfg)},"
+                f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.home(rd.logs)}")
+            forward = nullcontext()
+            if tracker.enabled:
+                after = -1 if resume_step is None else resume_step
+                forward = MetricsForwarder(tracker.client, tracker.run_id, rd.metrics, after)
+            with forward:  # rank 0's per-step metrics to MLflow, from here: the workers never import MLflow
+                result = launch(cfg, rd, quiet, spark)
     finally:
         rd.write_hooks({})  # a later run must not report into this run's trial
     result.wall_s = round(time.perf_counter() - started, 2)
