@@ -185,6 +185,10 @@ def test_study_dir_opened_by_many_at_once_is_one_study_and_a_foreign_dir_is_refu
         open_study_dir(build(None, ["--output.dir", str(foreign)]), "optuna")
     with pytest.raises(UserError, match="holds a optuna study"):
         open_study_dir(build(None, ["--output.dir", str(tmp_path / "study0")]), "ray")
+    # resumed with another search space: one line, not a study whose trials searched two spaces
+    other = build(None, ["--output.dir", str(tmp_path / "study0"), "--tune.space", '{"train.lr" = "uniform(0.1, 1)"}'])
+    with pytest.raises(UserError, match=r"the study there was started with tune.space \{"):
+        open_study_dir(other, "optuna")
 
 
 # -- Optuna: one study in sqlite, driven by two processes at once --------------------------------

@@ -123,7 +123,8 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
     if not marker.is_file():
         tmp = sd.root / f".{marker.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         write_json(tmp, {"format": STUDY_FORMAT, "backend": backend, "study_name": study_name(cfg),
-                         "created": time.time(), "metric": cfg.tune.metric, "mode": mode_of(cfg)})
+                         "created": time.time(), "metric": cfg.tune.metric, "mode": mode_of(cfg),
+                         "space": cfg.tune.space})
         try:
             os.link(tmp, marker)  # fails if another process made the marker first
             resuming = False
@@ -135,7 +136,20 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
     if old.get("backend") != backend:
         raise UserError(f"output.dir {sd.root}: holds a {old.get('backend')} study; use tune.backend"
                         f" {old.get('backend')} to resume it, or --overwrite to start afresh")
+    check_same_study(sd, old, cfg)
     return sd, resuming
+
+
+def check_same_study(sd: StudyDir, old: dict, cfg: Config) -> None:
+    """A resumed study searches what it searched (its space, metric and direction): trials of two searches in one
+    study would be compared as one. One line naming what differs; a study.json from before this was recorded
+    says nothing of its space, and resumes."""
+    now = {"space": cfg.tune.space, "metric": cfg.tune.metric, "mode": mode_of(cfg)}
+    for key, value in now.items():
+        if key in old and old[key] != value:
+            raise UserError(f"output.dir {sd.root}: the study there was started with tune.{key} {old[key]!r}, not"
+                            f" {value!r}; resume it with the same settings, pass another --output.dir, or --overwrite"
+                            " to start afresh")
 
 
 def prepare_key(cfg: Config) -> str:
