@@ -68,3 +68,16 @@ def test_the_weight_chosen_on_val_is_never_worse_than_either_model_there():
     perfect = np.eye(k)[labels]
     weight, _ = choose_weight(perfect, weak, labels)
     assert weight == 1.0
+
+
+def test_auto_ships_the_mix_only_for_a_clear_gain_on_val_or_where_the_baseline_wins_there():
+    from torchloom.evaluate.mix import shipped_weight
+
+    def grid(transformer: int, baseline: int, best: int, texts: int = 500) -> dict:
+        return {1.0: {"accuracy": transformer / texts}, 0.0: {"accuracy": baseline / texts},
+                0.4: {"accuracy": best / texts}}
+
+    assert shipped_weight("auto", 0.4, grid(450, 440, 451), 500) == 1.0  # one text: noise, the transformer alone
+    assert shipped_weight("auto", 0.4, grid(450, 440, 452), 500) == 0.4  # two texts: the mix
+    assert shipped_weight("auto", 0.4, grid(450, 451, 451), 500) == 0.4  # the baseline wins on val: never below it
+    assert shipped_weight("on", 0.4, grid(450, 440, 451), 500) == 0.4  # on: the best weight whatever

@@ -1,8 +1,8 @@
 """How long to train when the user did not say: `train.epochs auto` and `train.early_stopping_patience auto`,
 within `train.budget`.
 
-The rule (docs/benchmarks.md, "How long to train", measured on six corpora): a classifier needs about
-STEPS_PER_CLASS optimizer steps of the global batch per class to learn, whatever the corpus's size, so
+The rule (docs/benchmarks.md, "The model we ship: transformer, baseline and the mix", six corpora): a classifier
+needs about STEPS_PER_CLASS optimizer steps of the global batch per class to learn, whatever the corpus's size, so
 
     epochs = steps_per_class x classes / steps_per_epoch, rounded, at least MIN_EPOCHS
 
