@@ -155,7 +155,8 @@ def test_plan_reads_a_prepared_run(tmp_path, capsys):
     assert command.main(["--run", str(tmp_path / "run"), "--device-type", "cpu", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     job = out["job"]
-    assert job["rows"] == 96 and job["epochs"] == 2 and out["cluster"]["devices"] == 2 and job["micro_batch"] == 8
+    # epochs: what train.epochs auto chooses for 3 classes of 96 rows (6 steps an epoch): the cap, 5
+    assert job["rows"] == 96 and job["epochs"] == 5 and out["cluster"]["devices"] == 2 and job["micro_batch"] == 8
     assert command.main(["--run", str(tmp_path / "nothing")]) == 2
     assert "no prepared data there" in capsys.readouterr().err
 

@@ -350,7 +350,7 @@ def test_another_host_resumes_and_predicts_from_the_store_alone(store_run, tmp_p
     text = "match goal team win league"
     remote = torchloom("predict", "--model", uri("runs/reviews/model"), text, cache=tmp_path / "host-b")
     assert remote.returncode == 0, remote.stderr[-2000:]
-    staged = next((host_a / "staging").iterdir()) / "model"
+    staged = next(p for p in (host_a / "staging").iterdir() if p.is_dir()) / "model"  # beside it: its lock
     local = torchloom("predict", "--model", str(staged), text, cache=tmp_path / "host-c")
     assert json.loads(remote.stdout.splitlines()[0]) == json.loads(local.stdout.splitlines()[0])
     # resume on a third host: data and the newest complete checkpoint come from the store

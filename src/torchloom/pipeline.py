@@ -540,8 +540,9 @@ def choose_combine(cfg: Config, rd: RunDir, model, m) -> dict | None:
     if fitted_on != m.fingerprint:  # no baseline, or one of other rows: the transformer alone
         return None
     from torchloom.evaluate.mix import choose_combine as choose
+    from torchloom.evaluate.run import split_probabilities
 
-    return choose(cfg.export.combine, cfg, model, m, rd.baseline_model)
+    return choose(cfg.export.combine, lambda: split_probabilities(cfg, model, m, "val"), m, rd.baseline_model)
 
 
 def combine_line(combine: dict) -> str:

@@ -190,8 +190,8 @@ def owned_entries(names: list[str], read: Callable[[str], bytes | None], where: 
         owns = {*RUN_ENTRIES, *DATA_ENTRIES}
     else:
         raise UserError(f"{key} {where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
-                        f" study (no {RUN_RECORD}, config.toml, manifest.json or study.json that torchloom wrote);"
-                        " pass another --output.dir")
+                        " study (no config.toml, manifest.json or study.json that torchloom wrote); pass another"
+                        " --output.dir")
     foreign = sorted(n for n in names if n not in owns and not TEMP_NAME.match(n))
     if foreign:
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""

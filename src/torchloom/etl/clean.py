@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 # The one cleaning shared with predict/serve, so a served text is cleaned exactly like a trained one.
-from torchloom.etl.encoding import AUTO, STRICT, UTF8, Undecodable
+from torchloom.etl.encoding import AUTO, STRICT, UTF8, Undecodable, local_path, undecodable_line
 from torchloom.etl.encoding import decode as encoding_decode
 from torchloom.textclean import clean_text
 
@@ -118,19 +118,6 @@ def _codecs(batch, encoding: str, texts: list, valid: list[bool]) -> list:
             raise RuntimeError(MARK + undecodable_line(local_path(sources[i].as_py() or "?"), encoding, e)) from None
         valid[i], out[i] = True, None if codec == UTF8 else codec
     return out
-
-
-def undecodable_line(path: str, encoding: str, e: Undecodable) -> str:
-    """The one line for a file data.encoding cannot decode: the file, where and why, and the fix."""
-    return (f"data.path {path}: {e}, so data.encoding {encoding} cannot read it; set data.encoding to the file's"
-            " encoding, or auto to decide per file")
-
-
-def local_path(source: str) -> str:
-    """The local path of a file URI as Spark gives it in _metadata.file_path (file:/a%20b or file:///a%20b)."""
-    from urllib.parse import unquote, urlparse
-
-    return unquote(urlparse(source).path) if source.startswith("file:") else source
 
 
 def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] = frozenset(),

@@ -143,3 +143,16 @@ def decode(raw: bytes, encoding: str) -> tuple[str, str]:
     a forced codec cannot decode them."""
     codec = detect([raw], encoding)
     return raw[skip(raw[:3], codec, encoding):].decode(codec), name(codec)
+
+
+def undecodable_line(path: str, encoding: str, e: Undecodable) -> str:
+    """The one line for a file data.encoding cannot decode: the file, where and why, and the fix."""
+    return (f"data.path {path}: {e}, so data.encoding {encoding} cannot read it; set data.encoding to the file's"
+            " encoding, or auto to decide per file")
+
+
+def local_path(source: str) -> str:
+    """The local path of a file URI as Spark gives it in _metadata.file_path (file:/a%20b or file:///a%20b)."""
+    from urllib.parse import unquote, urlparse
+
+    return unquote(urlparse(source).path) if source.startswith("file:") else source

@@ -28,7 +28,7 @@ from functools import partial
 
 from torchloom import storage
 from torchloom.errors import UserError
-from torchloom.etl.encoding import STRICT, Undecodable, decode, detect, name, skip
+from torchloom.etl.encoding import STRICT, Undecodable, decode, detect, local_path, name, skip, undecodable_line
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
 CODEC = "__torchloom_codec"  # the encoding etl/encoding.py read each row's file in (null: data.encoding strict)
@@ -126,8 +126,6 @@ def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
     columns."""
     from pyspark.sql import functions as F
 
-    from torchloom.etl.clean import local_path
-
     raw = spark.read.text(files, wholetext=True).select(F.col("value").cast("binary").alias("raw"),
                                                        F.col("_metadata.file_path").alias(SOURCE))
     records = raw.mapInArrow(partial(decode_task, fmt=fmt, sep=sep, encoding=cfg.encoding), RECORDS)
@@ -146,8 +144,6 @@ def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
 
 def _decode(raw: bytes, encoding: str, shown: str) -> tuple[str, str]:
     """etl/encoding.decode, a forced codec's failure as a UserError naming the file."""
-    from torchloom.etl.clean import undecodable_line
-
     try:
         return decode(raw, encoding)
     except Undecodable as e:
@@ -157,8 +153,6 @@ def _decode(raw: bytes, encoding: str, shown: str) -> tuple[str, str]:
 def decode_task(batches, fmt: str, sep: str, encoding: str):
     """mapInArrow over whole files (raw, SOURCE): their records (CSV: but the header; JSON lines: non-blank
     lines), each with its file and the codec it was decoded from."""
-    from torchloom.etl.clean import local_path
-
     def rows():
         for batch in batches:
             for raw, source in zip(batch.column("raw").to_pylist(), batch.column(SOURCE).to_pylist()):
@@ -209,8 +203,6 @@ def cannot_read(uri: str, e: BaseException) -> str:
     if isinstance(e, UserError):
         return str(e)
     if isinstance(e, Undecodable):
-        from torchloom.etl.clean import undecodable_line
-
         return undecodable_line(storage.redact(uri), e.codec, e)
     return (f"data.path {storage.redact(uri)}: cannot be read ({storage._reason(e)}); check that the object is"
             " whole and what its name says (a .gz is gzip, a .parquet Parquet), and that every host has the"

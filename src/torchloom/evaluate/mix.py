@@ -35,16 +35,15 @@ def split_texts(manifest: Manifest, split: str, index: np.ndarray) -> list[str]:
     return [found[int(i)] for i in index]
 
 
-def choose_combine(combine: str, cfg, model, manifest: Manifest, baseline_dir: Path) -> dict[str, Any] | None:
+def choose_combine(combine: str, scored, manifest: Manifest, baseline_dir: Path) -> dict[str, Any] | None:
     """torchloom.json's "combine" for an export: the transformer's weight and the val accuracy of the transformer,
     the baseline and the chosen mix; None when nothing is to be chosen (off, no baseline arrays, no val rows).
+    scored(): the transformer's (probabilities, labels, positions) of the val split's texts (run.split_probabilities).
     auto ships the mix where it gains MIN_GAIN_TEXTS val texts over the transformer alone, or where the baseline
     beats the transformer on val; on ships the best weight whatever."""
-    from torchloom.evaluate.run import split_probabilities
-
     if combine == "off" or not Lexical.exists(baseline_dir) or manifest.split("val").rows == 0:
         return None
-    probs, labels, index = split_probabilities(cfg, model, manifest, "val")
+    probs, labels, index = scored()
     lexical = Lexical.load(baseline_dir).probabilities(split_texts(manifest, "val", index))
     weight, grid = choose_weight(probs, lexical, labels)
     by_weight = {row["weight"]: row for row in grid}
