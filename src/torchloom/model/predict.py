@@ -126,9 +126,10 @@ class Predictor:
             results += self._predict_chunk(texts[start:start + SORT_CHUNK], with_logits)
         return results
 
-    def encode(self, texts: list[str]) -> list[dict[str, list[int]]]:
-        """The model's inputs for each text: cleaned like prepare's, cut like prepare's (self.truncation)."""
-        cleaned = [clean_text(well_formed(t)) for t in texts]
+    def encode(self, texts: list[str], cleaned: list[str] | None = None) -> list[dict[str, list[int]]]:
+        """The model's inputs for each text: cleaned like prepare's (`cleaned`, where the caller has them), cut
+        like prepare's (self.truncation)."""
+        cleaned = [clean_text(well_formed(t)) for t in texts] if cleaned is None else cleaned
         if self.truncation == "head":
             # prepare's shortcut (truncation.prefix): a long text's start alone, when its tokens pass
             # max_length by MARGIN, gives the same ids as the whole text at a fraction of the work and memory
@@ -149,10 +150,11 @@ class Predictor:
         """The model's inputs for each text as a list: its windows with truncation chunks (cut like
         prepare's: truncation.windows), else the one input `encode` gives. A model that ships the mix with the
         baseline carries each text's baseline probabilities with its windows (`Windows.lexical`)."""
+        cleaned = [clean_text(well_formed(t)) for t in texts]
         if self.truncation != "chunks":
-            out = [Windows([f]) for f in self.encode(texts)]
+            out = [Windows([f]) for f in self.encode(texts, cleaned)]
         else:
-            encoded = self.tokenizer([clean_text(well_formed(t)) for t in texts], truncation=False)
+            encoded = self.tokenizer(cleaned, truncation=False)
             front, back = self.layout
             out = []
             for values in zip(*encoded.values()):
@@ -160,7 +162,7 @@ class Predictor:
                            for k, v in zip(encoded.keys(), values)}
                 out.append(Windows(dict(zip(per_key, parts)) for parts in zip(*per_key.values())))
         if self.lexical is not None:
-            for item, probs in zip(out, self.lexical.probabilities([clean_text(well_formed(t)) for t in texts])):
+            for item, probs in zip(out, self.lexical.probabilities(cleaned)):
                 item.lexical = probs
         return out
 
