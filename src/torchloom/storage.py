@@ -532,6 +532,14 @@ def pull(rd: RunDir, *paths: str | Path) -> None:
                 pass
 
 
+def stored_steps(rd: RunDir) -> list[int]:
+    """The steps of the complete checkpoints (those with meta.json) a run on a store holds there, newest first."""
+    assert rd.remote is not None
+    listing = list_files(join(rd.remote, "checkpoints"))
+    return sorted({int(m.group(1)) for rel in listing if (m := re.match(r"^step-(\d+)/meta\.json$", rel))},
+                  reverse=True)
+
+
 def pull_checkpoints(rd: RunDir, intact: Callable[[Path], bool] | None = None) -> list[int]:
     """Bring the store's complete checkpoints (those with meta.json) into the working copy, newest first, each
     downloaded beside and renamed into place; returns their steps, newest first. A local copy counts only while
@@ -548,8 +556,7 @@ def pull_checkpoints(rd: RunDir, intact: Callable[[Path], bool] | None = None) -
         return []
     sync_copy(rd)
     remote = _remote_of(rd, rd.checkpoints)
-    steps = sorted({int(m.group(1)) for rel in list_files(remote)
-                    if (m := re.match(r"^step-(\d+)/meta\.json$", rel))}, reverse=True)
+    steps = stored_steps(rd)
     if rd.checkpoints.is_dir():
         for local in rd.checkpoints.iterdir():
             m = re.match(r"^step-(\d+)$", local.name)
@@ -603,11 +610,7 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
         raise UserError(f"{key} {rd.where}: not replaced: it is a bucket's root, which --overwrite never empties;"
                         f" give the run a prefix of its own, e.g. {rd.where}/runs/NAME")
 
-    def read(rel: str) -> bytes | None:
-        try:
-            return read_bytes(join(rd.remote, rel)) if rel in listing else None
-        except FileNotFoundError:
-            return None
+    read = _reader(rd.remote, listing)
 
     names = sorted({rel.split("/", 1)[0] for rel in listing})
     fs, path = resolve(rd.remote)
@@ -616,6 +619,16 @@ def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
             _attempts(join(rd.remote, name), "delete it", lambda name=name: fs.delete_file(f"{path}/{name}"))
         else:
             delete_tree(join(rd.remote, name))
+
+
+def _reader(prefix: str, listing: dict[str, int]) -> Callable[[str], bytes | None]:
+    """read(rel): the content of an object under `prefix` that `listing` holds, else None (rundir.is_own's reader)."""
+    def read(rel: str) -> bytes | None:
+        try:
+            return read_bytes(join(prefix, rel)) if rel in listing else None
+        except FileNotFoundError:
+            return None
+    return read
 
 
 def run_listing(rd: RunDir) -> dict[str, int]:
@@ -651,11 +664,7 @@ def check_own_prefix(rd: RunDir, key: str = "output.dir") -> None:
     if not listing:
         return
 
-    def read(rel: str) -> bytes | None:
-        try:
-            return read_bytes(join(rd.remote, rel)) if rel in listing else None
-        except FileNotFoundError:
-            return None
+    read = _reader(rd.remote, listing)
 
     config = read(CONFIG_FILE)
     if config is not None and not is_own_file(CONFIG_FILE, config):

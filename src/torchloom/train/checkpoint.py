@@ -40,7 +40,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
 from torchloom.rundir import write_atomic
-from torchloom.storage import delete_tree, join, list_files, sha256_file, upload
+from torchloom.storage import delete_tree, join, sha256_file, stored_steps, upload
 from torchloom.train.distributed import Dist, broadcast_from_main
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -180,10 +180,8 @@ def clear_earlier(rd) -> None:
     that neither `export` nor a later --resume takes one of them for this training's."""
     found = [step for step, _ in list_checkpoints(rd.checkpoints)]
     if rd.remote:
-        remote = join(rd.remote, "checkpoints")
-        steps = (re.match(r"^step-(\d+)/meta\.json$", rel) for rel in list_files(remote))
-        found = sorted({*found, *(int(m.group(1)) for m in steps if m)})
-        delete_tree(remote)
+        found = sorted({*found, *stored_steps(rd)})
+        delete_tree(join(rd.remote, "checkpoints"))
     if rd.checkpoints.is_dir():
         shutil.rmtree(rd.checkpoints, ignore_errors=True)
     if found:
