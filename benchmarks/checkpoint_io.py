@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from torchloom.machine import cpu
-from torchloom.storage import sha256_file
+from torchloom.rundir import sha256_file
 from torchloom.train import checkpoint
 from torchloom.train.distributed import Dist
 

@@ -181,14 +181,15 @@ def test_prepare_without_overwrite_never_writes_over_a_foreign_config(tmp_path, 
     ("checkpoints", b"", False),  # not a marker at all
 ])
 def test_a_marker_counts_only_by_its_content(rel, content, own):
-    from torchloom.rundir import is_own_file
+    from torchloom.runrecord import is_own_file
 
     assert is_own_file(rel, content) is own
 
 
 def test_overwrite_replaces_only_what_is_torchloom_s_and_refuses_anything_beside_it(tmp_path):
     from torchloom.errors import UserError
-    from torchloom.rundir import RUN_RECORD, check_replaceable, new_record, replace_local, write_json
+    from torchloom.rundir import RUN_RECORD, write_json
+    from torchloom.runrecord import check_replaceable, new_record, replace_local
 
     dirs = {"run/config.toml": real_config(), "prepared/manifest.json": real_manifest(),
             "study/study.json": b'{"format": "torchloom-study/1", "backend": "optuna"}',
@@ -344,6 +345,6 @@ def test_the_manifest_keys_rundir_knows_are_the_manifests_fields():
     import dataclasses
 
     from torchloom.manifest import Manifest
-    from torchloom.rundir import MANIFEST_KEYS
+    from torchloom.runrecord import MANIFEST_KEYS
 
     assert {f.name for f in dataclasses.fields(Manifest)} - {"root"} == MANIFEST_KEYS

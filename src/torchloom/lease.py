@@ -25,9 +25,9 @@ import threading
 import time
 import uuid
 
-from torchloom import storage
 from torchloom.errors import UserError, first_line
-from torchloom.rundir import LEASE_FILE, redact
+from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 
 FORMAT = "torchloom-lease/1"
 LEASE_ENV = "TORCHLOOM_LEASE_S"
@@ -50,9 +50,10 @@ def lease_seconds() -> float:
 
 def read(uri: str) -> dict | None:
     """The lease at the run `uri` (None: none there, or not a lease torchloom wrote)."""
+    rd = RunDir(uri)
     try:
-        data = json.loads(storage.read_bytes(storage.join(uri, LEASE_FILE)))
-    except (FileNotFoundError, ValueError):
+        data = json.loads(RunFiles(rd).read(rd.lease) or b"null")
+    except ValueError:
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("expires"), (int, float)):
         return None
@@ -73,6 +74,8 @@ class Lease:
 
     def __init__(self, uri: str, stage: str, seconds: float | None = None, owner: dict | None = None):
         self.uri, self.stage = uri.rstrip("/"), stage
+        self.rd = RunDir(self.uri)
+        self.files = RunFiles(self.rd)
         self.seconds = seconds or lease_seconds()
         self.owner = owner or {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
         self._stop = threading.Event()
@@ -80,17 +83,17 @@ class Lease:
 
     @property
     def where(self) -> str:
-        return redact(storage.join(self.uri, LEASE_FILE))
+        return self.rd.home(self.rd.lease)
 
     def _write(self) -> None:
         now = time.time()
         body = {"format": FORMAT, **self.owner, "stage": self.stage, "renewed": round(now, 3),
                 "expires": round(now + self.seconds, 3)}
-        storage.write_bytes(storage.join(self.uri, LEASE_FILE), json.dumps(body).encode())
+        self.files.write(self.rd.lease, json.dumps(body).encode())
 
     def _refuse(self, held: dict) -> UserError:
         left = max(0, round(held["expires"] - time.time()))
-        return UserError(f"output.dir {redact(self.uri)}: another torchloom writes this run: {describe(held)}, its"
+        return UserError(f"output.dir {self.rd.where}: another torchloom writes this run: {describe(held)}, its"
                          f" lease until {_when(held['expires'])} ({left} s from now); wait for it to end, or if that"
                          f" process is gone, wait {left} s or remove {self.where}")
 
@@ -134,7 +137,7 @@ class Lease:
         try:
             held = read(self.uri)
             if held is not None and held.get("id") == self.owner["id"]:
-                storage.delete(storage.join(self.uri, LEASE_FILE))
+                self.files.delete(self.rd.lease)
         except Exception as e:  # the lease then expires by itself
             print(f"torchloom: warning: {self.where}: could not remove the lease ({first_line(e)}); it expires by"
                   " itself", file=sys.stderr, flush=True)
@@ -153,7 +156,8 @@ WRITERS = ("prepare", "train", "run")  # the commands whose driver holds the lea
 def hold(output_dir: str, command: str):
     """The lease of a command that writes a run on a store, after the store's pre-flight write check (one line
     within seconds for a wrong endpoint); nothing for a local run or a command that only reads."""
-    if command not in WRITERS or not storage.is_uri(output_dir):
+    files = RunFiles(output_dir)
+    if command not in WRITERS or not files.on_store:
         return contextlib.nullcontext()
-    storage.check_writable(output_dir, "output.dir")
+    files.check_writable()
     return Lease(output_dir, command)

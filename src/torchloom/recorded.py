@@ -21,7 +21,9 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict
 from torchloom.errors import UserError
-from torchloom.rundir import CONFIG_FILE, RunDir, is_own_file, is_uri
+from torchloom.rundir import CONFIG_FILE, RunDir, is_uri
+from torchloom.runfiles import RunFiles
+from torchloom.runrecord import is_own_file
 
 STAGES = ("train", "export", "evaluate")
 
@@ -44,18 +46,8 @@ def given_keys(config_file: str | None, overrides: list[str]) -> set[str]:
 
 def recorded_config(rd: RunDir) -> Config | None:
     """The config.toml the run holds (on its store for a run on one), when torchloom wrote it."""
-    if rd.remote:
-        from torchloom import storage
-
-        try:
-            content = storage.read_bytes(storage.join(rd.remote, CONFIG_FILE))
-        except FileNotFoundError:
-            return None
-    elif rd.config.is_file():
-        content = rd.config.read_bytes()
-    else:
-        return None
-    if not is_own_file(CONFIG_FILE, content):
+    content = RunFiles(rd).read(rd.config)
+    if content is None or not is_own_file(CONFIG_FILE, content):
         return None
     return from_dict(tomllib.loads(content.decode("utf-8")))
 
@@ -99,10 +91,7 @@ def _check_tokenizer(cfg: Config, rd: RunDir) -> None:
     from torchloom.embedded import model_path
     from torchloom.etl.tokenize import read_tokenizer_json, tokenizer_hash
 
-    if rd.remote:
-        from torchloom import storage
-
-        storage.ensure(rd, rd.manifest)
+    RunFiles(rd).ensure(rd.manifest)
     m = manifest_mod.read(rd.data)
     want = m.tokenizer.get("hash")
     try:

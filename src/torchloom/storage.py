@@ -42,14 +42,19 @@ from torchloom.rundir import (  # noqa: F401 (re-exported)
     cache_root,
     is_uri,
     redact,
+    sha256_file,
     staging_dir,
     write_atomic,
-    write_record,
 )
+from torchloom.runrecord import write_record
+
+LOCAL_STORE = "file+store"
 
 # The schemes pyarrow.fs opens (hdfs:// and viewfs:// where libhdfs is installed).
+# file+store:///path is a local directory used as a store (pyarrow's local file system): for a file system every
+# host mounts where each host should still work in a staging copy, and for the tests of the staging path.
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
-           "hdfs": "hdfs", "viewfs": "viewfs"}
+           "hdfs": "hdfs", "viewfs": "viewfs", LOCAL_STORE: LOCAL_STORE}
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
 # Streams are opened with compression=None: objects hold the bytes of the files, as they are. pyarrow's default
 # ("detect", by the name's extension) gzipped a .gz file a second time on its way up and unpacked it on the
@@ -76,6 +81,8 @@ def join(uri: str, *parts: str) -> str:
 def _filesystem(canonical_root: str):
     from pyarrow import fs as pafs
 
+    if canonical_root == f"{LOCAL_STORE}://":
+        return pafs.LocalFileSystem()
     if canonical_root.startswith("s3://"):
         # An endpoint of an S3-compatible store: AWS_ENDPOINT_URL (the AWS SDKs' own variable, which
         # pyarrow's client also reads); a plain http:// endpoint needs the scheme said explicitly.
@@ -95,6 +102,11 @@ def resolve(uri: str):
     """(pyarrow filesystem, path inside it) for a store URI."""
     kind = scheme(uri)
     rest = URI.sub("", uri, count=1)
+    if kind == LOCAL_STORE:
+        if not rest.startswith("/"):
+            raise UserError(f"{redact(uri)}: a {LOCAL_STORE}:// URI names an absolute directory; use"
+                            f" {LOCAL_STORE}:///abs/path")
+        return _filesystem(f"{LOCAL_STORE}://"), rest.rstrip("/") or "/"
     bucket = rest.split("/", 1)[0]
     if not bucket:
         raise UserError(f"{redact(uri)}: no bucket in the URI; use {kind}://BUCKET/prefix")
@@ -104,6 +116,29 @@ def resolve(uri: str):
         raise UserError(f"{redact(uri)}: cannot open a {kind}:// client here ({_reason(e)});"
                         " install what pyarrow needs for it, or use a local path") from None
     return fs, rest.rstrip("/")
+
+
+@contextlib.contextmanager
+def _output(fs, path: str):
+    """A stream that writes one object. An object store shows it once it is whole; a local directory used as a
+    store (file+store://) is made to do the same: the parent directories made, the bytes written to a temporary
+    name beside it and renamed when complete."""
+    from pyarrow import fs as pafs
+
+    if not isinstance(fs, pafs.LocalFileSystem):
+        with fs.open_output_stream(path, compression=None) as stream:
+            yield stream
+        return
+    parent, _, name = path.rpartition("/")
+    fs.create_dir(parent or "/", recursive=True)
+    tmp = f"{parent}/.{name}.{os.getpid()}.{threading.get_ident()}.part"
+    try:
+        with fs.open_output_stream(tmp, compression=None) as stream:
+            yield stream
+        fs.move(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            fs.delete_file(tmp)
 
 
 def _reason(e: BaseException) -> str:
@@ -226,7 +261,7 @@ def check_writable(uri: str, key: str) -> None:
     probe = f"{path}/.torchloom-probe-{os.getpid()}"
 
     def write_and_delete() -> None:
-        with fs.open_output_stream(probe, compression=None) as f:
+        with _output(fs, probe) as f:
             f.write(b"torchloom")
         fs.delete_file(probe)
 
@@ -289,7 +324,7 @@ def write_bytes(uri: str, data: bytes) -> None:
     fs, path = resolve(uri)
 
     def write() -> None:
-        with fs.open_output_stream(path, compression=None) as f:
+        with _output(fs, path) as f:
             f.write(data)
 
     _attempts(uri, "write it", write)
@@ -345,7 +380,7 @@ def upload(local: str | Path, uri: str) -> None:
     fs, path = resolve(uri)
 
     def send() -> None:
-        with open(local, "rb") as src, fs.open_output_stream(path, compression=None) as dst:
+        with open(local, "rb") as src, _output(fs, path) as dst:
             while chunk := src.read(CHUNK):
                 dst.write(chunk)
 
@@ -432,14 +467,6 @@ def fetch_dir(uri: str, what: str) -> Path:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     return target
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _digests(directory: Path, listing: dict[str, int]) -> str:
@@ -600,7 +627,7 @@ def _holds(local: Path, meta: bytes) -> bool:
 def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
     """--overwrite on a store: delete the run's own objects (rundir.owned_entries: the names its record lists),
     nothing else; a bucket's root, or a prefix holding anything torchloom did not write, is refused in one line."""
-    from torchloom.rundir import owned_entries
+    from torchloom.runrecord import owned_entries
 
     assert rd.remote is not None
     listing = run_listing(rd)
@@ -657,7 +684,8 @@ def check_own_prefix(rd: RunDir, key: str = "output.dir") -> None:
     """Before a stage writes into a run on a store: the prefix is empty or torchloom's (its record, or a marker of
     torchloom's content), and holds no config.toml of someone else's; one line otherwise. Read from the store,
     never from this host's copy."""
-    from torchloom.rundir import CONFIG_FILE, RUN_RECORD, is_own, is_own_file, parse_record
+    from torchloom.rundir import CONFIG_FILE, RUN_RECORD
+    from torchloom.runrecord import is_own, is_own_file, parse_record
 
     assert rd.remote is not None
     listing = run_listing(rd)

@@ -22,6 +22,7 @@ import dataclasses
 
 from torchloom.errors import UserError
 from torchloom.rundir import RunDir, read_json
+from torchloom.runfiles import RunFiles
 
 
 class TrainingFailed(Exception):
@@ -50,7 +51,7 @@ class RunDirNotVisible(UserError):
 
 
 def not_visible(rd: RunDir, hosts: list[str]) -> RunDirNotVisible:
-    if rd.remote:
+    if RunFiles(rd).on_store:
         return RunDirNotVisible(
             f"output.dir {rd.where}: the store's prepared data ({rd.home(rd.manifest)}) cannot be read from"
             f" host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}; give those hosts the store's credentials"
@@ -84,25 +85,20 @@ def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
     the beats are the times the ranks uploaded in their placement files (the hosts' clocks, kept in step by
     NTP as on any cluster)."""
     paths = rd.placements(launch_id, start)
-    if rd.remote:
-        from torchloom import storage
-
-        try:
-            with storage.retrying_for(0):
-                storage.refresh(rd, *paths)
-        except Exception:  # a store that does not answer now: judge by what this host has
-            pass
+    files = RunFiles(rd)
+    files.refresh(*paths, quiet=True, wait=False)  # a store that does not answer now: judge by what this host has
     placed = []
     for p in paths:
         try:
             info = read_json(p)
-            placed.append((info, float(info.get("beat") or info.get("time") or 0) if rd.remote else p.stat().st_mtime))
+            beat = float(info.get("beat") or info.get("time") or 0) if files.on_store else p.stat().st_mtime
+            placed.append((info, beat))
         except (OSError, ValueError, TypeError):
             continue
     if not placed:
         return []
     last = max(beat for _, beat in placed)
-    after = LOST_AFTER_S + (REMOTE_BEAT_S if rd.remote else 0.0)
+    after = LOST_AFTER_S + (REMOTE_BEAT_S if files.on_store else 0.0)
     return [info for info, beat in placed
             if not info.get("stopped") and not rd.error_file(info["rank"]).exists() and last - beat > after]
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.engines.common import (
     NOT_A_CAUSE,
@@ -28,8 +27,9 @@ from torchloom.engines.common import (
     is_peer_loss,
 )
 from torchloom.engines.progress import LogTailer, ProgressMonitor
-from torchloom.errors import UserError, first_line, message_line
+from torchloom.errors import UserError, message_line
 from torchloom.rundir import RunDir, read_json
+from torchloom.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 
 
@@ -94,7 +94,7 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     failed, number, preemptions = 0, 0, []  # failed attempts (the budget), all attempts, notices met
     with driver_stream(quiet) as stream:
         while True:
-            pull_quietly(rd, rd.logs)  # a run on a store: what the workers of other hosts recorded so far
+            RunFiles(rd).pull(rd.logs, quiet=True)  # a run on a store: what the workers of other hosts recorded so far
             stopped = False
             try:
                 tailer = LogTailer(rd, stream=stream) if tail_logs else contextlib.nullcontext()
@@ -103,11 +103,11 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
             except LauncherStopped:
                 stopped = True
             except failures as e:  # the engine wraps the workers' failure; our error files hold the real one
-                pull_quietly(rd, rd.logs)
+                RunFiles(rd).pull(rd.logs, quiet=True)
                 rerun_or_raise(rd, launch_id, failed, count, e, engine_label, start=number)
                 failed, number = failed + 1, number + 1
                 continue
-            pull_quietly(rd, rd.logs, rd.metrics, rd.progress)
+            RunFiles(rd).pull(rd.logs, rd.metrics, rd.progress, quiet=True)
             result = read_result(rd, launch_id, stopped)
             own, preemptions = result.preemptions, preemptions + result.preemptions
             result.preemptions = preemptions
@@ -133,16 +133,6 @@ def go_on_or_stop(rd: RunDir, launch_id: str, preemption: dict, stopped: bool, w
     rd.result_file(launch_id).unlink(missing_ok=True)  # the next attempt writes its own
     preemption["workers"] = workers()
     print(f"torchloom: train: {line}; resuming on {preemption['workers']} workers", file=sys.stderr, flush=True)
-
-
-def pull_quietly(rd: RunDir, *paths) -> None:
-    """A run on a store: the workers' files from it. A store that does not answer now must not hide the
-    workers' own error (the driver then reports what this host has), so its failure is a warning."""
-    try:
-        storage.pull(rd, *paths)
-    except Exception as e:
-        print(f"torchloom: warning: could not read the workers' files from {rd.where} ({first_line(e)})",
-              file=sys.stderr, flush=True)
 
 
 def read_result(rd: RunDir, launch_id: str, stopped: bool = False) -> TrainResult:

@@ -23,6 +23,7 @@ import threading
 import time
 
 from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 from torchloom.train.reporter import Reporter
 
 ENV = "TORCHLOOM_FAULT"
@@ -78,7 +79,8 @@ class FaultInjector(Reporter):
     def term_while_saving(self) -> None:
         """SIGTERM to this rank as soon as the checkpoint of at_step is being written (or, if its write
         was missed, once it is there)."""
-        tmp, final = self.rd.checkpoints / f".step-{self.at_step}.tmp", self.rd.checkpoints / f"step-{self.at_step}"
+        final = self.rd.checkpoint(self.at_step)
+        tmp = final.with_name(f".{final.name}.tmp")
         while not tmp.exists() and not final.exists():
             time.sleep(0.0002)
         caught = tmp.exists()
@@ -87,20 +89,13 @@ class FaultInjector(Reporter):
 
     def fired(self, marker) -> bool:
         """This fault fired before in this run (on a store: on any host)."""
-        if self.rd.remote and not marker.exists():
-            from torchloom import storage
-
-            try:
-                storage.pull(self.rd, marker)
-            except Exception:
-                pass
+        if not marker.exists():
+            RunFiles(self.rd).pull(marker, quiet=True)
         return marker.exists()
 
     def record(self, marker, text: str) -> None:
         """On a store, there before it is here: a test that cuts the host off on seeing it loses none."""
-        from torchloom import storage
-
-        storage.write_through(self.rd, marker, text)
+        RunFiles(self.rd).write_through(marker, text)
 
 
 def from_env(rd: RunDir, rank: int) -> FaultInjector | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torchloom.poller import Poller
 from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 
 
 def fmt_time(seconds: float) -> str:
@@ -32,7 +33,7 @@ class ProgressMonitor(Poller):
 
     def __init__(self, rd: RunDir, every: float = 15.0, stream=None):
         super().__init__(interval=0.5, name="torchloom-progress")
-        self.rd, self.path = rd, rd.progress
+        self.rd, self.path, self.files = rd, rd.progress, RunFiles(rd)
         self._pulled = 0.0
         self.stream = stream or sys.stderr
         self.every = every
@@ -54,7 +55,7 @@ class ProgressMonitor(Poller):
         """A run on a store whose rank 0 is on another host: its progress.json comes from the store (every 2 s;
         not while a rank on this host keeps the local file fresh)."""
         now = time.monotonic()
-        if not self.rd.remote or now - self._pulled < 2.0:
+        if not self.files.on_store or now - self._pulled < 2.0:
             return
         self._pulled = now
         try:
@@ -62,13 +63,7 @@ class ProgressMonitor(Poller):
                 return
         except OSError:
             pass
-        from torchloom import storage
-
-        try:
-            with storage.retrying_for(0):  # asked again in 2 s anyway
-                storage.pull(self.rd, self.path)
-        except Exception:  # the bar is best effort: the store may be slow or briefly away
-            pass
+        self.files.pull(self.path, quiet=True, wait=False)  # best effort, asked again in 2 s anyway
 
     def poll(self, final: bool = False) -> None:
         self.pull()
@@ -97,7 +92,7 @@ class LogTailer(Poller):
 
     def __init__(self, rd: RunDir, stream=None, interval: float = 0.5):
         super().__init__(interval=interval, name="torchloom-logs")
-        self.rd = rd
+        self.rd, self.files = rd, RunFiles(rd)
         self.stream = stream or sys.stderr
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, str] = {}
@@ -110,7 +105,7 @@ class LogTailer(Poller):
         # Only what this launch writes: start at the current end of existing logs.
         for p in self.rd.rank_logs():
             self._offsets[p] = p.stat().st_size
-        if self.rd.remote:
+        if self.files.on_store:
             import tempfile
 
             self._mirror = Path(tempfile.mkdtemp(prefix="torchloom-logs-"))
@@ -128,13 +123,7 @@ class LogTailer(Poller):
                 shutil.rmtree(self._mirror, ignore_errors=True)
 
     def _remote_logs(self) -> dict[str, int]:
-        from torchloom import storage
-
-        try:
-            with storage.retrying_for(0):  # asked again in 2 s anyway
-                listing = storage.list_files(storage.join(self.rd.remote, "logs"))
-        except Exception:  # best effort, as the progress bar: the store may be slow or briefly away
-            return {}
+        listing = self.files.listing(self.rd.logs, quiet=True, wait=False)  # best effort, as the progress bar
         return {name: size for name, size in listing.items() if "/" not in name
                 and name.startswith("rank-") and name.endswith(".log")}
 
@@ -145,14 +134,11 @@ class LogTailer(Poller):
         now = time.monotonic()
         if now - self._pulled >= 2.0:
             self._pulled = now
-            from torchloom import storage
-
             for name, size in self._remote_logs().items():
                 if name in self._local_ranks or self._remote_sizes.get(name) == size:
                     continue
                 try:
-                    with storage.retrying_for(0):
-                        storage.download(storage.join(self.rd.remote, "logs", name), self._mirror / name)
+                    self.files.download(self.rd.logs / name, self._mirror / name, wait=False)
                 except Exception:
                     continue
                 self._remote_sizes[name] = size

@@ -19,11 +19,12 @@ from pathlib import Path
 from torchloom.config import Config, to_dict
 from torchloom.engines.common import not_visible, replace_engine
 from torchloom.engines.driver import Attempt, attempts
-from torchloom.engines.worker import enter_worker_env, publish, run_worker, worker_env
+from torchloom.engines.worker import enter_worker_env, run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
 from torchloom.etl.session import conf_value, get_spark, is_local_master
 from torchloom.poller import Poller
 from torchloom.rundir import RunDir, write_json
+from torchloom.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 
 
@@ -98,7 +99,7 @@ class DecommissionWatch(Poller):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json(self.path, {"notice": f"Spark decommissions executor {executor} on host {host}",
                                "time": time.time()}, indent=None)
-        publish(self.rd, self.path)
+        RunFiles(self.rd).push(self.path, quiet=True)
         self.given = True
 
     def last_poll(self) -> None:  # the attempt is over: a notice now is for nobody
@@ -172,16 +173,10 @@ def check_slots(cfg: Config, spark=None):
     return spark
 
 
-def _sees(manifest: str):
+def _sees(location: str):
     def visible() -> bool:
-        if "://" not in manifest:
-            return os.path.isfile(manifest)
-        from torchloom import storage  # a run on a store: the executor's host must reach it
-
-        try:
-            return storage.exists(manifest)
-        except Exception:
-            return False
+        rd = RunDir(location)
+        return RunFiles(rd).reachable(rd.manifest)  # a run on a store: the executor's host must reach it
 
     def check(batches):
         import socket
@@ -198,7 +193,7 @@ def check_executors_see(spark, rd: RunDir, workers: int) -> None:
     each task's host and whether it sees the run directory. A host without it fails the launch in
     seconds with one line, where the training processes would fail one by one, retried."""
     rows = (spark.range(0, workers, 1, workers)
-            .mapInPandas(_sees(rd.home(rd.manifest)), schema="host string, visible boolean", barrier=True).collect())
+            .mapInPandas(_sees(rd.location), schema="host string, visible boolean", barrier=True).collect())
     blind = sorted({r.host for r in rows if not r.visible})
     if blind:
         raise not_visible(rd, blind)

@@ -30,10 +30,11 @@ from torchloom.engines.common import (
     is_peer_loss,
     not_visible,
 )
-from torchloom.errors import UserError, first_line
+from torchloom.errors import UserError
 from torchloom.model.env import model_env
 from torchloom.redaction import TUNE_STORAGE_ENV
 from torchloom.rundir import RunDir, read_json, write_json
+from torchloom.runfiles import RunFiles
 from torchloom.train import preemption
 from torchloom.train.reporter import Reporter, combine
 from torchloom.train.result import TrainResult
@@ -66,14 +67,8 @@ def capture_output(rd: RunDir, rank: int) -> None:
     that was lost), so the log goes on from there instead of replacing it."""
     path = rd.rank_log(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if rd.remote and not path.exists():
-        try:
-            from torchloom import storage
-
-            storage.pull(rd, path)
-        except Exception as e:  # the rank runs without the earlier lines; the store is judged elsewhere
-            print(f"torchloom: warning: could not fetch the earlier {rd.home(path)} ({first_line(e)})",
-                  file=sys.stderr, flush=True)
+    if not path.exists():  # the rank runs without the earlier lines if the store fails; it is judged elsewhere
+        RunFiles(rd).pull(path, quiet=True)
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -92,17 +87,14 @@ class ProgressFile(Reporter):
     PUSH_EVERY_S = 2.0
 
     def __init__(self, rd: RunDir):
-        self.rd, self.path = rd, rd.progress
+        self.rd, self.path, self.files = rd, rd.progress, RunFiles(rd)
         self._pushed = 0.0
 
     def progress(self, fields: dict) -> None:
         write_json(self.path, fields, indent=None)
-        if self.rd.remote and time.monotonic() - self._pushed >= self.PUSH_EVERY_S:
-            from torchloom import storage
-
+        if time.monotonic() - self._pushed >= self.PUSH_EVERY_S:
             self._pushed = time.monotonic()
-            with storage.retrying_for(0):  # the training thread never waits on a store for the bar
-                publish(self.rd, self.path)
+            self.files.push(self.path, quiet=True, wait=False)  # the training thread never waits for the bar
 
 
 class ErrorFile(Reporter):
@@ -139,45 +131,21 @@ def check_visible(rd: RunDir) -> None:
     """The driver prepared the data before any launch, so a worker that cannot see it is on a host
     without the shared storage; failing here takes seconds, while waiting for peers would hang. A run on a
     store has no shared directory: this host's working copy takes the prepared data from the store."""
-    if rd.remote:
-        from torchloom import storage
-
-        storage.ensure(rd, rd.manifest)  # the shards themselves are streamed from the store (train/loop.py)
+    RunFiles(rd).ensure(rd.manifest)  # on a store the shards themselves are streamed from it (train/loop.py)
     if not rd.manifest.is_file():
         raise not_visible(rd, [socket.gethostname()])
-
-
-def publish(rd: RunDir, *paths) -> None:
-    """A run on a store: the protocol files the driver reads (result, errors, placements, progress, rank
-    logs, metrics), uploaded from this host's copy; never fails the rank over it (the driver then reports
-    what it does see)."""
-    if not rd.remote:
-        return
-    from torchloom import storage
-
-    try:
-        storage.push(rd, *paths)
-    except Exception as e:
-        print(f"torchloom: warning: could not upload {', '.join(rd.home(p) for p in paths)} ({first_line(e)})",
-              file=sys.stderr, flush=True)
 
 
 def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
     """Record where this rank starts; returns how often it started before in this launch (0: first). A run on
     a store counts the starts the store holds: a replacement host has none of its own."""
-    if rd.remote:
-        from torchloom import storage
-
-        try:
-            storage.pull(rd, rd.logs)  # placements and errors of the ranks before this start, from every host
-        except Exception as e:
-            print(f"torchloom: warning: could not read {rd.home(rd.logs)} ({first_line(e)})", file=sys.stderr,
-                  flush=True)
+    files = RunFiles(rd)
+    files.pull(rd.logs, quiet=True)  # placements and errors of the ranks before this start, from every host
     start = len(rd.placements(launch_id, rank=rank))
     rd.logs.mkdir(parents=True, exist_ok=True)
     write_json(rd.placement_file(launch_id, rank, start), {"rank": rank, "host": socket.gethostname(),
                                                            "pid": os.getpid(), "time": time.time()}, indent=None)
-    publish(rd, rd.placement_file(launch_id, rank, start))
+    files.push(rd.placement_file(launch_id, rank, start), quiet=True)
     return start
 
 
@@ -193,6 +161,8 @@ def start_heartbeat(placement: Path, rd: RunDir | None = None, log: Path | None 
     """Touch the placement file every HEARTBEAT_S; a run on a store also uploads the beat's time in it every
     REMOTE_BEAT_S (common.lost_ranks), and the rank's `log` when it grew, every REMOTE_LOG_S (a host that is
     lost keeps its lines up to then), quietly: a store that does not answer now is judged by the driver."""
+    files = RunFiles(rd) if rd is not None else None
+
     def beat() -> None:
         pushed = logged = 0.0
         log_size = -1
@@ -200,22 +170,19 @@ def start_heartbeat(placement: Path, rd: RunDir | None = None, log: Path | None 
             time.sleep(HEARTBEAT_S)
             try:
                 os.utime(placement)
-                if rd is None or not rd.remote:
+                if files is None or not files.on_store:
                     continue
-                from torchloom import storage
-
                 # a beat is due again in seconds: never wait on the store (and miss the local touches) for one
-                with storage.retrying_for(0):
-                    if time.monotonic() - pushed >= REMOTE_BEAT_S:
-                        pushed = time.monotonic()
-                        update_placement(placement, beat=time.time())
-                        storage.push(rd, placement)
-                    if log is not None and time.monotonic() - logged >= REMOTE_LOG_S:
-                        logged = time.monotonic()
-                        size = log.stat().st_size
-                        if size != log_size:
-                            storage.push(rd, log)
-                            log_size = size
+                if time.monotonic() - pushed >= REMOTE_BEAT_S:
+                    pushed = time.monotonic()
+                    update_placement(placement, beat=time.time())
+                    files.push(placement, wait=False)
+                if log is not None and time.monotonic() - logged >= REMOTE_LOG_S:
+                    logged = time.monotonic()
+                    size = log.stat().st_size
+                    if size != log_size:
+                        files.push(log, wait=False)
+                        log_size = size
             except Exception:
                 pass
 
@@ -249,14 +216,12 @@ def watch_notice_file(rd: RunDir, path: Path, every_s: float = NOTICE_POLL_S) ->
     driver writes it to `path`, and this thread gives it here when the file appears (on a store: when the
     store has it). One worker per host is enough: the flag reaches every rank at the next step boundary."""
 
+    files = RunFiles(rd)
+
     def poll() -> None:
         while not preemption.NOTICE.given:
             try:
-                if rd.remote:
-                    from torchloom import storage
-
-                    with storage.retrying_for(0):  # asked again in every_s
-                        storage.pull(rd, path)
+                files.pull(path, wait=False)  # asked again in every_s
                 if path.is_file():
                     preemption.NOTICE.give(str(read_json(path).get("notice") or "the driver's notice"))
                     return
@@ -330,11 +295,11 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
                      device=device)
         if result.preemptions:  # this start ended preempted: the next one is not a restart
             update_placement(placement, preempted=True)
-            publish(rd, placement)
+            RunFiles(rd).push(placement, quiet=True)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
             # the result last: a driver that sees it finds everything it reads with it
-            publish(rd, rd.metrics, rd.progress, rd.result_file(launch_id))
+            RunFiles(rd).push(rd.metrics, rd.progress, rd.result_file(launch_id), quiet=True)
         return result
     except BaseException as e:
         record_error(rd, rank, e, launch_id)
@@ -347,7 +312,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         if capture:
             sys.stdout.flush()
             sys.stderr.flush()
-            publish(rd, rd.rank_log(rank))
+            RunFiles(rd).push(rd.rank_log(rank), quiet=True)
 
 
 def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None = None) -> None:
@@ -366,4 +331,4 @@ def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None 
         "message": str(e),
         "traceback": "".join(traceback.format_exception(e)),
     }, indent=None)
-    publish(rd, path)
+    RunFiles(rd).push(path, quiet=True)

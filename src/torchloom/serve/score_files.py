@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.rundir import holds_cwd
+from torchloom.runrecord import holds_cwd
 
 FORMATS = {
     ".csv": "csv", ".tsv": "csv",

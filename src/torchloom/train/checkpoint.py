@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import warnings
@@ -39,11 +38,10 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
-from torchloom.rundir import write_atomic
-from torchloom.storage import delete_tree, join, sha256_file, stored_steps, upload
+from torchloom.rundir import STEP_DIR, sha256_file, step_name, write_atomic
+from torchloom.runfiles import RunFiles
 from torchloom.train.distributed import Dist, broadcast_from_main
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
 SHARDED_DIR = "sharded"
 META = "meta.json"  # written last: a directory without it is not a checkpoint
 
@@ -121,17 +119,17 @@ def sharded_state(model, optimizer) -> dict[str, Any]:
 
 
 def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_state: dict, meta: dict,
-         keep_last: int, keep: set[int], sharded: bool = False, remote: str | None = None) -> Path:
+         keep_last: int, keep: set[int], sharded: bool = False, files: RunFiles | None = None) -> Path:
     """Collective: every rank calls it. Returns the final directory.
 
     sharded: every rank writes its part of the model and optimizer (torch.distributed.checkpoint).
-    remote: the run's checkpoints on a store (hosts share no directory): each rank but 0 writes its own files
+    files: the run's files; on a store (hosts share no directory) each rank but 0 writes its own files
     on its host and uploads them itself before the barrier after which rank 0 completes the checkpoint
     (rank 0's files go up in the background, meta.json last: train/upload.py).
     """
     root = Path(root)
-    final = root / f"step-{step}"
-    tmp = root / f".step-{step}.tmp"
+    final = root / step_name(step)
+    tmp = root / f".{final.name}.tmp"
     if d.is_main:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -150,8 +148,8 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
                          written)
             _write_torch(optimizer.state_dict(), tmp, "optimizer.pt", written)
         _write_torch(trainer_state, tmp, "trainer.pt", written)
-    if remote and not d.is_main:
-        _upload_own_files(tmp, f"{remote.rstrip('/')}/step-{step}")
+    if files is not None and files.on_store and not d.is_main:
+        _upload_own_files(files, tmp, final)
     d.io_barrier()
     if d.is_main:
         # Last, once every rank's files are there: their sizes and hashes, which resume and export check.
@@ -162,28 +160,25 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         os.replace(tmp, final)
         prune(root, keep_last, keep | {step})
     d.io_barrier()
-    if remote and not d.is_main:
+    if files is not None and files.on_store and not d.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # uploaded; rank 0's copy is the checkpoint
     return final
 
 
-def _upload_own_files(tmp: Path, uri: str) -> None:
-    """This rank's files of a checkpoint (its RNG state, its shards), straight to the store."""
+def _upload_own_files(files: RunFiles, tmp: Path, final: Path) -> None:
+    """This rank's files of a checkpoint (its RNG state, its shards), straight to the store as `final`'s."""
     for p in sorted(tmp.rglob("*")):
         if p.is_file() and (p.name.startswith("rng-rank") or SHARDED_DIR in p.relative_to(tmp).parts):
-            upload(p, f"{uri}/{p.relative_to(tmp).as_posix()}")
+            files.push_as(p, final / p.relative_to(tmp))
 
 
-def clear_earlier(rd) -> None:
+def clear_earlier(files: RunFiles) -> None:
     """Rank 0 of a fresh training (no train.resume) in a run that was trained before: the earlier training's
     checkpoints go, here and on the store, once a worker has started (a launch that fails first keeps them), so
     that neither `export` nor a later --resume takes one of them for this training's."""
-    found = [step for step, _ in list_checkpoints(rd.checkpoints)]
-    if rd.remote:
-        found = sorted({*found, *stored_steps(rd)})
-        delete_tree(join(rd.remote, "checkpoints"))
-    if rd.checkpoints.is_dir():
-        shutil.rmtree(rd.checkpoints, ignore_errors=True)
+    rd = files.rd
+    found = sorted({*(step for step, _ in list_checkpoints(rd.checkpoints)), *files.stored_steps()})
+    files.delete(rd.checkpoints)
     if found:
         print(f"torchloom: a fresh training (no --resume): the {len(found)} checkpoint(s) of the earlier training in"
               f" {rd.home(rd.checkpoints)} (steps {', '.join(map(str, found))}) are removed", flush=True)
@@ -341,7 +336,7 @@ def select(root: str | Path, which: str) -> Path:
         raise UserError(f"{root}: no checkpoint; run torchloom train first")
     if which == "best":
         best_step = read_meta(last).get("best_step", -1)
-        best = root / f"step-{best_step}"
+        best = root / step_name(best_step)
         if best_step >= 0 and is_checkpoint(best):
             why = damage(best)
             if why:

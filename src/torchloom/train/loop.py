@@ -26,7 +26,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from torchloom import storage
 from torchloom.config import Config, budget, elastic_micro_batch, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
@@ -35,6 +34,7 @@ from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 from torchloom.train import checkpoint, optim, preemption
 from torchloom.train.distributed import Dist, all_gather_objects, all_reduce_sum, any_rank
 from torchloom.train.evaluation import evaluate
@@ -124,10 +124,11 @@ class Trainer:
         self.rd = RunDir(cfg.output.dir)
         self.reporter = reporter or Reporter()
         # A run on a store: rank 0 uploads each checkpoint in the background (train/upload.py).
-        self.uploader = CheckpointUploader(self.rd, self.log) if d.is_main and self.rd.remote else None
+        self.files = RunFiles(self.rd)
+        self.uploader = CheckpointUploader(self.files, self.log) if d.is_main and self.files.on_store else None
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
-        self.manifest = storage.streamed(self.rd, read_manifest(self.rd.data))
+        self.manifest = self.files.streamed(read_manifest(self.rd.data))
         if "auto" in (self.tc.epochs, self.tc.early_stopping_patience):  # the driver decides where it runs one
             self.tc = budget.resolve(replace(cfg, train=self.tc), self.manifest.num_labels,
                                      self.manifest.split("train").rows)[0].train
@@ -397,16 +398,16 @@ class Trainer:
 
     # -- resume and checkpoints ---------------------------------------------------------------
     def _maybe_resume(self) -> str | None:
-        if self.rd.remote and self.tc.resume == "latest":
+        if self.files.on_store and self.tc.resume == "latest":
             if self.d.local_rank == 0:  # one download per host; the ranks beside it read the same copy
-                storage.pull_checkpoints(self.rd, intact=lambda p: checkpoint.damage(p) is None)
+                self.files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)
             self.d.io_barrier()
         path = checkpoint.resolve_once(self.d, self.tc.resume, self.rd.checkpoints)
         if path is None:
             if self.d.is_main:
                 self.rd.reset_metrics(None, keep_driver=True)
                 if not self.tc.resume:  # a fresh training: the earlier one's checkpoints would be exported
-                    checkpoint.clear_earlier(self.rd)
+                    checkpoint.clear_earlier(self.files)
             return None
         ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
         self.scheduler.load_state_dict(ts["scheduler"])
@@ -430,7 +431,7 @@ class Trainer:
                       f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
         self.loader.load_state_dict(saved)
         if self.d.is_main:
-            storage.catch_up_metrics(self.rd, self.state.step)
+            self.files.catch_up_metrics(self.state.step)
             self.rd.reset_metrics(self.state.step)
         return str(path)
 
@@ -452,7 +453,7 @@ class Trainer:
         path = checkpoint.save(
             self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
             trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
-            remote=storage.join(self.rd.remote, "checkpoints") if self.rd.remote else None,
+            files=self.files,
         )
         self.checkpoint_s = time.perf_counter() - started  # what a checkpoint at a preemption would take
         if self.uploader:

@@ -15,13 +15,13 @@ import threading
 import time
 from pathlib import Path
 
-from torchloom import storage
-from torchloom.rundir import RunDir
+from torchloom.rundir import STEP_DIR
+from torchloom.runfiles import RunFiles
 
 
 class CheckpointUploader:
-    def __init__(self, rd: RunDir, log=None):
-        self.rd = rd
+    def __init__(self, files: RunFiles, log=None):
+        self.files, self.rd = files, files.rd
         self.log = log or (lambda record: None)  # a metrics.jsonl line per finished upload
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -49,7 +49,7 @@ class CheckpointUploader:
         for the previous one before writing it."""
         assert self._thread is None, "wait() first: one upload in flight at the most"
         checkpoint_dir = Path(checkpoint_dir)
-        step = int(checkpoint_dir.name.removeprefix("step-"))
+        step = int(STEP_DIR.match(checkpoint_dir.name).group(1))
         self._thread = threading.Thread(target=self._upload, args=(checkpoint_dir, step, blocked_s),
                                         name=f"torchloom-upload-step-{step}", daemon=True)
         self._thread.start()
@@ -57,33 +57,32 @@ class CheckpointUploader:
     def _upload(self, checkpoint_dir: Path, step: int, blocked_s: float) -> None:
         started = time.perf_counter()
         try:
-            uri = storage.join(self.rd.remote, "checkpoints", checkpoint_dir.name)
-            size = storage.push_tree(checkpoint_dir, uri, last=("meta.json",))
-            self._verify(checkpoint_dir, uri)
+            size = self.files.push(checkpoint_dir)  # meta.json last
+            self._verify(checkpoint_dir)
             self._prune()
             self._done = {"kind": "checkpoint", "step": step, "bytes": size, "blocked_s": round(blocked_s, 3),
                           "upload_s": round(time.perf_counter() - started, 3)}
         except BaseException as e:  # raised in the training thread at the next wait()
             self._error = e
 
-    @staticmethod
-    def _verify(checkpoint_dir: Path, uri: str) -> None:
+    def _verify(self, checkpoint_dir: Path) -> None:
         """Every file of the checkpoint is on the store at its local size (the hashes are in meta.json, which
         resume checks); a store that lost or cut an object fails the upload here, not at resume."""
         local = {p.relative_to(checkpoint_dir).as_posix(): p.stat().st_size
                  for p in checkpoint_dir.rglob("*") if p.is_file()}
-        remote = storage.list_files(uri)
+        remote = self.files.listing(checkpoint_dir)
         wrong = sorted(name for name, size in local.items() if remote.get(name) != size)
         if wrong:
-            raise OSError(f"{uri}: after the upload {wrong[0]} is missing or of another size on the store")
+            raise OSError(f"{self.rd.home(checkpoint_dir)}: after the upload {wrong[0]} is missing or of another"
+                          " size on the store")
 
     def _prune(self) -> None:
         """The store keeps the checkpoints the local directory kept (keep_last and the best)."""
-        local = {p.name for p in self.rd.checkpoints.glob("step-*")}
-        remote = {rel.split("/", 1)[0] for rel in storage.list_files(storage.join(self.rd.remote, "checkpoints"))}
+        local = {p.name for p in self.rd.checkpoints.iterdir() if STEP_DIR.match(p.name)}
+        remote = {rel.split("/", 1)[0] for rel in self.files.listing(self.rd.checkpoints)}
         for name in sorted(remote - local):
-            if name.startswith("step-"):
-                storage.delete_tree(storage.join(self.rd.remote, "checkpoints", name))
+            if STEP_DIR.match(name):
+                self.files.delete(self.rd.checkpoints / name)
 
     def drain(self) -> dict:
         """Wait for the last upload; the totals for the summary."""

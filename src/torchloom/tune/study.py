@@ -29,7 +29,9 @@ from torchloom import config as config_mod
 from torchloom import pipeline, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
-from torchloom.rundir import STUDY_FORMAT, StudyDir, check_replaceable, read_json, replace_local, write_json
+from torchloom.rundir import StudyDir, read_json, write_json
+from torchloom.runfiles import RunFiles
+from torchloom.runrecord import STUDY_FORMAT, check_replaceable, replace_local
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
 
@@ -67,17 +69,15 @@ def choose_backend(cfg: Config) -> str:
 def from_store(cfg: Config) -> None:
     """A study on a store (output.dir s3://...): its trials run in this host's copy, which first takes the store's
     study (a study resumed on another host goes on from what the store holds); --overwrite replaces the store's
-    own objects of it (storage.replace_remote)."""
-    sd = study_dir(cfg)
-    if not sd.remote:
+    own objects of it (RunFiles.replace)."""
+    files = RunFiles(study_dir(cfg))
+    if not files.on_store:
         return
-    from torchloom import storage
-
     if cfg.output.overwrite:
-        storage.replace_remote(sd)
+        files.replace()
         return
-    storage.sync_copy(sd)
-    storage.pull(sd, sd.root)
+    files.sync_copy()
+    files.pull(files.rd.root)
 
 
 @contextlib.contextmanager
@@ -87,10 +87,9 @@ def to_store(sd: StudyDir):
     try:
         yield
     finally:
-        if sd.remote:
-            from torchloom import storage
-
-            storage.push(sd, sd.root)
+        files = RunFiles(sd)
+        if files.on_store:
+            files.push(sd.root)
             say(f"the study is on the store: {sd.where}")
 
 

@@ -1,0 +1,409 @@
+"""The owner of a run's files, wherever the run lives: the code that trains never asks where they are.
+
+RunDir (rundir.py) names the paths of a run; RunFiles moves them. A run in a local directory (or one every host
+mounts at the same path) has nothing to move: every verb returns at once. A run on a store (`output.dir`
+s3://..., gs://..., abfs://..., hdfs://..., or `file+store:///path`, a directory used as a store) lives there, and
+each host works in a staging copy (RunDir.root); these verbs are the fixed points where files cross:
+
+    ensure(paths)              before a stage reads: what this copy lacks, once the copy is of the store's run
+    pull(paths)                the store's copy of these (a file of the same size is kept)
+    refresh(files)             small files rewritten in place (a rank's heartbeat), downloaded again
+    push(paths)                after a stage writes (a directory's meta.json / manifest.json last)
+    push_as(file, path)        a local file to the store as the run's `path` (a rank's part of a checkpoint)
+    write_through(path, text)  a small file on the store first, then here (a host cut off right after loses none)
+    write_json(path, data)     atomically here, then pushed
+    read(path) / write(path, data)   the file where the run lives (the store's object, not this copy's)
+    delete(path)               here and on the store
+    listing(path)              {name: size} of what the store holds under a path ({} for a local run)
+    stored_steps / pull_checkpoints        the store's complete checkpoints
+    streamed(manifest)         prepared data whose shards are read from the store (ranged reads)
+    sync_copy / new_identity   the copy counts only while its record equals the store's (rundir.RUN_RECORD)
+    check_own / replace        the own-prefix rule and --overwrite (rundir.owned_entries), read from the store
+
+quiet=True: a failure is one warning line instead of an error (the driver judges the store by what it then sees);
+wait=False: no retrying (the caller asks again within seconds anyway), and a quiet failure is not even a warning.
+
+storage.py is the object-store client below this module; nothing outside RunFiles moves a run's files with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from torchloom import storage
+from torchloom.errors import UserError, first_line
+from torchloom.rundir import CONFIG_FILE, LEASE_FILE, RUN_RECORD, STEP_DIR, RunDir, write_atomic, write_json
+from torchloom.runrecord import (
+    is_own,
+    is_own_file,
+    owned_entries,
+    parse_record,
+    replace_local,
+    write_record,
+)
+
+# The file that says a directory is complete, uploaded after every other file of it.
+COMPLETE_LAST = ("meta.json", "manifest.json")
+
+
+class RunFiles:
+    """A run's files (see the module's docstring). Cheap to make, and picklable: a worker makes its own."""
+
+    def __init__(self, rd: RunDir | str | os.PathLike):
+        self.rd = rd if isinstance(rd, RunDir) else RunDir(rd)
+        self._remote = self.rd.remote
+
+    def __repr__(self) -> str:
+        return f"RunFiles({self.rd.where!r})"
+
+    @property
+    def on_store(self) -> bool:
+        """The run lives on a store, and this host holds a copy of it (the protocol's few rules that differ:
+        heartbeats carry their time, a worker that cannot see the data is told about credentials)."""
+        return self._remote is not None
+
+    def uri(self, path: str | Path) -> str:
+        """Where the run's `path` lives on the store (for a client that reads it there: Spark's executors)."""
+        assert self._remote is not None
+        rel = Path(path).resolve().relative_to(self.rd.root).as_posix()
+        return self._remote if rel == "." else storage.join(self._remote, rel)
+
+    # -- moving files -------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _guard(self, action: str, paths, quiet: bool, wait: bool) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if not wait:
+                stack.enter_context(storage.retrying_for(0))
+            try:
+                yield
+            except Exception as e:
+                if not quiet:
+                    raise
+                if wait:
+                    print(f"torchloom: warning: could not {action} {', '.join(self.rd.home(p) for p in paths)}"
+                          f" ({first_line(e)})", file=sys.stderr, flush=True)
+
+    def push(self, *paths: str | Path, quiet: bool = False, wait: bool = True) -> int:
+        """Upload these files or directories of the working copy to the store; returns the bytes sent."""
+        sent = 0
+        if self._remote is None:
+            return sent
+        with self._guard("upload", paths, quiet, wait):
+            for p in map(Path, paths):
+                if p.is_dir():
+                    sent += storage.push_tree(p, self.uri(p), last=COMPLETE_LAST)
+                elif p.is_file():
+                    storage.upload(p, self.uri(p))
+                    sent += p.stat().st_size
+        return sent
+
+    def push_as(self, local: str | Path, path: str | Path) -> None:
+        """One local file to the store as the run's `path` (which this host need not hold)."""
+        if self._remote is not None:
+            storage.upload(local, self.uri(path))
+
+    def pull(self, *paths: str | Path, quiet: bool = False, wait: bool = True) -> None:
+        """Download these files or directories from the store into the working copy (what the store does not
+        hold is left as it is; a file of the same size is kept)."""
+        if self._remote is None:
+            return
+        with self._guard("read", paths, quiet, wait):
+            for p in map(Path, paths):
+                uri = self.uri(p)
+                if storage.list_files(uri):
+                    storage.pull_tree(uri, p)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        storage.download(uri, p)
+
+    def refresh(self, *files: str | Path, quiet: bool = False, wait: bool = True) -> None:
+        """Download these small files again, whatever this copy holds (rewritten in place at the same size);
+        a file the store does not hold is left as it is."""
+        if self._remote is None:
+            return
+        with self._guard("read", files, quiet, wait):
+            for p in map(Path, files):
+                with contextlib.suppress(FileNotFoundError):
+                    storage.download(self.uri(p), p)
+
+    def ensure(self, *paths: str | Path) -> None:
+        """Pull what this copy lacks of these (a stage about to read them), once it is of the store's run."""
+        if self._remote is None:
+            return
+        self.sync_copy()
+        missing = [p for p in map(Path, paths) if not p.exists()]
+        if missing:
+            self.pull(*missing)
+
+    def write_through(self, path: str | Path, text: str) -> None:
+        """A small file on the store first, then in this copy: once the local file is there, so is the store's."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self._remote is None:
+            path.write_text(text)
+            return
+        staged = path.with_name(f".{path.name}.{os.getpid()}.pending")
+        staged.write_text(text)
+        try:
+            storage.upload(staged, self.uri(path))
+            os.replace(staged, path)
+        finally:
+            staged.unlink(missing_ok=True)
+
+    def write_json(self, path: str | Path, data, indent: int | None = 2) -> Path:
+        """Write JSON atomically in this copy, then publish it on the store."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        written = write_json(path, data, indent=indent)
+        self.push(written)
+        return written
+
+    def delete(self, path: str | Path) -> None:
+        """A file or directory of the run, here and on the store."""
+        path = Path(path)
+        if self._remote is not None:
+            uri = self.uri(path)
+            if storage.list_files(uri):
+                storage.delete_tree(uri)
+            else:
+                storage.delete(uri)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+    def listing(self, path: str | Path, quiet: bool = False, wait: bool = True) -> dict[str, int]:
+        """{name relative to `path`: size} of what the store holds under the run's `path` ({} for a local run)."""
+        if self._remote is None:
+            return {}
+        with self._guard("list", [path], quiet, wait):
+            return storage.list_files(self.uri(path))
+        return {}
+
+    def read(self, path: str | Path) -> bytes | None:
+        """The run's file `path` where the run lives (the store's object, never this copy's), or None."""
+        if self._remote is None:
+            return Path(path).read_bytes() if Path(path).is_file() else None
+        try:
+            return storage.read_bytes(self.uri(path))
+        except FileNotFoundError:
+            return None
+
+    def write(self, path: str | Path, data: bytes) -> None:
+        """The run's file `path` where the run lives, whole (the store's object; this copy is not written)."""
+        if self._remote is None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, data)
+        else:
+            storage.write_bytes(self.uri(path), data)
+
+    def check_writable(self, key: str = "output.dir") -> None:
+        """Before any work: the store answers and these credentials may write and delete there (one line
+        otherwise, within seconds); nothing to check for a local run."""
+        if self._remote is not None:
+            storage.check_writable(self._remote, key)
+
+    def reachable(self, path: str | Path) -> bool:
+        """Does this host reach the run's `path`: on the store (a host without its credentials does not), or for
+        a local run in the directory (a host that does not mount it does not)?"""
+        if self._remote is None:
+            return Path(path).exists()
+        try:
+            return storage.exists(self.uri(path))
+        except Exception:
+            return False
+
+    def modified(self, path: str | Path) -> dict[str, int | None]:
+        """{name: modification time in ns} of what the store holds under the run's `path` ({} for a local run)."""
+        if self._remote is None:
+            return {}
+        return {rel: mtime for rel, (_, mtime) in storage.list_objects(self.uri(path)).items()}
+
+    def download(self, path: str | Path, into: str | Path, wait: bool = True) -> Path:
+        """The store's copy of the run's file `path`, written to `into` (a private mirror, not the working copy)."""
+        with self._guard("read", [path], False, wait):
+            return storage.download(self.uri(path), into)
+
+    # -- the run's identity ----------------------------------------------------------------------------
+    def sync_copy(self) -> None:
+        """This host's copy counts only for the run it was made from: when the store's record (made anew by every
+        prepare, --overwrite and fresh train) differs from the copy's, the copy is emptied and takes the store's,
+        so what a stage needs next is pulled again instead of an earlier run's files being trusted."""
+        if self._remote is None:
+            return
+        rd = self.rd
+        try:
+            remote = storage.read_bytes(self.uri(rd.record))
+        except FileNotFoundError:
+            remote = None
+        rd.root.parent.mkdir(parents=True, exist_ok=True)
+        # The ranks of one host share its copy: one of them empties it, the others then find the store's record.
+        with open(rd.root.with_name(f".{rd.root.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            local = rd.record.read_bytes() if rd.record.is_file() else None
+            if remote == local:
+                return
+            if rd.root.is_dir():
+                for entry in rd.root.iterdir():
+                    if entry.is_dir() and not entry.is_symlink():
+                        shutil.rmtree(entry, ignore_errors=True)
+                    else:
+                        entry.unlink(missing_ok=True)
+            if remote is not None:
+                rd.root.mkdir(parents=True, exist_ok=True)
+                write_atomic(rd.record, remote)
+
+    def new_identity(self) -> None:
+        """A new record for the run (runrecord.write_record), on the store too: every other host's copy is void."""
+        write_record(self.rd.root)
+        self.push(self.rd.record)
+
+    def catch_up_metrics(self, step: int) -> None:
+        """Resumed at `step`: this copy's metrics.jsonl becomes the store's when it lacks the lines up to that step
+        (they were written on another host), so the history is appended to, never replaced."""
+        if self._remote is None:
+            return
+        steps = [r.get("step") or 0 for r in self.rd.metric_records()]
+        if not steps or max(steps) < step:
+            self.refresh(self.rd.metrics)
+
+    def streamed(self, manifest):
+        """Prepared data's manifest with the shards read from the store (ranged reads of the row groups asked
+        for, never a whole download); a local run's manifest as it is."""
+        if self._remote is None:
+            return manifest
+        from dataclasses import replace
+
+        return replace(manifest, root=self.uri(self.rd.data))
+
+    # -- checkpoints -------------------------------------------------------------------------------------
+    def stored_steps(self) -> list[int]:
+        """The steps of the complete checkpoints (those with meta.json) the store holds, newest first ([] for a
+        local run)."""
+        if self._remote is None:
+            return []
+        steps = set()
+        for rel in self.listing(self.rd.checkpoints):
+            name, _, rest = rel.partition("/")
+            if rest == "meta.json" and (m := STEP_DIR.match(name)):
+                steps.add(int(m.group(1)))
+        return sorted(steps, reverse=True)
+
+    def pull_checkpoints(self, intact: Callable[[Path], bool] | None = None) -> list[int]:
+        """Bring the store's complete checkpoints into the copy, newest first, each downloaded beside and renamed
+        into place; returns their steps, newest first. A local copy counts only while its meta.json (which holds
+        every file's sha256) equals the store's and its files are there at their sizes; a complete local
+        checkpoint the store does not hold is removed, so no host resumes from a step the others cannot load.
+
+        intact: a resume's check of a local checkpoint (its files hash as its meta.json says; train/checkpoint.py).
+        With it the pull stops at the first checkpoint that passes: it, and any damaged newer one (left for the
+        resume to warn of and skip), are downloaded whole; of the older ones only meta.json, so the copy still lists
+        every checkpoint the store keeps without their bytes. Without it (export, which may take the best) all are
+        whole."""
+        if self._remote is None:
+            return []
+        self.sync_copy()
+        steps = self.stored_steps()
+        if self.rd.checkpoints.is_dir():
+            for local in self.rd.checkpoints.iterdir():
+                m = STEP_DIR.match(local.name)
+                if m and int(m.group(1)) not in steps and (local / "meta.json").is_file():
+                    shutil.rmtree(local, ignore_errors=True)
+        found = False
+        for step in steps:
+            local = self.rd.checkpoint(step)
+            meta = storage.read_bytes(self.uri(local / "meta.json"))
+            if found:
+                if not ((local / "meta.json").is_file() and (local / "meta.json").read_bytes() == meta):
+                    shutil.rmtree(local, ignore_errors=True)
+                    local.mkdir(parents=True)
+                    write_atomic(local / "meta.json", meta)
+                continue
+            if not _holds(local, meta):
+                tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
+                shutil.rmtree(tmp, ignore_errors=True)
+                storage.pull_tree(self.uri(local), tmp, only_if_changed=False)
+                shutil.rmtree(local, ignore_errors=True)
+                os.replace(tmp, local)
+            found = intact is not None and intact(local)
+        return steps
+
+    # -- whose prefix it is, and --overwrite ------------------------------------------------------------
+    def _objects(self) -> tuple[dict[str, int], Callable[[str], bytes | None]]:
+        """The run's objects but its lease (lease.py: a driver holds it before it looks whether the prefix is empty
+        or torchloom's, and --overwrite leaves it to its owner), and a reader of them (rundir.is_own's)."""
+        assert self._remote is not None
+        remote = self._remote
+        listing = {rel: size for rel, size in storage.list_files(remote).items() if rel != LEASE_FILE}
+
+        def read(rel: str) -> bytes | None:
+            try:
+                return storage.read_bytes(storage.join(remote, rel)) if rel in listing else None
+            except FileNotFoundError:
+                return None
+
+        return listing, read
+
+    def holds_anything(self) -> bool:
+        """The store holds objects of this run (its lease aside); a local run: its directory is not empty."""
+        if self._remote is None:
+            return self.rd.root.is_dir() and any(self.rd.root.iterdir())
+        return bool(self._objects()[0])
+
+    def check_own(self, key: str = "output.dir") -> None:
+        """Before a stage writes into a run on a store: the prefix is empty or torchloom's (its record, or a marker
+        of torchloom's content), and holds no config.toml of someone else's; one line otherwise. Read from the
+        store, never from this host's copy."""
+        if self._remote is None:
+            return
+        listing, read = self._objects()
+        if not listing:
+            return
+        config = read(CONFIG_FILE)
+        if config is not None and not is_own_file(CONFIG_FILE, config):
+            raise UserError(f"{key} {self.rd.where}: holds a config.toml that torchloom did not write; it is left"
+                            " alone; pass another --output.dir")
+        if parse_record(read(RUN_RECORD)) is None and not is_own(read):
+            some = ", ".join(sorted(listing)[:3])
+            raise UserError(f"{key} {self.rd.where}: holds {len(listing)} objects that torchloom did not write"
+                            f" ({some}); they are left alone; pass another --output.dir")
+
+    def replace(self, key: str = "output.dir") -> None:
+        """--overwrite: delete the run's own files (runrecord.owned_entries: the names its record lists), nothing
+        else; a bucket's root, or a directory or prefix holding anything torchloom did not write, is refused in one
+        line. A run on a store: the store's objects (this host's copy is then emptied by sync_copy)."""
+        if self._remote is None:
+            replace_local(self.rd.root, key)
+            return
+        listing, read = self._objects()
+        if not listing:
+            return
+        fs, path = storage.resolve(self._remote)
+        if "/" not in path.strip("/"):
+            raise UserError(f"{key} {self.rd.where}: not replaced: it is a bucket's root, which --overwrite never"
+                            f" empties; give the run a prefix of its own, e.g. {self.rd.where}/runs/NAME")
+        names = sorted({rel.split("/", 1)[0] for rel in listing})
+        for name in owned_entries(names, read, self.rd.where, key):
+            if name in listing:
+                storage.delete(storage.join(self._remote, name))
+            else:
+                storage.delete_tree(storage.join(self._remote, name))
+
+
+def _holds(local: Path, meta: bytes) -> bool:
+    """Does this host's checkpoint directory hold the store's (the same meta.json, every file it records there at
+    its size)? A copy of meta.json alone (pull_checkpoints) does not."""
+    if not (local / "meta.json").is_file() or (local / "meta.json").read_bytes() != meta:
+        return False
+    try:
+        files = json.loads(meta).get("files") or {}
+    except ValueError:
+        return True  # the resume judges a meta.json it cannot read
+    return all((local / name).is_file() and (local / name).stat().st_size == want.get("size")
+               for name, want in files.items() if isinstance(want, dict))

@@ -1,0 +1,213 @@
+"""What a run owns, and how torchloom knows a directory is its own: the run's record (`torchloom-run.json`,
+its identity and the names it owns), the content markers of runs made before records, and what `--overwrite`
+may delete. The same rules for a local directory and a prefix on a store (RunFiles reads the store's side).
+
+Nothing heavy is imported here: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torchloom.rundir import CONFIG_FILE, MANIFEST_FILE, RUN_RECORD, STUDY_FILE, write_json
+
+# The keys manifest.py's Manifest writes (its fields but `root`; tests/test_overwrite.py holds them equal).
+MANIFEST_KEYS = frozenset({"counts", "fingerprint", "format_version", "inputs", "labels", "splits", "timings",
+                           "tokenizer"})
+# What may make a directory torchloom's own, so that --overwrite may replace it: a run's config, prepared data's
+# manifest, a study's marker. A name alone proves nothing (a Hugo site has a config.toml, a web app a
+# manifest.json, a Lightning project checkpoints/): each counts only when its content is torchloom's (is_own_file).
+OWN_MARKERS = (CONFIG_FILE, f"data/{MANIFEST_FILE}", MANIFEST_FILE, STUDY_FILE)
+STUDY_FORMAT = "torchloom-study/1"  # study.json's "format"
+# The sections of every config.toml torchloom has written (later versions add more, never fewer).
+CONFIG_SECTIONS = ("data", "prepare", "model", "train", "eval", "engine", "output")
+# study.json before it carried "format": what open_study_dir wrote, and what the report added.
+LEGACY_STUDY_KEYS = {"backend", "study_name", "created", "metric", "mode"}
+LEGACY_STUDY_REPORT_KEYS = {"trials", "stopped_early", "seconds", "results_csv", "best_trial", "best_value",
+                            "best_params", "best_config", "model_dir", "test"}
+
+
+def _is_own_config(text: str) -> bool:
+    """A config.toml that torchloom's own loader reads back: only torchloom's sections, each a table, the
+    sections every saved config has, and nothing the loader refuses (an unknown key, a bad value)."""
+    import tomllib
+
+    from torchloom.config import from_dict
+    from torchloom.errors import UserError
+
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return False
+    if not all(isinstance(v, dict) for v in data.values()) or not all(s in data for s in CONFIG_SECTIONS):
+        return False
+    try:
+        from_dict(data)
+    except (UserError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _is_own_manifest(data: Any) -> bool:
+    """A manifest.json as manifest.py writes it: every required key, no key of anyone else's."""
+    known = MANIFEST_KEYS
+    required = {"labels", "splits", "tokenizer", "fingerprint", "format_version"}
+    if not isinstance(data, dict) or not required <= data.keys() <= known:
+        return False
+    splits = data["splits"]
+    return (isinstance(data["format_version"], int) and isinstance(data["labels"], list)
+            and isinstance(data["tokenizer"], dict) and isinstance(data["fingerprint"], str)
+            and isinstance(splits, dict)
+            and all(isinstance(s, dict) and {"rows", "shards"} <= s.keys() for s in splits.values()))
+
+
+def _is_own_study(data: Any) -> bool:
+    """A study.json with torchloom's format marker, or an older one with exactly torchloom's keys."""
+    if not isinstance(data, dict):
+        return False
+    if data.get("format") == STUDY_FORMAT:
+        return True
+    return (LEGACY_STUDY_KEYS <= data.keys() <= LEGACY_STUDY_KEYS | LEGACY_STUDY_REPORT_KEYS
+            and data["backend"] in ("optuna", "ray") and data["mode"] in ("min", "max"))
+
+
+def is_own_file(rel: str, content: bytes) -> bool:
+    """Did torchloom write this marker file (`rel`, one of OWN_MARKERS), judged by its content?"""
+    name = rel.rsplit("/", 1)[-1]
+    try:
+        text = content.decode("utf-8")
+        if name == CONFIG_FILE:
+            return _is_own_config(text)
+        data = json.loads(text)
+    except ValueError:  # not UTF-8, not JSON
+        return False
+    if name == MANIFEST_FILE:
+        return _is_own_manifest(data)
+    return name == STUDY_FILE and _is_own_study(data)
+
+
+def is_own(read: Callable[[str], bytes | None]) -> bool:
+    """Is a directory torchloom's own (a run, prepared data, a study)? `read(rel)` gives the content of a file
+    in it, or None when there is none: the same decision for a local directory and a prefix on a store."""
+    for rel in OWN_MARKERS:
+        content = read(rel)
+        if content is not None and is_own_file(rel, content):
+            return True
+    return False
+
+
+def _read_local(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes() if path.is_file() else None
+    except OSError:
+        return None
+
+
+# -- the run's record: who it is, and what it owns --------------------------------------------------
+RUN_FORMAT = "torchloom-run/1"
+# What torchloom writes at the top of a run or study directory, and in prepared data: --overwrite deletes these
+# names and nothing else. The record lists the run's (a later version may own more; the record says which).
+RUN_ENTRIES = (RUN_RECORD, CONFIG_FILE, "data", "checkpoints", "metrics.jsonl", "train_result.json", "model",
+               "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json", "baseline",
+               "hooks.json", "progress.json", "logs", "ray", "input", "trial.json", "trial_result.json", STUDY_FILE,
+               "trials", "results.csv", "results.png", "best_config.toml", "optuna.db", "lease.json")
+DATA_ENTRIES = (MANIFEST_FILE, "train", "val", "test", "rejected", "prepare_key.txt")
+# torchloom's own temporary names: `.NAME.<pid>...tmp|part|pending|pull`, a study's `.NAME.lock`, the store's
+# write probe, prepare's `data.tmp-XXXXXXXX` and `data.old-XXXXXXXX` beside the data it replaces.
+TEMP_NAME = re.compile(r"^\..+\.(tmp|part|pending|pull|lock)$|^\.torchloom-probe-\d+$|^[\w.-]+\.(tmp|old)-[0-9a-f]{8}$")
+
+
+def new_record() -> dict:
+    """A run's identity, made anew by every prepare, --overwrite and fresh train: a host's copy of a run on a
+    store counts only while its record equals the store's (RunFiles.sync_copy)."""
+    import time
+    import uuid
+
+    return {"format": RUN_FORMAT, "id": uuid.uuid4().hex, "created": round(time.time(), 3),
+            "owns": list(RUN_ENTRIES)}
+
+
+def parse_record(content: bytes | None) -> dict | None:
+    """A run record as write_record wrote it, or None (missing, damaged, someone else's)."""
+    try:
+        data = json.loads(content) if content is not None else None
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("format") != RUN_FORMAT or not isinstance(data.get("id"), str):
+        return None
+    owns = data.get("owns")
+    return data if isinstance(owns, list) and all(isinstance(n, str) and "/" not in n for n in owns) else None
+
+
+def owned_entries(names: list[str], read: Callable[[str], bytes | None], where: str,
+                  key: str = "output.dir") -> list[str]:
+    """The top-level `names` of a directory (or a prefix on a store) that --overwrite may delete: every one, or a
+    one-line refusal. A directory is torchloom's by its record (the names it lists), or, made before records, by a
+    marker of torchloom's content (is_own: then the names of RUN_ENTRIES and DATA_ENTRIES); anything else in it
+    (a thesis beside a `torchloom config` output, a bucket's other prefixes) refuses the whole replacement."""
+    from torchloom.errors import UserError
+
+    if not names:
+        return []
+    record = parse_record(read(RUN_RECORD))
+    if record is not None:
+        owns = {RUN_RECORD, *record["owns"]}
+    elif is_own(read):
+        owns = {*RUN_ENTRIES, *DATA_ENTRIES}
+    else:
+        raise UserError(f"{key} {where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
+                        " study (no config.toml, manifest.json or study.json that torchloom wrote); pass another"
+                        " --output.dir")
+    foreign = sorted(n for n in names if n not in owns and not TEMP_NAME.match(n))
+    if foreign:
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise UserError(f"{key} {where}: not replaced: it holds {', '.join(foreign[:3])}{more}, which torchloom did"
+                        " not write; --overwrite deletes only a run's own files: move those away, or pass another"
+                        " --output.dir")
+    return sorted(names)
+
+
+def holds_cwd(path: str | Path) -> bool:
+    """Is `path` the working directory or one of its parents (deleting it would delete where we stand)?"""
+    resolved, cwd = Path(path).resolve(), Path.cwd().resolve()
+    return resolved == cwd or resolved in cwd.parents
+
+
+def check_replaceable(path: str | Path, key: str = "output.dir") -> list[str]:
+    """The entries of `path` that --overwrite deletes (owned_entries), or a one-line refusal: never the working
+    directory or one holding it, a home directory or a file system's root."""
+    from torchloom.errors import UserError
+
+    path = Path(path)
+    if not path.exists():
+        return []
+    if not path.is_dir():
+        raise UserError(f"{key} {path}: exists and is not a directory; --overwrite replaces only torchloom runs")
+    resolved = path.resolve()
+    if holds_cwd(path) or resolved == Path.home().resolve() or resolved.parent == resolved:
+        raise UserError(f"{key} {path}: is the working directory, a home directory or a root, or holds the working"
+                        " directory; --overwrite would delete it; pass another --output.dir")
+    return owned_entries(sorted(p.name for p in path.iterdir()), lambda rel: _read_local(path / rel), str(path), key)
+
+
+def replace_local(path: str | Path, key: str = "output.dir") -> None:
+    """--overwrite of a local directory: delete what check_replaceable allows, nothing else; the directory stays."""
+    import shutil
+
+    path = Path(path)
+    for name in check_replaceable(path, key):
+        entry = path / name
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def write_record(root: str | Path) -> Path:
+    """A new identity for the run at `root` (a local directory or a store's working copy), written atomically."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    return write_json(Path(root) / RUN_RECORD, new_record())
