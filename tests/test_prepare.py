@@ -95,9 +95,9 @@ EXPECTED_REJECTS = {
 @pytest.mark.parametrize("rows_per_file", [None, 3])
 def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeypatch, rows_per_file):
     if rows_per_file:  # the rejected rows written by a Spark job (3 files), as for large inputs
-        from torchloom.etl import prepare as prepare_mod
+        from torchloom.etl import write_splits
 
-        monkeypatch.setattr(prepare_mod, "REJECTED_ROWS_PER_FILE", rows_per_file)
+        monkeypatch.setattr(write_splits, "REJECTED_ROWS_PER_FILE", rows_per_file)
     src = tmp_path / "in.csv"
     write_csv(src)
     out = tmp_path / "data"

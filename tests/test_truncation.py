@@ -181,7 +181,8 @@ def test_max_length_auto_picks_the_shortest_window_holding_the_90th_percentile(t
 
     from torchloom.config import build
     from torchloom.errors import UserError
-    from torchloom.etl.prepare import choose_max_length, model_positions, prepare
+    from torchloom.etl.lengths import choose_max_length, model_positions
+    from torchloom.etl.prepare import prepare
 
     assert choose_max_length(np.array([20] * 95 + [900] * 5), 512) == 128  # the long 5% are cut
     assert choose_max_length(np.array([100] * 80 + [200] * 20), 512) == 256

@@ -36,7 +36,7 @@ class PrepareConfig:
     test_fraction: float = field(default=0.1, metadata={"min": 0.0, "max": 0.5})
     seed: int = 42
     # tokens per text (or per window, with chunks); "auto": the shortest of 128/256/512 that holds the
-    # 90th percentile of the data's token lengths, within the model's positions (prepare.choose_max_length)
+    # 90th percentile of the data's token lengths, within the model's positions (etl/lengths.py choose_max_length)
     max_length: int = field(default=128, metadata={"min": 8, "auto": True})
     # how a longer text is cut: "head" (its start), "head_tail" (a quarter from the start, the rest from
     # the end) or "chunks" (every window of it, scored as the mean of their logits); recorded in the

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import math
-import os
-import secrets
 import shutil
 import time
 import warnings
@@ -20,21 +16,14 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
+from torchloom.etl.lengths import choose_length, model_positions
 from torchloom.etl.read import check_inputs, read_input, reader_of, resolve_format, utf8_files
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
-from torchloom.etl.split import (
-    DUPLICATE,
-    KEPT,
-    assign_splits,
-    mark_duplicates,
-    plan_split,
-    rank_bucket,
-    rank_hash,
-)
-from torchloom.etl.tokenize import TOKENIZED_SCHEMA, read_tokenizer_json, tokenize_batches, tokenizer_info
-from torchloom.manifest import SPLITS, Manifest, Shard, Split
-from torchloom.rundir import check_replaceable
-from torchloom.truncation import default_stride
+from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, rank_bucket, rank_hash
+from torchloom.etl.tokenize import read_tokenizer_json
+from torchloom.etl.write_splits import make_tmp, publish, write_rejected, write_splits
+from torchloom.manifest import Manifest, Split
+from torchloom.runrecord import check_replaceable
 
 Progress = Callable[[str], object]
 
@@ -78,7 +67,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
-    tmp = _make_tmp(out)
+    tmp = make_tmp(out)
     try:
         with warnings.catch_warnings():
             # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
@@ -87,7 +76,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store, names)
             manifest = _prepare(job, start)
         manifest.write(tmp)
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         for p in created:  # the directories this call made, innermost first, if still empty
@@ -108,28 +97,6 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     manifest.root = str(out)
     say(f"prepared {manifest.counts['rows_kept']} rows into {shown_out or out} in {manifest.timings['total']:.1f}s")
     return manifest
-
-
-def _make_tmp(out: Path) -> Path:
-    """The temporary sibling of `out` that prepare writes into (its parents made as needed)."""
-    tmp = out.parent / f"{out.name}.tmp-{secrets.token_hex(4)}"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise UserError(f"output {out}: cannot be created ({e.strerror}); choose another --output.dir") from None
-    return tmp
-
-
-def _publish(tmp: Path, out: Path) -> None:
-    """Swap the finished temp dir in for `out` (the old one is moved aside first, then removed)."""
-    old = None
-    if out.exists():
-        old = out.parent / f"{out.name}.old-{secrets.token_hex(4)}"
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 @dataclass
@@ -183,17 +150,18 @@ class _Counts:
 def _prepare(job: _Job, start: float) -> Manifest:
     """The jobs of prepare, in order: count, set aside, choose the length, write the splits, fingerprint."""
     cfg, say = job.cfg, job.say
-    cached = broadcast = None
+    cached = None
     try:
         cached, counts = _read_and_count(job)
         marked, plans = _set_aside(job, cached, counts)
         t = time.perf_counter()
-        _write_rejected(marked, job.tmp / "rejected", counts.rows_rejected, job.store)
+        write_rejected(marked, job.tmp / "rejected", counts.rows_rejected, job.store)
         job.timings["write_rejected"] = time.perf_counter() - t
         t = time.perf_counter()
-        broadcast = _broadcast(job.spark, job.tokenizer_json)
         info = _choose_length(job, marked, counts, plans)
-        splits = _write_splits(job, marked, counts, plans, info, broadcast)
+        splits = write_splits(job.spark, marked, plans, cfg.prepare, info, job.tokenizer_json, job.tmp,
+                              rows=counts.rows_kept, sizes=counts.buckets,
+                              given=counts.given if job.user_split else None, store=job.store)
         job.timings["tokenize_write"] = time.perf_counter() - t
         rate = counts.rows_kept / max(job.timings["tokenize_write"], 1e-9)
         say(f"tokenized and wrote {counts.rows_kept} rows in {job.timings['tokenize_write']:.1f}s ({rate:.0f} rows/s): "
@@ -205,8 +173,6 @@ def _prepare(job: _Job, start: float) -> Manifest:
     finally:
         if cached is not None:
             cached.unpersist()
-        if broadcast is not None:
-            broadcast.destroy()
     job.timings["total"] = time.perf_counter() - start
     return _manifest(job, counts, plans, info, splits)
 
@@ -356,10 +322,9 @@ def _say_kept(job: _Job, counts: _Counts, plans, carve_val: float) -> None:
 
 
 def _choose_length(job: _Job, marked, counts: _Counts, plans) -> dict:
-    """max_length (the configured one, or auto from a sample's token counts) and the tokenizer's record."""
+    """max_length and the tokenizer's record (lengths.choose_length), from a sample of the kept train rows."""
     from pyspark.sql import functions as F
 
-    p, say = job.cfg.prepare, job.say
     kept_col = F.col("status") == KEPT
     if job.user_split:
         labels = [plan.label for plan in plans]
@@ -367,74 +332,7 @@ def _choose_length(job: _Job, marked, counts: _Counts, plans) -> dict:
     else:
         sample_of = marked.filter(kept_col)
     rows = sum(plan.train for plan in plans) if job.user_split else counts.rows_kept
-    sample = token_counts(sample_of, rows, job.tokenizer_json, p.seed)
-    positions = model_positions(job.model_dir)
-    max_length = choose_max_length(sample, positions) if p.max_length == "auto" else int(p.max_length)
-    stride = min(p.stride or default_stride(max_length), max_length - 2) if p.truncation == "chunks" else 0
-    info = tokenizer_info(job.model_dir, job.tokenizer_json, max_length, p.truncation, stride, p.max_chunks)
-    info["lengths"] = lengths = length_stats(sample, max_length)
-    if p.max_length == "auto":
-        say(f"max_length auto: {max_length}, the shortest of {'/'.join(map(str, AUTO_LENGTHS))} that holds the"
-            f" 90th percentile ({lengths['p90']} tokens)" + (f", within the model's {positions} positions"
-                                                            if positions and lengths["p90"] > max_length else ""))
-    cut_note = {"head": " (cut: the model reads their start only)",
-                "head_tail": " (cut: the model reads their start and end)",
-                "chunks": " (each read as overlapping windows)"}[p.truncation]
-    say(f"token lengths (a sample of {lengths['sample']} rows): p50 {lengths['p50']}, p90 {lengths['p90']},"
-        f" p99 {lengths['p99']}; {lengths['truncated_share']:.0%} longer than max_length {max_length}"
-        + (cut_note if lengths["truncated_share"] >= 0.2 else ""))
-    return info
-
-
-def _write_splits(job: _Job, marked, counts: _Counts, plans, info: dict, broadcast) -> dict[str, Split]:
-    """Split + tokenize + write: one job. The split's window shuffle makes the `parts` partitions (one
-    shard per split each); inside a partition rows are put in a seeded pseudo-random order, so shards
-    are not runs of one class (the loader shuffles within bounded windows) and the same input and seed
-    give the same shards. Up to 3 concurrent writers per task (one per split) spare the writer's sort by
-    split, which would also undo that order."""
-    from pyspark.sql import functions as F
-
-    p, given = job.cfg.prepare, counts.given
-    kept_col = F.col("status") == KEPT
-    # shards per split: 2 x cores, or one per SHARD_ROWS kept rows when that is more
-    wide = p.partitions or max(default_partitions(p), math.ceil(counts.rows_kept / SHARD_ROWS))
-    parts = max(1, min(wide, math.ceil(counts.rows_kept / p.rows_per_group)))
-    if job.user_split:
-        # the user's val/test rows keep their split; train rows are carved only for a missing val
-        labels = [plan.label for plan in plans]
-        assigned = assign_splits(marked.filter(kept_col & (F.col("given") == "train")), plans, p.seed,
-                                 sizes=counts.buckets, partitions=parts)
-        label_map = F.create_map(*[F.lit(x) for i, label in enumerate(labels) for x in (label, i)])
-        assigned = assigned.unionByName(
-            marked.filter(kept_col & (F.col("given") != "train"))
-            .select("text", "label", label_map[F.col("label")].cast("int").alias("label_id"),
-                    F.col("given").alias("split")))
-    else:
-        assigned = assign_splits(marked.filter(kept_col), plans, p.seed, sizes=counts.buckets, partitions=parts)
-    order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
-    tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
-        tokenize_batches(broadcast, info["hash"], info["max_length"], p.truncation, info.get("stride", 0),
-                         p.max_chunks), TOKENIZED_SCHEMA
-    )
-    spark_out = job.tmp / "_spark"
-    if job.store:
-        from torchloom.etl.store_write import write_parquet
-
-        write_parquet(tokenized, spark_out, job.store, p.rows_per_group, partition_by="split")
-    else:
-        with _sql_conf(job.spark, {"spark.sql.maxConcurrentOutputFileWriters": str(len(SPLITS))}):
-            (tokenized.write.option("parquet.block.row.count.limit", p.rows_per_group)
-             .partitionBy("split").parquet(str(spark_out)))
-    expected = {
-        "train": {plan.label: plan.train for plan in plans},
-        "val": {plan.label: plan.val + given.get(("val", plan.label), 0) for plan in plans},
-        "test": {plan.label: plan.test + given.get(("test", plan.label), 0) for plan in plans},
-    }
-    chunked = p.truncation == "chunks"
-    splits = {name: _collect_split(spark_out / f"split={name}", job.tmp / name, job.tmp, expected[name], chunked)
-              for name in SPLITS}
-    shutil.rmtree(spark_out)
-    return splits
+    return choose_length(job.cfg.prepare, job.model_dir, job.tokenizer_json, sample_of, rows, job.say)
 
 
 def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, Split]) -> Manifest:
@@ -470,8 +368,6 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
     )
 
 
-REJECTED_ROWS_PER_FILE = 1_000_000
-
 # split column values, lower-cased and trimmed, and the split each means
 GIVEN_SPLITS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
                 "dev": "val", "test": "test", "testing": "test"}
@@ -506,75 +402,6 @@ def _with_given(job: _Job, raw, width: int):
     return reduce(lambda a, b: a.unionByName(b), parts)
 
 
-LENGTH_SAMPLE = 2000
-SHARD_ROWS = 500_000  # with prepare.partitions 0, at least one output task (and shard) per this many rows
-
-
-def token_counts(kept, rows: int, tokenizer_json: str, seed: int):
-    """Token counts (special tokens included, nothing cut) of a seeded sample of up to LENGTH_SAMPLE kept
-    rows, tokenized on the driver."""
-    import numpy as np
-    from tokenizers import Tokenizer
-
-    fraction = min(1.0, 1.2 * LENGTH_SAMPLE / max(1, rows))
-    texts = kept.select("text").sample(fraction=fraction, seed=seed).limit(LENGTH_SAMPLE).toArrow()
-    texts = texts.column("text").to_pylist()
-    if not texts:
-        return np.zeros(0, np.int64)
-    tok = Tokenizer.from_str(tokenizer_json)
-    tok.no_truncation()
-    tok.no_padding()
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    return np.array([len(e.ids) for e in encode(texts, add_special_tokens=True)])
-
-
-def length_stats(counts, max_length: int) -> dict:
-    """Percentiles of the sampled token counts and the share longer than max_length."""
-    import numpy as np
-
-    if not len(counts):
-        return {"sample": 0, "p50": 0, "p90": 0, "p99": 0, "truncated_share": 0.0}
-    p50, p90, p99 = (int(np.percentile(counts, q)) for q in (50, 90, 99))
-    return {"sample": len(counts), "p50": p50, "p90": p90, "p99": p99,
-            "truncated_share": round(float(np.mean(counts > max_length)), 4)}
-
-
-AUTO_LENGTHS = (128, 256, 512)
-
-
-def choose_max_length(counts, positions: int) -> int:
-    """prepare.max_length auto: the shortest of AUTO_LENGTHS that holds the 90th percentile of the token
-    counts, within the model's positions (the longest then, or the model's limit if shorter than all)."""
-    import numpy as np
-
-    p90 = int(np.percentile(counts, 90)) if len(counts) else 0
-    allowed = [n for n in AUTO_LENGTHS if not positions or n <= positions] or [positions]
-    return next((n for n in allowed if n >= p90), allowed[-1])
-
-
-def model_positions(model_dir: str) -> int:
-    """Tokens the model can read at once (0: unknown): config.json's position embeddings (less the two
-    RoBERTa-style models reserve), and tokenizer_config.json's model_max_length when it is set."""
-    limits = []
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-        n = int(config.get("max_position_embeddings") or 0)
-        if n and config.get("model_type") in ("roberta", "xlm-roberta", "camembert", "longformer"):
-            n -= 2
-        if n > 0:
-            limits.append(n)
-    except (OSError, ValueError, TypeError):
-        pass
-    try:
-        tok = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
-        n = int(tok.get("model_max_length") or 0)
-        if 0 < n < 1_000_000:  # transformers writes a huge number for "not set"
-            limits.append(n)
-    except (OSError, ValueError, TypeError):
-        pass
-    return min(limits) if limits else 0
-
-
 def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
     """Rows set aside as leaked, per split (prepare.leakage drop)."""
     out = {"val": 0, "test": 0}
@@ -582,22 +409,6 @@ def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
         if row["status"] == "leaked":
             out[row["given"]] += row["n"]
     return out
-
-
-@contextlib.contextmanager
-def _sql_conf(spark, values: dict[str, str]):
-    """Set session SQL conf for the block, then restore what was there."""
-    before = {key: spark.conf.get(key, None) for key in values}
-    for key, value in values.items():
-        spark.conf.set(key, value)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
 
 
 SPLITTABLE = ("parquet",)  # formats Spark reads in bounded splits (128 MB) whatever the file size
@@ -619,107 +430,3 @@ def _spread(raw, cores: int, fmt: str = ""):
     except Exception:  # Spark Connect has no RDDs: spread anyway
         pass
     return raw.repartition("text")
-
-
-class _Shipped:
-    """A value shipped inside the task closure: what a broadcast is under Spark Connect, which has none."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def destroy(self) -> None:
-        pass
-
-
-def _broadcast(spark, value):
-    try:
-        return spark.sparkContext.broadcast(value)
-    except Exception:
-        return _Shipped(value)
-
-
-def _write_rejected(marked, out: Path, rows: int, store: str | None = None) -> None:
-    """Rejected rows, with the original text and the reason, as Parquet under `out` (through `store`: see
-    prepare)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from pyspark.sql import functions as F
-
-    rejected = marked.filter(F.col("status").isin(*REASONS)).select(
-        F.coalesce("raw", "text").alias("text"), "label", F.col("status").alias("reason"), "source"
-    )
-    if rows == 0:  # nothing to find: an empty file with the schema, without a Spark job over every row
-        out.mkdir()
-        schema = pa.schema([(name, pa.string()) for name in rejected.columns])
-        pq.write_table(schema.empty_table(), out / "part-00000.parquet")
-        return
-    if rows <= REJECTED_ROWS_PER_FILE // 10:
-        # A few rows: fetched and written by the driver (one scan of the cached rows; a Spark write
-        # job with its shuffle and commit took 1.1 s for BBC News's one rejected file).
-        out.mkdir()
-        pq.write_table(rejected.toArrow(), out / "part-00000.parquet")
-        return
-    # repartition, not coalesce: coalesce(1) would scan every input row in one task to find the few
-    # rejected ones; this scans on every core and moves only the rejected rows.
-    spread = rejected.repartition(max(1, math.ceil(rows / REJECTED_ROWS_PER_FILE)))
-    if store:
-        from torchloom.etl.store_write import write_parquet
-
-        write_parquet(spread, out, store, REJECTED_ROWS_PER_FILE)
-    else:
-        spread.write.parquet(str(out))
-    _tidy(out)
-
-
-def _tidy(directory: Path) -> list[Path]:
-    """Remove Spark's _SUCCESS and .crc files; returns the Parquet files, sorted."""
-    files = []
-    for f in sorted(directory.iterdir()):
-        if f.name.startswith(("_", ".")):
-            f.unlink()
-        elif f.suffix == ".parquet":
-            files.append(f)
-    return files
-
-
-def _collect_split(src: Path, dest: Path, root: Path, expected: dict[str, int], chunked: bool = False) -> Split:
-    """Move one split's files to `dest` as part-NNNNN.parquet, reading rows per row group from footers.
-
-    chunked: rows are windows of texts; the texts (rows with chunk 0) are counted per class and checked
-    against `expected`, and per_class holds the windows."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    dest.mkdir()
-    shards = []
-    files = _tidy(src) if src.is_dir() else []
-    texts: dict[str, int] = {}
-    windows: dict[str, int] = {}
-    for f in files:
-        meta = pq.ParquetFile(f).metadata
-        if meta.num_rows == 0:
-            f.unlink()
-            continue
-        if chunked:
-            table = pq.read_table(f, columns=["label", "chunk"])
-            for label, n in zip(*_value_counts(table.column("label"))):
-                windows[label] = windows.get(label, 0) + n
-            for label, n in zip(*_value_counts(table.filter(pc.equal(table.column("chunk"), 0)).column("label"))):
-                texts[label] = texts.get(label, 0) + n
-        target = dest / f"part-{len(shards):05d}.parquet"
-        os.replace(f, target)
-        groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
-        shards.append(Shard(path=str(target.relative_to(root)), rows=meta.num_rows, row_groups=groups))
-    rows = sum(s.rows for s in shards)
-    per_class = {label: n for label, n in expected.items() if n}
-    documents = sum(texts.values()) if chunked else rows
-    if documents != sum(per_class.values()) or (chunked and texts != per_class):  # an internal error, not the user's
-        raise RuntimeError(f"{dest}: wrote {documents} texts, expected {sum(per_class.values())}")
-    if chunked:
-        per_class = {label: windows[label] for label in per_class}
-    return Split(rows=rows, shards=shards, per_class=per_class, documents=documents if chunked else 0)
-
-
-def _value_counts(column) -> tuple[list[str], list[int]]:
-    counts = column.value_counts()
-    return counts.field("values").to_pylist(), counts.field("counts").to_pylist()
