@@ -303,22 +303,22 @@ def test_prepare_on_a_store_never_writes_into_a_foreign_prefix(s3, tmp_path, top
 def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
     from torchloom import storage
     from torchloom.errors import UserError
-    from torchloom.rundir import RunDir
+    from torchloom.runfiles import RunFiles
 
     monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
     prefix = f"s3://{BUCKET}/run"
     put_tree(prefix, {"config.toml": real_config(), "checkpoints/step-2/meta.json": "{}",
                       "data/manifest.json": real_manifest()})
-    storage.replace_remote(RunDir(prefix))
+    RunFiles(prefix).replace()
     assert storage.list_files(prefix) == {}
     put_tree(prefix, {"data/manifest.json": FOREIGN["webapp"]["manifest.json"], "checkpoints/step-2/x": "w"})
     with pytest.raises(UserError, match=r"not replaced: it is neither empty nor a torchloom run"):
-        storage.replace_remote(RunDir(prefix))
+        RunFiles(prefix).replace()
     assert len(storage.list_files(prefix)) == 2
     # a run beside a foreign object: refused, naming it
     put_tree(prefix, {"config.toml": real_config(), "report.pdf": "mine"})
     with pytest.raises(UserError, match=r"not replaced: it holds report.pdf, which torchloom did not write"):
-        storage.replace_remote(RunDir(prefix))
+        RunFiles(prefix).replace()
     assert len(storage.list_files(prefix)) == 4
 
 

@@ -21,6 +21,7 @@ pytest.importorskip("moto")
 from torchloom import storage  # noqa: E402
 from torchloom.errors import UserError  # noqa: E402
 from torchloom.rundir import RunDir  # noqa: E402
+from torchloom.runfiles import RunFiles  # noqa: E402
 
 BUCKET = "torchloom-test"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
@@ -104,7 +105,7 @@ def test_a_checkpoint_counts_on_the_store_only_once_its_meta_json_is_there(s3, c
             storage.write_bytes(storage.join(run, "checkpoints", f"step-{step}", name), b"x")
     rd = RunDir(run)
     assert rd.root.is_relative_to(cache)
-    assert storage.pull_checkpoints(rd) == [2]
+    assert RunFiles(rd).pull_checkpoints() == [2]
     assert (rd.checkpoint(2) / "meta.json").is_file() and not rd.checkpoint(4).exists()
 
 
@@ -133,21 +134,21 @@ def test_a_resume_downloads_the_newest_intact_checkpoint_alone_and_hashes_it_onc
         return checkpoint.damage(p) is None
 
     rd = host("a")
-    assert storage.pull_checkpoints(rd, intact=intact) == [6, 4, 2]
+    assert RunFiles(rd).pull_checkpoints(intact=intact) == [6, 4, 2]
     assert local_files(rd.checkpoints) >= {"step-6/model.safetensors", "step-4/meta.json", "step-2/meta.json"}
     assert not {"step-4/model.safetensors", "step-2/trainer.pt"} & local_files(rd.checkpoints)  # meta.json alone
     # the driver's check, rank 0's pull and resolve on the same host: the checkpoint is read once
     assert checkpoint.resolve("latest", rd.checkpoints) == rd.checkpoint(6)
-    storage.pull_checkpoints(rd, intact=intact)
+    RunFiles(rd).pull_checkpoints(intact=intact)
     assert checkpoint.resolve("latest", rd.checkpoints) == rd.checkpoint(6)
     assert sorted(hashed) == ["model.safetensors", "trainer.pt"]
     # export (no check: it may take the best of them) makes every one whole
-    storage.pull_checkpoints(rd)
+    RunFiles(rd).pull_checkpoints()
     assert {"step-2/model.safetensors", "step-4/trainer.pt"} <= local_files(rd.checkpoints)
     # the newest damaged on the store (same size, other bytes): a new host takes the next, and says so at resume
     storage.write_bytes(storage.join(run, "checkpoints", "step-6", "model.safetensors"), b"\xff" * 4000)
     rd = host("b")
-    storage.pull_checkpoints(rd, intact=intact)
+    RunFiles(rd).pull_checkpoints(intact=intact)
     assert {"step-6/model.safetensors", "step-4/model.safetensors", "step-2/meta.json"} <= local_files(rd.checkpoints)
     assert "step-2/model.safetensors" not in local_files(rd.checkpoints)
     assert checkpoint.resolve("latest", rd.checkpoints, warn=False) == rd.checkpoint(4)
@@ -167,8 +168,8 @@ def prepare_and_train_on(host: Path, run: str, version: int, monkeypatch) -> Non
     rd = RunDir(run)
     rd.data.mkdir(parents=True, exist_ok=True)
     rd.manifest.write_bytes(b'{"run": %d}' % version)
-    storage.push(rd, rd.data)
-    storage.new_identity(rd)
+    RunFiles(rd).push(rd.data)
+    RunFiles(rd).new_identity()
     put(run, {"checkpoints/step-4/model.safetensors": b"weights %d" % version,
               "checkpoints/step-4/meta.json": b'{"run": %d}' % version})
 
@@ -181,20 +182,20 @@ def test_a_hosts_copy_counts_only_for_the_run_it_was_made_from(s3, tmp_path, mon
     prepare_and_train_on(host_a, run, 1, monkeypatch)
     monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
     b = RunDir(run)
-    storage.ensure(b, b.manifest)
-    assert storage.pull_checkpoints(b) == [4] and b.manifest.read_bytes() == b'{"run": 1}'
+    RunFiles(b).ensure(b.manifest)
+    assert RunFiles(b).pull_checkpoints() == [4] and b.manifest.read_bytes() == b'{"run": 1}'
     (b.checkpoint(8)).mkdir()  # written here, never uploaded: the other hosts cannot load it
     (b.checkpoint(8) / "meta.json").write_bytes(b'{"run": 1}')
     prepare_and_train_on(host_a, run, 2, monkeypatch)  # host A: prepare again, then a fresh training
     monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
     b = RunDir(run)
-    storage.ensure(b, b.manifest)
+    RunFiles(b).ensure(b.manifest)
     assert b.manifest.read_bytes() == b'{"run": 2}'
-    assert storage.pull_checkpoints(b) == [4] and not b.checkpoint(8).exists()
+    assert RunFiles(b).pull_checkpoints() == [4] and not b.checkpoint(8).exists()
     assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"weights 2"
     # the same record, a checkpoint rewritten on the store (a restart's step-4): compared by its meta.json
     put(run, {"checkpoints/step-4/model.safetensors": b"three", "checkpoints/step-4/meta.json": b'{"run": 3}'})
-    storage.pull_checkpoints(b)
+    RunFiles(b).pull_checkpoints()
     assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"three"
 
 
@@ -219,7 +220,7 @@ def test_uploads_run_behind_training_and_the_store_keeps_what_the_run_keeps(s3, 
 
     rd = RunDir(uri("uploads"))
     logged = []
-    up = CheckpointUploader(rd, logged.append)
+    up = CheckpointUploader(RunFiles(rd), logged.append)
     for step in (1, 2, 3):
         d = rd.checkpoint(step)
         d.mkdir(parents=True)
@@ -654,12 +655,12 @@ def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, c
         assert lease.read(run)["host"] == "host-b"
     assert "took over the expired lease of run on host gone" in capsys.readouterr().err
     # the lease is never the reason a prefix counts as someone else's, nor deleted by --overwrite
-    from torchloom.rundir import new_record
+    from torchloom.runrecord import new_record
 
     storage.write_bytes(storage.join(run, "lease.json"), b"{}")
-    storage.check_own_prefix(RunDir(run))
+    RunFiles(run).check_own()
     put(run, {"torchloom-run.json": json.dumps(new_record()).encode(), "metrics.jsonl": b"{}\n"})
-    storage.replace_remote(RunDir(run))
+    RunFiles(run).replace()
     assert storage.list_files(run) == {"lease.json": 2}
 
 

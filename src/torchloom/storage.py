@@ -341,6 +341,8 @@ def list_objects(uri: str) -> dict[str, tuple[int, int | None]]:
     from pyarrow import fs as pafs
 
     fs, path = resolve(uri)
+    if isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(path).type != pafs.FileType.Directory:
+        return {}  # a file, or nothing: as an object store lists no objects under an object's key
     infos = _attempts(uri, "list it",
                       lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)))
     out = {}

@@ -1,0 +1,115 @@
+"""RunFiles, the one owner of a run's files: its verbs on a local run (nothing to move) and on a local directory
+used as a store (`file+store://`), where a whole `torchloom run` shows that every file the run wrote on this host
+reached the store, and a second host with an empty cache works from the store alone. No S3 server: the same
+staging path, run by pyarrow's local file system (tests/test_storage.py runs it against S3)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchloom import storage
+from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
+from torchloom.runrecord import TEMP_NAME
+
+
+def test_a_local_run_has_nothing_to_move(tmp_path):
+    rd = RunDir(tmp_path / "run")
+    files = RunFiles(rd)
+    rd.root.mkdir()
+    (rd.root / "a.txt").write_text("x")
+    assert not files.on_store
+    assert files.push(rd.root / "a.txt") == 0 and files.listing(rd.root) == {} and files.stored_steps() == []
+    files.pull(rd.metrics)
+    files.ensure(rd.manifest)
+    assert not rd.metrics.exists() and not rd.manifest.exists()
+    files.write_through(rd.root / "b.txt", "y")
+    assert files.read(rd.root / "b.txt") == b"y" and files.reachable(rd.root / "b.txt")
+    files.delete(rd.root / "b.txt")
+    assert not (rd.root / "b.txt").exists()
+
+
+def test_on_a_store_the_verbs_move_files_and_quiet_ones_only_warn(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    uri = f"file+store://{tmp_path}/store/run"
+    files = RunFiles(uri)
+    rd = files.rd
+    assert files.on_store and rd.root.is_relative_to(tmp_path / "cache")
+    (rd.logs).mkdir(parents=True)
+    rd.rank_log(0).write_text("line\n")
+    assert files.push(rd.logs) == 5
+    assert files.listing(rd.logs) == {"rank-0.log": 5}
+    assert (tmp_path / "store/run/logs/rank-0.log").read_text() == "line\n"
+    files.write_through(rd.error_file(1), '{"rank": 1}')
+    assert files.read(rd.error_file(1)) == b'{"rank": 1}' and rd.error_file(1).is_file()
+    # another host: an empty cache, the same run
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache-b"))
+    other = RunFiles(uri)
+    other.pull(other.rd.logs)
+    assert other.rd.rank_log(0).read_text() == "line\n"
+    other.delete(other.rd.rank_log(0))
+    assert not (tmp_path / "store/run/logs/rank-0.log").exists() and not other.rd.rank_log(0).exists()
+    # a store that refuses: quiet verbs say it in one warning line (wait=False: not even that), loud ones raise
+    monkeypatch.setattr(storage, "upload", lambda *a: (_ for _ in ()).throw(OSError("access denied")))
+    other.rd.progress.write_text("{}")
+    other.push(other.rd.progress, quiet=True)
+    other.push(other.rd.progress, quiet=True, wait=False)
+    err = capsys.readouterr().err
+    assert err.count("warning: could not upload") == 1 and f"{uri}/progress.json (OSError: access denied)" in err
+    with pytest.raises(OSError):
+        other.push(other.rd.progress)
+
+
+def test_a_store_uri_for_a_directory_is_absolute(tmp_path):
+    from torchloom.errors import UserError
+
+    with pytest.raises(UserError, match=r"file\+store:///abs/path"):
+        storage.resolve("file+store://relative/dir")
+
+
+def torchloom(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache), "TORCHLOOM_CPU_BF16": "0"}
+    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True, timeout=600,
+                          env=env)
+
+
+def digests(root: Path) -> dict[str, str]:
+    """{path relative to root: sha256} of every file under root but torchloom's temporary names and a host's own
+    note that it hashed a checkpoint copy (train/checkpoint.py's `.step-N.verified`: true of that copy only)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not TEMP_NAME.match(p.name) and not p.name.endswith(".verified")}
+
+
+def test_every_file_a_run_writes_on_a_host_reaches_its_store(tmp_path, topics_csv, tiny_model_dir):
+    """A forgotten push loses data only on a store, and only where no host shares a directory: here any file of
+    the host's working copy that the store lacks (or holds otherwise) fails the test, with its name."""
+    store = tmp_path / "store"
+    uri = f"file+store://{store}/run"
+    host_a = tmp_path / "host-a"
+    proc = torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir, "--output.dir", uri,
+                     "--train.epochs", "2", "--train.batch_size", "8", "--train.checkpoint_every", "4",
+                     "--train.keep_last", "1", "--engine.workers", "2", "--tracking.enabled", "false", cache=host_a)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    copy = next(p for p in (host_a / "staging").iterdir() if p.is_dir())
+    here, there = digests(copy), digests(store / "run")
+    assert "model/model.safetensors" in here and "checkpoints" in {n.split("/")[0] for n in here}
+    missing = sorted(name for name in here if name not in there)
+    assert not missing, f"written on the host, never pushed: {missing}"
+    differ = sorted(name for name in here if there[name] != here[name])
+    assert not differ, f"the store holds another version of: {differ}"
+    assert not sorted(set(there) - set(here)), "the store holds files this host's copy lacks"
+    assert str(host_a) not in proc.stderr and f"report {uri}/report.md" in proc.stdout + proc.stderr
+    # a second host with nothing: evaluates the run from the store alone, to the same numbers
+    before = json.loads((store / "run/report.json").read_text())
+    again = torchloom("evaluate", "--output.dir", uri, "--tracking.enabled", "false", cache=tmp_path / "host-b")
+    assert again.returncode == 0, again.stderr[-3000:]
+    after = json.loads((store / "run/report.json").read_text())
+    assert after["metrics"]["accuracy"] == before["metrics"]["accuracy"]
