@@ -44,10 +44,10 @@ def main() -> int:
     import torch
 
     from torchloom.data.texts import gate_rows, texts_at
+    from torchloom.machine import usable_cores
     from torchloom.manifest import read as read_manifest
     from torchloom.model.onnx import export_onnx
     from torchloom.model.predict import Predictor
-    from torchloom.serve.model import default_threads
 
     run = Path(args.run_dir)
     manifest = read_manifest(run / "data")
@@ -57,7 +57,7 @@ def main() -> int:
     by_row = texts_at(manifest, "test", set(range(rows)))
     texts = [by_row[i] for i in range(rows)]
     labels = gate_rows(manifest, rows).labels
-    threads = default_threads()
+    threads = usable_cores()
     torch.set_num_threads(threads)
     tmp = Path(tempfile.mkdtemp(prefix="tl-inference-"))
     try:

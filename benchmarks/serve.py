@@ -130,10 +130,10 @@ def offline(model_dir: str, texts: list[str], time_cap: float, runtime: str = "t
     rounds that time every B in turn (a noisy machine then moves all B alike instead of crowning the luckiest)."""
     import statistics
 
+    from torchloom.machine import usable_cores
     from torchloom.model.predict import Predictor
-    from torchloom.serve.model import default_threads
 
-    predictors = {b: Predictor(model_dir, device=device, batch_size=b, threads=default_threads(),
+    predictors = {b: Predictor(model_dir, device=device, batch_size=b, threads=usable_cores(),
                                runtime="torch" if runtime == "torch" else "onnx") for b in OFFLINE_BATCHES}
     for b, predictor in predictors.items():
         predictor.predict(texts[:b])  # warm-up

@@ -95,6 +95,8 @@ def _cpuinfo() -> dict[str, str]:
 
 
 def usable_cores() -> int:
+    """The cores this process may use: its CPU affinity where the OS tells it, else the machine's count.
+    The one rule for threads, Spark's local[*] and a local Ray instance's CPUs."""
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

@@ -24,6 +24,7 @@ from torchloom.engines.common import lost_ranks, replace_engine
 from torchloom.engines.driver import Attempt, attempts
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, first_line, missing_extra
+from torchloom.machine import usable_cores
 from torchloom.model.env import model_env
 from torchloom.private import private_dir
 from torchloom.ray_instance import start_local_ray
@@ -111,7 +112,7 @@ def init_ray(address: str) -> bool:
         return False
     # Unix socket paths are limited to 107 bytes, so Ray's session dir cannot live in a deep run dir.
     temp = private_dir(f"torchloom-ray-{os.getuid()}")
-    start_local_ray(temp, num_cpus=os.cpu_count() or 1, env_vars={**model_env(), OWN_INSTANCE: "1"},
+    start_local_ray(temp, num_cpus=usable_cores(), env_vars={**model_env(), OWN_INSTANCE: "1"},
                     env=worker_malloc(), log_to_driver=False)
     return True
 
@@ -137,7 +138,7 @@ def scaling(cfg: Config, started_local: bool):
     cpus = cfg.engine.cpus_per_worker
     if not cpus:
         # On a local instance split the cores, leaving a sliver for Ray's own controller actor.
-        cpus = 0.99 * (os.cpu_count() or 1) / cfg.engine.workers if started_local else 1.0
+        cpus = 0.99 * usable_cores() / cfg.engine.workers if started_local else 1.0
     return ScalingConfig(num_workers=cfg.engine.workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus})
 
 

@@ -11,6 +11,7 @@ import warnings
 from torchloom.config.schema import PrepareConfig
 from torchloom.errors import UserError, first_line, install_hint, missing_extra
 from torchloom.etl.jvm import JvmStderr, start_errors, start_failed
+from torchloom.machine import usable_cores
 from torchloom.private import private_file
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start, and a failed
@@ -104,13 +105,13 @@ def is_local_master(master: str) -> bool:
 
 
 def local_cores(master: str) -> int:
-    """Cores a local master uses (local[N], local[*], local); the machine's cores for anything else."""
+    """Cores a local master uses (local[N], local[*], local); the cores this process may use for anything else."""
     m = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?", master.strip())
     if m and m.group(1) and m.group(1) != "*":
         return int(m.group(1))
     if m and m.group(1) is None:
         return 1
-    return os.cpu_count() or 1
+    return usable_cores()
 
 
 def default_partitions(cfg: PrepareConfig) -> int:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
 from torchloom.config import Config
 from torchloom.data.loader import eval_batches
 from torchloom.data.texts import texts_at, to_documents
+from torchloom.machine import usable_cores
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.device import choose_precision
@@ -31,7 +30,7 @@ def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.nda
 def split_probabilities(cfg: Config, model, manifest: Manifest, split: str
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """score_split for a model already in memory (export chooses the mix's weight on val with it)."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cores())
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = model.to(device).eval()
     precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision

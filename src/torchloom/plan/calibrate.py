@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -98,7 +97,7 @@ def compare(job: Job, steps: int) -> dict:
     peak = job.cluster.flops(job.precision)
     return {
         "model": job.model.name, "seq": job.seq, "micro_batch": job.micro_batch, "precision": job.precision,
-        "threads": m["threads"], "torch": m["torch"], "cores": os.cpu_count(),
+        "threads": m["threads"], "torch": m["torch"], "cores": machine.usable_cores(),
         "attention_dropout": m["attention_dropout"],
         "core_share": m["core_share"],
         "warmup_steps": WARMUP_STEPS, "step_seconds": m["step_seconds"], "measured_step_s": measured,

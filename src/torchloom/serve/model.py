@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -101,11 +100,3 @@ class ServedModel:
         """One short and one full-length forward, so the first client doesn't pay for lazy initialisation."""
         self.predict(["warm up"] * min(self.predictor.batch_size, 8))
         self.predict(["warm up " * self.max_length])
-
-
-def default_threads() -> int:
-    """The cores this process may use (its CPU affinity where the OS tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torchloom.errors import UserError, missing_extra
+from torchloom.machine import usable_cores
 from torchloom.ray_instance import start_local_ray
 from torchloom.serve.batcher import ModelFailed, Overloaded
 from torchloom.serve.settings import ServeSettings
@@ -214,7 +215,7 @@ def start_ray(temp_dir: str) -> None:
     from torchloom.model.env import model_env
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    start_local_ray(temp_dir, num_cpus=max(2, os.cpu_count() or 1), env_vars=model_env(), include_dashboard=None,
+    start_local_ray(temp_dir, num_cpus=max(2, usable_cores()), env_vars=model_env(), include_dashboard=None,
                     configure_logging=True, log_to_driver=True,
                     fix="retry when it has room, or serve without Ray (--serve-with local)")
 
@@ -247,7 +248,7 @@ def run_ray(settings: ServeSettings) -> int:
         with socket.socket() as probe:
             probe.bind((settings.host, 0))
             settings.port = probe.getsockname()[1]
-    cpus = os.cpu_count() or 1
+    cpus = usable_cores()
     # The proxy and controller need a little CPU too; replicas share the rest.
     cpus_per_replica = max(0.01, (cpus - 0.2) / settings.replicas)
     temp_dir = tempfile.mkdtemp(prefix="torchloom-ray-")  # mode 0700

@@ -208,7 +208,8 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     """Predict every row of `input_path` into one Parquet file `output_path`; returns rows and seconds."""
     import pyarrow.parquet as pq
 
-    from torchloom.serve.model import ServedModel, default_threads
+    from torchloom.machine import usable_cores
+    from torchloom.serve.model import ServedModel
 
     _check_paths(input_path, output_path, overwrite, local_only=True)
     fmt = input_format(input_path)
@@ -217,7 +218,7 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     _check_schema(schema.names, text_is_string, text_column, input_path)
     out = Path(output_path)
     tmp = _writable_tmp(out)
-    model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=default_threads(), runtime=runtime)
+    model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=usable_cores(), runtime=runtime)
 
     started = last_report = time.perf_counter()
     rows = 0

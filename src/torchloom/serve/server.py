@@ -14,9 +14,10 @@ import sys
 from typing import Any
 
 from torchloom.errors import UserError, missing_extra
+from torchloom.machine import usable_cores
 from torchloom.serve.batcher import MicroBatcher
 from torchloom.serve.metrics import ServeMetrics
-from torchloom.serve.model import ServedModel, default_threads
+from torchloom.serve.model import ServedModel
 from torchloom.serve.settings import ServeSettings
 
 log = logging.getLogger("torchloom.serve")
@@ -113,7 +114,7 @@ def run_local(settings: ServeSettings) -> int:
     sock = listen(settings.host, settings.port)  # first: a taken port fails in a second, not after the load
     try:
         model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
-                            batch_size=settings.max_batch_size, threads=default_threads(), runtime=settings.runtime)
+                            batch_size=settings.max_batch_size, threads=usable_cores(), runtime=settings.runtime)
     except BaseException:
         sock.close()
         raise

@@ -17,6 +17,7 @@ from pathlib import Path
 from torchloom.config import Config, from_dict, to_dict
 from torchloom.engines.common import replace_engine
 from torchloom.errors import first_line
+from torchloom.machine import usable_cores
 from torchloom.rundir import RunDir, StudyDir
 from torchloom.tune import trial as trial_mod
 from torchloom.tune.common import mode_of, say
@@ -31,7 +32,7 @@ def concurrency(cfg: Config) -> int:
     import ray
 
     resources = ray.cluster_resources()
-    fit = int(resources.get("CPU", os.cpu_count() or 1)) // cfg.engine.workers
+    fit = int(resources.get("CPU", usable_cores())) // cfg.engine.workers
     gpus = int(resources.get("GPU", 0))
     if cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and gpus >= cfg.engine.workers):
         fit = gpus // cfg.engine.workers  # each worker of each trial takes a whole GPU
@@ -43,7 +44,7 @@ def trial_engine(cfg: Config, concurrent: int, started_local: bool) -> Config:
     cpus = cfg.engine.cpus_per_worker
     if not cpus:
         if started_local:
-            total = os.cpu_count() or 1
+            total = usable_cores()  # what engines/ray.py gives the local instance it starts
             cpus = round((0.98 * total - concurrent * TRIAL_CPU) / (concurrent * cfg.engine.workers), 3)
         else:
             cpus = 1.0
