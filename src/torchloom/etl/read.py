@@ -11,14 +11,10 @@ from urllib.parse import urlparse
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
 from torchloom.etl.clean import RAW
+from torchloom.input_formats import SUFFIX_FORMATS
 from torchloom.java_errors import unreadable_input
 
 FORMATS = ("csv", "jsonl", "parquet", "folder")
-EXTENSIONS = {
-    ".csv": "csv", ".tsv": "csv",
-    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-    ".parquet": "parquet", ".pq": "parquet",
-}
 _GLOB_CHARS = set("*?[{")
 
 
@@ -47,7 +43,7 @@ def _dir_format(root: str) -> str | None:
         files = [f for f in filenames if not f.startswith((".", "_"))]
         if dirpath != root and any(f.endswith(".txt") for f in files):
             has_txt_subdir = True
-        seen.update(EXTENSIONS[_ext(f)] for f in files if _ext(f) in EXTENSIONS)
+        seen.update(SUFFIX_FORMATS[_ext(f)] for f in files if _ext(f) in SUFFIX_FORMATS)
     if has_txt_subdir:
         return "folder"
     return seen.most_common(1)[0][0] if seen else None
@@ -64,7 +60,7 @@ def resolve_format(cfg: DataConfig, path: str) -> str:
         if fmt is None:
             raise UserError(f"data.path {path}: cannot tell the format from the files in this directory; {fix}")
         return fmt
-    fmt = EXTENSIONS.get(_ext(path.rstrip("/")))
+    fmt = SUFFIX_FORMATS.get(_ext(path.rstrip("/")))
     if fmt is None and not _is_local(path) and not set(path) & _GLOB_CHARS:
         fmt = _store_format(path)
     if fmt is None:
@@ -87,8 +83,8 @@ def _store_format(path: str) -> str | None:
             continue
         parts = rel.split("/")
         txt_in_subdir |= len(parts) > 1 and parts[-1].endswith(".txt")
-        if _ext(parts[-1]) in EXTENSIONS:
-            seen[EXTENSIONS[_ext(parts[-1])]] += 1
+        if _ext(parts[-1]) in SUFFIX_FORMATS:
+            seen[SUFFIX_FORMATS[_ext(parts[-1])]] += 1
     if txt_in_subdir:
         return "folder"
     return seen.most_common(1)[0][0] if seen else None

@@ -19,13 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
+from torchloom.input_formats import SUFFIX_FORMATS
 from torchloom.runrecord import holds_cwd
 
-FORMATS = {
-    ".csv": "csv", ".tsv": "csv",
-    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-    ".parquet": "parquet", ".pq": "parquet",
-}
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
 CHUNK_ROWS = 4096  # rows read, predicted and written at a time by the local engine
 
@@ -34,14 +30,14 @@ def input_format(path: str) -> str:
     """csv, jsonl or parquet, from the extension (or the most common one of the files in a directory)."""
     p = Path(path)
     if p.is_dir():
-        seen = Counter(FORMATS[f.suffix.lower()] for f in _data_files(p) if f.suffix.lower() in FORMATS)
+        seen = Counter(SUFFIX_FORMATS[f.suffix.lower()] for f in _data_files(p) if f.suffix.lower() in SUFFIX_FORMATS)
         if not seen:
-            raise UserError(f"--input {path}: no {', '.join(sorted(FORMATS))} files in this directory")
+            raise UserError(f"--input {path}: no {', '.join(sorted(SUFFIX_FORMATS))} files in this directory")
         return seen.most_common(1)[0][0]
-    fmt = FORMATS.get(p.suffix.lower())
+    fmt = SUFFIX_FORMATS.get(p.suffix.lower())
     if fmt is None:
         raise UserError(f"--input {path}: cannot tell the format from the name; use a file ending in"
-                        f" {', '.join(sorted(FORMATS))}")
+                        f" {', '.join(sorted(SUFFIX_FORMATS))}")
     return fmt
 
 
@@ -145,7 +141,7 @@ def _local_batches(path: str, fmt: str) -> tuple[Any, Iterator[Any]]:
                 for batch in pq.ParquetFile(f).iter_batches(batch_size=CHUNK_ROWS, columns=schema.names):
                     yield batch.cast(schema) if batch.schema != schema else batch
         return schema, parquet_batches()
-    files = [f for f in _data_files(p) if FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
+    files = [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
     if not files:
         raise UserError(f"--input {path}: no {fmt} files there")
     first_schema, first = _open_text_file(files[0], fmt)
@@ -327,7 +323,8 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     _check_paths(input_path, output_path, overwrite, local_only=False)
     # executors may run elsewhere: in the same file system, or fetching from the store themselves
     model_dir = model_uri or os.path.abspath(model_dir)
-    fmt = input_format(input_path) if "://" not in input_path else FORMATS.get(Path(input_path).suffix, "parquet")
+    fmt = (input_format(input_path) if "://" not in input_path
+           else SUFFIX_FORMATS.get(Path(input_path).suffix, "parquet"))
     started = time.perf_counter()
     try:
         df = _spark_read(spark, input_path, fmt)
