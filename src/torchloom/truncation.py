@@ -96,3 +96,9 @@ def prefix(text: str, max_length: int) -> str:
         return text
     cut_at = text.rfind(" ", 0, limit)
     return text[:cut_at] if cut_at > 0 else text
+
+
+def prefix_holds(text: str, start: str, past: int) -> bool:
+    """Whether `start`, prefix(text, max_length), gives the whole text's head ids: it is the whole text, or
+    its tokens pass max_length by at least MARGIN (`past`: by how many)."""
+    return len(start) == len(text) or past >= MARGIN

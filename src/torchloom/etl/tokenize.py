@@ -66,7 +66,7 @@ def encode_ids(tok, texts: list[str], max_length: int) -> list[list[int]]:
     specials = tok.post_processor.num_special_tokens_to_add(False) if tok.post_processor else 0
     redo = [
         i for i, (text, prefix, enc) in enumerate(zip(texts, prefixes, encodings))
-        if len(prefix) < len(text) and sum(len(o.ids) - specials for o in enc.overflowing) < truncation.MARGIN
+        if not truncation.prefix_holds(text, prefix, sum(len(o.ids) - specials for o in enc.overflowing))
     ]
     if redo:
         for i, enc in zip(redo, encode([texts[i] for i in redo], add_special_tokens=True)):

@@ -17,7 +17,7 @@ from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
 from torchloom.scoring import LOSS_EPS, mix, text_scores
 from torchloom.textclean import clean_text
-from torchloom.truncation import MARGIN, STRATEGIES, cut, default_stride, prefix, special_layout, windows
+from torchloom.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
 MAX_LENGTH_CAP = 512
 RUNTIMES = ("torch", "onnx")
@@ -131,12 +131,12 @@ class Predictor:
         like prepare's (self.truncation)."""
         cleaned = [clean_text(well_formed(t)) for t in texts] if cleaned is None else cleaned
         if self.truncation == "head":
-            # prepare's shortcut (truncation.prefix): a long text's start alone, when its tokens pass
+            # prepare's shortcut (truncation.prefix, prefix_holds): a long text's start alone, when its tokens pass
             # max_length by MARGIN, gives the same ids as the whole text at a fraction of the work and memory
             size = self.max_length
             starts = [prefix(t, size) for t in cleaned]
             counts = [len(ids) for ids in self.tokenizer(starts, truncation=False)["input_ids"]]
-            use = [start if len(start) < len(text) and n - size >= MARGIN else text
+            use = [start if prefix_holds(text, start, n - size) else text
                    for start, text, n in zip(starts, cleaned, counts)]
             encoded = self.tokenizer(use, truncation=True, max_length=size)
             return [dict(zip(encoded.keys(), values)) for values in zip(*encoded.values())]
