@@ -6,6 +6,7 @@ import os
 import socket
 
 from torchloom.config import Config, from_dict
+from torchloom.machine import usable_cores
 from torchloom.train.distributed import Dist, setup, teardown
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
@@ -15,7 +16,7 @@ def worker_threads(cfg: Config) -> int:
     if cfg.engine.threads_per_worker:
         return cfg.engine.threads_per_worker
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    return max(1, (os.cpu_count() or 1) // max(1, local_world))
+    return max(1, usable_cores() // max(1, local_world))
 
 
 def placement(d: Dist) -> str:
