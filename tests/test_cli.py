@@ -262,8 +262,8 @@ def test_a_stage_run_on_its_own_follows_what_the_run_recorded(finished_run, tiny
 
 def test_a_train_whose_launch_fails_before_any_worker_starts_leaves_the_run_as_it_was(finished_run, tiny,
                                                                                         tmp_path, monkeypatch):
-    from torchloom import pipeline
     from torchloom.config import build
+    from torchloom.stages import train
 
     rd, _ = finished_run
     run = tmp_path / "run"
@@ -275,18 +275,18 @@ def test_a_train_whose_launch_fails_before_any_worker_starts_leaves_the_run_as_i
     def unreachable(*args, **kwargs):
         raise RuntimeError("the cluster did not answer")
 
-    monkeypatch.setattr(pipeline, "launch", unreachable)
+    monkeypatch.setattr(train, "launch", unreachable)
     with pytest.raises(RuntimeError, match="did not answer"):
-        pipeline.train_stage(cfg, quiet=True)
+        train.train_stage(cfg, quiet=True)
     assert {name: (run / name).read_bytes() for name in before} == before  # the history and the record of it
 
     def started_then_failed(cfg, rd, *args):
         (rd.logs / "placement-x-rank0-start0.json").write_text("{}")  # a rank recorded its start
         raise RuntimeError("rank 0 failed")
 
-    monkeypatch.setattr(pipeline, "launch", started_then_failed)
+    monkeypatch.setattr(train, "launch", started_then_failed)
     with pytest.raises(RuntimeError, match="rank 0 failed"):
-        pipeline.train_stage(cfg, quiet=True)
+        train.train_stage(cfg, quiet=True)
     assert (run / "config.toml").read_bytes() != before["config.toml"]  # what ran is what the run says ran
 
 
@@ -609,9 +609,9 @@ def test_evaluate_scores_what_serve_answers(finished_run):
 def test_a_baseline_that_fails_is_one_line_and_evaluate_goes_on(finished_run, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from torchloom import pipeline
     from torchloom.config import build
     from torchloom.etl import baseline, session
+    from torchloom.stages.evaluate import evaluate_stage
 
     rd = tmp_path / "copy"
     shutil.copytree(finished_run[0], rd)
@@ -622,7 +622,7 @@ def test_a_baseline_that_fails_is_one_line_and_evaluate_goes_on(finished_run, tm
 
     monkeypatch.setattr(session, "get_spark", lambda *_: object())
     monkeypatch.setattr(baseline, "fit_and_score", broken)
-    ev = pipeline.evaluate_stage(build(None, ["--output.dir", str(rd), "--tracking.enabled", "false"]))
+    ev = evaluate_stage(build(None, ["--output.dir", str(rd), "--tracking.enabled", "false"]))
     assert ev["baseline"] is None and ev["metrics"]["n"] > 0
     err = capsys.readouterr().err
     # a small train split: scikit-learn on the driver, no SparkSession (get_spark above is never called)

@@ -114,9 +114,9 @@ def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
 
 
 def test_more_workers_than_gpus_is_refused_before_prepare_runs(monkeypatch, tmp_path, capsys):
-    from torchloom import cli, pipeline
+    from torchloom import cli, preflight
 
-    monkeypatch.setattr(pipeline, "visible_gpus", lambda cfg: 1)
+    monkeypatch.setattr(preflight, "visible_gpus", lambda cfg: 1)
     out = tmp_path / "run"
     code = cli.main(["run", "--output.dir", str(out), "--engine.workers", "2", "--tracking.enabled", "false"])
     err = capsys.readouterr().err

@@ -22,9 +22,9 @@ from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
-from torchloom.pipeline import export_stage
 from torchloom.plan import command as plan
 from torchloom.plan.advice import RUN_WITH
+from torchloom.stages.export import export_stage
 from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist
 from torchloom.train.evaluation import evaluate

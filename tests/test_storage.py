@@ -88,7 +88,7 @@ def test_bad_store_uris_are_one_line_before_any_work(s3):
     # credentials never reach a line, nor config.toml: a URI that carries them is refused
     assert storage.redact("s3://user:secret@bucket/x?X-Amz-Signature=abc") == "s3://bucket/x"
     from torchloom.config import build
-    from torchloom.pipeline import check_stores
+    from torchloom.preflight import check_stores
 
     with pytest.raises(UserError, match=r"^output.dir s3://bucket/run: holds credentials") as e:
         check_stores(build(None, ["--output.dir", "s3://key:secret@bucket/run"]))

@@ -343,9 +343,9 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
-    from torchloom import pipeline
+    from torchloom.model.env import use_model_env
 
-    pipeline.env_defaults()
+    use_model_env()  # models from local directories only, here and in the workers this command starts
     if args.command == "predict":
         return cmd_predict(args, rest)
     if args.command == "serve":
@@ -356,30 +356,32 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
         sys.stdout.write(to_toml(cfg))
         return 0
-    cfg = pipeline.for_this_machine(cfg)  # what cannot run here fails now, before prepare
+    from torchloom import preflight
     from torchloom.lease import hold
 
+    cfg = preflight.for_this_machine(cfg)  # what cannot run here fails now, before prepare
     with hold(cfg.output.dir, args.command):  # a run on a store: one driver writes it at a time
         return run_stage(args.command, cfg)
 
 
 def run_stage(command: str, cfg) -> int:
-    from torchloom import pipeline
+    from torchloom.stages import evaluate, export, prepare, run, train
 
     if command == "prepare":
-        pipeline.prepare_with_baseline(cfg)
+        prepare.prepare_with_baseline(cfg)
     elif command == "train":
         from torchloom import tracking
+        from torchloom.preflight import check_prepared
 
-        pipeline.check_prepared(cfg)  # before MLflow and torch load: a wrong --output.dir is one line at once
+        check_prepared(cfg)  # before MLflow and torch load: a wrong --output.dir is one line at once
         with tracking.start(cfg, "train") as tracker:
-            pipeline.train_stage(cfg, tracker=tracker)
+            train.train_stage(cfg, tracker=tracker)
     elif command == "export":
-        pipeline.export_stage(cfg)
+        export.export_stage(cfg)
     elif command == "evaluate":
-        pipeline.evaluate_stage(cfg)
+        evaluate.evaluate_stage(cfg)
     elif command == "run":
-        pipeline.run_all(cfg)
+        run.run_all(cfg)
     elif command == "tune":
         from torchloom.tune.study import run as tune_run
 

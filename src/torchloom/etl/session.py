@@ -175,6 +175,17 @@ def get_spark(cfg: PrepareConfig | None = None):
     return _classic(cfg)
 
 
+def stop_spark() -> None:
+    """The active SparkSession stopped, if there is one: its JVM would keep memory and wake-ups from the workers."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        return
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+
+
 def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
     log4j = _log4j_file(local=is_local_master(cfg.spark_master))
     conf = {

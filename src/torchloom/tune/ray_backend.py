@@ -58,9 +58,9 @@ def _trainable(config: dict, cfg_dict: dict, study_dir: str, parent_run_id: str 
     to the study's experiment state on disk (with any secret in the config)."""
     from ray import tune
 
-    from torchloom.pipeline import env_defaults
+    from torchloom.model.env import use_model_env
 
-    env_defaults()
+    use_model_env()
     ctx = tune.get_context()
     cfg = from_dict(cfg_dict)
     sd = StudyDir(study_dir)

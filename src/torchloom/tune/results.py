@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from torchloom import config as config_mod
-from torchloom import pipeline
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.rundir import RunDir, StudyDir, read_json, write_atomic, write_json
+from torchloom.stages.evaluate import evaluate_stage
+from torchloom.stages.export import export_stage
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, study_name, with_output
 from torchloom.tune.space import Param, short
@@ -138,7 +139,7 @@ def export_best(cfg: Config, sd: StudyDir, best: dict, tracker) -> dict:
     td = RunDir(best["run_dir"])
     trial_cfg = config_mod.load_saved(td.config)
     with contextlib.redirect_stdout(sys.stderr):
-        pipeline.export_stage(trial_cfg)
+        export_stage(trial_cfg)
     staging = sd.root / ".model.tmp"
     if staging.exists():
         shutil.rmtree(staging)
@@ -152,7 +153,7 @@ def export_best(cfg: Config, sd: StudyDir, best: dict, tracker) -> dict:
     study_cfg = with_output(trial_cfg, sd.root)
     result: dict = {}
     if read_manifest(sd.data).split(cfg.eval.split).rows:
-        result = pipeline.evaluate_stage(study_cfg, extra={"tune": {"best_trial": best["trial"]}}, tracker=tracker)
+        result = evaluate_stage(study_cfg, extra={"tune": {"best_trial": best["trial"]}}, tracker=tracker)
     if tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(sd.model)
     return result

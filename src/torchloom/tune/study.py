@@ -26,12 +26,13 @@ import time
 from pathlib import Path
 
 from torchloom import config as config_mod
-from torchloom import pipeline, tracking
+from torchloom import preflight, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
 from torchloom.rundir import StudyDir, read_json, write_json
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import STUDY_FORMAT, check_replaceable, replace_local
+from torchloom.stages.prepare import prepare_with_baseline
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
 
@@ -173,7 +174,7 @@ def prepare_once(cfg: Config, sd: StudyDir, tracker) -> None:
             say(f"reusing the prepared data in {sd.data}")
             return
         study_cfg = config_mod.build(base=with_output(cfg, sd.root))
-        pipeline.prepare_with_baseline(study_cfg, tracker=tracker)
+        prepare_with_baseline(study_cfg, tracker=tracker)
         key_file.write_text(prepare_key(cfg))
 
 
@@ -203,7 +204,7 @@ def _hold(sd: StudyDir) -> None:
 
 def run(cfg: Config) -> dict:
     """Check the space, prepare once, run the trials on the chosen backend, then report and export."""
-    cfg = pipeline.for_this_machine(cfg)
+    cfg = preflight.for_this_machine(cfg)
     params = space_mod.parse(cfg)  # a bad space fails here, before anything starts
     backend = choose_backend(cfg)
     mode = mode_of(cfg)

@@ -1,4 +1,4 @@
-"""One trial of a study: an ordinary run directory under <study>/trials/<name>, trained by the pipeline."""
+"""One trial of a study: an ordinary run directory under <study>/trials/<name>, trained by the train stage."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import os
 import time
 from typing import Any
 
-from torchloom import pipeline, tracking
+from torchloom import tracking
 from torchloom.config import Config
 from torchloom.errors import first_line
 from torchloom.rundir import RunDir, StudyDir, read_json, write_json
+from torchloom.stages.train import train_stage
 from torchloom.train import checkpoint
 from torchloom.train.result import TrainResult
 from torchloom.tune import space as space_mod
@@ -65,7 +66,7 @@ def run_trial(cfg: Config, sd: StudyDir, name: str, values: dict, parent_run_id:
     say(f"trial {name} started: {shown}")
     with tracker:
         try:
-            result = pipeline.train_stage(trial_cfg, quiet=quiet, tracker=tracker, hooks=hooks)
+            result = train_stage(trial_cfg, quiet=quiet, tracker=tracker, hooks=hooks)
         except KeyboardInterrupt:
             finish_trial(td, "interrupted")
             raise

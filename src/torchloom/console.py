@@ -1,0 +1,99 @@
+"""What the stages tell the user on the terminal: a line on stderr (say), the precision, training and mix lines,
+and the summary `torchloom run` prints at the end."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from torchloom import preflight
+from torchloom.config import Config
+from torchloom.manifest import read as read_manifest
+from torchloom.rundir import RunDir
+
+if TYPE_CHECKING:
+    from torchloom.train.result import TrainResult
+
+
+def say(msg: str) -> None:
+    print(f"torchloom: {msg}", file=sys.stderr, flush=True)
+
+
+def precision_line(cfg: Config) -> str:
+    """What train.precision is for the workers: decided here for the local engine (this machine is theirs),
+    by each worker on its own device on Spark and Ray (the result says what they chose)."""
+    if cfg.engine.name != "local":
+        return f"precision {cfg.train.precision}" + (" (each worker decides on its device)"
+                                                       if cfg.train.precision == "auto" else "")
+    from torchloom.model.device import choose_precision
+
+    device = "cuda" if preflight.visible_gpus(cfg) else "cpu"
+    choice = choose_precision(cfg.train.precision, device, scaler_ok=cfg.train.strategy == "ddp")
+    if choice.warning:
+        say(f"warning: {choice.warning}")
+    return f"precision {choice.precision} ({choice.reason})"
+
+
+def combine_line(combine: dict) -> str:
+    """What export says of the mix: the weight and why, from the val accuracies it was chosen on."""
+    val = combine["val_accuracy"]
+    scores = (f"val accuracy: transformer {val['transformer']:.4f}, baseline {val['baseline']:.4f},"
+              f" shipped {val['shipped']:.4f} on {combine['texts']} texts")
+    if combine["weight"] >= 1.0:
+        return f"ships the transformer alone (the mix with the baseline did not beat it on val; {scores})"
+    return (f"ships the mix: {combine['weight']:.2f} x the transformer + {1 - combine['weight']:.2f} x the baseline"
+            f" ({scores})")
+
+
+def training_line(cfg: Config, result: TrainResult) -> str:
+    """How long training ran against what was asked or chosen (train.epochs auto: config/budget.py), one line."""
+    from torchloom.config import budget
+
+    m = read_manifest(RunDir(cfg.output.dir).data)
+    chosen, why = cfg.train.epochs, None
+    if chosen == "auto":
+        chosen, why = budget.choose_epochs(cfg.train.budget, m.num_labels, m.split("train").rows,
+                                           cfg.train.batch_size)
+    stop = {"early_stopping": "; stopped early: validation had stopped improving",
+            "budget": f"; stopped at train.budget {cfg.train.budget}"}.get(result.stop_reason or "", "")
+    return (f"{result.epochs:g} of {chosen} epochs" + (f" (epochs auto: {why})" if why else "") + stop
+            + (f"; the best on validation (step {result.best_step}) exported"
+               if result.best_step and cfg.train.select == "best" else ""))
+
+
+def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
+    """What `torchloom run` prints at the end."""
+    timings = summary["timings"]
+    stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
+    lines = [f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})",
+             f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}",
+             f"  precision {summary['precision']} ({summary['precision_reason']}); {summary['workers']} workers",
+             f"  trained {summary['training']}",
+             f"  start-up {startup_line(summary['startup'])}"]
+    cmp, shipped = summary.get("baseline"), summary.get("shipped")
+    if shipped:  # three rows: what ships (above), the transformer alone, the baseline
+        lines[1] += (f"   (shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"
+                     " baseline, the weight chosen on val)")
+        lines.append(f"  transformer {cmp['transformer_accuracy']:.4f}   macro-F1 {cmp['transformer_macro_f1']:.4f}")
+    if cmp:
+        lines.append(f"  baseline {cmp['accuracy']:.4f}   macro-F1 {cmp['macro_f1']:.4f}   ({cmp['name']};"
+                     f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")
+    if summary.get("verdict"):
+        lines.append(f"  note    {summary['verdict']}")
+    lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.home(rd.plots)}",
+              f"  predict torchloom predict --model {summary['model_dir']} \"some text\""]
+    if tracker.enabled:
+        lines.append(f"  mlflow  run {tracker.run_id} in {tracker.shown_uri}")
+    return "\n".join(lines)
+
+
+STARTUP_NAMES = {"spark_start_s": "Spark start", "read_clean_s": "read+clean", "tokenize_s": "tokenize",
+                 "baseline_s": "baseline", "worker_launch_s": "worker launch", "process_group_s": "process group",
+                 "model_load_s": "model load", "data_s": "loader", "first_step_s": "first step"}
+
+
+def startup_line(startup: dict) -> str:
+    """The start-up account as one line: each phase before the first step, then when that step ended."""
+    parts = [f"{name} {startup[k]:.1f}s" for k, name in STARTUP_NAMES.items() if startup.get(k) is not None]
+    end = startup.get("first_step_after_s")
+    return ", ".join(parts) + (f" (first step done {end:.0f} s after the start)" if end is not None else "")

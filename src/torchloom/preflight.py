@@ -1,0 +1,148 @@
+"""The checks before a stage starts: what cannot run on this machine, stores that do not answer, an output.dir that
+cannot be written or holds someone else's files, inputs that match nothing, a run that cannot be trained. Each
+failure is one line (a UserError), and nothing is written to find out.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchloom import config as config_mod
+from torchloom import storage
+from torchloom.config import Config
+from torchloom.errors import UserError
+from torchloom.etl.session import runs_on_this_machine
+from torchloom.manifest import read as read_manifest
+from torchloom.rundir import RunDir
+from torchloom.runrecord import is_own_file
+
+
+def visible_gpus(cfg: Config) -> int:
+    """CUDA devices a local run could use here: nvidia-smi first (no torch to import on a machine without
+    one), then torch's own count, which is what the workers will see."""
+    if cfg.engine.name != "local" or cfg.engine.device == "cpu":
+        return 0
+    from torchloom.machine import gpu_names
+
+    if not gpu_names() and cfg.engine.device == "auto":
+        return 0
+    from torchloom.model.device import gpu_count
+
+    return gpu_count()
+
+
+_STORES_CHECKED: set[str] = set()
+
+
+def check_stores(cfg: Config) -> None:
+    """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
+    write the run, said in one line before any stage starts (once per URI and process)."""
+    for key, uri, check in (("output.dir", cfg.output.dir, storage.check_writable),
+                            ("data.path", cfg.data.path, storage.check_readable),
+                            ("data.val_path", cfg.data.val_path, storage.check_readable),
+                            ("data.test_path", cfg.data.test_path, storage.check_readable)):
+        if storage.is_uri(uri) and storage.redact(uri) != uri:
+            raise UserError(f"{key} {storage.redact(uri)}: holds credentials (user:password@ or a query string);"
+                            " give them in the environment (AWS_ACCESS_KEY_ID ..., a profile, an instance role),"
+                            " never in the URI, which is written to config.toml and logs")
+        if storage.is_uri(uri) and uri not in _STORES_CHECKED:
+            if key.startswith("data.") and not runs_on_this_machine(cfg.prepare.spark_master):
+                continue  # a Spark cluster reads it with its own connector and credentials
+            check(uri, key)
+            _STORES_CHECKED.add(uri)
+
+
+def for_this_machine(cfg: Config) -> Config:
+    """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
+    starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too."""
+    check_stores(cfg)
+    if not storage.is_uri(cfg.output.dir):
+        check_output_dir(RunDir(cfg.output.dir).root)
+    if not cfg.output.overwrite:  # --overwrite: runrecord.owned_entries says
+        check_foreign_config(RunDir(cfg.output.dir))
+    if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
+        return cfg
+    return config_mod.resolve_workers(cfg, visible_gpus(cfg))
+
+
+def check_input(cfg: Config) -> None:
+    """A local data.path (val_path, test_path) that matches nothing is one line before Spark or MLflow start:
+    a typo costs no JVM start-up. prepare checks it again (etl/prepare.py); stores are check_stores'."""
+    from torchloom import embedded
+    from torchloom.etl.read import check_inputs
+
+    check_inputs(cfg.data, embedded.data_path(cfg.data.path))
+
+
+def check_prepared(cfg: Config) -> None:
+    """`train` on a local output.dir without prepared data: the one line read_manifest gives, before anything
+    loads (a run on a store is checked when its working copy is staged)."""
+    if not storage.is_uri(cfg.output.dir):
+        rd = RunDir(cfg.output.dir)
+        if not (rd.data / "manifest.json").is_file():
+            read_manifest(rd.data)
+
+
+def check_output_dir(path: Path) -> None:
+    """A local output.dir that cannot be made or written (a file on its path, a directory this user may not
+    write) is one line before any stage starts, and nothing is created to find out."""
+    fix = "pass another --output.dir"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"output.dir {path}: is a file, not a directory; {fix}")
+    nearest = path
+    while not nearest.exists() and nearest.parent != nearest:  # a path under a file does not exist either
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise UserError(f"output.dir {path}: cannot be created, {nearest} is a file, not a directory; {fix}")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        made = "written" if nearest == path else f"created, {nearest} is not writable"
+        raise UserError(f"output.dir {path}: cannot be {made} for this user; {fix} or make it writable")
+
+
+def check_foreign_config(rd: RunDir) -> None:
+    """Never write over a config.toml torchloom did not write (a Hugo site's, say), nor into a store's prefix
+    that holds objects of someone else's: refused before any stage, from the store itself for a run on one."""
+    if rd.remote:
+        storage.check_own_prefix(rd)
+    elif rd.config.is_file() and not is_own_file(rd.config.name, rd.config.read_bytes()):
+        raise UserError(f"output.dir {rd.where}: holds a config.toml that torchloom did not write; it is left"
+                        " alone; pass another --output.dir")
+
+
+def check_untrained(cfg: Config) -> None:
+    """prepare --overwrite into a run that was trained: its checkpoints (and model) would belong to data that is
+    gone, and a later resume or export would take them; one line before Spark starts, nothing touched."""
+    rd = RunDir(cfg.output.dir)
+    if rd.remote:
+        trained = bool(storage.list_files(storage.join(rd.remote, "checkpoints")))
+    else:
+        trained = any(rd.checkpoints.glob("step-*")) if rd.checkpoints.is_dir() else False
+    if trained:
+        raise UserError(f"output.dir {rd.where}: holds checkpoints trained on the data that prepare would replace;"
+                        " start the whole run afresh (torchloom run --overwrite) or prepare into another"
+                        " --output.dir")
+
+
+def check_trainable(cfg: Config) -> int | None:
+    """Catch in the driver what would otherwise fail in every worker; returns the step train.resume
+    resumes from (None: a fresh start)."""
+    from torchloom import manifest as manifest_mod
+    from torchloom.embedded import model_path
+    from torchloom.model.build import check_model_dir
+    from torchloom.train import checkpoint
+
+    rd = RunDir(cfg.output.dir)
+    storage.ensure(rd, rd.manifest)  # the workers stream the shards from the store
+    if cfg.train.resume == "latest":  # the newest intact checkpoint alone, hashed once (rank 0 finds it stamped)
+        storage.pull_checkpoints(rd, intact=lambda p: checkpoint.damage(p) is None)
+    m = manifest_mod.read(rd.data)
+    check_model_dir(model_path(cfg.model.path))
+    if m.split("train").rows < cfg.engine.workers:
+        raise UserError(
+            f"{m.root}: {m.split('train').rows} training rows for {cfg.engine.workers} workers;"
+            " add data or lower engine.workers"
+        )
+    # a path that is no checkpoint, or only damaged ones, fails here, once; rank 0 warns of what it skips
+    path = checkpoint.resolve(cfg.train.resume, rd.checkpoints, warn=False)
+    return None if path is None else int(checkpoint.read_meta(path)["step"])

@@ -1,0 +1,74 @@
+"""The export stage: the chosen checkpoint as a model directory (Hugging Face format, ONNX beside it with
+export.format), shipped alone or mixed with the baseline (export.combine)."""
+
+from __future__ import annotations
+
+import time
+
+from torchloom import storage
+from torchloom.config import Config
+from torchloom.console import combine_line, say
+from torchloom.rundir import RunDir, read_json
+from torchloom.stages import run_dir
+
+
+def export_stage(cfg: Config, tracker=None) -> dict:
+    from torchloom import __version__
+    from torchloom import manifest as manifest_mod
+    from torchloom.embedded import model_path
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+    from torchloom.train import checkpoint
+
+    rd = run_dir(cfg)
+    started = time.perf_counter()
+    storage.ensure(rd, rd.data)
+    storage.pull_checkpoints(rd)
+    ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
+    m = manifest_mod.read(rd.data)
+    src = model_path(cfg.model.path)
+    model = build_classifier(src, m.labels)
+    model.load_state_dict(checkpoint.load_weights(ckpt))
+    meta = checkpoint.read_meta(ckpt)
+    combine = choose_combine(cfg, rd, model, m)
+    shipped = combine is not None and combine["weight"] < 1.0
+    out = export_model(model, src, m.labels, str(rd.model), extra_info={
+        "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
+        "validation": meta.get("eval", {}), "data_fingerprint": m.fingerprint,
+        "max_length": m.tokenizer.get("max_length"), "truncation": m.tokenizer.get("truncation", "head"),
+        **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
+        **({"combine": combine} if combine else {}),
+    }, extra_dirs={"baseline": rd.baseline_model} if shipped else None)
+    say(f"export: {ckpt.name} -> {rd.home(out)}")
+    if combine:
+        say(f"export: {combine_line(combine)}")
+    onnx_info = None
+    if cfg.export.format != "hf":
+        from torchloom.data.texts import gate_rows
+        from torchloom.model.onnx import export_onnx
+
+        onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
+                                say=lambda msg: say(f"export: {msg}"))
+    storage.push(rd, rd.model)
+    if tracker is not None and tracker.enabled and cfg.tracking.log_model:
+        tracker.log_model(out)
+    return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
+            "onnx": onnx_info}
+
+
+def choose_combine(cfg: Config, rd: RunDir, model, m) -> dict | None:
+    """export.combine: the transformer's weight in the shipped mix with the baseline, chosen on val (evaluate/mix.py);
+    None without a baseline fitted on these prepared rows by the driver."""
+    if cfg.export.combine == "off":
+        return None
+    storage.ensure(rd, rd.baseline, rd.baseline_model)
+    try:
+        fitted_on = read_json(rd.baseline).get("fingerprint")
+    except (OSError, ValueError):
+        fitted_on = None
+    if fitted_on != m.fingerprint:  # no baseline, or one of other rows: the transformer alone
+        return None
+    from torchloom.evaluate.mix import choose_combine as choose
+    from torchloom.evaluate.run import split_probabilities
+
+    return choose(cfg.export.combine, lambda: split_probabilities(cfg, model, m, "val"), m, rd.baseline_model)

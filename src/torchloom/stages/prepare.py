@@ -1,0 +1,110 @@
+"""The prepare stage: the input read, cleaned, split and tokenized into the run's data/ (etl/prepare.py), and
+the `prepare` command, which fits the baseline in the same SparkSession."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import replace
+
+from torchloom import storage
+from torchloom.config import Config
+from torchloom.console import say
+from torchloom.errors import UserError
+from torchloom.etl.session import runs_on_this_machine, stop_spark
+from torchloom.preflight import check_input, check_untrained, for_this_machine
+from torchloom.rundir import RunDir
+from torchloom.stages import run_dir, save_config
+from torchloom.stages.baseline import baseline_stage
+
+
+def local_input(cfg: Config, rd: RunDir) -> Config:
+    """Data on a store, read by the embedded local Spark: streamed to this host's working copy first (that
+    Spark has no Hadoop S3 connector, and none is on PyPI). A Spark cluster reads its own s3a:// or gs://
+    paths with the connector it has, or its tasks stream them (etl/store_read.py), as the local Spark does
+    with prepare.input_reader pyarrow (no local copy)."""
+    if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
+        return cfg
+    paths = {}
+    for key in ("path", "val_path", "test_path"):
+        value = getattr(cfg.data, key)
+        if storage.is_uri(value):
+            say(f"prepare: reading {storage.redact(value)} from the store")
+            paths[key] = storage.stage_input(value, rd.root / "input" / key, f"data.{key}")
+    return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
+
+
+def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
+    from torchloom.etl.prepare import prepare
+
+    rd = run_dir(cfg)
+    started = time.perf_counter()
+    if rd.remote:
+        _stage_remote_data(cfg, rd)
+    try:
+        # a Spark cluster's executors do not see this host's working copy: they write through the store
+        through = storage.join(rd.remote, "data") if rd.remote and not runs_on_this_machine(cfg.prepare.spark_master) \
+            else None
+        local = local_input(cfg, rd)
+        # the inputs read from local copies are named by their URIs
+        shown = {getattr(local.data, key): storage.redact(getattr(cfg.data, key))
+                 for key in ("path", "val_path", "test_path") if getattr(local.data, key) != getattr(cfg.data, key)}
+        manifest = prepare(local, str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"), store=through,
+                           shown_inputs=shown, shown_out=rd.home(rd.data))
+    finally:
+        if spark is None:
+            # Nothing later needs the session we started: its JVM would keep memory and wake-ups
+            # away from the training workers.
+            stop_spark()
+    if rd.remote and cfg.output.overwrite:
+        storage.delete_tree(storage.join(rd.remote, "data"))  # the earlier shards, whatever their names
+    storage.push(rd, rd.data)  # manifest.json last: the prepared data counts once it is there
+    storage.new_identity(rd)  # after the data: a host that saw the new record finds the new data
+    save_config(cfg, rd)
+    splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
+                       for k, v in manifest.splits.items())
+    reasons = {k: v for k, v in manifest.counts.get("rows_rejected", {}).items() if v}
+    rejected = sum(reasons.values())
+    why = f" ({', '.join(f'{k} {v}' for k, v in reasons.items())})" if reasons else ""
+    say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} set aside{why},"
+        f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
+    splits = {k: v.documents or v.rows for k, v in manifest.splits.items()}  # texts, with chunks too
+    if tracker is not None:
+        tracker.set_tags({"data_fingerprint": manifest.fingerprint})
+        tracker.log_metrics({"rows_read": manifest.counts.get("rows_read", 0), "rows_rejected": rejected,
+                             "duplicates_removed": manifest.counts.get("duplicates_removed", 0),
+                             **{f"rows_{k}": v for k, v in splits.items()}})
+        tracker.log_artifact(rd.manifest)
+    return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
+
+
+def _stage_remote_data(cfg: Config, rd: RunDir) -> None:
+    """prepare into a run on a store: the store says whether prepared data is there (never this host's copy,
+    which may be of another run); the copy's data directory is cleared for the new data."""
+    if storage.list_files(storage.join(rd.remote, "data")) and not cfg.output.overwrite:
+        raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true to"
+                        " replace it")
+    storage.sync_copy(rd)
+    if rd.data.exists():
+        shutil.rmtree(rd.data)
+
+
+def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
+    """prepare, then (eval.baseline) the baseline: on the driver, or on Spark in prepare's SparkSession,
+    which is stopped after."""
+    cfg = for_this_machine(cfg)
+    check_input(cfg)
+    check_untrained(cfg)
+    if not cfg.eval.baseline:
+        return prepare_stage(cfg, tracker=tracker)
+    from torchloom.etl.session import get_spark
+
+    spark = get_spark(cfg.prepare)
+    try:
+        out = prepare_stage(cfg, spark=spark, tracker=tracker)
+        fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+        if fitted:
+            out["baseline_s"] = fitted["seconds"]
+    finally:
+        stop_spark()
+    return out

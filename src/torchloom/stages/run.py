@@ -1,0 +1,139 @@
+"""The `run` command: prepare -> (baseline) -> train -> export -> evaluate into one run directory, sharing one
+SparkSession between prepare, the baseline and the Spark engine, then a summary (summary.json and the lines
+console.summary_text prints)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from torchloom import storage
+from torchloom.config import Config
+from torchloom.console import say, summary_text, training_line
+from torchloom.errors import UserError
+from torchloom.etl.session import stop_spark
+from torchloom.manifest import read as read_manifest
+from torchloom.preflight import check_input, for_this_machine
+from torchloom.rundir import RunDir, write_json
+from torchloom.runrecord import replace_local
+from torchloom.stages import run_dir
+from torchloom.stages.baseline import baseline_stage, stored_baseline
+from torchloom.stages.evaluate import evaluate_stage
+from torchloom.stages.export import export_stage
+from torchloom.stages.prepare import prepare_stage
+from torchloom.stages.train import train_stage
+
+
+def run_all(cfg: Config) -> dict:
+    """prepare -> train -> export -> evaluate into one run dir, then a summary."""
+    cfg = for_this_machine(cfg)
+    rd = run_dir(cfg)
+    if not (cfg.train.resume and rd.manifest.is_file()):  # a resume reuses the prepared data
+        check_input(cfg)  # every input checked before --overwrite deletes anything
+    if rd.remote:
+        _fresh_remote(cfg, rd)
+    exists = rd.root.exists()
+    if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume and not rd.remote:
+        raise UserError(
+            f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
+        )
+    if exists and not cfg.train.resume:
+        if rd.remote:  # a staging copy is ours to replace; the store's side was replaced above
+            shutil.rmtree(rd.root)
+        elif cfg.output.overwrite:
+            replace_local(rd.root)
+    from torchloom import tracking
+
+    with tracking.start(cfg, "run") as tracker:
+        return _run_all(cfg, rd, tracker)
+
+
+def _fresh_remote(cfg: Config, rd: RunDir) -> None:
+    """A run on a store: the store answers and takes writes (one line otherwise, before any work); a prefix
+    that holds a run is refused without --overwrite or --resume, and its own objects replaced with --overwrite."""
+    storage.check_writable(rd.remote, "output.dir")
+    if cfg.train.resume:
+        return
+    if storage.run_listing(rd):  # its lease aside: this driver's own, taken before (lease.py)
+        if not cfg.output.overwrite:
+            raise UserError(f"output.dir {rd.where}: holds objects already; pass --output.overwrite true or another"
+                            " --output.dir")
+        storage.replace_remote(rd)
+
+
+def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    startup: dict[str, float] = {}  # the driver's phases before the workers launch (the start-up account)
+    spark = _prepare_and_baseline(cfg, rd, tracker, timings, startup)
+    result = train_stage(cfg, spark=spark, tracker=tracker, startup=startup)
+    if cfg.engine.name == "local":
+        from torchloom.engines import local
+
+        local.stop_fork_server()  # ~300 MB of the workers' imports, idle from here on
+    timings["train_s"] = result.wall_s
+    timings["export_s"] = export_stage(cfg, tracker=tracker)["seconds"]
+    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result.to_dict()}, tracker=tracker, announce=False)
+    timings["evaluate_s"] = ev["seconds"]
+    timings["total_s"] = round(time.perf_counter() - started, 2)
+    # the first step ended this long after the run started: everything before training, then the launch's part
+    startup["first_step_after_s"] = round(timings["total_s"] - timings["train_s"] - timings["export_s"]
+                                          - timings["evaluate_s"] + result.first_step_s, 2)
+    summary = {
+        "run_dir": rd.where, "accuracy": ev["metrics"]["accuracy"], "macro_f1": ev["metrics"]["macro_f1"],
+        "timings": timings, "model_dir": rd.home(rd.model), "report": rd.home(rd.report_md),
+        "precision": result.precision, "precision_reason": result.precision_reason,
+        "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
+        "training": training_line(cfg, result),
+    }
+    if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
+        summary["uploads"] = result.uploads
+    if result.preemptions:
+        summary["preemptions"] = result.preemptions
+    cmp = ev.get("baseline")
+    if cmp:
+        summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain",
+                                                   "transformer_accuracy", "transformer_macro_f1")}
+        if cmp.get("shipped"):
+            summary["shipped"] = cmp["shipped"]
+        summary["verdict"] = ev.get("verdict")
+    if tracker.enabled:
+        summary["mlflow_run_id"] = tracker.run_id
+        summary["mlflow_uri"] = tracker.shown_uri
+    write_json(rd.summary, summary)
+    storage.push(rd, rd.summary)
+    tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
+    tracker.log_artifact(rd.summary)
+    print(summary_text(summary, cfg.eval.split, rd, tracker), flush=True)
+    return summary
+
+
+def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, startup: dict):
+    """prepare (or, on a resume, the prepared data as it is) and the baseline in one SparkSession; returns
+    the session when the Spark engine trains next, else stops it (its JVM would keep memory and wake-ups
+    away from the workers)."""
+    from torchloom.etl.session import get_spark
+
+    t = time.perf_counter()
+    spark = get_spark(cfg.prepare)  # one SparkSession for the ETL, the baseline and the Spark engine
+    startup["spark_start_s"] = time.perf_counter() - t
+    if cfg.train.resume and rd.manifest.is_file():
+        say(f"run: resuming; reusing the prepared data in {rd.home(rd.data)}")
+    else:
+        timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+        done = read_manifest(rd.data).timings
+        startup.update({"read_clean_s": done.get("read_clean_dedup", 0.0) + done.get("write_rejected", 0.0),
+                        "tokenize_s": done.get("tokenize_write", 0.0)})
+    if cfg.eval.baseline:
+        stored = stored_baseline(cfg, read_manifest(rd.data))
+        if stored is None:  # fitted now, and logged as it is
+            fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+            if fitted:
+                timings["baseline_s"] = startup["baseline_s"] = fitted["seconds"]
+        else:  # a resumed run reuses it: this run's tracker gets its scores once
+            tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in stored["splits"].items()
+                                 for metric in ("accuracy", "macro_f1")})
+    if cfg.engine.name == "spark":
+        return spark
+    stop_spark()
+    return None

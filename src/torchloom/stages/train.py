@@ -1,0 +1,147 @@
+"""The train stage: the workers launched on the configured engine (engines/), the run's history and record kept
+as they were if the launch never started a worker, and what training did said and tracked."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+
+from torchloom import storage
+from torchloom.config import Config
+from torchloom.console import precision_line, say
+from torchloom.errors import UserError
+from torchloom.manifest import read as read_manifest
+from torchloom.preflight import check_trainable, for_this_machine
+from torchloom.rundir import RunDir, write_atomic, write_json
+from torchloom.stages import run_dir, save_config
+from torchloom.train.result import TrainResult
+
+
+def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
+    """Start the workers on the configured engine; returns rank 0's result."""
+    if cfg.engine.name == "spark":
+        from torchloom.engines import spark as spark_engine
+
+        return spark_engine.train(cfg, rd.location, quiet=quiet, spark=spark)
+    if cfg.engine.name == "ray":
+        from torchloom.engines import ray as ray_engine
+
+        return ray_engine.train(cfg, rd.location, quiet=quiet)
+    from torchloom.engines import local
+
+    return local.train(cfg, rd.location, quiet=quiet)
+
+
+def how_long(cfg: Config) -> Config:
+    """train.epochs and early stopping made numbers for the prepared data (config/budget.py), said in one line."""
+    from torchloom.config import budget
+
+    m = read_manifest(run_dir(cfg).data)
+    cfg, line = budget.resolve(cfg, m.num_labels, m.split("train").rows)
+    if line:
+        say(f"train: {line}")
+    return cfg
+
+
+def _start_history(rd: RunDir, resume_step: int | None, startup: dict | None) -> None:
+    """metrics.jsonl for this training, before any worker starts (so the driver never forwards another run's lines
+    to this run's tracker), with the driver's start-up record first; a fresh training voids other hosts' copies of
+    the earlier one (its checkpoints)."""
+    if resume_step is None:
+        storage.new_identity(rd)
+    else:  # this host's copy may lack the earlier lines (written on another host): the store's history first
+        storage.catch_up_metrics(rd, resume_step)
+    rd.reset_metrics(resume_step)
+    if startup:
+        rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
+                           **{k: round(v, 3) for k, v in startup.items()}})
+
+
+@contextmanager
+def kept_unless_started(rd: RunDir):
+    """config.toml and metrics.jsonl as they were before this launch, put back if it fails before any worker has
+    started (an unreachable cluster, no free slots): a launch that never ran takes nothing of the earlier one."""
+    kept = {p: p.read_bytes() if p.is_file() else None for p in (rd.config, rd.metrics)}
+    since = time.time()
+    try:
+        yield
+    except BaseException:
+        if not workers_started(rd, since):
+            for path, content in kept.items():
+                if content is None:
+                    path.unlink(missing_ok=True)
+                else:
+                    write_atomic(path, content)
+                    storage.push(rd, path)
+        raise
+
+
+def workers_started(rd: RunDir, since: float) -> bool:
+    """Whether a rank of a launch begun at `since` recorded its start (logs/placement-*.json), here or on the
+    run's store."""
+    if any(p.stat().st_mtime >= since for p in rd.logs.glob("placement-*")) if rd.logs.is_dir() else False:
+        return True
+    if rd.remote is None:
+        return False
+    try:
+        objects = storage.list_objects(storage.join(rd.remote, "logs"))
+    except UserError:
+        return True  # cannot tell: keep what the launch wrote
+    return any(rel.startswith("placement-") and (mtime or 0) / 1e9 >= since - 5 for rel, (_, mtime) in objects.items())
+
+
+def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
+                startup: dict | None = None) -> TrainResult:
+    """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py);
+    startup: the driver's phases before the launch (seconds), the first record of metrics.jsonl."""
+    from torchloom.tracking import MetricsForwarder, NullTracker
+
+    cfg = for_this_machine(cfg)
+    resume_step = check_trainable(cfg)
+    cfg = how_long(cfg)
+    if cfg.engine.name == "spark":  # its barrier slots counted before anything is written
+        from torchloom.engines.spark import check_slots
+
+        spark = check_slots(cfg, spark)
+    rd = run_dir(cfg)
+    tracker = tracker or NullTracker()
+    if tracker.enabled:
+        from torchloom import manifest as manifest_mod
+
+        tracker.set_tags({"data_fingerprint": manifest_mod.read(rd.data).fingerprint})
+    started = time.perf_counter()
+    try:
+        with kept_unless_started(rd):
+            save_config(cfg, rd)
+            rd.write_hooks(hooks or {})
+            _start_history(rd, resume_step, startup)
+            say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, {precision_line(cfg)},"
+                f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.home(rd.logs)}")
+            forward = nullcontext()
+            if tracker.enabled:
+                after = -1 if resume_step is None else resume_step
+                forward = MetricsForwarder(tracker.client, tracker.run_id, rd.metrics, after)
+            with forward:  # rank 0's per-step metrics to MLflow, from here: the workers never import MLflow
+                result = launch(cfg, rd, quiet, spark)
+    finally:
+        rd.write_hooks({})  # a later run must not report into this run's trial
+    result.wall_s = round(time.perf_counter() - started, 2)
+    write_json(rd.train_result, result.to_dict())
+    storage.push(rd, rd.train_result, rd.metrics, rd.progress, rd.logs)
+    tracker.log_metrics({"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
+                         "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s,
+                         "train_preemptions": len(result.preemptions)})
+    if isinstance(result.best_metric, (int, float)):
+        tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)
+    for path in (rd.config, rd.metrics, rd.train_result):
+        tracker.log_artifact(path)
+    for p in result.preemptions:  # apart from failures: they never used engine.max_restarts
+        written = f"checkpoint written in {p['checkpoint_s']:.1f} s" if p["checkpoint_s"] >= 0 else "no checkpoint"
+        say(f"train: preempted at step {p['step']} (notice: {p['notice']}), {written}; resumed on {p['workers']}"
+            f" workers from step {p['resumed_from_step']}")
+    if result.resumed_world_size:
+        say(f"train: resumed at step {result.resumed_at_step} on {result.world_size} workers (the checkpoint's run"
+            f" had {result.resumed_world_size}); the same global batches went on")
+    say(f"train: {result.steps} steps in {result.train_s:.1f} s ({result.samples_per_s:.1f} samples/s),"
+        f" precision {result.precision} ({result.precision_reason}); validation {result.last_eval or '-'}")
+    return result
