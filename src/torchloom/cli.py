@@ -359,9 +359,10 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     from torchloom import preflight
     from torchloom.lease import hold
 
-    cfg = preflight.for_this_machine(cfg)  # what cannot run here fails now, before prepare
-    with hold(cfg.output.dir, args.command):  # a run on a store: one driver writes it at a time
-        return run_stage(args.command, cfg)
+    with preflight.command():  # each check once: the stages this command runs find its answers kept
+        cfg = preflight.for_this_machine(cfg)  # what cannot run here fails now, before prepare
+        with hold(cfg.output.dir, args.command):  # a run on a store: one driver writes it at a time
+            return run_stage(args.command, cfg)
 
 
 def run_stage(command: str, cfg) -> int:

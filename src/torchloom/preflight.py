@@ -1,12 +1,20 @@
 """The checks before a stage starts: what cannot run on this machine, stores that do not answer, an output.dir that
 cannot be written or holds someone else's files, inputs that match nothing, a run that cannot be trained. Each
 failure is one line (a UserError), and nothing is written to find out.
+
+Each check runs once per command. The CLI enters command() and checks the config before it takes the run's
+lease; `run` and the stages it calls (or `tune` and its study) check the same config again, and within the command
+they get the kept answer instead of asking the machine and the store again. Outside a command (a stage called from
+Python, a Ray Tune trial's own process) every call checks.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from torchloom import config as config_mod
 from torchloom import storage
@@ -16,6 +24,31 @@ from torchloom.etl.session import runs_on_this_machine
 from torchloom.manifest import read as read_manifest
 from torchloom.rundir import RunDir
 from torchloom.runrecord import is_own_file
+
+T = TypeVar("T")
+
+_answers: dict[tuple[str, str], object] | None = None  # in a command: each check's answer, by what it checked
+
+
+@contextmanager
+def command() -> Iterator[None]:
+    """One command: within it, each check answers once for what it checks (see the module's docstring)."""
+    global _answers
+    _answers = {}
+    try:
+        yield
+    finally:
+        _answers = None
+
+
+def once(check: str, key: str, answer: Callable[[], T]) -> T:
+    """answer(), kept for the rest of the command under (check, key); asked every time outside a command. A failed
+    check raises and keeps nothing."""
+    if _answers is None:
+        return answer()
+    if (check, key) not in _answers:
+        _answers[check, key] = answer()
+    return _answers[check, key]  # type: ignore[return-value]
 
 
 def visible_gpus(cfg: Config) -> int:
@@ -55,7 +88,13 @@ def check_stores(cfg: Config) -> None:
 
 def for_this_machine(cfg: Config) -> Config:
     """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
-    starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too."""
+    starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too.
+    Once per config in a command: the counted config is its own answer."""
+    counted = once("for_this_machine", repr(cfg), lambda: _for_this_machine(cfg))
+    return once("for_this_machine", repr(counted), lambda: counted)
+
+
+def _for_this_machine(cfg: Config) -> Config:
     check_stores(cfg)
     if not storage.is_uri(cfg.output.dir):
         check_output_dir(RunDir(cfg.output.dir).root)
@@ -102,7 +141,12 @@ def check_output_dir(path: Path) -> None:
 
 def check_foreign_config(rd: RunDir) -> None:
     """Never write over a config.toml torchloom did not write (a Hugo site's, say), nor into a store's prefix
-    that holds objects of someone else's: refused before any stage, from the store itself for a run on one."""
+    that holds objects of someone else's: refused before any stage, from the store itself for a run on one.
+    Once per run directory in a command (each stage that saves the config asks again)."""
+    once("check_foreign_config", rd.location, lambda: _check_foreign_config(rd))
+
+
+def _check_foreign_config(rd: RunDir) -> None:
     if rd.remote:
         storage.check_own_prefix(rd)
     elif rd.config.is_file() and not is_own_file(rd.config.name, rd.config.read_bytes()):
