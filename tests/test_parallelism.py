@@ -28,7 +28,8 @@ from torchloom.stages.export import export_stage
 from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist
 from torchloom.train.evaluation import evaluate
-from torchloom.train.loop import Trainer, seed_everything
+from torchloom.train.loop import Trainer
+from torchloom.train.state import seed_everything
 
 ONE_PROCESS = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
 

@@ -20,6 +20,7 @@ pytest.importorskip("moto")
 
 from torchloom import storage  # noqa: E402
 from torchloom.errors import UserError  # noqa: E402
+from torchloom.model_cache import fetch_dir  # noqa: E402
 from torchloom.rundir import RunDir  # noqa: E402
 from torchloom.runfiles import RunFiles  # noqa: E402
 
@@ -202,11 +203,11 @@ def test_a_hosts_copy_counts_only_for_the_run_it_was_made_from(s3, tmp_path, mon
 def test_a_model_re_exported_to_the_same_uri_is_fetched_again_and_keys_never_leave_the_cache(s3, cache):
     model = uri("cached-model")
     put(model, {"config.json": b"{}", "model.safetensors": b"AAAA"})
-    first = storage.fetch_dir(model, "--model")
+    first = fetch_dir(model, "--model")
     assert (first / "model.safetensors").read_bytes() == b"AAAA"
     time.sleep(1.1)  # the store's modification times count in seconds
     put(model, {"model.safetensors": b"BBBB"})  # the same size: the listing's names and sizes alone match
-    assert (storage.fetch_dir(model, "--model") / "model.safetensors").read_bytes() == b"BBBB"
+    assert (fetch_dir(model, "--model") / "model.safetensors").read_bytes() == b"BBBB"
     import boto3  # pyarrow's client makes `a/../../x` a plain key; any other client may write it as it is
 
     boto3.client("s3", endpoint_url=s3).put_object(Bucket=BUCKET, Key="escape/a/../../outside", Body=b"x")

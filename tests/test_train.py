@@ -22,7 +22,7 @@ from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
 from torchloom.stages.train import how_long
 from torchloom.train import checkpoint, optim
-from torchloom.train.loop import seed_everything
+from torchloom.train.state import seed_everything
 
 
 @pytest.fixture(scope="module")

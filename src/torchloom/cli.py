@@ -159,7 +159,7 @@ def _is_model_dir(path: str) -> bool:
 
 def local_model(model: str, what: str) -> str:
     """An exported model on a store (s3://bucket/run/model): downloaded once into torchloom's private cache,
-    keyed by its objects and checked by their hashes (storage.fetch_dir); a local directory as it is. A run
+    keyed by its objects and checked by their hashes (model_cache.fetch_model); a local directory as it is. A run
     directory given for its model (runs/x, s3://bucket/runs/x): its exported model/, said in one line."""
     from torchloom.model.export import is_exported
     from torchloom.rundir import is_uri
@@ -170,14 +170,9 @@ def local_model(model: str, what: str) -> str:
                   file=sys.stderr, flush=True)
             return str(Path(model) / "model")
         return model
-    from torchloom import storage
+    from torchloom.model_cache import fetch_model
 
-    if not storage.exists(storage.join(model, "config.json")) and storage.exists(
-            storage.join(model, "model", "config.json")):
-        print(f"torchloom: {what} {storage.redact(model)}: a run on the store; using its exported model,"
-              f" {storage.join(storage.redact(model), 'model')}", file=sys.stderr, flush=True)
-        model = storage.join(model, "model")
-    return str(storage.fetch_dir(model, what))
+    return str(fetch_model(model, what))
 
 
 def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:

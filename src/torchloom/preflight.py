@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from torchloom import config as config_mod
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir
-from torchloom.runrecord import is_own_file
+from torchloom.rundir import RunDir, is_uri, redact
+from torchloom.runfiles import RunFiles
 
 T = TypeVar("T")
 
@@ -71,15 +70,17 @@ _STORES_CHECKED: set[str] = set()
 def check_stores(cfg: Config) -> None:
     """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
     write the run, said in one line before any stage starts (once per URI and process)."""
-    for key, uri, check in (("output.dir", cfg.output.dir, storage.check_writable),
-                            ("data.path", cfg.data.path, storage.check_readable),
-                            ("data.val_path", cfg.data.val_path, storage.check_readable),
-                            ("data.test_path", cfg.data.test_path, storage.check_readable)):
-        if storage.is_uri(uri) and storage.redact(uri) != uri:
-            raise UserError(f"{key} {storage.redact(uri)}: holds credentials (user:password@ or a query string);"
+    from torchloom.etl.store_read import check_reachable
+
+    for key, uri, check in (("output.dir", cfg.output.dir, lambda uri, key: RunFiles(uri).check_writable(key)),
+                            ("data.path", cfg.data.path, check_reachable),
+                            ("data.val_path", cfg.data.val_path, check_reachable),
+                            ("data.test_path", cfg.data.test_path, check_reachable)):
+        if is_uri(uri) and redact(uri) != uri:
+            raise UserError(f"{key} {redact(uri)}: holds credentials (user:password@ or a query string);"
                             " give them in the environment (AWS_ACCESS_KEY_ID ..., a profile, an instance role),"
                             " never in the URI, which is written to config.toml and logs")
-        if storage.is_uri(uri) and uri not in _STORES_CHECKED:
+        if is_uri(uri) and uri not in _STORES_CHECKED:
             if key.startswith("data.") and not runs_on_this_machine(cfg.prepare.spark_master):
                 continue  # a Spark cluster reads it with its own connector and credentials
             check(uri, key)
@@ -96,7 +97,7 @@ def for_this_machine(cfg: Config) -> Config:
 
 def _for_this_machine(cfg: Config) -> Config:
     check_stores(cfg)
-    if not storage.is_uri(cfg.output.dir):
+    if not is_uri(cfg.output.dir):
         check_output_dir(RunDir(cfg.output.dir).root)
     if not cfg.output.overwrite:  # --overwrite: runrecord.owned_entries says
         check_foreign_config(RunDir(cfg.output.dir))
@@ -117,7 +118,7 @@ def check_input(cfg: Config) -> None:
 def check_prepared(cfg: Config) -> None:
     """`train` on a local output.dir without prepared data: the one line read_manifest gives, before anything
     loads (a run on a store is checked when its working copy is staged)."""
-    if not storage.is_uri(cfg.output.dir):
+    if not is_uri(cfg.output.dir):
         rd = RunDir(cfg.output.dir)
         if not (rd.data / "manifest.json").is_file():
             read_manifest(rd.data)
@@ -147,22 +148,14 @@ def check_foreign_config(rd: RunDir) -> None:
 
 
 def _check_foreign_config(rd: RunDir) -> None:
-    if rd.remote:
-        storage.check_own_prefix(rd)
-    elif rd.config.is_file() and not is_own_file(rd.config.name, rd.config.read_bytes()):
-        raise UserError(f"output.dir {rd.where}: holds a config.toml that torchloom did not write; it is left"
-                        " alone; pass another --output.dir")
+    RunFiles(rd).check_own()
 
 
 def check_untrained(cfg: Config) -> None:
     """prepare --overwrite into a run that was trained: its checkpoints (and model) would belong to data that is
     gone, and a later resume or export would take them; one line before Spark starts, nothing touched."""
     rd = RunDir(cfg.output.dir)
-    if rd.remote:
-        trained = bool(storage.list_files(storage.join(rd.remote, "checkpoints")))
-    else:
-        trained = any(rd.checkpoints.glob("step-*")) if rd.checkpoints.is_dir() else False
-    if trained:
+    if RunFiles(rd).holds(rd.checkpoints):
         raise UserError(f"output.dir {rd.where}: holds checkpoints trained on the data that prepare would replace;"
                         " start the whole run afresh (torchloom run --overwrite) or prepare into another"
                         " --output.dir")
@@ -177,9 +170,10 @@ def check_trainable(cfg: Config) -> int | None:
     from torchloom.train import checkpoint
 
     rd = RunDir(cfg.output.dir)
-    storage.ensure(rd, rd.manifest)  # the workers stream the shards from the store
+    files = RunFiles(rd)
+    files.ensure(rd.manifest)  # the workers stream the shards from the store
     if cfg.train.resume == "latest":  # the newest intact checkpoint alone, hashed once (rank 0 finds it stamped)
-        storage.pull_checkpoints(rd, intact=lambda p: checkpoint.damage(p) is None)
+        files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)
     m = manifest_mod.read(rd.data)
     check_model_dir(model_path(cfg.model.path))
     if m.split("train").rows < cfg.engine.workers:

@@ -164,8 +164,9 @@ class RunFiles:
         self.push(written)
         return written
 
-    def delete(self, path: str | Path) -> None:
-        """A file or directory of the run, here and on the store."""
+    def delete(self, path: str | Path, here: bool = True) -> None:
+        """A file or directory of the run, here and on the store (here=False: on the store alone, the copy's is
+        kept: prepare's new data replacing the store's earlier shards, whatever their names)."""
         path = Path(path)
         if self._remote is not None:
             uri = self.uri(path)
@@ -173,6 +174,8 @@ class RunFiles:
                 storage.delete_tree(uri)
             else:
                 storage.delete(uri)
+        if not here:
+            return
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -350,6 +353,14 @@ class RunFiles:
 
         return listing, read
 
+    def holds(self, path: str | Path) -> bool:
+        """The run holds a file, or anything under a directory, at `path` where it lives (the store's objects for a
+        run on one, never this copy's)."""
+        if self._remote is not None:
+            return bool(self.listing(path)) or self.read(path) is not None
+        path = Path(path)
+        return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
     def holds_anything(self) -> bool:
         """The store holds objects of this run (its lease aside); a local run: its directory is not empty."""
         if self._remote is None:
@@ -357,10 +368,14 @@ class RunFiles:
         return bool(self._objects()[0])
 
     def check_own(self, key: str = "output.dir") -> None:
-        """Before a stage writes into a run on a store: the prefix is empty or torchloom's (its record, or a marker
-        of torchloom's content), and holds no config.toml of someone else's; one line otherwise. Read from the
-        store, never from this host's copy."""
+        """Before a stage writes into a run: it holds no config.toml of someone else's (a Hugo site's), and on a
+        store the prefix is empty or torchloom's (its record, or a marker of torchloom's content); one line
+        otherwise. Read from the store for a run on one, never from this host's copy."""
         if self._remote is None:
+            config = self.read(self.rd.config)
+            if config is not None and not is_own_file(CONFIG_FILE, config):
+                raise UserError(f"{key} {self.rd.where}: holds a config.toml that torchloom did not write; it is left"
+                                " alone; pass another --output.dir")
             return
         listing, read = self._objects()
         if not listing:

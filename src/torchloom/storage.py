@@ -1,9 +1,8 @@
-"""Object storage: the one owner of I/O on a storage URI (s3://, gs://, abfs://, hdfs://).
+"""Object storage: the client for a storage URI (s3://, gs://, abfs://, hdfs://, file+store://).
 
-A run whose `output.dir` is a URI lives on the store; each host works in a local staging directory
-(`RunDir(uri).root`, see rundir.py) and the stages move files between the two at fixed points:
-`push` after a stage writes, `pull` before a stage on another host reads. A local run directory has no
-remote side, and `push`/`pull` do nothing, so one code path serves both.
+What lives on a store and when it moves is RunFiles' (runfiles.py) for a run's files; this module is the client
+below it, and the one the input readers (etl/store_read.py) and the model fetch (model_cache.py: predict, serve) use
+for URIs a user gave.
 
 The client is pyarrow.fs, in every pyarrow wheel: no Hadoop jars, no extra package. Its S3 client takes
 credentials from the standard places (AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, a profile, an instance
@@ -15,20 +14,17 @@ with backoff for a bounded window (retry_window), with one warning line per oper
 cannot mend (no bucket, access denied, unknown keys) is one line at once.
 
 What readers may rely on: an object appears whole or not at all (a PUT and a multipart upload both
-become visible only when complete), and a directory uploaded with `push_tree` has its `last` file
-(a checkpoint's meta.json, prepared data's manifest.json) written after every other: a reader that
-waits for that file never takes a half-uploaded directory for a finished one.
+become visible only when complete; file+store:// writes beside and renames), and a directory uploaded with
+`push_tree` has its `last` file (a checkpoint's meta.json, prepared data's manifest.json) written after every
+other: a reader that waits for that file never takes a half-uploaded directory for a finished one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
-import hashlib
 import os
 import re
-import shutil
 import sys
 import threading
 import time
@@ -36,17 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from torchloom.errors import UserError
-from torchloom.rundir import (  # noqa: F401 (re-exported)
-    URI,
-    RunDir,
-    cache_root,
-    is_uri,
-    redact,
-    sha256_file,
-    staging_dir,
-    write_atomic,
-)
-from torchloom.runrecord import write_record
+from torchloom.rundir import URI, redact
 
 LOCAL_STORE = "file+store"
 
@@ -439,236 +425,6 @@ def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True) -> 
     return n
 
 
-# -- a private cache of downloaded directories, keyed by what they hold -----------------------------
-
-
-def fetch_dir(uri: str, what: str) -> Path:
-    """A directory on the store (an exported model) as a local directory, downloaded once into a private
-    cache keyed by the objects as the store lists them (names, sizes and modification times: a re-export
-    of the same sizes is another key) plus the sha256 of each file once downloaded; a copy whose hashes no
-    longer match is downloaded again."""
-    objects = list_objects(uri)
-    if not objects:
-        raise UserError(f"{what} {redact(uri)}: nothing on the store there; check the URI (an exported model"
-                        " directory, e.g. s3://bucket/run/model)")
-    listing = {rel: size for rel, (size, _) in objects.items()}
-    key = hashlib.sha256(repr(sorted(objects.items())).encode() + redact(uri).encode()).hexdigest()[:20]
-    target = cache_root() / "models" / key
-    stamp = target / ".torchloom-digests"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One fetch per host at a time (Spark's executors on one host ask together); the others wait, then
-    # find the copy whole.
-    with open(target.with_name(f".{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.is_file() and stamp.read_text() == _digests(target, listing):
-            return target
-        tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        pull_tree(uri, tmp, only_if_changed=False)
-        (tmp / ".torchloom-digests").write_text(_digests(tmp, listing))
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
-    return target
-
-
-def _digests(directory: Path, listing: dict[str, int]) -> str:
-    lines = []
-    for rel in sorted(listing):
-        p = directory / rel
-        if not p.is_file() or p.stat().st_size != listing[rel]:
-            return "missing"
-        lines.append(f"{rel} {listing[rel]} {sha256_file(p)}")
-    return "\n".join(lines)
-
-
-# -- a run's working copy and its home on the store -------------------------------------------------
-
-# The file that says a directory is complete, uploaded after every other file of it.
-COMPLETE_LAST = ("meta.json", "manifest.json")
-
-
-def _remote_of(rd: RunDir, path: str | Path) -> str:
-    assert rd.remote is not None
-    rel = Path(path).resolve().relative_to(rd.root).as_posix()
-    return rd.remote if rel == "." else join(rd.remote, rel)
-
-
-def write_through(rd: RunDir, path: str | Path, text: str) -> None:
-    """Write a small file of a run to the store first, then to this host's copy: once the local file is
-    there, so is the store's (a host cut off right after sees no local file the store lacks)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if rd.remote is None:
-        path.write_text(text)
-        return
-    staged = path.with_name(f".{path.name}.{os.getpid()}.pending")
-    staged.write_text(text)
-    try:
-        upload(staged, _remote_of(rd, path))
-        os.replace(staged, path)
-    finally:
-        staged.unlink(missing_ok=True)
-
-
-def push(rd: RunDir, *paths: str | Path) -> None:
-    """Upload these files or directories of a run's working copy to its home on the store (a run on a local
-    directory: nothing to do). A directory's meta.json / manifest.json goes last."""
-    if rd.remote is None:
-        return
-    for p in map(Path, paths):
-        if p.is_dir():
-            push_tree(p, _remote_of(rd, p), last=COMPLETE_LAST)
-        elif p.is_file():
-            upload(p, _remote_of(rd, p))
-
-
-def refresh(rd: RunDir, *files: str | Path) -> None:
-    """Download these small files of a run again, whatever this host's copy holds (files rewritten in place at
-    the same size, such as a rank's heartbeat); a file the store does not hold is left as it is."""
-    if rd.remote is None:
-        return
-    for p in map(Path, files):
-        try:
-            download(_remote_of(rd, p), p)
-        except FileNotFoundError:
-            pass
-
-
-def catch_up_metrics(rd: RunDir, step: int) -> None:
-    """A run on a store resumed at `step`: this host's metrics.jsonl becomes the store's when it lacks the lines up
-    to that step (they were written on another host), so the history is appended to, never replaced."""
-    if rd.remote is None:
-        return
-    steps = [r.get("step") or 0 for r in rd.metric_records()]
-    if not steps or max(steps) < step:
-        refresh(rd, rd.metrics)
-
-
-def pull(rd: RunDir, *paths: str | Path) -> None:
-    """Download these files or directories of a run from the store into its working copy (what the store
-    does not hold is left as it is; a run on a local directory: nothing to do)."""
-    if rd.remote is None:
-        return
-    for p in map(Path, paths):
-        uri = _remote_of(rd, p)
-        listing = list_files(uri)
-        if listing:
-            pull_tree(uri, p)
-        else:
-            try:
-                download(uri, p)
-            except FileNotFoundError:
-                pass
-
-
-def stored_steps(rd: RunDir) -> list[int]:
-    """The steps of the complete checkpoints (those with meta.json) a run on a store holds there, newest first."""
-    assert rd.remote is not None
-    listing = list_files(join(rd.remote, "checkpoints"))
-    return sorted({int(m.group(1)) for rel in listing if (m := re.match(r"^step-(\d+)/meta\.json$", rel))},
-                  reverse=True)
-
-
-def pull_checkpoints(rd: RunDir, intact: Callable[[Path], bool] | None = None) -> list[int]:
-    """Bring the store's complete checkpoints (those with meta.json) into the working copy, newest first, each
-    downloaded beside and renamed into place; returns their steps, newest first. A local copy counts only while
-    its meta.json (which holds every file's sha256) equals the store's and its files are there at their sizes; a
-    complete local checkpoint the store does not hold is removed, so no host resumes from a step the others
-    cannot load.
-
-    intact: a resume's check of a local checkpoint (its files hash as its meta.json says; train/checkpoint.py,
-    which storage does not import). With it the pull stops at the first checkpoint that passes: it, and any
-    damaged newer one (left for the resume to warn of and skip), are downloaded whole; of the older ones only
-    meta.json, so the copy still lists every checkpoint the store keeps (pruning keeps the store's as the copy's,
-    train/upload.py) without their bytes. Without it (export, which may take the best of them) all are whole."""
-    if rd.remote is None:
-        return []
-    sync_copy(rd)
-    remote = _remote_of(rd, rd.checkpoints)
-    steps = stored_steps(rd)
-    if rd.checkpoints.is_dir():
-        for local in rd.checkpoints.iterdir():
-            m = re.match(r"^step-(\d+)$", local.name)
-            if m and int(m.group(1)) not in steps and (local / "meta.json").is_file():
-                shutil.rmtree(local, ignore_errors=True)
-    found = False
-    for step in steps:
-        local = rd.checkpoint(step)
-        meta = read_bytes(join(remote, local.name, "meta.json"))
-        if found:
-            if not ((local / "meta.json").is_file() and (local / "meta.json").read_bytes() == meta):
-                shutil.rmtree(local, ignore_errors=True)
-                local.mkdir(parents=True)
-                write_atomic(local / "meta.json", meta)
-            continue
-        if not _holds(local, meta):
-            tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
-            shutil.rmtree(tmp, ignore_errors=True)
-            pull_tree(join(remote, local.name), tmp, only_if_changed=False)
-            shutil.rmtree(local, ignore_errors=True)
-            os.replace(tmp, local)
-        found = intact is not None and intact(local)
-    return steps
-
-
-def _holds(local: Path, meta: bytes) -> bool:
-    """Does this host's checkpoint directory hold the store's (the same meta.json, every file it records there at
-    its size)? A copy of meta.json alone (pull_checkpoints) does not."""
-    import json
-
-    if not (local / "meta.json").is_file() or (local / "meta.json").read_bytes() != meta:
-        return False
-    try:
-        files = json.loads(meta).get("files") or {}
-    except ValueError:
-        return True  # the resume judges a meta.json it cannot read
-    return all((local / name).is_file() and (local / name).stat().st_size == want.get("size")
-               for name, want in files.items() if isinstance(want, dict))
-
-
-def replace_remote(rd: RunDir, key: str = "output.dir") -> None:
-    """--overwrite on a store: delete the run's own objects (rundir.owned_entries: the names its record lists),
-    nothing else; a bucket's root, or a prefix holding anything torchloom did not write, is refused in one line."""
-    from torchloom.runrecord import owned_entries
-
-    assert rd.remote is not None
-    listing = run_listing(rd)
-    if not listing:
-        return
-    if "/" not in resolve(rd.remote)[1]:
-        raise UserError(f"{key} {rd.where}: not replaced: it is a bucket's root, which --overwrite never empties;"
-                        f" give the run a prefix of its own, e.g. {rd.where}/runs/NAME")
-
-    read = _reader(rd.remote, listing)
-
-    names = sorted({rel.split("/", 1)[0] for rel in listing})
-    fs, path = resolve(rd.remote)
-    for name in owned_entries(names, read, rd.where, key):
-        if name in listing:
-            _attempts(join(rd.remote, name), "delete it", lambda name=name: fs.delete_file(f"{path}/{name}"))
-        else:
-            delete_tree(join(rd.remote, name))
-
-
-def _reader(prefix: str, listing: dict[str, int]) -> Callable[[str], bytes | None]:
-    """read(rel): the content of an object under `prefix` that `listing` holds, else None (rundir.is_own's reader)."""
-    def read(rel: str) -> bytes | None:
-        try:
-            return read_bytes(join(prefix, rel)) if rel in listing else None
-        except FileNotFoundError:
-            return None
-    return read
-
-
-def run_listing(rd: RunDir) -> dict[str, int]:
-    """The objects of a run on a store but its lease (lease.py): a driver holds it before it looks whether the prefix
-    is empty or torchloom's, and --overwrite leaves it to its owner."""
-    from torchloom.rundir import LEASE_FILE
-
-    assert rd.remote is not None
-    return {rel: size for rel, size in list_files(rd.remote).items() if rel != LEASE_FILE}
-
-
 def delete(uri: str) -> None:
     """One object (none there is fine)."""
     fs, path = resolve(uri)
@@ -680,98 +436,3 @@ def delete(uri: str) -> None:
             pass
 
     _attempts(uri, "delete it", remove)
-
-
-def check_own_prefix(rd: RunDir, key: str = "output.dir") -> None:
-    """Before a stage writes into a run on a store: the prefix is empty or torchloom's (its record, or a marker of
-    torchloom's content), and holds no config.toml of someone else's; one line otherwise. Read from the store,
-    never from this host's copy."""
-    from torchloom.rundir import CONFIG_FILE, RUN_RECORD
-    from torchloom.runrecord import is_own, is_own_file, parse_record
-
-    assert rd.remote is not None
-    listing = run_listing(rd)
-    if not listing:
-        return
-
-    read = _reader(rd.remote, listing)
-
-    config = read(CONFIG_FILE)
-    if config is not None and not is_own_file(CONFIG_FILE, config):
-        raise UserError(f"{key} {rd.where}: holds a config.toml that torchloom did not write; it is left alone;"
-                        " pass another --output.dir")
-    if parse_record(read(RUN_RECORD)) is None and not is_own(read):
-        some = ", ".join(sorted(listing)[:3])
-        raise UserError(f"{key} {rd.where}: holds {len(listing)} objects that torchloom did not write ({some});"
-                        " they are left alone; pass another --output.dir")
-
-
-def sync_copy(rd: RunDir) -> None:
-    """This host's working copy of a run on a store counts only for the run it was made from: when the store's
-    record (rundir.RUN_RECORD, made anew by every prepare, --overwrite and fresh train) differs from the copy's,
-    the copy is emptied and takes the store's record, so what a stage needs next is pulled again instead of a
-    previous run's manifest, checkpoints or logs being trusted because they exist."""
-    if rd.remote is None:
-        return
-    try:
-        remote = read_bytes(_remote_of(rd, rd.record))
-    except FileNotFoundError:
-        remote = None
-    rd.root.parent.mkdir(parents=True, exist_ok=True)
-    # The ranks of one host share its copy: one of them empties it, the others then find the store's record.
-    with open(rd.root.with_name(f".{rd.root.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        local = rd.record.read_bytes() if rd.record.is_file() else None
-        if remote == local:
-            return
-        if rd.root.is_dir():
-            for entry in rd.root.iterdir():
-                if entry.is_dir() and not entry.is_symlink():
-                    shutil.rmtree(entry, ignore_errors=True)
-                else:
-                    entry.unlink(missing_ok=True)
-        if remote is not None:
-            rd.root.mkdir(parents=True, exist_ok=True)
-            write_atomic(rd.record, remote)
-
-
-def new_identity(rd: RunDir) -> None:
-    """Give the run a new record (rundir.write_record), on the store too: every other host's copy of it is void."""
-    write_record(rd.root)
-    push(rd, rd.record)
-
-
-def streamed(rd: RunDir, manifest):
-    """A run on a store: its prepared data's manifest with the shards read from the store (ranged reads of the
-    row groups asked for, never a whole download); a local run's manifest as it is."""
-    if rd.remote is None:
-        return manifest
-    from dataclasses import replace
-
-    return replace(manifest, root=join(rd.remote, "data"))
-
-
-def ensure(rd: RunDir, *paths: str | Path) -> None:
-    """Pull the files or directories this host's working copy lacks (a stage about to read them), once the copy
-    is known to be of the store's run (sync_copy)."""
-    if rd.remote is None:
-        return
-    sync_copy(rd)
-    missing = [p for p in map(Path, paths) if not p.exists()]
-    if missing:
-        pull(rd, *missing)
-
-
-def stage_input(path: str, into: Path, key: str) -> str:
-    """A data path on a store, for the embedded local Spark (which has no Hadoop S3 connector): the object,
-    or every object under the prefix, streamed to local disk under `into`; returns the local path to read.
-    The same listing gives the same copy, so a re-run downloads only what changed."""
-    check_readable(path, key)
-    listing = list_files(path)
-    name = path.rstrip("/").rsplit("/", 1)[-1] or "input"
-    target = into / name
-    if listing:  # a prefix: a folder of files
-        pull_tree(path, target)
-    else:
-        download(path, target)
-    return str(target)

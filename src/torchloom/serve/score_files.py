@@ -271,9 +271,9 @@ def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str =
         from torchloom.serve.model import ServedModel
 
         if is_uri(model_dir):  # a model on a store: this executor's host fetches it once into its own cache
-            from torchloom import storage
+            from torchloom.model_cache import fetch_dir
 
-            model_dir = str(storage.fetch_dir(model_dir, "--model"))
+            model_dir = str(fetch_dir(model_dir, "--model"))
 
         context = TaskContext.get()
         # Each concurrent task gets its own Python worker; give each the cores its task was granted.

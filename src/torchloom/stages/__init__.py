@@ -13,11 +13,11 @@ The checks before a stage are preflight.py's, what a stage prints is console.py'
 from __future__ import annotations
 
 from torchloom import config as config_mod
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.preflight import check_foreign_config
 from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 
 
 def run_dir(cfg: Config) -> RunDir:
@@ -32,4 +32,4 @@ def save_config(cfg: Config, rd: RunDir) -> None:
         raise UserError(f"output.dir {rd.root}: cannot be created ({e.strerror}); pass another --output.dir") \
             from None
     config_mod.save(cfg, rd.config)
-    storage.push(rd, rd.config)
+    RunFiles(rd).push(rd.config)

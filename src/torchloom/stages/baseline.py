@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import shutil
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
 from torchloom.rundir import read_json, write_json
+from torchloom.runfiles import RunFiles
 from torchloom.stages import run_dir
 
 
@@ -28,14 +28,15 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     from torchloom.etl import baseline
 
     rd = run_dir(cfg)
-    storage.ensure(rd, rd.data)
+    files = RunFiles(rd)
+    files.ensure(rd.data)
     m = manifest_mod.read(rd.data)
     how, started = "the baseline", False
     try:
         engine = baseline.engine_for(m, cfg.eval.baseline_engine)
         how = baseline.ENGINE_NAMES[engine]
         if engine == "spark" and not runs_on_this_machine(cfg.prepare.spark_master):
-            m = storage.streamed(rd, m)  # a cluster's executors read the shards from the store, not our copy
+            m = files.streamed(m)  # a cluster's executors read the shards from the store, not our copy
         say(f"baseline: {baseline.NAME} ({how}) on the train split's {baseline.train_texts(m)} texts")
         if spark is None and engine == "spark":
             from torchloom.etl.session import get_spark
@@ -59,7 +60,7 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
         lexical.save(rd.baseline_model)
         result["model"] = rd.baseline_model.name
     write_json(rd.baseline, result)
-    storage.push(rd, rd.baseline, rd.baseline_model)
+    files.push(rd.baseline, rd.baseline_model)
     say(f"baseline: {baseline.summary_line(result)}")
     if tracker is not None:
         tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in result["splits"].items()
@@ -70,7 +71,7 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
 def stored_baseline(cfg: Config, m) -> dict | None:
     """baseline.json, when it was made from these prepared rows and scored the evaluated split."""
     rd = run_dir(cfg)
-    storage.ensure(rd, rd.baseline)
+    RunFiles(rd).ensure(rd.baseline)
     if not rd.baseline.is_file():
         return None
     try:

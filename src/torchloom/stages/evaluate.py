@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import time
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.evaluate.onnx_gate import onnx_gate
 from torchloom.rundir import RunDir, read_json
+from torchloom.runfiles import RunFiles
 from torchloom.stages import run_dir
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 
@@ -26,7 +26,8 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
     from torchloom import manifest as manifest_mod
     from torchloom.model.export import check_exported
 
-    storage.ensure(rd, rd.model, rd.data)
+    files = RunFiles(rd)
+    files.ensure(rd.model, rd.data)
     check_exported(rd.model, "run torchloom export (or torchloom run) first")
     m = manifest_mod.read(rd.data)
     if m.split(cfg.eval.split).rows == 0:
@@ -45,7 +46,7 @@ def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announc
     write_report(rd, metrics, split=cfg.eval.split, label_names=m.labels, misclassified=misclassified,
                  extra={"evaluate_s": seconds, **(extra or {}), **({"onnx_export": gate} if gate else {})},
                  baseline=cmp, verdict=line)
-    storage.push(rd, rd.report_md, rd.report_json, rd.misclassified, rd.plots)
+    files.push(rd.report_md, rd.report_json, rd.misclassified, rd.plots)
     if tracker is not None:
         tracker.log_metrics({f"{cfg.eval.split}_{k}": v for k, v in metrics.items()
                              if isinstance(v, (int, float)) and not isinstance(v, bool)})

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.console import combine_line, say
 from torchloom.rundir import RunDir, read_json
+from torchloom.runfiles import RunFiles
 from torchloom.stages import run_dir
 
 
@@ -22,8 +22,9 @@ def export_stage(cfg: Config, tracker=None) -> dict:
 
     rd = run_dir(cfg)
     started = time.perf_counter()
-    storage.ensure(rd, rd.data)
-    storage.pull_checkpoints(rd)
+    files = RunFiles(rd)
+    files.ensure(rd.data)
+    files.pull_checkpoints()
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)
     src = model_path(cfg.model.path)
@@ -49,7 +50,7 @@ def export_stage(cfg: Config, tracker=None) -> dict:
 
         onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
                                 say=lambda msg: say(f"export: {msg}"))
-    storage.push(rd, rd.model)
+    files.push(rd.model)
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
@@ -61,7 +62,7 @@ def choose_combine(cfg: Config, rd: RunDir, model, m) -> dict | None:
     None without a baseline fitted on these prepared rows by the driver."""
     if cfg.export.combine == "off":
         return None
-    storage.ensure(rd, rd.baseline, rd.baseline_model)
+    RunFiles(rd).ensure(rd.baseline, rd.baseline_model)
     try:
         fitted_on = read_json(rd.baseline).get("fingerprint")
     except (OSError, ValueError):

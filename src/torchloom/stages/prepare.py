@@ -7,13 +7,13 @@ import shutil
 import time
 from dataclasses import replace
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
 from torchloom.preflight import check_input, check_untrained, for_this_machine
-from torchloom.rundir import RunDir
+from torchloom.rundir import RunDir, is_uri, redact
+from torchloom.runfiles import RunFiles
 from torchloom.stages import run_dir, save_config
 from torchloom.stages.baseline import baseline_stage
 
@@ -25,12 +25,14 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     with prepare.input_reader pyarrow (no local copy)."""
     if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
         return cfg
+    from torchloom.etl.store_read import stage_input
+
     paths = {}
     for key in ("path", "val_path", "test_path"):
         value = getattr(cfg.data, key)
-        if storage.is_uri(value):
-            say(f"prepare: reading {storage.redact(value)} from the store")
-            paths[key] = storage.stage_input(value, rd.root / "input" / key, f"data.{key}")
+        if is_uri(value):
+            say(f"prepare: reading {redact(value)} from the store")
+            paths[key] = stage_input(value, rd.root / "input" / key, f"data.{key}")
     return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
 
 
@@ -38,16 +40,17 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     from torchloom.etl.prepare import prepare
 
     rd = run_dir(cfg)
+    files = RunFiles(rd)
     started = time.perf_counter()
-    if rd.remote:
-        _stage_remote_data(cfg, rd)
+    if files.on_store:
+        _stage_remote_data(cfg, files)
     try:
         # a Spark cluster's executors do not see this host's working copy: they write through the store
-        through = storage.join(rd.remote, "data") if rd.remote and not runs_on_this_machine(cfg.prepare.spark_master) \
+        through = files.uri(rd.data) if files.on_store and not runs_on_this_machine(cfg.prepare.spark_master) \
             else None
         local = local_input(cfg, rd)
         # the inputs read from local copies are named by their URIs
-        shown = {getattr(local.data, key): storage.redact(getattr(cfg.data, key))
+        shown = {getattr(local.data, key): redact(getattr(cfg.data, key))
                  for key in ("path", "val_path", "test_path") if getattr(local.data, key) != getattr(cfg.data, key)}
         manifest = prepare(local, str(rd.data), spark=spark, progress=lambda m: say(f"prepare: {m}"), store=through,
                            shown_inputs=shown, shown_out=rd.home(rd.data))
@@ -56,10 +59,10 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
             # away from the training workers.
             stop_spark()
-    if rd.remote and cfg.output.overwrite:
-        storage.delete_tree(storage.join(rd.remote, "data"))  # the earlier shards, whatever their names
-    storage.push(rd, rd.data)  # manifest.json last: the prepared data counts once it is there
-    storage.new_identity(rd)  # after the data: a host that saw the new record finds the new data
+    if cfg.output.overwrite:
+        files.delete(rd.data, here=False)  # the store's earlier shards, whatever their names
+    files.push(rd.data)  # manifest.json last: the prepared data counts once it is there
+    files.new_identity()  # after the data: a host that saw the new record finds the new data
     save_config(cfg, rd)
     splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
                        for k, v in manifest.splits.items())
@@ -78,13 +81,14 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
 
 
-def _stage_remote_data(cfg: Config, rd: RunDir) -> None:
+def _stage_remote_data(cfg: Config, files: RunFiles) -> None:
     """prepare into a run on a store: the store says whether prepared data is there (never this host's copy,
     which may be of another run); the copy's data directory is cleared for the new data."""
-    if storage.list_files(storage.join(rd.remote, "data")) and not cfg.output.overwrite:
+    rd = files.rd
+    if files.listing(rd.data) and not cfg.output.overwrite:
         raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true to"
                         " replace it")
-    storage.sync_copy(rd)
+    files.sync_copy()
     if rd.data.exists():
         shutil.rmtree(rd.data)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import shutil
 import time
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.console import say, summary_text, training_line
 from torchloom.errors import UserError
@@ -15,7 +14,7 @@ from torchloom.etl.session import stop_spark
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_input, for_this_machine
 from torchloom.rundir import RunDir, write_json
-from torchloom.runrecord import replace_local
+from torchloom.runfiles import RunFiles
 from torchloom.stages import run_dir
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 from torchloom.stages.evaluate import evaluate_stage
@@ -30,35 +29,36 @@ def run_all(cfg: Config) -> dict:
     rd = run_dir(cfg)
     if not (cfg.train.resume and rd.manifest.is_file()):  # a resume reuses the prepared data
         check_input(cfg)  # every input checked before --overwrite deletes anything
-    if rd.remote:
-        _fresh_remote(cfg, rd)
+    files = RunFiles(rd)
+    if files.on_store:
+        _fresh_remote(cfg, files)
     exists = rd.root.exists()
-    if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume and not rd.remote:
+    if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume and not files.on_store:
         raise UserError(
             f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
         )
     if exists and not cfg.train.resume:
-        if rd.remote:  # a staging copy is ours to replace; the store's side was replaced above
+        if files.on_store:  # a staging copy is ours to replace; the store's side was replaced above
             shutil.rmtree(rd.root)
         elif cfg.output.overwrite:
-            replace_local(rd.root)
+            files.replace()
     from torchloom import tracking
 
     with tracking.start(cfg, "run") as tracker:
         return _run_all(cfg, rd, tracker)
 
 
-def _fresh_remote(cfg: Config, rd: RunDir) -> None:
+def _fresh_remote(cfg: Config, files: RunFiles) -> None:
     """A run on a store: the store answers and takes writes (one line otherwise, before any work); a prefix
     that holds a run is refused without --overwrite or --resume, and its own objects replaced with --overwrite."""
-    storage.check_writable(rd.remote, "output.dir")
+    files.check_writable()
     if cfg.train.resume:
         return
-    if storage.run_listing(rd):  # its lease aside: this driver's own, taken before (lease.py)
+    if files.holds_anything():  # its lease aside: this driver's own, taken before (lease.py)
         if not cfg.output.overwrite:
-            raise UserError(f"output.dir {rd.where}: holds objects already; pass --output.overwrite true or another"
-                            " --output.dir")
-        storage.replace_remote(rd)
+            raise UserError(f"output.dir {files.rd.where}: holds objects already; pass --output.overwrite true or"
+                            " another --output.dir")
+        files.replace()
 
 
 def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
@@ -101,7 +101,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         summary["mlflow_run_id"] = tracker.run_id
         summary["mlflow_uri"] = tracker.shown_uri
     write_json(rd.summary, summary)
-    storage.push(rd, rd.summary)
+    RunFiles(rd).push(rd.summary)
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
     tracker.log_artifact(rd.summary)
     print(summary_text(summary, cfg.eval.split, rd, tracker), flush=True)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 
-from torchloom import storage
 from torchloom.config import Config
 from torchloom.console import precision_line, say
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_trainable, for_this_machine
 from torchloom.rundir import RunDir, write_atomic, write_json
+from torchloom.runfiles import RunFiles
 from torchloom.stages import run_dir, save_config
 from torchloom.train.result import TrainResult
 
@@ -47,10 +47,11 @@ def _start_history(rd: RunDir, resume_step: int | None, startup: dict | None) ->
     """metrics.jsonl for this training, before any worker starts (so the driver never forwards another run's lines
     to this run's tracker), with the driver's start-up record first; a fresh training voids other hosts' copies of
     the earlier one (its checkpoints)."""
+    files = RunFiles(rd)
     if resume_step is None:
-        storage.new_identity(rd)
+        files.new_identity()
     else:  # this host's copy may lack the earlier lines (written on another host): the store's history first
-        storage.catch_up_metrics(rd, resume_step)
+        files.catch_up_metrics(resume_step)
     rd.reset_metrics(resume_step)
     if startup:
         rd.append_metrics({"kind": "startup", "step": resume_step or 0, "side": "driver",
@@ -72,7 +73,7 @@ def kept_unless_started(rd: RunDir):
                     path.unlink(missing_ok=True)
                 else:
                     write_atomic(path, content)
-                    storage.push(rd, path)
+                    RunFiles(rd).push(path)
         raise
 
 
@@ -81,13 +82,11 @@ def workers_started(rd: RunDir, since: float) -> bool:
     run's store."""
     if any(p.stat().st_mtime >= since for p in rd.logs.glob("placement-*")) if rd.logs.is_dir() else False:
         return True
-    if rd.remote is None:
-        return False
     try:
-        objects = storage.list_objects(storage.join(rd.remote, "logs"))
+        stored = RunFiles(rd).modified(rd.logs)  # a local run: {}
     except UserError:
         return True  # cannot tell: keep what the launch wrote
-    return any(rel.startswith("placement-") and (mtime or 0) / 1e9 >= since - 5 for rel, (_, mtime) in objects.items())
+    return any(rel.startswith("placement-") and (mtime or 0) / 1e9 >= since - 5 for rel, mtime in stored.items())
 
 
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
@@ -127,7 +126,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
         rd.write_hooks({})  # a later run must not report into this run's trial
     result.wall_s = round(time.perf_counter() - started, 2)
     write_json(rd.train_result, result.to_dict())
-    storage.push(rd, rd.train_result, rd.metrics, rd.progress, rd.logs)
+    RunFiles(rd).push(rd.train_result, rd.metrics, rd.progress, rd.logs)
     tracker.log_metrics({"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
                          "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s,
                          "train_preemptions": len(result.preemptions)})

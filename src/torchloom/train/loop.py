@@ -17,19 +17,16 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import random
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from torchloom.config import Config, budget, elastic_micro_batch, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
-from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
@@ -41,68 +38,13 @@ from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
+from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
 from torchloom.train.upload import CheckpointUploader
 
 # A shuffle window spans shuffle_buffer / batch_size global batches (data/loader.py); with a large global
 # batch and the default buffer that would be 1 or 2, so rows next to each other in the data would meet
 # in consecutive steps. 16 steps cost each worker 16 of its micro-batches of memory.
 MIN_WINDOW_STEPS = 16
-
-
-@dataclass
-class TrainState:
-    """The trainer's own counters; saved in every checkpoint."""
-
-    step: int = 0  # optimizer steps done
-    epoch: int = 0  # epoch in progress
-    samples_seen: int = 0
-    best_metric: float | None = None
-    best_step: int = -1
-    evals_without_improvement: int = 0
-    stopped_early: bool = False
-    stop_reason: str = ""  # why training ended before total_steps: early_stopping, or who asked (e.g. pruned)
-    last_eval_step: int = -1
-    last_checkpoint_step: int = -1
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def class_weights(manifest: Manifest, mode: str, device: torch.device) -> torch.Tensor | None:
-    if mode == "none":
-        return None
-    counts = manifest.split("train").per_class
-    n = np.array([max(1, counts.get(label, 0)) for label in manifest.labels], dtype=np.float64)
-    # "balanced" as in scikit-learn: n_samples / (n_classes * n_c).
-    return torch.tensor(n.sum() / (len(n) * n), dtype=torch.float32, device=device)
-
-
-def better(metric: str, new: float, best: float | None) -> bool:
-    if best is None:
-        return True
-    return new < best if metric == "loss" else new > best
-
-
-@dataclass
-class LogWindow:
-    """Loss and rows since the last log step (the loss stays on the device until it is logged)."""
-
-    loss: torch.Tensor
-    rows: int = 0
-    steps: int = 0
-    start: float = field(default_factory=time.perf_counter)
-
-    def add(self, loss_sum: torch.Tensor, rows: int) -> None:
-        self.loss += loss_sum
-        self.rows += rows
-        self.steps += 1
-
-    def reset(self) -> None:
-        self.loss.zero_()
-        self.rows, self.steps, self.start = 0, 0, time.perf_counter()
 
 
 class Trainer:
@@ -398,7 +340,7 @@ class Trainer:
 
     # -- resume and checkpoints ---------------------------------------------------------------
     def _maybe_resume(self) -> str | None:
-        if self.files.on_store and self.tc.resume == "latest":
+        if self.tc.resume == "latest":  # a run on a store: the checkpoints this host's copy needs, from the store
             if self.d.local_rank == 0:  # one download per host; the ranks beside it read the same copy
                 self.files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)
             self.d.io_barrier()

@@ -1,0 +1,69 @@
+"""The trainer's counters (saved in every checkpoint) and the small pieces of the loop around them: the seed, the
+class weights, which metric is better, the window of losses between two log lines."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from torchloom.manifest import Manifest
+
+
+@dataclass
+class TrainState:
+    """The trainer's own counters; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # epoch in progress
+    samples_seen: int = 0
+    best_metric: float | None = None
+    best_step: int = -1
+    evals_without_improvement: int = 0
+    stopped_early: bool = False
+    stop_reason: str = ""  # why training ended before total_steps: early_stopping, or who asked (e.g. pruned)
+    last_eval_step: int = -1
+    last_checkpoint_step: int = -1
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def class_weights(manifest: Manifest, mode: str, device: torch.device) -> torch.Tensor | None:
+    if mode == "none":
+        return None
+    counts = manifest.split("train").per_class
+    n = np.array([max(1, counts.get(label, 0)) for label in manifest.labels], dtype=np.float64)
+    # "balanced" as in scikit-learn: n_samples / (n_classes * n_c).
+    return torch.tensor(n.sum() / (len(n) * n), dtype=torch.float32, device=device)
+
+
+def better(metric: str, new: float, best: float | None) -> bool:
+    if best is None:
+        return True
+    return new < best if metric == "loss" else new > best
+
+
+@dataclass
+class LogWindow:
+    """Loss and rows since the last log step (the loss stays on the device until it is logged)."""
+
+    loss: torch.Tensor
+    rows: int = 0
+    steps: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss_sum: torch.Tensor, rows: int) -> None:
+        self.loss += loss_sum
+        self.rows += rows
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.loss.zero_()
+        self.rows, self.steps, self.start = 0, 0, time.perf_counter()
