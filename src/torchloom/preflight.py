@@ -70,7 +70,7 @@ _STORES_CHECKED: set[str] = set()
 def check_stores(cfg: Config) -> None:
     """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
     write the run, said in one line before any stage starts (once per URI and process)."""
-    from torchloom.etl.store_read import check_reachable
+    from torchloom.etl.read import check_reachable
 
     for key, uri, check in (("output.dir", cfg.output.dir, lambda uri, key: RunFiles(uri).check_writable(key)),
                             ("data.path", cfg.data.path, check_reachable),

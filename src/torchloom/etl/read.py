@@ -6,6 +6,7 @@ import functools
 import glob
 import os
 from collections import Counter
+from pathlib import Path
 from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
@@ -389,3 +390,27 @@ def _read(spark, cfg: DataConfig, path: str, fmt: str):
             raise UserError(f"data.path {path}: no {fmt} data found there; check the path and --data.format") from None
         raise
     raise UserError(f"data.format {fmt!r}: unknown; use one of auto, {', '.join(FORMATS)}")
+
+
+def check_reachable(uri: str, key: str) -> None:
+    """Before any stage: the data at `uri` is on the store and these credentials may read it (one line otherwise)."""
+    from torchloom import storage
+
+    storage.check_readable(uri, key)
+
+
+def stage_input(path: str, into: Path, key: str) -> str:
+    """A data path on a store, for the embedded local Spark (which has no Hadoop S3 connector): the object,
+    or every object under the prefix, streamed to local disk under `into`; returns the local path to read.
+    The same listing gives the same copy, so a re-run downloads only what changed."""
+    from torchloom import storage
+
+    storage.check_readable(path, key)
+    listing = storage.list_files(path)
+    name = path.rstrip("/").rsplit("/", 1)[-1] or "input"
+    target = into / name
+    if listing:  # a prefix: a folder of files
+        storage.pull_tree(path, target)
+    else:
+        storage.download(path, target)
+    return str(target)

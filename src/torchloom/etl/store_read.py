@@ -25,7 +25,6 @@ import io
 import json
 import os
 from functools import partial
-from pathlib import Path
 
 from torchloom import storage
 from torchloom.errors import UserError
@@ -442,23 +441,3 @@ def folder_task(batches, uris: list[str], encoding: str = STRICT):
             yield text, uri.rsplit("/", 2)[-2], storage.redact(uri), stream.codec
 
     yield from _batches(rows(), ["text", "label", SOURCE, CODEC], size=256)
-
-
-def check_reachable(uri: str, key: str) -> None:
-    """Before any stage: the data at `uri` is on the store and these credentials may read it (one line otherwise)."""
-    storage.check_readable(uri, key)
-
-
-def stage_input(path: str, into: Path, key: str) -> str:
-    """A data path on a store, for the embedded local Spark (which has no Hadoop S3 connector): the object,
-    or every object under the prefix, streamed to local disk under `into`; returns the local path to read.
-    The same listing gives the same copy, so a re-run downloads only what changed."""
-    storage.check_readable(path, key)
-    listing = storage.list_files(path)
-    name = path.rstrip("/").rsplit("/", 1)[-1] or "input"
-    target = into / name
-    if listing:  # a prefix: a folder of files
-        storage.pull_tree(path, target)
-    else:
-        storage.download(path, target)
-    return str(target)

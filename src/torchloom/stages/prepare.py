@@ -25,7 +25,7 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     with prepare.input_reader pyarrow (no local copy)."""
     if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
         return cfg
-    from torchloom.etl.store_read import stage_input
+    from torchloom.etl.read import stage_input
 
     paths = {}
     for key in ("path", "val_path", "test_path"):
