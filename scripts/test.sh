@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# Two xdist workers (tests/conftest.py says which tests share one); TORCHLOOM_TEST_WORKERS=0 runs in this process.
+# Two xdist workers (tests/support/schedule.py: which tests share one); TORCHLOOM_TEST_WORKERS=0: in this process.
 exec .venv/bin/python -m pytest -q -n "${TORCHLOOM_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

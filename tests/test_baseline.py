@@ -14,6 +14,7 @@ from torchloom.manifest import read as read_manifest
 from torchloom.scoring import classification_metrics
 
 pytest.importorskip("sklearn")
+pytestmark = pytest.mark.heavy(9)  # see tests/support/schedule.py
 
 
 def topic_texts(n: int, rng: np.random.Generator, priors=(0.55, 0.15, 0.15, 0.15)) -> tuple[list[str], np.ndarray]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_reference import COMMON, LAST, assert_same_weights, reference
+from support.engine_reference import COMMON, LAST, assert_same_weights, reference
 
 from torchloom.errors import UserError
 from torchloom.train import checkpoint
@@ -162,7 +162,7 @@ def _resolve_on_two_ranks(rank: int, root: str, port: int, out) -> None:
 def test_resume_is_resolved_and_checked_once_by_rank_0_and_handed_to_every_rank(setup, tmp_path, damaged):
     import multiprocessing as mp
 
-    from conftest import free_port
+    from support.net import free_port
 
     rd = copy_run(setup, tmp_path, "resolve")
     root = rd / "checkpoints"

@@ -15,6 +15,8 @@ import pytest
 
 from torchloom.model.tiny import write_tiny_model
 
+pytestmark = pytest.mark.heavy(1)  # see tests/support/schedule.py
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 

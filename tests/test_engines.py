@@ -10,13 +10,14 @@ import os
 import shutil
 
 import pytest
-from engine_reference import COMMON, assert_same_weights, reference
+from support.engine_reference import COMMON, assert_same_weights, reference
 
 from torchloom.config import build
 from torchloom.engines.common import TrainingFailed
 
 pytest.importorskip("pyspark")
 pytest.importorskip("ray")
+pytestmark = pytest.mark.ray  # every test here: see tests/support/schedule.py
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

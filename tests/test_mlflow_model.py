@@ -16,7 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import free_port
+from support.net import free_port
 
 mlflow = pytest.importorskip("mlflow")
 pytest.importorskip("uvicorn")  # the scoring server of `mlflow models serve`

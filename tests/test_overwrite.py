@@ -256,7 +256,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     pytest.importorskip("moto")
-    from conftest import s3_server
+    from support.s3 import s3_server
 
     with s3_server(tmp_path_factory.mktemp("moto"), BUCKET, CREDENTIALS) as port:
         yield port

@@ -31,6 +31,8 @@ from torchloom.train.evaluation import evaluate
 from torchloom.train.loop import Trainer
 from torchloom.train.state import seed_everything
 
+pytestmark = pytest.mark.heavy(11)  # see tests/support/schedule.py
+
 ONE_PROCESS = Dist(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), owns_group=False)
 
 

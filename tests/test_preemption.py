@@ -17,6 +17,8 @@ from test_train import cfg_for, data_dir, models, new_run, weights  # noqa: F401
 
 from torchloom.engines import local
 
+pytestmark = pytest.mark.heavy(7)  # see tests/support/schedule.py
+
 # 103 rows, batch 8: 13 steps; a periodic checkpoint every 4 steps
 COMMON = ("--train.epochs", "1", "--train.keep_last", "20", "--train.checkpoint_every", "4")
 STEPS = 13

@@ -10,6 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
+pytestmark = pytest.mark.ray  # see tests/support/schedule.py
 
 
 def test_own_instance_listens_on_loopback_only_with_token_auth(monkeypatch, tmp_path):

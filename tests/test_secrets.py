@@ -12,10 +12,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from support.net import free_port
 
 from torchloom.model.tiny import write_tiny_model
 from torchloom.redaction import MASK, is_secret_name, redact_config, redact_text
+
+pytestmark = pytest.mark.heavy(8)  # see tests/support/schedule.py
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 SECRETS = {"tracking": "PLANTED-tracking-pw", "storage": "PLANTED-study-pw", "spark": "PLANTED-s3a-secret"}

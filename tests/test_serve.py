@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
+from support.net import free_port
 
 from torchloom.serve.batcher import MicroBatcher, ModelFailed, Overloaded, ShuttingDown
 from torchloom.serve.metrics import ServeMetrics
@@ -33,6 +33,7 @@ try:  # the serve extra; without it the HTTP tests skip and batch prediction is 
 except ImportError:
     httpx = None
 needs_http = pytest.mark.skipif(httpx is None, reason="needs the serve extra: pip install 'torchloom[serve]'")
+pytestmark = pytest.mark.heavy(3)  # see tests/support/schedule.py
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 LABELS = ["sport", "money", "music"]
@@ -943,6 +944,7 @@ def assert_own_ray_is_private(pid: int, http_port: int, api_key: str) -> None:
 
 @needs_http
 @pytest.mark.slow
+@pytest.mark.ray
 def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_path):
     pytest.importorskip("ray.serve")
     port = free_port()
@@ -975,6 +977,7 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
 
 @needs_http
 @pytest.mark.slow
+@pytest.mark.ray
 def test_ray_serve_warms_up_refuses_past_max_queue_and_drops_a_gone_clients_texts(faulty_model_dir, tmp_path):
     pytest.importorskip("ray.serve")
     # A batch waits 8 s to fill, so a closed connection has time to reach the replica through Ray's proxy.

@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import JVM_ENV, free_port
-from engine_reference import COMMON, LAST, assert_same_weights, new_run, reference
+from support.engine_reference import COMMON, LAST, assert_same_weights, new_run, reference
+from support.net import free_port
+from support.spark_jvm import JVM_ENV
 
 pyspark = pytest.importorskip("pyspark")
+pytestmark = pytest.mark.heavy(4)  # see tests/support/schedule.py
 SERVER = "org.apache.spark.sql.connect.service.SparkConnectServer"
 JARS = Path(pyspark.__file__).parent / "jars"
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import s3_server
+from support.s3 import s3_server
 
 pytest.importorskip("moto")
 
@@ -23,6 +23,8 @@ from torchloom.errors import UserError  # noqa: E402
 from torchloom.model_cache import fetch_dir  # noqa: E402
 from torchloom.rundir import RunDir  # noqa: E402
 from torchloom.runfiles import RunFiles  # noqa: E402
+
+pytestmark = pytest.mark.heavy(2)  # see tests/support/schedule.py
 
 BUCKET = "torchloom-test"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
@@ -396,7 +398,7 @@ def test_spark_batch_scoring_executors_fetch_the_model_from_the_store_themselves
     conf.mkdir()
     executors = tmp_path / "executors-cache"
     (conf / "spark-defaults.conf").write_text(f"spark.executorEnv.TORCHLOOM_CACHE {executors}\n")
-    os.environ["SPARK_CONF_DIR"] = str(conf)  # the suite's JVM options stay in SPARK_SUBMIT_OPTS (spark_jvm.py)
+    os.environ["SPARK_CONF_DIR"] = str(conf)  # the suite's JVM options stay in SPARK_SUBMIT_OPTS (support/spark_jvm.py)
     try:
         proc = torchloom("predict", "--model", uri("runs/reviews/model"), "--input", str(src), "--output",
                          str(tmp_path / "scored"), "--score-with", "spark", "--spark-master", "local[1]",

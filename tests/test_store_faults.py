@@ -15,12 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port, s3_server
+from support.net import free_port
+from support.s3 import s3_server
 
 pytest.importorskip("moto")
 
 from torchloom import storage  # noqa: E402
 from torchloom.data.synthetic import write_synthetic_dataset  # noqa: E402
+
+pytestmark = pytest.mark.heavy(10)  # see tests/support/schedule.py
 
 BUCKET = "faults"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "faults", "AWS_SECRET_ACCESS_KEY": "faults-secret",

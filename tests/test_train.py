@@ -24,6 +24,8 @@ from torchloom.stages.train import how_long
 from torchloom.train import checkpoint, optim
 from torchloom.train.state import seed_everything
 
+pytestmark = pytest.mark.heavy(6)  # see tests/support/schedule.py
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):

@@ -17,6 +17,8 @@ from torchloom.config import build
 from torchloom.errors import UserError
 from torchloom.tune import space
 
+pytestmark = pytest.mark.heavy(5)  # see tests/support/schedule.py
+
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
@@ -113,6 +115,7 @@ def ray_study(tmp_path_factory, tiny, topics_csv):
     return out, store, proc
 
 
+@pytest.mark.ray
 def test_ray_asha_study_stops_a_trial_early_and_exports_the_best(ray_study):
     out, _, proc = ray_study
     assert "Token authentication is enabled" not in proc.stderr  # Ray's note on what torchloom asked for
@@ -143,6 +146,7 @@ def test_ray_asha_study_stops_a_trial_early_and_exports_the_best(ray_study):
         assert log.count("rank 1 of 2 on ") == 1 and "niceness" not in log  # and printed once
 
 
+@pytest.mark.ray
 def test_ray_study_trials_are_nested_mlflow_runs(ray_study):
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
@@ -218,6 +222,7 @@ def test_optuna_study_in_sqlite_shared_by_two_concurrent_processes(tmp_path, tin
 
 
 @pytest.mark.gpu
+@pytest.mark.ray
 def test_ray_study_trials_train_on_gpus(tmp_path, tiny, topics_csv):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from engine_reference import assert_same_weights
+from support.engine_reference import assert_same_weights
 
 from cluster.netns import Cluster, unavailable
 from cluster.test_multihost import (
@@ -32,6 +32,7 @@ from cluster.test_multihost import (
     without_exit_barrier_race,
 )
 
+pytestmark = pytest.mark.cluster  # see tests/support/schedule.py
 pytest.importorskip("moto")
 reason = unavailable()
 if reason:

@@ -12,8 +12,9 @@ standalone masters and workers read SPARK_DAEMON_JAVA_OPTS. SPARK_CONF_DIR stays
 starts with it, and a non-empty directory there rules a class-data-sharing archive out.
 
 The archive is built once per Java, pyspark and set of options, in the background of the first test run that
-lacks it (~60 s of a core), into the virtual environment: `python tests/spark_jvm.py build ARCHIVE`. JVMs started
-before it is there, or whose class path differs (a test's own SPARK_CONF_DIR), run without it, silently.
+lacks it (~60 s of a core), into the virtual environment: `python tests/support/spark_jvm.py build ARCHIVE`.
+JVMs started before it is there, or whose class path differs (a test's own SPARK_CONF_DIR), run without it,
+silently.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def archive_path() -> str:
 
 
 def environment(archive: str) -> dict[str, str]:
-    """The variables that give every Spark JVM of the suite its options (tests/conftest.py sets them)."""
+    """The variables that give every Spark JVM of the suite its options (use_in_this_run sets them)."""
     jvm = f"{OPTIONS} -XX:SharedArchiveFile={archive} {QUIET}"
     return {"SPARK_SUBMIT_OPTS": f'{jvm} -Dspark.executor.defaultJavaOptions="{jvm}"', "SPARK_DAEMON_JAVA_OPTS": jvm}
 
@@ -65,6 +66,24 @@ def build_in_background(archive: str) -> None:
                            stderr=subprocess.STDOUT, timeout=900, check=False)
 
     threading.Thread(target=build, name="spark-cds", daemon=True).start()
+
+
+# This run's archive: the pytest controller's, which its xdist workers inherit (TORCHLOOM_TEST_SPARK_CDS), else
+# this host's. JVM_ENV: its variables; tests that build an environment for other hosts (a cluster's, a Spark
+# Connect server's) keep them: `from support.spark_jvm import JVM_ENV`.
+ARCHIVE = os.environ.get("TORCHLOOM_TEST_SPARK_CDS") or archive_path()
+JVM_ENV = environment(ARCHIVE)
+
+
+def use_in_this_run() -> None:
+    """Give every Spark JVM this process starts the suite's options (tests/conftest.py calls it). The pytest
+    controller also names the archive for its xdist workers and builds it in the background when it is
+    missing."""
+    os.environ.pop("SPARK_CONF_DIR", None)  # first on the JVM's class path: a directory with files there rules CDS out
+    os.environ.update(JVM_ENV)
+    if "PYTEST_XDIST_WORKER" not in os.environ and not os.environ.get("TORCHLOOM_TEST_SPARK_CDS"):
+        os.environ["TORCHLOOM_TEST_SPARK_CDS"] = ARCHIVE  # the workers take this one
+        build_in_background(ARCHIVE)
 
 
 def _build(archive: str) -> None:
