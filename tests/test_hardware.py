@@ -103,7 +103,10 @@ def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
     assert resolve_workers(cfg(), gpus=8).engine.workers == 8
     assert resolve_workers(cfg(), gpus=3).engine.workers == 2  # the largest that divides the batch of 16
     assert resolve_workers(cfg("--engine.device", "cpu"), gpus=4).engine.workers == 2
-    assert resolve_workers(cfg("--engine.name", "ray"), gpus=4).engine.workers == 2
+    # Ray on an instance torchloom starts here sees this machine's GPUs; a cluster's are counted at its launch
+    assert resolve_workers(cfg("--engine.name", "ray"), gpus=4).engine.workers == 4
+    assert resolve_workers(cfg("--engine.name", "ray", "--engine.ray_address", "auto"), gpus=4).engine.workers == 2
+    assert resolve_workers(cfg("--engine.name", "spark"), gpus=4).engine.workers == 2
     assert resolve_workers(cfg("--engine.workers", "4"), gpus=0).engine.workers == 4
     with pytest.raises(UserError, match="engine.workers 2: this machine has 1 visible GPU and each worker"):
         resolve_workers(cfg("--engine.workers", "2"), gpus=1)
@@ -111,6 +114,19 @@ def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
         resolve_workers(cfg("--engine.device", "cuda"), gpus=0)
     with pytest.raises(UserError, match="train.batch_size 16: must be a multiple"):
         resolve_workers(cfg("--engine.workers", "3"), gpus=0)  # the world-size checks run once counted
+
+
+def test_a_ray_cluster_with_fewer_gpus_than_workers_says_they_train_on_cpus(monkeypatch, tmp_path, capsys):
+    ray = pytest.importorskip("ray")
+    from torchloom.engines.ray import scaling
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 1.0})
+    cfg = build(None, ["--output.dir", str(tmp_path), "--engine.name", "ray", "--engine.workers", "2"])
+    assert not scaling(cfg, started_local=False).use_gpu
+    err = capsys.readouterr().err
+    assert "the Ray cluster has 1 GPU(s) for 2 workers, so they train on CPUs; pass --engine.workers 1" in err
+    cfg = build(None, ["--output.dir", str(tmp_path), "--engine.name", "ray", "--engine.workers", "1"])
+    assert scaling(cfg, started_local=False).use_gpu and not capsys.readouterr().err
 
 
 def test_more_workers_than_gpus_is_refused_before_prepare_runs(monkeypatch, tmp_path, capsys):

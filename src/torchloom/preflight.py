@@ -51,9 +51,10 @@ def once(check: str, key: str, answer: Callable[[], T]) -> T:
 
 
 def visible_gpus(cfg: Config) -> int:
-    """CUDA devices a local run could use here: nvidia-smi first (no torch to import on a machine without
-    one), then torch's own count, which is what the workers will see."""
-    if cfg.engine.name != "local" or cfg.engine.device == "cpu":
+    """CUDA devices the ranks could use here (config.ranks_here: the local engine, a Ray instance of our own):
+    nvidia-smi first (no torch to import on a machine without one), then torch's own count, which is what the
+    workers will see."""
+    if not config_mod.ranks_here(cfg) or cfg.engine.device == "cpu":
         return 0
     from torchloom.machine import gpu_names
 
@@ -101,7 +102,7 @@ def _for_this_machine(cfg: Config) -> Config:
         check_output_dir(RunDir(cfg.output.dir).root)
     if not cfg.output.overwrite:  # --overwrite: runrecord.owned_entries says
         check_foreign_config(RunDir(cfg.output.dir))
-    if cfg.engine.workers != "auto" and (cfg.engine.name != "local" or cfg.engine.device == "cpu"):
+    if cfg.engine.workers != "auto" and (not config_mod.ranks_here(cfg) or cfg.engine.device == "cpu"):
         return cfg
     return config_mod.resolve_workers(cfg, visible_gpus(cfg))
 

@@ -6,6 +6,7 @@ from torchloom.config.load import (
     from_dict,
     load_saved,
     micro_batch_size,
+    ranks_here,
     resolve_workers,
     save,
     to_dict,
@@ -27,5 +28,5 @@ from torchloom.config.schema import (
 __all__ = [
     "Config", "DataConfig", "EngineConfig", "EvalConfig", "ModelConfig", "OutputConfig", "PrepareConfig",
     "TrainConfig", "build", "elastic_micro_batch", "from_dict", "load_saved", "micro_batch_size",
-    "resolve_workers", "save", "to_dict", "to_toml", "valid_world_sizes", "validate",
+    "ranks_here", "resolve_workers", "save", "to_dict", "to_toml", "valid_world_sizes", "validate",
 ]

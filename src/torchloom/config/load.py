@@ -144,11 +144,11 @@ CPU_WORKERS = 2
 
 def resolve_workers(cfg: Config, gpus: int) -> Config:
     """engine.workers auto made a number for this machine, then the checks that need it: one per visible GPU
-    (local engine on a GPU machine; the largest that divides the global batch), else CPU_WORKERS. A local run
-    asking for more GPU workers than GPUs is refused here, before prepare starts."""
+    (where the ranks run here, ranks_here, on a GPU machine; the largest that divides the global batch), else
+    CPU_WORKERS. More GPU workers than GPUs here is refused, before prepare starts."""
     e = cfg.engine
-    on_gpus = e.name == "local" and e.device != "cpu" and gpus > 0
-    if e.device == "cuda" and e.name == "local" and gpus == 0:
+    on_gpus = ranks_here(cfg) and e.device != "cpu" and gpus > 0
+    if e.device == "cuda" and ranks_here(cfg) and gpus == 0:
         raise UserError("engine.device cuda: torch sees no CUDA device on this machine; use engine.device cpu or"
                         " auto")
     if e.workers == "auto":
@@ -160,6 +160,13 @@ def resolve_workers(cfg: Config, gpus: int) -> Config:
                         f" and each worker takes one; set --engine.workers {gpus} (or leave it auto) or"
                         " --engine.device cpu")
     return validate(cfg)
+
+
+def ranks_here(cfg: Config) -> bool:
+    """The training ranks run on this machine and see its GPUs: the local engine, or Ray on an instance torchloom
+    starts here (no engine.ray_address). Spark's ranks get GPUs only through its resource confs (engines/spark.py),
+    and a cluster's are counted by the engine when it launches."""
+    return cfg.engine.name == "local" or (cfg.engine.name == "ray" and not cfg.engine.ray_address.strip())
 
 
 def largest_divisor(n: int, most: int) -> int:

@@ -135,6 +135,10 @@ def scaling(cfg: Config, started_local: bool):
         raise UserError(f"engine.device cuda: the Ray cluster has {cluster_gpus:g} GPUs for {cfg.engine.workers}"
                         " workers; lower engine.workers or use engine.device cpu")
     use_gpu = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and cluster_gpus >= cfg.engine.workers)
+    if cfg.engine.device == "auto" and 0 < cluster_gpus < cfg.engine.workers:
+        print(f"torchloom: warning: train: the Ray cluster has {cluster_gpus:g} GPU(s) for {cfg.engine.workers}"
+              f" workers, so they train on CPUs; pass --engine.workers {int(cluster_gpus)} (one per GPU) to train on"
+              " the GPUs, or --engine.device cpu to say CPUs", file=sys.stderr, flush=True)
     cpus = cfg.engine.cpus_per_worker
     if not cpus:
         # On a local instance split the cores, leaving a sliver for Ray's own controller actor.

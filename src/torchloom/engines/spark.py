@@ -22,6 +22,7 @@ from torchloom.engines.driver import Attempt, attempts
 from torchloom.engines.worker import enter_worker_env, run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
 from torchloom.etl.session import conf_value, get_spark, is_local_master
+from torchloom.machine import gpu_names
 from torchloom.poller import Poller
 from torchloom.rundir import RunDir, write_json
 from torchloom.runfiles import RunFiles
@@ -112,6 +113,11 @@ def wants_gpu(cfg: Config, spark) -> bool:
     key = "spark.driver.resource.gpu.amount" if is_local_master(conf_value(spark, "spark.master")) else \
         "spark.task.resource.gpu.amount"
     has = float(conf_value(spark, key, "0") or 0) > 0
+    local = is_local_master(conf_value(spark, "spark.master"))
+    if cfg.engine.device == "auto" and not has and local and (gpus := len(gpu_names())):
+        print(f"torchloom: warning: train: this machine has {gpus} GPU(s) but Spark gives its tasks none ({key} is"
+              f" unset), so the workers train on CPUs; pass --prepare.spark_conf '{{\"{key}\" = \"{gpus}\"}}' to"
+              " train on them, or --engine.device cpu to say CPUs", file=sys.stderr, flush=True)
     if cfg.engine.device == "cuda" and not has:
         raise UserError(f"engine.device cuda: Spark has no GPUs configured ({key} is unset); set it with"
                         f" --prepare.spark_conf '{{\"{key}\" = \"1\"}}' or use engine.device cpu")
