@@ -199,3 +199,28 @@ def test_a_resume_on_fewer_gpus_than_the_writer_restores_the_rng_of_those_it_has
     monkeypatch.setattr(checkpoint.torch.cuda, "set_rng_state", lambda s, index: restored.append((index, s)))
     checkpoint.set_rng_state(state)
     assert restored == [(0, "state of gpu 0")]
+
+
+def test_ray_serve_replicas_and_spark_scoring_tasks_spread_over_the_gpus_they_are_given():
+    """The logic of the two multi-GPU placements (a GPU runs them for real: tests/test_serve.py's CUDA tests)."""
+    pytest.importorskip("pyspark")
+    from pyspark.resource.information import ResourceInformation
+
+    from torchloom.serve.ray_engine import replica_gpus
+    from torchloom.serve.score_files import task_device
+
+    assert replica_gpus("auto", replicas=2, gpus=4) == 1.0  # Ray sets each replica's CUDA_VISIBLE_DEVICES
+    assert replica_gpus("cuda", replicas=3, gpus=2) == 0.66  # more replicas than GPUs: an equal share each
+    assert replica_gpus("auto", replicas=2, gpus=0) == 0.0 and replica_gpus("cpu", replicas=1, gpus=8) == 0.0
+    assert replica_gpus("cuda:1", replicas=2, gpus=4) == 0.0  # pinned by the user: every replica on cuda:1
+
+    class Task:
+        def __init__(self, gpus: list[str]):
+            self._gpus = gpus
+
+        def resources(self):
+            return {"gpu": ResourceInformation("gpu", self._gpus)} if self._gpus else {}
+
+    assert task_device("auto", Task(["3"])) == "cuda:3" and task_device("cuda", Task(["0"])) == "cuda:0"
+    assert task_device("auto", Task([])) == "auto" and task_device("auto", None) == "auto"
+    assert task_device("cpu", Task(["1"])) == "cpu" and task_device("cuda:2", Task(["1"])) == "cuda:2"

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torchloom.errors import UserError, missing_extra
-from torchloom.machine import usable_cores
+from torchloom.machine import gpu_names, usable_cores
 from torchloom.ray_instance import start_local_ray
 from torchloom.serve.batcher import ModelFailed, Overloaded
 from torchloom.serve.settings import ServeSettings
@@ -165,14 +165,24 @@ def replica_grpc_on_loopback() -> None:
     replica_module.add_port_to_grpc_server = on_loopback
 
 
-def build_deployment(settings: ServeSettings, cpus_per_replica: float):
+def replica_gpus(device: str, replicas: int, gpus: int) -> float:
+    """The GPUs Ray gives each replica. --device auto or cuda on a machine with GPUs: the replicas share them, one
+    each while they fit, else an equal fraction, so Ray sets each replica's CUDA_VISIBLE_DEVICES and the replicas
+    spread over the GPUs (without it every one of them took cuda:0). cpu, or a pinned cuda:N: none."""
+    if device not in ("auto", "cuda") or gpus <= 0:
+        return 0.0
+    return 1.0 if replicas <= gpus else int(100 * gpus / replicas) / 100
+
+
+def build_deployment(settings: ServeSettings, cpus_per_replica: float, gpus_per_replica: float = 0.0):
     """The Ray Serve deployment class with `settings` baked in (batch size and wait are set per replica)."""
     from ray import serve
 
     @serve.deployment(
         name="torchloom",
         num_replicas=settings.replicas,
-        ray_actor_options={"num_cpus": cpus_per_replica},
+        ray_actor_options={"num_cpus": cpus_per_replica,
+                           **({"num_gpus": gpus_per_replica} if gpus_per_replica else {})},
         # Ray's default (5 requests per replica) would cap every batch at 5; the replica's own text queue
         # (max_queue) bounds the work instead, and the proxy refuses past max_queued_requests with 503.
         max_ongoing_requests=settings.max_queue,
@@ -259,7 +269,8 @@ def run_ray(settings: ServeSettings) -> int:
         # After ray.init, which installs its own handlers (a SIGTERM would kill the driver mid-request).
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         serve.start(http_options={"host": settings.host, "port": settings.port})
-        deployment = build_deployment(settings, cpus_per_replica)
+        gpus = replica_gpus(settings.device, settings.replicas, len(gpu_names()))
+        deployment = build_deployment(settings, cpus_per_replica, gpus)
         fields = replica_fields(settings, temp_dir)
         try:
             serve.run(deployment.bind(fields), name=APP_NAME, route_prefix="/", blocking=False)
@@ -267,8 +278,8 @@ def run_ray(settings: ServeSettings) -> int:
             last = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             raise UserError(f"serve --serve-with ray: the deployment did not start ({last})") from None
         print(f"torchloom serve: listening on http://{settings.host}:{settings.port} (Ray Serve,"
-              f" {settings.replicas} replica(s), max batch {settings.max_batch_size},"
-              f" max wait {settings.max_wait_ms:g} ms)", flush=True)
+              f" {settings.replicas} replica(s){f', {gpus:g} GPU each' if gpus else ''},"
+              f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms)", flush=True)
         while not stop.wait(0.5):
             pass
         print("torchloom serve: stopping Ray Serve", flush=True)

@@ -278,9 +278,17 @@ def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str =
         context = TaskContext.get()
         # Each concurrent task gets its own Python worker; give each the cores its task was granted.
         threads = context.cpus() if context is not None else 1
-        model = _MODELS[key] = ServedModel(model_dir, device=device, batch_size=batch_size, threads=threads,
-                                           runtime=runtime)
+        model = _MODELS[key] = ServedModel(model_dir, device=task_device(device, context), batch_size=batch_size,
+                                           threads=threads, runtime=runtime)
     return model
+
+
+def task_device(device: str, context) -> str:
+    """The device of a Spark task's model: --device auto or cuda becomes the GPU Spark assigned the task
+    (spark.task.resource.gpu.amount: `resources()["gpu"]`), so the tasks of a multi-GPU executor spread over its
+    GPUs instead of all taking cuda:0; cpu, a pinned cuda:N, or a task Spark gave no GPU keeps what it was."""
+    gpu = (context.resources().get("gpu") if context is not None else None) if device in ("auto", "cuda") else None
+    return f"cuda:{gpu.addresses[0]}" if gpu is not None and gpu.addresses else device
 
 
 def _predict_partition(batches: Iterable[Any], model_dir: str, text_column: str, device: str,
