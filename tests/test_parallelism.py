@@ -359,8 +359,9 @@ def test_gpu_strategies_train(tmp_path, data_dir, tiny, strategy):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_fsdp_on_one_gpu_with_nccl(tmp_path, data_dir, tiny, precision):
-    # what one GPU can show of the FSDP path: nccl, sharded checkpoints and activation checkpointing on CUDA
+def test_fsdp_code_path_on_one_gpu(tmp_path, data_dir, tiny, precision):
+    # what one GPU can show of the FSDP path: its code on CUDA (nccl initialised, activation checkpointing, sharded
+    # checkpoint files) with one rank, which shards nothing; sharding over ranks is test_gpu_strategies_train[fsdp]
     rd = new_run(tmp_path, data_dir, "fsdp")
     cfg = cfg_for(rd, tiny, "--train.strategy", "fsdp", "--engine.device", "cuda", "--engine.workers", "1",
                   "--train.batch_size", "16", "--train.grad_accum", "1", "--train.max_steps", "6",
