@@ -175,6 +175,29 @@ def test_plan_reads_a_prepared_run(tmp_path, capsys):
     assert job["rows"] == 96 and job["epochs"] == 5 and out["cluster"]["devices"] == 2 and job["micro_batch"] == 8
     assert command.main(["--run", str(tmp_path / "nothing")]) == 2
     assert "no prepared data there" in capsys.readouterr().err
+    # a run that trained: the estimate beside what it measured, for the strategy it ran
+    from torchloom.config import build, save
+
+    save(build(None, ["--output.dir", str(tmp_path / "run")]), tmp_path / "run" / "config.toml")
+    (tmp_path / "run" / "train_result.json").write_text(json.dumps({"samples_per_s": 20.0, "tokens_per_s": 900.0}))
+    assert command.main(["--run", str(tmp_path / "run"), "--device-type", "cpu", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)["measured"]
+    assert measured["strategy"] == "ddp" and measured["samples_per_s"] == 20.0
+    assert measured["ratio"] == pytest.approx(measured["estimated_samples_per_s"] / 20.0, rel=0.01)
+    assert command.main(["--run", str(tmp_path / "run"), "--device-type", "cpu"]) == 0
+    assert "measured: the run trained at 20.0 samples/s with ddp (train_result.json)" in capsys.readouterr().out
+
+
+def test_mfu_reads_one_table_of_dense_peaks_and_never_guesses():
+    assert machine.gpu_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert machine.gpu_peak_tflops("NVIDIA H100 PCIe", "fp16") == 756.5
+    assert machine.gpu_peak_tflops("NVIDIA A100-SXM4-40GB", "fp32") == 19.5
+    assert machine.gpu_peak_tflops("NVIDIA A10", "bf16") == 125.0  # not A100's, not A10G's
+    assert machine.gpu_peak_tflops("NVIDIA A10G", "bf16") is None  # NVIDIA publishes none
+    assert machine.gpu_peak_tflops("NVIDIA GeForce RTX 4090", "bf16") is None
+    from torchloom.plan import hardware
+
+    assert hardware.h100().tflops_bf16 == 989.4 and hardware.a100_40g().tflops_fp32 == 19.5  # plan's, the same
 
 
 # -- GPU paths, their logic on a CPU (torch's device queries monkeypatched) -------------------------------------

@@ -182,6 +182,17 @@ def test_checkpoints_are_complete_and_pruned(tmp_path, data_dir, models):
     assert [e["step"] for e in evals] == [13, 26, 39]
     train = [x for x in lines if x["kind"] == "train"]
     assert all(x["loss"] > 0 and x["samples_per_s"] > 0 and "grad_norm" in x for x in train)
+    # what every run reports beside samples/s (train/clock.py): real tokens, padding, where the time went
+    import pyarrow.parquet as pq
+
+    real = sum(len(ids) for f in (rd / "data" / "train").rglob("*.parquet")
+               for ids in pq.read_table(f, columns=["input_ids"]).column("input_ids").to_pylist())
+    assert result.tokens_per_s * result.train_s == pytest.approx(3 * real, rel=0.01)  # 3 epochs of real tokens
+    assert 0 < result.padding < 1 and result.mfu is None  # no MFU on a CPU: its peak is no datasheet's
+    assert {"data", "forward_backward", "optimizer", "checkpoint", "eval"} <= set(result.time_split)
+    assert 0.5 < sum(result.time_split.values()) <= 1.01
+    assert all(x["tokens_per_s"] > 0 and 0 <= x["padding"] < 1 and "forward_backward" in x["time_split"]
+               for x in train)
 
 
 def test_batch_size_not_divisible_is_a_one_line_error(tmp_path, data_dir, models):

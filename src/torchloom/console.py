@@ -61,6 +61,21 @@ def training_line(cfg: Config, result: TrainResult) -> str:
                if result.best_step and cfg.train.select == "best" else ""))
 
 
+PHASE_NAMES = {"data": "data", "forward_backward": "forward+backward", "optimizer": "optimizer", "notice": "notice",
+               "checkpoint": "checkpoint", "eval": "eval"}
+
+
+def speed_line(result: TrainResult) -> str:
+    """Throughput as a GPU user reads it: samples/s, real tokens/s and the padding, MFU where the GPU's peak is
+    known, and where a step's time went (train/clock.py)."""
+    line = (f"{result.samples_per_s:.1f} samples/s, {result.tokens_per_s:,.0f} tokens/s"
+            f" ({result.padding * 100:.0f}% of the tokens computed were padding)")
+    if result.mfu is not None:
+        line += f", MFU {result.mfu * 100:.1f}%"
+    split = ", ".join(f"{PHASE_NAMES.get(k, k)} {v * 100:.0f}%" for k, v in result.time_split.items())
+    return line + (f"; time: {split}" if split else "")
+
+
 def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     """What `torchloom run` prints at the end."""
     timings = summary["timings"]
@@ -69,6 +84,7 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
              f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}",
              f"  precision {summary['precision']} ({summary['precision_reason']}); {summary['workers']} workers",
              f"  trained {summary['training']}",
+             *([f"  speed   {summary['speed']}"] if summary.get("speed") else []),
              f"  start-up {startup_line(summary['startup'])}"]
     cmp, shipped = summary.get("baseline"), summary.get("shipped")
     if shipped:  # three rows: what ships (above), the transformer alone, the baseline

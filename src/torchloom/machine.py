@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -149,6 +150,28 @@ def gpu_names() -> list[str]:
         keep = [v.strip() for v in visible.split(",")]
         gpus = [g for g in gpus if g[0].strip() in keep]
     return [name.strip() for _, name in gpus]
+
+
+# Dense peak TFLOP/s (no sparsity) from NVIDIA's data sheets: (tensor cores at bf16/fp16, fp32 without TF32, which
+# is PyTorch's default for matmuls). The first pattern that matches a GPU's name (upper case) wins; a GPU that none
+# matches has no peak, and no MFU is reported for it. A10G (AWS) is absent: NVIDIA publishes no figures for it.
+GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200 NVL", 835.5, 60.0), ("GH200", 989.4, 67.0), ("H200", 989.4, 67.0),
+    ("H100 NVL", 835.5, 60.0), ("H100 PCIE", 756.5, 51.2), ("H100", 989.4, 67.0),
+    ("A100", 312.0, 19.5), ("L40S", 362.1, 91.6), ("L4", 121.0, 30.3), ("A10G", 0.0, 0.0), ("A10", 125.0, 31.2),
+    ("V100-PCIE", 112.0, 14.0), ("V100", 125.0, 15.7),  # no bf16 on V100: its fp16 figure
+    ("T4", 65.0, 8.1),  # fp16; no bf16
+)
+
+
+def gpu_peak_tflops(name: str, precision: str) -> float | None:
+    """The dense peak of the GPU named `name` (nvidia-smi's or torch's name) for `precision` (bf16 and fp16 use the
+    tensor cores, fp32 the plain units), or None where it is not known."""
+    upper = name.upper()
+    for pattern, half, fp32 in GPU_PEAKS:
+        if re.search(rf"(?<![A-Z0-9]){re.escape(pattern)}(?![A-Z0-9])", upper):
+            return (fp32 if precision == "fp32" else half) or None
+    return None
 
 
 # -- the precision rule ----------------------------------------------------------------------------------

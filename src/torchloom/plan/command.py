@@ -195,11 +195,38 @@ def plan(args: argparse.Namespace) -> int:
     strategies = estimate.estimate(job)
     site = advice.Site(have_spark=args.have_spark, have_ray=args.have_ray, tuning=args.tuning, serving=args.serving)
     adv = advice.advise(job, strategies, site)
+    measured = against_run(args, strategies) if args.run else None
     if args.json:
-        print(json.dumps(report.to_json(job, strategies, adv), indent=2))
+        print(json.dumps({**report.to_json(job, strategies, adv), **({"measured": measured} if measured else {})},
+                         indent=2))
     else:
         print(report.render(job, strategies, adv))
+        if measured:
+            print(f"measured: the run trained at {measured['samples_per_s']:,.1f} samples/s with {measured['strategy']}"
+                  f" (train_result.json); this estimate {measured['estimated_samples_per_s']:,.1f}: the estimate is"
+                  f" {measured['ratio']:.2f}x the measured rate")
     return 0
+
+
+def against_run(args: argparse.Namespace, strategies: list) -> dict | None:
+    """How far the estimate is from what the run measured (its train_result.json), for the strategy it ran."""
+    from pathlib import Path
+
+    from torchloom import config as config_mod
+
+    root = Path(args.run)
+    try:
+        result = json.loads((root / "train_result.json").read_text())
+        strategy = config_mod.load_saved(root / "config.toml").train.strategy
+    except (OSError, ValueError, UserError):
+        return None
+    st = next((s for s in strategies if s.name == strategy and s.applicable), None)
+    rate = float(result.get("samples_per_s") or 0)
+    if st is None or rate <= 0 or st.samples_per_s <= 0:
+        return None
+    return {"strategy": strategy, "samples_per_s": rate, "estimated_samples_per_s": round(st.samples_per_s, 1),
+            "ratio": round(st.samples_per_s / rate, 3), "tokens_per_s": result.get("tokens_per_s"),
+            "mfu": result.get("mfu")}
 
 
 def calibrate(args: argparse.Namespace) -> int:

@@ -62,10 +62,18 @@ def cpu() -> DeviceSpec:
                       fused_optimizer=True, overlap=False, description=c.describe())
 
 
+def _peak(gpu: str, precision: str) -> float:
+    """A preset's dense peak: the one table training's MFU reads too (machine.GPU_PEAKS)."""
+    peak = machine.gpu_peak_tflops(gpu, precision)
+    assert peak is not None, gpu
+    return peak
+
+
 def a100_40g() -> DeviceSpec:
     # DGX-class node: 8 GPUs on NVLink 3 (300 GB/s per direction, NCCL reaches ~240),
     # one 200 Gb/s InfiniBand card per GPU: 8 x 25 GB/s, ~80% of it reached -> 160 GB/s per node.
-    return DeviceSpec("a100-40g", memory_gib=40, tflops_bf16=312, tflops_fp32=19.5, mem_bw_gbs=1555,
+    return DeviceSpec("a100-40g", memory_gib=40, tflops_bf16=_peak("A100", "bf16"), tflops_fp32=_peak("A100", "fp32"),
+                      mem_bw_gbs=1555,
                       intra_bw_gbs=240, inter_bw_gbs=160, latency_intra_us=2, latency_inter_us=5, mfu=0.4,
                       devices_per_node=8)
 
@@ -76,8 +84,8 @@ def a100_80g() -> DeviceSpec:
 
 def h100() -> DeviceSpec:
     # SXM: NVLink 4 (450 GB/s per direction, NCCL reaches ~360), one 400 Gb/s card per GPU (~320 GB/s per node).
-    return replace(a100_80g(), name="h100", tflops_bf16=989, tflops_fp32=67, mem_bw_gbs=3350, intra_bw_gbs=360,
-                   inter_bw_gbs=320)
+    return replace(a100_80g(), name="h100", tflops_bf16=_peak("H100", "bf16"), tflops_fp32=_peak("H100", "fp32"),
+                   mem_bw_gbs=3350, intra_bw_gbs=360, inter_bw_gbs=320)
 
 
 def h200() -> DeviceSpec:

@@ -8,7 +8,7 @@ import shutil
 import time
 
 from torchloom.config import Config
-from torchloom.console import say, summary_text, training_line
+from torchloom.console import say, speed_line, summary_text, training_line
 from torchloom.errors import UserError
 from torchloom.etl.session import stop_spark
 from torchloom.manifest import read as read_manifest
@@ -84,7 +84,9 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         "timings": timings, "model_dir": rd.home(rd.model), "report": rd.home(rd.report_md),
         "precision": result.precision, "precision_reason": result.precision_reason,
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
-        "training": training_line(cfg, result),
+        "training": training_line(cfg, result), "speed": speed_line(result),
+        "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "mfu",
+                                                        "time_split")},
     }
     if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
         summary["uploads"] = result.uploads

@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 from torchloom.config import Config
-from torchloom.console import precision_line, say
+from torchloom.console import precision_line, say, speed_line
 from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_trainable, for_this_machine
@@ -129,7 +129,10 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     RunFiles(rd).push(rd.train_result, rd.metrics, rd.progress, rd.logs)
     tracker.log_metrics({"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
                          "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s,
-                         "train_preemptions": len(result.preemptions)})
+                         "train_preemptions": len(result.preemptions), "train_tokens_per_s": result.tokens_per_s,
+                         "train_padding": result.padding,
+                         **({"train_mfu": result.mfu} if result.mfu is not None else {}),
+                         **{f"train_time_{k}": v for k, v in result.time_split.items()}})
     if isinstance(result.best_metric, (int, float)):
         tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)
     for path in (rd.config, rd.metrics, rd.train_result):
@@ -141,6 +144,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     if result.resumed_world_size:
         say(f"train: resumed at step {result.resumed_at_step} on {result.world_size} workers (the checkpoint's run"
             f" had {result.resumed_world_size}); the same global batches went on")
-    say(f"train: {result.steps} steps in {result.train_s:.1f} s ({result.samples_per_s:.1f} samples/s),"
-        f" precision {result.precision} ({result.precision_reason}); validation {result.last_eval or '-'}")
+    say(f"train: {result.steps} steps in {result.train_s:.1f} s, precision {result.precision}"
+        f" ({result.precision_reason}); validation {result.last_eval or '-'}")
+    say(f"train: {speed_line(result)}")
     return result

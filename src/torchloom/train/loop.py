@@ -33,6 +33,7 @@ from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train import checkpoint, optim, preemption
+from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
 from torchloom.train.distributed import Dist, all_gather_objects, all_reduce_sum, any_rank
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
@@ -78,6 +79,7 @@ class Trainer:
         t = time.perf_counter()
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off
+        self.clock = StepClock(d.device, flops_shape(self.model))  # the whole model's shape, before it is spread
         self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
         # Before the optimizer is built: FSDP replaces the parameters, a pipeline stage drops the others'.
         self.par = parallelize(self.model, d, self.tc, self.manifest.tokenizer.get("max_length"), self.loss_weights)
@@ -125,7 +127,8 @@ class Trainer:
         steps = self.optimizer_steps()
         while s.step < self.total_steps and not s.stopped_early:
             step_started = time.perf_counter()
-            micro_batches, first_index, epoch_ends = next(steps)
+            with self.clock.phase("data"):
+                micro_batches, first_index, epoch_ends = next(steps)
             loss_sum, rows, grad_norm = self.train_step(micro_batches, first_index)
             self.reporter.step_done(s.step)
             if self.first_step_s is None:
@@ -139,8 +142,11 @@ class Trainer:
             every = tc.checkpoint_every
             if s.last_checkpoint_step != s.step and ((every and s.step % every == 0) or (epoch_ends and not every)):
                 self.save_checkpoint()
-            if s.step < self.total_steps and self.notice_shared():  # the last step ends the run anyway
-                return self.preempted(time.perf_counter() - started)
+            if s.step < self.total_steps:  # the last step ends the run anyway
+                with self.clock.phase("notice"):
+                    noticed = self.notice_shared()
+                if noticed:
+                    return self.preempted(time.perf_counter() - started)
         if s.last_eval_step != s.step:
             self.run_eval()
         if s.last_checkpoint_step != s.step:
@@ -177,25 +183,19 @@ class Trainer:
         step_rows = sum(self.loader.global_batch_rows(first_batch_index + i) for i in range(len(micro_batches)))
         loss_scale = par.dp_size / step_rows
         loss_sum = torch.zeros((), device=d.device)
-        for i, batch in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # Skip the gradient all-reduce on all but the last micro-step: it would be redone anyway.
-            with par.grad_sync(last or not d.enabled):
-                if par.pipeline is not None:
-                    summed = par.pipeline.step(batch, self.micro_batch, loss_scale)
-                else:
-                    summed = self.forward_backward(batch, loss_scale)
-            loss_sum += summed.detach()
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        grad_norm = par.clip_grad_norm_(self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"))
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with self.clock.phase("forward_backward"):
+            for i, batch in enumerate(micro_batches):
+                self.clock.count(batch["attention_mask"])
+                last = i == len(micro_batches) - 1
+                # Skip the gradient all-reduce on all but the last micro-step: it would be redone anyway.
+                with par.grad_sync(last or not d.enabled):
+                    if par.pipeline is not None:
+                        summed = par.pipeline.step(batch, self.micro_batch, loss_scale)
+                    else:
+                        summed = self.forward_backward(batch, loss_scale)
+                loss_sum += summed.detach()
+        with self.clock.phase("optimizer"):
+            grad_norm = self.update()
         self.state.step += 1
         self.state.samples_seen += step_rows
         if self.tc.trace_rows:
@@ -203,6 +203,20 @@ class Trainer:
             with open(self.rd.row_trace(self.d.rank), "a") as f:
                 f.write(json.dumps({"step": self.state.step, "epoch": self.state.epoch, "rows": rows}) + "\n")
         return loss_sum, step_rows, grad_norm
+
+    def update(self) -> torch.Tensor:
+        """Clip, step the optimizer (through the GradScaler under fp16) and the schedule; returns the gradient norm."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        grad_norm = self.par.clip_grad_norm_(self.tc.grad_clip if self.tc.grad_clip > 0 else float("inf"))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm
 
     def forward_backward(self, batch: dict, loss_scale: float) -> torch.Tensor:
         """One micro-batch through the (data-parallel) model; returns its summed loss."""
@@ -222,7 +236,9 @@ class Trainer:
     def log_train(self, window: LogWindow, grad_norm: torch.Tensor) -> None:
         """Collective: the window's mean loss over all ranks (one small all-reduce, at log steps only)."""
         s = self.state
-        loss = all_reduce_sum(self.d, [float(window.loss)])[0] / max(1, window.rows)
+        local_loss = float(window.loss)  # the device has synchronised: the clock's CUDA events are done
+        loss, work = summed(self.d, local_loss, self.clock.take_window())
+        loss /= max(1, window.rows)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {s.step}; lower train.lr or use train.precision fp32")
         elapsed = time.perf_counter() - window.start
@@ -230,11 +246,16 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.log({"kind": "train", "step": s.step, "epoch": self.epoch_float(), "loss": round(loss, 6), "lr": lr,
                   "grad_norm": round(float(grad_norm), 6), "samples_per_s": round(rate, 2),
+                  **self.work_rates(work, elapsed), "time_split": time_split(work, elapsed, self.d.world_size),
                   "time": round(time.time(), 3)})  # wall clock: throughput over any step range, from outside
         eta = (self.total_steps - s.step) * elapsed / max(1, window.steps)
         self.progress(phase="train", step=s.step, epoch=self.epoch_float(), loss=loss, lr=lr,
                       samples_per_s=rate, eta_s=eta)
         window.reset()
+
+    def work_rates(self, work: dict[str, float], seconds: float) -> dict:
+        return rates(work, seconds, max(1, self.d.world_size // self.par.dp_size), self.d.device,
+                     self.precision.precision, self.d.world_size)
 
     def log_startup(self, first_step_s: float) -> None:
         """The start-up account, once: where the time before the first step went on this rank's side."""
@@ -270,8 +291,9 @@ class Trainer:
         if self.manifest.split("val").rows == 0:
             return
         self.progress(phase="eval", step=s.step, epoch=self.epoch_float())
-        m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.eval_precision,
-                     self.par)
+        with self.clock.phase("eval"):
+            m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.eval_precision,
+                         self.par)
         self.last_eval = m
         value = m[self.tc.metric]
         if better(self.tc.metric, value, s.best_metric):
@@ -392,18 +414,23 @@ class Trainer:
         # Backpressure: the previous upload finishes before this checkpoint is written (and pruned against).
         blocked = self.uploader.wait() if self.uploader else 0.0
         started = time.perf_counter()
-        path = checkpoint.save(
-            self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
-            trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded,
-            files=self.files,
-        )
+        with self.clock.phase("checkpoint"):
+            path = checkpoint.save(
+                self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
+                trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep,
+                sharded=self.par.sharded, files=self.files,
+            )
         self.checkpoint_s = time.perf_counter() - started  # what a checkpoint at a preemption would take
         if self.uploader:
             self.uploader.submit(path, blocked)
         return str(path)
 
     def result(self, train_s: float) -> TrainResult:
+        """Collective (the clock's run totals are summed over the ranks): what this launch did."""
         s = self.state
+        self.clock.settle()
+        _, work = summed(self.d, 0.0, self.clock.run)
+        work_rates = self.work_rates(work, train_s)
         return TrainResult(
             steps=s.step, total_steps=self.total_steps, epochs=self.epoch_float(), samples_seen=s.samples_seen,
             train_s=round(train_s, 2), first_step_s=round(self.first_step_s or 0.0, 2),
@@ -416,4 +443,6 @@ class Trainer:
             resumed_world_size=self.resumed_world_size,
             resumed_at_step=self.resumed_step,
             precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
+            tokens_per_s=work_rates["tokens_per_s"], padding=work_rates["padding"], mfu=work_rates.get("mfu"),
+            time_split=time_split(work, train_s, self.d.world_size),
         )

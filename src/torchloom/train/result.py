@@ -36,6 +36,10 @@ class TrainResult:
     # checkpoint_s (notice to checkpoint written; -1: none fitted in the grace period), resumed_from_step,
     # workers (of the attempt that went on; 0: none did)
     preemptions: list = field(default_factory=list)
+    tokens_per_s: float = 0.0  # real tokens (not padding) a second over all ranks (train/clock.py)
+    padding: float = 0.0  # the share of the tokens computed that were padding
+    mfu: float | None = None  # model FLOPs utilisation where the GPU's dense peak is known; None elsewhere
+    time_split: dict = field(default_factory=dict)  # each phase's share of train_s (train/clock.PHASES)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
