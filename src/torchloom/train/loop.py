@@ -34,7 +34,7 @@ from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train import checkpoint, optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
-from torchloom.train.distributed import Dist, all_gather_objects, all_reduce_sum, any_rank
+from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum, any_rank
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import parallelize
 from torchloom.train.reporter import Reporter
@@ -100,6 +100,7 @@ class Trainer:
         self.fit_started = time.perf_counter()
         self.last_eval: dict | None = None
         self.first_step_s: float | None = None
+        self.notice = AgreedLater(d)  # the preemption notice, shared at step boundaries
         self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
         self.resumed_step: int | None = None
         self.checkpoint_s = 0.0  # the last checkpoint's write (0 before the first)
@@ -143,10 +144,11 @@ class Trainer:
             if s.last_checkpoint_step != s.step and ((every and s.step % every == 0) or (epoch_ends and not every)):
                 self.save_checkpoint()
             if s.step < self.total_steps:  # the last step ends the run anyway
-                with self.clock.phase("notice"):
-                    noticed = self.notice_shared()
+                with self.clock.phase("notice"):  # any rank's notice of preemption (train/preemption.py)
+                    noticed = self.notice.exchange(preemption.NOTICE.given)
                 if noticed:
                     return self.preempted(time.perf_counter() - started)
+        self.notice.drain()
         if s.last_eval_step != s.step:
             self.run_eval()
         if s.last_checkpoint_step != s.step:
@@ -326,14 +328,10 @@ class Trainer:
         return all_reduce_sum(self.d, [1.0 if (spent and self.d.is_main) else 0.0])[0] > 0
 
     # -- preemption ----------------------------------------------------------------------------
-    def notice_shared(self) -> bool:
-        """Collective, at every step boundary: whether any rank got a notice of preemption (train/preemption.py).
-        On a CPU group under the collective timeout, so a GPU's stream is not made to wait for it."""
-        return any_rank(self.d, preemption.NOTICE.given)
-
     def preempted(self, train_s: float) -> TrainResult:
         """Every rank is here after the same step: one checkpoint of it, if it fits in what is left of
         train.preemption_grace_s on every rank (else the newest checkpoint stands), uploads drained."""
+        self.notice.drain()
         s, grace = self.state, self.tc.preemption_grace_s
         own = preemption.NOTICE.source if preemption.NOTICE.given else ""
         preemption.NOTICE.give("a peer's notice")  # a rank that learned it from the all-reduce: its grace starts now
