@@ -1,10 +1,16 @@
 """torchloom's training step against a minimal hand-written DDP loop, in one sitting.
 
     .venv/bin/python benchmarks/train_loop.py [--steps 40] [--workers 2] [--batch 16]
+    .venv/bin/python benchmarks/train_loop.py --tiny [--workers 1,2,8] [--steps 300]
 
 Prints one table: steady-state samples/s of the bare loop and of torchloom (bf16 and fp32), with
 ratios, and the loader alone against what training consumes. Uses the embedded MiniLM and BBC News,
 prepared once with `torchloom prepare` into --run-dir.
+
+--tiny: a random 2-layer, 32-wide BERT (model/tiny.py) in fp32 instead, whose step costs almost nothing on a CPU,
+so what remains is the work around the model, as on a GPU (issue 48): ms per step of the bare loop and of
+torchloom at each --workers count, their ratio, and where torchloom's step time went (train_result.json's
+time_split, train/clock.py).
 """
 
 from __future__ import annotations
@@ -40,20 +46,23 @@ def bare(run_dir: Path, model_dir: str, steps: int, batch: int, workers: int, pr
     return json.loads(out.read_text())
 
 
-def torchloom_train(run_dir: Path, steps: int, batch: int, workers: int, precision: str) -> dict:
+def torchloom_train(run_dir: Path, steps: int, batch: int, workers: int, precision: str,
+                    model: str | None = None) -> dict:
     """Timed as the bare loop is: from a timestamp taken here before the launch, and by wall clock from
     the end of step 3 to the last step (metrics.jsonl's train lines carry the wall time)."""
     started = time.time()
     sh(TORCHLOOM + ["train", "--output.dir", str(run_dir), "--train.max_steps", str(steps),
                     "--train.batch_size", str(batch), "--engine.workers", str(workers),
                     "--train.precision", precision, "--train.log_every", "1", "--train.eval_every", "100000",
-                    "--train.warmup_ratio", "0"], stderr=subprocess.DEVNULL)
+                    "--train.warmup_ratio", "0", "--train.budget", "off",
+                    *(["--model.path", model] if model else [])], stderr=subprocess.DEVNULL)
     wall = time.time() - started
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = {x["step"]: x for x in lines if x["kind"] == "train"}
     last = max(train)
+    result = json.loads((run_dir / "train_result.json").read_text())
     return {"samples_per_s": (last - 3) * batch / (train[last]["time"] - train[3]["time"]),
-            "first_step_s": train[1]["time"] - started, "total_s": wall}
+            "first_step_s": train[1]["time"] - started, "total_s": wall, "time_split": result.get("time_split", {})}
 
 
 def loader_alone(run_dir: Path, batch: int, workers: int) -> float:
@@ -70,10 +79,36 @@ def loader_alone(run_dir: Path, batch: int, workers: int) -> float:
     return rows / (time.perf_counter() - started) * workers
 
 
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+
+
+def tiny(run_dir: Path, steps: int, batch: int, workers: list[int], rounds: int) -> None:
+    """The tiny model: ms per step of the bare loop and of torchloom at each worker count (best of `rounds`)."""
+    from torchloom.model.tiny import write_tiny_model
+
+    model = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    print(f"\ntiny BERT (2 layers, 32 wide), fp32, global batch {batch}, {steps} steps, {cpu_model()}, best of"
+          f" {rounds} interleaved rounds")
+    print(f"{'workers':>7} {'bare ms/step':>13} {'torchloom ms/step':>18} {'x bare':>7}  torchloom's time split")
+    for w in workers:
+        bares, ours = [], []
+        for _ in range(rounds):
+            bares.append(bare(run_dir, model, steps, batch, w, "fp32"))
+            ours.append(torchloom_train(run_dir, steps, batch, w, "fp32", model=model))
+        b = max(bares, key=lambda r: r["samples_per_s"])
+        t = max(ours, key=lambda r: r["samples_per_s"])
+        b_ms, t_ms = 1000 * batch / b["samples_per_s"], 1000 * batch / t["samples_per_s"]
+        split = ", ".join(f"{k} {v * 100:.0f}%" for k, v in t["time_split"].items())
+        print(f"{w:>7} {b_ms:13.2f} {t_ms:18.2f} {t_ms / b_ms:7.3f}  {split}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--workers", default="2", help="a number, or a comma list with --tiny")
+    p.add_argument("--tiny", action="store_true", help="the tiny model, fp32: the work around the model")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--run-dir", default=os.path.join(tempfile.gettempdir(), "torchloom-bench", "bbc"))
@@ -83,6 +118,10 @@ def main() -> None:
 
     run_dir = Path(a.run_dir)
     ensure_data(run_dir)
+    if a.tiny:
+        tiny(run_dir, a.steps, a.batch, [int(w) for w in a.workers.split(",")], a.rounds)
+        return
+    a.workers = int(a.workers)
     model = demo_model_path()
     # Interleaved rounds, best of each: on a 2-core machine a stray process skews one run, not all.
     runs: dict[str, list[dict]] = {"base": [], "bf16": [], "fp32": []}
