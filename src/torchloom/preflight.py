@@ -108,12 +108,14 @@ def _for_this_machine(cfg: Config) -> Config:
 
 
 def check_input(cfg: Config) -> None:
-    """A local data.path (val_path, test_path) that matches nothing is one line before Spark or MLflow start:
-    a typo costs no JVM start-up. prepare checks it again (etl/prepare.py); stores are check_stores'."""
+    """A local data.path (val_path, test_path) that matches nothing, or a table without the version or columns
+    asked for, is one line before Spark or MLflow start: a typo costs no JVM start-up. prepare checks it again
+    (etl/prepare.py); stores are check_stores'."""
     from torchloom import embedded
-    from torchloom.etl.read import check_inputs
+    from torchloom.etl.read import check_inputs, pin_tables
 
     check_inputs(cfg.data, embedded.data_path(cfg.data.path))
+    pin_tables(cfg.data, embedded.data_path(cfg.data.path), local_only=True)  # prepare pins them again
 
 
 def check_prepared(cfg: Config) -> None:

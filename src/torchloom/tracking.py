@@ -106,6 +106,9 @@ class NullTracker:
     def log_model(self, model_dir: str | Path) -> None:
         pass
 
+    def log_input(self, inputs: dict, digest: str, rows: int) -> None:
+        pass
+
     def finish(self, status: str = "FINISHED") -> None:
         pass
 
@@ -226,6 +229,22 @@ class Tracker(NullTracker):
             self._guard(p.name, self.client.log_artifacts, self.run_id, str(p), artifact_path)
         elif p.is_file():
             self._guard(p.name, self.client.log_artifact, self.run_id, str(p), artifact_path)
+
+    def log_input(self, inputs: dict, digest: str, rows: int) -> None:
+        """The prepared data's input (a manifest's `inputs`) as the run's input dataset, in the context "training":
+        a Delta or Iceberg table with the version read (source types delta_table, iceberg_table), else its path."""
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        fmt, path = inputs.get("format", ""), str(inputs.get("path", ""))
+        source = {"path": path, "format": fmt,
+                  **{k: inputs[k] for k in ("version", "committed") if k in inputs}}
+        if fmt == "delta":
+            source["delta_table_version"] = inputs.get("version")
+        dataset = Dataset(name=path.rstrip("/").rsplit("/", 1)[-1] or path, digest=digest[:32],
+                          source_type={"delta": "delta_table", "iceberg": "iceberg_table"}.get(fmt, "path"),
+                          source=json.dumps(source), profile=json.dumps({"num_rows": rows}))
+        self._guard("the input dataset", self.client.log_inputs, self.run_id,
+                    [DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])])
 
     def log_model(self, model_dir: str | Path) -> None:
         """The exported model as an MLflow pyfunc model: `mlflow models serve -m runs:/<id>/model`."""

@@ -6,8 +6,10 @@ docs/config.md holds the same lines in its tables; tests/test_cli.py keeps the t
 from __future__ import annotations
 
 MEANINGS: dict[str, str] = {
-    'data.path': 'a file, directory, glob or URI (`file://`, `hdfs://`, `s3a://`); "" = the embedded BBC News corpus',
-    'data.format': "`auto`, `csv`, `jsonl`, `parquet`, `folder` (`root/<label>/*.txt`); auto looks at the extension or the directory's contents",
+    'data.path': 'a file, directory, glob or URI (`file://`, `hdfs://`, `s3a://`); a Delta table (its directory or store prefix, holding `_delta_log/`); an Iceberg table, `iceberg://CATALOG/NAMESPACE.TABLE`; "" = the embedded BBC News corpus',
+    'data.format': "`auto`, `csv`, `jsonl`, `parquet`, `folder` (`root/<label>/*.txt`), `delta`, `iceberg`; auto looks at the extension or the directory's contents (a `_delta_log/` there: delta; an `iceberg://` name: iceberg)",
+    'data.version': 'a table\'s version to read: a Delta version, an Iceberg snapshot id, or an ISO timestamp (`2024-05-01T12:00:00Z`; a date alone is its midnight UTC: the version current then); "" = the version current when prepare starts, pinned for the whole read. Recorded in the manifest (`inputs.version`, `inputs.committed`), the run\'s summary and MLflow; a number is data.path\'s, a timestamp every table input\'s',
+    'data.catalogs': 'Iceberg catalogs by name, for `iceberg://NAME/...`: pyiceberg\'s catalog properties (`{lake = {uri = "sqlite:////data/lake.db", warehouse = "file:///data/lake"}}`; REST: `type = "rest"`, `uri = "https://..."`), over pyiceberg\'s own config (`~/.pyiceberg.yaml`, `PYICEBERG_CATALOG__NAME__URI`); keep credentials there or in the environment, not here',
     'data.text_column': 'the column holding the text (CSV, JSONL, Parquet)',
     'data.label_column': 'the column holding the label',
     'data.encoding': 'the encoding of CSV, JSON lines and folder files: `auto` decides per file (UTF-8, a BOM dropped; UTF-16 with a BOM; else cp1252, or latin-1 where a byte is undefined in cp1252), and counts the rows decoded from other than UTF-8 (manifest `counts.decoded`); a Python codec name (`utf-8`, `cp1252`, `utf-16`, `shift_jis`) reads every file in it, and a file it cannot decode stops prepare with a line naming the file; `strict`: UTF-8 only, rows with other bytes set aside (`invalid_utf8`). Parquet holds typed strings and is read as it is',

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from torchloom.input_formats import FORMATS
+
 
 def choices(*allowed: str) -> dict:
     return {"choices": allowed}
@@ -11,8 +13,14 @@ def choices(*allowed: str) -> dict:
 
 @dataclass
 class DataConfig:
-    path: str = ""  # a file, directory, glob or URI; "" means the embedded BBC News corpus
-    format: str = field(default="auto", metadata=choices("auto", "csv", "jsonl", "parquet", "folder"))
+    path: str = ""  # a file, directory, glob or URI, a Delta table, iceberg://catalog/ns.table; "": embedded BBC News
+    format: str = field(default="auto", metadata=choices("auto", *FORMATS))
+    # a table's version to read: a Delta version, an Iceberg snapshot id, or an ISO timestamp (the version then
+    # current); "": the version current when prepare starts, pinned for the whole read (etl/tables.py)
+    version: str = ""
+    # Iceberg catalogs by name (iceberg://NAME/...): pyiceberg's properties, over its own config
+    # (~/.pyiceberg.yaml, PYICEBERG_CATALOG__NAME__*), e.g. {local = {uri = "sqlite:///c.db", warehouse = "..."}}
+    catalogs: dict = field(default_factory=dict)
     text_column: str = "text"
     label_column: str = "label"
     # the encoding CSV, JSON lines and folder files are read in: "auto" (UTF-8, UTF-16 with a BOM, else

@@ -17,9 +17,10 @@ from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
 from torchloom.etl.lengths import choose_length, model_positions
-from torchloom.etl.read import check_inputs, read_input, reader_of, resolve_format, utf8_files
+from torchloom.etl.read import check_inputs, pin_tables, read_input, reader_of, resolve_format, utf8_files
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, rank_bucket, rank_hash
+from torchloom.etl.tables import record as table_record
 from torchloom.etl.tokenize import read_tokenizer_json
 from torchloom.etl.write_splits import make_tmp, publish, write_rejected, write_splits
 from torchloom.manifest import Manifest, Split
@@ -53,17 +54,14 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     out = Path(out_dir)
     check_output(out, cfg.output.overwrite)
     data_path = embedded.data_path(cfg.data.path)
-    model_dir = embedded.model_path(cfg.model.path)
-    tokenizer_json = read_tokenizer_json(model_dir)
-    positions = model_positions(model_dir)
-    if cfg.prepare.max_length != "auto" and positions and int(cfg.prepare.max_length) > positions:
-        raise UserError(f"config prepare.max_length: {cfg.prepare.max_length} is more than the {positions} positions of"
-                        f" the model in {model_dir}; use at most {positions}, or \"auto\"")
+    model_dir, tokenizer_json = _model(cfg)
     check_inputs(cfg.data, data_path)  # before Spark starts: a typo should cost no JVM start-up
     fmt = resolve_format(cfg.data, data_path)
+    tables = pin_tables(cfg.data, data_path, fmt)  # the versions read, whatever is committed meanwhile
     names = dict(shown_inputs or {})
     shown = names.get(data_path, data_path)
-    say(f"{names.get(data_path) or cfg.data.path or 'embedded BBC News'} ({fmt}) -> {shown_out or out}")
+    what = tables[data_path].describe() if data_path in tables else fmt
+    say(f"{names.get(data_path) or cfg.data.path or 'embedded BBC News'} ({what}) -> {shown_out or out}")
     created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     spark = spark or get_spark(cfg.prepare)
 
@@ -73,7 +71,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             # mapInArrow checks the pandas version on every call and warns about pandas 3 each time;
             # nothing here uses pandas.
             warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
-            job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store, names)
+            job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store, names, tables)
             manifest = _prepare(job, start)
         manifest.write(tmp)
         publish(tmp, out)
@@ -99,6 +97,16 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     return manifest
 
 
+def _model(cfg: Config) -> tuple[str, str]:
+    """The model's directory and its tokenizer.json; prepare.max_length within the model's positions."""
+    model_dir = embedded.model_path(cfg.model.path)
+    positions = model_positions(model_dir)
+    if cfg.prepare.max_length != "auto" and positions and int(cfg.prepare.max_length) > positions:
+        raise UserError(f"config prepare.max_length: {cfg.prepare.max_length} is more than the {positions} positions of"
+                        f" the model in {model_dir}; use at most {positions}, or \"auto\"")
+    return model_dir, read_tokenizer_json(model_dir)
+
+
 @dataclass
 class _Job:
     """One prepare call: its inputs, where it writes, and what it says and times."""
@@ -114,6 +122,7 @@ class _Job:
     say: Progress
     store: str | None = None  # the executors write through this URI (a cluster that does not see `tmp`)
     names: dict[str, str] = field(default_factory=dict)  # local copy -> the input's URI (lines, the manifest)
+    tables: dict = field(default_factory=dict)  # path -> its table (etl/tables.py), pinned at one version
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -189,14 +198,15 @@ def _read_and_count(job: _Job):
         if reader_of(job.spark, job.data_path, p.input_reader) == "pyarrow" else ""
     say(f"reading {job.shown} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
-    raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader), width, job.fmt)
+    raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader,
+                             job.tables.get(job.data_path)), width, job.fmt)
     if job.user_split:
         raw = _with_given(job, raw, width)
     inputs = [(job.data_path, job.fmt)] + [(path, resolve_format(cfg.data, path))
                                            for path in (cfg.data.val_path, cfg.data.test_path) if path]
     utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
     cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars, utf8,
-                                           fffd_is_error=any(f != "parquet" for _, f in inputs),
+                                           fffd_is_error=any(f not in TYPED for _, f in inputs),
                                            encoding=cfg.data.encoding),
                              CLEANED_SCHEMA_GIVEN if job.user_split else CLEANED_SCHEMA)
     if job.user_split:
@@ -354,6 +364,8 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
         labels=labels, splits=splits, tokenizer=info, fingerprint=fingerprint,
         inputs={"path": job.shown, "format": job.fmt, "text_column": cfg.data.text_column,
                 "label_column": cfg.data.label_column,
+                **table_record(job.tables, {"data.path": job.data_path, "data.val_path": cfg.data.val_path,
+                                            "data.test_path": cfg.data.test_path}),
                 **({"split_column": cfg.data.split_column, "val_path": job.name(cfg.data.val_path),
                     "test_path": job.name(cfg.data.test_path)} if job.user_split else {})},
         counts={
@@ -397,8 +409,8 @@ def _with_given(job: _Job, raw, width: int):
         if path:
             fmt = resolve_format(cfg.data, path)
             say(f"reading {job.name(path)} ({fmt}) as the {name} split")
-            parts.append(_spread(read_input(spark, cfg.data, path, fmt, cfg.prepare.input_reader), width, fmt)
-                         .withColumn("given", F.lit(name)))
+            parts.append(_spread(read_input(spark, cfg.data, path, fmt, cfg.prepare.input_reader,
+                                            job.tables.get(path)), width, fmt).withColumn("given", F.lit(name)))
     return reduce(lambda a, b: a.unionByName(b), parts)
 
 
@@ -411,7 +423,8 @@ def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
     return out
 
 
-SPLITTABLE = ("parquet",)  # formats Spark reads in bounded splits (128 MB) whatever the file size
+SPLITTABLE = ("parquet", "delta")  # formats read in bounded splits (128 MB) whatever the file size
+TYPED = ("parquet", "delta", "iceberg")  # typed strings: a U+FFFD in them was written, not a decoding error
 
 
 def _spread(raw, cores: int, fmt: str = ""):

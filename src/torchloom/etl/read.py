@@ -12,10 +12,9 @@ from urllib.parse import urlparse
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
 from torchloom.etl.clean import RAW
-from torchloom.input_formats import SUFFIX_FORMATS
+from torchloom.input_formats import DELTA_LOG, FORMATS, SUFFIX_FORMATS, TABLE_FORMATS, is_iceberg
 from torchloom.java_errors import unreadable_input
 
-FORMATS = ("csv", "jsonl", "parquet", "folder")
 _GLOB_CHARS = set("*?[{")
 
 
@@ -52,10 +51,17 @@ def _dir_format(root: str) -> str | None:
 
 def resolve_format(cfg: DataConfig, path: str) -> str:
     """The input format: cfg.format, or for auto decided by the extension or a directory's contents."""
+    if is_iceberg(path) or cfg.format == "iceberg":
+        if not (is_iceberg(path) and cfg.format in ("auto", "iceberg")):
+            raise UserError(f"data.path {path}: data.format iceberg reads an Iceberg table named"
+                            " iceberg://CATALOG/NAMESPACE.TABLE, and such a name is read as one; set both so")
+        return "iceberg"
     if cfg.format != "auto":
         return cfg.format
     fix = f"set --data.format to one of {', '.join(FORMATS)}"
     local = _is_local(path) and not set(path) & _GLOB_CHARS
+    if local and os.path.isdir(os.path.join(_local(path), DELTA_LOG)):
+        return "delta"  # its Parquet files are of every version; the log says which are live
     if local and os.path.isdir(_local(path)):
         fmt = _dir_format(_local(path))
         if fmt is None:
@@ -80,6 +86,8 @@ def _store_format(path: str) -> str | None:
     seen: Counter[str] = Counter()
     txt_in_subdir = False
     for rel in storage.list_files(path):
+        if rel.startswith(DELTA_LOG + "/"):
+            return "delta"
         if hidden(rel):
             continue
         parts = rel.split("/")
@@ -113,6 +121,23 @@ def check_inputs(data: DataConfig, data_path: str) -> None:
     for key, path in (("data.path", data_path), ("data.val_path", data.val_path), ("data.test_path", data.test_path)):
         if path:
             check_exists(path, key)
+
+
+def is_table(cfg: DataConfig, path: str) -> bool:
+    """A Delta or Iceberg table (data.format, an iceberg:// name, or a _delta_log/ there)."""
+    return is_iceberg(path) or resolve_format(cfg, path) in TABLE_FORMATS
+
+
+def pin_tables(cfg: DataConfig, data_path: str, fmt: str | None = None, local_only: bool = False) -> dict:
+    """{path: etl.tables.Table} of the inputs (data_path: data.path or the embedded corpus's; val_path, test_path)
+    that are tables, each pinned at its version (tables.pin_inputs); local_only: no store listed."""
+    from torchloom.etl import tables
+
+    inputs = {key: (path, fmt if key == "data.path" and fmt else resolve_format(cfg, path))
+              for key, path in (("data.path", data_path), ("data.val_path", cfg.val_path),
+                                ("data.test_path", cfg.test_path))
+              if path and (not local_only or _is_local(path) or is_iceberg(path))}
+    return tables.pin_inputs(cfg, inputs)
 
 
 # Local inputs up to this size are checked for UTF-8 on the driver before Spark reads them (~1 GB/s).
@@ -217,12 +242,16 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path")
     return df.select(*columns)
 
 
-def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto"):
+def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto", table=None):
     """Read `path` as `fmt` into columns text, label, source: with Spark's own readers, or for a URI on an
     object store with etl/store_read.py (reader "pyarrow", or "auto" when Spark has no file system for the
-    URI's scheme: a cluster without that Hadoop connector). A local path is always Spark's."""
+    URI's scheme: a cluster without that Hadoop connector). A local path is always Spark's. A Delta or Iceberg
+    table: `table`, pinned at its version (etl/tables.py), read by the tasks."""
     from py4j.protocol import Py4JJavaError
 
+    if fmt in TABLE_FORMATS:
+        from torchloom.etl import store_read, tables
+        return _select(tables.read(spark, cfg, table), cfg, table.shown, source=store_read.SOURCE)
     check_exists(path)
     if reader_of(spark, path, reader) == "pyarrow":
         return _read_from_store(spark, cfg, path, fmt)
@@ -393,9 +422,12 @@ def _read(spark, cfg: DataConfig, path: str, fmt: str):
 
 
 def check_reachable(uri: str, key: str) -> None:
-    """Before any stage: the data at `uri` is on the store and these credentials may read it (one line otherwise)."""
+    """Before any stage: the data at `uri` is on the store and these credentials may read it (one line otherwise).
+    An Iceberg table's catalog is asked when prepare pins its version."""
     from torchloom import storage
 
+    if is_iceberg(uri):
+        return
     storage.check_readable(uri, key)
 
 

@@ -29,6 +29,7 @@ from functools import partial
 from torchloom import storage
 from torchloom.errors import UserError
 from torchloom.etl.encoding import STRICT, Undecodable, decode, detect, local_path, name, skip, undecodable_line
+from torchloom.input_formats import FORMATS
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
 CODEC = "__torchloom_codec"  # the encoding etl/encoding.py read each row's file in (null: data.encoding strict)
@@ -94,7 +95,7 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
     if fmt == "folder":
         return ids.mapInArrow(partial(folder_task, uris=uris, encoding=encoding),
                               f"text STRING, label STRING, {SOURCE} STRING, {CODEC} STRING")
-    raise UserError(f"data.format {fmt!r}: unknown; use one of auto, csv, jsonl, parquet, folder")
+    raise UserError(f"data.format {fmt!r}: unknown; use one of auto, {', '.join(FORMATS)}")
 
 
 RECORDS = f"record STRING, {SOURCE} STRING, {CODEC} STRING"

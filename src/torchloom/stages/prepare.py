@@ -3,6 +3,7 @@ the `prepare` command, which fits the baseline in the same SparkSession."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import replace
@@ -22,15 +23,16 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     """Data on a store, read by the embedded local Spark: streamed to this host's working copy first (that
     Spark has no Hadoop S3 connector, and none is on PyPI). A Spark cluster reads its own s3a:// or gs://
     paths with the connector it has, or its tasks stream them (etl/store_read.py), as the local Spark does
-    with prepare.input_reader pyarrow (no local copy)."""
+    with prepare.input_reader pyarrow (no local copy). A Delta table on a store is read where it is, by the tasks
+    (etl/tables.py), at one version: a copy would be of every version's files."""
     if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
         return cfg
-    from torchloom.etl.read import stage_input
+    from torchloom.etl.read import is_table, stage_input
 
     paths = {}
     for key in ("path", "val_path", "test_path"):
         value = getattr(cfg.data, key)
-        if is_uri(value):
+        if is_uri(value) and not is_table(cfg.data, value):
             say(f"prepare: reading {redact(value)} from the store")
             paths[key] = stage_input(value, rd.root / "input" / key, f"data.{key}")
     return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
@@ -42,6 +44,7 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     rd = run_dir(cfg)
     files = RunFiles(rd)
     started = time.perf_counter()
+    before = _recorded_inputs(files)
     if files.on_store:
         _stage_remote_data(cfg, files)
     try:
@@ -71,14 +74,40 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     why = f" ({', '.join(f'{k} {v}' for k, v in reasons.items())})" if reasons else ""
     say(f"prepare: {manifest.counts.get('rows_read', '?')} rows read, {rejected} set aside{why},"
         f" {manifest.counts.get('duplicates_removed', 0)} duplicates removed; {splits}")
+    _say_version_change(before, manifest.inputs)
     splits = {k: v.documents or v.rows for k, v in manifest.splits.items()}  # texts, with chunks too
     if tracker is not None:
-        tracker.set_tags({"data_fingerprint": manifest.fingerprint})
+        tracker.set_tags({"data_fingerprint": manifest.fingerprint, "data_format": manifest.inputs.get("format"),
+                          **({"data_version": manifest.inputs["version"]} if "version" in manifest.inputs else {})})
+        tracker.log_input(manifest.inputs, manifest.fingerprint, manifest.counts.get("rows_read", 0))
         tracker.log_metrics({"rows_read": manifest.counts.get("rows_read", 0), "rows_rejected": rejected,
                              "duplicates_removed": manifest.counts.get("duplicates_removed", 0),
                              **{f"rows_{k}": v for k, v in splits.items()}})
         tracker.log_artifact(rd.manifest)
     return {"seconds": round(time.perf_counter() - started, 2), "splits": splits}
+
+
+def _recorded_inputs(files: RunFiles) -> dict:
+    """The inputs of the data the run holds now (its manifest's), {} for none: a table re-read at another
+    version says so."""
+    try:
+        return json.loads(files.read(files.rd.manifest) or b"{}").get("inputs") or {}
+    except (OSError, ValueError, UserError):
+        return {}
+
+
+def _say_version_change(before: dict, after: dict) -> None:
+    """One line when a table input was read at another version than the data it replaced."""
+    if "version" not in after or before.get("version") in (None, after["version"]) \
+            or (before.get("path"), before.get("format")) != (after.get("path"), after.get("format")):
+        return
+    from torchloom.etl.tables import describe
+
+    later = after["version"] > before["version"] if after.get("format") == "delta" \
+        else after.get("committed", "") > before.get("committed", "")
+    newer = "a newer" if later else "another"
+    say(f"prepare: {after['path']} read at {describe(after)}, {newer} version than the"
+        f" {describe(before)} this run's data was prepared from (replaced)")
 
 
 def _stage_remote_data(cfg: Config, files: RunFiles) -> None:

@@ -84,6 +84,8 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         "timings": timings, "model_dir": rd.home(rd.model), "report": rd.home(rd.report_md),
         "precision": result.precision, "precision_reason": result.precision_reason,
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
+        "data": {k: v for k, v in read_manifest(rd.data).inputs.items()
+                 if k in ("path", "format", "version", "committed")},  # a table: the version read
         "training": training_line(cfg, result), "speed": speed_line(result),
         "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "mfu",
                                                         "time_split")},
