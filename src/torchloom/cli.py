@@ -22,6 +22,7 @@ COMMANDS = {
     "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
+    "k8s": "Kubernetes manifests: an Indexed Job of torchrun pods (train), a Deployment (serve) (torchloom k8s --help)",
 }
 
 OVERRIDES_HELP = """\
@@ -41,7 +42,7 @@ COMMAND_KEYS = {
     "export": ["train.select", "model.path", "export", "output.dir"],
     "evaluate": ["eval", "prepare.spark_master", "prepare.spark_conf", "output.dir", "tracking"],
     "tune": ["tune", "data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
-    "config": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking", "tune"],
+    "config": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking", "tune", "k8s"],
 }
 
 
@@ -392,6 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchloom.plan.command import main as plan_main
 
         return plan_main(argv[1:])
+    if argv and argv[0] == "k8s":  # manifests from the config: no torch either
+        from torchloom.k8s.command import main as k8s_main
+
+        return k8s_main(argv[1:])
     p = parser()
     args, rest = p.parse_known_args(argv)
     if args.command is None:

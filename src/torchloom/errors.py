@@ -64,6 +64,7 @@ EXTRAS = {
              " 'prometheus-client>=0.20'",
     "track": "'mlflow-skinny>=3.0' 'pandas>=2.2'",
     "onnx": "'onnxruntime>=1.20' 'onnx>=1.17' 'onnxscript>=0.5'",
+    "k8s": "'kubernetes>=30'",
     "tables": "'deltalake>=1.0' 'pyiceberg[sql-sqlite]>=0.10'",
 }
 

@@ -191,6 +191,24 @@ class TuneConfig:
 
 
 @dataclass
+class K8sConfig:
+    """`torchloom k8s train|serve`: what the manifests ask of the cluster (k8s/). Not read by any stage."""
+    image: str = ""  # the container image with torchloom installed (the same version); required
+    namespace: str = "default"
+    name: str = ""  # the Job's / Deployment's name; "": from output.dir's (or the model's) last part
+    nodes: int = field(default=1, metadata={"min": 1})  # train: pods, one torchrun agent each
+    gpus: int = field(default=0, metadata={"min": 0})  # nvidia.com/gpu per pod; train: one rank per GPU
+    cpu: str = ""  # CPU request per pod ("8", "7500m"); "": none
+    memory: str = ""  # memory request and limit per pod ("64Gi"); "": none
+    node_selector: dict = field(default_factory=dict)  # {"cloud.google.com/gke-accelerator" = "nvidia-h100-80gb"}
+    tolerations: dict = field(default_factory=dict)  # taint key -> "Effect" (any value) or "value:Effect"
+    # the Secret whose keys become the pods' environment (store credentials; serve: TORCHLOOM_API_KEY); "": none
+    # (credentials from the pods' service account). Not named "secret": redaction.py would mask the name.
+    env_from: str = ""
+    replicas: int = field(default=1, metadata={"min": 1})  # serve: pods of the Deployment
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -202,3 +220,4 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)

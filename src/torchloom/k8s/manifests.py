@@ -1,0 +1,148 @@
+"""What every pod of `torchloom k8s` shares: its names, resources, placement, environment and volumes; the
+checks made before anything is written; and the YAML (one document per object, or one file per object)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from torchloom.config.schema import K8sConfig
+from torchloom.errors import UserError
+from torchloom.rundir import is_uri, redact
+
+# RFC 1035 labels: a Service's name must be one, and the Job's pods take `<name>-<index>` as their host name.
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# A Kubernetes quantity as users write them: 8, 0.5, 7500m, 64Gi, 1e3.
+QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][0-9]+)?$")
+EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+GPU = "nvidia.com/gpu"  # what the NVIDIA device plugin hands out
+CACHE_DIR = "/var/cache/torchloom"  # TORCHLOOM_CACHE in the pods: the staged run, the fetched model (emptyDir)
+API_KEY_ENV = "TORCHLOOM_API_KEY"  # serve/settings.py reads it
+
+
+def check_image(k: K8sConfig) -> None:
+    if not k.image.strip():
+        raise UserError("k8s.image: the pods need a container image with torchloom installed (the same version) and"
+                        " torchrun on its PATH; pass --image REPO:TAG")
+
+
+def check_on_store(uri: str, what: str) -> None:
+    """Pods share no disk: what they read and write must be on an object store, named without credentials."""
+    from torchloom import storage
+
+    if not is_uri(uri):
+        raise UserError(f"{what} {uri}: a path on this machine, which the pods do not see (they share no disk); put"
+                        " it on an object store: s3://bucket/prefix, gs://..., abfs://...")
+    if storage.scheme(uri) == storage.LOCAL_STORE:
+        raise UserError(f"{what} {uri}: a directory on this machine used as a store, which the pods do not see;"
+                        " use an object store: s3://bucket/prefix, gs://..., abfs://...")
+    if redact(uri) != uri:
+        raise UserError(f"{what} {redact(uri)}: credentials or a query in the URI would be written into the"
+                        " manifest; give the pods the store's credentials through a Secret (--secret NAME)")
+
+
+def object_name(k: K8sConfig, source: str, kind: str, reserve: int = 0) -> str:
+    """k8s.name checked, or a name made of `source`'s last part (a run's, a model's): an RFC 1035 label of at most
+    63 - `reserve` characters (an Indexed Job's pods append `-<index>`)."""
+    limit = 63 - reserve
+    if k.name:
+        if not DNS_LABEL.match(k.name) or len(k.name) > limit:
+            raise UserError(f"k8s.name {k.name!r}: not a name Kubernetes takes here; use at most {limit} lowercase"
+                            " letters, digits and '-', starting with a letter and ending with a letter or digit")
+        return k.name
+    parts = [p for p in redact(source).split("://", 1)[-1].split("/") if p]
+    last = "-".join(parts[-2:]) if len(parts) > 1 and parts[-1] == "model" else (parts[-1] if parts else "")
+    name = re.sub(r"[^a-z0-9]+", "-", last.lower()).strip("-")
+    if not name or not name[0].isalpha():
+        name = f"{kind}-{name}".strip("-")
+    return name[:limit].rstrip("-")
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "torchloom", "app.kubernetes.io/instance": name,
+            "app.kubernetes.io/component": component}
+
+
+def metadata(name: str, k: K8sConfig, component: str) -> dict:
+    return {"name": name, "namespace": k.namespace, "labels": labels(name, component)}
+
+
+def resources(k: K8sConfig) -> dict:
+    """Requests for CPU and memory (memory also its limit: a pod over it is killed, not its neighbours), and
+    the GPUs as a limit (an extended resource's request is its limit)."""
+    for key in ("cpu", "memory"):
+        value = getattr(k, key)
+        if value and not QUANTITY.match(value):
+            raise UserError(f"k8s.{key} {value!r}: not a Kubernetes quantity; write e.g. 8, 7500m, 64Gi")
+    requests = {key: getattr(k, key) for key in ("cpu", "memory") if getattr(k, key)}
+    limits = {**({"memory": k.memory} if k.memory else {}), **({GPU: k.gpus} if k.gpus else {})}
+    return {**({"requests": requests} if requests else {}), **({"limits": limits} if limits else {})}
+
+
+def tolerations(k: K8sConfig) -> list[dict]:
+    """k8s.tolerations, key -> "Effect" or "value:Effect" ("" effect: every effect), as the pod spec's list."""
+    out = []
+    for key, spec in k.tolerations.items():
+        value, _, effect = str(spec).rpartition(":")
+        if effect and effect not in EFFECTS:
+            raise UserError(f"k8s.tolerations {key}: effect {effect!r} is not one of {', '.join(EFFECTS)};"
+                            " write KEY=Effect or KEY=value:Effect")
+        toleration = {"key": key, "operator": "Equal" if value else "Exists"}
+        out.append({**toleration, **({"value": value} if value else {}), **({"effect": effect} if effect else {})})
+    return out
+
+
+def placement(k: K8sConfig) -> dict:
+    """The pod spec's nodeSelector and tolerations, where the config has any."""
+    selector = {str(key): str(value) for key, value in k.node_selector.items()}
+    toleration_list = tolerations(k)
+    return {**({"nodeSelector": selector} if selector else {}), **({"tolerations": toleration_list}
+                                                                 if toleration_list else {})}
+
+
+def env_from(k: K8sConfig) -> list[dict]:
+    """The Secret's keys as the container's environment: credentials by name, never their values."""
+    return [{"secretRef": {"name": k.env_from}}] if k.env_from else []
+
+
+def base_env() -> list[dict]:
+    return [{"name": "HF_HUB_OFFLINE", "value": "1"},  # models come from the image or the store, never the hub
+            {"name": "TORCHLOOM_CACHE", "value": CACHE_DIR},
+            {"name": "PYTHONUNBUFFERED", "value": "1"}]  # lines reach `kubectl logs` as they are printed
+
+
+def cache_volume() -> tuple[dict, dict]:
+    """The volume and mount of torchloom's cache: a run staged from the store, a model fetched from it."""
+    return {"name": "cache", "emptyDir": {}}, {"name": "cache", "mountPath": CACHE_DIR}
+
+
+# --- YAML ----------------------------------------------------------------------------------------------------
+
+
+def to_yaml(objects: list[dict]) -> str:
+    """The objects as one YAML stream (`kubectl apply -f -` reads it); a multi-line string as a block."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def text(dumper: yaml.SafeDumper, value: str):
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, text)
+    return "".join("---\n" + yaml.dump(o, Dumper=Dumper, sort_keys=False, width=120) for o in objects)
+
+
+def write_files(objects: list[dict], out_dir: str) -> list[Path]:
+    """One file per object, `<name>-<kind>.yaml`, in `out_dir` (`kubectl apply -f DIR` takes them all)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out_dir}: a file, not a directory; name a directory to write the manifests into")
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for o in objects:
+        path = out / f"{o['metadata']['name']}-{o['kind'].lower()}.yaml"
+        path.write_text(to_yaml([o]), encoding="utf-8")
+        paths.append(path)
+    return paths

@@ -1,0 +1,320 @@
+"""`torchloom k8s train|serve` (src/torchloom/k8s/): the manifests validate against the Kubernetes API schemas
+offline (kubernetes-validate, strict) and hold what a run on the cluster needs, field by field; `--apply` creates
+exactly the objects written on a stateful fake API server and refuses, in one line, what would not start; the
+serve manifest's probes are routes the real server answers; the pod's shell turns a SIGTERM into exit 75.
+
+No real cluster here: the scheduler, the device plugin, DNS and the Job controller are not exercised.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support.kube_api import fake_kube
+from support.net import free_port
+
+from torchloom.k8s import job
+from torchloom.k8s.command import main
+
+kv = pytest.importorskip("kubernetes_validate", reason="needs the dev extra: kubernetes-validate")
+
+VERSIONS = ("1.31.0", "1.35.0")  # podFailurePolicy is GA from 1.31; 1.35: a current one
+TRAIN = ["train", "--image", "registry.example/torchloom:0.1", "--nodes", "2", "--gpus-per-node", "8",
+         "--output.dir", "s3://bucket/runs/tickets", "--secret", "store-credentials", "--cpu", "16", "--memory",
+         "128Gi", "--node-selector", "cloud.google.com/gke-accelerator=nvidia-h100-80gb",
+         "--toleration", "nvidia.com/gpu:NoSchedule", "--toleration", "spot=true:NoExecute",
+         "--train.lr", "3e-5", "--train.batch_size", "32", "--engine.max_restarts", "3",
+         "--prepare.spark_master", "local[2]"]
+SERVE = ["serve", "s3://bucket/runs/tickets/model", "--image", "registry.example/torchloom:0.1",
+         "--secret", "serve-secrets", "--replicas", "2", "--cpu", "2", "--memory", "4Gi"]
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def manifests(capsys, *argv: str) -> dict[str, dict]:
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0, err
+    docs = [d for d in yaml.safe_load_all(out) if d]
+    for version in VERSIONS:
+        for d in docs:
+            kv.validate(d, version, strict=True)  # raises with the failing field
+    return {d["kind"]: d for d in docs}
+
+
+def script_of(container: dict) -> str:
+    assert container["command"][:2] == ["sh", "-c"]
+    return container["command"][2]
+
+
+def torchrun_argv(container: dict) -> list[str]:
+    """The torchrun line of the pod's script, split as the shell splits it (the Job's uid put in)."""
+    line = next(x for x in script_of(container).splitlines() if x.startswith("torchrun "))
+    return shlex.split(line.replace(f'"${job.UID_ENV}"', "JOB-UID").rstrip(" &"))
+
+
+def test_train_manifests_validate_and_hold_what_a_torchrun_job_needs(capsys):
+    objs = manifests(capsys, *TRAIN)
+    assert set(objs) == {"Service", "Job"}
+    svc, jb = objs["Service"], objs["Job"]
+    name = jb["metadata"]["name"]
+    assert name == "tickets" and svc["metadata"]["name"] == name
+    assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+    spec = jb["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    pod = spec["template"]["spec"]
+    assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert pod["subdomain"] == name and pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    assert c["image"] == "registry.example/torchloom:0.1"
+    assert c["resources"] == {"requests": {"cpu": "16", "memory": "128Gi"},
+                              "limits": {"memory": "128Gi", "nvidia.com/gpu": 8}}
+    assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                  {"key": "spot", "operator": "Equal", "value": "true", "effect": "NoExecute"}]
+    assert c["envFrom"] == [{"secretRef": {"name": "store-credentials"}}]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["HF_HUB_OFFLINE"]["value"] == "1" and env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"]["value"] == "1"
+    assert not any(n.startswith(("AWS_", "GOOGLE_", "AZURE_")) for n in env)  # credentials only by the Secret's name
+    assert env[job.UID_ENV]["valueFrom"]["fieldRef"]["fieldPath"].endswith("['batch.kubernetes.io/controller-uid']")
+    # a few seconds above the checkpoint's grace, within what torchrun gives its workers
+    assert 25 + 3 < pod["terminationGracePeriodSeconds"] <= 25 + 10
+    assert spec["backoffLimit"] == 3 * 2 and spec["podReplacementPolicy"] == "Failed"
+
+
+def test_the_pods_run_torchruns_own_command_with_the_config_of_torchloom_train(capsys):
+    """The torchrun line is parsed by torch's own torchrun parser, and the worker's flags by torchloom's config."""
+    from torch.distributed.run import get_args_parser
+
+    from torchloom.config import build
+
+    (c,) = manifests(capsys, *TRAIN)["Job"]["spec"]["template"]["spec"]["containers"]
+    argv = torchrun_argv(c)
+    assert argv[0] == "torchrun"
+    a = get_args_parser().parse_args(argv[1:])
+    assert (a.nnodes, a.nproc_per_node, a.rdzv_backend) == ("2", "8", "c10d")
+    assert a.rdzv_endpoint == "tickets-0.tickets:29400" and a.rdzv_id == "JOB-UID" and a.max_restarts == 3
+    assert a.module and a.training_script == "torchloom.engines.torchrun"
+    worker = build(None, a.training_script_args)  # what engines/torchrun.py builds from them
+    assert worker.output.dir == "s3://bucket/runs/tickets" and worker.engine.workers == 16
+    assert worker.train.lr == 3e-5 and worker.train.batch_size == 32 and worker.engine.max_restarts == 3
+    assert not any(f.startswith(("--prepare.", "--k8s.", "--engine.name")) for f in a.training_script_args)
+
+
+def test_a_preempted_pod_is_not_counted_against_backoff(capsys):
+    from torchloom.train import preemption
+
+    jb = manifests(capsys, *TRAIN)["Job"]
+    rules = jb["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} in rules
+    assert {"action": "Ignore", "onExitCodes": {"containerName": "trainer", "operator": "In",
+                                                "values": [preemption.EXIT_PREEMPTED]}} in rules
+    assert job.EXIT_PREEMPTED == preemption.EXIT_PREEMPTED == 75 and job.EXIT_MARGIN_S == preemption.EXIT_MARGIN_S
+
+
+def stub_torchrun(tmp_path: Path, exit_code: int) -> Path:
+    """A `torchrun` that, like torch elastic's, exits 1 on its own SIGTERM, and otherwise `exit_code`."""
+    bin_dir = tmp_path / f"bin{exit_code}"
+    bin_dir.mkdir()
+    stub = bin_dir / "torchrun"
+    stub.write_text(f"#!{sys.executable}\nimport signal, sys, time, pathlib\n"
+                    f"pathlib.Path({str(tmp_path / 'argv')!r}).write_text(' '.join(sys.argv[1:]))\n"
+                    "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(0.2), sys.exit(1)))\n"
+                    f"time.sleep(float(sys.argv[sys.argv.index('--rdzv-id') + 1].split('-')[1]))\n"
+                    f"sys.exit({exit_code})\n")
+    stub.chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("sigterm", [True, False])
+def test_the_pods_shell_exits_75_on_sigterm_and_torchruns_code_otherwise(capsys, tmp_path, sigterm):
+    (c,) = manifests(capsys, *TRAIN)["Job"]["spec"]["template"]["spec"]["containers"]
+    bin_dir = stub_torchrun(tmp_path, exit_code=3)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", job.UID_ENV: "uid-30" if sigterm else "uid-0"}
+    proc = subprocess.Popen(c["command"], env=env)
+    if sigterm:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "argv").exists():  # torchrun started
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == (75 if sigterm else 3)
+    assert "--rdzv-id uid-" in (tmp_path / "argv").read_text()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--output.dir", "runs/local"], "output.dir runs/local: a path on this machine"),
+    (["--output.dir", "file+store:///tmp/x"], "a directory on this machine used as a store"),
+    (["--output.dir", "s3://key:pw@bucket/run"], "credentials or a query in the URI"),
+    (["--engine.name", "ray"], "engine.name ray: `torchloom k8s train` runs torchrun"),
+    (["--train.preemption_grace_s", "28"], "set --train.preemption_grace_s 27 or less"),
+    (["--engine.workers", "4"], "engine.workers 4: 2 pods x 8 GPUs make 16 ranks"),
+    (["--image", ""], "k8s.image: the pods need a container image"),
+    (["--name", "Tickets_1"], "k8s.name 'Tickets_1': not a name Kubernetes takes"),
+    (["--engine.ray_address", "ray://u:secretpw@head:10001"], "engine.ray_address: holds a secret"),
+    (["--toleration", "gpu:Sometimes"], "effect 'Sometimes' is not one of"),
+])
+def test_what_cannot_run_there_is_one_line_before_anything_is_written(capsys, tmp_path, args, says):
+    out = tmp_path / "out"
+    code, stdout, err = run_main(capsys, *TRAIN, *args, "--out", str(out))
+    assert code == 2 and stdout == "" and not out.exists()
+    assert err.count("\n") == 1 and err.startswith("torchloom: error: ") and says in err, err
+    assert "secretpw" not in err
+
+
+def test_serve_manifests_validate_and_hold_probes_secret_and_a_draining_stop(capsys):
+    from torchloom.serve.settings import ServeSettings
+
+    objs = manifests(capsys, *SERVE, "--", "--max-batch-size", "64")
+    assert set(objs) == {"Deployment", "Service"}
+    dep, svc = objs["Deployment"], objs["Service"]
+    assert dep["metadata"]["name"] == svc["metadata"]["name"] == "tickets-model"
+    assert dep["spec"]["replicas"] == 2
+    assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"][:3] == ["torchloom", "serve", "s3://bucket/runs/tickets/model"]
+    assert "--require-api-key" in c["command"] and c["command"][-2:] == ["--max-batch-size", "64"]
+    assert {"name": "TORCHLOOM_API_KEY", "valueFrom": {"secretKeyRef": {"name": "serve-secrets",
+                                                                         "key": "TORCHLOOM_API_KEY"}}} in c["env"]
+    assert c["envFrom"] == [{"secretRef": {"name": "serve-secrets"}}]
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz" and c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    pause = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > pause + ServeSettings.drain_timeout_s
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--secret", ""], "k8s.env_from: the server's API key comes from a Secret"),
+    (["--", "--api-key", "abc12345"], "--api-key: not a flag to pass on"),
+])
+def test_serve_refusals_are_one_line(capsys, args, says):
+    code, stdout, err = run_main(capsys, *SERVE, *args)
+    assert code == 2 and stdout == "" and says in err and err.count("\n") == 1, err
+    code, _, err = run_main(capsys, "serve", "/models/local", "--image", "x", "--secret", "s")
+    assert code == 2 and "MODEL_URI /models/local: a path on this machine" in err
+
+
+def test_apply_creates_exactly_the_objects_written_and_refuses_what_would_not_start(capsys, tmp_path, monkeypatch):
+    with fake_kube(tmp_path) as (fake, kubeconfig):
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        code, _, err = run_main(capsys, *TRAIN, "--apply")
+        assert code == 2 and err.count("\n") == 1 and "namespace default: not on the cluster" in err, err
+        fake.namespaces.add("default")
+        code, _, err = run_main(capsys, *TRAIN, "--apply")
+        assert code == 2 and "secret store-credentials: not in namespace default" in err, err
+        assert fake.created() == []  # nothing created by a refusal
+        fake.add_secret("default", "store-credentials", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+        code, out, err = run_main(capsys, *TRAIN, "--apply", "--out", str(tmp_path / "written"))
+        assert code == 0, err
+        assert out.splitlines() == ["torchloom k8s: created service/tickets in namespace default",
+                                    "torchloom k8s: created job/tickets in namespace default"]
+        written = [yaml.safe_load(p.read_text()) for p in sorted((tmp_path / "written").iterdir())]
+        created = fake.created()
+        assert len(created) == len(written) == 2
+        for obj in created:
+            obj["metadata"] = {k: v for k, v in obj["metadata"].items() if k not in ("uid", "creationTimestamp")}
+        assert sorted(created, key=lambda o: o["kind"]) == sorted(written, key=lambda o: o["kind"])
+        code, _, err = run_main(capsys, *TRAIN, "--apply")
+        assert code == 2 and "service tickets: already in namespace default; delete it" in err, err
+        assert len(fake.created()) == 2
+        fake.add_secret("default", "serve-secrets", {"AWS_ACCESS_KEY_ID": "k"})
+        code, _, err = run_main(capsys, *SERVE, "--apply")
+        assert code == 2 and "secret serve-secrets in namespace default: has no key TORCHLOOM_API_KEY" in err, err
+        fake.add_secret("default", "serve-secrets", {"TORCHLOOM_API_KEY": "a-long-key"})
+        code, out, err = run_main(capsys, *SERVE, "--apply")
+        assert code == 0 and "created deployment/tickets-model" in out, err
+        assert {o["kind"] for o in fake.created()} == {"Service", "Job", "Deployment"}
+
+
+def test_apply_without_the_kubernetes_client_says_what_to_install(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "kubernetes", None)  # `import kubernetes` raises ImportError
+    out = tmp_path / "out"
+    code, stdout, err = run_main(capsys, *TRAIN, "--apply", "--out", str(out))
+    assert code == 2 and err.count("\n") == 1 and "pip install 'kubernetes>=" in err, err
+    assert not out.exists()
+    code, stdout, _ = run_main(capsys, *TRAIN)  # writing YAML needs no client
+    assert code == 0 and "kind: Job" in stdout
+
+
+def test_the_k8s_command_loads_no_torch_and_helps():
+    code = ("import sys; from torchloom.cli import main; rc = main(['k8s', 'train', '--image', 'i',"
+            " '--output.dir', 's3://b/r']); print(sorted(m for m in ('torch', 'transformers', 'ray', 'pyspark')"
+            " if m in sys.modules), file=sys.stderr); sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr.strip() == "[]", proc.stderr
+    helped = subprocess.run([sys.executable, "-m", "torchloom", "k8s", "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert helped.returncode == 0 and "--gpus-per-node" in helped.stdout
+
+
+# --- the serve manifest's command, run for real ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def exported_model(tiny_model_dir, tmp_path_factory) -> str:
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+
+    model = build_classifier(tiny_model_dir, ["sport", "money"]).eval()
+    return export_model(model, tiny_model_dir, ["sport", "money"], str(tmp_path_factory.mktemp("k8s") / "model"),
+                        extra_info={"max_length": 32})
+
+
+def test_the_serve_pods_command_fetches_the_model_and_answers_its_probes(capsys, tmp_path, exported_model):
+    """The container's command as written (the host and port aside: this test listens on 127.0.0.1), with the
+    environment the pod gets (the Secret's keys included), a model on a real S3 server: the startup, liveness and
+    readiness probes' paths answer 200, and SIGTERM ends it with 0 within the pod's grace period."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from support.s3 import s3_server
+
+    from torchloom import storage
+
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
+    with s3_server(tmp_path, "models", creds):
+        storage.push_tree(exported_model, "s3://models/shop/model")
+        objs = manifests(capsys, *SERVE[:1], "s3://models/shop/model", *SERVE[2:])
+        pod = objs["Deployment"]["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        port = free_port()
+        command = [sys.executable, "-m", "torchloom", *c["command"][1:]]
+        command[command.index("--host") + 1], command[command.index("--port") + 1] = "127.0.0.1", str(port)
+        env = {**os.environ, **{e["name"]: e["value"] for e in c["env"] if "value" in e},
+               "TORCHLOOM_API_KEY": "k8s-test-key-0123", "TORCHLOOM_CACHE": str(tmp_path / "cache")}
+        log = open(tmp_path / "server.log", "wb")
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+            probes = {k: c[k]["httpGet"]["path"] for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if client.get(probes["readinessProbe"]).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+                time.sleep(0.2)
+            for kind, path in probes.items():
+                assert client.get(path).status_code == 200, kind
+            assert client.post("/v1/predict", json={"texts": ["x"]}).status_code == 401  # the key is required
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=pod["terminationGracePeriodSeconds"]) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            log.close()
+        assert "stopped on SIGTERM after draining" in (tmp_path / "server.log").read_text()
