@@ -1,0 +1,108 @@
+"""The pods of `torchloom k8s train`, their own commands run for real (issue 47): each pod's container command from
+the generated Job, on a host of its own (a network namespace) with the environment Kubernetes would give it (the
+manifest's env, the Job's uid, JOB_COMPLETION_INDEX, the Secret's keys) and the headless Service's names
+(`<job>-<index>.<job>`) resolving to the hosts; the run on an S3 server on a third host. SIGTERM to one pod's
+first process (as Kubernetes sends it) mid-run: the pod exits 75 after a checkpoint of the step the ranks agreed
+on; the pod started again with the same index (an empty cache, as a new pod's emptyDir) resumes from the store and
+both pods finish.
+
+Not Kubernetes: no scheduler, no Job controller (the test starts the replacement), no cluster DNS (/etc/hosts).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from support.engine_reference import COMMON
+
+from cluster.netns import NETNS_ETC, Cluster, unavailable
+from cluster.test_multihost import clean_env, wait_for
+
+pytestmark = pytest.mark.cluster  # see tests/support/schedule.py
+pytest.importorskip("moto")
+reason = unavailable()
+if reason:
+    pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
+
+BUCKET = "tl-k8s"
+RUN = f"s3://{BUCKET}/runs/pods"
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "pods-key", "AWS_SECRET_ACCESS_KEY": "pods-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+# On the store's host: the bucket, then a prepared run's data/ (manifest.json last, as prepare uploads it).
+UPLOAD = """
+import sys
+from pyarrow import fs
+from torchloom import storage
+fs.S3FileSystem(endpoint_override=sys.argv[1], scheme="http", allow_bucket_creation=True,
+                region="us-east-1").create_dir(sys.argv[2])
+storage.push_tree(sys.argv[3], sys.argv[4], last=("manifest.json",))
+"""
+LIST = """
+import sys
+from torchloom import storage
+print("\\n".join(sorted(storage.list_files(sys.argv[1]))))
+"""
+
+
+def the_job(capsys, model: str) -> dict:
+    from torchloom.k8s.command import main
+
+    assert main(["train", "--image", "unused", "--nodes", "2", "--output.dir", RUN, "--model.path", model,
+                 "--secret", "store", *COMMON, "--train.log_every", "1"]) == 0
+    return next(d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "Job")
+
+
+def pod_env(container: dict, env: dict, index: int, cache: Path) -> dict:
+    """What Kubernetes gives the container: the manifest's values, the Job's uid (the downward API), the index."""
+    values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    return {**env, **values, "TORCHLOOM_CACHE": str(cache), "TORCHLOOM_JOB_UID": "3f2c-job-uid",
+            "JOB_COMPLETION_INDEX": str(index), "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+
+
+def test_the_jobs_pods_resume_from_the_store_after_one_is_preempted(capsys, tmp_path, tiny_model_dir):
+    from torchloom.data.synthetic import write_synthetic_dataset
+
+    job = the_job(capsys, tiny_model_dir)
+    name = job["metadata"]["name"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, rows={"train": 103, "val": 21, "test": 19})
+    with Cluster(["s", "p0", "p1"]) as hosts:
+        s, pods = hosts["s"], [hosts["p0"], hosts["p1"]]
+        for h in hosts.hosts.values():  # the headless Service's names, as the cluster's DNS gives them
+            with open(NETNS_ETC / h.ns / "hosts", "a") as f:
+                f.writelines(f"{p.address} {name}-{i}.{name}\n" for i, p in enumerate(pods))
+        endpoint = f"http://{s.address}:5000"
+        env = clean_env(TMPDIR=str(tmp_path), AWS_ENDPOINT_URL=endpoint, **CREDENTIALS)  # the Secret's keys
+        s.popen([sys.executable, "-m", "moto.server", "-H", s.address, "-p", "5000"], log=tmp_path / "s3.log", env=env)
+        deadline = time.monotonic() + 60
+        while (up := s.run([sys.executable, "-c", UPLOAD, endpoint, BUCKET, str(data), f"{RUN}/data"], env=env,
+                           timeout=60)).returncode:
+            assert time.monotonic() < deadline, up.stderr[-2000:]
+            time.sleep(0.5)
+        caches = [tmp_path / "cache-p0", tmp_path / "cache-p1"]
+        logs = [tmp_path / "p0.log", tmp_path / "p1.log"]
+        slow = {"TORCHLOOM_FAULT": f"host={pods[1].name},step=1,kind=slow,sleep=0.3"}  # time to send the SIGTERM
+        procs = [p.popen(container["command"], log=logs[i], env={**pod_env(container, env, i, caches[i]), **slow})
+                 for i, p in enumerate(pods)]
+        wait_for("the step-5 checkpoint", lambda: any(any(c.rglob("step-5/meta.json")) for c in caches), 240, logs)
+        procs[1].send_signal(15)  # SIGTERM to the pod's first process, as Kubernetes sends it
+        assert procs[1].wait(timeout=60) == 75, logs[1].read_text(errors="replace")[-3000:]
+        first = logs[1].read_text(errors="replace")
+        again = tmp_path / "p1-again.log"  # the pod the Job starts in its place: same index, empty cache
+        procs[1] = pods[1].popen(container["command"], log=again,
+                                 env=pod_env(container, env, 1, tmp_path / "cache-p1-again"))
+        for p in procs:
+            p.wait(timeout=240)
+        text = logs[0].read_text(errors="replace") + again.read_text(errors="replace")
+        assert [p.returncode for p in procs] == [0, 0], text[-4000:]
+        on_store = s.run([sys.executable, "-c", LIST, f"{RUN}/checkpoints"], env=env, timeout=60).stdout.split()
+    said = [x for x in (first + text).splitlines() if "torchloom: train: preempted at step" in x]
+    assert said and "notice: SIGTERM" in said[0], (first + text)[-3000:]
+    stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
+    assert f"step-{stopped_at}/meta.json" in on_store and "step-13/meta.json" in on_store
+    assert "after a preemption: resuming from the latest checkpoint in s3://" in text, text[-3000:]
