@@ -229,8 +229,11 @@ def _delta_plan(table, uri: str) -> tuple[dict[str, Any], _DeltaPlan]:
         rel = unquote(row["path"])
         file_uri = rel if "://" in rel or rel.startswith("/") else f"{uri.rstrip('/')}/{rel}"
         values = {c[len("partition."):]: row[c] for c in parts}
-        keep = keeps.get(_same(file_uri))
+        keep = keeps.pop(_same(file_uri), None)
         files.append((file_uri, int(row["size_bytes"]), values, keep))
+    if keeps:  # a deletion vector of no file read: its rows would come back
+        raise UserError(f"data.path {redact(uri)}: a deletion vector names {redact(next(iter(keeps)))}, which is not"
+                        " among the version's files as read here; this table cannot be read exactly")
     return columns, _DeltaPlan(uri, sorted(files, key=lambda f: f[0]), physical)
 
 
