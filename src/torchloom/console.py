@@ -86,10 +86,6 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
              f"  trained {summary['training']}",
              *([f"  speed   {summary['speed']}"] if summary.get("speed") else []),
              f"  start-up {startup_line(summary['startup'])}"]
-    if summary.get("data", {}).get("path"):
-        from torchloom.etl.tables import describe
-
-        lines.append(f"  data    {summary['data']['path']} ({describe(summary['data'])})")
     cmp, shipped = summary.get("baseline"), summary.get("shipped")
     if shipped:  # three rows: what ships (above), the transformer alone, the baseline
         lines[1] += (f"   (shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"
@@ -100,6 +96,10 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
                      f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")
     if summary.get("verdict"):
         lines.append(f"  note    {summary['verdict']}")
+    if summary.get("data", {}).get("path"):
+        from torchloom.etl.tables import describe
+
+        lines.append(f"  data    {summary['data']['path']} ({describe(summary['data'])})")
     lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.home(rd.plots)}",
               f"  predict torchloom predict --model {summary['model_dir']} \"some text\""]
     if tracker.enabled:
