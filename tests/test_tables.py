@@ -5,6 +5,7 @@ rows at that version; the manifest names it; bad tables, versions, catalogs and 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import time
 from pathlib import Path
@@ -265,9 +266,17 @@ def test_without_the_tables_extra_a_table_says_what_to_install(monkeypatch, delt
         tables.pin(Config().data, "iceberg://lake/docs.news", "iceberg")
 
 
-def test_a_delta_table_on_the_s3_test_server(tmp_path):
-    """delta-rs on the driver and the tasks' reader (run here in-process: Spark's Python workers would need the
-    store's variables from their start) against a real S3 server; the same rows as delta-rs reads."""
+def run_tasks(task, count: int, **kwargs) -> pa.Table:
+    """A table_tasks reader over all its work items, in this process, as a Spark task runs it."""
+    schema = pa.schema([("text", pa.string()), ("label", pa.string()), ("__torchloom_source", pa.string())])
+    ids = [pa.record_batch([pa.array(range(count), pa.int64())], names=["id"])]
+    return pa.Table.from_batches(list(task(ids, schema=schema, **kwargs)), schema)
+
+
+def test_tables_on_the_s3_test_server(tmp_path):
+    """delta-rs and pyiceberg on the driver and the tasks' readers (run here in-process: Spark's Python workers
+    would need the store's variables from their start) against a real S3 server: the rows each library reads;
+    AWS_ENDPOINT_URL is the endpoint for both, as for files."""
     from deltalake import DeltaTable, write_deltalake
     from support.s3 import s3_server
 
@@ -287,10 +296,22 @@ def test_a_delta_table_on_the_s3_test_server(tmp_path):
 
         assert resolve_format(data, uri) == "delta"  # the prefix's _delta_log/ says so
         table = tables.pin(data, "s3a://lake/tables/docs", "delta")
-        schema = pa.schema([("text", pa.string()), ("label", pa.string()), ("__torchloom_source", pa.string())])
         ranges = tables.byte_ranges(table.plan.files, 2)
-        ids = [pa.record_batch([pa.array(range(len(ranges)), pa.int64())], names=["id"])]
-        got = pa.Table.from_batches(list(table_tasks.delta_task(ids, table.plan, ranges, schema,
-                                                                {"text": "text", "label": "label"})), schema)
+        got = run_tasks(table_tasks.delta_task, len(ranges), plan=table.plan, ranges=ranges,
+                        physical={"text": "text", "label": "label"})
         assert table.version == 1 and pairs(got) == expected and len(expected) == 38
         assert all(s.startswith("s3://lake/tables/docs/") for s in got.column("__torchloom_source").to_pylist())
+
+        from pyiceberg.catalog.sql import SqlCatalog
+
+        settings = {"uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": "s3://lake/warehouse"}
+        writer = {"s3.endpoint": os.environ["AWS_ENDPOINT_URL"], "s3.region": "us-east-1"}  # prepare: the variables
+        catalog = SqlCatalog("store", **settings, **writer)
+        catalog.create_namespace("docs")
+        written = catalog.create_table("docs.news", schema=first_rows().schema)
+        written.append(first_rows())
+        written.delete("text == 'bank market price shares profit number 3'")
+        data.catalogs = {"store": settings}
+        table = tables.pin(data, "iceberg://store/docs.news", "iceberg")
+        got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
+        assert pairs(got) == pairs(written.scan(selected_fields=("text", "label")).to_arrow()) and len(got) == 59

@@ -273,6 +273,12 @@ def _iceberg(data: DataConfig, path: str, spec, key: str) -> Table:
 
     name, ident = iceberg_name(path)
     settings = {k: str(v) for k, v in (data.catalogs.get(name) or {}).items()}
+    # S3 as for every other input: an S3-compatible store's endpoint and the region from the standard variables
+    for key, variables in (("s3.endpoint", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
+                           ("s3.region", ("AWS_REGION", "AWS_DEFAULT_REGION"))):
+        value = next((os.environ[v] for v in variables if os.environ.get(v)), None)
+        if value and key not in settings:
+            settings[key] = value
     try:
         catalog = load_catalog(name, **settings)
         table = catalog.load_table(ident)
