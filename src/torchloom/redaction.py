@@ -2,7 +2,8 @@
 
 Everything torchloom writes where others read it goes through here: config.toml and best_config.toml, the
 MLflow params, summary.json, hooks.json, the tracking and error lines. Two rules:
-  - a URI's userinfo (`scheme://user:password@host`) becomes `scheme://***@host`, wherever it appears;
+  - a URI's userinfo (`scheme://user:password@host`) becomes `scheme://***@host`, wherever it appears (an
+    Azure URI's `abfs://container@account...` names a container, and stays);
   - the value of a key whose name says secret, password, token, credential, access key, api key, account
     key, private key or signature becomes `***` (a config key such as `spark.hadoop.fs.s3a.secret.key`, a
     `key=value` in a line of text, a presigned URL's signature).
@@ -24,7 +25,9 @@ _SECRET_WORDS = {"secret", "secrets", "password", "passwd", "pwd", "passphrase",
                  "accountkey", "authorization", "auth"}
 _KEY_QUALIFIERS = {"access", "api", "private", "account", "secret", "master", "encryption", "client"}
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
-_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]+@")
+_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/@\s'\"]+)@")
+# abfs://container@account.dfs.core.windows.net/path: the part before `@` is an Azure container's name, no secret
+_CONTAINER = re.compile(r"(?i:abfss?|wasbs?)://[a-z0-9-]{3,63}@")
 # key=value or "key": "value" in free text (a query string, a Spark conf line, a JSON body). A bare
 # `key: text` is not one: it is how torchloom's own error lines start (`--api-key: use at least 8 ...`).
 _PAIR = re.compile(r"(?P<key>[A-Za-z][\w.\-]*)(?P<sep>\s*=\s*|[\"']\s*:\s*)"
@@ -50,7 +53,11 @@ def _mask_pair(m: re.Match) -> str:
 
 def redact_text(text: Any) -> str:
     """A line fit for a log or an error: no URI userinfo, no value of a secret-named key."""
-    return _PAIR.sub(_mask_pair, _USERINFO.sub(rf"\1{MASK}@", str(text)))
+    return _PAIR.sub(_mask_pair, _USERINFO.sub(_mask_userinfo, str(text)))
+
+
+def _mask_userinfo(m: re.Match) -> str:
+    return m.group(0) if _CONTAINER.fullmatch(m.group(0)) else f"{m.group(1)}{MASK}@"
 
 
 def redact_value(key: str, value: Any) -> Any:

@@ -121,8 +121,19 @@ def is_uri(path: str | os.PathLike | None) -> bool:
 
 
 def redact(uri: str) -> str:
-    """A URI fit for a log line: no user:password@ part, no query string (presigned URLs carry keys)."""
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/@]*@", r"\1", str(uri)).split("?", 1)[0]
+    """A URI fit for a log line: no user:password@ part, no query string (presigned URLs carry keys). An Azure
+    URI's `container@` (abfs://container@account.dfs.core.windows.net/path) is no secret and stays."""
+    return _USERINFO.sub(lambda m: m.group(0) if is_container(m.group(1), m.group(2)) else m.group(1),
+                         str(uri)).split("?", 1)[0]
+
+
+_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/@]*)@")
+CONTAINER_SCHEMES = ("abfs://", "abfss://", "wasb://", "wasbs://")
+
+
+def is_container(scheme: str, userinfo: str) -> bool:
+    """The part before `@` of an Azure URI names its container (a name of letters, digits and dashes)."""
+    return scheme.lower() in CONTAINER_SCHEMES and re.fullmatch(r"[a-z0-9-]{3,63}", userinfo) is not None
 
 
 def cache_root() -> Path:

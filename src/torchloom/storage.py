@@ -4,10 +4,11 @@ What lives on a store and when it moves is RunFiles' (runfiles.py) for a run's f
 below it, and the one the input readers (etl/store_read.py) and the model fetch (model_cache.py: predict, serve) use
 for URIs a user gave.
 
-The client is pyarrow.fs, in every pyarrow wheel: no Hadoop jars, no extra package. Its S3 client takes
-credentials from the standard places (AWS_ACCESS_KEY_ID/SECRET/SESSION_TOKEN, a profile, an instance
-role) and AWS_ENDPOINT_URL for S3-compatible stores (MinIO, Ceph, moto); nothing of them is written
-anywhere by torchloom. `s3a://` (Spark's name) is read as `s3://`.
+The client is pyarrow.fs, in every pyarrow wheel: no Hadoop jars, no extra package. Its S3, GCS and Azure clients
+take credentials and endpoints from the places each cloud's own tools read (store_clients.py: AWS_* and
+AWS_ENDPOINT_URL; Application Default Credentials and STORAGE_EMULATOR_HOST; AZURE_STORAGE_CONNECTION_STRING or
+AZURE_STORAGE_ACCOUNT/KEY/SAS_TOKEN or DefaultAzureCredential); nothing of them is written anywhere by torchloom.
+`s3a://` (Spark's name) is read as `s3://`, `gcs://` as `gs://`, `abfss://` and `az://` as `abfs://`.
 
 A store that does not answer for a moment (a reset connection, a timeout, HTTP 5xx, SlowDown) is asked again
 with backoff for a bounded window (retry_window), with one warning line per operation; an error that a retry
@@ -31,7 +32,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from torchloom import store_clients
 from torchloom.errors import UserError
+from torchloom.redaction import redact_text
 from torchloom.rundir import URI, redact
 
 LOCAL_STORE = "file+store"
@@ -64,23 +67,16 @@ def join(uri: str, *parts: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _filesystem(canonical_root: str):
+def _filesystem(canonical_root: str, account: str | None = None, suffix: str | None = None):
+    """The client of one store (store_clients.py: configured from the places each cloud's own tools read)."""
     from pyarrow import fs as pafs
 
-    if canonical_root == f"{LOCAL_STORE}://":
+    kind = canonical_root.split("://", 1)[0]
+    if kind == LOCAL_STORE:
         return pafs.LocalFileSystem()
-    if canonical_root.startswith("s3://"):
-        # An endpoint of an S3-compatible store: AWS_ENDPOINT_URL (the AWS SDKs' own variable, which
-        # pyarrow's client also reads); a plain http:// endpoint needs the scheme said explicitly.
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-        options = {}
-        if endpoint:
-            options["endpoint_override"] = endpoint
-            options["scheme"] = "http" if endpoint.startswith("http://") else "https"
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-        if region:
-            options["region"] = region
-        return pafs.S3FileSystem(**options)
+    if kind in ("s3", "gs", "abfs"):
+        return {"s3": store_clients.s3, "gs": store_clients.gcs,
+                "abfs": lambda: store_clients.azure(account, suffix)}[kind]()
     return pafs.FileSystem.from_uri(canonical_root)[0]
 
 
@@ -93,15 +89,23 @@ def resolve(uri: str):
             raise UserError(f"{redact(uri)}: a {LOCAL_STORE}:// URI names an absolute directory; use"
                             f" {LOCAL_STORE}:///abs/path")
         return _filesystem(f"{LOCAL_STORE}://"), rest.rstrip("/") or "/"
+    if kind == "abfs":
+        where = store_clients.azure_path(redact(uri), rest)
+        return _client(uri, kind, f"abfs://{where.account or ''}", where.account, where.suffix), where.path
     bucket = rest.split("/", 1)[0]
     if not bucket:
         raise UserError(f"{redact(uri)}: no bucket in the URI; use {kind}://BUCKET/prefix")
+    return _client(uri, kind, f"{kind}://{bucket}"), rest.rstrip("/")
+
+
+def _client(uri: str, kind: str, *key):
     try:
-        fs = _filesystem(f"{kind}://{bucket}")
+        return _filesystem(*key)
+    except UserError as e:  # the environment names no account, or a connection string pyarrow cannot use
+        raise UserError(f"{redact(uri)}: {e}") from None
     except Exception as e:  # e.g. no libhdfs for hdfs://, no Azure support in this pyarrow build
-        raise UserError(f"{redact(uri)}: cannot open a {kind}:// client here ({_reason(e)});"
+        raise UserError(f"{redact(uri)}: cannot open a {kind}:// client here ({_reason(e, uri)});"
                         " install what pyarrow needs for it, or use a local path") from None
-    return fs, rest.rstrip("/")
 
 
 @contextlib.contextmanager
@@ -112,7 +116,11 @@ def _output(fs, path: str):
     from pyarrow import fs as pafs
 
     if not isinstance(fs, pafs.LocalFileSystem):
-        with fs.open_output_stream(path, compression=None) as stream:
+        try:
+            stream = fs.open_output_stream(path, compression=None)
+        except FileNotFoundError as e:  # a store's 404 on a write (GCS's): the bucket is not there
+            raise NoBucket(str(e)) from None
+        with stream:
             yield stream
         return
     parent, _, name = path.rpartition("/")
@@ -127,19 +135,40 @@ def _output(fs, path: str):
             fs.delete_file(tmp)
 
 
-def _reason(e: BaseException) -> str:
+class NoBucket(OSError):
+    """A write that found no bucket (an S3 or Azure store says so in its error; GCS answers 404)."""
+
+
+def _reason(e: BaseException, uri: str = "") -> str:
+    """What went wrong, in words, with no key in them (an error's URL may carry a SAS token's sig=...)."""
+    if isinstance(e, NoBucket):
+        return "the bucket does not exist"
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    unanswered = f"the store does not answer: check {_endpoint(uri)} and the network"
     for code, say in (("NO_SUCH_BUCKET", "the bucket does not exist"),
                       ("ACCESS_DENIED", "access denied: the credentials may not use this bucket or prefix"),
                       ("INVALID_ACCESS_KEY_ID", "the access key is not known to the store"),
                       ("SIGNATURE_DOES_NOT_MATCH", "the secret key does not match the access key"),
-                      ("NETWORK_CONNECTION", "the store does not answer: check AWS_ENDPOINT_URL and the network"),
-                      ("Unable to connect to endpoint", "the store does not answer: check AWS_ENDPOINT_URL and the"
-                                                        " network"),
-                      ("No response body", "the store does not answer: check AWS_ENDPOINT_URL and the network")):
+                      *store_clients.REASONS,
+                      ("NETWORK_CONNECTION", unanswered), ("Unable to connect to endpoint", unanswered),
+                      ("No response body", unanswered), *((u, unanswered) for u in store_clients.UNANSWERED)):
         if code in text:
             return say
-    return text[:200]
+    return redact_text(text)[:200]
+
+
+def _kind(uri: str) -> str:
+    m = URI.match(uri)
+    return SCHEMES.get(m.group(1).lower(), "") if m else ""
+
+
+def _endpoint(uri: str) -> str:
+    return store_clients.ENDPOINTS.get(_kind(uri), "the endpoint")
+
+
+def _check(uri: str) -> str:
+    """What a user checks when the store refuses: the credentials and endpoint of this URI's kind of store."""
+    return store_clients.CREDENTIALS.get(_kind(uri), "the credentials")
 
 
 class StoreUnavailable(UserError):
@@ -152,11 +181,10 @@ class StoreUnavailable(UserError):
 
 def _store_error(uri: str, action: str, e: BaseException, retried_s: float = 0.0) -> UserError:
     if not is_transient(e):
-        return UserError(f"{redact(uri)}: cannot {action} ({_reason(e)}); check the URI, the credentials"
-                         " (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL")
+        return UserError(f"{redact(uri)}: cannot {action} ({_reason(e, uri)}); check the URI, {_check(uri)}")
     waited = f", for {retried_s:g} s" if retried_s else ""
-    return StoreUnavailable(f"{redact(uri)}: cannot {action} ({_reason(e)}{waited}); check the URI, the credentials"
-                            f" and AWS_ENDPOINT_URL, or give the store longer with {RETRY_ENV}")
+    return StoreUnavailable(f"{redact(uri)}: cannot {action} ({_reason(e, uri)}{waited}); check the URI, the"
+                            f" credentials and {_endpoint(uri)}, or give the store longer with {RETRY_ENV}")
 
 
 # -- transient errors: asked again, for a bounded window ------------------------------------------------
@@ -178,8 +206,10 @@ _window = threading.local()  # a thread's override of the window (retrying_for)
 def is_transient(e: BaseException) -> bool:
     """An error the same request may not meet again in a moment: the store did not answer, or said so (5xx)."""
     text = str(e)
-    return isinstance(e, (ConnectionError, TimeoutError)) or any(t in text for t in _TRANSIENT) or bool(
-        _HTTP_5XX.search(text))
+    if any(t in text for t in store_clients.NOT_TRANSIENT):
+        return False
+    return isinstance(e, (ConnectionError, TimeoutError)) or any(
+        t in text for t in (*_TRANSIENT, *store_clients.UNANSWERED)) or bool(_HTTP_5XX.search(text))
 
 
 def retry_window() -> float:
@@ -234,7 +264,7 @@ def _attempts(uri: str, action: str, op: Callable, window: float | None = None,
                 raise fail(e, round(now - started, 1)) from None
             if delay is None:
                 delay = BACKOFF_S[0]
-                print(f"torchloom: warning: {redact(uri)}: could not {action} ({_reason(e)}); retrying for up to"
+                print(f"torchloom: warning: {redact(uri)}: could not {action} ({_reason(e, uri)}); retrying for up to"
                       f" {window:g} s", file=sys.stderr, flush=True)
             time.sleep(min(delay, started + window - now))
             delay = min(delay * 2, BACKOFF_S[1])
@@ -252,8 +282,8 @@ def check_writable(uri: str, key: str) -> None:
         fs.delete_file(probe)
 
     def fail(e: BaseException, waited: float) -> UserError:
-        return UserError(f"{key} {redact(uri)}: the store refused a test write ({_reason(e)}); check the bucket,"
-                         " the credentials (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL")
+        return UserError(f"{key} {redact(uri)}: the store refused a test write ({_reason(e, uri)}); check the bucket,"
+                         f" {_check(uri)}")
 
     _attempts(uri, "write a test object", write_and_delete, window=CHECK_RETRY_S, fail=fail)
 
@@ -266,8 +296,7 @@ def check_readable(uri: str, key: str) -> None:
     fs, path = resolve(uri)
 
     def fail(e: BaseException, waited: float) -> UserError:
-        return UserError(f"{key} {redact(uri)}: cannot read it ({_reason(e)}); check the URI, the credentials"
-                         " and AWS_ENDPOINT_URL")
+        return UserError(f"{key} {redact(uri)}: cannot read it ({_reason(e, uri)}); check the URI, {_check(uri)}")
 
     info = _attempts(uri, "look it up", lambda: fs.get_file_info(path), window=CHECK_RETRY_S, fail=fail)
     from pyarrow import fs as pafs
@@ -347,6 +376,10 @@ def delete_tree(uri: str) -> None:
     """Every object under the prefix (nothing there is fine)."""
     fs, path = resolve(uri)
     _attempts(uri, "delete it", lambda: fs.delete_dir_contents(path, missing_dir_ok=True))
+    from pyarrow import fs as pafs
+
+    if "/" not in path.strip("/") and not isinstance(fs, pafs.LocalFileSystem):
+        return  # the bucket (container) itself, which pyarrow's delete_dir would delete
     try:
         fs.delete_dir(path)  # a directory marker some stores keep
     except OSError:
