@@ -139,7 +139,8 @@ class ExportConfig:
 @dataclass
 class EngineConfig:
     name: str = field(default="local", metadata=choices("local", "spark", "ray"))
-    # auto: one per visible GPU on a GPU machine (local engine, or Ray on its own instance); else 2 (see docs/benchmarks.md, "Workers")
+    # auto: one per visible GPU on a GPU machine (local engine, or Ray on its own instance); else 2
+    # (see docs/benchmarks.md, "Workers")
     workers: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})
     device: str = field(default="auto", metadata=choices("auto", "cpu", "cuda"))
     threads_per_worker: int = field(default=0, metadata={"min": 0})  # 0: cores / workers on a machine
