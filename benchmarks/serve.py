@@ -66,10 +66,11 @@ def load_texts(n: int = 512) -> list[str]:
 
 
 def export_benchmark_model(out_dir: Path, runtime: str = "torch", texts: list[str] | None = None,
-                           source: str | None = None) -> str:
-    """The benchmark model (a copy of `source`, an exported model, or MiniLM with a fresh head); for onnx /
-    onnx-int8 also its gated ONNX file. The gate's rows are the benchmark texts labelled with PyTorch's own
-    answers: the int8 gate then asks for 99 % agreement, which a random head's near-ties cannot give."""
+                           source: str | None = None, base: str | None = None) -> str:
+    """The benchmark model (a copy of `source`, an exported model, or `base` with a fresh head: MiniLM unless
+    told); for onnx / onnx-int8 also its gated ONNX file. The gate's rows are the benchmark texts labelled with
+    PyTorch's own answers: the int8 gate then asks for 99 % agreement, which a random head's near-ties cannot
+    give."""
     import numpy as np
     import torch
 
@@ -81,9 +82,10 @@ def export_benchmark_model(out_dir: Path, runtime: str = "torch", texts: list[st
         shutil.copytree(source, out_dir)
         out = str(out_dir)
     else:
+        base = base or demo_model_path()
         torch.manual_seed(0)
-        model = build_classifier(demo_model_path(), LABELS)
-        out = export_model(model, demo_model_path(), LABELS, str(out_dir), extra_info={"max_length": 128})
+        model = build_classifier(base, LABELS)
+        out = export_model(model, base, LABELS, str(out_dir), extra_info={"max_length": 128})
     if runtime != "torch":
         from torchloom.model.onnx import GateRows, export_onnx
         from torchloom.model.predict import Predictor
@@ -349,8 +351,9 @@ def targets(rows: list[dict], offline_rates: dict[str, dict[int, float]]) -> str
     return "\n".join(out)
 
 
-def write_doc(body: str, title: str = "Serving") -> Path:
-    path = ROOT / "docs" / "benchmarks.md"
+def write_doc(body: str, title: str = "Serving", path: Path | None = None) -> Path:
+    """`body` as the section `## {title}` of docs/benchmarks.md (or `path`): replaced where it is, else appended."""
+    path = path or ROOT / "docs" / "benchmarks.md"
     old = path.read_text(encoding="utf-8") if path.is_file() else "# Benchmarks\n"
     section = f"## {title}\n\n{body.strip()}\n"
     match = re.search(rf"^## {re.escape(title)}\n.*?(?=^## |\Z)", old, flags=re.M | re.S)

@@ -9,8 +9,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "spec
 
 
 def write_tiny_model(out_dir: str | Path, tokenizer_from: str | None = None, hidden: int = 32,
-                     layers: int = 2, heads: int = 2, seed: int = 0, dropout: float = 0.1) -> str:
-    """Write a tiny BERT (random weights) plus tokenizer files to `out_dir`; returns the path."""
+                     layers: int = 2, heads: int = 2, seed: int = 0, dropout: float = 0.1,
+                     intermediate: int = 0) -> str:
+    """Write a tiny BERT (random weights) plus tokenizer files to `out_dir`; returns the path.
+
+    intermediate: the feed-forward width (0: twice `hidden`; BERT's own is four times). Any size can be written:
+    benchmarks/gpu.py writes a BERT-base-sized one (12 layers, 768 hidden, 12 heads, 3072)."""
     import torch
     from transformers import BertConfig, BertModel
 
@@ -22,7 +26,7 @@ def write_tiny_model(out_dir: str | Path, tokenizer_from: str | None = None, hid
     vocab_size = sum(1 for _ in open(src / "vocab.txt", encoding="utf-8"))
     config = BertConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        intermediate_size=hidden * 2, max_position_embeddings=512,
+        intermediate_size=intermediate or hidden * 2, max_position_embeddings=512,
         hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )
     torch.manual_seed(seed)
