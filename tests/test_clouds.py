@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from support.clouds import AZURITE_ACCOUNT, AZURITE_KEY, azurite_server, gcs_server
 
-from torchloom import storage, store_clients
+from torchloom import storage, store_clients, store_errors
 from torchloom.errors import UserError
 from torchloom.redaction import redact_text
 from torchloom.rundir import redact
@@ -125,7 +125,7 @@ def test_azure_clients_take_the_standard_variables(monkeypatch):
         options(None, None)
     assert "k==" not in str(e.value)
     # a SAS token in an error's URL never reaches a line
-    said = storage._reason(OSError("GetProperties for 'https://acct.blob.core.windows.net/c/x?sv=2024&sig=SECRET%3D'"
+    said = store_errors.reason(OSError("GetProperties for 'https://acct.blob.core.windows.net/c/x?sv=2024&sig=SECRET%3D'"
                                    " failed"), "abfs://c/x")
     assert "SECRET" not in said and "sig=***" in said
     # a port that is not a number: one line here (the Azure SDK would abort the process with it)

@@ -20,7 +20,7 @@ from support.s3 import s3_server
 
 pytest.importorskip("moto")
 
-from torchloom import storage  # noqa: E402
+from torchloom import storage, store_errors  # noqa: E402
 from torchloom.data.synthetic import write_synthetic_dataset  # noqa: E402
 
 pytestmark = pytest.mark.heavy(10)  # see tests/support/schedule.py
@@ -116,7 +116,7 @@ def start_train(run: str, data: Path, model: str, cache: Path, *extra: str, retr
     in seconds (the window's own rules: test_transient_store_errors_are_retried_within_a_window_...)."""
     storage.push_tree(data, storage.join(run, "data"), last=("manifest.json",))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache), "PYTHONUNBUFFERED": "1",
-           storage.RETRY_ENV: str(retry_s)}
+           store_errors.RETRY_ENV: str(retry_s)}
     return subprocess.Popen([sys.executable, "-m", "torchloom", "train", "--output.dir", run, "--model.path", model,
                              "--train.precision", "fp32", "--train.batch_size", "8", "--engine.workers", "2",
                              "--engine.threads_per_worker", "1", "--train.epochs", "1", "--train.checkpoint_every",
@@ -168,8 +168,8 @@ def test_transient_store_errors_are_retried_within_a_window_and_a_permanent_one_
     from torchloom.errors import UserError
     from torchloom.rundir import RunDir
 
-    monkeypatch.setattr(storage, "BACKOFF_S", (0.01, 0.02))
-    monkeypatch.setenv(storage.RETRY_ENV, "5")
+    monkeypatch.setattr(store_errors, "BACKOFF_S", (0.01, 0.02))
+    monkeypatch.setenv(store_errors.RETRY_ENV, "5")
     calls: list[str] = []
 
     def fails_with(*messages: str):
@@ -183,24 +183,24 @@ def test_transient_store_errors_are_retried_within_a_window_and_a_permanent_one_
 
     slow = "AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate."
     http_503 = "AWS Error UNKNOWN (HTTP status 503) during GetObject operation: Service Unavailable"
-    assert storage._attempts("s3://b/k", "write it", fails_with(slow, http_503)) == "done" and len(calls) == 3
+    assert store_errors.attempts("s3://b/k", "write it", fails_with(slow, http_503)) == "done" and len(calls) == 3
     assert capsys.readouterr().err.count("s3://b/k: could not write it") == 1  # one warning per operation
     denied = "AWS Error ACCESS_DENIED during PutObject operation: Access Denied"
     with pytest.raises(UserError, match=r"s3://b/k: cannot write it \(access denied") as raised:
-        storage._attempts("s3://b/k", "write it", fails_with(denied))
-    assert len(calls) == 1 and not isinstance(raised.value, storage.StoreUnavailable)
-    monkeypatch.setenv(storage.RETRY_ENV, "0.2")
+        store_errors.attempts("s3://b/k", "write it", fails_with(denied))
+    assert len(calls) == 1 and not isinstance(raised.value, store_errors.StoreUnavailable)
+    monkeypatch.setenv(store_errors.RETRY_ENV, "0.2")
     down = "AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Could not connect to server"
     started = time.monotonic()
-    with pytest.raises(storage.StoreUnavailable, match=r"does not answer.*, for 0.2 s\).*TORCHLOOM_STORE_RETRY_S"):
-        storage._attempts("s3://b/k", "look it up", fails_with(*[down] * 1000))
+    with pytest.raises(store_errors.StoreUnavailable, match=r"does not answer.*, for 0.2 s\).*TORCHLOOM_STORE_RETRY_S"):
+        store_errors.attempts("s3://b/k", "look it up", fails_with(*[down] * 1000))
     assert 0.2 <= time.monotonic() - started < 1.0 and 5 < len(calls) < 30
-    monkeypatch.setenv(storage.RETRY_ENV, "soon")
+    monkeypatch.setenv(store_errors.RETRY_ENV, "soon")
     with pytest.raises(UserError, match=r"TORCHLOOM_STORE_RETRY_S='soon': not a number of seconds"):
-        storage.retry_window()
+        store_errors.retry_window()
     # in a worker, a store that outlasted the window is restartable like a lost process; a user error is not
     rd = RunDir(tmp_path / "run")
-    record_error(rd, 0, storage.StoreUnavailable("s3://b/k: cannot write it"), "L1")
+    record_error(rd, 0, store_errors.StoreUnavailable("s3://b/k: cannot write it"), "L1")
     assert failure_cause(rd, "L1") is None
     record_error(rd, 1, UserError("data.path x: no such file"), "L1")
     assert failure_cause(rd, "L1")["rank"] == 1

@@ -48,6 +48,7 @@ from torchloom.runrecord import (
     replace_local,
     write_record,
 )
+from torchloom.store_errors import retrying_for
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")
@@ -80,7 +81,7 @@ class RunFiles:
     def _guard(self, action: str, paths, quiet: bool, wait: bool) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if not wait:
-                stack.enter_context(storage.retrying_for(0))
+                stack.enter_context(retrying_for(0))
             try:
                 yield
             except Exception as e:

@@ -25,25 +25,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
-import sys
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from torchloom import store_clients
 from torchloom.errors import UserError
-from torchloom.redaction import redact_text
 from torchloom.rundir import URI, redact
+from torchloom.store_clients import LOCAL_STORE, SCHEMES
+from torchloom.store_errors import CHECK_RETRY_S, NoBucket, attempts, reason, what_to_check
 
-LOCAL_STORE = "file+store"
-
-# The schemes pyarrow.fs opens (hdfs:// and viewfs:// where libhdfs is installed).
-# file+store:///path is a local directory used as a store (pyarrow's local file system): for a file system every
-# host mounts where each host should still work in a staging copy, and for the tests of the staging path.
-SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
-           "hdfs": "hdfs", "viewfs": "viewfs", LOCAL_STORE: LOCAL_STORE}
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
 # Streams are opened with compression=None: objects hold the bytes of the files, as they are. pyarrow's default
 # ("detect", by the name's extension) gzipped a .gz file a second time on its way up and unpacked it on the
@@ -104,7 +94,7 @@ def _client(uri: str, kind: str, *key):
     except UserError as e:  # the environment names no account, or a connection string pyarrow cannot use
         raise UserError(f"{redact(uri)}: {e}") from None
     except Exception as e:  # e.g. no libhdfs for hdfs://, no Azure support in this pyarrow build
-        raise UserError(f"{redact(uri)}: cannot open a {kind}:// client here ({_reason(e, uri)});"
+        raise UserError(f"{redact(uri)}: cannot open a {kind}:// client here ({reason(e, uri)});"
                         " install what pyarrow needs for it, or use a local path") from None
 
 
@@ -135,141 +125,6 @@ def _output(fs, path: str):
             fs.delete_file(tmp)
 
 
-class NoBucket(OSError):
-    """A write that found no bucket (an S3 or Azure store says so in its error; GCS answers 404)."""
-
-
-def _reason(e: BaseException, uri: str = "") -> str:
-    """What went wrong, in words, with no key in them (an error's URL may carry a SAS token's sig=...)."""
-    if isinstance(e, NoBucket):
-        return "the bucket does not exist"
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    unanswered = f"the store does not answer: check {_endpoint(uri)} and the network"
-    for code, say in (("NO_SUCH_BUCKET", "the bucket does not exist"),
-                      ("ACCESS_DENIED", "access denied: the credentials may not use this bucket or prefix"),
-                      ("INVALID_ACCESS_KEY_ID", "the access key is not known to the store"),
-                      ("SIGNATURE_DOES_NOT_MATCH", "the secret key does not match the access key"),
-                      *store_clients.REASONS,
-                      ("NETWORK_CONNECTION", unanswered), ("Unable to connect to endpoint", unanswered),
-                      ("No response body", unanswered), *((u, unanswered) for u in store_clients.UNANSWERED)):
-        if code in text:
-            return say
-    return redact_text(text)[:200]
-
-
-def _kind(uri: str) -> str:
-    m = URI.match(uri)
-    return SCHEMES.get(m.group(1).lower(), "") if m else ""
-
-
-def _endpoint(uri: str) -> str:
-    return store_clients.ENDPOINTS.get(_kind(uri), "the endpoint")
-
-
-def _check(uri: str) -> str:
-    """What a user checks when the store refuses: the credentials and endpoint of this URI's kind of store."""
-    return store_clients.CREDENTIALS.get(_kind(uri), "the credentials")
-
-
-class StoreUnavailable(UserError):
-    """A store that kept failing with transient errors for the whole retry window. Still one line for the user,
-    but in a training worker it counts like a lost process (engines/common.failure_cause reads `transient` from
-    the rank's error file), so engine.max_restarts decides whether the workers try again."""
-
-    transient = True
-
-
-def _store_error(uri: str, action: str, e: BaseException, retried_s: float = 0.0) -> UserError:
-    if not is_transient(e):
-        return UserError(f"{redact(uri)}: cannot {action} ({_reason(e, uri)}); check the URI, {_check(uri)}")
-    waited = f", for {retried_s:g} s" if retried_s else ""
-    return StoreUnavailable(f"{redact(uri)}: cannot {action} ({_reason(e, uri)}{waited}); check the URI, the"
-                            f" credentials and {_endpoint(uri)}, or give the store longer with {RETRY_ENV}")
-
-
-# -- transient errors: asked again, for a bounded window ------------------------------------------------
-
-RETRY_ENV = "TORCHLOOM_STORE_RETRY_S"
-# 30 s rides out what S3 and its kin document as passing (503 SlowDown while a prefix scales, a reset
-# connection, a load balancer's restart) and stays under engine.collective_timeout_s (60 s): a rank that waits
-# on the store inside a step is not yet taken for lost by its peers. Longer outages are a restart's business.
-RETRY_S = 30.0
-CHECK_RETRY_S = 3.0  # the pre-flight checks: a wrong endpoint is still one line within seconds
-BACKOFF_S = (0.2, 5.0)  # the first wait, doubled after each failure up to the second
-_TRANSIENT = ("NETWORK_CONNECTION", "Unable to connect", "No response body", "curlCode", "SLOW_DOWN", "SlowDown",
-              "INTERNAL_FAILURE", "InternalError", "SERVICE_UNAVAILABLE", "ServiceUnavailable", "REQUEST_TIMEOUT",
-              "RequestTimeout", "THROTTLING", "Connection reset", "Broken pipe", "timed out", "Timeout was reached")
-_HTTP_5XX = re.compile(r"HTTP (?:status|response code)\D{0,3}5\d\d")
-_window = threading.local()  # a thread's override of the window (retrying_for)
-
-
-def is_transient(e: BaseException) -> bool:
-    """An error the same request may not meet again in a moment: the store did not answer, or said so (5xx)."""
-    text = str(e)
-    if any(t in text for t in store_clients.NOT_TRANSIENT):
-        return False
-    return isinstance(e, (ConnectionError, TimeoutError)) or any(
-        t in text for t in (*_TRANSIENT, *store_clients.UNANSWERED)) or bool(_HTTP_5XX.search(text))
-
-
-def retry_window() -> float:
-    """Seconds a store operation retries transient errors: this thread's retrying_for, else $TORCHLOOM_STORE_RETRY_S,
-    else RETRY_S."""
-    seconds = getattr(_window, "seconds", None)
-    if seconds is not None:
-        return seconds
-    raw = os.environ.get(RETRY_ENV, "").strip()
-    if not raw:
-        return RETRY_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise UserError(f"{RETRY_ENV}={raw!r}: not a number of seconds >= 0; set it to e.g. 30 (0: never retry),"
-                        " or unset it")
-    return value
-
-
-@contextlib.contextmanager
-def retrying_for(seconds: float):
-    """Store operations of this thread retry for at most `seconds` (0: not at all) inside the block: what is
-    tried again anyway a moment later (a heartbeat, a progress file) must not hold its caller."""
-    saved = getattr(_window, "seconds", None)
-    _window.seconds = seconds
-    try:
-        yield
-    finally:
-        _window.seconds = saved
-
-
-def _attempts(uri: str, action: str, op: Callable, window: float | None = None,
-              fail: Callable[[BaseException, float], UserError] | None = None):
-    """op() until it returns. A transient error is retried with backoff (BACKOFF_S) for `window` seconds from the
-    first failure (None: retry_window()), with one warning line; anything else, or the window spent, is `fail`'s
-    one line (default _store_error). FileNotFoundError is the caller's business and passes through; op must
-    start over whole (an upload re-sends the whole object), since it is called again from the top."""
-    window = retry_window() if window is None else window
-    fail = fail or (lambda e, waited: _store_error(uri, action, e, waited))
-    started = delay = None
-    while True:
-        try:
-            return op()
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            now = time.monotonic()
-            started = now if started is None else started
-            if not is_transient(e) or now - started >= window:
-                raise fail(e, round(now - started, 1)) from None
-            if delay is None:
-                delay = BACKOFF_S[0]
-                print(f"torchloom: warning: {redact(uri)}: could not {action} ({_reason(e, uri)}); retrying for up to"
-                      f" {window:g} s", file=sys.stderr, flush=True)
-            time.sleep(min(delay, started + window - now))
-            delay = min(delay * 2, BACKOFF_S[1])
-
-
 def check_writable(uri: str, key: str) -> None:
     """Before any work: the store answers, the bucket exists and these credentials may write and delete
     under `uri`. One line naming `key`, the URI and the fix otherwise."""
@@ -282,10 +137,10 @@ def check_writable(uri: str, key: str) -> None:
         fs.delete_file(probe)
 
     def fail(e: BaseException, waited: float) -> UserError:
-        return UserError(f"{key} {redact(uri)}: the store refused a test write ({_reason(e, uri)}); check the bucket,"
-                         f" {_check(uri)}")
+        return UserError(f"{key} {redact(uri)}: the store refused a test write ({reason(e, uri)}); check the bucket,"
+                         f" {what_to_check(uri)}")
 
-    _attempts(uri, "write a test object", write_and_delete, window=CHECK_RETRY_S, fail=fail)
+    attempts(uri, "write a test object", write_and_delete, window=CHECK_RETRY_S, fail=fail)
 
 
 def check_readable(uri: str, key: str) -> None:
@@ -296,9 +151,9 @@ def check_readable(uri: str, key: str) -> None:
     fs, path = resolve(uri)
 
     def fail(e: BaseException, waited: float) -> UserError:
-        return UserError(f"{key} {redact(uri)}: cannot read it ({_reason(e, uri)}); check the URI, {_check(uri)}")
+        return UserError(f"{key} {redact(uri)}: cannot read it ({reason(e, uri)}); check the URI, {what_to_check(uri)}")
 
-    info = _attempts(uri, "look it up", lambda: fs.get_file_info(path), window=CHECK_RETRY_S, fail=fail)
+    info = attempts(uri, "look it up", lambda: fs.get_file_info(path), window=CHECK_RETRY_S, fail=fail)
     from pyarrow import fs as pafs
 
     if info.type == pafs.FileType.NotFound:
@@ -312,7 +167,7 @@ def exists(uri: str) -> bool:
     from pyarrow import fs as pafs
 
     fs, path = resolve(uri)
-    return _attempts(uri, "look it up", lambda: fs.get_file_info(path).type != pafs.FileType.NotFound)
+    return attempts(uri, "look it up", lambda: fs.get_file_info(path).type != pafs.FileType.NotFound)
 
 
 def _missing(e: OSError) -> bool:
@@ -331,7 +186,7 @@ def read_bytes(uri: str) -> bytes:
                 raise FileNotFoundError(redact(uri)) from None
             raise
 
-    return _attempts(uri, "read it", read)
+    return attempts(uri, "read it", read)
 
 
 def write_bytes(uri: str, data: bytes) -> None:
@@ -342,7 +197,7 @@ def write_bytes(uri: str, data: bytes) -> None:
         with _output(fs, path) as f:
             f.write(data)
 
-    _attempts(uri, "write it", write)
+    attempts(uri, "write it", write)
 
 
 def list_files(uri: str) -> dict[str, int]:
@@ -358,7 +213,7 @@ def list_objects(uri: str) -> dict[str, tuple[int, int | None]]:
     fs, path = resolve(uri)
     if isinstance(fs, pafs.LocalFileSystem) and fs.get_file_info(path).type != pafs.FileType.Directory:
         return {}  # a file, or nothing: as an object store lists no objects under an object's key
-    infos = _attempts(uri, "list it",
+    infos = attempts(uri, "list it",
                       lambda: fs.get_file_info(pafs.FileSelector(path, recursive=True, allow_not_found=True)))
     out = {}
     for i in infos:
@@ -375,7 +230,7 @@ def list_objects(uri: str) -> dict[str, tuple[int, int | None]]:
 def delete_tree(uri: str) -> None:
     """Every object under the prefix (nothing there is fine)."""
     fs, path = resolve(uri)
-    _attempts(uri, "delete it", lambda: fs.delete_dir_contents(path, missing_dir_ok=True))
+    attempts(uri, "delete it", lambda: fs.delete_dir_contents(path, missing_dir_ok=True))
     from pyarrow import fs as pafs
 
     if "/" not in path.strip("/") and not isinstance(fs, pafs.LocalFileSystem):
@@ -390,7 +245,7 @@ def open_input(uri: str):
     """A random-access file on the store: reads are ranged GETs (Parquet reads only the footer and the
     row groups asked for)."""
     fs, path = resolve(uri)
-    return _attempts(uri, "open it", lambda: fs.open_input_file(path))
+    return attempts(uri, "open it", lambda: fs.open_input_file(path))
 
 
 # -- files and directories between the store and local disk ---------------------------------------
@@ -405,7 +260,7 @@ def upload(local: str | Path, uri: str) -> None:
             while chunk := src.read(CHUNK):
                 dst.write(chunk)
 
-    _attempts(uri, "upload to it", send)
+    attempts(uri, "upload to it", send)
 
 
 def download(uri: str, local: str | Path) -> Path:
@@ -426,7 +281,7 @@ def download(uri: str, local: str | Path) -> Path:
                 raise FileNotFoundError(redact(uri)) from None
             raise
 
-    _attempts(uri, "download it", fetch)
+    attempts(uri, "download it", fetch)
     os.replace(tmp, local)
     return local
 
@@ -468,4 +323,4 @@ def delete(uri: str) -> None:
         except FileNotFoundError:
             pass
 
-    _attempts(uri, "delete it", remove)
+    attempts(uri, "delete it", remove)

@@ -23,7 +23,7 @@ The emulators' limits (docs/engines.md, "On a cloud cluster"): pyarrow's Azure c
 (DFS) endpoint whether the account has a hierarchical namespace before its first write, listing or delete; Azurite
 has no DFS endpoint, so a path-style BlobEndpoint (an emulator's, `http://host:port/account`) is given to both
 of pyarrow's clients, and Azurite's answer there (404) reads as a flat namespace. Azurite also refuses API
-versions newer than it knows, which pyarrow's Azure SDK may send: `_reason` in storage.py says so in one line.
+versions newer than it knows, which pyarrow's Azure SDK may send: `reason` in store_errors.py says so in one line.
 """
 
 from __future__ import annotations
@@ -34,6 +34,14 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from torchloom.errors import UserError
+
+LOCAL_STORE = "file+store"
+
+# The schemes pyarrow.fs opens (hdfs:// and viewfs:// where libhdfs is installed).
+# file+store:///path is a local directory used as a store (pyarrow's local file system): for a file system every
+# host mounts where each host should still work in a staging copy, and for the tests of the staging path.
+SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
+           "hdfs": "hdfs", "viewfs": "viewfs", LOCAL_STORE: LOCAL_STORE}
 
 # What each error line tells a user to check, by the scheme storage.py canonicalised the URI to.
 CREDENTIALS = {
@@ -47,10 +55,10 @@ ENDPOINTS = {"s3": "AWS_ENDPOINT_URL", "gs": "STORAGE_EMULATOR_HOST",
              "abfs": "the BlobEndpoint of AZURE_STORAGE_CONNECTION_STRING"}
 
 # How long pyarrow's GCS client retries a failing request itself (its default: 15 minutes, during which a
-# store that does not answer holds the caller). storage._attempts retries on top, within its own window.
+# store that does not answer holds the caller). store_errors.attempts retries on top, within its own window.
 GCS_CLIENT_RETRY_S = 2.0
 
-# The errors of the GCS and Azure clients that a user fixes, in words (storage._reason; S3's are there).
+# The errors of the GCS and Azure clients that a user fixes, in words (store_errors.reason; S3's are there).
 REASONS = (
     ("Could not create a OAuth2 access token", "no Google credentials here: set GOOGLE_APPLICATION_CREDENTIALS, run"
      " gcloud auth application-default login, or run on a VM with a service account (an emulator: set"

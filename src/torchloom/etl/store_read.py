@@ -30,6 +30,7 @@ from torchloom import storage
 from torchloom.errors import UserError
 from torchloom.etl.encoding import STRICT, Undecodable, decode, detect, local_path, name, skip, undecodable_line
 from torchloom.input_formats import FORMATS
+from torchloom.store_errors import reason
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
 CODEC = "__torchloom_codec"  # the encoding etl/encoding.py read each row's file in (null: data.encoding strict)
@@ -205,7 +206,7 @@ def cannot_read(uri: str, e: BaseException) -> str:
         return str(e)
     if isinstance(e, Undecodable):
         return undecodable_line(storage.redact(uri), e.codec, e)
-    return (f"data.path {storage.redact(uri)}: cannot be read ({storage._reason(e)}); check that the object is"
+    return (f"data.path {storage.redact(uri)}: cannot be read ({reason(e)}); check that the object is"
             " whole and what its name says (a .gz is gzip, a .parquet Parquet), and that every host has the"
             " store's credentials")
 
