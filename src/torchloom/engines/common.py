@@ -112,7 +112,10 @@ def describe_loss(rd: RunDir, launch_id: str, start: int) -> str:
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo/transport",
              "NCCL communicator was aborted", "Socket Timeout", "collective operation timeout",
-             "Failed to recv, got 0 bytes", "wait timeout after")
+             "Failed to recv, got 0 bytes", "wait timeout after",
+             # gloo closes a pair whose operation timed out (a peer that went away, met first by the preemption
+             # flags summed in the background: train/distributed.AgreedLater); the next collective on it says so
+             "Application timeout caused pair closure")
 # A rank's own error that says nothing of its cause: the launcher's refusals, or a stop it was sent.
 NOT_A_CAUSE = ("RestartLimit", "NotRestarted")
 

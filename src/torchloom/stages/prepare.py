@@ -126,8 +126,8 @@ def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
     """prepare, then (eval.baseline) the baseline: on the driver, or on Spark in prepare's SparkSession,
     which is stopped after."""
     cfg = for_this_machine(cfg)
+    check_untrained(cfg)  # the run's own state first: whatever the input, a trained run is not prepared over
     check_input(cfg)
-    check_untrained(cfg)
     if not cfg.eval.baseline:
         return prepare_stage(cfg, tracker=tracker)
     from torchloom.etl.session import get_spark
