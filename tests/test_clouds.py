@@ -7,14 +7,11 @@ does on S3). The configuration of the clients (store_clients.py) is tested witho
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from support.clouds import AZURITE_ACCOUNT, AZURITE_KEY, azurite_server, gcs_server
+from support.runs import torchloom
 
 from torchloom import storage, store_clients, store_errors
 from torchloom.errors import UserError
@@ -177,13 +174,6 @@ def test_gcs_client_goes_anonymous_to_the_emulator_named_by_storage_emulator_hos
 
 
 # -- the whole run on the store, as a user runs it --------------------------------------------------
-
-
-def torchloom(*args: str, cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TORCHLOOM_CACHE": str(cache),
-           "TORCHLOOM_CPU_BF16": "0"}
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

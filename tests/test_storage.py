@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.runs import torchloom
 from support.s3 import s3_server
 
 pytest.importorskip("moto")
@@ -282,13 +283,6 @@ def test_the_loader_streams_shards_from_the_store_one_get_per_row_group(s3, tmp_
 
 
 # -- the whole run on the store, as a user runs it ----------------------------------------------
-
-
-def torchloom(*args: str, cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TORCHLOOM_CACHE": str(cache),
-           "TORCHLOOM_CPU_BF16": "0"}
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,8 @@ rendering of any exception."""
 
 from __future__ import annotations
 
+import argparse
+
 from torchloom.redaction import redact_text
 
 
@@ -77,3 +79,10 @@ def install_hint(extra: str) -> str:
 def missing_extra(module: str, extra: str) -> UserError:
     """The error for an optional engine that is not installed."""
     return UserError(f"{module} is not installed: {install_hint(extra)}")
+
+
+class OneLineArgs(argparse.ArgumentParser):
+    """argparse whose usage errors are torchloom's one line: `<command>: <message>; see <prog> --help`."""
+
+    def error(self, message: str):
+        raise UserError(f"{self.prog.removeprefix('torchloom ')}: {message}; see {self.prog} --help")

@@ -29,6 +29,15 @@ from pathlib import Path
 NETNS_ETC = Path("/etc/netns")
 
 
+def skip_without_namespaces() -> None:
+    """Skip the calling test module where network namespaces cannot be made (not root, no `ip`)."""
+    import pytest
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
+
+
 def unavailable() -> str | None:
     """Why multi-host tests cannot run here (None: they can)."""
     if os.geteuid() != 0:

@@ -19,28 +19,20 @@ import pytest
 import yaml
 from support.engine_reference import COMMON
 
-from cluster.netns import NETNS_ETC, Cluster, unavailable
+from cluster.netns import NETNS_ETC, Cluster, skip_without_namespaces
+from cluster.s3_scripts import with_bucket
 from cluster.test_multihost import clean_env, wait_for
-
-pytestmark = pytest.mark.cluster  # see tests/support/schedule.py
-pytest.importorskip("moto")
-reason = unavailable()
-if reason:
-    pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
 
 BUCKET = "tl-k8s"
 RUN = f"s3://{BUCKET}/runs/pods"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "pods-key", "AWS_SECRET_ACCESS_KEY": "pods-secret",
                "AWS_DEFAULT_REGION": "us-east-1"}
+pytestmark = pytest.mark.cluster  # see tests/support/schedule.py
+pytest.importorskip("moto")
+skip_without_namespaces()
+
 # On the store's host: the bucket, then a prepared run's data/ (manifest.json last, as prepare uploads it).
-UPLOAD = """
-import sys
-from pyarrow import fs
-from torchloom import storage
-fs.S3FileSystem(endpoint_override=sys.argv[1], scheme="http", allow_bucket_creation=True,
-                region="us-east-1").create_dir(sys.argv[2])
-storage.push_tree(sys.argv[3], sys.argv[4], last=("manifest.json",))
-"""
+UPLOAD = with_bucket('storage.push_tree(sys.argv[3], sys.argv[4], last=("manifest.json",))')
 LIST = """
 import sys
 from torchloom import storage

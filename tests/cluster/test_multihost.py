@@ -24,14 +24,12 @@ from support.engine_reference import COMMON as ENGINE_COMMON
 from support.engine_reference import LAST, assert_same_weights, new_run, reference
 from support.spark_jvm import JVM_ENV  # the suite's JVM options: the cluster's JVMs keep them
 
-from cluster.netns import Cluster, Host, unavailable
+from cluster.netns import Cluster, Host, skip_without_namespaces
 from torchloom.data.loader import ShardedLoader
 from torchloom.manifest import read as read_manifest
 
 pytestmark = pytest.mark.cluster  # see tests/support/schedule.py
-reason = unavailable()
-if reason:
-    pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
+skip_without_namespaces()
 
 COMMON = [*ENGINE_COMMON, "--tracking.enabled", "false"]
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from support.engine_reference import assert_same_weights
 
-from cluster.netns import Cluster, unavailable
+from cluster.netns import Cluster, skip_without_namespaces
+from cluster.s3_scripts import with_bucket
 from cluster.test_multihost import (
     COMMON,
     HIDDEN_TIMEOUT,
@@ -34,9 +35,7 @@ from cluster.test_multihost import (
 
 pytestmark = pytest.mark.cluster  # see tests/support/schedule.py
 pytest.importorskip("moto")
-reason = unavailable()
-if reason:
-    pytest.skip(f"multi-host tests need network namespaces: {reason}", allow_module_level=True)
+skip_without_namespaces()
 
 BUCKET = "tl-cluster"
 RUN = f"s3://{BUCKET}/runs/torchrun"
@@ -44,14 +43,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "cluster-key", "AWS_SECRET_ACCESS_KEY": "clu
                "AWS_DEFAULT_REGION": "us-east-1"}
 
 # Run on the store's host: make the bucket, upload the input CSV.
-UPLOAD = """
-import sys
-from pyarrow import fs
-from torchloom import storage
-fs.S3FileSystem(endpoint_override=sys.argv[1], scheme="http", allow_bucket_creation=True,
-                region="us-east-1").create_dir(sys.argv[2])
-storage.upload(sys.argv[3], sys.argv[4])
-"""
+UPLOAD = with_bucket("storage.upload(sys.argv[3], sys.argv[4])")
 DOWNLOAD = """
 import sys
 from torchloom import storage

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from support.env import restore
 from support.net import free_port
 
 # Azurite's published development account (UseDevelopmentStorage=true means the same): no secret.
@@ -86,11 +87,7 @@ def _environment(values: dict[str, str]):
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore(saved)
         storage._filesystem.cache_clear()
 
 

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from support.env import restore
 from support.net import free_port
 
 
@@ -48,9 +49,5 @@ def s3_server(log_dir, bucket: str, credentials: dict, front=None):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore(saved)
         storage._filesystem.cache_clear()

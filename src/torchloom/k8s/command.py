@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchloom.errors import UserError, one_line
+from torchloom.errors import OneLineArgs, UserError, one_line
 
 EPILOG = """\
 examples:
@@ -25,13 +25,8 @@ FLAGS = {"--image": "image", "--namespace": "namespace", "--name": "name", "--no
          "--replicas": "replicas"}
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, like every other torchloom error
-        raise UserError(f"k8s: {message}; see torchloom k8s --help")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="torchloom k8s", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = OneLineArgs(prog="torchloom k8s", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                description="Kubernetes manifests from a torchloom config: an Indexed Job of torchrun pods for"
                            " training, a Deployment of torchloom serve; printed, written (--out) or created (--apply)")
     p.add_argument("what", choices=("train", "serve"))

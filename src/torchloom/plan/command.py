@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import replace
 
-from torchloom.errors import UserError, one_line
+from torchloom.errors import OneLineArgs, UserError, one_line
 from torchloom.plan import advice, estimate, hardware, models, report
 
 EPILOG = """\
@@ -24,13 +24,8 @@ examples:
 DEFAULT_ROWS = 1_000_000
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, like every other torchloom error
-        raise UserError(f"plan: {message}; see torchloom plan --help")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="torchloom plan", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = OneLineArgs(prog="torchloom plan", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                description="Estimate memory, communication and time per parallel strategy before training:"
                            " pure arithmetic, no torch (except --calibrate).")
     _model_arguments(p.add_argument_group("model and batch"))
