@@ -10,8 +10,8 @@
 - The time split: data (waiting for the next batch), forward_backward (with the gradient all-reduce DDP and FSDP
   overlap with it), optimizer (clipping, the step, the scheduler), notice (the per-step collective that shares a
   preemption notice), checkpoint, eval. Host time on a CPU, where every op is synchronous; on CUDA, the
-  forward_backward, optimizer and notice phases are timed by CUDA events read at the next log step (after the
-  loss has synchronised the device anyway), so measuring adds no synchronisation.
+  forward_backward and optimizer phases are timed by CUDA events read at the next log step (after the loss has
+  synchronised the device anyway), so measuring adds no synchronisation; the notice, a CPU collective, by host time.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torchloom.machine import gpu_peak_tflops
 from torchloom.train.distributed import Dist, all_reduce_sum
 
 PHASES = ("data", "forward_backward", "optimizer", "notice", "checkpoint", "eval")
-DEVICE_PHASES = ("forward_backward", "optimizer", "notice")  # timed by CUDA events on a GPU
+DEVICE_PHASES = ("forward_backward", "optimizer")  # timed by CUDA events on a GPU (the notice is a CPU collective)
 
 
 def flops_shape(model: torch.nn.Module) -> tuple[int, int, int]:
