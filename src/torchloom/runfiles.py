@@ -11,7 +11,6 @@ each host works in a staging copy (RunDir.root); these verbs are the fixed point
     push(paths)                after a stage writes (a directory's meta.json / manifest.json last)
     push_as(file, path)        a local file to the store as the run's `path` (a rank's part of a checkpoint)
     write_through(path, text)  a small file on the store first, then here (a host cut off right after loses none)
-    write_json(path, data)     atomically here, then pushed
     read(path) / write(path, data)   the file where the run lives (the store's object, not this copy's)
     delete(path)               here and on the store
     listing(path)              {name: size} of what the store holds under a path ({} for a local run)
@@ -39,7 +38,7 @@ from pathlib import Path
 
 from torchloom import storage
 from torchloom.errors import UserError, first_line
-from torchloom.rundir import CONFIG_FILE, LEASE_FILE, RUN_RECORD, STEP_DIR, RunDir, write_atomic, write_json
+from torchloom.rundir import CONFIG_FILE, LEASE_FILE, RUN_RECORD, STEP_DIR, RunDir, write_atomic
 from torchloom.runrecord import (
     is_own,
     is_own_file,
@@ -157,13 +156,6 @@ class RunFiles:
             os.replace(staged, path)
         finally:
             staged.unlink(missing_ok=True)
-
-    def write_json(self, path: str | Path, data, indent: int | None = 2) -> Path:
-        """Write JSON atomically in this copy, then publish it on the store."""
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        written = write_json(path, data, indent=indent)
-        self.push(written)
-        return written
 
     def delete(self, path: str | Path, here: bool = True) -> None:
         """A file or directory of the run, here and on the store (here=False: on the store alone, the copy's is
