@@ -101,7 +101,7 @@ def summed(d: Dist, loss: float, work: dict[str, float]) -> tuple[float, dict[st
 
 
 def rates(totals: dict[str, float], seconds: float, ranks_per_replica: int, device: torch.device, precision: str,
-          world_size: int, device_name: str | None = None) -> dict:
+          world_size: int) -> dict:
     """tokens/s, padding, MFU (where the peak is known) and the time split (shares of `seconds`) from totals summed
     over the ranks (a pipeline's stages all count the same batches: `ranks_per_replica` of them)."""
     real = totals["real_tokens"] / ranks_per_replica
@@ -109,7 +109,7 @@ def rates(totals: dict[str, float], seconds: float, ranks_per_replica: int, devi
     out: dict = {"tokens_per_s": round(real / seconds, 1) if seconds > 0 else 0.0,
                  "padding": round(1 - real / computed, 4) if computed else 0.0}
     if torch.device(device).type == "cuda" and seconds > 0:
-        peak = gpu_peak_tflops(device_name or torch.cuda.get_device_name(device), precision)
+        peak = gpu_peak_tflops(torch.cuda.get_device_name(device), precision)
         if peak:
             out["mfu"] = round(totals["flops"] / ranks_per_replica / seconds / (peak * 1e12 * world_size), 4)
     return out
