@@ -217,7 +217,8 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_loca
     rd, result = run_on(engine, setup, f"{engine}-term-{round_}", "--engine.max_restarts", "0",
                         "--train.keep_last", "20")
     [p] = result.preemptions
-    assert p["step"] in (step, step + 1), (step, p)  # the notice reaches the loop at this step's end or the next's
+    # the notice reaches the loop at this step's end or the next's; the ranks agree on it a boundary later
+    assert p["step"] in (step, step + 1, step + 2), (step, p)
     assert p["notice"].startswith(f"SIGTERM to rank {rank} on host ") and p["checkpoint_s"] >= 0, p
     assert p["resumed_from_step"] == p["step"] and p["workers"] == 2
     assert (rd / "checkpoints" / f"step-{p['step']}").is_dir()

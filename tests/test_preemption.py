@@ -52,8 +52,9 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_same
     finally:
         del os.environ["TORCHLOOM_FAULT"]
     [p] = result.preemptions
-    # the notice reaches the loop at the end of its step, or of the next one: no step is lost
-    assert p["step"] in (step, step + 1), (step, p)
+    # the notice reaches the loop at the end of its step or of the next one, and the ranks agree on it one boundary
+    # later (train/distributed.AgreedLater): no step is lost
+    assert p["step"] in (step, step + 1, step + 2), (step, p)
     assert p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"] and p["workers"] == 2
     assert p["notice"].startswith(f"SIGTERM to rank {rank} on host ")
     assert (rd / "checkpoints" / f"step-{p['step']}").is_dir()

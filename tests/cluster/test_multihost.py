@@ -156,7 +156,8 @@ def test_torchrun_sigterm_to_a_worker_on_one_host_checkpoints_and_goes_on_to_the
     said = [x for x in (text[b.name] + text[c.name]).splitlines() if "torchloom: train: preempted at step" in x]
     assert len(said) == 1 and f"(notice: SIGTERM to rank {on_c} on host {c.name})" in said[0], said
     stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
-    assert stopped_at in (step, step + 1) and (rd / "checkpoints" / f"step-{stopped_at}").is_dir()
+    # the ranks agree on a notice one step boundary after it reached one of them (train/distributed.AgreedLater)
+    assert stopped_at in (step, step + 1, step + 2) and (rd / "checkpoints" / f"step-{stopped_at}").is_dir()
     assert "after a preemption: resuming from the latest checkpoint" in text[b.name] + text[c.name]
     assert "Traceback" not in without_exit_barrier_race(text[b.name] + text[c.name])
     records = [json.loads(x) for x in (rd / "metrics.jsonl").read_text().splitlines() if x.strip()]
