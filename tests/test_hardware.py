@@ -112,8 +112,36 @@ def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
         resolve_workers(cfg("--engine.workers", "2"), gpus=1)
     with pytest.raises(UserError, match="engine.device cuda: torch sees no CUDA device"):
         resolve_workers(cfg("--engine.device", "cuda"), gpus=0)
-    with pytest.raises(UserError, match="train.batch_size 16: must be a multiple"):
-        resolve_workers(cfg("--engine.workers", "3"), gpus=0)  # the world-size checks run once counted
+    with pytest.raises(UserError, match="train.batch_size 16: must be a multiple"):  # checked once counted
+        resolve_workers(cfg("--engine.workers", "3", "--train.batch_size", "16"), gpus=0)
+    assert resolve_workers(cfg("--engine.workers", "3"), gpus=0).engine.workers == 3  # batch auto: rounded up
+
+
+def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, capsys):
+    from torchloom.config import budget, save
+    from torchloom.data.synthetic import write_synthetic_dataset
+    from torchloom.stages.train import how_long
+
+    assert budget.choose_batch(5, 1780, 128)[0] == 16  # the demo: 2 epochs of 112 steps are 225 needed
+    assert budget.choose_batch(2, 4459, 128)[0] == 64  # 2 epochs of 70 steps >= 90 needed; 128 would give 70
+    assert budget.choose_batch(4, 1_000_000, 128)[0] == 256  # at most 32,768 tokens a step
+    assert budget.choose_batch(4, 1_000_000, 512)[0] == 64
+    assert budget.choose_batch(52, 7000, 128)[0] == 16  # many classes: never below 16
+    assert budget.choose_batch(2, 4459, 128, multiple=3)[0] == 66  # rounded up to workers x grad_accum
+    assert [budget.choose_batch(4, 1_000_000, 128, multiple=w)[0] for w in (1, 2, 4, 8, 16)] == [256] * 5
+    # epochs auto counts the steps of the batch chosen: large data gets the minimum, 2
+    cfg, line = budget.resolve(build(None, []), 4, 1_000_000)
+    assert (cfg.train.batch_size, cfg.train.epochs) == (256, 2) and line.startswith("batch_size auto: 256 (")
+    cfg, line = budget.resolve(build(None, []), 5, 1780)
+    assert cfg.train.batch_size == 16 and "batch_size" not in line  # nothing new to say
+    # the driver: from the prepared data; a resumed run keeps the batch its config.toml recorded
+    rd = tmp_path / "run"
+    write_synthetic_dataset(rd / "data", rows={"train": 4000, "val": 8, "test": 8}, num_labels=2)
+    fresh = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]))
+    assert fresh.train.batch_size == 64 and "batch_size auto: 64" in capsys.readouterr().err
+    save(build(None, ["--output.dir", str(rd), "--train.batch_size", "32"]), rd / "config.toml")
+    resumed = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]), resuming=True)
+    assert resumed.train.batch_size == 32
 
 
 def test_a_ray_cluster_with_fewer_gpus_than_workers_says_they_train_on_cpus(monkeypatch, tmp_path, capsys):

@@ -53,7 +53,7 @@ def training_line(cfg: Config, result: TrainResult) -> str:
     chosen, why = cfg.train.epochs, None
     if chosen == "auto":
         chosen, why = budget.choose_epochs(cfg.train.budget, m.num_labels, m.split("train").rows,
-                                           cfg.train.batch_size)
+                                           result.global_batch or budget.known_batch(cfg.train))
     stop = {"early_stopping": "; stopped early: validation had stopped improving",
             "budget": f"; stopped at train.budget {cfg.train.budget}"}.get(result.stop_reason or "", "")
     return (f"{result.epochs:g} of {chosen} epochs" + (f" (epochs auto: {why})" if why else "") + stop

@@ -13,6 +13,12 @@ or "30m", "2h") at MAX_EPOCHS with training stopped at the first evaluation past
 2 epochs without early stopping. With more than MIN_EPOCHS, training stops once validation has not improved for
 AUTO_PATIENCE evaluation(s), and export takes the best checkpoint on validation (train.select best).
 
+`train.batch_size auto` keeps that rule's steps: the global batch starts at BATCH (16, the batch it was measured
+at) and doubles while MIN_EPOCHS epochs still give STEPS_PER_CLASS steps a class, up to AUTO_BATCH_TOKENS a step.
+The demo (1,780 training rows, 5 classes) stays at 16; a million rows of 128 tokens train at 256, where 16 would
+take 125,000 optimizer steps and leave every GPU but a sliver idle. The choice depends on the data alone (never on
+the workers or the device), so one config gives the same batches on every engine and machine.
+
 Nothing heavy is imported here.
 """
 
@@ -29,6 +35,8 @@ MIN_EPOCHS = 2  # the old fixed default: what `train.budget off` keeps
 AUTO_MAX_EPOCHS = 5
 MAX_EPOCHS = 10
 AUTO_PATIENCE = 2
+BATCH = 16  # the global batch train.batch_size auto starts from (and stays at on small data)
+AUTO_BATCH_TOKENS = 32_768  # the most tokens a global batch of train.batch_size auto holds: 256 rows of 128
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
 
 
@@ -54,12 +62,40 @@ def choose_epochs(budget: str, classes: int, train_rows: int, batch_size: int) -
                     f" = {wanted:.1f}, kept within {MIN_EPOCHS}..{cap} (budget {budget})")
 
 
-def resolve(cfg, classes: int, train_rows: int):
-    """cfg with train.epochs and train.early_stopping_patience made numbers for this data, and one line saying
-    what was chosen and why (None when the user set both)."""
+def choose_batch(classes: int, train_rows: int, max_length: int, multiple: int = 1) -> tuple[int, str]:
+    """(global batch, why in a few words) for train.batch_size auto; `multiple`: what the batch must divide into
+    (workers x grad_accum), the batch rounded up to it."""
+    needed = STEPS_PER_CLASS * classes
+    most = max(BATCH, AUTO_BATCH_TOKENS // max(1, max_length))
+    batch = BATCH
+    while batch * 2 <= most and MIN_EPOCHS * math.ceil(train_rows / (batch * 2)) >= needed:
+        batch *= 2
+    batch = math.ceil(batch / multiple) * multiple
+    why = (f"the most that still gives {classes} classes x {STEPS_PER_CLASS} steps in {MIN_EPOCHS} epochs of"
+           f" {train_rows} rows, at most {most} rows of {max_length} tokens")
+    return batch, why if batch > BATCH else f"{why}: small data keeps {BATCH}"
+
+
+def known_batch(train_cfg) -> int:
+    """train.batch_size, or what auto starts from before the data is known (every batch auto chooses is a multiple
+    of it, rounded up to the workers)."""
+    return BATCH if train_cfg.batch_size == "auto" else train_cfg.batch_size
+
+
+def resolve(cfg, classes: int, train_rows: int, max_length: int = 128, multiple: int = 1,
+            resumed_batch: int | None = None):
+    """cfg with train.batch_size, train.epochs and train.early_stopping_patience made numbers for this data, and
+    one line saying what was chosen and why (None when the user set them all). resumed_batch: the global batch of
+    the run being resumed, which batch_size auto keeps (its loader state holds it)."""
     t = cfg.train
     budget_seconds(t.budget)  # a bad value is refused even where nothing is auto
     said = []
+    if t.batch_size == "auto":
+        batch, why = (resumed_batch, "the resumed run's") if resumed_batch else \
+            choose_batch(classes, train_rows, max_length, multiple)
+        t = replace(t, batch_size=batch)
+        if batch != BATCH or resumed_batch:  # 16 is what every small run had, and the start line shows it
+            said.append(f"batch_size auto: {batch} ({why})")
     epochs, patience, chosen = t.epochs, t.early_stopping_patience, t.epochs == "auto"
     if chosen:
         epochs, why = choose_epochs(t.budget, classes, train_rows, t.batch_size)

@@ -35,7 +35,7 @@ MEANINGS: dict[str, str] = {
     'model.attention_dropout': "dropout on attention probabilities while training; 0 lets PyTorch's fused attention run (forward+backward of a MiniLM step 1.13x faster on CPU, benchmarks/step_parts.py); -1 keeps the model's own value",
     'train.epochs': '`auto`: from the prepared data within `train.budget`, about 45 optimizer steps a class (classes x 45 / steps per epoch, rounded, at least 2; at most 5 with budget `auto`, 10 with a time); a number: exactly that many',
     'train.budget': 'how long `train.epochs auto` may train: `auto` at most 5 epochs (2.5x the old fixed 2), `off` the fixed 2 epochs without early stopping, or a time (`1800`, `30m`, `2h`: at most 10 epochs, stopped at the first evaluation past it)',
-    'train.batch_size': 'global: samples per optimizer step over all workers; must be a multiple of workers x grad_accum (with `pipeline`, of grad_accum x microbatches: the stages share one batch)',
+    'train.batch_size': 'global: samples per optimizer step over all workers. `auto`: 16 (what the quality rules were measured at), doubled while the prepared data still gives about 45 optimizer steps a class in 2 epochs, up to 32,768 tokens a step (256 rows of 128 tokens): large data sets train with fewer, larger steps and keep many GPUs busy, small ones are left at 16; a resumed run keeps its own; rounded up to a multiple of workers x grad_accum. A number must be a multiple of workers x grad_accum (with `pipeline`, of grad_accum x microbatches: the stages share one batch)',
     'train.grad_accum': 'micro-steps per optimizer step (gradients all-reduced on the last one only)',
     'train.lr': 'peak learning rate of AdamW',
     'train.weight_decay': 'on weight matrices only, not on biases and LayerNorm',

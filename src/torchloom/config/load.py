@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from torchloom.config.budget import known_batch
 from torchloom.config.schema import Config, TrainConfig
 from torchloom.errors import UserError
 from torchloom.redaction import redact_config
@@ -103,6 +104,8 @@ def validate(cfg: Config) -> Config:
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
     validate_strategy(cfg)
+    if cfg.train.batch_size == "auto":
+        return cfg  # it is chosen from the data, a multiple of workers x grad_accum (config/budget.py)
     if cfg.engine.workers == "auto":
         if cfg.train.strategy == "pipeline":
             micro_batch_size(cfg.train, 1)  # one pipeline's batch: the same on any number of workers
@@ -152,7 +155,9 @@ def resolve_workers(cfg: Config, gpus: int) -> Config:
         raise UserError("engine.device cuda: torch sees no CUDA device on this machine; use engine.device cpu or"
                         " auto")
     if e.workers == "auto":
-        e.workers = largest_divisor(cfg.train.batch_size // cfg.train.grad_accum, gpus) if on_gpus else CPU_WORKERS
+        # batch_size auto is 16 times a power of two, rounded up to the workers: divisors of 16 divide it
+        per_step = known_batch(cfg.train) // cfg.train.grad_accum
+        e.workers = largest_divisor(per_step, gpus) if on_gpus else CPU_WORKERS
         if cfg.train.strategy == "pipeline":  # one stage per worker
             e.workers = cfg.train.pipeline_stages or max(2, e.workers)
     elif on_gpus and e.workers > gpus:
@@ -171,6 +176,14 @@ def ranks_here(cfg: Config) -> bool:
 
 def largest_divisor(n: int, most: int) -> int:
     return max(d for d in range(1, max(1, min(n, most)) + 1) if n % d == 0)
+
+
+def batch_multiple(train_cfg: TrainConfig, world_size: int) -> int:
+    """What the global batch must be a multiple of: workers x grad_accum (with `pipeline`, grad_accum x
+    microbatches: the stages share one batch)."""
+    if train_cfg.strategy == "pipeline":
+        return train_cfg.grad_accum * train_cfg.microbatches
+    return world_size * train_cfg.grad_accum
 
 
 def micro_batch_size(train_cfg: TrainConfig, world_size: int) -> int:
@@ -201,7 +214,8 @@ def valid_world_sizes(cfg: Config) -> list[int]:
     engine.workers only), those that divide the global batch into whole micro-steps, so the global batches
     stay the same (data/loader.py)."""
     train_cfg, e = cfg.train, cfg.engine
-    per_step = train_cfg.batch_size // train_cfg.grad_accum if train_cfg.batch_size % train_cfg.grad_accum == 0 else 0
+    batch = known_batch(train_cfg)
+    per_step = batch // train_cfg.grad_accum if batch % train_cfg.grad_accum == 0 else 0
     low = e.min_workers or e.workers
     return [w for w in range(e.workers, low - 1, -1) if w == e.workers or (per_step and per_step % w == 0)]
 

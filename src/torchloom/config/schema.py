@@ -76,7 +76,9 @@ class TrainConfig:
     # auto: from the data within train.budget (config/budget.py: ~45 steps a class, 2 to 5 epochs)
     epochs: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})
     budget: str = "auto"  # auto (at most 2.5x the old fixed 2 epochs), off (the fixed 2), or a time: 1800, 30m, 2h
-    batch_size: int = field(default=16, metadata={"min": 1})  # global: samples per optimizer step, all workers
+    # global: samples per optimizer step, all workers; auto: 16, grown where the data has steps to spare
+    # (config/budget.py)
+    batch_size: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})
     grad_accum: int = field(default=1, metadata={"min": 1})  # micro-steps per optimizer step
     lr: float = field(default=1e-4, metadata={"min_exclusive": 0.0})
     weight_decay: float = field(default=0.01, metadata={"min": 0.0})

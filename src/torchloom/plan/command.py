@@ -172,14 +172,19 @@ def from_run(args: argparse.Namespace) -> None:
     args.devices = args.devices or workers
     if args.nodes is None and args.devices_per_node is None:
         args.devices_per_node = args.devices  # the local engine: every worker on this one machine
-    args.micro_batch = args.micro_batch or max(1, cfg.train.batch_size // (workers * cfg.train.grad_accum))
+    from torchloom.config.budget import choose_batch
+
+    batch = cfg.train.batch_size
+    if batch == "auto":  # what the run will choose for this data (config/budget.py)
+        batch = choose_batch(m.num_labels, train.rows, args.seq, workers * cfg.train.grad_accum)[0]
+    args.micro_batch = args.micro_batch or max(1, batch // (workers * cfg.train.grad_accum))
     args.grad_accum = cfg.train.grad_accum if args.grad_accum == 1 else args.grad_accum
     if args.epochs == 1:  # the run's own: what train.epochs auto will choose for this data (config/budget.py)
         from torchloom.config.budget import choose_epochs
 
         epochs = cfg.train.epochs
         args.epochs = epochs if epochs != "auto" else choose_epochs(cfg.train.budget, m.num_labels, train.rows,
-                                                                    cfg.train.batch_size)[0]
+                                                                    batch)[0]
     args.precision = args.precision or cfg.train.precision
 
 

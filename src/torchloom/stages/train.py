@@ -32,12 +32,19 @@ def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
     return local.train(cfg, rd.location, quiet=quiet)
 
 
-def how_long(cfg: Config) -> Config:
-    """train.epochs and early stopping made numbers for the prepared data (config/budget.py), said in one line."""
-    from torchloom.config import budget
+def how_long(cfg: Config, resuming: bool = False) -> Config:
+    """train.batch_size, train.epochs and early stopping made numbers for the prepared data (config/budget.py), said
+    in one line. resuming: batch_size auto keeps the batch the run trained with (its config.toml)."""
+    from torchloom.config import batch_multiple, budget, load_saved
 
-    m = read_manifest(run_dir(cfg).data)
-    cfg, line = budget.resolve(cfg, m.num_labels, m.split("train").rows)
+    rd = run_dir(cfg)
+    m = read_manifest(rd.data)
+    resumed = None
+    if resuming and cfg.train.batch_size == "auto" and rd.config.is_file():
+        resumed = load_saved(rd.config).train.batch_size
+    cfg, line = budget.resolve(cfg, m.num_labels, m.split("train").rows, m.tokenizer.get("max_length") or 128,
+                               batch_multiple(cfg.train, cfg.engine.workers),
+                               resumed if isinstance(resumed, int) else None)
     if line:
         say(f"train: {line}")
     return cfg
@@ -97,7 +104,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
 
     cfg = for_this_machine(cfg)
     resume_step = check_trainable(cfg)
-    cfg = how_long(cfg)
+    cfg = how_long(cfg, resuming=resume_step is not None)
     if cfg.engine.name == "spark":  # its barrier slots counted before anything is written
         from torchloom.engines.spark import check_slots
 

@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
-from torchloom.config import Config, budget, elastic_micro_batch, micro_batch_size
+from torchloom.config import Config, batch_multiple, budget, elastic_micro_batch, micro_batch_size
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
 from torchloom.manifest import read as read_manifest
@@ -72,9 +72,11 @@ class Trainer:
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
         self.manifest = self.files.streamed(read_manifest(self.rd.data))
-        if "auto" in (self.tc.epochs, self.tc.early_stopping_patience):  # the driver decides where it runs one
+        if "auto" in (self.tc.batch_size, self.tc.epochs, self.tc.early_stopping_patience):  # the driver
+            # decides where it runs one
             self.tc = budget.resolve(replace(cfg, train=self.tc), self.manifest.num_labels,
-                                     self.manifest.split("train").rows)[0].train
+                                     self.manifest.split("train").rows, self.manifest.tokenizer.get("max_length")
+                                     or 128, batch_multiple(self.tc, d.world_size))[0].train
         seed_everything(self.tc.seed)
         t = time.perf_counter()
         self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
@@ -442,5 +444,5 @@ class Trainer:
             resumed_at_step=self.resumed_step,
             precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
             tokens_per_s=work_rates["tokens_per_s"], padding=work_rates["padding"], mfu=work_rates.get("mfu"),
-            time_split=time_split(work, train_s, self.d.world_size),
+            time_split=time_split(work, train_s, self.d.world_size), global_batch=self.tc.batch_size,
         )
