@@ -375,3 +375,13 @@ def test_eval_batches_in_file_order(manifest):
     assert [len(b["labels"]) for b in runs[0]] == [4, 2]
     assert sum(len(run) for run in runs) == 6
     assert list(eval_batches(manifest, "val", 17, 18, 4)) == []  # fewer rows than ranks: nothing to do
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
+def test_on_cuda_the_read_ahead_pins_every_batch_and_the_rows_are_the_same(manifest):
+    # Pinned batches make the trainer's copy to the GPU asynchronous (train/loop.py asks for it on CUDA).
+    pinned, plain = (list(ShardedLoader(manifest, "train", rank=0, world_size=2, batch_size=4, seed=0,
+                                        pin_memory=pin)) for pin in (True, False))
+    assert all(v.is_pinned() for b in pinned for v in b.values())
+    assert indices(pinned) == indices(plain)

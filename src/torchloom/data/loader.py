@@ -194,7 +194,7 @@ class ShardedLoader:
 
     def __init__(self, manifest: Manifest, split: str, *, rank: int, world_size: int, batch_size: int,
                  seed: int, global_batch: int | None = None, shuffle: bool = True, shuffle_buffer: int = 4096,
-                 length_bucketing: bool = False, pad_id: int = 0):
+                 length_bucketing: bool = False, pad_id: int = 0, pin_memory: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} with world_size {world_size}: need 0 <= rank < world_size")
         if batch_size < 1:
@@ -216,6 +216,7 @@ class ShardedLoader:
         self.global_batch, self.accum = global_batch, global_batch // (world_size * batch_size)
         self.seed, self.shuffle, self.length_bucketing, self.pad_id = seed, shuffle, length_bucketing, pad_id
         self.shuffle_buffer = shuffle_buffer
+        self.pin_memory = pin_memory  # CUDA: the read-ahead thread pins each batch (see __iter__)
         self.rows = rows
         self.fingerprint = manifest.fingerprint
         self.window = max(1, shuffle_buffer // global_batch)  # positions per window
@@ -333,8 +334,13 @@ class ShardedLoader:
         if self.epoch_finished:
             return
         first_step, within = divmod(self._batches_yielded, self.accum)
-        ahead = ReadAhead(_micro_batches(self._epoch(), first_step),
-                          max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
+        batches = _micro_batches(self._epoch(), first_step)
+        if self.pin_memory:
+            # Pinned in the read-ahead thread: the trainer's copy to the GPU is then asynchronous; from pageable
+            # memory it would block the host until the GPU had run everything queued before it, so the host could
+            # no longer queue the next step's kernels while the GPU runs this one.
+            batches = _pinned(batches)
+        ahead = ReadAhead(batches, max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
         self._active = ahead
         try:
             for n, batch in enumerate(ahead):
@@ -358,6 +364,14 @@ class ShardedLoader:
 
     def __del__(self) -> None:
         self._stop_active()
+
+
+def _pinned(batches: Iterator[Batch]) -> Iterator[Batch]:
+    try:
+        for b in batches:
+            yield {k: v.pin_memory() for k, v in b.items()}
+    finally:
+        batches.close()  # its readers now, not whenever it is collected
 
 
 def _eval_batches(uris: list[str], groups: list[RowGroup], start: int, sizes: np.ndarray, pad_id: int

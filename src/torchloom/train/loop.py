@@ -118,7 +118,7 @@ class Trainer:
             # at least MIN_WINDOW_STEPS global batches per shuffle window, however large the batch
             shuffle_buffer=max(self.tc.shuffle_buffer, MIN_WINDOW_STEPS * self.tc.batch_size),
             length_bucketing=self.tc.length_bucketing,
-            pad_id=self.model.config.pad_token_id or 0,
+            pad_id=self.model.config.pad_token_id or 0, pin_memory=self.d.device.type == "cuda",
         )
 
     # -- the loop ------------------------------------------------------------------------------
