@@ -17,6 +17,7 @@ from torchloom.config import build
 from torchloom.data.loader import ShardedLoader
 from torchloom.data.synthetic import write_synthetic_dataset
 from torchloom.engines import local
+from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
@@ -339,3 +340,29 @@ def test_train_budget_auto_trains_longer_where_more_epochs_help_and_off_keeps_th
     off, auto = results["off"], results["auto"]
     assert off.steps == 24 and not off.stopped_early
     assert auto.steps > off.steps and auto.best_metric > off.best_metric, (auto.to_dict(), off.best_metric)
+
+
+def test_compile_pads_to_a_few_widths_counts_its_graphs_and_trains_the_same_model(tmp_path, data_dir, models,
+                                                                                   monkeypatch):
+    # train.compile with DDP on 2 ranks: each transformer layer compiled in place (the backend dynamo and AOTAutograd
+    # without code generation, seconds instead of a minute); batches padded to 16-token widths, which masked
+    # attention ignores: the weights equal the eager run's, under their own names, and the summary counts graphs.
+    from torchloom.console import speed_line
+    from torchloom.train.parallelize import COMPILE_BACKEND_ENV
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "aot_eager")
+    results = {}
+    for name, flag in (("eager", "false"), ("compiled", "true")):
+        rd = new_run(tmp_path, data_dir, name)
+        results[name] = local.train(cfg_for(rd, models["no_dropout"], "--train.max_steps", "4", "--train.compile",
+                                            flag), rd, quiet=True)
+    eager, compiled = (checkpoint.load_weights(tmp_path / n / "checkpoints" / "step-4") for n in ("eager", "compiled"))
+    assert eager.keys() == compiled.keys()
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], atol=1e-5, rtol=1e-4, msg=k)
+    assert results["eager"].compiled_graphs is None and results["compiled"].compiled_graphs >= 1
+    assert results["compiled"].padding > results["eager"].padding, (results["compiled"].padding,
+                                                                     results["eager"].padding)  # the 16-token widths
+    assert f"compiled ({results['compiled'].compiled_graphs} graph" in speed_line(results["compiled"])
+    with pytest.raises(UserError, match="train.compile: runs with train.strategy ddp only"):
+        build(None, ["--train.compile", "true", "--train.strategy", "fsdp"])

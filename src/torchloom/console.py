@@ -72,6 +72,8 @@ def speed_line(result: TrainResult) -> str:
             f" ({result.padding * 100:.0f}% of the tokens computed were padding)")
     if result.mfu is not None:
         line += f", MFU {result.mfu * 100:.1f}%"
+    if result.compiled_graphs is not None:
+        line += f", compiled ({result.compiled_graphs} graph{'s' if result.compiled_graphs != 1 else ''})"
     split = ", ".join(f"{PHASE_NAMES.get(k, k)} {v * 100:.0f}%" for k, v in result.time_split.items())
     return line + (f"; time: {split}" if split else "")
 

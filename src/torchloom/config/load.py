@@ -233,6 +233,9 @@ def elastic_micro_batch(global_batch: int, world_size: int, micro_batch: int, li
 
 def validate_strategy(cfg: Config) -> None:
     train_cfg = cfg.train
+    if train_cfg.compile and train_cfg.strategy != "ddp":
+        raise UserError(f"config train.compile: runs with train.strategy ddp only; set train.compile false with"
+                        f" train.strategy {train_cfg.strategy}")
     if train_cfg.strategy != "ddp" and train_cfg.precision == "fp16":
         raise UserError(f"config train.precision: fp16 (with a gradient scaler) runs with train.strategy ddp only;"
                         f" use bf16 with train.strategy {train_cfg.strategy}")

@@ -104,6 +104,7 @@ class TrainConfig:
     select: str = field(default="best", metadata=choices("best", "last"))  # which checkpoint is exported
     strategy: str = field(default="ddp", metadata=choices("ddp", "fsdp", "pipeline"))  # see docs/parallelism.md
     activation_checkpointing: bool = False  # recompute each transformer layer in backward: less memory
+    compile: bool = False  # torch.compile each transformer layer (train/parallelize.py)
     pipeline_stages: int = field(default=0, metadata={"min": 0})  # strategy pipeline; 0: one per worker
     microbatches: int = field(default=4, metadata={"min": 1})  # strategy pipeline: per micro-step
     resume: str = ""  # "": start fresh; "latest"; or a checkpoint directory

@@ -49,7 +49,7 @@ import pyarrow as pa
 import torch
 
 from torchloom.data.readahead import ReadAhead
-from torchloom.data.shards import RangeReader, RowGroup, Rows, collate, split_row_groups
+from torchloom.data.shards import RangeReader, RowGroup, Rows, collate, pad_to_multiple, split_row_groups
 from torchloom.errors import UserError
 from torchloom.manifest import Manifest
 
@@ -194,7 +194,7 @@ class ShardedLoader:
 
     def __init__(self, manifest: Manifest, split: str, *, rank: int, world_size: int, batch_size: int,
                  seed: int, global_batch: int | None = None, shuffle: bool = True, shuffle_buffer: int = 4096,
-                 length_bucketing: bool = False, pad_id: int = 0, pin_memory: bool = False):
+                 length_bucketing: bool = False, pad_id: int = 0, pin_memory: bool = False, pad_multiple: int = 1):
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} with world_size {world_size}: need 0 <= rank < world_size")
         if batch_size < 1:
@@ -217,6 +217,7 @@ class ShardedLoader:
         self.seed, self.shuffle, self.length_bucketing, self.pad_id = seed, shuffle, length_bucketing, pad_id
         self.shuffle_buffer = shuffle_buffer
         self.pin_memory = pin_memory  # CUDA: the read-ahead thread pins each batch (see __iter__)
+        self.pad_multiple = pad_multiple  # train.compile: widths padded to a multiple of this
         self.rows = rows
         self.fingerprint = manifest.fingerprint
         self.window = max(1, shuffle_buffer // global_batch)  # positions per window
@@ -335,11 +336,8 @@ class ShardedLoader:
             return
         first_step, within = divmod(self._batches_yielded, self.accum)
         batches = _micro_batches(self._epoch(), first_step)
-        if self.pin_memory:
-            # Pinned in the read-ahead thread: the trainer's copy to the GPU is then asynchronous; from pageable
-            # memory it would block the host until the GPU had run everything queued before it, so the host could
-            # no longer queue the next step's kernels while the GPU runs this one.
-            batches = _pinned(batches)
+        if self.pin_memory or self.pad_multiple > 1:
+            batches = _for_the_device(batches, self.pin_memory, self.pad_multiple, self.pad_id)
         ahead = ReadAhead(batches, max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
         self._active = ahead
         try:
@@ -366,10 +364,14 @@ class ShardedLoader:
         self._stop_active()
 
 
-def _pinned(batches: Iterator[Batch]) -> Iterator[Batch]:
+def _for_the_device(batches: Iterator[Batch], pin: bool, multiple: int, pad_id: int) -> Iterator[Batch]:
+    """In the read-ahead thread: widths padded to `multiple`, and batches pinned where `pin`. Pinned, the trainer's
+    copy to the GPU is asynchronous; from pageable memory it would block the host until the GPU had run everything
+    queued before it, so the host could not queue the next step's kernels while the GPU runs this one."""
     try:
         for b in batches:
-            yield {k: v.pin_memory() for k, v in b.items()}
+            b = pad_to_multiple(b, multiple, pad_id)
+            yield {k: v.pin_memory() for k, v in b.items()} if pin else b
     finally:
         batches.close()  # its readers now, not whenever it is collected
 

@@ -118,6 +118,18 @@ def collate(rows: Rows, pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+def pad_to_multiple(batch: dict[str, torch.Tensor], multiple: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """`batch` with its width (input_ids and attention_mask) padded up to a multiple of `multiple`: a compiled
+    model then sees a few widths, not every length up to max_length."""
+    width = batch["input_ids"].shape[1]
+    extra = -width % multiple
+    if multiple <= 1 or not extra:
+        return batch
+    pad = torch.nn.functional.pad
+    return {**batch, "input_ids": pad(batch["input_ids"], (0, extra), value=pad_id),
+            "attention_mask": pad(batch["attention_mask"], (0, extra), value=0)}
+
+
 def _open(uri: str) -> pq.ParquetFile:
     return pq.ParquetFile(uri)
 

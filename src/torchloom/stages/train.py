@@ -139,6 +139,8 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
                          "train_preemptions": len(result.preemptions), "train_tokens_per_s": result.tokens_per_s,
                          "train_padding": result.padding,
                          **({"train_mfu": result.mfu} if result.mfu is not None else {}),
+                         **({"train_compiled_graphs": result.compiled_graphs}
+                            if result.compiled_graphs is not None else {}),
                          **{f"train_time_{k}": v for k, v in result.time_split.items()}})
     if isinstance(result.best_metric, (int, float)):
         tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)

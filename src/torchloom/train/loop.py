@@ -36,7 +36,7 @@ from torchloom.train import checkpoint, optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
 from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum, any_rank
 from torchloom.train.evaluation import evaluate
-from torchloom.train.parallelize import parallelize
+from torchloom.train.parallelize import COMPILE_PAD, compiled_graphs, parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
@@ -119,6 +119,7 @@ class Trainer:
             shuffle_buffer=max(self.tc.shuffle_buffer, MIN_WINDOW_STEPS * self.tc.batch_size),
             length_bucketing=self.tc.length_bucketing,
             pad_id=self.model.config.pad_token_id or 0, pin_memory=self.d.device.type == "cuda",
+            pad_multiple=COMPILE_PAD if self.tc.compile else 1,
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -445,4 +446,5 @@ class Trainer:
             precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
             tokens_per_s=work_rates["tokens_per_s"], padding=work_rates["padding"], mfu=work_rates.get("mfu"),
             time_split=time_split(work, train_s, self.d.world_size), global_batch=self.tc.batch_size,
+            compiled_graphs=compiled_graphs() if self.tc.compile else None,
         )

@@ -5,7 +5,11 @@ In this order:
      under torch.utils.checkpoint (non-reentrant), so backward recomputes the layer instead of keeping
      its activations. It wraps the layer's own forward, inside the module's hooks: FSDP's all-gather
      hooks stay outside the recomputed region, and the weights keep their names.
-  2. the strategy (train.strategy):
+  2. torch.compile (train.compile) of each transformer layer, in place, as torchtitan does: the layers share one
+     code object, so one graph serves them all; embeddings and head stay eager. Layer by layer, DDP still
+     all-reduces a layer's gradients while backward goes on. In place (Module.compile), so the weights keep their
+     names. With ddp only: FSDP's hooks would run inside the compiled region (config/load.py refuses the rest).
+  3. the strategy (train.strategy):
      ddp       DistributedDataParallel: every rank holds the whole model; gradients are all-reduced.
      fsdp      FSDP2 `fully_shard` on each transformer layer, then on the root (ZeRO-3): a rank keeps
                1/N of the parameters, gradients and optimizer states; a layer's parameters are
@@ -20,6 +24,7 @@ gradients and their reduce-scatter stay fp32, exactly as under DDP, so fsdp comp
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -110,6 +115,24 @@ def checkpoint_layers(model: torch.nn.Module) -> None:
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
 
+# Widths of training batches under train.compile: a few shapes to compile, aligned for tensor cores.
+COMPILE_PAD = 16
+# The compiler backend; tests set aot_eager (dynamo and AOTAutograd without code generation), which is seconds.
+COMPILE_BACKEND_ENV = "TORCHLOOM_COMPILE_BACKEND"
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    for layer in transformer_layers(model):
+        layer.compile(backend=os.environ.get(COMPILE_BACKEND_ENV, "inductor"))
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (a recompile for a new shape adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def parallelize(model: torch.nn.Module, d: Dist, tc: TrainConfig, manifest_max_length: int | None = None,
                 loss_weights: torch.Tensor | None = None) -> Parallel:
     """Apply train.activation_checkpointing and train.strategy to `model`, in place.
@@ -120,6 +143,8 @@ def parallelize(model: torch.nn.Module, d: Dist, tc: TrainConfig, manifest_max_l
     model.to(d.device)
     if tc.activation_checkpointing:
         checkpoint_layers(model)
+    if tc.compile:
+        compile_layers(model)
     if tc.strategy == "pipeline":
         stages = tc.pipeline_stages or d.world_size
         if stages != d.world_size or stages < 2:

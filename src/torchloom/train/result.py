@@ -40,6 +40,7 @@ class TrainResult:
     padding: float = 0.0  # the share of the tokens computed that were padding
     mfu: float | None = None  # model FLOPs utilisation where the GPU's dense peak is known; None elsewhere
     time_split: dict = field(default_factory=dict)  # each phase's share of train_s (train/clock.PHASES)
+    compiled_graphs: int | None = None  # train.compile: graphs compiled on rank 0 (a new shape adds one); None: off
     global_batch: int = 0  # rows per optimizer step over all ranks (train.batch_size auto resolved); 0: unknown
 
     def to_dict(self) -> dict:
