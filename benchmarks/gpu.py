@@ -93,6 +93,7 @@ class Plan:
     requests: int  # per concurrency level (c=1: a quarter, at least 100)
     time_cap: float  # seconds per concurrency level, and for the offline rates
     tiny: bool
+    compile: bool = False  # torchloom train with --train.compile true (compiling adds about a minute a model)
 
     @property
     def total(self) -> int:
@@ -318,7 +319,8 @@ def torchloom_train(run_dir: Path, model_dir: str, plan: Plan) -> dict:
                      "--train.max_steps", str(plan.total), "--train.precision", plan.precision,
                      "--train.log_every", str(plan.warmup), "--train.eval_every", str(10 * plan.total),
                      "--train.checkpoint_every", str(10 * plan.total), "--train.warmup_ratio", "0",
-                     "--tracking.enabled", "false"], run_dir / "torchloom.log", plan)
+                     "--tracking.enabled", "false", *(["--train.compile", "true"] if plan.compile else [])],
+        run_dir / "torchloom.log", plan)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     train = {x["step"]: x for x in lines if x.get("kind") == "train"}
     seconds = train[plan.total]["time"] - train[plan.warmup]["time"]
@@ -382,6 +384,7 @@ def train_rows(label: str, model_dir: str, sides: list[tuple[str, dict | None]],
         tflops = r["samples_per_s"] * flops / 1e12
         mfu = r["mfu"] if "mfu" in r else (tflops / peak if peak else None)
         notes = f"steps {plan.warmup + 1}-{plan.total}, batch {plan.batch}, {plan.precision}"
+        notes += ", --train.compile true" if plan.compile and what == "torchloom train" else ""
         if "time_split" in r:
             split = ", ".join(f"{k} {v:.0%}" for k, v in r["time_split"].items())
             notes += f"; padding {r['padding']:.0%}; run's time split: {split}"
@@ -554,6 +557,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=0, help="steps in the timed window (default 100; --tiny 4)")
     p.add_argument("--requests", type=int, default=0, help="requests per concurrency level (default 2000; --tiny 40)")
     p.add_argument("--time-cap", type=float, default=0, help="s per concurrency level at most (default 15; --tiny 1)")
+    p.add_argument("--compile", action="store_true", help="torchloom train with --train.compile true")
     p.add_argument("--minilm", default="", help="MiniLM's dir (default: the embedded one; a --bundle's works)")
     p.add_argument("--texts", default="", help="a JSON list of texts to serve (default: serve.load_texts())")
     p.add_argument("--write", action="store_true", help=f"record the table in --doc under '## {TITLE}'")
@@ -573,7 +577,8 @@ def plan_of(a: argparse.Namespace) -> Plan:
 
     return Plan(device=a.device, precision=choose_precision(a.device, a.precision), batch=pick(a.batch, 256, 8),
                 seq_len=pick(a.seq_len, 128, 32), warmup=pick(a.warmup_steps, 10, 2), steps=pick(a.steps, 100, 4),
-                requests=pick(a.requests, 2000, 40), time_cap=pick(a.time_cap, 15.0, 1.0), tiny=tiny)
+                requests=pick(a.requests, 2000, 40), time_cap=pick(a.time_cap, 15.0, 1.0), tiny=tiny,
+                compile=a.compile)
 
 
 def measure(a: argparse.Namespace) -> tuple[str, bool]:
