@@ -178,12 +178,14 @@ def run_one(corpus: str, seed: str, data: list[str], extra: list[str], workdir: 
     s = json.loads((rd / "summary.json").read_text())
     m = json.loads((rd / "data" / "manifest.json").read_text())
     t = json.loads((rd / "train_result.json").read_text())
-    chosen = re.search(r"train: epochs auto: (\d+)", proc.stdout + proc.stderr)
+    chosen = re.search(r"epochs auto: (\d+)", proc.stdout + proc.stderr)
+    batch = re.search(r"global batch (\d+)", proc.stdout + proc.stderr)
     test = m["splits"]["test"]
     return {"corpus": corpus, "seed": seed, "rows": m["counts"]["rows_kept"], "classes": len(m["labels"]),
             "test": test.get("documents") or test["rows"], "transformer": s["baseline"]["transformer_accuracy"],
             "base": s["baseline"]["accuracy"], "shipped": s["accuracy"],
             "weight": s.get("shipped", {}).get("weight", 1.0), "chosen": chosen.group(1) if chosen else "set",
+            "batch": batch.group(1) if batch else "?",
             "ran": t["epochs"], "stopped": t["stopped_early"], "wall": wall}
 
 
@@ -214,13 +216,13 @@ def main() -> None:
           f"{' plus ' + ' '.join(args.extra) if args.extra else ''}"
           f"{f'; --sample {args.sample}' if args.sample else ''}\n")
     print("| corpus | seed | rows kept | classes | test rows | transformer acc | baseline acc | shipped acc |"
-          " shipped - baseline (points) | mix weight | epochs chosen / run | wall s |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          " shipped - baseline (points) | mix weight | global batch | epochs chosen / run | wall s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
         ran = f"{r['ran']:.1f}{', stopped early' if r['stopped'] else ''}"
         print(f"| {r['corpus']} | {r['seed']} | {r['rows']} | {r['classes']} | {r['test']} | {r['transformer']:.4f} |"
               f" {r['base']:.4f} | {r['shipped']:.4f} | {(r['shipped'] - r['base']) * 100:+.1f} | {r['weight']:.2f} |"
-              f" {r['chosen']} / {ran} | {r['wall']:.0f} |")
+              f" {r['batch']} | {r['chosen']} / {ran} | {r['wall']:.0f} |")
     for corpus in dict.fromkeys(r["corpus"] for r in rows):
         mine = [r for r in rows if r["corpus"] == corpus]
         med = {k: statistics.median(r[k] for r in mine) for k in ("transformer", "base", "shipped")}
