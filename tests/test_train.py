@@ -248,6 +248,8 @@ def test_killed_worker_restarts_and_resumes_to_the_same_weights(tmp_path, data_d
     monkeypatch.delenv("TORCHLOOM_FAULT")
     assert (rd / "logs" / "fault-fired-rank1-step8").exists()
     assert result.resumed_from.endswith("step-5") and result.steps == 13
+    # this launch's speed: the 8 steps it ran, not the 5 before its start (8 rows each)
+    assert result.samples_per_s == pytest.approx((result.samples_seen - 5 * 8) / result.train_s, rel=0.02)
     a, b = weights(ref / "checkpoints" / "step-13"), weights(rd / "checkpoints" / "step-13")
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -100,6 +100,7 @@ class Trainer:
         self.state = TrainState()
         self.budget_s = budget.budget_seconds(self.tc.budget)
         self.fit_started = time.perf_counter()
+        self.samples_before = 0  # samples_seen when fit() began (a resumed run's are not its speed)
         self.last_eval: dict | None = None
         self.first_step_s: float | None = None
         self.notice = AgreedLater(d)  # the preemption notice, shared at step boundaries
@@ -127,6 +128,7 @@ class Trainer:
         """Every optimizer step, then maybe log, evaluate, checkpoint; at the end a last eval and checkpoint."""
         s, tc = self.state, self.tc
         started = self.fit_started = time.perf_counter()
+        self.samples_before = s.samples_seen
         window = LogWindow(torch.zeros((), device=self.d.device))
         steps = self.optimizer_steps()
         while s.step < self.total_steps and not s.stopped_early:
@@ -435,7 +437,7 @@ class Trainer:
         return TrainResult(
             steps=s.step, total_steps=self.total_steps, epochs=self.epoch_float(), samples_seen=s.samples_seen,
             train_s=round(train_s, 2), first_step_s=round(self.first_step_s or 0.0, 2),
-            samples_per_s=round(s.samples_seen / train_s, 2) if train_s > 0 else 0.0,
+            samples_per_s=round((s.samples_seen - self.samples_before) / train_s, 2) if train_s > 0 else 0.0,
             stopped_early=s.stopped_early, stop_reason=s.stop_reason, best_metric=s.best_metric,
             best_step=s.best_step,
             best_checkpoint=str(self.rd.checkpoint(s.best_step)) if s.best_step >= 0 else None,
