@@ -79,7 +79,8 @@ def check_stores(cfg: Config) -> None:
                             ("data.test_path", cfg.data.test_path, check_reachable)):
         if is_uri(uri) and redact(uri) != uri:
             raise UserError(f"{key} {redact(uri)}: holds credentials (user:password@ or a query string);"
-                            " give them in the environment (AWS_ACCESS_KEY_ID ..., a profile, an instance role),"
+                            " give them in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS or AZURE_STORAGE_*,"
+                            " a profile, an instance role),"
                             " never in the URI, which is written to config.toml and logs")
         if is_uri(uri) and uri not in _STORES_CHECKED:
             if key.startswith("data.") and not runs_on_this_machine(cfg.prepare.spark_master):

@@ -47,7 +47,7 @@ from torchloom.runrecord import (
     replace_local,
     write_record,
 )
-from torchloom.store_errors import retrying_for
+from torchloom.store_errors import retrying_for, what_to_check
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")
@@ -204,6 +204,11 @@ class RunFiles:
         otherwise, within seconds); nothing to check for a local run."""
         if self._remote is not None:
             storage.check_writable(self._remote, key)
+
+    def what_to_check(self) -> str:
+        """For a line telling a host without access what to give it: this store's kind of credentials and endpoint
+        (S3's, Google's or Azure's variables)."""
+        return what_to_check(self._remote or "")
 
     def reachable(self, path: str | Path) -> bool:
         """Does this host reach the run's `path`: on the store (a host without its credentials does not), or for

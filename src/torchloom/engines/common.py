@@ -54,8 +54,7 @@ def not_visible(rd: RunDir, hosts: list[str]) -> RunDirNotVisible:
     if RunFiles(rd).on_store:
         return RunDirNotVisible(
             f"output.dir {rd.where}: the store's prepared data ({rd.home(rd.manifest)}) cannot be read from"
-            f" host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}; give those hosts the store's credentials"
-            " (AWS_ACCESS_KEY_ID ..., a profile, an instance role) and AWS_ENDPOINT_URL")
+            f" host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}; give those hosts {RunFiles(rd).what_to_check()}")
     return RunDirNotVisible(
         f"output.dir {rd.root}: not visible on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} (no"
         f" {rd.manifest.relative_to(rd.root)} there); put the run directory on storage every host mounts at the same"
