@@ -10,7 +10,8 @@ prepared once with `torchloom prepare` into --run-dir.
 --tiny: a random 2-layer, 32-wide BERT (model/tiny.py) in fp32 instead, whose step costs almost nothing on a CPU,
 so what remains is the work around the model, as on a GPU (issue 48): ms per step of the bare loop and of
 torchloom at each --workers count, their ratio, and where torchloom's step time went (train_result.json's
-time_split, train/clock.py).
+time_split, train/clock.py). The bare loop does the same work as torchloom's defaults there: validation and a
+checkpoint at each epoch end (bare_ddp.py --same-work).
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ def ensure_data(run_dir: Path) -> None:
         sh(TORCHLOOM + ["prepare", "--output.dir", str(run_dir), "--output.overwrite", "true"])
 
 
-def bare(run_dir: Path, model_dir: str, steps: int, batch: int, workers: int, precision: str) -> dict:
+def bare(run_dir: Path, model_dir: str, steps: int, batch: int, workers: int, precision: str,
+         same_work: bool = False) -> dict:
     out = Path(tempfile.mkdtemp()) / "bare.json"
     launched = time.time()  # the same parent-side moment torchloom_train starts its clock at
     sh([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
         str(ROOT / "benchmarks" / "bare_ddp.py"), str(run_dir / "data"), model_dir, str(steps), str(batch),
-        precision, str(out), str(launched)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        precision, str(out), str(launched), *(["--same-work"] if same_work else [])], stdout=subprocess.DEVNULL,
+       stderr=subprocess.DEVNULL)
     return json.loads(out.read_text())
 
 
@@ -90,12 +93,12 @@ def tiny(run_dir: Path, steps: int, batch: int, workers: list[int], rounds: int)
 
     model = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
     print(f"\ntiny BERT (2 layers, 32 wide), fp32, global batch {batch}, {steps} steps, {cpu_model()}, best of"
-          f" {rounds} interleaved rounds")
+          f" {rounds} interleaved rounds; both sides validate and checkpoint at each epoch end")
     print(f"{'workers':>7} {'bare ms/step':>13} {'torchloom ms/step':>18} {'x bare':>7}  torchloom's time split")
     for w in workers:
         bares, ours = [], []
         for _ in range(rounds):
-            bares.append(bare(run_dir, model, steps, batch, w, "fp32"))
+            bares.append(bare(run_dir, model, steps, batch, w, "fp32", same_work=True))
             ours.append(torchloom_train(run_dir, steps, batch, w, "fp32", model=model))
         b = max(bares, key=lambda r: r["samples_per_s"])
         t = max(ours, key=lambda r: r["samples_per_s"])
