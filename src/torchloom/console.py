@@ -69,7 +69,7 @@ def speed_line(result: TrainResult) -> str:
     """Throughput as a GPU user reads it: samples/s, real tokens/s and the padding, MFU where the GPU's peak is
     known, and where a step's time went (train/clock.py)."""
     line = (f"{result.samples_per_s:.1f} samples/s, {result.tokens_per_s:,.0f} tokens/s"
-            f" ({result.padding * 100:.0f}% of the tokens computed were padding)")
+            f" ({result.padding * 100:.0f}% of the tokens computed were padding{', packed' if result.packed else ''})")
     if result.mfu is not None:
         line += f", MFU {result.mfu * 100:.1f}%"
     if result.compiled_graphs is not None:

@@ -56,6 +56,7 @@ MEANINGS: dict[str, str] = {
     'train.shuffle_buffer': 'rows shuffled together over all workers (each holds shuffle_buffer / workers), at least 16 x batch_size: the order is the same on any number of workers',
     'train.trace_rows': 'write the row ids of every step, per worker, to logs/rows-rankR.jsonl (to check the data order)',
     'train.length_bucketing': 'batch rows of similar length together (less padding)',
+    'train.packing': 'padding-free training and validation for BERT-family classifiers: each micro-batch\'s sequences are packed end to end into rows of its longest row\'s width, each attending only to itself, the [CLS] state of each gathered for the head (the same logits as padded, the same rows and loss); other models are refused. See docs/benchmarks.md for where it pays',
     'train.select': 'which checkpoint `export` writes: `best` on validation or `last`',
     'train.strategy': '`ddp` (torch DDP: every worker holds the model), `fsdp` (FSDP2 `fully_shard`: parameters, gradients and optimizer states sharded over the workers) or `pipeline` (the layers cut into one stage per worker); see [parallelism.md](parallelism.md)',
     'train.activation_checkpointing': 'recompute each transformer layer during backward instead of keeping its activations: less memory, one more forward; any strategy',

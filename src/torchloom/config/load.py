@@ -236,6 +236,9 @@ def validate_strategy(cfg: Config) -> None:
     if train_cfg.compile and train_cfg.strategy != "ddp":
         raise UserError(f"config train.compile: runs with train.strategy ddp only; set train.compile false with"
                         f" train.strategy {train_cfg.strategy}")
+    if train_cfg.packing and train_cfg.strategy == "pipeline":  # its stages pass padded rows of a fixed shape
+        raise UserError("config train.packing: runs with train.strategy ddp or fsdp; set train.packing false with"
+                        " train.strategy pipeline")
     if train_cfg.strategy != "ddp" and train_cfg.precision == "fp16":
         raise UserError(f"config train.precision: fp16 (with a gradient scaler) runs with train.strategy ddp only;"
                         f" use bf16 with train.strategy {train_cfg.strategy}")

@@ -100,6 +100,7 @@ class TrainConfig:
     class_weights: str = field(default="none", metadata=choices("none", "balanced"))
     shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together, all ranks
     length_bucketing: bool = False
+    packing: bool = False  # BERT-family: each micro-batch's sequences packed into fewer rows (model/packing.py)
     trace_rows: bool = False  # every rank writes the row ids of each step to logs/rows-rankR.jsonl
     select: str = field(default="best", metadata=choices("best", "last"))  # which checkpoint is exported
     strategy: str = field(default="ddp", metadata=choices("ddp", "fsdp", "pipeline"))  # see docs/parallelism.md

@@ -48,6 +48,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from torchloom.data.packing import pack_batch
 from torchloom.data.readahead import ReadAhead
 from torchloom.data.shards import RangeReader, RowGroup, Rows, collate, pad_to_multiple, split_row_groups
 from torchloom.errors import UserError
@@ -194,7 +195,8 @@ class ShardedLoader:
 
     def __init__(self, manifest: Manifest, split: str, *, rank: int, world_size: int, batch_size: int,
                  seed: int, global_batch: int | None = None, shuffle: bool = True, shuffle_buffer: int = 4096,
-                 length_bucketing: bool = False, pad_id: int = 0, pin_memory: bool = False, pad_multiple: int = 1):
+                 length_bucketing: bool = False, pad_id: int = 0, pin_memory: bool = False, pad_multiple: int = 1,
+                 packing: bool = False):
         if world_size < 1 or not 0 <= rank < world_size:
             raise UserError(f"rank {rank} with world_size {world_size}: need 0 <= rank < world_size")
         if batch_size < 1:
@@ -218,6 +220,7 @@ class ShardedLoader:
         self.shuffle_buffer = shuffle_buffer
         self.pin_memory = pin_memory  # CUDA: the read-ahead thread pins each batch (see __iter__)
         self.pad_multiple = pad_multiple  # train.compile: widths padded to a multiple of this
+        self.packing = packing  # train.packing: each micro-batch packed (data/packing.py), the same rows
         self.rows = rows
         self.fingerprint = manifest.fingerprint
         self.window = max(1, shuffle_buffer // global_batch)  # positions per window
@@ -336,8 +339,8 @@ class ShardedLoader:
             return
         first_step, within = divmod(self._batches_yielded, self.accum)
         batches = _micro_batches(self._epoch(), first_step)
-        if self.pin_memory or self.pad_multiple > 1:
-            batches = _for_the_device(batches, self.pin_memory, self.pad_multiple, self.pad_id)
+        if self.pin_memory or self.pad_multiple > 1 or self.packing:
+            batches = _for_the_device(batches, self.pin_memory, self.pad_multiple, self.pad_id, self.packing)
         ahead = ReadAhead(batches, max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
         self._active = ahead
         try:
@@ -364,13 +367,16 @@ class ShardedLoader:
         self._stop_active()
 
 
-def _for_the_device(batches: Iterator[Batch], pin: bool, multiple: int, pad_id: int) -> Iterator[Batch]:
-    """In the read-ahead thread: widths padded to `multiple`, and batches pinned where `pin`. Pinned, the trainer's
-    copy to the GPU is asynchronous; from pageable memory it would block the host until the GPU had run everything
-    queued before it, so the host could not queue the next step's kernels while the GPU runs this one."""
+def _for_the_device(batches: Iterator[Batch], pin: bool, multiple: int, pad_id: int, packing: bool = False
+                    ) -> Iterator[Batch]:
+    """In the read-ahead thread: widths padded to `multiple`, packed where `packing`, and pinned where `pin`.
+    Pinned, the trainer's copy to the GPU is asynchronous; from pageable memory it would block the host until the
+    GPU had run everything queued before it, so the host could not queue the next step's kernels while the GPU runs
+    this one."""
     try:
         for b in batches:
             b = pad_to_multiple(b, multiple, pad_id)
+            b = pack_batch(b, pad_id) if packing else b
             yield {k: v.pin_memory() for k, v in b.items()} if pin else b
     finally:
         batches.close()  # its readers now, not whenever it is collected

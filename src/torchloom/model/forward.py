@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from torchloom.model.device import autocast
+from torchloom.model.packing import packed_logits
 
 
 @torch.inference_mode()
@@ -26,7 +27,10 @@ def prepared_logits(model: torch.nn.Module, batches: Iterable[dict], device: tor
     for batch in batches:
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         with autocast(device, precision):
-            logits = forward(ids, mask) if forward is not None else model(input_ids=ids, attention_mask=mask).logits
+            if "cls_index" in batch:  # a packed batch (train.packing): the model itself, one logit row per sequence
+                logits = packed_logits(model, model, batch, device)
+            else:
+                logits = forward(ids, mask) if forward is not None else model(input_ids=ids, attention_mask=mask).logits
         if logits is None or not len(batch["labels"]):
             continue
         logits_out.append(logits.float().cpu().numpy())

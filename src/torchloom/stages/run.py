@@ -87,7 +87,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
         "data": {k: v for k, v in read_manifest(rd.data).inputs.items()
                  if k in ("path", "format", "version", "committed")},  # a table: the version read
         "training": training_line(cfg, result), "speed": speed_line(result),
-        "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "mfu",
+        "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "packed", "mfu",
                                                         "time_split")},
     }
     if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time

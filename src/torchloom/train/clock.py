@@ -66,9 +66,10 @@ class StepClock:
         yield
         self._add(name, time.perf_counter() - started)
 
-    def count(self, attention_mask: torch.Tensor) -> None:
-        """One micro-batch's tokens and model FLOPs (the mask as the loader gives it, on the host)."""
-        lengths = attention_mask.sum(dim=1).to(torch.float64)
+    def count(self, attention_mask: torch.Tensor, lengths: torch.Tensor | None = None) -> None:
+        """One micro-batch's tokens and model FLOPs (the mask as the loader gives it, on the host). lengths: each
+        sequence's tokens where a row holds several (a packed batch); attention's FLOPs are per sequence."""
+        lengths = (attention_mask.sum(dim=1) if lengths is None else lengths).to(torch.float64)
         real = float(lengths.sum())
         flops = 6.0 * self.n * real + 12.0 * self.layers * self.hidden * float((lengths * lengths).sum())
         for totals in (self.window, self.run):

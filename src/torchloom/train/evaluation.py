@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from torchloom.data.loader import eval_batches, rank_range
+from torchloom.data.packing import pack_batch
 from torchloom.data.texts import to_documents
 from torchloom.manifest import Manifest
 from torchloom.model.forward import prepared_logits
@@ -33,16 +34,20 @@ def in_lockstep(batches: Iterator[dict], count: int) -> Iterator[dict]:
 
 
 def predict_split(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
-                  precision: str, par: Parallel | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  precision: str, par: Parallel | None = None, packing: bool = False
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """This rank's (logits in float32, labels, row indices) for its contiguous share of `split`'s rows.
 
     par: how training parallelised `model`. Shares go to data-parallel ranks: under FSDP every rank runs
     as many forwards as the largest share (each one all-gathers), a pipeline's stages all run the whole
     split and its last stage returns it, the others nothing. Rows are windows of texts when the data was
-    prepared with truncation chunks: data.texts.to_documents turns them into one score per text.
+    prepared with truncation chunks: data.texts.to_documents turns them into one score per text. packing: each
+    batch packed (train.packing), the same logits.
     """
     rank, world = (par.dp_rank, par.dp_size) if par is not None else (d.rank, d.world_size)
     batches = eval_batches(manifest, split, rank, world, batch_size)
+    if packing:
+        batches = map(pack_batch, batches)
     if par is not None and par.eval_in_lockstep:
         batches = in_lockstep(batches, math.ceil(rank_range(manifest.split(split).rows, world, 0)[1] / batch_size))
     return prepared_logits(model, batches, d.device, precision, manifest.num_labels,
@@ -50,9 +55,9 @@ def predict_split(d: Dist, model: torch.nn.Module, manifest: Manifest, split: st
 
 
 def evaluate(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, batch_size: int,
-             precision: str, par: Parallel | None = None) -> dict:
+             precision: str, par: Parallel | None = None, packing: bool = False) -> dict:
     """Collective: every rank calls it and every rank returns the same metrics (one row per text)."""
-    logits, labels, index = predict_split(d, model, manifest, split, batch_size, precision, par)
+    logits, labels, index = predict_split(d, model, manifest, split, batch_size, precision, par, packing)
     parts = all_gather_objects(d, (logits, labels, index))
     probs, labels, _ = to_documents(manifest, split, *(np.concatenate([part[i] for part in parts]) for i in range(3)))
     return classification_metrics(probs, labels, manifest.labels)

@@ -30,6 +30,7 @@ from torchloom.embedded import model_path
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
+from torchloom.model.packing import packed_logits
 from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train import checkpoint, optim, preemption
@@ -120,7 +121,7 @@ class Trainer:
             shuffle_buffer=max(self.tc.shuffle_buffer, MIN_WINDOW_STEPS * self.tc.batch_size),
             length_bucketing=self.tc.length_bucketing,
             pad_id=self.model.config.pad_token_id or 0, pin_memory=self.d.device.type == "cuda",
-            pad_multiple=COMPILE_PAD if self.tc.compile else 1,
+            pad_multiple=COMPILE_PAD if self.tc.compile else 1, packing=self.tc.packing,
         )
 
     # -- the loop ------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=d.device)
         with self.clock.phase("forward_backward"):
             for i, batch in enumerate(micro_batches):
-                self.clock.count(batch["attention_mask"])
+                self.clock.count(batch["attention_mask"], batch.get("lengths"))
                 last = i == len(micro_batches) - 1
                 # Skip the gradient all-reduce on all but the last micro-step: it would be redone anyway.
                 with par.grad_sync(last or not d.enabled):
@@ -229,10 +230,13 @@ class Trainer:
         """One micro-batch through the (data-parallel) model; returns its summed loss."""
         d = self.d
         with autocast(d.device, self.tc.precision):
-            logits = self.par.module(
-                input_ids=batch["input_ids"].to(d.device, non_blocking=True),
-                attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
-            ).logits
+            if "cls_index" in batch:  # train.packing: the same logits, one per sequence (model/packing.py)
+                logits = packed_logits(self.par.module, self.model, batch, d.device)
+            else:
+                logits = self.par.module(
+                    input_ids=batch["input_ids"].to(d.device, non_blocking=True),
+                    attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
+                ).logits
         labels = batch["labels"].to(d.device, non_blocking=True)
         summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
         loss = summed * loss_scale
@@ -300,7 +304,7 @@ class Trainer:
         self.progress(phase="eval", step=s.step, epoch=self.epoch_float())
         with self.clock.phase("eval"):
             m = evaluate(self.d, self.model, self.manifest, "val", self.cfg.eval.batch_size, self.eval_precision,
-                         self.par)
+                         self.par, packing=self.tc.packing)
         self.last_eval = m
         value = m[self.tc.metric]
         if better(self.tc.metric, value, s.best_metric):
@@ -448,5 +452,5 @@ class Trainer:
             precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
             tokens_per_s=work_rates["tokens_per_s"], padding=work_rates["padding"], mfu=work_rates.get("mfu"),
             time_split=time_split(work, train_s, self.d.world_size), global_batch=self.tc.batch_size,
-            compiled_graphs=compiled_graphs() if self.tc.compile else None,
+            compiled_graphs=compiled_graphs() if self.tc.compile else None, packed=self.tc.packing,
         )

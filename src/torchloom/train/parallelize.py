@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from torchloom.config.schema import TrainConfig
 from torchloom.errors import UserError
+from torchloom.model.packing import check_packing
 from torchloom.train.distributed import Dist
 from torchloom.train.pipeline_parallel import Pipeline
 
@@ -140,6 +141,8 @@ def parallelize(model: torch.nn.Module, d: Dist, tc: TrainConfig, manifest_max_l
     manifest_max_length: tokens per row after prepare; pipeline stages pad every batch to it.
     loss_weights: class weights of the loss, which a pipeline's last stage computes.
     """
+    if tc.packing:  # before anything wraps it: packed batches run BERT-family models only (model/packing.py)
+        check_packing(model)
     model.to(d.device)
     if tc.activation_checkpointing:
         checkpoint_layers(model)

@@ -41,6 +41,7 @@ class TrainResult:
     mfu: float | None = None  # model FLOPs utilisation where the GPU's dense peak is known; None elsewhere
     time_split: dict = field(default_factory=dict)  # each phase's share of train_s (train/clock.PHASES)
     compiled_graphs: int | None = None  # train.compile: graphs compiled on rank 0 (a new shape adds one); None: off
+    packed: bool = False  # train.packing: each micro-batch's sequences packed into fewer rows (less padding)
     global_batch: int = 0  # rows per optimizer step over all ranks (train.batch_size auto resolved); 0: unknown
 
     def to_dict(self) -> dict:
