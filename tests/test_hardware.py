@@ -123,11 +123,12 @@ def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, 
     from torchloom.stages.train import how_long
 
     assert budget.choose_batch(5, 1780, 128)[0] == 16  # the demo: 2 epochs of 112 steps are 225 needed
-    assert budget.choose_batch(2, 4459, 128)[0] == 32  # 2 epochs of 140 steps >= 2 x 90 needed; 64 would give 70
+    assert budget.choose_batch(2, 4459, 128)[0] == 16  # SMS: 32 would give 2 epochs of 140 steps < 4 x 90 needed
+    assert budget.choose_batch(2, 12000, 128)[0] == 64  # 2 epochs of 188 steps >= 4 x 90; 128 would give 94
     assert budget.choose_batch(4, 1_000_000, 128)[0] == 256  # at most 32,768 tokens a step
     assert budget.choose_batch(4, 1_000_000, 512)[0] == 64
     assert budget.choose_batch(52, 7000, 128)[0] == 16  # many classes: never below 16
-    assert budget.choose_batch(2, 4459, 128, multiple=3)[0] == 33  # rounded up to workers x grad_accum
+    assert budget.choose_batch(2, 12000, 128, multiple=3)[0] == 66  # rounded up to workers x grad_accum
     assert [budget.choose_batch(4, 1_000_000, 128, multiple=w)[0] for w in (1, 2, 4, 8, 16)] == [256] * 5
     # epochs auto counts the steps of the batch chosen: large data gets the minimum, 2
     cfg, line = budget.resolve(build(None, []), 4, 1_000_000)
@@ -136,9 +137,9 @@ def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, 
     assert cfg.train.batch_size == 16 and "batch_size" not in line  # nothing new to say
     # the driver: from the prepared data; a resumed run keeps the batch its config.toml recorded
     rd = tmp_path / "run"
-    write_synthetic_dataset(rd / "data", rows={"train": 4000, "val": 8, "test": 8}, num_labels=2)
+    write_synthetic_dataset(rd / "data", rows={"train": 12000, "val": 8, "test": 8}, num_labels=2)
     fresh = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]))
-    assert fresh.train.batch_size == 32 and "batch_size auto: 32" in capsys.readouterr().err
+    assert fresh.train.batch_size == 64 and "batch_size auto: 64" in capsys.readouterr().err
     save(build(None, ["--output.dir", str(rd), "--train.batch_size", "32"]), rd / "config.toml")
     resumed = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]), resuming=True)
     assert resumed.train.batch_size == 32
