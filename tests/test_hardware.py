@@ -123,7 +123,7 @@ def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, 
     from torchloom.stages.train import how_long
 
     assert budget.choose_batch(5, 1780, 128)[0] == 16  # the demo: 2 epochs of 112 steps are 225 needed
-    assert budget.choose_batch(2, 4459, 128)[0] == 16  # SMS: 32 would give 2 epochs of 140 steps < 4 x 90 needed
+    assert budget.choose_batch(2, 3610, 128)[0] == 16  # SMS: 32 would give 2 epochs of 113 steps < 4 x 90 needed
     assert budget.choose_batch(2, 12000, 128)[0] == 64  # 2 epochs of 188 steps >= 4 x 90; 128 would give 94
     assert budget.choose_batch(4, 1_000_000, 128)[0] == 256  # at most 32,768 tokens a step
     assert budget.choose_batch(4, 1_000_000, 512)[0] == 64

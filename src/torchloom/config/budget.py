@@ -17,10 +17,11 @@ AUTO_PATIENCE evaluation(s), and export takes the best checkpoint on validation 
 it was measured at) and doubles while MIN_EPOCHS epochs still give BATCH_MARGIN times STEPS_PER_CLASS steps a class,
 up to AUTO_BATCH_TOKENS a step. The demo (1,780 training rows, 5 classes) stays at 16; a million rows of 128 tokens
 train at 256, where 16 would take 125,000 optimizer steps and leave every GPU but a sliver idle. The margin rests
-on measurements (docs/benchmarks.md, "The global batch"): SMS spam at 64 (1.6 times the steps needed) lost 0.6
-points against 16 on all of three seeds, and at 32 (3.1 times) 0.4 on average; TREC at 32 (1 time) gained 0.4. So
-every corpus measured keeps 16, and the batch grows only where steps are plentiful (a large corpus). The choice depends on the data alone (never on
-the workers or the device), so one config gives the same batches on every engine and machine.
+on measurements (docs/benchmarks.md, "The global batch"): SMS spam at 64 (1.3 times the steps needed) lost 0.6
+points against 16 on all of three seeds, and at 32 (2.5 times) 0.4 on average; TREC at 32 (1 time) gained 0.4. So
+every corpus measured keeps 16, and the batch grows only where steps are plentiful (a large corpus). The choice
+depends on the data alone (never on the workers or the device), so one config gives the same batches on every
+engine and machine.
 
 Nothing heavy is imported here.
 """
