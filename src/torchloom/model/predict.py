@@ -135,11 +135,19 @@ class Predictor:
             # max_length by MARGIN, gives the same ids as the whole text at a fraction of the work and memory
             size = self.max_length
             starts = [prefix(t, size) for t in cleaned]
-            counts = [len(ids) for ids in self.tokenizer(starts, truncation=False)["input_ids"]]
-            use = [start if prefix_holds(text, start, n - size) else text
-                   for start, text, n in zip(starts, cleaned, counts)]
-            encoded = self.tokenizer(use, truncation=True, max_length=size)
-            return [dict(zip(encoded.keys(), values)) for values in zip(*encoded.values())]
+            first = self.tokenizer(starts, truncation=False)
+            counts = [len(ids) for ids in first["input_ids"]]
+            rows = [dict(zip(first.keys(), values)) for values in zip(*first.values())]
+            # A whole text within max_length is already encoded as the cut would encode it: only the others are
+            # encoded again (with short texts, as a server's, that halves the tokenizer's work)
+            redo = [i for i, (start, text, n) in enumerate(zip(starts, cleaned, counts))
+                    if len(start) != len(text) or n > size]
+            if redo:
+                use = [starts[i] if prefix_holds(cleaned[i], starts[i], counts[i] - size) else cleaned[i] for i in redo]
+                again = self.tokenizer(use, truncation=True, max_length=size)
+                for i, values in zip(redo, zip(*again.values())):
+                    rows[i] = dict(zip(again.keys(), values))
+            return rows
         if self.truncation == "chunks":
             raise ValueError("truncation chunks gives several windows per text: use encode_windows")
         encoded = self.tokenizer(cleaned, truncation=False)  # whole, then cut: every per-token list alike
