@@ -124,6 +124,7 @@ def test_training_with_packing_reaches_the_padded_weights(tmp_path, tiny, data_d
         cfg = build(None, ["--output.dir", str(rd), "--model.path", tiny, "--train.precision", "fp32",
                            "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2",
                            "--train.budget", "off", "--train.max_steps", "4", "--train.eval_every", "2",
+                           "--train.length_bucketing", "false",  # batches of mixed lengths: most rows packed
                            "--train.packing", str(name == "packed").lower()])
         results[name] = local.train(cfg, rd, quiet=True)
     a, b = (checkpoint.load_weights(Path(tmp_path) / n / "checkpoints" / "step-4") for n in ("padded", "packed"))
@@ -150,3 +151,34 @@ def test_what_packing_cannot_run_is_refused_in_one_line(tiny):
         check_packing(model)
     with pytest.raises(UserError, match="train.packing: runs with train.strategy ddp or fsdp"):
         build(None, ["--train.packing", "true", "--train.strategy", "pipeline", "--engine.workers", "2"])
+
+
+def test_evaluate_scores_packed_batches_with_the_same_probabilities(tiny, data_dir):
+    from torchloom.evaluate.run import split_probabilities
+
+    manifest = read_manifest(data_dir)
+    model = build_classifier(tiny, manifest.labels)
+    probs = {flag: split_probabilities(build(None, ["--train.packing", flag, "--eval.precision", "fp32",
+                                                    "--engine.device", "cpu"]), model, manifest, "val")
+             for flag in ("false", "true")}
+    torch.testing.assert_close(torch.from_numpy(probs["true"][0]), torch.from_numpy(probs["false"][0]), atol=1e-5,
+                               rtol=1e-5)
+    assert np.array_equal(probs["true"][1], probs["false"][1])
+
+
+def test_length_bucketing_auto_buckets_where_the_median_text_is_shorter_than_max_length(data_dir):
+    import dataclasses
+
+    from torchloom.data.buckets import use_length_buckets
+
+    manifest = read_manifest(data_dir)  # written without prepare: no sample of lengths, so no buckets
+    assert not use_length_buckets("auto", manifest) and use_length_buckets(True, manifest)
+
+    def measured(p50: int):
+        return dataclasses.replace(manifest, tokenizer={**manifest.tokenizer, "max_length": 128,
+                                                        "lengths": {"p50": p50, "p90": 2 * p50}})
+
+    assert use_length_buckets("auto", measured(13))  # short questions (TREC: p50 13)
+    assert not use_length_buckets("auto", measured(421))  # news articles cut at max_length (the demo)
+    assert not use_length_buckets(False, measured(13))
+    assert build(None, []).train.length_bucketing == "auto"

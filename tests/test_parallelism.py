@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from torchloom.config import build
+from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.data.synthetic import write_synthetic_dataset
 from torchloom.engines import local
@@ -200,7 +201,8 @@ def test_pipeline_two_stages_equal_one_process_and_export(tmp_path, data_dir, ti
     model.train()
     opt, sched = optim.build(model, cfg.train.lr, cfg.train.weight_decay, 13, round(0.1 * 13), "linear",
                              torch.device("cpu"))
-    loader = ShardedLoader(manifest, "train", rank=0, world_size=1, batch_size=4, global_batch=8, seed=cfg.train.seed)
+    loader = ShardedLoader(manifest, "train", rank=0, world_size=1, batch_size=4, global_batch=8, seed=cfg.train.seed,
+                           length_bucketing=use_length_buckets(cfg.train.length_bucketing, manifest))
     loader.set_epoch(0)
     batches = list(loader)
     assert len(batches) == 26 and len(batches[-1]["labels"]) == 3

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from torchloom.config import build
+from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.data.synthetic import write_synthetic_dataset
 from torchloom.engines import local
@@ -78,7 +79,8 @@ def test_ddp_two_ranks_equal_one_process_on_the_combined_batch(tmp_path, data_di
     model = build_classifier(models["no_dropout"], manifest.labels)
     opt, sched = optim.build(model, cfg.train.lr, cfg.train.weight_decay, steps, round(0.3 * steps), "linear",
                              torch.device("cpu"))
-    loaders = [ShardedLoader(manifest, "train", rank=r, world_size=2, batch_size=4, seed=cfg.train.seed)
+    loaders = [ShardedLoader(manifest, "train", rank=r, world_size=2, batch_size=4, seed=cfg.train.seed,
+                             length_bucketing=use_length_buckets(cfg.train.length_bucketing, manifest))
                for r in range(2)]
     for ld in loaders:
         ld.set_epoch(0)

@@ -25,6 +25,8 @@ from support.engine_reference import LAST, assert_same_weights, new_run, referen
 from support.spark_jvm import JVM_ENV  # the suite's JVM options: the cluster's JVMs keep them
 
 from cluster.netns import Cluster, Host, skip_without_namespaces
+from torchloom.config.schema import TrainConfig
+from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.manifest import read as read_manifest
 
@@ -263,8 +265,9 @@ def assert_two_workers_batches_after(rd: Path, resumed_at: int) -> None:
     restart = max(i for i, r in enumerate(records) if r["step"] == resumed_at + 1)
     after = {r["step"]: r["rows"] for r in records[restart:]}
     manifest = read_manifest(rd / "data")
+    buckets = use_length_buckets(TrainConfig().length_bucketing, manifest)  # the run's default
     two = [list(ShardedLoader(manifest, "train", rank=r, world_size=2, batch_size=4, global_batch=8, seed=42,
-                              shuffle_buffer=4096)) for r in range(2)]
+                              shuffle_buffer=4096, length_bucketing=buckets)) for r in range(2)]
     expected = {i + 1: two[0][i]["index"].tolist() + two[1][i]["index"].tolist() for i in range(13)}
     assert sorted(after) == list(range(resumed_at + 1, 14))
     assert after == {s: expected[s] for s in range(resumed_at + 1, 14)}

@@ -99,7 +99,8 @@ class TrainConfig:
     metric: str = field(default="macro_f1", metadata=choices("macro_f1", "accuracy", "loss"))
     class_weights: str = field(default="none", metadata=choices("none", "balanced"))
     shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together, all ranks
-    length_bucketing: bool = False
+    # auto: on where the median prepared text is shorter than max_length (data/buckets.py, docs/benchmarks.md)
+    length_bucketing: bool | str = field(default="auto", metadata={"auto": True, "type": bool})
     packing: bool = False  # BERT-family: each micro-batch's sequences packed into fewer rows (model/packing.py)
     trace_rows: bool = False  # every rank writes the row ids of each step to logs/rows-rankR.jsonl
     select: str = field(default="best", metadata=choices("best", "last"))  # which checkpoint is exported

@@ -7,6 +7,8 @@ restart at 0 for each sequence and `sequence_ids` number the sequences within a 
 padding at a row's end), from which model/packing.py builds the attention mask that keeps each sequence to
 itself. Labels, index and the order of the sequences do not change: `cls_index` is where each sequence's first
 token (BERT's [CLS]) lies in the flattened [R * L] tokens, so the logits come back one per sequence, in order.
+A batch in which no two sequences share a row (R = B: similar lengths, as train.length_bucketing makes them, or
+texts that fill max_length) stays padded: packed, it would compute as many tokens behind a mask.
 
 Packing changes the tensors' shape only, never the rows: the loader yields as many micro-batches, with the same
 rows, as unpacked; the loss and its normalisation are per sequence, as before.
@@ -49,6 +51,8 @@ def pack_batch(batch: Batch, pad_id: int = 0) -> Batch:
     width = ids.shape[1]
     row, offset = first_fit(lengths, width)
     rows = int(row.max(initial=-1)) + 1
+    if rows == len(lengths):  # nothing shares a row (a length-bucketed batch, long texts): padded is as cheap
+        return batch
     packed_ids = np.full((rows, width), pad_id, np.int64)
     positions = np.zeros((rows, width), np.int64)
     sequence_ids = np.zeros((rows, width), np.int64)

@@ -7,12 +7,14 @@ import torch
 
 from torchloom.config import Config
 from torchloom.data.loader import eval_batches
+from torchloom.data.packing import pack_batch
 from torchloom.data.texts import texts_at, to_documents
 from torchloom.machine import usable_cores
 from torchloom.manifest import Manifest
 from torchloom.manifest import read as read_manifest
 from torchloom.model.device import choose_precision
 from torchloom.model.forward import prepared_logits
+from torchloom.model.packing import check_packing
 from torchloom.rundir import RunDir
 from torchloom.scoring import classification_metrics
 
@@ -35,6 +37,9 @@ def split_probabilities(cfg: Config, model, manifest: Manifest, split: str
     model = model.to(device).eval()
     precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
     batches = eval_batches(manifest, split, 0, 1, cfg.eval.batch_size)
+    if cfg.train.packing:  # the same logits with less padding: batches in file order mix short and long texts
+        check_packing(model)
+        batches = map(pack_batch, batches)
     logits, labels, index = prepared_logits(model, batches, device, precision, manifest.num_labels)
     return to_documents(manifest, split, logits, labels, index)
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from torchloom.config import Config, batch_multiple, budget, elastic_micro_batch, micro_batch_size
+from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
 from torchloom.manifest import read as read_manifest
@@ -119,7 +120,7 @@ class Trainer:
             batch_size=micro_batch, global_batch=self.tc.batch_size, seed=self.tc.seed,
             # at least MIN_WINDOW_STEPS global batches per shuffle window, however large the batch
             shuffle_buffer=max(self.tc.shuffle_buffer, MIN_WINDOW_STEPS * self.tc.batch_size),
-            length_bucketing=self.tc.length_bucketing,
+            length_bucketing=use_length_buckets(self.tc.length_bucketing, self.manifest),
             pad_id=self.model.config.pad_token_id or 0, pin_memory=self.d.device.type == "cuda",
             pad_multiple=COMPILE_PAD if self.tc.compile else 1, packing=self.tc.packing,
         )
