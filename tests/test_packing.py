@@ -111,30 +111,33 @@ def test_the_loader_packs_the_same_rows_and_validation_the_same_logits(tiny, dat
     assert np.array_equal(out[2], ref[2])
 
 
-def test_training_with_packing_reaches_the_padded_weights(tmp_path, tiny, data_dir):
-    # Two DDP workers, 4 steps, fp32: packing changes the tensors' shape only, so the weights are the padded run's.
+def test_training_with_packing_reaches_the_padded_weights_under_ddp_and_fsdp(tmp_path, tiny, data_dir):
+    # Two workers, 4 steps, fp32: packing changes the tensors' shape only, so the weights are the padded run's,
+    # through DDP's wrapper and through FSDP's sharded forward alike.
     from torchloom.console import speed_line
     from torchloom.engines import local
     from torchloom.train import checkpoint
 
+    runs = {"padded": ["--train.packing", "false"], "packed": ["--train.packing", "true"],
+            "packed-fsdp": ["--train.packing", "true", "--train.strategy", "fsdp"]}
     results = {}
-    for name in ("padded", "packed"):
+    for name, flags in runs.items():
         rd = tmp_path / name
         shutil.copytree(data_dir, rd / "data")
         cfg = build(None, ["--output.dir", str(rd), "--model.path", tiny, "--train.precision", "fp32",
                            "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.workers", "2",
                            "--train.budget", "off", "--train.max_steps", "4", "--train.eval_every", "2",
-                           "--train.length_bucketing", "false",  # batches of mixed lengths: most rows packed
-                           "--train.packing", str(name == "packed").lower()])
+                           "--train.length_bucketing", "false", *flags])  # batches of mixed lengths: most pack
         results[name] = local.train(cfg, rd, quiet=True)
-    a, b = (checkpoint.load_weights(Path(tmp_path) / n / "checkpoints" / "step-4") for n in ("padded", "packed"))
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], atol=1e-5, rtol=1e-4, msg=k)
-    padded_run, packed_run = results["padded"], results["packed"]
-    assert packed_run.last_eval["accuracy"] == padded_run.last_eval["accuracy"]
-    assert packed_run.packed and not padded_run.packed and packed_run.padding < padded_run.padding
-    assert "packed" in speed_line(packed_run) and "packed" not in speed_line(padded_run)
+    weights = {n: checkpoint.load_weights(Path(tmp_path) / n / "checkpoints" / "step-4") for n in runs}
+    for name in ("packed", "packed-fsdp"):
+        assert weights[name].keys() == weights["padded"].keys()
+        for k in weights["padded"]:
+            torch.testing.assert_close(weights[name][k], weights["padded"][k], atol=1e-5, rtol=1e-4, msg=f"{name} {k}")
+        assert results[name].last_eval["accuracy"] == results["padded"].last_eval["accuracy"]
+        assert results[name].packed and results[name].padding < results["padded"].padding
+        assert "packed" in speed_line(results[name])
+    assert not results["padded"].packed and "packed" not in speed_line(results["padded"])
 
 
 def test_what_packing_cannot_run_is_refused_in_one_line(tiny):
