@@ -96,6 +96,16 @@ def workers_started(rd: RunDir, since: float) -> bool:
     return any(rel.startswith("placement-") and (mtime or 0) / 1e9 >= since - 5 for rel, mtime in stored.items())
 
 
+def tracked_metrics(result: TrainResult) -> dict[str, float]:
+    """What MLflow gets of a training: speed, steps, preemptions and where the time went."""
+    return {"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
+            "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s,
+            "train_preemptions": len(result.preemptions), "train_tokens_per_s": result.tokens_per_s,
+            "train_padding": result.padding, **({"train_mfu": result.mfu} if result.mfu is not None else {}),
+            **({"train_compiled_graphs": result.compiled_graphs} if result.compiled_graphs is not None else {}),
+            **{f"train_time_{k}": v for k, v in result.time_split.items()}}
+
+
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
                 startup: dict | None = None) -> TrainResult:
     """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py);
@@ -134,14 +144,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     result.wall_s = round(time.perf_counter() - started, 2)
     write_json(rd.train_result, result.to_dict())
     RunFiles(rd).push(rd.train_result, rd.metrics, rd.progress, rd.logs)
-    tracker.log_metrics({"train_samples_per_s": result.samples_per_s, "train_steps": result.steps,
-                         "train_first_step_s": result.first_step_s, "train_wall_s": result.wall_s,
-                         "train_preemptions": len(result.preemptions), "train_tokens_per_s": result.tokens_per_s,
-                         "train_padding": result.padding,
-                         **({"train_mfu": result.mfu} if result.mfu is not None else {}),
-                         **({"train_compiled_graphs": result.compiled_graphs}
-                            if result.compiled_graphs is not None else {}),
-                         **{f"train_time_{k}": v for k, v in result.time_split.items()}})
+    tracker.log_metrics(tracked_metrics(result))
     if isinstance(result.best_metric, (int, float)):
         tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)
     for path in (rd.config, rd.metrics, rd.train_result):
