@@ -370,3 +370,14 @@ def test_compile_pads_to_a_few_widths_counts_its_graphs_and_trains_the_same_mode
     assert f"compiled ({results['compiled'].compiled_graphs} graph" in speed_line(results["compiled"])
     with pytest.raises(UserError, match="train.compile: runs with train.strategy ddp only"):
         build(None, ["--train.compile", "true", "--train.strategy", "fsdp"])
+
+
+def test_length_bucketing_auto_resumes_as_the_run_began(tmp_path, data_dir, models):
+    # A checkpoint written with buckets on, resumed with auto on data whose manifest says nothing of lengths (auto
+    # alone would say off): the run goes on with its own order instead of refusing the loader's state.
+    rd = new_run(tmp_path, data_dir, "buckets")
+    local.train(cfg_for(rd, models["no_dropout"], "--train.max_steps", "3", "--train.checkpoint_every", "3",
+                        "--train.length_bucketing", "true"), rd, quiet=True)
+    result = local.train(cfg_for(rd, models["no_dropout"], "--train.max_steps", "5", "--train.resume", "latest",
+                                 "--train.length_bucketing", "auto"), rd, quiet=True)
+    assert result.resumed_from.endswith("step-3") and result.steps == 5

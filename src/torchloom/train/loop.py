@@ -401,6 +401,8 @@ class Trainer:
                 print(f"train: resuming step {self.state.step} on {self.par.dp_size} workers (the checkpoint's run"
                       f" had {saved['world_size']}): the same global batches of {self.tc.batch_size} go on, as"
                       f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
+        if self.tc.length_bucketing == "auto" and "length_bucketing" in saved:
+            self.loader.length_bucketing = bool(saved["length_bucketing"])  # auto goes on as the run began
         self.loader.load_state_dict(saved)
         if self.d.is_main:
             self.files.catch_up_metrics(self.state.step)
