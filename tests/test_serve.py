@@ -315,6 +315,23 @@ def test_ready_only_after_a_warm_up_through_the_request_path(model_dir, tmp_path
 
 
 @needs_http
+def test_every_length_bucket_is_warmed_up_before_ready_and_buckets_keep_the_answers(model_dir, tmp_path, reference):
+    s = Server(model_dir, "--length-bucket", "24", "--max-batch-size", "4", "--device", "cpu", log_dir=tmp_path)
+    try:
+        # max_length 64 in buckets of 24: forwards of 24, 48 or 64 tokens, each run once before /readyz said 200
+        runs = {sample.labels["length"]: sample.value for sample in
+                s.metrics()["torchloom_warm_up_batches"].samples if sample.name == "torchloom_warm_up_batches_total"}
+        assert runs == {"24": 1, "48": 1, "64": 1}
+        texts = [TEXTS[i % len(TEXTS)] + " x" * i for i in range(16)]  # many lengths, in 4 batches of 4
+        together = s.client.post("/v1/predict", json={"texts": texts}).json()["predictions"]
+        alone = [s.client.post("/v1/predict", json={"texts": [t]}).json()["predictions"][0] for t in texts]
+        assert_same_predictions(together, alone, BATCHED)
+        assert_same_predictions(together, reference.predict(texts), BATCHED)
+    finally:
+        s.kill()
+
+
+@needs_http
 def test_wrong_method_and_unknown_path_are_json_errors(server):
     r = server.client.get("/v1/predict", headers=AUTH)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

@@ -277,6 +277,9 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-batch-size", type=int, default=32, help="texts per model forward (default 32)")
     sp.add_argument("--max-batch-tokens", type=int, default=8192,
                     help="padded tokens (texts x the longest) per model forward (default 8192; 0: no limit)")
+    sp.add_argument("--length-bucket", type=int, default=16,
+                    help="pad each forward to a multiple of this many tokens, so that forwards come in few shapes,"
+                         " each warmed up before /readyz (default 16; 1: to the longest text)")
     sp.add_argument("--max-wait-ms", type=float, default=5.0,
                     help="how long a text waits for its batch to fill (default 5)")
     sp.add_argument("--fixed-wait", action="store_true",
@@ -319,7 +322,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     settings = ServeSettings(
         model_dir=args.model_dir, host=args.host, port=args.port, serve_with=args.serve_with, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
-        max_batch_tokens=args.max_batch_tokens,
+        max_batch_tokens=args.max_batch_tokens, length_bucket=args.length_bucket,
         fixed_wait=args.fixed_wait,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,

@@ -57,6 +57,9 @@ class Predictor:
 
     lexical: Lexical | None = None  # the baseline mixed into the shipped probabilities (torchloom.json "combine")
     weight: float = 1.0  # the transformer's weight in that mix
+    # Each forward is padded to a multiple of this many tokens (at most max_length), so that forwards come in few
+    # shapes that a server can warm up (length_buckets); 1: to its longest row.
+    length_bucket: int = 1
 
     def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
                  batch_size: int = 32, runtime: str = "torch", threads: int | None = None,
@@ -200,6 +203,15 @@ class Predictor:
                 start = i
         return out
 
+    def padded_length(self, longest: int) -> int:
+        """The length a forward whose longest row has `longest` tokens is padded to (its length bucket)."""
+        bucket = max(1, self.length_bucket)
+        return max(longest, min(-(-longest // bucket) * bucket, self.max_length))
+
+    def length_buckets(self) -> list[int]:
+        """Every length padded_length gives for rows of 1 to max_length tokens."""
+        return sorted({self.padded_length(n) for n in range(1, self.max_length + 1)})
+
     def predict_encoded(self, per_text: list[list[dict[str, list[int]]]], with_logits: bool = False
                         ) -> list[dict[str, Any]]:
         """predict's answers for texts already encoded by encode_windows (one list of model inputs per text)."""
@@ -215,7 +227,8 @@ class Predictor:
         logits = torch.zeros(len(features), len(self.labels))
         with torch.inference_mode():
             for batch_ids in self.forwards(lengths, order):
-                batch = pad_batch([features[i] for i in batch_ids], self.tokenizer)
+                longest = lengths[batch_ids[-1]]
+                batch = pad_batch([features[i] for i in batch_ids], self.tokenizer, self.padded_length(longest))
                 logits[batch_ids] = self.logits(batch)
         # a text's score: the softmax of its windows' mean logits (one window: its own), as everywhere
         scores = text_scores(logits.numpy(), np.asarray(owner))
@@ -256,16 +269,17 @@ def shipped_baseline(model_dir: Path, info: dict[str, Any]) -> tuple[Lexical | N
                         f" ({first_line(e)}); export the model again") from None
 
 
-def pad_batch(features: list[dict[str, list[int]]], tokenizer) -> dict[str, Any]:
+def pad_batch(features: list[dict[str, list[int]]], tokenizer, length: int = 0) -> dict[str, Any]:
     """One padded batch of model inputs as int64 tensors: what `tokenizer.pad` gives (its pad id and pad
-    side), without its Python walk over every token, which on a GPU was most of a batch's time."""
+    side), without its Python walk over every token, which on a GPU was most of a batch's time. length: pad
+    to at least this many tokens (default: the longest row)."""
     import torch
 
     if getattr(tokenizer, "pad_token_id", None) is None or not all(
             isinstance(v, list) for v in features[0].values()):
         # no pad token (the tokenizer's own error says what is missing), or inputs that are not token lists
         return tokenizer.pad(features, return_tensors="pt")
-    longest = max(len(f["input_ids"]) for f in features)
+    longest = max(length, max(len(f["input_ids"]) for f in features))
     fill = {"input_ids": tokenizer.pad_token_id, "token_type_ids": tokenizer.pad_token_type_id}
     left = tokenizer.padding_side == "left"
     batch = {}

@@ -50,8 +50,8 @@ _BODY_SLACK = 4096
 
 
 # FastAPI reads these annotations by name from the module (this file uses postponed annotations).
-BearerToken = Annotated[HTTPAuthorizationCredentials | None,
-                        Depends(HTTPBearer(auto_error=False, description="the key the server was started with"))]
+BEARER = HTTPBearer(auto_error=False, description="the key the server was started with")
+BearerToken = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
 
 
 # --- schemas: documentation in /docs (requests are parsed by hand for precise error messages) -----------
@@ -220,13 +220,46 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
             "application/json": {"schema": request_schema(max_texts, max_chars)}}}},
     )
     async def predict(request: Request) -> Response:
-        texts = await parse_off_loop(parse_texts, await read_body(request, body_limit), max_texts, max_chars)
-        predictions = await until_disconnect(request, backend.predict(texts))
-        shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
-        body = json.dumps({"model": model_info, "predictions": shown}, ensure_ascii=False, separators=(",", ":"))
-        return Response(body.encode("utf-8"), media_type="application/json")
+        return await answer_predict(request, backend, max_texts, max_chars, body_limit)
 
     return api
+
+
+async def answer_predict(request: Request, backend: Backend, max_texts: int, max_chars: int,
+                         body_limit: int) -> Response:
+    """The answer to POST /v1/predict (errors raised, for error_reply)."""
+    texts = await parse_off_loop(parse_texts, await read_body(request, body_limit), max_texts, max_chars)
+    predictions = await until_disconnect(request, backend.predict(texts))
+    identity = backend.identity
+    shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
+    body = json.dumps({"model": {"name": identity.name, "version": identity.version}, "predictions": shown},
+                      ensure_ascii=False, separators=(",", ":"))
+    return Response(body.encode("utf-8"), media_type="application/json")
+
+
+class FastPredict:
+    """POST /v1/predict answered in plain ASGI, past FastAPI's routing, dependency solving and exception
+    middleware, which cost more per request than the rest of the front end together (docs/benchmarks.md, issue
+    48). The same key check (the same HTTPBearer), the same answer (answer_predict), the same error replies
+    (error_reply; anything else reaches the app's unexpected-error handler, as a route's would). The FastAPI route
+    stays: it is what /openapi.json documents."""
+
+    def __init__(self, app, backend: Backend, max_texts: int, max_chars: int, body_limit: int,
+                 api_key: str | None) -> None:
+        self.app, self.backend, self.limits, self.check = app, backend, (max_texts, max_chars, body_limit), \
+            api_key_check(api_key)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/predict" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            await self.check(await BEARER(request))
+            response = await answer_predict(request, self.backend, *self.limits)
+        except DOMAIN_ERRORS as e:
+            response = await error_reply(request, e)
+        await response(scope, receive, send)
 
 
 # --- health and metrics ------------------------------------------------------------------------------------
@@ -288,7 +321,8 @@ def health_router(backend: Backend) -> APIRouter:
 def api_key_check(api_key: str | None):
     """The dependency that refuses a request without `api_key` (None: every request passes)."""
 
-    def check_api_key(credentials: BearerToken) -> None:
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop on every request
+    async def check_api_key(credentials: BearerToken) -> None:
         if api_key is None:
             return
         token = credentials.credentials.encode() if credentials else b""
@@ -329,6 +363,8 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         lifespan=lifespan,
     )
     app.state.metrics = backend.metrics  # error_reply counts client disconnects
+    app.add_middleware(FastPredict, backend=backend, max_texts=max_texts, max_chars=max_chars, body_limit=body_limit,
+                       api_key=api_key)  # innermost of ours: the cap and the metrics see its requests
     if max_connections is not None:
         app.add_middleware(RequestCap, limit=max_connections)  # added first: inside the metrics, which count its 503s
     app.add_middleware(MetricsMiddleware, metrics=backend.metrics)

@@ -1,16 +1,19 @@
 """Dynamic micro-batching: concurrent requests are merged into model batches on one worker thread.
 
-With an `encode` function, a request's texts are tokenized first (on a tokenizer thread, so the event
-loop stays free) and each text's `cost` is known: (rows, longest row in tokens). Requests are cut into
-chunks of at most `max_batch_size` texts and `max_batch_tokens` padded tokens (rows x longest row, which
-is what a padded forward computes) and queued. A batch is the oldest chunks that fit in both limits; it
-goes to the model once it is full or its oldest chunk has waited `max_wait_ms`, and at once when nobody
-else is likely to join it: the batcher keeps a moving average of how many other requests were in flight
-when each one arrived, and below one (a lone client, or light load) waiting would only add latency, so
-it does not wait (unless adaptive_wait is off). The model sorts a batch's rows by length before padding.
-It runs on a single worker thread so batches never compete for the cores. The queue is bounded in texts:
-a request that would overfill it is refused at once (the server answers 429 with Retry-After) instead of
-growing memory and latency. A single text over the token budget still runs, alone.
+With an `encode` function, a request's texts are tokenized first (on a pool of tokenizer threads, so the event
+loop stays free; requests that arrive while every tokenizer thread is busy are encoded together in one call
+once one frees, which shares a call's fixed cost) and each text's `cost` is known: (rows, longest row in
+tokens). Requests are cut into chunks of at most `max_batch_size` texts and `max_batch_tokens` padded tokens
+(rows x longest row, which is what a padded forward computes) and queued. A batch is the oldest chunks that
+fit in both limits; it goes to the model once it is full or its oldest chunk has waited `max_wait_ms`, and at
+once when nobody else is likely to join it: the batcher keeps a moving average of how many other requests were
+in flight when each one arrived, and below one (a lone client, or light load) waiting would only add latency,
+so it does not wait (unless adaptive_wait is off). While the model runs a batch, the next one gathers what
+arrives and goes the moment the model is free, so the model thread is fed continuously. The model sorts a
+batch's rows by length before padding. It runs on a single worker thread so batches never compete for the
+cores. The queue is bounded in texts: a request that would overfill it is refused at once (the server answers
+429 with Retry-After) instead of growing memory and latency. A single text over the token budget still runs,
+alone.
 """
 
 from __future__ import annotations
@@ -70,9 +73,10 @@ class MicroBatcher:
     def __init__(self, predict: Callable[[list[Any]], list[Any]], max_batch_size: int = 32,
                  max_wait_ms: float = 5.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
                  adaptive_wait: bool = True, encode: Callable[[list[str]], list[Any]] | None = None,
-                 cost: Callable[[Any], tuple[int, int]] | None = None, max_batch_tokens: int = 0) -> None:
+                 cost: Callable[[Any], tuple[int, int]] | None = None, max_batch_tokens: int = 0,
+                 encode_workers: int = 1) -> None:
         """predict takes what encode returns (or the texts, without encode); cost gives an encoded text's
-        (rows, longest row); max_batch_tokens 0: no token limit."""
+        (rows, longest row); max_batch_tokens 0: no token limit; encode_workers: tokenizer threads."""
         if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0 or max_batch_tokens < 0:
             raise ValueError("max_batch_size and max_queue must be >= 1, max_wait_ms and max_batch_tokens >= 0")
         self._predict = predict
@@ -90,6 +94,10 @@ class MicroBatcher:
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._tokenizer: ThreadPoolExecutor | None = None
+        self._encode_workers = max(1, encode_workers)
+        self._to_encode: list[tuple[list[str], asyncio.Future]] = []  # requests waiting for a tokenizer thread
+        self._encoding = 0  # tokenizer calls running
+        self._running: asyncio.Task | None = None  # the batch on the model thread
         self._in_flight = 0  # requests submitted and not yet answered
         self._concurrency = 0.0  # moving average of other requests in flight at each arrival
 
@@ -100,7 +108,8 @@ class MicroBatcher:
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
         if self._encode is not None:
-            self._tokenizer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-tokenize")
+            self._tokenizer = ThreadPoolExecutor(max_workers=self._encode_workers,
+                                                 thread_name_prefix="torchloom-tokenize")
         self._task = asyncio.get_running_loop().create_task(self._run(), name="torchloom-batcher")
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -120,9 +129,7 @@ class MicroBatcher:
         queued = False
         try:
             if self._encode is not None:
-                started = time.perf_counter()
-                items = await loop.run_in_executor(self._tokenizer, self._encode, texts)
-                self.metrics.tokenize_seconds.observe(time.perf_counter() - started)
+                items = await self._tokenize(texts)
                 costs = [self._cost(item) for item in items] if self._cost is not None else [(1, 0)] * len(texts)
             else:
                 items, costs = list(texts), [(1, 0)] * len(texts)
@@ -143,6 +150,62 @@ class MicroBatcher:
             if isinstance(part, BaseException):
                 raise part
         return [result for part in parts for result in part]
+
+    def _tokenize(self, texts: list[str]) -> asyncio.Future:
+        """The encodings of `texts`: encoded now if a tokenizer thread is free, else with the requests that arrive
+        before one is."""
+        future = asyncio.get_running_loop().create_future()
+        self._to_encode.append((texts, future))
+        if self._encoding < self._encode_workers:
+            self._encode_waiting()
+        return future
+
+    def _encode_waiting(self) -> None:
+        group = [(texts, future) for texts, future in self._to_encode if not future.done()]  # done: client gone
+        self._to_encode = []
+        if not group:
+            return
+        if self._closing:
+            for _, future in group:
+                future.set_exception(ShuttingDown("the server is shutting down"))
+            return
+        self._encoding += 1
+        started = time.perf_counter()
+        job = asyncio.get_running_loop().run_in_executor(self._tokenizer, self._encode_group, [t for t, _ in group])
+        job.add_done_callback(lambda done: self._encoded(group, done, started))
+
+    def _encode_group(self, requests: list[list[str]]) -> list[Any]:
+        """Each request's encodings (or the exception encoding it raised): all in one call, and where that call
+        fails each request alone, so that only a request that fails alone gets an error."""
+        texts = [t for request in requests for t in request]
+        try:
+            items = self._encode(texts)  # type: ignore[misc]
+            if len(items) != len(texts):
+                raise RuntimeError(f"encode returned {len(items)} encodings for {len(texts)} texts")
+        except Exception as e:
+            if len(requests) == 1:
+                return [e]
+            return [self._encode_group([request])[0] for request in requests]
+        out, start = [], 0
+        for request in requests:
+            out.append(items[start:start + len(request)])
+            start += len(request)
+        return out
+
+    def _encoded(self, group: list[tuple[list[str], asyncio.Future]], job: asyncio.Future, started: float) -> None:
+        self._encoding -= 1
+        seconds = time.perf_counter() - started
+        parts = job.result() if job.exception() is None else [job.exception()] * len(group)
+        for (_, future), part in zip(group, parts):
+            self.metrics.tokenize_seconds.observe(seconds)
+            if future.done():
+                continue
+            if isinstance(part, BaseException):
+                future.set_exception(part)
+            else:
+                future.set_result(part)
+        if self._to_encode:
+            self._encode_waiting()
 
     def _cut(self, costs: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """[start, stop) ranges of a request's texts: at most max_batch_size texts and max_batch_tokens
@@ -172,6 +235,8 @@ class MicroBatcher:
         while True:
             if not self._queue:
                 if self._closing:
+                    if self._running is not None:
+                        await self._running
                     return
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -179,13 +244,28 @@ class MicroBatcher:
             batch: list[_Chunk] = []
             try:
                 batch = await self._collect()
-                if batch:
-                    await self._run_batch(batch)
-            except Exception:  # the batcher must outlive any one batch, or every later request would hang
-                error_id = uuid.uuid4().hex[:12]
-                log.exception("batcher error %s", error_id)
-                for chunk in batch:
-                    _settle(chunk, exc=ModelFailed(error_id))
+            except Exception:
+                self._failed(batch)
+                continue
+            if batch:
+                if self._running is not None:
+                    await self._running  # a full batch gathered while the model ran the previous one
+                self._running = asyncio.get_running_loop().create_task(self._run_guarded(batch))
+
+    async def _run_guarded(self, batch: list[_Chunk]) -> None:
+        try:
+            await self._run_batch(batch)
+        except Exception:
+            self._failed(batch)
+        finally:
+            self._wakeup.set()  # the model is free: the batch gathered meanwhile goes now
+
+    def _failed(self, batch: list[_Chunk]) -> None:
+        """The batcher must outlive any one batch, or every later request would hang."""
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("batcher error %s", error_id)
+        for chunk in batch:
+            _settle(chunk, exc=ModelFailed(error_id))
 
     async def _collect(self) -> list[_Chunk]:
         """The next batch: the oldest chunks that fit, waiting up to max_wait for more while there is room."""
@@ -211,6 +291,10 @@ class MicroBatcher:
                 costs += chunk.costs
             if full or size >= self.max_batch_size or self._closing or not batch:
                 return batch
+            if self._running is not None and not self._running.done():
+                self._wakeup.clear()  # the model is busy: gather what arrives until it is free
+                await self._wakeup.wait()
+                continue
             if self.adaptive_wait and self._concurrency < 0.5:
                 return batch  # light load: nobody is likely to join within max_wait
             remaining = batch[0].queued_at + self.max_wait - time.monotonic()

@@ -120,6 +120,8 @@ class ServeMetrics:
                                           " (stage=waiting).", ("stage",))
         for stage in ("body", "waiting"):  # both series from the start, at 0
             self.client_disconnects.inc(stage, amount=0)
+        self.warm_up_batches = Counter("torchloom_warm_up_batches_total", "Batches the warm-up ran before /readyz, by"
+                                       " padded length: one per length bucket.", ("length",))
         self.model_errors = Counter("torchloom_model_errors_total", "Batches or requests the model failed on.")
         self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
 
@@ -127,6 +129,6 @@ class ServeMetrics:
         lines: list[str] = []
         for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
                        self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped,
-                       self.client_disconnects, self.model_errors, self.queue_depth):
+                       self.client_disconnects, self.warm_up_batches, self.model_errors, self.queue_depth):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

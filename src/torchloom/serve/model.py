@@ -40,7 +40,8 @@ class ServedModel:
     """
 
     def __init__(self, model_dir: str, device: str = "cpu", precision: str = "auto", batch_size: int = 32,
-                 threads: int | None = None, runtime: str = "torch") -> None:
+                 threads: int | None = None, runtime: str = "torch", length_bucket: int = 1) -> None:
+        """length_bucket: each forward padded to a multiple of this many tokens (Predictor.length_bucket)."""
         import torch
         import transformers
 
@@ -69,6 +70,7 @@ class ServedModel:
                                    threads=threads)
         if runtime == "onnx":
             self.precision = "int8" if self.predictor.onnx_file.name.endswith(".int8.onnx") else "fp32"
+        self.predictor.length_bucket = length_bucket
         self.labels = list(self.predictor.labels)
         self.max_length = self.predictor.max_length
         self.identity = model_identity(model_dir, self.predictor.info, self.labels)
@@ -95,6 +97,25 @@ class ServedModel:
         """(rows, tokens of the longest) one encoded text adds to a batch: a padded batch computes
         rows x longest tokens."""
         return len(encoded), max(len(f["input_ids"]) for f in encoded)
+
+    def warm_up_buckets(self, max_rows: int, max_batch_tokens: int) -> list[int]:
+        """One batch at each length bucket, as many rows as a batch of that length may hold (max_rows, and
+        max_batch_tokens padded tokens; 0: no limit), through predict_encoded: a GPU (bf16 above all) pays for
+        a shape the first time it sees it, here rather than on a client's request. Returns the lengths run."""
+        template = self.predictor.encode_windows(["warm up"])[0]
+        first = template[0]
+        lengths = self.predictor.length_buckets()
+        for length in lengths:
+            # the special tokens of a real encoding around its first word repeated: exactly `length` tokens
+            row = {k: (v[:1] + v[1:2] * (length - 2) + v[-1:])[:length] for k, v in first.items()}
+            rows = min(max_rows, max(1, max_batch_tokens // length)) if max_batch_tokens else max_rows
+            per_text = []
+            for _ in range(rows):
+                item = type(template)([row])
+                item.lexical = getattr(template, "lexical", None)
+                per_text.append(item)
+            self.predict_encoded(per_text)
+        return lengths
 
     def warm_up(self) -> None:
         """One short and one full-length forward, so the first client doesn't pay for lazy initialisation."""

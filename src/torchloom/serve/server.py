@@ -7,6 +7,7 @@ requests in flight; then the batcher finishes what is queued and the process exi
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -24,7 +25,7 @@ log = logging.getLogger("torchloom.serve")
 
 
 class LocalBackend:
-    """The model behind a MicroBatcher; ready once the warm-up batch has run."""
+    """The model behind a MicroBatcher; ready once the warm-up has run."""
 
     def __init__(self, model: ServedModel, settings: ServeSettings) -> None:
         self.model = model
@@ -32,7 +33,8 @@ class LocalBackend:
         self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth)
         self.batcher = MicroBatcher(model.predict_encoded, settings.max_batch_size, settings.max_wait_ms,
                                     settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait,
-                                    encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens)
+                                    encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens,
+                                    encode_workers=usable_cores())
         self._ready = False
         self._warm_up_task: asyncio.Task | None = None
 
@@ -52,9 +54,19 @@ class LocalBackend:
             # initialisation. /readyz turns 200 only after both came back.
             await self.batcher.submit(["warm up"] * min(self.batcher.max_batch_size, self.batcher.max_queue, 8))
             await self.batcher.submit(["warm up " * self.model.max_length])
+            # then every length bucket once, at the most rows a batch of that length holds, on the model thread
+            lengths = await self.batcher.run_in_worker(self.model.warm_up_buckets, self.batcher.max_batch_size,
+                                                       self.batcher.max_batch_tokens)
+            for length in lengths:
+                self.metrics.warm_up_batches.inc(str(length))
         except Exception:
             log.exception("warm-up failed; /readyz stays 503")
             return
+        # Everything loaded so far (torch, transformers, the model: millions of objects) lives as long as the
+        # process: out of the collector's sight, a collection walks only what requests make (full collections
+        # over the whole heap were 1/5 of the event loop's time, and its p99, with the tiny model at c=64)
+        gc.collect()
+        gc.freeze()
         self._ready = True
         log.info("ready: %s %s", self.identity.name, self.identity.version)
 
@@ -100,21 +112,44 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def uvicorn_config(app: Any, settings: ServeSettings) -> Any:
+    """The uvicorn config of the local server (benchmarks/serve_front.py serves its bare endpoint with it too)."""
+    import uvicorn
+
+    from torchloom.serve.connections import timed_protocol
+
+    # Not uvicorn's limit_concurrency: it counts half-sent and idle connections, which a slow client can hold
+    # for ever (connections.py). The app caps the requests it serves; the protocol drops what arrives too slowly.
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
+                          timeout_graceful_shutdown=settings.drain_timeout_s,
+                          http=timed_protocol(settings.read_timeout_s))
+
+
+def model_threads(device: str, cores: int) -> int:
+    """torch's threads for the model thread: on a CPU all cores but one, which the event loop and the tokenizers
+    need (with every core, torch's spinning workers and the front end took turns: 10x fewer requests/s with the
+    tiny model at c=64 on 2 shared cores, docs/benchmarks.md); on a GPU the cores are the front end's anyway."""
+    return max(1, cores - 1) if device == "cpu" else cores
+
+
 def run_local(settings: ServeSettings) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     try:
         import uvicorn
 
         from torchloom.serve.app import body_limit_for, create_app
-        from torchloom.serve.connections import timed_protocol
     except ImportError as e:
         raise missing_extra(e.name or "fastapi", "serve") from None
 
     configure_logging()
     sock = listen(settings.host, settings.port)  # first: a taken port fails in a second, not after the load
     try:
+        from torchloom.model.device import resolve_device
+
+        threads = model_threads(resolve_device(settings.device), usable_cores())
         model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
-                            batch_size=settings.max_batch_size, threads=usable_cores(), runtime=settings.runtime)
+                            batch_size=settings.max_batch_size, threads=threads, runtime=settings.runtime,
+                            length_bucket=settings.length_bucket)
     except BaseException:
         sock.close()
         raise
@@ -136,12 +171,7 @@ def run_local(settings: ServeSettings) -> int:
     # uvicorn re-raises the signal it stopped on once it has drained; this handler turns that into exit 0.
     previous = {sig: signal.signal(sig, lambda s, _f: stop_signal.append(s)) for sig in (signal.SIGTERM,
                                                                                           signal.SIGINT)}
-    # Not uvicorn's limit_concurrency: it counts half-sent and idle connections, which a slow client can hold
-    # for ever (connections.py). The app caps the requests it serves; the protocol drops what arrives too slowly.
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", server_header=False,
-                            timeout_graceful_shutdown=settings.drain_timeout_s,
-                            http=timed_protocol(settings.read_timeout_s))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     try:
         server.run(sockets=[sock])
     finally:

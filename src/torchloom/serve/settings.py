@@ -26,6 +26,7 @@ class ServeSettings:
     replicas: int = 1  # ray only
     max_batch_size: int = 32  # texts per model forward
     max_batch_tokens: int = 8192  # padded tokens (rows x longest) per model forward; 0: no limit
+    length_bucket: int = 16  # each forward padded to a multiple of this many tokens; each bucket warmed up
     max_wait_ms: float = 5.0  # how long the oldest queued text waits for a batch to fill
     fixed_wait: bool = False  # wait max_wait_ms even when no other request is in flight (default: adaptive)
     max_queue: int = 1024  # texts accepted and waiting; more -> 429
@@ -57,6 +58,7 @@ class ServeSettings:
             (0 <= self.port <= 65535, f"--port {self.port}: must be 0..65535 (0 picks a free port)"),
             (self.replicas >= 1, f"--replicas {self.replicas}: must be at least 1"),
             (self.max_batch_size >= 1, f"--max-batch-size {self.max_batch_size}: must be at least 1"),
+            (self.length_bucket >= 1, f"--length-bucket {self.length_bucket}: must be at least 1 (1: no buckets)"),
             (self.max_wait_ms >= 0, f"--max-wait-ms {self.max_wait_ms}: must be 0 or more"),
             (self.max_batch_tokens >= 0, f"--max-batch-tokens {self.max_batch_tokens}: must be 0 (no limit) or more"),
             (self.max_queue >= 1, f"--max-queue {self.max_queue}: must be at least 1"),
