@@ -69,25 +69,28 @@ class ClientGone(Exception):
 async def until_disconnect(request: Request, work) -> Any:
     """Await `work`, or cancel it as soon as the client disconnects (uvicorn does not cancel a handler
     whose client went away; cancelling the prediction takes its texts out of the batcher's queue)."""
-    task = asyncio.ensure_future(work)
+    task = asyncio.current_task()
+    gone = False
 
     async def disconnected() -> None:
+        nonlocal gone
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        gone = True
+        task.cancel()  # cancels what the request awaits: its texts' place in the queue
 
+    # One watcher task, the work awaited in this one: a second task and asyncio.wait per request cost more
+    # than the rest of the front end's Python (issue 48)
     watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientGone("waiting") from None
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        raise ClientGone("waiting")
-    return task.result()
 
 
 def body_too_large(size: str, limit: int) -> ApiError:

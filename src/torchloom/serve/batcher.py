@@ -141,6 +141,8 @@ class MicroBatcher:
             queued = True
             self._wakeup.set()
             # A cancelled request (client gone) cancels its chunks; the batcher then skips them.
+            if len(chunks) == 1:
+                return await chunks[0].future
             parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
         finally:
             self._in_flight -= 1
