@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -310,8 +311,6 @@ def settle(pid: int, timeout: float = 5.0) -> None:
 
 def medians(rounds: list[list[dict]]) -> list[dict]:
     """Each level's median over the rounds (errors: the sum); `ratios`: its per-round x min(ceiling, offline)."""
-    import statistics
-
     out = []
     for i, first in enumerate(rounds[0]):
         same = [r[i] for r in rounds]
@@ -348,14 +347,8 @@ def table(rows: list[dict]) -> str:
         each = ", ".join(f"{x:.2f}" for x in r["ratios"])
         lines.append(f"| {r['server']} | {r['per_request']} | {r['concurrency']} | {r['rps']:.0f} | {r['texts_s']:.0f}"
                      f" | {r['p50']:.1f} | {r['p99']:.1f} | {r['server_cpu_us']:.0f} | {r['client_cpu_us']:.0f} |"
-                     f" {statistics_median(r['ratios']):.2f} ({each}) | {r['errors']} |")
+                     f" {statistics.median(r['ratios']):.2f} ({each}) | {r['errors']} |")
     return "\n".join(lines)
-
-
-def statistics_median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values)
 
 
 def targets(rows: list[dict]) -> list[str]:
@@ -363,7 +356,7 @@ def targets(rows: list[dict]) -> list[str]:
     for per_request in TEXTS_PER_REQUEST:
         ours = next(r for r in rows if r["server"] == "torchloom serve" and r["per_request"] == per_request
                     and r["concurrency"] == 64)
-        ratio = statistics_median(ours["ratios"])
+        ratio = statistics.median(ours["ratios"])
         out.append(f"- {per_request} text(s) per request, c=64: {ours['texts_s']:.0f} texts/s, {ratio:.2f}x"
                    f" min(ceiling, offline) (median of the rounds' ratios; target >= 0.7x):"
                    f" {'met' if ratio >= 0.7 else 'NOT met'}")

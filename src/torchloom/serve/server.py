@@ -127,8 +127,9 @@ def uvicorn_config(app: Any, settings: ServeSettings) -> Any:
 
 def model_threads(device: str, cores: int) -> int:
     """torch's threads for the model thread: on a CPU all cores but one, which the event loop and the tokenizers
-    need (with every core, torch's spinning workers and the front end took turns: 10x fewer requests/s with the
-    tiny model at c=64 on 2 shared cores, docs/benchmarks.md); on a GPU the cores are the front end's anyway."""
+    need (with every core, torch's spinning workers and the front end took turns: with the tiny model at c=64 on
+    2 shared cores, 96 to 854 requests/s against 800 with one thread, docs/benchmarks.md); on a GPU the cores
+    are the front end's anyway."""
     return max(1, cores - 1) if device == "cpu" else cores
 
 
