@@ -38,6 +38,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -401,6 +402,7 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     rows = medians(rounds)
     header = (f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/serve_front.py --rounds {a.rounds}"
               f" --seconds {a.seconds:g}{' --server-args ' + repr(a.server_args) if a.server_args else ''}` on"
