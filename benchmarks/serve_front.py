@@ -402,7 +402,7 @@ def main() -> None:
     finally:
         for server in servers.values():
             server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)  # kept when a server failed: its logs are there
     rows = medians(rounds)
     header = (f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC with `benchmarks/serve_front.py --rounds {a.rounds}"
               f" --seconds {a.seconds:g}{' --server-args ' + repr(a.server_args) if a.server_args else ''}` on"
