@@ -126,11 +126,13 @@ def uvicorn_config(app: Any, settings: ServeSettings) -> Any:
 
 
 def model_threads(device: str, cores: int) -> int:
-    """torch's threads for the model thread: on a CPU all cores but one, which the event loop and the tokenizers
-    need (with every core, torch's spinning workers and the front end took turns: with the tiny model at c=64 on
-    2 shared cores, 96 to 854 requests/s against 800 with one thread, docs/benchmarks.md); on a GPU the cores
-    are the front end's anyway."""
-    return max(1, cores - 1) if device == "cpu" else cores
+    """torch's threads for the model thread: on a CPU of 4 cores or more all but one, which the event loop and the
+    tokenizers need (with every core, torch's spinning workers and the front end took turns: with the tiny model at
+    c=64 on 2 shared cores, 96 to 854 requests/s against 800 with one thread, docs/benchmarks.md). With fewer cores
+    a real model is the bottleneck and gets them all (MiniLM served 0.84 of its offline rate with both of 2 cores,
+    "Serving"; half of them would cost it far more than the front end gains). On a GPU the cores are the front
+    end's anyway."""
+    return max(1, cores - 1) if device == "cpu" and cores >= 4 else cores
 
 
 def run_local(settings: ServeSettings) -> int:
