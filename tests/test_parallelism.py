@@ -319,8 +319,9 @@ def test_batch_that_does_not_split_over_the_workers_is_a_config_error():
     from torchloom.config import micro_batch_size
 
     with pytest.raises(UserError, match="must be a multiple of engine.workers x train.grad_accum = 3"):
-        build(None, ["--engine.workers", "3"])  # the default global batch is 16
-    cfg = build(None, ["--engine.workers", "4", "--train.grad_accum", "2"])
+        build(None, ["--engine.workers", "3", "--train.batch_size", "16"])
+    build(None, ["--engine.workers", "3"])  # batch_size auto: chosen from the data, a multiple of the workers
+    cfg = build(None, ["--engine.workers", "4", "--train.grad_accum", "2", "--train.batch_size", "16"])
     assert micro_batch_size(cfg.train, 4) == 2
     with pytest.raises(UserError, match="= 6"):  # the world size torchrun really started is checked too
         micro_batch_size(cfg.train, 3)
