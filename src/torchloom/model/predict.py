@@ -205,7 +205,9 @@ class Predictor:
 
     def padded_length(self, longest: int) -> int:
         """The length a forward whose longest row has `longest` tokens is padded to (its length bucket)."""
-        bucket = max(1, self.length_bucket)
+        bucket = self.length_bucket
+        if bucket <= 1:  # no buckets (the default; a TablePredictor for Spark scoring has no max_length of its own)
+            return longest
         return max(longest, min(-(-longest // bucket) * bucket, self.max_length))
 
     def length_buckets(self) -> list[int]:
