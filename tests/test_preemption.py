@@ -69,13 +69,14 @@ def test_sigterm_to_a_random_worker_checkpoints_its_step_and_goes_on_to_the_same
 def test_sigterm_while_a_checkpoint_is_being_written_leaves_it_whole_and_goes_on_from_it(
         tmp_path, data_dir, models, reference, monkeypatch):  # noqa: F811
     # The notice lands while rank 1 writes the periodic checkpoint of step 4: the handler does no I/O, so the
-    # write finishes untouched; the ranks stop after step 4 (or 5) and the run goes on to the same weights.
+    # write finishes untouched; the ranks stop after step 4 (or 5, or 6: they agree on a notice a boundary later)
+    # and the run goes on to the same weights.
     rd = new_run(tmp_path, data_dir, "saving")
     monkeypatch.setenv("TORCHLOOM_FAULT", "rank=1,step=4,kind=term_saving")
     result = local.train(cfg_for(rd, models["dropout"], *COMMON, "--engine.max_restarts", "0"), rd, quiet=True)
     assert (rd / "logs" / "fault-fired-rank1-step4").read_text().endswith("while saving: True")
     [p] = result.preemptions
-    assert p["step"] in (4, 5) and p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"], p
+    assert p["step"] in (4, 5, 6) and p["checkpoint_s"] >= 0 and p["resumed_from_step"] == p["step"], p
     for step in {4, p["step"]}:
         meta = json.loads((rd / "checkpoints" / f"step-{step}" / "meta.json").read_text())
         assert meta["step"] == step and meta["files"]
@@ -144,7 +145,7 @@ def test_a_grace_period_too_short_for_a_checkpoint_goes_on_from_the_periodic_one
     finally:
         del os.environ["TORCHLOOM_FAULT"]
     [p] = result.preemptions
-    assert p["step"] in (6, 7) and p["checkpoint_s"] == -1 and p["resumed_from_step"] == 4
+    assert p["step"] in (6, 7, 8) and p["checkpoint_s"] == -1 and p["resumed_from_step"] == 4
     assert not (rd / "checkpoints" / f"step-{p['step']}").exists() and result.resumed_from.endswith("step-4")
     lines = [x for x in capfd.readouterr().out.splitlines() if "preempted at step" in x]
     assert len(lines) == 1 and "more than the" in lines[0] and "the newest checkpoint, step 4," in lines[0], lines
