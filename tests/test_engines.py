@@ -279,3 +279,29 @@ def test_spark_decommissioning_an_executor_is_a_notice_and_the_run_goes_on_to_th
     assert result.steps == 13 and result.resumed_from.endswith(f"step-{p['step']}")
     assert_same_weights(setup["ref"] / "checkpoints" / "step-13", rd / "checkpoints" / "step-13")
     assert not list((rd / "logs").glob("error-rank*.json"))
+
+
+SPARK_ABORT = ("An error occurred while calling o91.collect.\n: org.apache.spark.SparkException: Job aborted due to"
+               " stage failure: Could not recover from a failed barrier ResultStage. Most recent failure reason: Stage"
+               " failed because barrier task ResultTask(1, 0) finished unsuccessfully.\nExecutorLostFailure (executor 2"
+               " exited unrelated to the running tasks) Reason: worker lost: Not receiving heartbeat for 15 seconds\n"
+               "\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(DAGScheduler.scala:2935)")
+
+
+def test_an_attempt_spark_aborted_for_a_lost_executor_is_named_by_spark_s_reason(tmp_path, capsys):
+    # Spark saw the executor lost and aborted the barrier stage before the ranks' heartbeats could name the lost
+    # rank: the re-run line and the final error give Spark's reason, not "Py4JJavaError"
+    from torchloom.engines.driver import rerun_or_raise
+    from torchloom.rundir import RunDir
+
+    class Py4JJavaError(Exception):
+        pass
+
+    rd = RunDir(tmp_path / "run")
+    rerun_or_raise(rd, "launch", 0, 2, Py4JJavaError(SPARK_ABORT), "Spark (spark://a:7077)")
+    said = capsys.readouterr().err
+    assert ("attempt 1 of 2 failed (Spark lost executor 2: worker lost: Not receiving heartbeat for 15 seconds);"
+            " re-running the workers") in said, said
+    with pytest.raises(TrainingFailed, match=r"^training on Spark \(spark://a:7077\) failed: Spark lost executor 2:"
+                                             r" worker lost: Not receiving heartbeat for 15 seconds$"):
+        rerun_or_raise(rd, "launch", 1, 2, Py4JJavaError(SPARK_ABORT), "Spark (spark://a:7077)")

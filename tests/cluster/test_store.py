@@ -10,6 +10,7 @@ a local directory, bit for bit, read back from the store.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -291,11 +292,13 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
     assert not any(p.name.startswith(".spark-write") for p in prepared.rglob("*"))
     for r in (0, 1):  # every rank's output reached the driver's terminal, and the store
         assert f"[rank{r}] rank {r} of 2 on" in text and (logs / f"rank-{r}.log").is_file(), text[-3000:]
-    # torchloom re-runs the workers when the survivor's collective times out first; when Spark sees the executor
-    # lost first, it resubmits the barrier stage itself and the driver has nothing to say (the workers' line below
-    # names the loss either way)
-    assert (f"(rank 0 on host {lost.name} stopped answering (lost)); re-running the workers" in text
-            or "re-running the workers" not in text), text[-3000:]
+    # Three correct accounts, by which side notices first (the workers' line below names the loss in each): the
+    # survivor's collective times out, and torchloom names the lost rank from the heartbeats; Spark sees the
+    # executor lost and aborts the barrier stage, and torchloom gives Spark's reason; or Spark resubmits the stage
+    # itself, and the driver has nothing to say. Never the bare exception's name.
+    rerun = re.search(r"attempt 1 of \d+ failed \((.*)\); re-running the workers", text)
+    assert rerun is None or rerun[1] == f"rank 0 on host {lost.name} stopped answering (lost)" or \
+        rerun[1].startswith("Spark lost executor "), text[-3000:]
     assert "attempt 2 of 4 failed" not in text, text[-3000:]
     assert f"restart 1: rank 0 on host {lost.name} stopped answering (lost); resuming from the latest checkpoint in" \
            f" {run}/checkpoints" in (logs / "rank-0.log").read_text()

@@ -154,6 +154,20 @@ def worker_user_error(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+# The engine's own word on a lost worker, where the ranks' heartbeats cannot name it yet (Spark saw the executor
+# lost and aborted the barrier stage before the survivor's collective timed out).
+ENGINE_LOSS = re.compile(r"ExecutorLostFailure \((executor \S+)[^)]*\) Reason: ([^\n]+)")
+
+
+def engine_account(text: str) -> str:
+    """A lost worker as the engine's error names it, in one line ("" when it names none)."""
+    found = ENGINE_LOSS.findall(text)
+    if not found:
+        return ""
+    executor, reason = found[-1]
+    return f"Spark lost {executor}: {reason.strip().rstrip('.')}"
+
+
 def rerun_or_raise(rd: RunDir, launch_id: str, attempt: int, attempts: int, error: Exception,
                    engine_label: str, start: int | None = None) -> None:
     """After `attempt` (0-based) of `attempts` failed with `error`: when a lost process caused it and an
@@ -162,14 +176,14 @@ def rerun_or_raise(rd: RunDir, launch_id: str, attempt: int, attempts: int, erro
     text = str(error)
     loss = describe_loss(rd, launch_id, attempt if start is None else start)  # start: counting preempted ones
     if attempt + 1 < attempts and not worker_user_error(text) and failure_cause(rd, launch_id) is None:
-        how = error.how if isinstance(error, AttemptFailed) else type(error).__name__
+        how = error.how if isinstance(error, AttemptFailed) else engine_account(text) or type(error).__name__
         print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({loss or how});"
               " re-running the workers from the latest checkpoint", file=sys.stderr, flush=True)
         return
     if isinstance(error, AttemptFailed):
         raise_worker_failure(rd, error.fallback)
     first = message_line(text) or repr(error)
-    raise_worker_failure(rd, f"training on {engine_label} failed: {loss or first}", text)
+    raise_worker_failure(rd, f"training on {engine_label} failed: {loss or engine_account(text) or first}", text)
 
 
 def raise_worker_failure(rd: RunDir, fallback: str, engine_error: str = "") -> None:
