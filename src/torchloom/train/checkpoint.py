@@ -195,6 +195,7 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
 
 _HASHER: list[ThreadPoolExecutor] = []
 _CHUNK = 64 << 20
+_INLINE = 1 << 20  # writes smaller than this are hashed on the writing thread
 
 
 class _Digesting:
@@ -211,6 +212,11 @@ class _Digesting:
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        if len(view) < _INLINE:  # torch.save's headers and small tensors: a hand-off would cost more than the hash
+            self.sha.update(view)
+            self.file.write(view)
+            self.size += len(view)
+            return len(view)
         for start in range(0, len(view), _CHUNK):
             chunk = view[start:start + _CHUNK]
             hashed = _HASHER[0].submit(self.sha.update, chunk)
