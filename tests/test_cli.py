@@ -112,7 +112,7 @@ def test_run_says_what_precision_auto_chose_and_where_the_start_up_time_went(fin
     # the start-up account: every phase before the first step, in the summary and in metrics.jsonl
     startup = summary["startup"]
     for phase in ("spark_start_s", "read_clean_s", "tokenize_s", "baseline_s", "worker_launch_s",
-                  "process_group_s", "model_load_s", "data_s", "first_step_s"):
+                  "process_group_s", "model_load_s", "data_s", "first_batch_s", "first_step_s"):
         assert startup[phase] >= 0, phase
     assert 0 < startup["first_step_after_s"] < summary["timings"]["total_s"]
     assert "start-up Spark start" in proc.stdout and "first step" in proc.stdout

@@ -369,6 +369,32 @@ def test_abandoned_iteration_stops_its_thread(manifest):
     assert not readahead_threads()
 
 
+def test_the_next_epoch_is_read_while_its_last_batch_is_used_and_gives_the_same_batches(manifest):
+    # The trainer validates and checkpoints after an epoch's last batch; the next epoch's first window is read then.
+    def fresh(e):
+        other = loaders(manifest, world_size=1, batch_size=2, shuffle_buffer=4)[0]
+        other.set_epoch(e)
+        other.last_epoch = e
+        return list(other)
+
+    loader = loaders(manifest, world_size=1, batch_size=2, shuffle_buffer=4)[0]
+    loader.last_epoch = 9
+    before = len(readahead_threads())
+    list(loader)
+    assert len(readahead_threads()) == before + 1  # the next epoch's reader, started at the last batch
+    loader.set_epoch(1)
+    assert_same_batches(list(loader), fresh(1))
+    loader.set_epoch(3)  # not the epoch read ahead: that reader is stopped, epoch 3 read as asked
+    loader.last_epoch = 3
+    assert_same_batches(list(loader), fresh(3))
+    assert len(readahead_threads()) == before  # nothing read past the last epoch
+    loader.last_epoch = 9
+    list(loader.set_epoch(4) or loader)
+    assert len(readahead_threads()) == before + 1
+    loader.close()
+    assert len(readahead_threads()) == before
+
+
 def test_eval_batches_in_file_order(manifest):
     runs = [list(eval_batches(manifest, "val", r, 3, 4)) for r in range(3)]
     assert indices(b for run in runs for b in run) == list(range(17))

@@ -111,7 +111,8 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
 
 STARTUP_NAMES = {"spark_start_s": "Spark start", "read_clean_s": "read+clean", "tokenize_s": "tokenize",
                  "baseline_s": "baseline", "worker_launch_s": "worker launch", "process_group_s": "process group",
-                 "model_load_s": "model load", "data_s": "loader", "first_step_s": "first step"}
+                 "model_load_s": "model load", "data_s": "loader", "first_batch_s": "first batch",
+                 "first_step_s": "first step"}
 
 
 def startup_line(startup: dict) -> str:

@@ -232,6 +232,10 @@ class ShardedLoader:
         self.epoch = 0
         self._batches_yielded = 0
         self._active: ReadAhead | None = None
+        # the next epoch's read-ahead, started when this epoch's last batch is handed out, so that its first window
+        # is read while the trainer validates and checkpoints: ((epoch, batches_yielded) it starts at, the reader)
+        self._next: tuple[tuple[int, int], ReadAhead] | None = None
+        self.last_epoch: int | None = None  # the trainer's last epoch; None: nothing is read past the current one
         self._generation = 0  # bumped when an iteration is stopped, so it stops counting
 
     def __len__(self) -> int:
@@ -319,18 +323,41 @@ class ShardedLoader:
         if within and (state.get("world_size"), state.get("batch_size")) != (self.world_size, self.batch_size):
             raise UserError(f"loader state: stopped {within} micro-batches into a global batch, which only the same"
                             " workers and micro-batch size can continue; resume from a checkpoint")
-        self._stop_active()
+        self.close()
         self.epoch = int(state["epoch"])
         self._batches_yielded = int(steps) * self.accum + within
 
-    def _epoch(self) -> _Epoch:
+    def _epoch(self, epoch: int) -> _Epoch:
         groups = self._groups
         if self.shuffle:
-            order = np.random.default_rng([_GROUP_ORDER, self.seed, self.epoch]).permutation(len(groups))
+            order = np.random.default_rng([_GROUP_ORDER, self.seed, epoch]).permutation(len(groups))
             groups = [groups[i] for i in order]
         return _Epoch(self._uris, groups, self._parts, self.rows // self.global_batch, self.num_steps, self.window,
-                      self.accum, (self.seed, self.epoch) if self.shuffle else None, self.length_bucketing,
+                      self.accum, (self.seed, epoch) if self.shuffle else None, self.length_bucketing,
                       self.pad_id)
+
+    def _read_ahead(self, epoch: int, first_step: int) -> ReadAhead:
+        """A thread reading `epoch`'s micro-batches from global batch `first_step` on."""
+        batches = _micro_batches(self._epoch(epoch), first_step)
+        if self.pin_memory or self.pad_multiple > 1 or self.packing:
+            device = torch.cuda.current_device() if self.pin_memory else None  # the rank's GPU, set in its thread
+            batches = _for_the_device(batches, device, self.pad_multiple, self.pad_id, self.packing)
+        return ReadAhead(batches, max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
+
+    def _read_next_epoch(self) -> None:
+        """This epoch's last batch is out: start reading the next epoch (the trainer goes on to it)."""
+        if self._next is None and self.last_epoch is not None and self.epoch < self.last_epoch:
+            self._next = ((self.epoch + 1, 0), self._read_ahead(self.epoch + 1, 0))
+
+    def _take_next(self) -> ReadAhead | None:
+        """The read-ahead started for the current position, if one was; any other is stopped."""
+        waiting, self._next = self._next, None
+        if waiting is None:
+            return None
+        if waiting[0] == (self.epoch, self._batches_yielded):
+            return waiting[1]
+        waiting[1].close()
+        return None
 
     def __iter__(self) -> Iterator[Batch]:
         self._stop_active()
@@ -338,10 +365,7 @@ class ShardedLoader:
         if self.epoch_finished:
             return
         first_step, within = divmod(self._batches_yielded, self.accum)
-        batches = _micro_batches(self._epoch(), first_step)
-        if self.pin_memory or self.pad_multiple > 1 or self.packing:
-            batches = _for_the_device(batches, self.pin_memory, self.pad_multiple, self.pad_id, self.packing)
-        ahead = ReadAhead(batches, max_ahead=_AHEAD_WINDOWS * self.window * self.accum)
+        ahead = self._take_next() or self._read_ahead(self.epoch, first_step)
         self._active = ahead
         try:
             for n, batch in enumerate(ahead):
@@ -350,6 +374,8 @@ class ShardedLoader:
                 if generation != self._generation:
                     return
                 self._batches_yielded += 1
+                if self.epoch_finished:
+                    self._read_next_epoch()
                 yield batch
         finally:
             ahead.close()
@@ -363,21 +389,30 @@ class ShardedLoader:
             self._active.close()
             self._active = None
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Stop every read-ahead thread (the running iteration's and the next epoch's)."""
         self._stop_active()
+        if getattr(self, "_next", None) is not None:
+            self._next[1].close()
+            self._next = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
-def _for_the_device(batches: Iterator[Batch], pin: bool, multiple: int, pad_id: int, packing: bool = False
+def _for_the_device(batches: Iterator[Batch], device: int | None, multiple: int, pad_id: int, packing: bool = False
                     ) -> Iterator[Batch]:
     """In the read-ahead thread: widths padded to `multiple`, packed where `packing`, and pinned where `pin`.
     Pinned, the trainer's copy to the GPU is asynchronous; from pageable memory it would block the host until the
     GPU had run everything queued before it, so the host could not queue the next step's kernels while the GPU runs
     this one."""
     try:
+        if device is not None:  # a new thread's CUDA device is 0: pinning there would open a context on every
+            torch.cuda.set_device(device)  # rank's behalf on GPU 0 (as torch's DataLoader sets it in its pin thread)
         for b in batches:
             b = pad_to_multiple(b, multiple, pad_id)
             b = pack_batch(b, pad_id) if packing else b
-            yield {k: v.pin_memory() for k, v in b.items()} if pin else b
+            yield {k: v.pin_memory() for k, v in b.items()} if device is not None else b
     finally:
         batches.close()  # its readers now, not whenever it is collected
 

@@ -132,16 +132,16 @@ class Trainer:
         started = self.fit_started = time.perf_counter()
         self.samples_before = s.samples_seen
         window = LogWindow(torch.zeros((), device=self.d.device))
+        self.loader.last_epoch = math.ceil(self.total_steps / self.steps_per_epoch) - 1  # no read-ahead past it
         steps = self.optimizer_steps()
         while s.step < self.total_steps and not s.stopped_early:
             step_started = time.perf_counter()
-            with self.clock.phase("data"):
-                micro_batches, first_index, epoch_ends = next(steps)
+            micro_batches, first_index, epoch_ends = self.next_batches(steps)
             loss_sum, rows, grad_norm = self.train_step(micro_batches, first_index)
             self.reporter.step_done(s.step)
             if self.first_step_s is None:
                 self.first_step_s = self.seconds_since_launch(started)
-                self.log_startup(time.perf_counter() - step_started)
+                self.log_startup(time.perf_counter() - step_started - self.startup["first_batch_s"])
             window.add(loss_sum, rows)
             if s.step % tc.log_every == 0 or s.step == self.total_steps:
                 self.log_train(window, grad_norm)
@@ -156,6 +156,7 @@ class Trainer:
                 if noticed:
                     return self.preempted(time.perf_counter() - started)
         self.notice.drain()
+        self.loader.close()  # an epoch read ahead that early stopping or a budget left unused
         if s.last_eval_step != s.step:
             self.run_eval()
         if s.last_checkpoint_step != s.step:
@@ -164,6 +165,18 @@ class Trainer:
         result = self.result(time.perf_counter() - started)
         result.uploads = uploads
         return result
+
+    def next_batches(self, steps: Iterator[tuple[list[dict], int, bool]]) -> tuple[list[dict], int, bool]:
+        """The next step's micro-batches. The first is start-up (its window read while nothing else runs: the
+        start-up account's first_batch_s), the others the time split's data wait."""
+        if self.first_step_s is not None:
+            with self.clock.phase("data"):
+                return next(steps)
+        started = time.perf_counter()
+        try:
+            return next(steps)
+        finally:
+            self.startup["first_batch_s"] = time.perf_counter() - started
 
     def seconds_since_launch(self, fit_started: float) -> float:
         """From the engine's launch when it said when (start-up included), else from the start of fit()."""
