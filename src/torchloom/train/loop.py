@@ -24,7 +24,7 @@ from dataclasses import asdict, replace
 import torch
 import torch.nn.functional as F
 
-from torchloom.config import Config, batch_multiple, budget, elastic_micro_batch, micro_batch_size
+from torchloom.config import Config, batch_multiple, budget, micro_batch_size
 from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
@@ -41,6 +41,7 @@ from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import COMPILE_PAD, compiled_graphs, parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
+from torchloom.train.resume import resume
 from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
 from torchloom.train.upload import CheckpointUploader
 
@@ -109,7 +110,7 @@ class Trainer:
         self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
         self.resumed_step: int | None = None
         self.checkpoint_s = 0.0  # the last checkpoint's write (0 before the first)
-        self.resumed_from = self._maybe_resume()
+        self.resumed_from = resume(self)
         self.startup["data_s"] = time.perf_counter() - t  # the loader, the optimizer and a resume
         if self.tc.trace_rows:
             self.rd.logs.mkdir(parents=True, exist_ok=True)
@@ -382,46 +383,6 @@ class Trainer:
         return result
 
     # -- resume and checkpoints ---------------------------------------------------------------
-    def _maybe_resume(self) -> str | None:
-        if self.tc.resume == "latest":  # a run on a store: the checkpoints this host's copy needs, from the store
-            if self.d.local_rank == 0:  # one download per host; the ranks beside it read the same copy
-                self.files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)
-            self.d.io_barrier()
-        path = checkpoint.resolve_once(self.d, self.tc.resume, self.rd.checkpoints)
-        if path is None:
-            if self.d.is_main:
-                self.rd.reset_metrics(None, keep_driver=True)
-                if not self.tc.resume:  # a fresh training: the earlier one's checkpoints would be exported
-                    checkpoint.clear_earlier(self.files)
-            return None
-        ts = checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer, sharded=self.par.sharded)
-        self.scheduler.load_state_dict(ts["scheduler"])
-        if self.scaler is not None and ts.get("scaler"):
-            self.scaler.load_state_dict(ts["scaler"])
-        self.state = TrainState(**ts["state"])
-        self.resumed_step = self.state.step
-        saved = ts["loader"]
-        if saved.get("world_size") not in (None, self.par.dp_size) and self.par.pipeline is None:
-            # Elastic: other workers, the same global batches. A micro-batch that fit the old
-            # workers' memory is kept, with more accumulation, rather than grown.
-            self.resumed_world_size = int(saved["world_size"])
-            micro = elastic_micro_batch(self.tc.batch_size, self.par.dp_size, self.micro_batch,
-                                        int(saved.get("batch_size") or self.micro_batch))
-            if micro != self.micro_batch:
-                self.micro_batch = micro
-                self.loader = self.build_loader(micro)
-            if self.d.is_main:
-                print(f"train: resuming step {self.state.step} on {self.par.dp_size} workers (the checkpoint's run"
-                      f" had {saved['world_size']}): the same global batches of {self.tc.batch_size} go on, as"
-                      f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
-        if self.tc.length_bucketing == "auto" and "length_bucketing" in saved:
-            self.loader.length_bucketing = bool(saved["length_bucketing"])  # auto goes on as the run began
-        self.loader.load_state_dict(saved)
-        if self.d.is_main:
-            self.files.catch_up_metrics(self.state.step)
-            self.rd.reset_metrics(self.state.step)
-        return str(path)
-
     def save_checkpoint(self) -> str:
         s = self.state
         s.last_checkpoint_step = s.step
