@@ -58,3 +58,23 @@ def test_torchrun_warns_of_a_multi_node_launch_whose_nodes_could_not_rejoin():
     assert rendezvous_warning({**multi, "GROUP_WORLD_SIZE": "1"}) == ""  # one node: its own restarts are fine
     assert rendezvous_warning({**multi, "TORCHELASTIC_MAX_RESTARTS": "0"}) == ""  # nothing to rejoin
     assert rendezvous_warning({**multi, "RANK": "3"}) == ""  # rank 0 says it once
+
+
+def test_a_rank_on_a_gpu_makes_it_the_current_device_with_or_without_the_engine_s_group(monkeypatch, tmp_path):
+    # CUDA events (the step clock), pinning threads and NCCL use the current device: a rank on cuda:1 that left it
+    # at 0 would time and pin on another rank's GPU. Both paths: a group torchloom makes, one the engine made (Ray).
+    import torch.distributed as dist
+
+    from torchloom.train import distributed
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: chosen.append(torch.device(device)))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    d = distributed.setup("auto", 0, assigned="cuda:1")
+    assert d.device == torch.device("cuda", 1) and chosen == [torch.device("cuda", 1)]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        d = distributed.setup("auto", 0, assigned="cuda:1")
+        assert d.device == torch.device("cuda", 1) and chosen[1:] == [torch.device("cuda", 1)]
+    finally:
+        dist.destroy_process_group()

@@ -85,18 +85,21 @@ def setup(device_kind: str, threads: int, assigned: str | None = None, timeout_s
     """
     if threads > 0:
         torch.set_num_threads(threads)
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized():  # the engine made the group (Ray Train)
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        return Dist(rank, world, local_rank, pick_device(device_kind, local_rank, assigned), owns_group=False,
+        device = pick_device(device_kind, local_rank, assigned)
+        if device.type == "cuda":  # the current device too: CUDA events, pinning threads and NCCL use it
+            torch.cuda.set_device(device)
+        return Dist(rank, world, local_rank, device, owns_group=False,
                     io_group=io_group(world), control_group=control_group(world, timeout_s))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_kind, local_rank, assigned)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1:
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         backend = "nccl" if device.type == "cuda" else "gloo"
         # Collectives give up on a dead peer after timeout_s; the rendezvous store waits as long as
         # the slowest start may take.
