@@ -144,6 +144,10 @@ class MicroBatcher:
             if len(chunks) == 1:
                 return await chunks[0].future
             parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
+        except asyncio.CancelledError:
+            if not queued:  # the client went away while its texts were being tokenized: dropped before the model too
+                self.metrics.dropped.inc(amount=len(texts))
+            raise
         finally:
             self._in_flight -= 1
             if not queued:
