@@ -410,7 +410,8 @@ class Trainer:
         return str(path)
 
     def result(self, train_s: float) -> TrainResult:
-        """Collective (the clock's run totals are summed over the ranks): what this launch did."""
+        """Collective (the clock's run totals are summed over the ranks): what this launch did. The time split is of
+        the time after the first batch arrived (its read is start-up: first_batch_s)."""
         s = self.state
         self.clock.settle()
         _, work = summed(self.d, 0.0, self.clock.run)
@@ -428,6 +429,7 @@ class Trainer:
             resumed_at_step=self.resumed_step,
             precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
             tokens_per_s=work_rates["tokens_per_s"], padding=work_rates["padding"], mfu=work_rates.get("mfu"),
-            time_split=time_split(work, train_s, self.d.world_size), global_batch=self.tc.batch_size,
+            time_split=time_split(work, train_s - self.startup.get("first_batch_s", 0.0), self.d.world_size),
+            global_batch=self.tc.batch_size,
             compiled_graphs=compiled_graphs() if self.tc.compile else None, packed=self.tc.packing,
         )
