@@ -992,6 +992,32 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
         s.kill()
 
 
+def test_ray_replica_takes_the_length_buckets_and_warms_up_each_as_the_local_server_does(model_dir):
+    """RayBackend without Ray: @serve.batch stood in for by a call per text (the replica's start is all this
+    tests)."""
+    from torchloom.serve.ray_engine import RayBackend
+    from torchloom.serve.settings import ServeSettings
+
+    backend = RayBackend(ServeSettings(model_dir, length_bucket=24, max_batch_size=4, device="cpu"), threads=0)
+
+    async def one(item):
+        return (await backend.predict_batch([item]))[0]
+
+    backend.attach(one)
+
+    async def start_and_stop() -> None:
+        try:
+            await backend.start()
+            assert backend.ready
+        finally:
+            await backend.stop()
+
+    run_async(start_and_stop())
+    assert backend.model.predictor.length_bucket == 24
+    runs = {labels[0]: value for labels, value in backend.metrics.warm_up_batches.values.items()}
+    assert runs == {"24": 1, "48": 1, "64": 1}  # max_length 64 in buckets of 24, as the local server's test
+
+
 @needs_http
 @pytest.mark.slow
 @pytest.mark.ray

@@ -58,7 +58,8 @@ class RayBackend:
 
         self.settings = settings
         self.model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
-                                 batch_size=settings.max_batch_size, threads=threads, runtime=settings.runtime)
+                                 batch_size=settings.max_batch_size, threads=threads, runtime=settings.runtime,
+                                 length_bucket=settings.length_bucket)
         self.identity = self.model.identity
         self._pending = 0
         self._ready = False
@@ -76,9 +77,15 @@ class RayBackend:
     async def start(self) -> None:
         """The app's lifespan start, which Ray runs before the replica takes traffic: a warm-up through
         the path every request takes (@serve.batch, the model thread, predict), a short batch and one
-        full-length text. A replica whose warm-up fails does not start, and says why."""
+        full-length text, then one batch at every length bucket on the model thread, as the local server
+        does (ServedModel.warm_up_buckets; no token limit: @serve.batch counts texts, and the Predictor cuts a
+        batch into the forwards it runs). A replica whose warm-up fails does not start, and says why."""
         await self.predict(["warm up"] * min(self.settings.max_batch_size, self.settings.max_queue, 8))
         await self.predict(["warm up " * self.model.max_length])
+        lengths = await asyncio.get_running_loop().run_in_executor(
+            self._executor, self.model.warm_up_buckets, self.settings.max_batch_size, 0)
+        for length in lengths:
+            self.metrics.warm_up_batches.inc(str(length))
         self._ready = True
         log.info("ready: %s %s", self.identity.name, self.identity.version)
 
