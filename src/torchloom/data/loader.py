@@ -402,7 +402,7 @@ class ShardedLoader:
 
 def _for_the_device(batches: Iterator[Batch], device: int | None, multiple: int, pad_id: int, packing: bool = False
                     ) -> Iterator[Batch]:
-    """In the read-ahead thread: widths padded to `multiple`, packed where `packing`, and pinned where `pin`.
+    """In the read-ahead thread: widths padded to `multiple`, packed where `packing`, pinned where `device` is given.
     Pinned, the trainer's copy to the GPU is asynchronous; from pageable memory it would block the host until the
     GPU had run everything queued before it, so the host could not queue the next step's kernels while the GPU runs
     this one."""
