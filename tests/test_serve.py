@@ -677,6 +677,59 @@ def test_batcher_does_not_make_a_lone_client_wait_for_peers_but_merges_a_crowd()
     assert max(sizes) == 8 and sum(sizes) == 80
 
 
+def test_batcher_waits_max_wait_only_for_requests_about_to_join():
+    """8 clients, one request each in flight: once all 8 are queued nobody else can come before an answer, so
+    the batch goes; max_wait (2 s here) is for requests still being tokenized."""
+    sizes: list[int] = []
+
+    def predict(items):
+        sizes.append(len(items))
+        return items
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=32, max_wait_ms=2000, max_queue=100, encode=list,
+                         cost=lambda item: (1, 1), encode_workers=2)
+        await b.start()
+        started = time.monotonic()
+
+        async def client(k):
+            for i in range(3):
+                assert await b.submit([f"{k}-{i}"]) == [f"{k}-{i}"]
+
+        await asyncio.gather(*(client(k) for k in range(8)))
+        elapsed = time.monotonic() - started
+        await b.close()
+        return elapsed
+
+    assert run_async(main()) < 2.0  # waiting max_wait for each round of 8 took 6 s
+    assert sum(sizes) == 24
+
+
+def test_the_model_thread_takes_its_next_batch_while_the_event_loop_is_busy():
+    """What was queued while the model ran goes next without the event loop, which may be busy answering."""
+    started: list[float] = []
+
+    def predict(texts):
+        started.append(time.monotonic())
+        time.sleep(0.05)
+        return texts
+
+    async def main():
+        b = MicroBatcher(predict, max_batch_size=1, max_wait_ms=0, max_queue=100)
+        await b.start()
+        tasks = [asyncio.create_task(b.submit([str(i)])) for i in range(3)]
+        await asyncio.sleep(0.01)  # all three queued, the first running
+        time.sleep(0.4)  # the event loop blocked: no callback of its runs meanwhile
+        unblocked = time.monotonic()
+        results = await asyncio.gather(*tasks)
+        await b.close()
+        return results, unblocked
+
+    results, unblocked = run_async(main())
+    assert results == [["0"], ["1"], ["2"]]
+    assert len(started) == 3 and max(started) < unblocked  # the 3 batches ran while the loop was blocked
+
+
 def test_batcher_refuses_when_full_and_after_close():
     release = threading.Event()
 

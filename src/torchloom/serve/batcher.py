@@ -1,4 +1,4 @@
-"""Dynamic micro-batching: concurrent requests are merged into model batches on one worker thread.
+"""Dynamic micro-batching: concurrent requests are merged into model batches on one model thread.
 
 With an `encode` function, a request's texts are tokenized first (on a pool of tokenizer threads, so the event
 loop stays free; requests that arrive while every tokenizer thread is busy are encoded together in one call
@@ -6,11 +6,16 @@ once one frees, which shares a call's fixed cost) and each text's `cost` is know
 tokens). Requests are cut into chunks of at most `max_batch_size` texts and `max_batch_tokens` padded tokens
 (rows x longest row, which is what a padded forward computes) and queued. A batch is the oldest chunks that
 fit in both limits; it goes to the model once it is full or its oldest chunk has waited `max_wait_ms`, and at
-once when nobody else is likely to join it: the batcher keeps a moving average of how many other requests were
-in flight when each one arrived, and below one (a lone client, or light load) waiting would only add latency,
-so it does not wait (unless adaptive_wait is off). While the model runs a batch, the next one gathers what
-arrives and goes the moment the model is free, so the model thread is fed continuously. The model sorts a
-batch's rows by length before padding. It runs on a single worker thread so batches never compete for the
+once when no request is being tokenized, that is about to join it (unless adaptive_wait is off): waiting for
+requests not yet sent only adds latency (a lone client's, or 8 clients' whose 8 requests are all in: they
+waited the whole max_wait, 8 ms a request with the tiny model), and under load the next batch gathers while
+the model runs this one.
+
+The model thread takes its next batch itself, from the queue, the moment it has handed back the last one's
+results: what arrived while the model ran goes next, without waiting for the event loop, which may be busy
+answering the batch just done (with a tiny model or a GPU, that wait was a third of the model thread's time).
+The event loop only queues chunks and settles results (and the metrics, which are not thread-safe). The
+model sorts a batch's rows by length before padding. One model thread means batches never compete for the
 cores. The queue is bounded in texts: a request that would overfill it is refused at once (the server answers
 429 with Retry-After) instead of growing memory and latency. A single text over the token budget still runs,
 alone.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -60,6 +66,7 @@ class _Chunk:
     items: list[Any]  # what the model takes: the texts, or their encodings
     costs: list[tuple[int, int]]  # per text: (rows, longest row in tokens); (1, 0) without encode
     queued_at: float = field(default_factory=time.monotonic)
+    taken_at: float = 0.0  # when the model thread took it into a batch
 
 
 def padded_tokens(costs: list[tuple[int, int]]) -> int:
@@ -87,60 +94,72 @@ class MicroBatcher:
         self.max_queue = max_queue
         self.adaptive_wait = adaptive_wait
         self.metrics = metrics or ServeMetrics()
+        # Shared with the model thread, under _lock: the queue, _pending, _closing and the calls to run
+        self._lock = threading.Condition()
         self._queue: deque[_Chunk] = deque()
-        self._pending = 0  # texts accepted and not yet handed to the model
-        self._wakeup = asyncio.Event()
+        self._calls: deque[tuple[Callable[..., Any], tuple, asyncio.Future]] = deque()  # run_in_worker's
+        self._pending = 0  # texts accepted and not yet taken by the model thread
         self._closing = False
-        self._task: asyncio.Task | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopped: asyncio.Future | None = None  # done when the model thread has finished
         self._tokenizer: ThreadPoolExecutor | None = None
         self._encode_workers = max(1, encode_workers)
         self._to_encode: list[tuple[list[str], asyncio.Future]] = []  # requests waiting for a tokenizer thread
         self._encoding = 0  # tokenizer calls running
-        self._running: asyncio.Task | None = None  # the batch on the model thread
-        self._in_flight = 0  # requests submitted and not yet answered
-        self._concurrency = 0.0  # moving average of other requests in flight at each arrival
+        self._tokenizing = 0  # requests being tokenized: about to join the queue
 
     @property
     def queue_depth(self) -> int:
         return self._pending
 
     async def start(self) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
+        self._loop = asyncio.get_running_loop()
+        self._stopped = self._loop.create_future()
         if self._encode is not None:
             self._tokenizer = ThreadPoolExecutor(max_workers=self._encode_workers,
                                                  thread_name_prefix="torchloom-tokenize")
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="torchloom-batcher")
+        self._thread = threading.Thread(target=self._model_thread, name="torchloom-model", daemon=True)
+        self._thread.start()
 
     async def run_in_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn` on the model thread, in turn with the batches (e.g. the warm-up)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        if self._loop is None or self._stopped is None or self._stopped.done():
+            raise ShuttingDown("the server is shutting down")
+        future = self._loop.create_future()
+        with self._lock:
+            self._calls.append((fn, args, future))
+            self._lock.notify()
+        return await future
 
     async def submit(self, texts: list[str]) -> list[Any]:
         """Results for `texts`, in order. Raises Overloaded, ShuttingDown or ModelFailed."""
-        if self._closing or self._task is None:
+        if self._closing or self._thread is None:
             raise ShuttingDown("the server is shutting down")
         if self._pending + len(texts) > self.max_queue:
             raise Overloaded(self._pending, self.max_queue)
         loop = asyncio.get_running_loop()
-        self._concurrency = 0.9 * self._concurrency + 0.1 * self._in_flight
-        self._pending += len(texts)  # the room is taken now: tokenizing below lets other requests in
-        self._in_flight += 1
-        queued = False
+        with self._lock:
+            self._pending += len(texts)  # the room is taken now: tokenizing below lets other requests in
+        queued = tokenizing = False
         try:
             if self._encode is not None:
+                self._tokenizing, tokenizing = self._tokenizing + 1, True
                 items = await self._tokenize(texts)
                 costs = [self._cost(item) for item in items] if self._cost is not None else [(1, 0)] * len(texts)
             else:
                 items, costs = list(texts), [(1, 0)] * len(texts)
-            if self._closing:
-                raise ShuttingDown("the server is shutting down")
             chunks = [_Chunk(texts[a:b], loop.create_future(), items[a:b], costs[a:b])
                       for a, b in self._cut(costs)]
-            self._queue.extend(chunks)
-            queued = True
-            self._wakeup.set()
-            # A cancelled request (client gone) cancels its chunks; the batcher then skips them.
+            with self._lock:
+                if tokenizing:  # with the queueing: the model thread sees it in one or the other
+                    self._tokenizing, tokenizing = self._tokenizing - 1, False
+                if self._closing:  # checked under the lock: the model thread never misses a chunk queued
+                    raise ShuttingDown("the server is shutting down")
+                self._queue.extend(chunks)
+                queued = True
+                self._lock.notify()
+            # A cancelled request (client gone) cancels its chunks; the model thread then skips them.
             if len(chunks) == 1:
                 return await chunks[0].future
             parts = await asyncio.gather(*(c.future for c in chunks), return_exceptions=True)
@@ -149,9 +168,11 @@ class MicroBatcher:
                 self.metrics.dropped.inc(amount=len(texts))
             raise
         finally:
-            self._in_flight -= 1
             if not queued:
-                self._pending -= len(texts)
+                with self._lock:
+                    self._pending -= len(texts)
+                    self._tokenizing -= tokenizing
+                    self._lock.notify()  # one request fewer to wait for
         for part in parts:
             if isinstance(part, BaseException):
                 raise part
@@ -227,133 +248,162 @@ class MicroBatcher:
         return ranges
 
     async def close(self) -> None:
-        """Stop taking requests, finish everything queued, stop the worker thread."""
-        self._closing = True
-        self._wakeup.set()
-        if self._task is not None:
-            await self._task
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        """Stop taking requests, finish everything queued, stop the model thread."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        if self._stopped is not None:
+            await self._stopped
+        if self._thread is not None:
+            self._thread.join()
         if self._tokenizer is not None:
             self._tokenizer.shutdown(wait=True)
 
-    async def _run(self) -> None:
-        while True:
-            if not self._queue:
-                if self._closing:
-                    if self._running is not None:
-                        await self._running
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            batch: list[_Chunk] = []
-            try:
-                batch = await self._collect()
-            except Exception:
-                self._failed(batch)
-                continue
-            if batch:
-                if self._running is not None:
-                    await self._running  # a full batch gathered while the model ran the previous one
-                self._running = asyncio.get_running_loop().create_task(self._run_guarded(batch))
+    # --- the model thread -----------------------------------------------------------------------------------
 
-    async def _run_guarded(self, batch: list[_Chunk]) -> None:
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the event loop (results, errors, metrics); dropped if the loop is gone."""
         try:
-            await self._run_batch(batch)
-        except Exception:
-            self._failed(batch)
-        finally:
-            self._wakeup.set()  # the model is free: the batch gathered meanwhile goes now
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop was closed without close(): nobody is waiting any more
+            pass
 
-    def _failed(self, batch: list[_Chunk]) -> None:
-        """The batcher must outlive any one batch, or every later request would hang."""
-        error_id = uuid.uuid4().hex[:12]
-        log.exception("batcher error %s", error_id)
-        for chunk in batch:
-            _settle(chunk, exc=ModelFailed(error_id))
-
-    async def _collect(self) -> list[_Chunk]:
-        """The next batch: the oldest chunks that fit, waiting up to max_wait for more while there is room."""
-        batch: list[_Chunk] = []
-        size = 0
-        costs: list[tuple[int, int]] = []
-        while True:
-            full = False
-            while self._queue:
-                chunk = self._queue[0]
-                if chunk.future.done():  # cancelled by its request (its client went away)
-                    self._queue.popleft()
-                    self._pending -= len(chunk.texts)
-                    if chunk.future.cancelled():
-                        self.metrics.dropped.inc(amount=len(chunk.texts))
+    def _model_thread(self) -> None:
+        try:
+            while True:
+                work = self._take()
+                if work is None:
+                    return
+                if isinstance(work, tuple):  # a run_in_worker call
+                    fn, args, future = work
+                    try:
+                        self._post(_resolve, future, fn(*args), None)
+                    except Exception as e:
+                        self._post(_resolve, future, None, e)
                     continue
-                if batch and (size + len(chunk.texts) > self.max_batch_size or (
-                        self.max_batch_tokens and padded_tokens(costs + chunk.costs) > self.max_batch_tokens)):
-                    full = True
-                    break
-                batch.append(self._queue.popleft())
-                size += len(chunk.texts)
-                costs += chunk.costs
-            if full or size >= self.max_batch_size or self._closing or not batch:
-                return batch
-            if self._running is not None and not self._running.done():
-                self._wakeup.clear()  # the model is busy: gather what arrives until it is free
-                await self._wakeup.wait()
-                continue
-            if self.adaptive_wait and self._concurrency < 0.5:
-                return batch  # light load: nobody is likely to join within max_wait
-            remaining = batch[0].queued_at + self.max_wait - time.monotonic()
-            if remaining <= 0:
-                return batch
-            self._wakeup.clear()
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), remaining)
-            except TimeoutError:
-                pass
+                try:
+                    self._run_batch(work)
+                except Exception as e:  # the model thread must outlive any one batch, or every request would hang
+                    self._post(self._failed, work, e)
+        finally:
+            self._post(_resolve, self._stopped, None, None)
 
-    async def _run_batch(self, batch: list[_Chunk]) -> None:
-        gone = [chunk for chunk in batch if chunk.future.cancelled()]  # while the batch waited to fill
+    def _take(self) -> list[_Chunk] | tuple | None:
+        """The next work for the model thread: a run_in_worker call, or the next batch (the oldest chunks that
+        fit, waiting up to max_wait for more while there is room); None once closing and nothing is left."""
+        with self._lock:
+            while True:
+                if self._calls:
+                    return self._calls.popleft()
+                size, fit, full = self._fit()
+                if not fit:
+                    if self._closing:
+                        return None
+                    self._lock.wait()
+                    continue
+                oldest = self._queue[0].queued_at
+                remaining = oldest + self.max_wait - time.monotonic()
+                if (full or size >= self.max_batch_size or self._closing or remaining <= 0
+                        or (self.adaptive_wait and not self._tokenizing)):  # nobody is about to join
+                    now = time.monotonic()
+                    batch = [self._queue.popleft() for _ in range(fit)]
+                    for chunk in batch:
+                        chunk.taken_at = now
+                    self._pending -= size
+                    return batch
+                self._lock.wait(remaining)
+
+    def _fit(self) -> tuple[int, int, bool]:
+        """Under the lock: (texts, chunks, full) of the batch the queue's head makes now; chunks whose request
+        went away are removed on the way (and counted as dropped)."""
+        size, fit, full, dropped = 0, 0, False, 0
+        costs: list[tuple[int, int]] = []
+        while fit < len(self._queue):
+            chunk = self._queue[fit]
+            if chunk.future.done():  # cancelled by its request (its client went away)
+                del self._queue[fit]
+                self._pending -= len(chunk.texts)
+                dropped += len(chunk.texts) if chunk.future.cancelled() else 0
+                continue
+            if fit and (size + len(chunk.texts) > self.max_batch_size or (
+                    self.max_batch_tokens and padded_tokens(costs + chunk.costs) > self.max_batch_tokens)):
+                full = True
+                break
+            size, fit = size + len(chunk.texts), fit + 1
+            costs += chunk.costs
+        if dropped:
+            self._post(self._dropped, dropped)
+        return size, fit, full
+
+    def _run_batch(self, batch: list[_Chunk]) -> None:
+        gone = sum(len(chunk.texts) for chunk in batch if chunk.future.cancelled())  # while the batch waited to fill
         if gone:
-            self._pending -= sum(len(chunk.texts) for chunk in gone)
-            self.metrics.dropped.inc(amount=sum(len(chunk.texts) for chunk in gone))
+            self._post(self._dropped, gone)
             batch = [chunk for chunk in batch if not chunk.future.done()]
             if not batch:
                 return
-        texts = [t for chunk in batch for t in chunk.texts]
-        self._pending -= len(texts)
-        self.metrics.batch_size.observe(len(texts))
         started = time.perf_counter()
-        for chunk in batch:
-            self.metrics.queue_seconds.observe(time.monotonic() - chunk.queued_at)
-        if self._encode is not None:
-            self.metrics.batch_tokens.observe(padded_tokens([c for chunk in batch for c in chunk.costs]))
         try:
-            results = await self.run_in_worker(self._predict_checked, [i for chunk in batch for i in chunk.items])
+            results = self._predict_checked([i for chunk in batch for i in chunk.items])
         except Exception as e:
-            await self._isolate(batch, e)
+            self._post(self._observe, batch, time.perf_counter() - started)
+            self._isolate(batch, e)
             return
-        finally:
-            self.metrics.batch_seconds.observe(time.perf_counter() - started)
-        self.metrics.texts.inc(amount=len(texts))
-        start = 0
+        seconds = time.perf_counter() - started
+        parts, start = [], 0
         for chunk in batch:
-            _settle(chunk, result=results[start:start + len(chunk.texts)])
+            parts.append(results[start:start + len(chunk.texts)])
             start += len(chunk.texts)
+        self._post(self._answer, batch, parts, seconds)
 
-    async def _isolate(self, batch: list[_Chunk], error: Exception) -> None:
+    def _isolate(self, batch: list[_Chunk], error: Exception) -> None:
         """After a failed batch, run each request's chunk alone: only the chunks that fail again get an error."""
         if len(batch) == 1:
-            self._fail(batch[0], error)
+            self._post(self._fail, batch[0], error)
             return
         for chunk in batch:
             if chunk.future.done():
                 continue
             try:
-                _settle(chunk, result=await self.run_in_worker(self._predict_checked, chunk.items))
-                self.metrics.texts.inc(amount=len(chunk.texts))
+                self._post(self._answer, [chunk], [self._predict_checked(chunk.items)], None)
             except Exception as e:
-                self._fail(chunk, e)
+                self._post(self._fail, chunk, e)
+
+    def _predict_checked(self, items: list[Any]) -> list[Any]:
+        results = self._predict(items)
+        if len(results) != len(items):
+            raise RuntimeError(f"the model returned {len(results)} results for {len(items)} texts")
+        return results
+
+    # --- back on the event loop -----------------------------------------------------------------------------
+
+    def _observe(self, batch: list[_Chunk], seconds: float | None) -> None:
+        """A batch's metrics: its size, tokens, each chunk's wait in the queue and (when it ran) its seconds."""
+        self.metrics.batch_size.observe(sum(len(chunk.texts) for chunk in batch))
+        for chunk in batch:
+            self.metrics.queue_seconds.observe(chunk.taken_at - chunk.queued_at)
+        if self._encode is not None:
+            self.metrics.batch_tokens.observe(padded_tokens([c for chunk in batch for c in chunk.costs]))
+        if seconds is not None:
+            self.metrics.batch_seconds.observe(seconds)
+
+    def _answer(self, batch: list[_Chunk], parts: list[list[Any]], seconds: float | None) -> None:
+        """A batch's results (seconds None: a chunk run alone after its batch failed, already observed)."""
+        if seconds is not None:
+            self._observe(batch, seconds)
+        self.metrics.texts.inc(amount=sum(len(chunk.texts) for chunk in batch))
+        for chunk, part in zip(batch, parts):
+            _settle(chunk, result=part)
+
+    def _dropped(self, texts: int) -> None:
+        self.metrics.dropped.inc(amount=texts)
+
+    def _failed(self, batch: list[_Chunk], error: Exception) -> None:
+        """A batch the model thread could not handle at all: each request gets an error, the thread goes on."""
+        error_id = uuid.uuid4().hex[:12]
+        log.error("batcher error %s", error_id, exc_info=error)
+        for chunk in batch:
+            _settle(chunk, exc=ModelFailed(error_id))
 
     def _fail(self, chunk: _Chunk, error: Exception) -> None:
         error_id = uuid.uuid4().hex[:12]
@@ -362,11 +412,14 @@ class MicroBatcher:
                   exc_info=error)
         _settle(chunk, exc=ModelFailed(error_id))
 
-    def _predict_checked(self, items: list[Any]) -> list[Any]:
-        results = self._predict(items)
-        if len(results) != len(items):
-            raise RuntimeError(f"the model returned {len(results)} results for {len(items)} texts")
-        return results
+
+def _resolve(future: asyncio.Future | None, result: Any, exc: BaseException | None) -> None:
+    if future is None or future.done():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _settle(chunk: _Chunk, result: Any = None, exc: BaseException | None = None) -> None:
