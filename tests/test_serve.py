@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -309,6 +310,13 @@ def test_ready_only_after_a_warm_up_through_the_request_path(model_dir, tmp_path
         assert sample_value(families, "torchloom_batch_size", "torchloom_batch_size_count") == 2
         assert sample_value(families, "torchloom_texts", "torchloom_texts_total") == 9
         assert s.client.get("/healthz").status_code == 200
+        # the warm-up chose the forward (traced or eager) and, on 2-3 cores, torch's threads, and said why
+        log = s.stderr()
+        assert re.search(r"warm-up: forward (traced: [\d.]+ ms a batch traced|eager: )", log), log[-2000:]
+        from torchloom.machine import usable_cores
+
+        if usable_cores() in (2, 3):
+            assert re.search(r"warm-up: torch threads \d of \d cores: the forward takes \d+ us a text", log)
         assert s.terminate() == 0, s.stderr()[-3000:]
     finally:
         s.kill()

@@ -285,6 +285,9 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--fixed-wait", action="store_true",
                     help="always wait --max-wait-ms for a batch to fill, even when no other request is in flight"
                          " (default: adaptive, a lone request goes at once)")
+    sp.add_argument("--no-tune", dest="tune", action="store_false",
+                    help="skip the warm-up's measurements on a CPU (a traced forward where it is as fast as eager;"
+                         " on 2-3 cores, torch's threads): eager, and every core for the model")
     sp.add_argument("--max-queue", type=int, default=1024,
                     help="texts waiting for the model; past this requests get 429 (default 1024)")
     sp.add_argument("--max-texts-per-request", type=int, default=256)
@@ -323,7 +326,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         model_dir=args.model_dir, host=args.host, port=args.port, serve_with=args.serve_with, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
         max_batch_tokens=args.max_batch_tokens, length_bucket=args.length_bucket,
-        fixed_wait=args.fixed_wait,
+        fixed_wait=args.fixed_wait, tune=args.tune,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,

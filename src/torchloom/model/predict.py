@@ -15,6 +15,7 @@ from torchloom.errors import UserError, first_line
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
+from torchloom.model.traced import TracedForward
 from torchloom.scoring import LOSS_EPS, mix, text_scores
 from torchloom.textclean import clean_text
 from torchloom.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
@@ -60,6 +61,8 @@ class Predictor:
     # Each forward is padded to a multiple of this many tokens (at most max_length), so that forwards come in few
     # shapes that a server can warm up (length_buckets); 1: to its longest row.
     length_bucket: int = 1
+    # The forward as a traced graph where TracedForward.choose chose one (a server, at warm-up); None: eager
+    traced: TracedForward | None = None
 
     def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
                  batch_size: int = 32, runtime: str = "torch", threads: int | None = None,
@@ -186,6 +189,8 @@ class Predictor:
                      "attention_mask": batch["attention_mask"].numpy().astype("int64")}
             return torch.from_numpy(self.session.run(["logits"], feeds)[0]).float()
         batch = {k: v.to(self.device) for k, v in batch.items()}
+        if self.traced is not None:
+            return self.traced.logits(batch).float().cpu()
         return self.model(**batch).logits.float().cpu()
 
     def _predict_chunk(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:

@@ -117,7 +117,66 @@ class ServedModel:
             self.predict_encoded(per_text)
         return lengths
 
+    def tune(self, max_rows: int, max_batch_tokens: int, cores: int) -> list[str]:
+        """At warm-up, on the model thread, before the buckets are warmed (torch on a CPU only): choose by
+        measurement on a typical batch (max_rows rows of ~64 tokens) (1) a traced forward or eager
+        (model/traced.py) and (2) on 2 or 3 cores, torch's threads: all cores, or one fewer for the event loop and
+        the tokenizers. One fewer where the forward loses less a text than the front end's share of the cores
+        gives back: front end ~ 2 x the tokenizer's time a text (tokenizing, and as much again for HTTP, JSON and
+        the batcher: 80-110 against 100-120 us with 1-text requests, docs/benchmarks.md). The tiny model: 1 of
+        2 cores (the second speeds its forward 1.4x: 172 against 119 us a text, front end ~220); MiniLM keeps
+        both (26 against 14 ms). Returns the lines to log."""
+        import torch
+
+        from torchloom.model.predict import pad_batch
+        from torchloom.model.traced import TracedForward
+
+        if self.runtime != "torch" or self.device != "cpu":
+            return []
+        length = min(self.predictor.length_buckets(), key=lambda n: abs(n - 64))
+        rows = min(max_rows, max(1, max_batch_tokens // length)) if max_batch_tokens else max_rows
+        first = self.predictor.encode_windows(["warm up"])[0][0]
+        row = {k: (v[:1] + v[1:2] * (length - 2) + v[-1:])[:length] for k, v in first.items()}
+        batch = pad_batch([row] * rows, self.predictor.tokenizer, length)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        lines = []
+        with torch.inference_mode():
+            traced = self.predictor.traced = TracedForward(self.predictor.model)
+            used, why = traced.choose(batch, self._autocast)
+            lines.append(f"forward {'traced' if used else 'eager'}: {why}")
+            if cores in (2, 3):
+                text = " ".join(["warm up"] * (length // 2))
+                tokenize = _best(lambda: self.encode([text] * rows)) / rows
+
+                def forward() -> None:
+                    with self._autocast():
+                        traced.logits(batch)
+
+                times = {}
+                for n in (cores, cores - 1):
+                    torch.set_num_threads(n)
+                    times[n] = _best(forward) / rows
+                fewer = times[cores - 1] <= times[cores] + 2 * tokenize / cores
+                torch.set_num_threads(cores - 1 if fewer else cores)
+                lines.append(f"torch threads {torch.get_num_threads()} of {cores} cores: the forward takes"
+                             f" {times[cores] * 1e6:.0f} us a text on {cores}, {times[cores - 1] * 1e6:.0f} on"
+                             f" {cores - 1}; tokenizing {tokenize * 1e6:.0f}")
+        return lines
+
     def warm_up(self) -> None:
         """One short and one full-length forward, so the first client doesn't pay for lazy initialisation."""
         self.predict(["warm up"] * min(self.predictor.batch_size, 8))
         self.predict(["warm up " * self.max_length])
+
+
+def _best(run, times: int = 3) -> float:
+    """The fastest of `times` runs of `run`, in seconds, after one run not counted."""
+    import time
+
+    run()
+    best = float("inf")
+    for _ in range(times):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best

@@ -82,6 +82,10 @@ class RayBackend:
         batch into the forwards it runs). A replica whose warm-up fails does not start, and says why."""
         await self.predict(["warm up"] * min(self.settings.max_batch_size, self.settings.max_queue, 8))
         await self.predict(["warm up " * self.model.max_length])
+        if self.settings.tune:  # the traced forward where it is as fast; threads are the replica's CPUs, as Ray gave
+            for line in await asyncio.get_running_loop().run_in_executor(
+                    self._executor, self.model.tune, self.settings.max_batch_size, self.settings.max_batch_tokens, 1):
+                log.info("warm-up: %s", line)
         lengths = await asyncio.get_running_loop().run_in_executor(
             self._executor, self.model.warm_up_buckets, self.settings.max_batch_size, 0)
         for length in lengths:

@@ -35,6 +35,7 @@ class LocalBackend:
                                     settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait,
                                     encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens,
                                     encode_workers=usable_cores())
+        self.tune = settings.tune
         self._ready = False
         self._warm_up_task: asyncio.Task | None = None
 
@@ -55,6 +56,10 @@ class LocalBackend:
             await self.batcher.submit(["warm up"] * min(self.batcher.max_batch_size, self.batcher.max_queue, 8))
             await self.batcher.submit(["warm up " * self.model.max_length])
             # then every length bucket once, at the most rows a batch of that length holds, on the model thread
+            if self.tune:
+                for line in await self.batcher.run_in_worker(self.model.tune, self.batcher.max_batch_size,
+                                                             self.batcher.max_batch_tokens, usable_cores()):
+                    log.info("warm-up: %s", line)
             lengths = await self.batcher.run_in_worker(self.model.warm_up_buckets, self.batcher.max_batch_size,
                                                        self.batcher.max_batch_tokens)
             for length in lengths:
@@ -128,10 +133,9 @@ def uvicorn_config(app: Any, settings: ServeSettings) -> Any:
 def model_threads(device: str, cores: int) -> int:
     """torch's threads for the model thread: on a CPU of 4 cores or more all but one, which the event loop and the
     tokenizers need (with every core, torch's spinning workers and the front end took turns: with the tiny model at
-    c=64 on 2 shared cores, 96 to 854 requests/s against 800 with one thread, docs/benchmarks.md). With fewer cores
-    a real model is the bottleneck and gets them all (MiniLM served 0.84 of its offline rate with both of 2 cores,
-    "Serving"; half of them would cost it far more than the front end gains). On a GPU the cores are the front
-    end's anyway."""
+    c=64 on 2 shared cores, 96 to 854 requests/s against 800 with one thread, docs/benchmarks.md). With 2 or 3
+    cores the model gets them all here, and the warm-up measures whether one fewer serves more (ServedModel.tune:
+    MiniLM keeps both of 2 cores, the tiny model gets 1). On a GPU the cores are the front end's anyway."""
     return max(1, cores - 1) if device == "cpu" and cores >= 4 else cores
 
 

@@ -29,6 +29,7 @@ class ServeSettings:
     length_bucket: int = 16  # each forward padded to a multiple of this many tokens; each bucket warmed up
     max_wait_ms: float = 5.0  # how long the oldest queued text waits for a batch to fill
     fixed_wait: bool = False  # wait max_wait_ms even when no other request is in flight (default: adaptive)
+    tune: bool = True  # warm-up measures a traced forward and, on 2-3 cores, torch's threads (ServedModel.tune)
     max_queue: int = 1024  # texts accepted and waiting; more -> 429
     max_texts_per_request: int = 256
     max_text_chars: int = 20_000
