@@ -9,7 +9,8 @@ benchmarks/serve.py's (max_length 128), so the model costs almost nothing and wh
 around it, as on a GPU. Texts: serve.load_texts (BBC headline + lede, <= 400 characters).
 
 The sides:
-- offline: Predictor.predict (clean, tokenize, forward; no HTTP) on lists of B texts (16, 32, 64), best B.
+- offline: Predictor.predict (clean, tokenize, forward; no HTTP) on lists of B texts (16, 32, 64), on 1 thread
+  and on all, eager and traced (model/traced.py, where the graph is as fast): the best of these.
 - ceiling: a bare endpoint on the same server stack (uvicorn with torchloom serve's own config: uvloop,
   httptools, the read-timeout protocol) that reads the body and answers a fixed prediction body of the same
   shape and size: what HTTP alone allows here.
@@ -252,18 +253,25 @@ class Offline:
         import torch
 
         from torchloom.machine import usable_cores
-        from torchloom.model.predict import Predictor
+        from torchloom.model.predict import Predictor, pad_batch
+        from torchloom.model.traced import TracedForward
 
         self.texts, self.torch = texts, torch
-        self.predictors = {b: Predictor(model, batch_size=b) for b in OFFLINE_BATCHES}
-        for b, predictor in self.predictors.items():
+        # eager, and traced where the graph is at least as fast (what torchloom serve's warm-up chooses)
+        self.predictors = {(b, trace): Predictor(model, batch_size=b) for b in OFFLINE_BATCHES for trace in (0, 1)}
+        for (b, trace), predictor in self.predictors.items():
+            if trace:
+                predictor.traced = TracedForward(predictor.model)
+                rows = [f for windows in predictor.encode_windows(texts[:b]) for f in windows]
+                with torch.inference_mode():
+                    predictor.traced.choose(pad_batch(rows, predictor.tokenizer, 64))
             predictor.predict(texts[:b])  # warm-up
         # torch on all cores, and on one: with other jobs on the cores, all of them can be far slower
         self.threads = sorted({1, usable_cores()})
 
     def rate(self, seconds: float) -> float:
         best, done = 0.0, 0
-        for (b, predictor), threads in itertools.product(self.predictors.items(), self.threads):
+        for ((b, _), predictor), threads in itertools.product(self.predictors.items(), self.threads):
             self.torch.set_num_threads(threads)
             n, started, cpu = 0, time.perf_counter(), time.process_time()
             while time.perf_counter() - started < seconds / len(self.predictors) / len(self.threads):
@@ -273,7 +281,8 @@ class Offline:
             rate = n / (time.perf_counter() - started)
             if rate > best:
                 best, self.cpu_us = rate, (time.process_time() - cpu) / n * 1e6
-                self.best = f"batch {b}, {self.torch.get_num_threads()} thread(s)"
+                traced = "traced" if predictor.traced is not None and predictor.traced.traced else "eager"
+                self.best = f"batch {b}, {self.torch.get_num_threads()} thread(s), {traced}"
         return best
 
 
