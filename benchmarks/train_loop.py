@@ -29,8 +29,20 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHLOOM = [sys.executable, "-m", "torchloom"]
 
 
-def sh(cmd: list[str], **kw) -> None:
-    subprocess.run(cmd, check=True, cwd=ROOT, **kw)
+def sh(cmd: list[str], quiet: bool = False, keep_stdout: bool = False) -> None:
+    """Run `cmd`; quiet: its stderr (and its stdout unless keep_stdout) into a log file, whose last lines are
+    printed if it fails (a bare loop that failed under torchrun used to leave nothing to read)."""
+    if not quiet:
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        return
+    with tempfile.NamedTemporaryFile("w+", prefix="train-loop-", suffix=".log", delete=False) as log:
+        code = subprocess.run(cmd, cwd=ROOT, stdout=None if keep_stdout else log, stderr=log).returncode
+    if code:
+        tail = Path(log.name).read_text(errors="replace").splitlines()[-40:]
+        print("\n".join(tail), file=sys.stderr)
+        raise SystemExit(f"train_loop: python {' '.join(cmd[1:4])} ... exited {code}; its output is in {log.name}"
+                         " (last 40 lines above)")
+    Path(log.name).unlink()
 
 
 def ensure_data(run_dir: Path) -> None:
@@ -45,7 +57,7 @@ def bare(run_dir: Path, model_dir: str, steps: int, batch: int, workers: int, pr
     sh([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
         str(ROOT / "benchmarks" / "bare_ddp.py"), str(run_dir / "data"), model_dir, str(steps), str(batch),
         precision, str(out), str(launched), "--warmup", str(warmup), *(["--same-work"] if same_work else [])],
-       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+       quiet=True)
     return json.loads(out.read_text())
 
 
@@ -60,7 +72,7 @@ def torchloom_train(run_dir: Path, steps: int, batch: int, workers: int, precisi
                     "--train.batch_size", str(batch), "--engine.workers", str(workers),
                     "--train.precision", precision, "--train.log_every", str(log_every), "--train.eval_every", "100000",
                     "--train.warmup_ratio", "0", "--train.budget", "off",
-                    *(["--model.path", model] if model else [])], stderr=subprocess.DEVNULL)
+                    *(["--model.path", model] if model else [])], quiet=True, keep_stdout=True)
     wall = time.time() - started
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = {x["step"]: x for x in lines if x["kind"] == "train"}
