@@ -81,7 +81,7 @@ class TracedForward:
             with context():
                 graph(*batch.values())
 
-        eager, traced = _best_seconds(eager_forward), _best_seconds(traced_forward)
+        eager, traced = best_seconds(eager_forward), best_seconds(traced_forward)
         timing = f"{traced * 1e3:.1f} ms a batch traced, {eager * 1e3:.1f} eager"
         if traced > gain * eager:
             return False, f"not faster traced ({timing})"
@@ -89,10 +89,12 @@ class TracedForward:
         return True, timing
 
 
-def _best_seconds(run: Any, times: int = 3) -> float:
+def best_seconds(run: Any, times: int = 3, warm: int = 3) -> float:
+    """The fastest of `times` runs of `run`, in seconds, after `warm` runs not counted (a traced graph's first
+    two runs profile and optimize it)."""
     import time
 
-    for _ in range(3):  # a graph's first two runs profile and optimize it
+    for _ in range(warm):
         run()
     best = float("inf")
     for _ in range(times):

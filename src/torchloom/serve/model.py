@@ -129,7 +129,7 @@ class ServedModel:
         import torch
 
         from torchloom.model.predict import pad_batch
-        from torchloom.model.traced import TracedForward
+        from torchloom.model.traced import TracedForward, best_seconds
 
         if self.runtime != "torch" or self.device != "cpu":
             return []
@@ -146,7 +146,7 @@ class ServedModel:
             lines.append(f"forward {'traced' if used else 'eager'}: {why}")
             if cores in (2, 3):
                 text = " ".join(["warm up"] * (length // 2))
-                tokenize = _best(lambda: self.encode([text] * rows)) / rows
+                tokenize = best_seconds(lambda: self.encode([text] * rows), warm=1) / rows
 
                 def forward() -> None:
                     with self._autocast():
@@ -155,7 +155,7 @@ class ServedModel:
                 times = {}
                 for n in (cores, cores - 1):
                     torch.set_num_threads(n)
-                    times[n] = _best(forward) / rows
+                    times[n] = best_seconds(forward) / rows
                 fewer = times[cores - 1] <= times[cores] + 2 * tokenize / cores
                 torch.set_num_threads(cores - 1 if fewer else cores)
                 lines.append(f"torch threads {torch.get_num_threads()} of {cores} cores: the forward takes"
@@ -168,15 +168,3 @@ class ServedModel:
         self.predict(["warm up"] * min(self.predictor.batch_size, 8))
         self.predict(["warm up " * self.max_length])
 
-
-def _best(run, times: int = 3) -> float:
-    """The fastest of `times` runs of `run`, in seconds, after one run not counted."""
-    import time
-
-    run()
-    best = float("inf")
-    for _ in range(times):
-        started = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - started)
-    return best
