@@ -167,4 +167,3 @@ class ServedModel:
         """One short and one full-length forward, so the first client doesn't pay for lazy initialisation."""
         self.predict(["warm up"] * min(self.predictor.batch_size, 8))
         self.predict(["warm up " * self.max_length])
-
