@@ -103,14 +103,11 @@ class ServedModel:
         max_batch_tokens padded tokens; 0: no limit), through predict_encoded: a GPU (bf16 above all) pays for
         a shape the first time it sees it, here rather than on a client's request. Returns the lengths run."""
         template = self.predictor.encode_windows(["warm up"])[0]
-        first = template[0]
         lengths = self.predictor.length_buckets()
         for length in lengths:
-            # the special tokens of a real encoding around its first word repeated: exactly `length` tokens
-            row = {k: (v[:1] + v[1:2] * (length - 2) + v[-1:])[:length] for k, v in first.items()}
-            rows = min(max_rows, max(1, max_batch_tokens // length)) if max_batch_tokens else max_rows
+            row = _row_of(template[0], length)
             per_text = []
-            for _ in range(rows):
+            for _ in range(_rows_at(length, max_rows, max_batch_tokens)):
                 item = type(template)([row])
                 item.lexical = getattr(template, "lexical", None)
                 per_text.append(item)
@@ -134,11 +131,9 @@ class ServedModel:
         if self.runtime != "torch" or self.device != "cpu":
             return []
         length = min(self.predictor.length_buckets(), key=lambda n: abs(n - 64))
-        rows = min(max_rows, max(1, max_batch_tokens // length)) if max_batch_tokens else max_rows
-        first = self.predictor.encode_windows(["warm up"])[0][0]
-        row = {k: (v[:1] + v[1:2] * (length - 2) + v[-1:])[:length] for k, v in first.items()}
-        batch = pad_batch([row] * rows, self.predictor.tokenizer, length)
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        rows = _rows_at(length, max_rows, max_batch_tokens)
+        row = _row_of(self.predictor.encode_windows(["warm up"])[0][0], length)
+        batch = pad_batch([row] * rows, self.predictor.tokenizer, length)  # CPU tensors, as the model is here
         lines = []
         with torch.inference_mode():
             traced = self.predictor.traced = TracedForward(self.predictor.model)
@@ -167,3 +162,15 @@ class ServedModel:
         """One short and one full-length forward, so the first client doesn't pay for lazy initialisation."""
         self.predict(["warm up"] * min(self.predictor.batch_size, 8))
         self.predict(["warm up " * self.max_length])
+
+
+def _row_of(first: dict[str, list[int]], length: int) -> dict[str, list[int]]:
+    """A model input of exactly `length` tokens: the special tokens of a real encoding (`first`) around its
+    first word repeated."""
+    return {k: (v[:1] + v[1:2] * (length - 2) + v[-1:])[:length] for k, v in first.items()}
+
+
+def _rows_at(length: int, max_rows: int, max_batch_tokens: int) -> int:
+    """The most rows a batch of `length`-token rows may hold: max_rows, and max_batch_tokens padded tokens
+    (0: no limit), at least one."""
+    return min(max_rows, max(1, max_batch_tokens // length)) if max_batch_tokens else max_rows
