@@ -137,15 +137,17 @@ def test_a_grace_period_too_short_for_a_checkpoint_goes_on_from_the_periodic_one
         tmp_path, data_dir, models, reference, capfd):  # noqa: F811
     # A checkpoint took tens of ms here; 10 ms of grace cannot hold the next one: no checkpoint is started,
     # one line says so, and the run goes on from the periodic checkpoint of step 4, to the same weights.
+    # The notice at step 5 is acted on after step 6 or 7 (a boundary later, or two when the notice thread
+    # is late under load), never at step 8, whose periodic checkpoint would be written anyway.
     rd = new_run(tmp_path, data_dir, "short")
-    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=6,kind=term"
+    os.environ["TORCHLOOM_FAULT"] = "rank=1,step=5,kind=term"
     try:
         result = local.train(cfg_for(rd, models["dropout"], *COMMON, "--engine.max_restarts", "0",
                                      "--train.preemption_grace_s", "0.01"), rd, quiet=True)
     finally:
         del os.environ["TORCHLOOM_FAULT"]
     [p] = result.preemptions
-    assert p["step"] in (6, 7, 8) and p["checkpoint_s"] == -1 and p["resumed_from_step"] == 4
+    assert p["step"] in (6, 7) and p["checkpoint_s"] == -1 and p["resumed_from_step"] == 4, p
     assert not (rd / "checkpoints" / f"step-{p['step']}").exists() and result.resumed_from.endswith("step-4")
     lines = [x for x in capfd.readouterr().out.splitlines() if "preempted at step" in x]
     assert len(lines) == 1 and "more than the" in lines[0] and "the newest checkpoint, step 4," in lines[0], lines
