@@ -87,7 +87,8 @@ def without_exit_barrier_race(text: str) -> str:
     The job has ended well by then; every other traceback or failure stays in the text."""
     if "Error waiting on exit barrier" not in text:
         return text
-    agent = re.compile(r"^E\d{4} [\d:.]+ \d+ torch/distributed/elastic/agent/server/api\.py:\d+\] ")
+    # torch names its file relative to sys.path, or in full where the environment is reached through a link
+    agent = re.compile(r"^E\d{4} [\d:.]+ \d+ (?:\S*/)?torch/distributed/elastic/agent/server/api\.py:\d+\] ")
     kept, in_warning = [], False
     for line in text.splitlines():
         if agent.match(line):
