@@ -260,6 +260,8 @@ def test_read_texts_formats(tmp_path):
     assert read_texts(str(tmp_path / "in.jsonl")) == ["a", "b"]
     (tmp_path / "in.csv").write_text('id,text\n1,"hello, world"\n2,"multi\nline"\n', encoding="utf-8")
     assert read_texts(str(tmp_path / "in.csv")) == ["hello, world", "multi\nline"]
+    (tmp_path / "semi.csv").write_text('\ufeffid;text\n1;"hello, world; again"\n2;plain\n', encoding="utf-8")
+    assert read_texts(str(tmp_path / "semi.csv")) == ["hello, world; again", "plain"]  # Excel's ";" export
 
 
 @pytest.mark.parametrize("name, content, message", [

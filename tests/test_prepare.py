@@ -194,6 +194,31 @@ def test_jsonl_parquet_and_folder_inputs(spark, tiny_model_dir, tmp_path):
     assert all(r["label"] == ("sci fi" if int(r["text"].split()[2]) % 2 else "news") for r in rows)
 
 
+def test_csv_exports_separated_by_semicolons_or_tabs_are_read_at_their_separator(spark, tiny_model_dir, tmp_path):
+    # Excel in much of Europe writes ";" into a .csv, other tools tabs: the header, one column holding the
+    # separator, says which; UTF-8 (Spark's reader) and cp1252 (read whole and decoded) alike, one line each.
+    rows = [(f"document number {i}; about things, {w}", "ab"[i % 2]) for i, w in enumerate(["tea", "café"] * 6)]
+    for name, sep, codec, word in (("semi.csv", ";", "utf-8", "semicolons"), ("cp.csv", ";", "cp1252", "semicolons"),
+                                   ("tabs.csv", "\t", "utf-8", "tabs")):
+        body = f"text{sep}label\n" + "".join(f'"{t}"{sep}{lb}\n' for t, lb in rows)
+        (tmp_path / name).write_bytes(body.encode(codec))
+        lines: list[str] = []
+        m = prepare(make_cfg(tmp_path / name, tiny_model_dir), str(tmp_path / f"out-{name}"), spark=spark,
+                    progress=lines.append)
+        assert m.counts["rows_kept"] == 12 and m.labels == ["a", "b"], (name, m.counts)
+        assert f"{tmp_path / name}: its fields are separated by {word} (read from its header)" in lines, lines
+        kept = [r["text"] for split in split_rows(tmp_path / f"out-{name}").values() for r in split]
+        assert sorted(kept) == sorted(t for t, _ in rows), name
+    # other column names: the error lists the columns as the separator splits them
+    (tmp_path / "named.csv").write_text("body;topic\nsome text;a\n")
+    with pytest.raises(UserError, match=r"no column 'text' and 'label'; columns found: body, topic; set --data"):
+        prepare(make_cfg(tmp_path / "named.csv", tiny_model_dir), str(tmp_path / "named"), spark=spark)
+    # a comma-separated header with a ";" in a column's name is left as it is
+    (tmp_path / "comma.csv").write_text("text,label;kind\nsome text,a\n")
+    with pytest.raises(UserError, match=r"no column 'label'; columns found: text, label;kind"):
+        prepare(make_cfg(tmp_path / "comma.csv", tiny_model_dir), str(tmp_path / "comma"), spark=spark)
+
+
 def membership(out: Path) -> dict[str, set]:
     return {name: {(r["text"], r["label"]) for r in rows} for name, rows in split_rows(out).items()}
 

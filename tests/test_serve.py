@@ -828,11 +828,12 @@ def inputs(tmp_path_factory):
             f.write(json.dumps(row) + "\n")
     import csv
 
-    with open(root / "in.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["id", "text"])
-        for row in rows:
-            w.writerow([row["id"], "" if row["text"] is None else row["text"]])
+    for name, sep in (("in.csv", ","), ("in-semicolons.csv", ";")):  # ";": Excel's CSV in much of Europe
+        with open(root / name, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f, delimiter=sep)
+            w.writerow(["id", "text"])
+            for row in rows:
+                w.writerow([row["id"], "" if row["text"] is None else row["text"]])
     return root, rows
 
 
@@ -848,7 +849,7 @@ def check_output(table, rows, reference):
                              for r in present], expected)
 
 
-@pytest.mark.parametrize("name", ["in.parquet", "in.jsonl", "in.csv"])
+@pytest.mark.parametrize("name", ["in.parquet", "in.jsonl", "in.csv", "in-semicolons.csv"])
 def test_local_batch_predict_adds_label_score_probabilities(inputs, model_dir, reference, tmp_path, name):
     import pyarrow.parquet as pq
 
@@ -949,6 +950,11 @@ def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, r
     table = table.sort_by([("id", "ascending")])
     by_id = sorted(rows, key=lambda r: r["id"])
     check_output(table.select(["id", "text", "label", "score", "probabilities"]), by_id, reference)
+    # a CSV whose header shows its fields separated by ";" is read at ";"
+    predict_spark(spark, model_dir, str(root / "in-semicolons.csv"), str(tmp_path / "semi"), device="cpu")
+    table = ds.dataset(tmp_path / "semi", format="parquet").to_table()
+    assert set(table.column_names) == {"id", "text", "label", "score", "probabilities"}
+    assert sorted(table.column("text").to_pylist(), key=str) == sorted((r["text"] for r in rows), key=str)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,3 +19,23 @@ ICEBERG_SCHEME = "iceberg://"
 
 def is_iceberg(path: str) -> bool:
     return path[:len(ICEBERG_SCHEME)].lower() == ICEBERG_SCHEME
+
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".snappy", ".zst", ".lz4")  # a file's format is the suffix before these
+# Field separators besides the comma that exported "CSV" files use (Excel in much of Europe writes ";")
+OTHER_SEPARATORS = {";": "semicolons", "\t": "tabs", "|": "vertical bars"}
+
+
+def default_separator(name: str) -> str:
+    """The field separator a CSV input's file name implies: a tab for .tsv (compressed or not), else a comma."""
+    stem = name.lower()
+    for suffix in COMPRESSED_SUFFIXES:
+        stem = stem.removesuffix(suffix)
+    return "\t" if stem.endswith(".tsv") else ","
+
+
+def separator_in(names: list[str], sep: str) -> str | None:
+    """The separator a header read at `sep` shows its fields are split at, where it came out as one column
+    holding another (";", a tab or "|"); None otherwise."""
+    if len(names) != 1:
+        return None
+    return next((other for other in OTHER_SEPARATORS if other != sep and other in names[0]), None)

@@ -199,7 +199,7 @@ def _read_and_count(job: _Job):
     say(f"reading {job.shown} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
     raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader,
-                             job.tables.get(job.data_path)), width, job.fmt)
+                             job.tables.get(job.data_path), say), width, job.fmt)
     if job.user_split:
         raw = _with_given(job, raw, width)
     inputs = [(job.data_path, job.fmt)] + [(path, resolve_format(cfg.data, path))
@@ -410,7 +410,7 @@ def _with_given(job: _Job, raw, width: int):
             fmt = resolve_format(cfg.data, path)
             say(f"reading {job.name(path)} ({fmt}) as the {name} split")
             parts.append(_spread(read_input(spark, cfg.data, path, fmt, cfg.prepare.input_reader,
-                                            job.tables.get(path)), width, fmt).withColumn("given", F.lit(name)))
+                                            job.tables.get(path), say), width, fmt).withColumn("given", F.lit(name)))
     return reduce(lambda a, b: a.unionByName(b), parts)
 
 

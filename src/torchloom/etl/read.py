@@ -12,7 +12,17 @@ from urllib.parse import urlparse
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
 from torchloom.etl.clean import RAW
-from torchloom.input_formats import DELTA_LOG, FORMATS, SUFFIX_FORMATS, TABLE_FORMATS, is_iceberg
+from torchloom.input_formats import (
+    COMPRESSED_SUFFIXES,
+    DELTA_LOG,
+    FORMATS,
+    OTHER_SEPARATORS,
+    SUFFIX_FORMATS,
+    TABLE_FORMATS,
+    default_separator,
+    is_iceberg,
+    separator_in,
+)
 from torchloom.java_errors import unreadable_input
 
 _GLOB_CHARS = set("*?[{")
@@ -28,7 +38,7 @@ def _local(path: str) -> str:
 
 
 def _ext(name: str) -> str:
-    for suffix in (".gz", ".bz2", ".snappy", ".zst", ".lz4"):
+    for suffix in COMPRESSED_SUFFIXES:
         if name.endswith(suffix):
             name = name[: -len(suffix)]
     return os.path.splitext(name)[1].lower()
@@ -142,7 +152,6 @@ def pin_tables(cfg: DataConfig, data_path: str, fmt: str | None = None, local_on
 
 # Local inputs up to this size are checked for UTF-8 on the driver before Spark reads them (~1 GB/s).
 UTF8_CHECK_BUDGET = 8 << 30
-_COMPRESSED = (".gz", ".bz2", ".snappy", ".zst", ".lz4")
 
 
 def utf8_files(path: str) -> frozenset[str]:
@@ -155,7 +164,7 @@ def utf8_files(path: str) -> frozenset[str]:
     """
     if not _is_local(path):
         return frozenset()
-    files = [f for f in _local_files(path) if not f.endswith(_COMPRESSED)]
+    files = [f for f in _local_files(path) if not f.endswith(COMPRESSED_SUFFIXES)]
     stats = [os.stat(f) for f in files]
     if sum(st.st_size for st in stats) > UTF8_CHECK_BUDGET:
         return frozenset()
@@ -197,6 +206,24 @@ def _local_files(path: str) -> list[str]:
     return sorted(os.path.abspath(f) for f in files)
 
 
+class _OtherSeparator(Exception):
+    """A CSV whose header, split at the separator its name implies, is one column holding another: read it again."""
+
+    def __init__(self, sep: str):
+        super().__init__(sep)
+        self.sep = sep
+
+
+def _with_separator(read, path: str, say) -> object:
+    """read(sep): first at the separator the file's name implies, then, where its header says so, at another."""
+    try:
+        return read(None)
+    except _OtherSeparator as other:
+        if say is not None:
+            say(f"{path}: its fields are separated by {OTHER_SEPARATORS[other.sep]} (read from its header)")
+        return read(other.sep)
+
+
 def _strip_bom(df):
     """A UTF-8 BOM can stick to the first CSV column name; drop it so the column lookup works."""
     renamed = [c.replace("\ufeff", "").strip() for c in df.columns]
@@ -210,8 +237,9 @@ def _some(names: list[str], most: int = 8, width: int = 30) -> str:
     return (", ".join(shown) or "none") + more
 
 
-def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path"):
-    """text, label, source[, given] and codec (the encoding a reader chose with etl/encoding.py, else null)."""
+def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path", sniff: str | None = None):
+    """text, label, source[, given] and codec (the encoding a reader chose with etl/encoding.py, else null).
+    sniff: the separator a CSV was read at, to be told (_OtherSeparator) where its header shows another."""
     from pyspark.sql import functions as F
 
     from torchloom.etl.store_read import CODEC
@@ -219,6 +247,9 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path")
     missing = [c for c in (cfg.text_column, cfg.label_column) if c not in df.columns]
     if missing:
         names = [c for c in df.columns if c not in ("_corrupt_record", source, CODEC)]
+        other = separator_in(names, sniff) if sniff else None
+        if other:
+            raise _OtherSeparator(other)
         if any(not c.isprintable() or "\ufffd" in c for c in names):
             raise UserError(f"data.path {path}: does not read as {'text' if not names else 'a table'} (its header"
                             " holds binary or wrongly encoded bytes); pass a UTF-8 CSV, JSON lines or Parquet file")
@@ -242,11 +273,12 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path")
     return df.select(*columns)
 
 
-def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto", table=None):
+def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto", table=None, say=None):
     """Read `path` as `fmt` into columns text, label, source: with Spark's own readers, or for a URI on an
     object store with etl/store_read.py (reader "pyarrow", or "auto" when Spark has no file system for the
     URI's scheme: a cluster without that Hadoop connector). A local path is always Spark's. A Delta or Iceberg
-    table: `table`, pinned at its version (etl/tables.py), read by the tasks."""
+    table: `table`, pinned at its version (etl/tables.py), read by the tasks. A CSV whose header shows fields
+    separated by ";", tabs or "|" is read at that separator (`say` tells the user)."""
     from py4j.protocol import Py4JJavaError
 
     if fmt in TABLE_FORMATS:
@@ -254,9 +286,9 @@ def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto"
         return _select(tables.read(spark, cfg, table), cfg, table.shown, source=store_read.SOURCE)
     check_exists(path)
     if reader_of(spark, path, reader) == "pyarrow":
-        return _read_from_store(spark, cfg, path, fmt)
+        return _with_separator(lambda sep: _read_from_store(spark, cfg, path, fmt, sep), path, say)
     try:
-        return _read(spark, cfg, path, fmt)
+        return _with_separator(lambda sep: _read(spark, cfg, path, fmt, sep), path, say)
     except Py4JJavaError as e:  # the file system's own error: no connector for the scheme, no access, ...
         raise unreadable(path, e) from None
 
@@ -296,17 +328,18 @@ def spark_reads(spark, path: str) -> bool:
         return False
 
 
-def _read_from_store(spark, cfg: DataConfig, path: str, fmt: str):
+def _read_from_store(spark, cfg: DataConfig, path: str, fmt: str, sep: str | None = None):
     from torchloom import storage
     from torchloom.etl import store_read
 
     storage.scheme(path)  # one line for a scheme pyarrow does not open
     if fmt == "folder" and cfg.split_column:
         raise _folder_has_no_split(cfg, storage.redact(path))
-    df = store_read.read(spark, cfg, path, fmt, sep="\t" if _ext(path) == ".tsv" else ",")
+    df = store_read.read(spark, cfg, path, fmt, sep=sep or default_separator(path))
     if fmt == "folder":
         return df.withColumnRenamed(store_read.SOURCE, "source").withColumnRenamed(store_read.CODEC, "codec")
-    return _select(df, cfg, storage.redact(path), source=store_read.SOURCE)
+    sniff = default_separator(path) if fmt == "csv" and sep is None else None
+    return _select(df, cfg, storage.redact(path), source=store_read.SOURCE, sniff=sniff)
 
 
 def _folder_has_no_split(cfg: DataConfig, path: str) -> UserError:
@@ -337,28 +370,31 @@ def unreadable(path: str, e: BaseException) -> UserError:
                      " it")
 
 
-def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str):
+def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str, sep: str | None = None):
     """A CSV or JSON lines input: Spark's own reader for files in UTF-8 (or not checked: see utf8_files),
     and the local files that are not (or all of them, with a codec other than UTF-8 forced) read whole
-    and decoded as etl/encoding.py decides (store_read.decoded_frame)."""
+    and decoded as etl/encoding.py decides (store_read.decoded_frame). sep: None for the one the name implies,
+    told to the caller (_OtherSeparator) where the header shows another."""
     from torchloom.etl import store_read
 
-    sep = "\t" if _ext(path) == ".tsv" else ","
+    sniff = default_separator(path) if fmt == "csv" and sep is None else None
+    sep = sep or default_separator(path)
     spark_reads, decoded = _by_encoding(path, cfg.encoding)
     if not decoded:
-        return _spark_text_table(spark, cfg, path, path, fmt, sep)
-    df = _select(store_read.decoded_frame(spark, cfg, decoded, fmt, sep), cfg, path, store_read.SOURCE)
+        return _spark_text_table(spark, cfg, path, path, fmt, sep, sniff)
+    df = _select(store_read.decoded_frame(spark, cfg, decoded, fmt, sep), cfg, path, store_read.SOURCE, sniff)
     if spark_reads:
-        df = df.unionByName(_spark_text_table(spark, cfg, spark_reads, path, fmt, sep))
+        df = df.unionByName(_spark_text_table(spark, cfg, spark_reads, path, fmt, sep, sniff))
     return df
 
 
-def _spark_text_table(spark, cfg: DataConfig, files: str | list[str], path: str, fmt: str, sep: str):
+def _spark_text_table(spark, cfg: DataConfig, files: str | list[str], path: str, fmt: str, sep: str,
+                      sniff: str | None = None):
     if fmt == "jsonl":
         return _select(spark.read.json(files), cfg, path)
     df = (spark.read.option("header", True).option("multiLine", True).option("escape", '"')
           .option("encoding", "UTF-8").option("sep", sep).csv(files))
-    return _select(_strip_bom(df), cfg, path)
+    return _select(_strip_bom(df), cfg, path, sniff=sniff)
 
 
 def _by_encoding(path: str, encoding: str) -> tuple[list[str], list[str]]:
@@ -378,7 +414,7 @@ def _by_encoding(path: str, encoding: str) -> tuple[list[str], list[str]]:
     if not _is_local(path):
         return [], []  # the driver does not read a cluster's files: Spark's UTF-8 reader, bad bytes set aside
     files = _local_files(path)
-    checked = [f for f in files if not f.endswith(_COMPRESSED)]
+    checked = [f for f in files if not f.endswith(COMPRESSED_SUFFIXES)]
     if sum(os.path.getsize(f) for f in checked) > UTF8_CHECK_BUDGET:
         return [], []  # too much to check on the driver: Spark's reader, with U+FFFD for bytes not UTF-8
     valid = utf8_files(path)
@@ -386,14 +422,14 @@ def _by_encoding(path: str, encoding: str) -> tuple[list[str], list[str]]:
     return ([f for f in files if f not in decoded], decoded) if decoded else ([], [])
 
 
-def _read(spark, cfg: DataConfig, path: str, fmt: str):
+def _read(spark, cfg: DataConfig, path: str, fmt: str, sep: str | None = None):
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
     reader = spark.read
     try:
         if fmt in ("csv", "jsonl"):
-            return _read_text_table(spark, cfg, path, fmt)
+            return _read_text_table(spark, cfg, path, fmt, sep)
         if fmt == "parquet":
             return _select(reader.parquet(path), cfg, path)
         if fmt == "folder" and cfg.split_column:

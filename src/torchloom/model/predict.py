@@ -12,6 +12,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
+from torchloom.input_formats import default_separator, separator_in
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -346,7 +347,10 @@ def _read_csv(p: Path) -> list[str]:
     # News articles and reviews can exceed csv's default 128 KiB field limit.
     csv.field_size_limit(min(2**31 - 1, 1 << 30))
     with open(p, encoding="utf-8-sig", newline="") as f:
-        reader = csv.DictReader(f)
+        sep = default_separator(p.name)  # or ";", a tab or "|" where the header line shows it (an Excel export)
+        sep = separator_in(f.readline().split(sep), sep) or sep
+        f.seek(0)
+        reader = csv.DictReader(f, delimiter=sep)
         columns = reader.fieldnames or []
         if "text" not in columns:
             raise UserError(f"--input {p}: no \"text\" column (columns: {', '.join(columns) or 'none'});"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import SUFFIX_FORMATS
+from torchloom.input_formats import SUFFIX_FORMATS, default_separator, separator_in
 from torchloom.runrecord import holds_cwd
 
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
@@ -167,7 +167,7 @@ def _open_text_file(path: Path, fmt: str):
     try:
         if fmt == "csv":
             read = pacsv.ReadOptions(block_size=1 << 20, encoding="utf-8")
-            parse = pacsv.ParseOptions(newlines_in_values=True, delimiter="\t" if path.suffix == ".tsv" else ",")
+            parse = pacsv.ParseOptions(newlines_in_values=True, delimiter=_separator(path))
             # Every CSV column stays a string, as Spark reads CSV: no guess that fails on a later block.
             names = pacsv.open_csv(path, read_options=read, parse_options=parse).schema.names
             names = [n.replace("\ufeff", "").strip() for n in names]
@@ -181,6 +181,15 @@ def _open_text_file(path: Path, fmt: str):
     except pa.ArrowInvalid as e:
         raise UserError(f"--input {path}: cannot read it as {fmt} ({first_line(e)})") from None
     return reader.schema, _checked(reader, path, fmt)
+
+
+def _separator(path: Path) -> str:
+    """The CSV's field separator: the one its name implies, or ";", a tab or "|" where its header line shows
+    that instead (an Excel export in much of Europe is a .csv separated by ";")."""
+    sep = default_separator(path.name)
+    with open(path, "rb") as f:
+        header = f.read(1 << 16).split(b"\n", 1)[0].decode("utf-8", errors="replace")
+    return separator_in(header.split(sep), sep) or sep
 
 
 def _checked(reader, path: Path, fmt: str) -> Iterator[Any]:
@@ -302,8 +311,13 @@ def _predict_partition(batches: Iterable[Any], model_dir: str, text_column: str,
 def _spark_read(spark, path: str, fmt: str):
     reader = spark.read
     if fmt == "csv":
-        df = (reader.option("header", True).option("multiLine", True).option("escape", '"')
-              .option("encoding", "UTF-8").option("sep", "\t" if path.endswith(".tsv") else ",").csv(path))
+        def csv(sep: str):
+            return (reader.option("header", True).option("multiLine", True).option("escape", '"')
+                    .option("encoding", "UTF-8").option("sep", sep).csv(path))
+
+        df = csv(default_separator(path))
+        other = separator_in(df.columns, default_separator(path))  # a ";" or tab export: its header says so
+        df = csv(other) if other else df
         renamed = [c.replace("\ufeff", "").strip() for c in df.columns]
         return df.toDF(*renamed) if renamed != df.columns else df
     if fmt == "jsonl":
