@@ -1,4 +1,4 @@
-"""data.encoding: the per-file decision (etl/encoding.py), and prepare reading folders, CSV files and objects of a
+"""data.encoding: the per-file decision (text_encoding.py), and prepare reading folders, CSV files and objects of a
 store in the encoding they were written in, counting what was not UTF-8."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchloom.errors import UserError
-from torchloom.etl.encoding import Undecodable, decode, detect
+from torchloom.text_encoding import Undecodable, decode, detect
 
 WORDS = ["apple pie recipe", "garden tools sale", "train timetable change", "football score tonight",
          "piano lesson booked", "river walk photos", "tax form reminder", "birthday party plans"]

@@ -279,10 +279,21 @@ def test_read_texts_errors(tmp_path, name, content, message):
     assert message in str(err.value)
 
 
-def test_read_texts_non_utf8(tmp_path):
-    (tmp_path / "latin.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    with pytest.raises(UserError, match="not UTF-8"):
-        read_texts(str(tmp_path / "latin.txt"))
+def test_read_texts_in_the_encoding_prepare_reads_them_in(tmp_path):
+    # as data.encoding auto: cp1252 (or latin-1), UTF-16 with a BOM, UTF-8 with a stray byte; one line says which
+    said: list[str] = []
+    (tmp_path / "cp.txt").write_bytes("café costs 5 €\n“quoted”\n".encode("cp1252"))
+    assert read_texts(str(tmp_path / "cp.txt"), said.append) == ["café costs 5 €", "“quoted”"]
+    (tmp_path / "wide.csv").write_bytes('text,id\n"naïve, résumé",1\n'.encode("utf-16"))
+    assert read_texts(str(tmp_path / "wide.csv"), said.append) == ["naïve, résumé"]
+    (tmp_path / "stray.jsonl").write_bytes(b'{"text": "caf\xc3\xa9 \xff"}\n')
+    assert read_texts(str(tmp_path / "stray.jsonl"), said.append) == ["café \ufffd"]
+    (tmp_path / "plain.txt").write_text("ünïcode\n", encoding="utf-8")
+    assert read_texts(str(tmp_path / "plain.txt"), said.append) == ["ünïcode"]
+    assert said == [f"--input {tmp_path / 'cp.txt'}: not UTF-8; read as cp1252, as prepare reads such a file",
+                    f"--input {tmp_path / 'wide.csv'}: not UTF-8; read as utf-16, as prepare reads such a file",
+                    f"--input {tmp_path / 'stray.jsonl'}: UTF-8 but for a few stray bytes, each read as U+FFFD,"
+                    " as prepare reads such a file"]
 
 
 @pytest.mark.parametrize("raw, cleaned", [

@@ -864,6 +864,41 @@ def test_local_batch_predict_adds_label_score_probabilities(inputs, model_dir, r
     check_output(table, rows, reference)
 
 
+def test_batch_predict_reads_files_in_the_encoding_prepare_reads_them_in(spark, model_dir, reference, tmp_path,
+                                                                         capfd):
+    import pyarrow.parquet as pq
+
+    from torchloom.errors import UserError
+    from torchloom.serve.score_files import predict_local, predict_spark
+
+    texts = ["café au lait, 5 €", "“quoted” reply", "naïve résumé"]
+    (tmp_path / "cp.csv").write_bytes(("id;text\n" + "".join(f'{i};"{t}"\n' for i, t in enumerate(texts)))
+                                      .encode("cp1252"))
+    (tmp_path / "wide.jsonl").write_bytes("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n"
+                                                  for t in texts).encode("utf-16"))
+    expected = reference.predict(texts)
+    for name in ("cp.csv", "wide.jsonl"):
+        predict_local(model_dir, str(tmp_path / name), str(tmp_path / f"{name}.parquet"), progress=False)
+        got = pq.read_table(tmp_path / f"{name}.parquet").to_pylist()
+        assert [r["text"] for r in got] == texts and [r["label"] for r in got] == [e["label"] for e in expected]
+    predict_spark(spark, model_dir, str(tmp_path / "cp.csv"), str(tmp_path / "spark"), device="cpu")
+    got = sorted(pq.read_table(tmp_path / "spark").to_pylist(), key=lambda r: r["id"])
+    assert [r["text"] for r in got] == texts and [r["label"] for r in got] == [e["label"] for e in expected]
+    err = capfd.readouterr().err
+    assert err.count("cp.csv: not UTF-8; read as cp1252, as prepare reads such a file") == 2, err
+    assert "wide.jsonl: not UTF-8; read as utf-16" in err
+    # files Spark would have to read in two charsets, and JSON lines that are not UTF-8: one line, the fix
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.csv").write_text("text\nplain\n", encoding="utf-8")
+    (mixed / "b.csv").write_bytes("text\ncafé\n".encode("cp1252"))
+    with pytest.raises(UserError, match=r"b.csv is not UTF-8; read as cp1252, unlike the other files; predict it"
+                                        r" with --score-with local"):
+        predict_spark(spark, model_dir, str(mixed), str(tmp_path / "mixed-out"))
+    with pytest.raises(UserError, match=r"wide.jsonl is not UTF-8; read as utf-16; predict it with --score-with"):
+        predict_spark(spark, model_dir, str(tmp_path / "wide.jsonl"), str(tmp_path / "wide-out"))
+
+
 def test_batch_predict_errors_name_the_problem(inputs, model_dir, tmp_path):
     from torchloom.errors import UserError
     from torchloom.serve.score_files import predict_local

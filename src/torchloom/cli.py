@@ -201,7 +201,7 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
     from torchloom.model.predict import Predictor, read_texts, repair_note, well_formed  # torch: after the checks
 
     if args.input:
-        texts += read_texts(args.input)
+        texts += read_texts(args.input, say=lambda line: print(f"predict: {line}", file=sys.stderr, flush=True))
     if not texts:
         raise UserError('predict: no texts; pass them as arguments or --input FILE'
                         ' (e.g. torchloom predict --model DIR "text")')

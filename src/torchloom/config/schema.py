@@ -24,7 +24,7 @@ class DataConfig:
     text_column: str = "text"
     label_column: str = "label"
     # the encoding CSV, JSON lines and folder files are read in: "auto" (UTF-8, UTF-16 with a BOM, else
-    # cp1252 or latin-1, per file: etl/encoding.py), a Python codec name for every file, or "strict" (UTF-8
+    # cp1252 or latin-1, per file: text_encoding.py), a Python codec name for every file, or "strict" (UTF-8
     # only; other rows are set aside as invalid_utf8)
     encoding: str = "auto"
     # The user's own split, kept: a column of train/val/test values, or separate files for val and test

@@ -238,7 +238,7 @@ def _some(names: list[str], most: int = 8, width: int = 30) -> str:
 
 
 def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path", sniff: str | None = None):
-    """text, label, source[, given] and codec (the encoding a reader chose with etl/encoding.py, else null).
+    """text, label, source[, given] and codec (the encoding a reader chose with text_encoding.py, else null).
     sniff: the separator a CSV was read at, to be told (_OtherSeparator) where its header shows another."""
     from pyspark.sql import functions as F
 
@@ -373,7 +373,7 @@ def unreadable(path: str, e: BaseException) -> UserError:
 def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str, sep: str | None = None):
     """A CSV or JSON lines input: Spark's own reader for files in UTF-8 (or not checked: see utf8_files),
     and the local files that are not (or all of them, with a codec other than UTF-8 forced) read whole
-    and decoded as etl/encoding.py decides (store_read.decoded_frame). sep: None for the one the name implies,
+    and decoded as text_encoding.py decides (store_read.decoded_frame). sep: None for the one the name implies,
     told to the caller (_OtherSeparator) where the header shows another."""
     from torchloom.etl import store_read
 
@@ -404,7 +404,7 @@ def _by_encoding(path: str, encoding: str) -> tuple[list[str], list[str]]:
     UTF-8 (a URI: none, as for local inputs too large to check)."""
     import codecs
 
-    from torchloom.etl.encoding import AUTO, STRICT
+    from torchloom.text_encoding import AUTO, STRICT
 
     if encoding == STRICT:
         return [], []

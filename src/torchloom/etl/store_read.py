@@ -28,12 +28,12 @@ from functools import partial
 
 from torchloom import storage
 from torchloom.errors import UserError
-from torchloom.etl.encoding import STRICT, Undecodable, decode, detect, local_path, name, skip, undecodable_line
 from torchloom.input_formats import FORMATS
 from torchloom.store_errors import reason
+from torchloom.text_encoding import STRICT, Undecodable, decode, detect, local_path, name, skip, undecodable_line
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
-CODEC = "__torchloom_codec"  # the encoding etl/encoding.py read each row's file in (null: data.encoding strict)
+CODEC = "__torchloom_codec"  # the encoding text_encoding.py read each row's file in (null: data.encoding strict)
 SPOOL_BYTES = 64 << 20  # an object is held in memory up to this size (beyond: local disk) while its encoding is decided
 MARK = "torchloom-input-error: "  # begins the message of a task's failure to read an object (input_error)
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
@@ -122,7 +122,7 @@ def _parse_json(records, wanted: list[str]):
 
 def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
     """CSV or JSON lines files that Spark's UTF-8 reader must not read (read._by_encoding): each read whole
-    by Spark's text source (which leaves the bytes undecoded), decoded in the tasks as etl/encoding.py
+    by Spark's text source (which leaves the bytes undecoded), decoded in the tasks as text_encoding.py
     decides, split into records and parsed as `read` parses a store's objects. Each file is one row of the
     text source, so one file must fit a task's memory (and 2 GB); the driver fetches one to learn the
     columns."""
@@ -145,7 +145,7 @@ def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
 
 
 def _decode(raw: bytes, encoding: str, shown: str) -> tuple[str, str]:
-    """etl/encoding.decode, a forced codec's failure as a UserError naming the file."""
+    """text_encoding.decode, a forced codec's failure as a UserError naming the file."""
     try:
         return decode(raw, encoding)
     except Undecodable as e:
@@ -292,7 +292,7 @@ def parquet_schema(uri: str):
 def text_stream(uri: str, encoding: str = STRICT):
     """An object on the store as text: decompressed by its extension, line endings kept; read READ_BYTES per
     request (each read of a store's file is a request, and the text layer asks for 8 KB at a time). Decoded as
-    etl/encoding.py decides from all its bytes (held meanwhile in memory, or on local disk past SPOOL_BYTES),
+    text_encoding.py decides from all its bytes (held meanwhile in memory, or on local disk past SPOOL_BYTES),
     the codec's name in the stream's `codec`; with strict as Spark decodes: UTF-8, a BOM dropped, bytes that
     are not UTF-8 as U+FFFD, `codec` None."""
     import tempfile

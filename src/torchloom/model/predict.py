@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
 from torchloom.model.traced import TracedForward
 from torchloom.scoring import LOSS_EPS, mix, text_scores
+from torchloom.text_encoding import decoded_as, file_codec
 from torchloom.textclean import clean_text
 from torchloom.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
@@ -303,8 +305,10 @@ def pad_batch(features: list[dict[str, list[int]]], tokenizer, length: int = 0) 
     return batch
 
 
-def read_texts(path: str) -> list[str]:
-    """Texts from a .txt (one per line, blank lines skipped), .jsonl (field "text") or .csv (column "text")."""
+def read_texts(path: str, say: Callable[[str], object] | None = None) -> list[str]:
+    """Texts from a .txt (one per line, blank lines skipped), .jsonl (field "text") or .csv (column "text"),
+    in the encoding prepare's data.encoding auto would read the file in (text_encoding.py); `say` is told
+    which, where it is not UTF-8."""
     p = Path(path)
     suffix = p.suffix.lower()
     if suffix not in INPUT_SUFFIXES:
@@ -312,21 +316,20 @@ def read_texts(path: str) -> list[str]:
                         f" use one of {', '.join(INPUT_SUFFIXES)}")
     if not p.is_file():
         raise UserError(f"--input {path}: no such file")
-    try:
-        if suffix == ".txt":
-            with open(p, encoding="utf-8-sig") as f:
-                return [line.rstrip("\r\n") for line in f if line.strip()]
-        if suffix == ".jsonl":
-            return _read_jsonl(p)
-        return _read_csv(p)
-    except UnicodeDecodeError as e:
-        raise UserError(f"--input {path}: not UTF-8 text ({e.reason} at byte {e.start}); re-encode it as UTF-8") \
-            from None
+    codec = file_codec(str(p))
+    if say is not None and codec != "utf-8-sig":
+        say(f"--input {path}: {decoded_as(codec)}, as prepare reads such a file")
+    if suffix == ".txt":
+        with open(p, encoding=codec) as f:
+            return [line.rstrip("\r\n") for line in f if line.strip()]
+    if suffix == ".jsonl":
+        return _read_jsonl(p, codec)
+    return _read_csv(p, codec)
 
 
-def _read_jsonl(p: Path) -> list[str]:
+def _read_jsonl(p: Path, codec: str) -> list[str]:
     texts = []
-    with open(p, encoding="utf-8-sig") as f:
+    with open(p, encoding=codec) as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -343,10 +346,10 @@ def _read_jsonl(p: Path) -> list[str]:
     return texts
 
 
-def _read_csv(p: Path) -> list[str]:
+def _read_csv(p: Path, codec: str) -> list[str]:
     # News articles and reviews can exceed csv's default 128 KiB field limit.
     csv.field_size_limit(min(2**31 - 1, 1 << 30))
-    with open(p, encoding="utf-8-sig", newline="") as f:
+    with open(p, encoding=codec, newline="") as f:
         sep = default_separator(p.name)  # or ";", a tab or "|" where the header line shows it (an Excel export)
         sep = separator_in(f.readline().split(sep), sep) or sep
         f.seek(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import time
 import warnings
 from collections import Counter
@@ -21,6 +22,7 @@ from typing import Any
 from torchloom.errors import UserError, first_line
 from torchloom.input_formats import SUFFIX_FORMATS, default_separator, separator_in
 from torchloom.runrecord import holds_cwd
+from torchloom.text_encoding import decoded_as, file_codec
 
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
 CHUNK_ROWS = 4096  # rows read, predicted and written at a time by the local engine
@@ -164,31 +166,37 @@ def _open_text_file(path: Path, fmt: str):
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
 
+    codec = file_codec(str(path))  # as prepare's data.encoding auto reads it (text_encoding.py)
+    if codec != "utf-8-sig":
+        print(f"predict: --input {path}: {decoded_as(codec)}, as prepare reads such a file", file=sys.stderr,
+              flush=True)
+    encoding = "utf-8" if codec == "utf-8-sig" else codec  # Arrow's own UTF-8 reader; others through Python's
     try:
         if fmt == "csv":
-            read = pacsv.ReadOptions(block_size=1 << 20, encoding="utf-8")
-            parse = pacsv.ParseOptions(newlines_in_values=True, delimiter=_separator(path))
+            read = pacsv.ReadOptions(block_size=1 << 20, encoding=encoding)
+            parse = pacsv.ParseOptions(newlines_in_values=True, delimiter=_separator(path, codec))
             # Every CSV column stays a string, as Spark reads CSV: no guess that fails on a later block.
             names = pacsv.open_csv(path, read_options=read, parse_options=parse).schema.names
             names = [n.replace("\ufeff", "").strip() for n in names]
-            read = pacsv.ReadOptions(block_size=1 << 20, encoding="utf-8", column_names=names, skip_rows=1)
+            read = pacsv.ReadOptions(block_size=1 << 20, encoding=encoding, column_names=names, skip_rows=1)
             # Empty unquoted fields are null, as in Spark's CSV reader; "NA" and "null" stay text.
             convert = pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, null_values=[""],
                                            strings_can_be_null=True)
             reader = pacsv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
         else:
-            reader = pajson.open_json(path, read_options=pajson.ReadOptions(block_size=1 << 20))
+            source = path if codec == "utf-8-sig" else pa.transcoding_input_stream(pa.OSFile(str(path)), codec, "utf-8")
+            reader = pajson.open_json(source, read_options=pajson.ReadOptions(block_size=1 << 20))
     except pa.ArrowInvalid as e:
         raise UserError(f"--input {path}: cannot read it as {fmt} ({first_line(e)})") from None
     return reader.schema, _checked(reader, path, fmt)
 
 
-def _separator(path: Path) -> str:
+def _separator(path: Path, codec: str) -> str:
     """The CSV's field separator: the one its name implies, or ";", a tab or "|" where its header line shows
     that instead (an Excel export in much of Europe is a .csv separated by ";")."""
     sep = default_separator(path.name)
-    with open(path, "rb") as f:
-        header = f.read(1 << 16).split(b"\n", 1)[0].decode("utf-8", errors="replace")
+    with open(path, encoding=codec, errors="replace", newline="") as f:
+        header = f.readline()
     return separator_in(header.split(sep), sep) or sep
 
 
@@ -308,12 +316,43 @@ def _predict_partition(batches: Iterable[Any], model_dir: str, text_column: str,
             yield predict_record_batch(model, batch, text_column)
 
 
+# Java's names for the codecs text_encoding.py may choose; a file with stray bytes reads as UTF-8 (Spark puts U+FFFD)
+JAVA_CHARSETS = {"utf-8-sig": "UTF-8", "utf-8-replaced": "UTF-8", "cp1252": "windows-1252",
+                 "latin-1": "ISO-8859-1", "utf-16": "UTF-16"}
+
+
+def _spark_charset(path: str, fmt: str) -> str:
+    """The charset Spark reads a local CSV or JSON lines input in: its files' codec as prepare's data.encoding
+    auto decides it (one line says so where it is not UTF-8); a local input whose files differ, or JSON lines
+    that are not UTF-8, is one line with the fix. A URI: UTF-8 (Spark's default)."""
+    if fmt not in ("csv", "jsonl") or ("://" in path and not path.startswith("file:")):
+        return "UTF-8"
+    p = Path(path.removeprefix("file:"))
+    files = [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
+    codecs = {f: file_codec(str(f)) for f in files}
+    charsets = {JAVA_CHARSETS.get(codec, codec) for codec in codecs.values()}
+    odd = next((f for f, codec in codecs.items() if JAVA_CHARSETS.get(codec) != "UTF-8"), None)
+    if odd is None:
+        return "UTF-8"
+    if len(charsets) > 1 or fmt == "jsonl":
+        raise UserError(f"--input {path}: {odd} is {decoded_as(codecs[odd])}"
+                        + (", unlike the other files" if len(charsets) > 1 else "")
+                        + "; predict it with --score-with local, or re-encode it as UTF-8 for Spark")
+    print(f"predict: --input {path}: {decoded_as(codecs[odd])}, as prepare reads such a file", file=sys.stderr,
+          flush=True)
+    return charsets.pop()
+
+
 def _spark_read(spark, path: str, fmt: str):
     reader = spark.read
     if fmt == "csv":
+        charset = _spark_charset(path, fmt)
+        if charset == "windows-1252":  # Spark 4 takes only a few charsets unless this legacy switch allows Java's
+            spark.conf.set("spark.sql.legacy.javaCharsets", "true")
+
         def csv(sep: str):
             return (reader.option("header", True).option("multiLine", True).option("escape", '"')
-                    .option("encoding", "UTF-8").option("sep", sep).csv(path))
+                    .option("encoding", charset).option("sep", sep).csv(path))
 
         df = csv(default_separator(path))
         other = separator_in(df.columns, default_separator(path))  # a ";" or tab export: its header says so
@@ -321,6 +360,7 @@ def _spark_read(spark, path: str, fmt: str):
         renamed = [c.replace("\ufeff", "").strip() for c in df.columns]
         return df.toDF(*renamed) if renamed != df.columns else df
     if fmt == "jsonl":
+        _spark_charset(path, fmt)
         return reader.json(path)
     return reader.parquet(path)
 

@@ -3,8 +3,9 @@
 Spark's text source (folder inputs) hands the bytes over undecoded, and the CSV/JSON lines readers either
 read files the driver found to be UTF-8 or hand the bytes of the others over whole (etl/read.py), and the
 object store reader streams them (etl/store_read.py): each then calls `detect` or `decode` here, so a file
-is read in the same encoding on the local Spark, a cluster's executors or from a store. Pure Python, no
-imports beyond the standard library: it runs inside Spark's Python workers.
+is read in the same encoding on the local Spark, a cluster's executors or from a store. `predict --input`
+reads its files by the same rule (model/predict.py, serve/score_files.py), so a file prepare reads is one
+predict reads. Pure Python, no imports beyond the standard library: it runs inside Spark's Python workers.
 
 data.encoding:
 - "auto": UTF-8 (a BOM dropped); UTF-16 with its BOM (either byte order); UTF-8 with its few bad bytes as
@@ -136,6 +137,31 @@ def skip(head: bytes, codec: str, encoding: str) -> int:
     followed by bytes that are not UTF-8 (a UTF-8 file with a stray byte), which would read as "ï»¿"."""
     fallback = encoding == AUTO and codec in ("cp1252", "latin-1", REPLACED)
     return len(codecs.BOM_UTF8) if fallback and head.startswith(codecs.BOM_UTF8) else 0
+
+
+def file_codec(path: str, chunk: int = 1 << 22) -> str:
+    """The codec auto reads a local file in: "utf-8-sig" where it is UTF-8 (one pass at C speed), else
+    `detect`'s choice from a second pass."""
+    def chunks():
+        with open(path, "rb") as f:
+            while block := f.read(chunk):
+                yield block
+
+    decoder = codecs.getincrementaldecoder(UTF8)()
+    try:
+        for block in chunks():
+            decoder.decode(block)
+        decoder.decode(b"", True)
+        return "utf-8-sig"
+    except UnicodeDecodeError:
+        return detect(chunks(), AUTO)
+
+
+def decoded_as(codec: str) -> str:
+    """How a file that was not plain UTF-8 was read, for a line: "not UTF-8; read as cp1252"."""
+    if codec == REPLACED:
+        return "UTF-8 but for a few stray bytes, each read as U+FFFD"
+    return f"not UTF-8; read as {name(codec)}"
 
 
 def decode(raw: bytes, encoding: str) -> tuple[str, str]:
