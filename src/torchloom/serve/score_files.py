@@ -321,14 +321,19 @@ JAVA_CHARSETS = {"utf-8-sig": "UTF-8", "utf-8-replaced": "UTF-8", "cp1252": "win
                  "latin-1": "ISO-8859-1", "utf-16": "UTF-16"}
 
 
+CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked, as prepare's (etl/read.py)
+
+
 def _spark_charset(path: str, fmt: str) -> str:
     """The charset Spark reads a local CSV or JSON lines input in: its files' codec as prepare's data.encoding
     auto decides it (one line says so where it is not UTF-8); a local input whose files differ, or JSON lines
-    that are not UTF-8, is one line with the fix. A URI: UTF-8 (Spark's default)."""
+    that are not UTF-8, is one line with the fix. A URI, or local files over 8 GB together: UTF-8 (unchecked)."""
     if fmt not in ("csv", "jsonl") or ("://" in path and not path.startswith("file:")):
         return "UTF-8"
     p = Path(path.removeprefix("file:"))
     files = [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
+    if sum(f.stat().st_size for f in files) > CHARSET_CHECK_BYTES:
+        return "UTF-8"
     codecs = {f: file_codec(str(f)) for f in files}
     charsets = {JAVA_CHARSETS.get(codec, codec) for codec in codecs.values()}
     odd = next((f for f, codec in codecs.items() if JAVA_CHARSETS.get(codec) != "UTF-8"), None)
