@@ -219,6 +219,40 @@ def test_csv_exports_separated_by_semicolons_or_tabs_are_read_at_their_separator
         prepare(make_cfg(tmp_path / "comma.csv", tiny_model_dir), str(tmp_path / "comma"), spark=spark)
 
 
+def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read_by_position(
+        spark, tiny_model_dir, tmp_path, monkeypatch):
+    # Spark's CSV reader takes each file's columns by position: a file whose header says "label,text" gave its
+    # labels as texts, silently. Now one line names the file and both headers, and nothing is written.
+    import pyarrow as pa
+
+    from torchloom.etl import store_read
+
+    d = tmp_path / "parts"
+    d.mkdir()
+    (d / "a.csv").write_text("\ufefftext,label\n" + "".join(f"alpha text {i},a\n" for i in range(6)), encoding="utf-8")
+    (d / "b.csv").write_text("TEXT,Label\n" + "".join(f"beta text {i},b\n" for i in range(6)))  # same, in other case
+    (d / "c.csv").write_bytes(("label,text\n" + "".join(f"a,gamma café {i}\n" for i in range(6))).encode("cp1252"))
+    with pytest.raises(UserError) as e:
+        prepare(make_cfg(d, tiny_model_dir), str(tmp_path / "out"), spark=spark)
+    assert str(e.value) == (f"data.path {d / 'c.csv'}: its header (label, text) differs from that of {d / 'a.csv'}"
+                            " (text, label), and columns are read by position; give every file of one input the"
+                            " same header, in the same order")
+    assert not (tmp_path / "out").exists()
+    (d / "c.csv").unlink()
+    m = prepare(make_cfg(d, tiny_model_dir), str(tmp_path / "out"), spark=spark)
+    assert m.counts["rows_kept"] == 12
+
+    # the store reader's tasks check each object's header against the first's
+    monkeypatch.setattr(store_read.storage, "open_input", lambda uri: pa.OSFile(uri))
+    monkeypatch.setattr(store_read.storage, "redact", lambda uri: uri)
+    (d / "c.csv").write_text("label,text\na,x\n")
+    uris = [str(d / n) for n in ("a.csv", "b.csv", "c.csv")]
+    ids = [pa.record_batch([pa.array([0, 1, 2])], ["id"])]
+    with pytest.raises(RuntimeError, match=r"^torchloom-input-error: data.path .*c.csv: its header \(label, text\)"
+                                           r" differs from that of .*a.csv \(text, label\)"):
+        list(store_read.csv_task(iter(ids), uris, ",", "auto", names=["text", "label"]))
+
+
 def membership(out: Path) -> dict[str, set]:
     return {name: {(r["text"], r["label"]) for r in rows} for name, rows in split_rows(out).items()}
 

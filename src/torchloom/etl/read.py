@@ -379,6 +379,8 @@ def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str, sep: str | Non
 
     sniff = default_separator(path) if fmt == "csv" and sep is None else None
     sep = sep or default_separator(path)
+    if fmt == "csv":
+        _same_local_headers(path, sep)
     spark_reads, decoded = _by_encoding(path, cfg.encoding)
     if not decoded:
         return _spark_text_table(spark, cfg, path, path, fmt, sep, sniff)
@@ -386,6 +388,30 @@ def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str, sep: str | Non
     if spark_reads:
         df = df.unionByName(_spark_text_table(spark, cfg, spark_reads, path, fmt, sep, sniff))
     return df
+
+
+def _same_local_headers(path: str, sep: str) -> None:
+    """The local CSV files of one input name the first file's columns in its order (store_read.same_header):
+    Spark's readers take each file's columns by position, so a file whose header says "label,text" would give
+    its labels as texts. A URI's files: the store reader checks each object (store_read.csv_task)."""
+    import io
+
+    from torchloom.etl import store_read
+
+    if not _is_local(path):
+        return
+    files = [f for f in _local_files(path) if not f.endswith(COMPRESSED_SUFFIXES)]
+    first: tuple[list[str], str] | None = None
+    for f in files if len(files) > 1 else []:
+        with open(f, "rb") as raw:
+            head = raw.read(1 << 20)
+        codec = "utf-16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf-8"
+        record = next(store_read.csv_records(io.StringIO(head.decode(codec, errors="replace"), newline=""), sep), "")
+        names = store_read.header_names(record, sep)
+        if first is None:
+            first = (names, f)
+        else:
+            store_read.same_header(names, first[0], f, first[1])
 
 
 def _spark_text_table(spark, cfg: DataConfig, files: str | list[str], path: str, fmt: str, sep: str,

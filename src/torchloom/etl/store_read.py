@@ -79,7 +79,7 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
     if fmt == "csv":
         with reading(uris[0]), text_stream(uris[0], encoding) as stream:
             names = csv_header(stream, storage.redact(uris[0]), sep)
-        records = ids.mapInArrow(partial(csv_task, uris=uris, sep=sep, encoding=encoding), RECORDS)
+        records = ids.mapInArrow(partial(csv_task, uris=uris, sep=sep, encoding=encoding, names=names), RECORDS)
         return _parse_csv(records, names, sep)
     if fmt == "jsonl":
         with reading(uris[0]), text_stream(uris[0], encoding) as stream:
@@ -246,12 +246,17 @@ def input_error(e: BaseException) -> UserError | None:
 def csv_header(stream, shown: str, sep: str) -> list[str]:
     """The column names of the header record of a CSV file's text, as Spark names them: an empty name is
     _c<i>, a repeated one gets its position appended."""
-    import csv
-
     first = next(csv_records(stream, sep), None)
     if first is None:
         raise UserError(f"data.path {shown}: the file is empty; a CSV input needs a header line")
-    names = [n.strip() for n in next(csv.reader([first], delimiter=sep))]
+    return header_names(first, sep)
+
+
+def header_names(record: str, sep: str) -> list[str]:
+    """A CSV header record's column names as Spark names them (see csv_header)."""
+    import csv
+
+    names = [n.replace("\ufeff", "").strip() for n in next(csv.reader([record], delimiter=sep), [])]
     counts = {n.lower(): sum(m.lower() == n.lower() for m in names) for n in names}
     out = []
     for i, n in enumerate(names):
@@ -261,6 +266,15 @@ def csv_header(stream, shown: str, sep: str) -> list[str]:
             n = f"{n}{i}"
         out.append(n)
     return out
+
+
+def same_header(names: list[str], expected: list[str], shown: str, first: str) -> None:
+    """A CSV file of a multi-file input whose header names other columns, or the same in another order, than
+    the first file's: one line (Spark's readers would take its columns by position: text for label)."""
+    if [n.lower() for n in names] != [n.lower() for n in expected]:
+        raise UserError(f"data.path {shown}: its header ({', '.join(names)[:200]}) differs from that of {first}"
+                        f" ({', '.join(expected)[:200]}), and columns are read by position; give every file of"
+                        " one input the same header, in the same order")
 
 
 def json_columns(stream) -> set[str]:
@@ -388,15 +402,17 @@ def _my_uris(batches, uris: list[str]):
             yield uris[i]
 
 
-def csv_task(batches, uris: list[str], sep: str, encoding: str = STRICT):
-    """mapInArrow over object indices: each object's records but its header, with the object's URI and
-    the codec it was decoded from."""
+def csv_task(batches, uris: list[str], sep: str, encoding: str = STRICT, names: list[str] | None = None):
+    """mapInArrow over object indices: each object's records but its header (which must name `names`, the
+    first object's), with the object's URI and the codec it was decoded from."""
     def rows():
         for uri in _my_uris(batches, uris):
             source = storage.redact(uri)
             with reading(uri, in_task=True), text_stream(uri, encoding) as stream:
                 records = csv_records(stream, sep)
-                next(records, None)  # the header
+                header = next(records, None)
+                if names is not None and header is not None:
+                    same_header(header_names(header, sep), names, source, storage.redact(uris[0]))
                 for record in records:
                     yield record, source, stream.codec
 
