@@ -897,6 +897,12 @@ def test_batch_predict_reads_files_in_the_encoding_prepare_reads_them_in(spark, 
         predict_spark(spark, model_dir, str(mixed), str(tmp_path / "mixed-out"))
     with pytest.raises(UserError, match=r"wide.jsonl is not UTF-8; read as utf-16; predict it with --score-with"):
         predict_spark(spark, model_dir, str(tmp_path / "wide.jsonl"), str(tmp_path / "wide-out"))
+    # files whose columns differ in order: Spark would read them by position
+    (mixed / "b.csv").write_text("id,text\n1,café\n", encoding="utf-8")
+    (mixed / "a.csv").write_text("text,id\nplain,2\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"b.csv: its header \(id, text\) differs from that of .*a.csv \(text, id\),"
+                                        r" and Spark reads columns by position"):
+        predict_spark(spark, model_dir, str(mixed), str(tmp_path / "mixed-out"))
 
 
 def test_batch_predict_errors_name_the_problem(inputs, model_dir, tmp_path):

@@ -348,6 +348,28 @@ def _spark_charset(path: str, fmt: str) -> str:
     return charsets.pop()
 
 
+def _same_headers(path: str, sep: str) -> None:
+    """The CSV files of a local input directory name one set of columns in one order: Spark takes each file's
+    columns by position (the local engine selects them by name)."""
+    import csv
+
+    p = Path(path.removeprefix("file:"))
+    if "://" in path and not path.startswith("file:") or not p.is_dir():
+        return
+    first: tuple[list[str], Path] | None = None
+    for f in (f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == "csv"):
+        with open(f, "rb") as raw:
+            wide = raw.read(2) in (b"\xff\xfe", b"\xfe\xff")  # UTF-16; any other header reads as UTF-8 here
+        with open(f, encoding="utf-16" if wide else "utf-8-sig", errors="replace", newline="") as text:
+            names = [n.replace("\ufeff", "").strip().lower() for n in next(csv.reader(text, delimiter=sep), [])]
+        if first is None:
+            first = (names, f)
+        elif names != first[0]:
+            raise UserError(f"--input {f}: its header ({', '.join(names)[:200]}) differs from that of {first[1]}"
+                            f" ({', '.join(first[0])[:200]}), and Spark reads columns by position; give every"
+                            " file the same header, or predict with --score-with local (which reads by name)")
+
+
 def _spark_read(spark, path: str, fmt: str):
     reader = spark.read
     if fmt == "csv":
@@ -362,6 +384,7 @@ def _spark_read(spark, path: str, fmt: str):
         df = csv(default_separator(path))
         other = separator_in(df.columns, default_separator(path))  # a ";" or tab export: its header says so
         df = csv(other) if other else df
+        _same_headers(path, other or default_separator(path))
         renamed = [c.replace("\ufeff", "").strip() for c in df.columns]
         return df.toDF(*renamed) if renamed != df.columns else df
     if fmt == "jsonl":
