@@ -578,6 +578,26 @@ def test_a_binary_file_named_csv_is_one_short_line(tmp_path):
     assert "Traceback" not in proc.stderr and "Using incubator modules" not in proc.stderr
 
 
+def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(tmp_path):
+    from torchloom.config.schema import DataConfig
+    from torchloom.errors import UserError
+    from torchloom.etl.read import resolve_format
+    from torchloom.model.predict import read_texts
+    from torchloom.serve.score_files import input_format
+
+    book = tmp_path / "reviews.xlsx"
+    book.write_bytes(b"PK\x03\x04 a zip, as every workbook")
+    (tmp_path / "lines.txt").write_text("a text\n")
+    for call in (lambda: resolve_format(DataConfig(), str(book)), lambda: read_texts(str(book)),
+                 lambda: input_format(str(book))):
+        with pytest.raises(UserError, match=r"reviews.xlsx: it is a spreadsheet workbook, which torchloom does not"
+                                            r" open; save the sheet as CSV UTF-8 \(Excel: File > Save As"):
+            call()
+    with pytest.raises(UserError, match=r"lines.txt: cannot tell the format from the name; a text file holds no"
+                                        r" labels: give a CSV or JSON lines file with a text and a label column"):
+        resolve_format(DataConfig(), str(tmp_path / "lines.txt"))
+
+
 def test_an_error_about_a_very_long_input_stays_one_short_line(tmp_path):
     deep = tmp_path / ("a-very-long-directory-name-" * 6) / ("nested-" * 20) / "reviews.csv"
     proc = torchloom("prepare", "--data.path", str(deep), "--output.dir", str(tmp_path / "run"), timeout=120)

@@ -39,3 +39,13 @@ def separator_in(names: list[str], sep: str) -> str | None:
     if len(names) != 1:
         return None
     return next((other for other in OTHER_SEPARATORS if other != sep and other in names[0]), None)
+
+SPREADSHEETS = (".xlsx", ".xlsm", ".xls", ".ods", ".numbers")
+
+
+def spreadsheet_hint(name: str) -> str:
+    """For a spreadsheet file named as an input: what to do instead (none of our readers opens a workbook)."""
+    if not name.lower().rstrip("/").endswith(SPREADSHEETS):
+        return ""
+    return ("it is a spreadsheet workbook, which torchloom does not open; save the sheet as CSV UTF-8 (Excel: File >"
+            " Save As; LibreOffice: File > Save As > Text CSV) and give that file")

@@ -22,6 +22,7 @@ from torchloom.input_formats import (
     default_separator,
     is_iceberg,
     separator_in,
+    spreadsheet_hint,
 )
 from torchloom.java_errors import unreadable_input
 
@@ -80,6 +81,11 @@ def resolve_format(cfg: DataConfig, path: str) -> str:
     fmt = SUFFIX_FORMATS.get(_ext(path.rstrip("/")))
     if fmt is None and not _is_local(path) and not set(path) & _GLOB_CHARS:
         fmt = _store_format(path)
+    if fmt is None and spreadsheet_hint(path):
+        raise UserError(f"data.path {path}: {spreadsheet_hint(path)}")
+    if fmt is None and _ext(path) == ".txt":
+        fix = ("a text file holds no labels: give a CSV or JSON lines file with a text and a label column, or a folder"
+               " with one directory of .txt files per label (root/<label>/*.txt)")
     if fmt is None:
         raise UserError(f"data.path {path}: cannot tell the format from the name; {fix}")
     return fmt

@@ -13,7 +13,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import default_separator, separator_in
+from torchloom.input_formats import default_separator, separator_in, spreadsheet_hint
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -311,6 +311,8 @@ def read_texts(path: str, say: Callable[[str], object] | None = None) -> list[st
     which, where it is not UTF-8."""
     p = Path(path)
     suffix = p.suffix.lower()
+    if suffix not in INPUT_SUFFIXES and spreadsheet_hint(path):
+        raise UserError(f"--input {path}: {spreadsheet_hint(path)}")
     if suffix not in INPUT_SUFFIXES:
         raise UserError(f"--input {path}: unsupported file type {suffix or '(none)'!r};"
                         f" use one of {', '.join(INPUT_SUFFIXES)}")

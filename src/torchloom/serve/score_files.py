@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import SUFFIX_FORMATS, default_separator, separator_in
+from torchloom.input_formats import SUFFIX_FORMATS, default_separator, separator_in, spreadsheet_hint
 from torchloom.runrecord import holds_cwd
 from torchloom.text_encoding import decoded_as, file_codec
 
@@ -37,6 +37,8 @@ def input_format(path: str) -> str:
             raise UserError(f"--input {path}: no {', '.join(sorted(SUFFIX_FORMATS))} files in this directory")
         return seen.most_common(1)[0][0]
     fmt = SUFFIX_FORMATS.get(p.suffix.lower())
+    if fmt is None and spreadsheet_hint(path):
+        raise UserError(f"--input {path}: {spreadsheet_hint(path)}")
     if fmt is None:
         raise UserError(f"--input {path}: cannot tell the format from the name; use a file ending in"
                         f" {', '.join(sorted(SUFFIX_FORMATS))}")
