@@ -253,6 +253,21 @@ def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read
         list(store_read.csv_task(iter(ids), uris, ",", "auto", names=["text", "label"]))
 
 
+def test_labels_written_two_ways_stay_classes_and_one_warning_names_them(spark, tiny_model_dir, tmp_path):
+    from torchloom.etl.clean import look_alike
+
+    assert look_alike(["Sports", "sports", '["sports"]', "tech", "US", "u.s.", "-", "?"]) == [
+        ["Sports", '["sports"]', "sports"], ["US", "u.s."]]
+    src = tmp_path / "labels.csv"
+    labels = ["Sport", "sport", "Tech"]
+    src.write_text("text,label\n" + "".join(f"text number {i},{labels[i % 3]}\n" for i in range(30)))
+    lines: list[str] = []
+    m = prepare(make_cfg(src, tiny_model_dir), str(tmp_path / "out"), spark=spark, progress=lines.append)
+    assert m.labels == ["Sport", "Tech", "sport"]  # as written: a warning, not a guess
+    assert ("warning: 2 labels differ only in case, spaces or punctuation and are separate classes: 'Sport' and"
+            " 'sport'; if each group is one class, write it one way in the data") in lines, lines
+
+
 def membership(out: Path) -> dict[str, set]:
     return {name: {(r["text"], r["label"]) for r in rows} for name, rows in split_rows(out).items()}
 

@@ -31,6 +31,15 @@ def clean_label(label: str | None) -> str | None:
     return clean_text(label) or None  # an empty label is as good as none
 
 
+def look_alike(labels: list[str]) -> list[list[str]]:
+    """Groups of labels that differ only in case, spaces or punctuation ("Sports", "sports", '["sports"]'):
+    separate classes as written, and most often one class written two ways."""
+    groups: dict[str, list[str]] = {}
+    for label in labels:
+        groups.setdefault("".join(ch for ch in label.casefold() if ch.isalnum()), []).append(label)
+    return [sorted(group) for key, group in sorted(groups.items()) if key and len(group) > 1]
+
+
 def decode(raw: bytes | None) -> tuple[str | None, bool]:
     """The text of a raw value and whether it was valid UTF-8.
 

@@ -15,7 +15,7 @@ from typing import Any
 from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
-from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches
+from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches, look_alike
 from torchloom.etl.lengths import choose_length, model_positions
 from torchloom.etl.read import check_inputs, pin_tables, read_input, reader_of, resolve_format, utf8_files
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
@@ -329,6 +329,12 @@ def _say_kept(job: _Job, counts: _Counts, plans, carve_val: float) -> None:
                     f" ({what})")
     job.say(f"kept {counts.rows_kept} rows in {len(plans)} classes: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
+    alike = look_alike([plan.label for plan in plans])
+    if alike:
+        job.say(f"warning: {sum(map(len, alike))} labels differ only in case, spaces or punctuation and are separate"
+                " classes: " + "; ".join(" and ".join(map(repr, group)) for group in alike[:5])
+                + (f" (and {len(alike) - 5} more groups)" if len(alike) > 5 else "")
+                + "; if each group is one class, write it one way in the data")
 
 
 def _choose_length(job: _Job, marked, counts: _Counts, plans) -> dict:
