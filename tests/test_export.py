@@ -262,6 +262,8 @@ def test_read_texts_formats(tmp_path):
     assert read_texts(str(tmp_path / "in.csv")) == ["hello, world", "multi\nline"]
     (tmp_path / "semi.csv").write_text('\ufeffid;text\n1;"hello, world; again"\n2;plain\n', encoding="utf-8")
     assert read_texts(str(tmp_path / "semi.csv")) == ["hello, world; again", "plain"]  # Excel's ";" export
+    (tmp_path / "caps.csv").write_text("Id,Text\n1,first\n", encoding="utf-8")
+    assert read_texts(str(tmp_path / "caps.csv")) == ["first"]  # "Text" for text
 
 
 @pytest.mark.parametrize("name, content, message", [

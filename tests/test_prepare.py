@@ -268,6 +268,20 @@ def test_labels_written_two_ways_stay_classes_and_one_warning_names_them(spark, 
             " 'sport'; if each group is one class, write it one way in the data") in lines, lines
 
 
+def test_columns_named_in_another_case_are_found(spark, tiny_model_dir, tmp_path):
+    # pandas' to_csv of a frame with "Text" and "Label" columns: found as text and label (Spark resolves
+    # names so too); "text" and "Text" both there: the exact one
+    texts = [f"document number {i}" for i in range(12)]
+    (tmp_path / "caps.csv").write_text("Text,LABEL\n" + "".join(f"{t},{'ab'[i % 2]}\n" for i, t in enumerate(texts)))
+    (tmp_path / "caps.jsonl").write_text("".join(json.dumps({"TEXT": t, "Label": "ab"[i % 2]}) + "\n"
+                                                 for i, t in enumerate(texts)))
+    for name in ("caps.csv", "caps.jsonl"):
+        m = prepare(make_cfg(tmp_path / name, tiny_model_dir), str(tmp_path / f"out-{name}"), spark=spark)
+        assert m.labels == ["a", "b"] and m.counts["rows_kept"] == 12, name
+        kept = [r["text"] for split in split_rows(tmp_path / f"out-{name}").values() for r in split]
+        assert sorted(kept) == sorted(texts), name
+
+
 def membership(out: Path) -> dict[str, set]:
     return {name: {(r["text"], r["label"]) for r in rows} for name, rows in split_rows(out).items()}
 

@@ -897,6 +897,13 @@ def test_batch_predict_reads_files_in_the_encoding_prepare_reads_them_in(spark, 
         predict_spark(spark, model_dir, str(mixed), str(tmp_path / "mixed-out"))
     with pytest.raises(UserError, match=r"wide.jsonl is not UTF-8; read as utf-16; predict it with --score-with"):
         predict_spark(spark, model_dir, str(tmp_path / "wide.jsonl"), str(tmp_path / "wide-out"))
+    # a text column named in another case ("Text") is the text column, locally and on Spark
+    (tmp_path / "caps.csv").write_text("Id,Text\n" + "".join(f'{i},"{t}"\n' for i, t in enumerate(texts)))
+    predict_local(model_dir, str(tmp_path / "caps.csv"), str(tmp_path / "caps.parquet"), progress=False)
+    predict_spark(spark, model_dir, str(tmp_path / "caps.csv"), str(tmp_path / "caps-spark"), device="cpu")
+    for out in ("caps.parquet", "caps-spark"):
+        got = sorted(pq.read_table(tmp_path / out).to_pylist(), key=lambda r: r["Id"])
+        assert [r["Text"] for r in got] == texts and [r["label"] for r in got] == [e["label"] for e in expected]
     # files whose columns differ in order: Spark would read them by position
     (mixed / "b.csv").write_text("id,text\n1,café\n", encoding="utf-8")
     (mixed / "a.csv").write_text("text,id\nplain,2\n", encoding="utf-8")

@@ -49,3 +49,12 @@ def spreadsheet_hint(name: str) -> str:
         return ""
     return ("it is a spreadsheet workbook, which torchloom does not open; save the sheet as CSV UTF-8 (Excel: File >"
             " Save As; LibreOffice: File > Save As > Text CSV) and give that file")
+
+
+def column_named(names: list[str], wanted: str) -> str | None:
+    """The column of `names` that data.text_column (or label, split) `wanted` names: itself, else the one
+    column that differs only in case ("Text" for "text"; Spark resolves names that way too); None if neither."""
+    if wanted in names:
+        return wanted
+    alike = [n for n in names if n.casefold() == wanted.casefold()]
+    return alike[0] if len(alike) == 1 else None

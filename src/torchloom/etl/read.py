@@ -19,6 +19,7 @@ from torchloom.input_formats import (
     OTHER_SEPARATORS,
     SUFFIX_FORMATS,
     TABLE_FORMATS,
+    column_named,
     default_separator,
     is_iceberg,
     separator_in,
@@ -243,6 +244,10 @@ def _some(names: list[str], most: int = 8, width: int = 30) -> str:
     return (", ".join(shown) or "none") + more
 
 
+def _quoted(name: str) -> str:
+    return "`" + name.replace("`", "``") + "`"
+
+
 def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path", sniff: str | None = None):
     """text, label, source[, given] and codec (the encoding a reader chose with text_encoding.py, else null).
     sniff: the separator a CSV was read at, to be told (_OtherSeparator) where its header shows another."""
@@ -250,7 +255,8 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
 
     from torchloom.etl.store_read import CODEC
 
-    missing = [c for c in (cfg.text_column, cfg.label_column) if c not in df.columns]
+    text, label = (column_named(df.columns, c) for c in (cfg.text_column, cfg.label_column))
+    missing = [c for c, found in ((cfg.text_column, text), (cfg.label_column, label)) if found is None]
     if missing:
         names = [c for c in df.columns if c not in ("_corrupt_record", source, CODEC)]
         other = separator_in(names, sniff) if sniff else None
@@ -265,17 +271,18 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
             " set --data.text_column / --data.label_column"
         )
     columns = [
-        F.col(f"`{cfg.text_column}`").cast("string").alias("text"),
-        F.col(f"`{cfg.label_column}`").cast("string").alias("label"),
+        F.col(_quoted(text)).cast("string").alias("text"),
+        F.col(_quoted(label)).cast("string").alias("label"),
         F.col(source).alias("source"),
         (F.col(CODEC) if CODEC in df.columns else F.lit(None).cast("string")).alias("codec"),
     ]
     if cfg.split_column:
-        if cfg.split_column not in df.columns:
+        given = column_named(df.columns, cfg.split_column)
+        if given is None:
             names = [c for c in df.columns if c not in ("_corrupt_record", source, CODEC)]
             raise UserError(f"data.split_column {cfg.split_column!r}: no such column in {path}; columns found:"
                             f" {_some(names)}")
-        columns.append(F.col(f"`{cfg.split_column}`").cast("string").alias("given"))
+        columns.append(F.col(_quoted(given)).cast("string").alias("given"))
     return df.select(*columns)
 
 

@@ -28,7 +28,7 @@ from functools import partial
 
 from torchloom import storage
 from torchloom.errors import UserError
-from torchloom.input_formats import FORMATS
+from torchloom.input_formats import FORMATS, column_named
 from torchloom.store_errors import reason
 from torchloom.text_encoding import STRICT, Undecodable, decode, detect, local_path, name, skip, undecodable_line
 
@@ -84,12 +84,14 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
     if fmt == "jsonl":
         with reading(uris[0]), text_stream(uris[0], encoding) as stream:
             found = json_columns(stream)
+        wanted = [column_named(sorted(found), c) or c for c in wanted]  # "Text" for text, as Spark's reader
         if found and not set(wanted) <= found:  # a column in none of the first lines: name what is there
             return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in sorted(found)))
         records = ids.mapInArrow(partial(lines_task, uris=uris, encoding=encoding), RECORDS)
         return _parse_json(records, wanted)
     if fmt == "parquet":
         arrow = parquet_schema(uris[0])
+        wanted = [column_named(arrow.names, c) or c for c in wanted]
         if not set(wanted) <= set(arrow.names):  # a missing column: the names there, for read._select's line
             return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in arrow.names))
         return _parquet(ids, uris, arrow, wanted)
@@ -139,6 +141,7 @@ def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
         return _parse_csv(records, csv_header(first, local_path(one[0][SOURCE]), sep), sep)
     wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
     found = json_columns(first)
+    wanted = [column_named(sorted(found), c) or c for c in wanted]
     if found and not set(wanted) <= found:
         return spark.createDataFrame([], ", ".join(f"{_quoted(n)} STRING" for n in sorted(found)))
     return _parse_json(records, wanted)

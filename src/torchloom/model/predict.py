@@ -13,7 +13,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import default_separator, separator_in, spreadsheet_hint
+from torchloom.input_formats import column_named, default_separator, separator_in, spreadsheet_hint
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -357,12 +357,13 @@ def _read_csv(p: Path, codec: str) -> list[str]:
         f.seek(0)
         reader = csv.DictReader(f, delimiter=sep)
         columns = reader.fieldnames or []
-        if "text" not in columns:
+        column = column_named(columns, "text")  # or "Text"
+        if column is None:
             raise UserError(f"--input {p}: no \"text\" column (columns: {', '.join(columns) or 'none'});"
                             " name the column with the texts \"text\"")
         texts = []
         for number, row in enumerate(reader, start=2):
-            text = row.get("text")
+            text = row.get(column)
             if text is None:
                 raise UserError(f"--input {p} line {number}: the row is shorter than the header")
             texts.append(text)

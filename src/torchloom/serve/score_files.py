@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import SUFFIX_FORMATS, default_separator, separator_in, spreadsheet_hint
+from torchloom.input_formats import SUFFIX_FORMATS, column_named, default_separator, separator_in, spreadsheet_hint
 from torchloom.runrecord import holds_cwd
 from torchloom.text_encoding import decoded_as, file_codec
 
@@ -229,6 +229,7 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     _check_paths(input_path, output_path, overwrite, local_only=True)
     fmt = input_format(input_path)
     schema, batches = _local_batches(input_path, fmt)
+    text_column = column_named(schema.names, text_column) or text_column  # "Text" for text
     text_is_string = text_column in schema.names and _is_text(schema.field(text_column).type)
     _check_schema(schema.names, text_is_string, text_column, input_path)
     out = Path(output_path)
@@ -423,6 +424,7 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     except AnalysisException as e:
         raise UserError(f"--input {input_path}: Spark cannot read it as {fmt} ({first_line(e)})") from None
     fields = {f.name: f.dataType for f in df.schema.fields}
+    text_column = column_named(list(fields), text_column) or text_column  # "Text" for text
     _check_schema(list(fields), isinstance(fields.get(text_column), StringType), text_column, input_path)
     out_schema = StructType([*df.schema.fields, StructField("label", StringType()),
                              StructField("score", DoubleType()),
