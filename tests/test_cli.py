@@ -598,6 +598,18 @@ def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(t
         resolve_format(DataConfig(), str(tmp_path / "lines.txt"))
 
 
+def test_a_missing_column_line_fills_in_the_columns_whose_names_say_what_they_hold():
+    from torchloom.input_formats import column_fix
+
+    both = {"data.text_column": "text", "data.label_column": "label"}
+    assert column_fix(["id", "body", "topic"], both) == "set --data.text_column body --data.label_column topic"
+    assert column_fix(["Review Text", "Rating", "Title"], both) == \
+        "set --data.text_column 'Review Text' --data.label_column Rating"  # the first name that says text: review
+    assert column_fix(["message", "x"], both) == "set --data.text_column message --data.label_column COLUMN"
+    assert column_fix(["a", "b"], both) == "set --data.text_column / --data.label_column"
+    assert column_fix(["comment", "Comment "], {"data.text_column": "text"}) == "set --data.text_column"  # two
+
+
 def test_an_error_about_a_very_long_input_stays_one_short_line(tmp_path):
     deep = tmp_path / ("a-very-long-directory-name-" * 6) / ("nested-" * 20) / "reviews.csv"
     proc = torchloom("prepare", "--data.path", str(deep), "--output.dir", str(tmp_path / "run"), timeout=120)

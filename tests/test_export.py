@@ -264,14 +264,18 @@ def test_read_texts_formats(tmp_path):
     assert read_texts(str(tmp_path / "semi.csv")) == ["hello, world; again", "plain"]  # Excel's ";" export
     (tmp_path / "caps.csv").write_text("Id,Text\n1,first\n", encoding="utf-8")
     assert read_texts(str(tmp_path / "caps.csv")) == ["first"]  # "Text" for text
+    (tmp_path / "body.jsonl").write_text('{"Body": "from body", "text": 3}\n', encoding="utf-8")
+    assert read_texts(str(tmp_path / "body.jsonl"), column="body") == ["from body"]  # predict --text-column body
 
 
 @pytest.mark.parametrize("name, content, message", [
     ("in.json", "[]", "unsupported file type"),
     ("missing.txt", None, "no such file"),
     ("bad.jsonl", '{"text": "a"}\n{oops\n', "line 2: not valid JSON"),
-    ("nofield.jsonl", '{"body": "a"}\n', 'line 1: needs a string field "text"'),
-    ("nocol.csv", "id,body\n1,a\n", 'no "text" column (columns: id, body)'),
+    ("nofield.jsonl", '{"body": "a"}\n', 'line 1: needs a string field "text", e.g. {"text": "..."} (--text-column'
+                                         ' body, by its name?)'),
+    ("nocol.csv", "id,body\n1,a\n", 'no "text" column (columns: id, body); name the column with the texts with'
+                                   ' --text-column (--text-column body, by its name?)'),
 ])
 def test_read_texts_errors(tmp_path, name, content, message):
     if content is not None:

@@ -211,7 +211,8 @@ def test_csv_exports_separated_by_semicolons_or_tabs_are_read_at_their_separator
         assert sorted(kept) == sorted(t for t, _ in rows), name
     # other column names: the error lists the columns as the separator splits them
     (tmp_path / "named.csv").write_text("body;topic\nsome text;a\n")
-    with pytest.raises(UserError, match=r"no column 'text' and 'label'; columns found: body, topic; set --data"):
+    with pytest.raises(UserError, match=r"no column 'text' and 'label'; columns found: body, topic; set"
+                                        r" --data.text_column body --data.label_column topic$"):
         prepare(make_cfg(tmp_path / "named.csv", tiny_model_dir), str(tmp_path / "named"), spark=spark)
     # a comma-separated header with a ";" in a column's name is left as it is
     (tmp_path / "comma.csv").write_text("text,label;kind\nsome text,a\n")

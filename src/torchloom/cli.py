@@ -141,7 +141,8 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
                                      " columns plus label, score and probabilities")
     sp.add_argument("--score-with", "--engine", dest="score_with", choices=("local", "spark"), default="local",
                     action=_OldName, help="for --output: score in this process (local, the default) or on Spark")
-    sp.add_argument("--text-column", default="text", help="for --output: the column with the texts (default text)")
+    sp.add_argument("--text-column", default="text",
+                    help="the column (CSV, Parquet) or field (JSON lines) with the texts (default text)")
     sp.add_argument("--spark-master", default="local[*]", help="for --score-with spark (default local[*])")
     sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     sp.add_argument("--batch-size", type=int, default=32)
@@ -201,7 +202,8 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
     from torchloom.model.predict import Predictor, read_texts, repair_note, well_formed  # torch: after the checks
 
     if args.input:
-        texts += read_texts(args.input, say=lambda line: print(f"predict: {line}", file=sys.stderr, flush=True))
+        texts += read_texts(args.input, say=lambda line: print(f"predict: {line}", file=sys.stderr, flush=True),
+                            column=args.text_column)
     if not texts:
         raise UserError('predict: no texts; pass them as arguments or --input FILE'
                         ' (e.g. torchloom predict --model DIR "text")')

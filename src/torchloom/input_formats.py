@@ -58,3 +58,34 @@ def column_named(names: list[str], wanted: str) -> str | None:
         return wanted
     alike = [n for n in names if n.casefold() == wanted.casefold()]
     return alike[0] if len(alike) == 1 else None
+
+
+# Column names that usually hold a text or a label, for the fix a missing-column line suggests
+TEXT_NAMES = ("text", "body", "content", "review", "reviewtext", "message", "sentence", "comment", "document",
+              "description", "abstract", "tweet", "article", "question", "utterance", "query", "headline", "title")
+LABEL_NAMES = ("label", "labels", "class", "category", "topic", "sentiment", "target", "intent", "genre", "tag",
+               "rating", "stars", "y")
+
+
+def likely_column(names: list[str], kind: str) -> str | None:
+    """The one column of `names` whose name says it holds a text (kind "text") or a label, by the first name of
+    TEXT_NAMES / LABEL_NAMES that only one column has; None where none does."""
+    key = {n: "".join(ch for ch in n.casefold() if ch.isalnum()) for n in names}
+    for wanted in TEXT_NAMES if kind == "text" else LABEL_NAMES:
+        found = [n for n in names if key[n] == wanted]
+        if len(found) == 1:
+            return found[0]
+    return None
+
+
+def column_fix(names: list[str], missing: dict[str, str]) -> str:
+    """The fix for missing columns ({config key: "text" or "label"}): the flags with the likely columns filled
+    in where the names say which, else the flags to set."""
+    guesses = {key: likely_column(names, kind) for key, kind in missing.items()}
+    if not any(guesses.values()):
+        return "set " + " / ".join(f"--{key}" for key in missing)
+
+    def shell(word: str) -> str:
+        return word if all(ch.isalnum() or ch in "_.-" for ch in word) else "'" + word.replace("'", "'\\''") + "'"
+
+    return "set " + " ".join(f"--{key} {shell(guess) if guess else 'COLUMN'}" for key, guess in guesses.items())

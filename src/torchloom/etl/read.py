@@ -19,6 +19,7 @@ from torchloom.input_formats import (
     OTHER_SEPARATORS,
     SUFFIX_FORMATS,
     TABLE_FORMATS,
+    column_fix,
     column_named,
     default_separator,
     is_iceberg,
@@ -266,10 +267,10 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
             raise UserError(f"data.path {path}: does not read as {'text' if not names else 'a table'} (its header"
                             " holds binary or wrongly encoded bytes); pass a UTF-8 CSV, JSON lines or Parquet file")
         which = " and ".join(f"{c!r}" for c in missing)
-        raise UserError(
-            f"data.path {path}: no column {which}; columns found: {_some(names)};"
-            " set --data.text_column / --data.label_column"
-        )
+        keys = {key: kind for key, kind, found in (("data.text_column", "text", text),
+                                                   ("data.label_column", "label", label)) if found is None}
+        raise UserError(f"data.path {path}: no column {which}; columns found: {_some(names)};"
+                        f" {column_fix(names, keys)}")
     columns = [
         F.col(_quoted(text)).cast("string").alias("text"),
         F.col(_quoted(label)).cast("string").alias("label"),

@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, first_line, install_hint
-from torchloom.input_formats import DELTA_LOG, ICEBERG_SCHEME
+from torchloom.input_formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
 from torchloom.rundir import redact
 
 SPLIT_BYTES = 128 << 20  # Spark's spark.sql.files.maxPartitionBytes
@@ -90,9 +90,12 @@ def pin(data: DataConfig, path: str, fmt: str, key: str = "data.path", version: 
     if missing:
         which = " and ".join(f"{c!r}" for c in missing)
         names = list(table.columns)
+        keys = {key: kind for key, kind, column in (("data.text_column", "text", data.text_column),
+                                                    ("data.label_column", "label", data.label_column))
+                if column in missing}
         shown = ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
         raise UserError(f"{key} {table.shown}: no column {which} at {table.describe()}; columns found:"
-                        f" {shown or 'none'}; set --data.text_column / --data.label_column")
+                        f" {shown or 'none'}; {column_fix(names, keys)}")
     if data.split_column and data.split_column not in table.columns:
         raise UserError(f"data.split_column {data.split_column!r}: no such column in {table.shown} at"
                         f" {table.describe()}; columns found: {', '.join(table.columns)}")

@@ -13,7 +13,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import column_named, default_separator, separator_in, spreadsheet_hint
+from torchloom.input_formats import column_named, default_separator, likely_column, separator_in, spreadsheet_hint
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -305,8 +305,8 @@ def pad_batch(features: list[dict[str, list[int]]], tokenizer, length: int = 0) 
     return batch
 
 
-def read_texts(path: str, say: Callable[[str], object] | None = None) -> list[str]:
-    """Texts from a .txt (one per line, blank lines skipped), .jsonl (field "text") or .csv (column "text"),
+def read_texts(path: str, say: Callable[[str], object] | None = None, column: str = "text") -> list[str]:
+    """Texts from a .txt (one per line, blank lines skipped), .jsonl (field `column`) or .csv (column `column`),
     in the encoding prepare's data.encoding auto would read the file in (text_encoding.py); `say` is told
     which, where it is not UTF-8."""
     p = Path(path)
@@ -325,11 +325,11 @@ def read_texts(path: str, say: Callable[[str], object] | None = None) -> list[st
         with open(p, encoding=codec) as f:
             return [line.rstrip("\r\n") for line in f if line.strip()]
     if suffix == ".jsonl":
-        return _read_jsonl(p, codec)
-    return _read_csv(p, codec)
+        return _read_jsonl(p, codec, column)
+    return _read_csv(p, codec, column)
 
 
-def _read_jsonl(p: Path, codec: str) -> list[str]:
+def _read_jsonl(p: Path, codec: str, column: str) -> list[str]:
     texts = []
     with open(p, encoding=codec) as f:
         for number, line in enumerate(f, start=1):
@@ -341,14 +341,21 @@ def _read_jsonl(p: Path, codec: str) -> list[str]:
                 reason = e.msg if isinstance(e, json.JSONDecodeError) else first_line(e)
                 raise UserError(f"--input {p} line {number}: not valid JSON ({reason}); one object per line") \
                     from None
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise UserError(f"--input {p} line {number}: needs a string field \"text\","
-                                " e.g. {\"text\": \"...\"}")
-            texts.append(row["text"])
+            field = column_named(list(row), column) if isinstance(row, dict) else None  # or "Text"
+            if field is None or not isinstance(row[field], str):
+                raise UserError(f"--input {p} line {number}: needs a string field {json.dumps(column)}, e.g."
+                                f" {{{json.dumps(column)}: \"...\"}}" + _column_hint(list(row or ())))
+            texts.append(row[field])
     return texts
 
 
-def _read_csv(p: Path, codec: str) -> list[str]:
+def _column_hint(names: list) -> str:
+    """" (--text-column body, by its name)" where a column's name says it holds the texts."""
+    guess = likely_column([str(n) for n in names], "text")
+    return f" (--text-column {guess}, by its name?)" if guess else ""
+
+
+def _read_csv(p: Path, codec: str, column: str) -> list[str]:
     # News articles and reviews can exceed csv's default 128 KiB field limit.
     csv.field_size_limit(min(2**31 - 1, 1 << 30))
     with open(p, encoding=codec, newline="") as f:
@@ -357,13 +364,13 @@ def _read_csv(p: Path, codec: str) -> list[str]:
         f.seek(0)
         reader = csv.DictReader(f, delimiter=sep)
         columns = reader.fieldnames or []
-        column = column_named(columns, "text")  # or "Text"
-        if column is None:
-            raise UserError(f"--input {p}: no \"text\" column (columns: {', '.join(columns) or 'none'});"
-                            " name the column with the texts \"text\"")
+        found = column_named(columns, column)  # or "Text"
+        if found is None:
+            raise UserError(f"--input {p}: no {json.dumps(column)} column (columns: {', '.join(columns) or 'none'});"
+                            " name the column with the texts with --text-column" + _column_hint(columns))
         texts = []
         for number, row in enumerate(reader, start=2):
-            text = row.get(column)
+            text = row.get(found)
             if text is None:
                 raise UserError(f"--input {p} line {number}: the row is shorter than the header")
             texts.append(text)

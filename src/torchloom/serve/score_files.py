@@ -20,7 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import SUFFIX_FORMATS, column_named, default_separator, separator_in, spreadsheet_hint
+from torchloom.input_formats import (
+    SUFFIX_FORMATS,
+    column_named,
+    default_separator,
+    likely_column,
+    separator_in,
+    spreadsheet_hint,
+)
 from torchloom.runrecord import holds_cwd
 from torchloom.text_encoding import decoded_as, file_codec
 
@@ -78,8 +85,10 @@ def _check_replaceable_output(out: Path) -> None:
 
 def _check_schema(names: list[str], text_is_string: bool, text_column: str, input_path: str) -> None:
     if text_column not in names:
+        guess = likely_column(names, "text")
         raise UserError(f"--input {input_path}: no column {text_column!r} (columns: {', '.join(names) or 'none'});"
-                        " name the text column with --text-column")
+                        " name the text column with --text-column"
+                        + (f" (--text-column {guess}, by its name?)" if guess else ""))
     taken = [c for c in PREDICTION_COLUMNS if c in names]
     if taken:
         raise UserError(f"--input {input_path}: already has a column named {taken[0]!r}, and the output adds"
