@@ -84,8 +84,9 @@ def column_fix(names: list[str], missing: dict[str, str]) -> str:
     guesses = {key: likely_column(names, kind) for key, kind in missing.items()}
     if not any(guesses.values()):
         return "set " + " / ".join(f"--{key}" for key in missing)
+    return "set " + " ".join(f"--{key} {shell_word(guess) if guess else 'COLUMN'}" for key, guess in guesses.items())
 
-    def shell(word: str) -> str:
-        return word if all(ch.isalnum() or ch in "_.-" for ch in word) else "'" + word.replace("'", "'\\''") + "'"
 
-    return "set " + " ".join(f"--{key} {shell(guess) if guess else 'COLUMN'}" for key, guess in guesses.items())
+def shell_word(word: str) -> str:
+    """`word` as a shell reads it back in a suggested command: quoted where it holds spaces or the like."""
+    return word if word and all(ch.isalnum() or ch in "_.-" for ch in word) else "'" + word.replace("'", "'\\''") + "'"

@@ -13,7 +13,14 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import column_named, default_separator, likely_column, separator_in, spreadsheet_hint
+from torchloom.input_formats import (
+    column_named,
+    default_separator,
+    likely_column,
+    separator_in,
+    shell_word,
+    spreadsheet_hint,
+)
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -352,7 +359,7 @@ def _read_jsonl(p: Path, codec: str, column: str) -> list[str]:
 def _column_hint(names: list) -> str:
     """" (--text-column body, by its name)" where a column's name says it holds the texts."""
     guess = likely_column([str(n) for n in names], "text")
-    return f" (--text-column {guess}, by its name?)" if guess else ""
+    return f" (--text-column {shell_word(guess)}, by its name?)" if guess else ""
 
 
 def _read_csv(p: Path, codec: str, column: str) -> list[str]:

@@ -26,6 +26,7 @@ from torchloom.input_formats import (
     default_separator,
     likely_column,
     separator_in,
+    shell_word,
     spreadsheet_hint,
 )
 from torchloom.runrecord import holds_cwd
@@ -88,7 +89,7 @@ def _check_schema(names: list[str], text_is_string: bool, text_column: str, inpu
         guess = likely_column(names, "text")
         raise UserError(f"--input {input_path}: no column {text_column!r} (columns: {', '.join(names) or 'none'});"
                         " name the text column with --text-column"
-                        + (f" (--text-column {guess}, by its name?)" if guess else ""))
+                        + (f" (--text-column {shell_word(guess)}, by its name?)" if guess else ""))
     taken = [c for c in PREDICTION_COLUMNS if c in names]
     if taken:
         raise UserError(f"--input {input_path}: already has a column named {taken[0]!r}, and the output adds"
