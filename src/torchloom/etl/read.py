@@ -418,7 +418,7 @@ def _same_local_headers(path: str, sep: str) -> None:
     first: tuple[list[str], str] | None = None
     for f in files if len(files) > 1 else []:
         with open(f, "rb") as raw:
-            head = raw.read(1 << 20)
+            head = raw.read(1 << 16)  # a header line is far shorter; a directory may hold many big files
         codec = "utf-16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf-8"
         record = next(store_read.csv_records(io.StringIO(head.decode(codec, errors="replace"), newline=""), sep), "")
         names = store_read.header_names(record, sep)
