@@ -90,3 +90,10 @@ def column_fix(names: list[str], missing: dict[str, str]) -> str:
 def shell_word(word: str) -> str:
     """`word` as a shell reads it back in a suggested command: quoted where it holds spaces or the like."""
     return word if word and all(ch.isalnum() or ch in "_.-" for ch in word) else "'" + word.replace("'", "'\\''") + "'"
+
+
+def text_column_hint(names: list) -> str:
+    """For predict's missing text column: " (--text-column body, by its name?)" where a column's name says it
+    holds the texts, else nothing."""
+    guess = likely_column([str(n) for n in names], "text")
+    return f" (--text-column {shell_word(guess)}, by its name?)" if guess else ""

@@ -13,14 +13,7 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import (
-    column_named,
-    default_separator,
-    likely_column,
-    separator_in,
-    shell_word,
-    spreadsheet_hint,
-)
+from torchloom.input_formats import column_named, default_separator, separator_in, spreadsheet_hint, text_column_hint
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -351,15 +344,9 @@ def _read_jsonl(p: Path, codec: str, column: str) -> list[str]:
             field = column_named(list(row), column) if isinstance(row, dict) else None  # or "Text"
             if field is None or not isinstance(row[field], str):
                 raise UserError(f"--input {p} line {number}: needs a string field {json.dumps(column)}, e.g."
-                                f" {{{json.dumps(column)}: \"...\"}}" + _column_hint(list(row or ())))
+                                f" {{{json.dumps(column)}: \"...\"}}" + text_column_hint(list(row or ())))
             texts.append(row[field])
     return texts
-
-
-def _column_hint(names: list) -> str:
-    """" (--text-column body, by its name)" where a column's name says it holds the texts."""
-    guess = likely_column([str(n) for n in names], "text")
-    return f" (--text-column {shell_word(guess)}, by its name?)" if guess else ""
 
 
 def _read_csv(p: Path, codec: str, column: str) -> list[str]:
@@ -374,7 +361,7 @@ def _read_csv(p: Path, codec: str, column: str) -> list[str]:
         found = column_named(columns, column)  # or "Text"
         if found is None:
             raise UserError(f"--input {p}: no {json.dumps(column)} column (columns: {', '.join(columns) or 'none'});"
-                            " name the column with the texts with --text-column" + _column_hint(columns))
+                            " name the column with the texts with --text-column" + text_column_hint(columns))
         texts = []
         for number, row in enumerate(reader, start=2):
             text = row.get(found)

@@ -24,10 +24,9 @@ from torchloom.input_formats import (
     SUFFIX_FORMATS,
     column_named,
     default_separator,
-    likely_column,
     separator_in,
-    shell_word,
     spreadsheet_hint,
+    text_column_hint,
 )
 from torchloom.runrecord import holds_cwd
 from torchloom.text_encoding import decoded_as, file_codec
@@ -86,10 +85,8 @@ def _check_replaceable_output(out: Path) -> None:
 
 def _check_schema(names: list[str], text_is_string: bool, text_column: str, input_path: str) -> None:
     if text_column not in names:
-        guess = likely_column(names, "text")
         raise UserError(f"--input {input_path}: no column {text_column!r} (columns: {', '.join(names) or 'none'});"
-                        " name the text column with --text-column"
-                        + (f" (--text-column {shell_word(guess)}, by its name?)" if guess else ""))
+                        " name the text column with --text-column" + text_column_hint(names))
     taken = [c for c in PREDICTION_COLUMNS if c in names]
     if taken:
         raise UserError(f"--input {input_path}: already has a column named {taken[0]!r}, and the output adds"
