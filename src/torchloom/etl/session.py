@@ -15,7 +15,9 @@ from torchloom.machine import usable_cores
 from torchloom.private import private_file
 
 # Only warnings and errors reach the console; the native-hadoop warning is noise on every start, and a failed
-# task's shuffle files that are already gone are 200 lines of "Error deleting".
+# task's shuffle files that are already gone are 200 lines of "Error deleting". A standalone Master logs in this
+# JVM only under local-cluster[...], where it warns that an app "requires more resource than any of Workers could
+# have" whenever the app registers before the in-process worker has (a start-up race, not a shortage).
 _LOG4J2 = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stdout.ref = console
@@ -40,6 +42,8 @@ logger.blas.name = dev.ludovic.netlib
 logger.blas.level = error
 logger.blockwriter.name = org.apache.spark.storage.DiskBlockObjectWriter
 logger.blockwriter.level = error
+logger.master.name = org.apache.spark.deploy.master.Master
+logger.master.level = error
 """
 
 
