@@ -242,6 +242,15 @@ def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read
     (d / "c.csv").unlink()
     m = prepare(make_cfg(d, tiny_model_dir), str(tmp_path / "out"), spark=spark)
     assert m.counts["rows_kept"] == 12
+    # one header written in UTF-8 and in cp1252 is one header
+    fr = tmp_path / "fr"
+    fr.mkdir()
+    for name, codec, label in (("u.csv", "utf-8", "a"), ("w.csv", "cp1252", "b")):
+        (fr / name).write_bytes(("texte,catégorie\n" + "".join(f"texte {name} {i},{label}\n" for i in range(6)))
+                                .encode(codec))
+    cfg = make_cfg(fr, tiny_model_dir)
+    cfg.data.text_column, cfg.data.label_column = "texte", "catégorie"
+    assert prepare(cfg, str(tmp_path / "out-fr"), spark=spark).counts["rows_kept"] == 12
 
     # the store reader's tasks check each object's header against the first's
     monkeypatch.setattr(store_read.storage, "open_input", lambda uri: pa.OSFile(uri))

@@ -411,6 +411,7 @@ def _same_local_headers(path: str, sep: str) -> None:
     import io
 
     from torchloom.etl import store_read
+    from torchloom.text_encoding import AUTO, detect
 
     if not _is_local(path):
         return
@@ -419,7 +420,7 @@ def _same_local_headers(path: str, sep: str) -> None:
     for f in files if len(files) > 1 else []:
         with open(f, "rb") as raw:
             head = raw.read(1 << 16)  # a header line is far shorter; a directory may hold many big files
-        codec = "utf-16" if head[:2] in (b"\xff\xfe", b"\xfe\xff") else "utf-8"
+        codec = detect([head], AUTO)  # the header in the file's own encoding (its first 64 KB tell)
         record = next(store_read.csv_records(io.StringIO(head.decode(codec, errors="replace"), newline=""), sep), "")
         names = store_read.header_names(record, sep)
         if first is None:
