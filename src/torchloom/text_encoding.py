@@ -157,6 +157,21 @@ def file_codec(path: str, chunk: int = 1 << 22) -> str:
         return detect(chunks(), AUTO)
 
 
+def head_text(path: str, size: int = 1 << 16) -> str:
+    """A local file's first `size` bytes as text, in the encoding they tell (`detect` on them alone): enough for
+    a CSV's header, read right whether the file is UTF-8, cp1252 or UTF-16."""
+    with open(path, "rb") as f:
+        head = f.read(size)
+    codec = detect([head], AUTO)
+    return head[skip(head[:3], codec, AUTO):].decode(codec, errors="replace")
+
+
+def read_note(what: str, codec: str) -> str | None:
+    """The line for a file `file_codec` found not plain UTF-8 ("--input a.csv: not UTF-8; read as cp1252, ..."),
+    None for UTF-8."""
+    return None if codec == "utf-8-sig" else f"{what}: {decoded_as(codec)}, as prepare reads such a file"
+
+
 def decoded_as(codec: str) -> str:
     """How a file that was not plain UTF-8 was read, for a line: "not UTF-8; read as cp1252"."""
     if codec == REPLACED:

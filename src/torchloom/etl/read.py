@@ -411,17 +411,15 @@ def _same_local_headers(path: str, sep: str) -> None:
     import io
 
     from torchloom.etl import store_read
-    from torchloom.text_encoding import AUTO, detect
+    from torchloom.text_encoding import head_text
 
     if not _is_local(path):
         return
     files = [f for f in _local_files(path) if not f.endswith(COMPRESSED_SUFFIXES)]
     first: tuple[list[str], str] | None = None
     for f in files if len(files) > 1 else []:
-        with open(f, "rb") as raw:
-            head = raw.read(1 << 16)  # a header line is far shorter; a directory may hold many big files
-        codec = detect([head], AUTO)  # the header in the file's own encoding (its first 64 KB tell)
-        record = next(store_read.csv_records(io.StringIO(head.decode(codec, errors="replace"), newline=""), sep), "")
+        # the header in the file's own encoding, from its first 64 KB (a directory may hold many big files)
+        record = next(store_read.csv_records(io.StringIO(head_text(f), newline=""), sep), "")
         names = store_read.header_names(record, sep)
         if first is None:
             first = (names, f)

@@ -19,7 +19,7 @@ from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
 from torchloom.model.traced import TracedForward
 from torchloom.scoring import LOSS_EPS, mix, text_scores
-from torchloom.text_encoding import decoded_as, file_codec
+from torchloom.text_encoding import file_codec, read_note
 from torchloom.textclean import clean_text
 from torchloom.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
@@ -319,8 +319,9 @@ def read_texts(path: str, say: Callable[[str], object] | None = None, column: st
     if not p.is_file():
         raise UserError(f"--input {path}: no such file")
     codec = file_codec(str(p))
-    if say is not None and codec != "utf-8-sig":
-        say(f"--input {path}: {decoded_as(codec)}, as prepare reads such a file")
+    note = read_note(f"--input {path}", codec)
+    if say is not None and note:
+        say(note)
     if suffix == ".txt":
         with open(p, encoding=codec) as f:
             return [line.rstrip("\r\n") for line in f if line.strip()]

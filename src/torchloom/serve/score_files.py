@@ -29,7 +29,7 @@ from torchloom.input_formats import (
     text_column_hint,
 )
 from torchloom.runrecord import holds_cwd
-from torchloom.text_encoding import decoded_as, file_codec
+from torchloom.text_encoding import decoded_as, file_codec, head_text, read_note
 
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
 CHUNK_ROWS = 4096  # rows read, predicted and written at a time by the local engine
@@ -176,9 +176,9 @@ def _open_text_file(path: Path, fmt: str):
     import pyarrow.json as pajson
 
     codec = file_codec(str(path))  # as prepare's data.encoding auto reads it (text_encoding.py)
-    if codec != "utf-8-sig":
-        print(f"predict: --input {path}: {decoded_as(codec)}, as prepare reads such a file", file=sys.stderr,
-              flush=True)
+    note = read_note(f"--input {path}", codec)
+    if note:
+        print(f"predict: {note}", file=sys.stderr, flush=True)
     encoding = "utf-8" if codec == "utf-8-sig" else codec  # Arrow's own UTF-8 reader; others through Python's
     try:
         if fmt == "csv":
@@ -334,15 +334,20 @@ JAVA_CHARSETS = {"utf-8-sig": "UTF-8", "utf-8-replaced": "UTF-8", "cp1252": "win
 CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked, as prepare's (etl/read.py)
 
 
+def _local_inputs(path: str, fmt: str) -> list[Path] | None:
+    """The `fmt` files of a local --input (a file, or a directory's files with that suffix); None for a URI."""
+    if "://" in path and not path.startswith("file:"):
+        return None
+    p = Path(path.removeprefix("file:"))
+    return [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
+
+
 def _spark_charset(path: str, fmt: str) -> str:
     """The charset Spark reads a local CSV or JSON lines input in: its files' codec as prepare's data.encoding
     auto decides it (one line says so where it is not UTF-8); a local input whose files differ, or JSON lines
     that are not UTF-8, is one line with the fix. A URI, or local files over 8 GB together: UTF-8 (unchecked)."""
-    if fmt not in ("csv", "jsonl") or ("://" in path and not path.startswith("file:")):
-        return "UTF-8"
-    p = Path(path.removeprefix("file:"))
-    files = [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
-    if sum(f.stat().st_size for f in files) > CHARSET_CHECK_BYTES:
+    files = _local_inputs(path, fmt) if fmt in ("csv", "jsonl") else None
+    if files is None or sum(f.stat().st_size for f in files) > CHARSET_CHECK_BYTES:
         return "UTF-8"
     codecs = {f: file_codec(str(f)) for f in files}
     charsets = {JAVA_CHARSETS.get(codec, codec) for codec in codecs.values()}
@@ -353,8 +358,7 @@ def _spark_charset(path: str, fmt: str) -> str:
         raise UserError(f"--input {path}: {odd} is {decoded_as(codecs[odd])}"
                         + (", unlike the other files" if len(charsets) > 1 else "")
                         + "; predict it with --score-with local, or re-encode it as UTF-8 for Spark")
-    print(f"predict: --input {path}: {decoded_as(codecs[odd])}, as prepare reads such a file", file=sys.stderr,
-          flush=True)
+    print(f"predict: {read_note(f'--input {path}', codecs[odd])}", file=sys.stderr, flush=True)
     return charsets.pop()
 
 
@@ -362,16 +366,12 @@ def _same_headers(path: str, sep: str) -> None:
     """The CSV files of a local input directory name one set of columns in one order: Spark takes each file's
     columns by position (the local engine selects them by name)."""
     import csv
+    import io
 
-    p = Path(path.removeprefix("file:"))
-    if "://" in path and not path.startswith("file:") or not p.is_dir():
-        return
     first: tuple[list[str], Path] | None = None
-    for f in (f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == "csv"):
-        with open(f, "rb") as raw:
-            wide = raw.read(2) in (b"\xff\xfe", b"\xfe\xff")  # UTF-16; any other header reads as UTF-8 here
-        with open(f, encoding="utf-16" if wide else "utf-8-sig", errors="replace", newline="") as text:
-            names = [n.replace("\ufeff", "").strip().lower() for n in next(csv.reader(text, delimiter=sep), [])]
+    for f in _local_inputs(path, "csv") or []:
+        text = io.StringIO(head_text(str(f)), newline="")  # the header in the file's own encoding
+        names = [n.replace("\ufeff", "").strip().lower() for n in next(csv.reader(text, delimiter=sep), [])]
         if first is None:
             first = (names, f)
         elif names != first[0]:
