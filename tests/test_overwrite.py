@@ -83,13 +83,19 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
 
     src = tmp_path / "in.parquet"
     src.write_bytes(b"")
+    from torchloom.ledger import record_output
+
     earlier = tmp_path / "earlier"
     earlier.mkdir()
     (earlier / "part-0.parquet").write_bytes(b"")
     (earlier / "_SUCCESS").write_bytes(b"")
+    with pytest.raises(UserError, match="not replaced, nothing deleted: it holds _SUCCESS, part-0.parquet, which"
+                                        " torchloom did not write as predictions"):
+        _check_paths(str(src), str(earlier), overwrite=True, local_only=True)  # Parquet, but not torchloom's
+    record_output(earlier)  # as predict leaves them
     _check_paths(str(src), str(earlier), overwrite=True, local_only=True)  # earlier predictions: replaced
     (earlier / "notes.md").write_text("mine")
-    with pytest.raises(UserError, match="not replaced: it holds notes.md"):
+    with pytest.raises(UserError, match="not replaced, nothing deleted: it holds notes.md"):
         _check_paths(str(src), str(earlier), overwrite=True, local_only=True)
     monkeypatch.chdir(earlier)
     with pytest.raises(UserError, match="is the working directory"):
@@ -187,19 +193,21 @@ def test_a_marker_counts_only_by_its_content(rel, content, own):
 
 
 def test_overwrite_replaces_only_what_is_torchloom_s_and_refuses_anything_beside_it(tmp_path):
+    """Runs made before ledgers: only content-verified markers (and what they list) count, never a bare name."""
     from torchloom.errors import UserError
-    from torchloom.rundir import RUN_RECORD, write_json
-    from torchloom.runrecord import check_replaceable, new_record, replace_local
+    from torchloom.ledger import check_replaceable, replace_local
 
     dirs = {"run/config.toml": real_config(), "prepared/manifest.json": real_manifest(),
             "study/study.json": b'{"format": "torchloom-study/1", "backend": "optuna"}',
-            "lightning/checkpoints/epoch=0.ckpt": b"weights"}
+            "lightning/checkpoints/epoch=0.ckpt": b"weights",
+            "run/checkpoints/step-2/model.safetensors": b"w" * 10,
+            "run/checkpoints/step-2/meta.json": b'{"files": {"model.safetensors": {"size": 10}}}'}
     for rel, content in dirs.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(content)
-    (tmp_path / "run" / "checkpoints" / "step-2").mkdir(parents=True)
     (tmp_path / "run" / ".metrics.jsonl.123.tmp").write_text("")  # torchloom's own temporary name
-    assert check_replaceable(tmp_path / "run") == [".metrics.jsonl.123.tmp", "checkpoints", "config.toml"]
+    assert check_replaceable(tmp_path / "run") == [".metrics.jsonl.123.tmp", "checkpoints/step-2/meta.json",
+                                                   "checkpoints/step-2/model.safetensors", "config.toml"]
     for name in ("prepared", "study"):
         assert check_replaceable(tmp_path / name)
     with pytest.raises(UserError, match=r"lightning: not replaced: it is neither empty nor a torchloom run"):
@@ -207,18 +215,14 @@ def test_overwrite_replaces_only_what_is_torchloom_s_and_refuses_anything_beside
     # one foreign file beside a marker refuses the whole replacement, and names what it found
     for name in ("run", "prepared", "study"):
         (tmp_path / name / "notes.txt").write_text("mine")
-        with pytest.raises(UserError, match=rf"{name}: not replaced: it holds notes.txt, which torchloom did not"):
+        with pytest.raises(UserError, match=rf"{name}: not replaced, nothing deleted: it holds notes.txt, which"):
             check_replaceable(tmp_path / name)
-    # a run with a record owns exactly the names it lists: those are deleted, the directory is kept
-    run = tmp_path / "recorded"
-    (run / "model").mkdir(parents=True)
-    write_json(run / RUN_RECORD, {**new_record(), "owns": ["model"]})
-    (run / "summary.json").write_text("{}")  # not in this record's list
-    with pytest.raises(UserError, match=r"it holds summary.json, which torchloom did not write"):
-        replace_local(run)
-    (run / "summary.json").unlink()
-    replace_local(run)
-    assert run.is_dir() and not any(run.iterdir())
+    # a bare name a run uses proves nothing: metrics.jsonl, or a checkpoint whose meta.json does not list it
+    (tmp_path / "run" / "notes.txt").unlink()
+    (tmp_path / "run" / "checkpoints" / "step-2" / "model.safetensors").write_bytes(b"w" * 11)
+    with pytest.raises(UserError, match=r"it holds checkpoints/step-2/meta.json, checkpoints/step-2/model.safe"):
+        replace_local(tmp_path / "run")
+    assert (tmp_path / "run" / "config.toml").read_bytes() == real_config()
 
 
 def test_overwrite_never_deletes_a_project_holding_torchloom_config_s_output(tmp_path, topics_csv, tiny_model_dir):
@@ -231,7 +235,7 @@ def test_overwrite_never_deletes_a_project_holding_torchloom_config_s_output(tmp
     before = tree(project)
     error = one_error(torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
                                 "--output.dir", str(project), "--tracking.enabled", "false", "--overwrite"))
-    assert f"output.dir {project}: not replaced: it holds notes.md, src, which torchloom did not write" in error
+    assert f"output.dir {project}: not replaced, nothing deleted: it holds notes.md, src/train.py, which" in error, error
     assert tree(project) == before
 
 
@@ -307,8 +311,8 @@ def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
 
     monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
     prefix = f"s3://{BUCKET}/run"
-    put_tree(prefix, {"config.toml": real_config(), "checkpoints/step-2/meta.json": "{}",
-                      "data/manifest.json": real_manifest()})
+    put_tree(prefix, {"config.toml": real_config(), "data/manifest.json": real_manifest(),
+                      "checkpoints/step-2/w": "ab", "checkpoints/step-2/meta.json": '{"files": {"w": {"size": 2}}}'})
     RunFiles(prefix).replace()
     assert storage.list_files(prefix) == {}
     put_tree(prefix, {"data/manifest.json": FOREIGN["webapp"]["manifest.json"], "checkpoints/step-2/x": "w"})
@@ -317,7 +321,7 @@ def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
     assert len(storage.list_files(prefix)) == 2
     # a run beside a foreign object: refused, naming it
     put_tree(prefix, {"config.toml": real_config(), "report.pdf": "mine"})
-    with pytest.raises(UserError, match=r"not replaced: it holds report.pdf, which torchloom did not write"):
+    with pytest.raises(UserError, match=r"not replaced, nothing deleted: it holds .*report.pdf, which no marker"):
         RunFiles(prefix).replace()
     assert len(storage.list_files(prefix)) == 4
 

@@ -426,13 +426,23 @@ def test_overwrite_replaces_output(spark, tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="not replaced: it is neither empty nor a torchloom"):
         prepare(cfg, str(out), spark=spark)  # not prepared data: --overwrite leaves it alone
     Manifest(labels=["a", "b"], splits={}, tokenizer={}, fingerprint="x").write(out)  # an earlier prepare's
-    with pytest.raises(UserError, match="not replaced: it holds stale.txt, which torchloom did not write"):
+    with pytest.raises(UserError, match="not replaced, nothing deleted: it holds stale.txt, which no marker"):
         prepare(cfg, str(out), spark=spark)  # prepared data, but beside something of someone else's
-    (out / "stale.txt").rename(out / "train")  # now only the earlier prepare's names
+    (out / "stale.txt").rename(out / "train")  # a name prepared data uses proves nothing
+    with pytest.raises(UserError, match="it holds train, which no marker of torchloom's vouches for"):
+        prepare(cfg, str(out), spark=spark)
+    (out / "train").unlink()
     m = prepare(cfg, str(out), spark=spark)
     assert (out / "train").is_dir() and m.counts["rows_kept"] == 6
     assert leftovers(tmp_path, {"in.parquet", "data"}) == []
     assert read_manifest(out).fingerprint == m.fingerprint
+    # prepared data lists its own files (its ledger): prepared again over itself, and never over a file of yours
+    again = prepare(cfg, str(out), spark=spark)
+    assert again.fingerprint == m.fingerprint
+    (out / "train" / "mine.csv").write_text("text,label\n")
+    with pytest.raises(UserError, match=r"it holds train/mine.csv, which torchloom did not write"):
+        prepare(cfg, str(out), spark=spark)
+    assert (out / "train" / "mine.csv").read_text() == "text,label\n"
 
 
 @pytest.mark.slow

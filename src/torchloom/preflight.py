@@ -165,6 +165,25 @@ def check_untrained(cfg: Config) -> None:
                         " --output.dir")
 
 
+def check_fresh(cfg: Config, files: RunFiles) -> None:
+    """A fresh training removes the earlier one's checkpoints (train/checkpoint.clear_earlier): only with
+    --overwrite, and only when they are all torchloom's (the run's ledger), else one line before anything starts."""
+    from torchloom.ledger import deletable
+    from torchloom.train import checkpoint
+
+    rd = files.rd
+    steps = files.stored_steps() if files.on_store else [s for s, _ in checkpoint.list_checkpoints(rd.checkpoints)]
+    if not steps:
+        return
+    if not cfg.output.overwrite:
+        shown = ", ".join(map(str, sorted(steps)[-3:]))
+        more = "..." if len(steps) > 3 else ""
+        raise UserError(f"output.dir {rd.where}: holds {len(steps)} checkpoint(s) of an earlier training (steps"
+                        f" {more}{shown}), which a fresh training would delete; pass --resume to go on from the"
+                        " latest, or --overwrite to train afresh")
+    deletable(files.tree(), "output.dir", cfg.inputs(), under="checkpoints")
+
+
 def check_trainable(cfg: Config) -> int | None:
     """Catch in the driver what would otherwise fail in every worker; returns the step train.resume
     resumes from (None: a fresh start)."""
@@ -185,6 +204,8 @@ def check_trainable(cfg: Config) -> int | None:
             f"{m.root}: {m.split('train').rows} training rows for {cfg.engine.workers} workers;"
             " add data or lower engine.workers"
         )
+    if not cfg.train.resume:
+        check_fresh(cfg, files)
     # a path that is no checkpoint, or only damaged ones, fails here, once; rank 0 warns of what it skips
     path = checkpoint.resolve(cfg.train.resume, rd.checkpoints, warn=False)
     return None if path is None else int(checkpoint.read_meta(path)["step"])

@@ -17,7 +17,9 @@ each host works in a staging copy (RunDir.root); these verbs are the fixed point
     stored_steps / pull_checkpoints        the store's complete checkpoints
     streamed(manifest)         prepared data whose shards are read from the store (ranged reads)
     sync_copy / new_identity   the copy counts only while its record equals the store's (rundir.RUN_RECORD)
-    check_own / replace        the own-prefix rule and --overwrite (rundir.owned_entries), read from the store
+    check_own / replace        the own-prefix rule, and --overwrite (ledger.py: what torchloom wrote) on the store
+    tree / recording           the run as the ledger sees it (the store's objects for a run on one), and a command's
+                               stock-taking of what it wrote there
 
 quiet=True: a failure is one warning line instead of an error (the driver judges the store by what it then sees);
 wait=False: no retrying (the caller asks again within seconds anyway), and a quiet failure is not even a warning.
@@ -36,17 +38,11 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from torchloom import storage
+from torchloom import ledger, storage
 from torchloom.errors import UserError, first_line
-from torchloom.rundir import CONFIG_FILE, LEASE_FILE, RUN_RECORD, STEP_DIR, RunDir, write_atomic
-from torchloom.runrecord import (
-    is_own,
-    is_own_file,
-    owned_entries,
-    parse_record,
-    replace_local,
-    write_record,
-)
+from torchloom.ledger import replace_local
+from torchloom.rundir import CONFIG_FILE, RUN_RECORD, STEP_DIR, RunDir, redact, write_atomic
+from torchloom.runrecord import is_own, is_own_file, parse_record, write_record
 from torchloom.store_errors import retrying_for, what_to_check
 
 # The file that says a directory is complete, uploaded after every other file of it.
@@ -338,10 +334,10 @@ class RunFiles:
     # -- whose prefix it is, and --overwrite ------------------------------------------------------------
     def _objects(self) -> tuple[dict[str, int], Callable[[str], bytes | None]]:
         """The run's objects but its lease (lease.py: a driver holds it before it looks whether the prefix is empty
-        or torchloom's, and --overwrite leaves it to its owner), and a reader of them (rundir.is_own's)."""
+        or torchloom's, and --overwrite leaves it to its owner) and its ledger, and a reader of them (is_own's)."""
         assert self._remote is not None
         remote = self._remote
-        listing = {rel: size for rel, size in storage.list_files(remote).items() if rel != LEASE_FILE}
+        listing = {rel: size for rel, size in storage.list_files(remote).items() if rel not in ledger.NOT_CONTENT}
 
         def read(rel: str) -> bytes | None:
             try:
@@ -362,7 +358,7 @@ class RunFiles:
     def holds_anything(self) -> bool:
         """The store holds objects of this run (its lease aside); a local run: its directory is not empty."""
         if self._remote is None:
-            return self.rd.root.is_dir() and any(self.rd.root.iterdir())
+            return not ledger.is_empty(ledger.LocalTree(self.rd.root))
         return bool(self._objects()[0])
 
     def check_own(self, key: str = "output.dir") -> None:
@@ -387,26 +383,63 @@ class RunFiles:
             raise UserError(f"{key} {self.rd.where}: holds {len(listing)} objects that torchloom did not write"
                             f" ({some}); they are left alone; pass another --output.dir")
 
-    def replace(self, key: str = "output.dir") -> None:
-        """--overwrite: delete the run's own files (runrecord.owned_entries: the names its record lists), nothing
-        else; a bucket's root, or a directory or prefix holding anything torchloom did not write, is refused in one
-        line. A run on a store: the store's objects (this host's copy is then emptied by sync_copy)."""
+    def tree(self) -> ledger.Tree:
+        """The run as its ledger sees it: the directory, or the store's objects for a run on one."""
+        return StoreTree(self._remote) if self._remote is not None else ledger.LocalTree(self.rd.root)
+
+    def recording(self):
+        """Around a command that writes into the run: what it wrote is listed in the run's ledger (ledger.py)."""
+        return ledger.recording(self.tree())
+
+    def replace(self, key: str = "output.dir", inputs: list[str] = (), under: str | Path | None = None) -> None:
+        """--overwrite: delete the files the run's ledger lists as torchloom left them (ledger.deletable), all or
+        nothing; a bucket's root, or a directory or prefix holding anything torchloom did not write or any input of
+        the command, is refused in one line before anything is deleted. under: only this directory of the run (its
+        data). A run on a store: the store's objects (this host's copy is then emptied by sync_copy)."""
+        rel = Path(under).resolve().relative_to(self.rd.root).as_posix() if under is not None else ""
         if self._remote is None:
-            replace_local(self.rd.root, key)
-            return
-        listing, read = self._objects()
-        if not listing:
+            if not rel:
+                replace_local(self.rd.root, key, inputs)
+            else:
+                ledger.replace(self.tree(), key, inputs, under=rel)
             return
         fs, path = storage.resolve(self._remote)
-        if "/" not in path.strip("/"):
+        if not rel and "/" not in path.strip("/") and self._objects()[0]:
             raise UserError(f"{key} {self.rd.where}: not replaced: it is a bucket's root, which --overwrite never"
                             f" empties; give the run a prefix of its own, e.g. {self.rd.where}/runs/NAME")
-        names = sorted({rel.split("/", 1)[0] for rel in listing})
-        for name in owned_entries(names, read, self.rd.where, key):
-            if name in listing:
-                storage.delete(storage.join(self._remote, name))
-            else:
-                storage.delete_tree(storage.join(self._remote, name))
+        ledger.replace(self.tree(), key, inputs, under=rel)
+
+
+class StoreTree:
+    """A run's prefix on a store as the ledger sees it (ledger.Tree)."""
+
+    exclusive = True  # the driver that writes it holds its lease (lease.py)
+
+    def __init__(self, remote: str):
+        self.remote = remote
+        self.where = redact(remote)
+
+    def exists(self) -> bool:
+        return True
+
+    def inventory(self) -> dict[str, ledger.Stat]:
+        return storage.list_objects(self.remote)
+
+    def read(self, rel: str) -> bytes | None:
+        try:
+            return storage.read_bytes(storage.join(self.remote, rel))
+        except FileNotFoundError:
+            return None
+
+    def write(self, rel: str, data: bytes) -> None:
+        storage.write_bytes(storage.join(self.remote, rel), data)
+
+    def locate(self, rel: str) -> str:
+        return storage.join(self.remote, rel)
+
+    def delete(self, rels: list[str]) -> None:
+        for rel in rels:
+            storage.delete(storage.join(self.remote, rel))
 
 
 def _holds(local: Path, meta: bytes) -> bool:

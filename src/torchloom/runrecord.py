@@ -1,6 +1,6 @@
 """What a run owns, and how torchloom knows a directory is its own: the run's record (`torchloom-run.json`,
-its identity and the names it owns), the content markers of runs made before records, and what `--overwrite`
-may delete. The same rules for a local directory and a prefix on a store (RunFiles reads the store's side).
+its identity), and the content markers of runs made before records (what --overwrite deletes is the run's ledger's:
+ledger.py). The same rules for a local directory and a prefix on a store (RunFiles reads the store's side).
 
 Nothing heavy is imported here: every layer may use it.
 """
@@ -100,22 +100,13 @@ def is_own(read: Callable[[str], bytes | None]) -> bool:
     return False
 
 
-def _read_local(path: Path) -> bytes | None:
-    try:
-        return path.read_bytes() if path.is_file() else None
-    except OSError:
-        return None
-
-
 # -- the run's record: who it is, and what it owns --------------------------------------------------
 RUN_FORMAT = "torchloom-run/1"
-# What torchloom writes at the top of a run or study directory, and in prepared data: --overwrite deletes these
-# names and nothing else. The record lists the run's (a later version may own more; the record says which).
+# The names a run's record lists (for versions that read them; what --overwrite deletes is the ledger's: ledger.py).
 RUN_ENTRIES = (RUN_RECORD, CONFIG_FILE, "data", "checkpoints", "metrics.jsonl", "train_result.json", "model",
                "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json", "baseline",
                "hooks.json", "progress.json", "logs", "ray", "input", "trial.json", "trial_result.json", STUDY_FILE,
                "trials", "results.csv", "results.png", "best_config.toml", "optuna.db", "lease.json")
-DATA_ENTRIES = (MANIFEST_FILE, "train", "val", "test", "rejected", "prepare_key.txt")
 # torchloom's own temporary names: `.NAME.<pid>...tmp|part|pending|pull`, a study's `.NAME.lock`, the store's
 # write probe, prepare's `data.tmp-XXXXXXXX` and `data.old-XXXXXXXX` beside the data it replaces.
 TEMP_NAME = re.compile(r"^\..+\.(tmp|part|pending|pull|lock)$|^\.torchloom-probe-\d+$|^[\w.-]+\.(tmp|old)-[0-9a-f]{8}$")
@@ -143,68 +134,10 @@ def parse_record(content: bytes | None) -> dict | None:
     return data if isinstance(owns, list) and all(isinstance(n, str) and "/" not in n for n in owns) else None
 
 
-def owned_entries(names: list[str], read: Callable[[str], bytes | None], where: str,
-                  key: str = "output.dir") -> list[str]:
-    """The top-level `names` of a directory (or a prefix on a store) that --overwrite may delete: every one, or a
-    one-line refusal. A directory is torchloom's by its record (the names it lists), or, made before records, by a
-    marker of torchloom's content (is_own: then the names of RUN_ENTRIES and DATA_ENTRIES); anything else in it
-    (a thesis beside a `torchloom config` output, a bucket's other prefixes) refuses the whole replacement."""
-    from torchloom.errors import UserError
-
-    if not names:
-        return []
-    record = parse_record(read(RUN_RECORD))
-    if record is not None:
-        owns = {RUN_RECORD, *record["owns"]}
-    elif is_own(read):
-        owns = {*RUN_ENTRIES, *DATA_ENTRIES}
-    else:
-        raise UserError(f"{key} {where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
-                        " study (no config.toml, manifest.json or study.json that torchloom wrote); pass another"
-                        " --output.dir")
-    foreign = sorted(n for n in names if n not in owns and not TEMP_NAME.match(n))
-    if foreign:
-        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise UserError(f"{key} {where}: not replaced: it holds {', '.join(foreign[:3])}{more}, which torchloom did"
-                        " not write; --overwrite deletes only a run's own files: move those away, or pass another"
-                        " --output.dir")
-    return sorted(names)
-
-
 def holds_cwd(path: str | Path) -> bool:
     """Is `path` the working directory or one of its parents (deleting it would delete where we stand)?"""
     resolved, cwd = Path(path).resolve(), Path.cwd().resolve()
     return resolved == cwd or resolved in cwd.parents
-
-
-def check_replaceable(path: str | Path, key: str = "output.dir") -> list[str]:
-    """The entries of `path` that --overwrite deletes (owned_entries), or a one-line refusal: never the working
-    directory or one holding it, a home directory or a file system's root."""
-    from torchloom.errors import UserError
-
-    path = Path(path)
-    if not path.exists():
-        return []
-    if not path.is_dir():
-        raise UserError(f"{key} {path}: exists and is not a directory; --overwrite replaces only torchloom runs")
-    resolved = path.resolve()
-    if holds_cwd(path) or resolved == Path.home().resolve() or resolved.parent == resolved:
-        raise UserError(f"{key} {path}: is the working directory, a home directory or a root, or holds the working"
-                        " directory; --overwrite would delete it; pass another --output.dir")
-    return owned_entries(sorted(p.name for p in path.iterdir()), lambda rel: _read_local(path / rel), str(path), key)
-
-
-def replace_local(path: str | Path, key: str = "output.dir") -> None:
-    """--overwrite of a local directory: delete what check_replaceable allows, nothing else; the directory stays."""
-    import shutil
-
-    path = Path(path)
-    for name in check_replaceable(path, key):
-        entry = path / name
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink(missing_ok=True)
 
 
 def write_record(root: str | Path) -> Path:

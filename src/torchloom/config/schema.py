@@ -227,3 +227,8 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     tune: TuneConfig = field(default_factory=TuneConfig)
     k8s: K8sConfig = field(default_factory=K8sConfig)
+
+    def inputs(self) -> list[str]:
+        """What the stages read from outside the run (data.path and its val and test files, model.path): never
+        deleted, and a directory holding one is never replaced (ledger.deletable)."""
+        return [p for p in (self.data.path, self.data.val_path, self.data.test_path, self.model.path) if p]

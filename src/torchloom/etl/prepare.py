@@ -23,19 +23,25 @@ from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, ra
 from torchloom.etl.tables import record as table_record
 from torchloom.etl.tokenize import read_tokenizer_json
 from torchloom.etl.write_splits import make_tmp, publish, write_rejected, write_splits
+from torchloom.ledger import check_replaceable, deletable, holding, seal
 from torchloom.manifest import Manifest, Split
-from torchloom.runrecord import check_replaceable
 
 Progress = Callable[[str], object]
 
 
-def check_output(out: Path, overwrite: bool) -> None:
+def check_output(out: Path, overwrite: bool, inputs: list[str] = ()) -> None:
+    """Before any work: `out` is new, empty, or (overwrite) holds only what torchloom wrote and no input (the
+    new data replaces it whole): one line otherwise."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out}: exists and is not a directory; choose another --output.dir")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"output {out}: already exists and is not empty; pass --output.overwrite true to replace it")
-    if overwrite:
-        check_replaceable(out, "output")
+    if overwrite and out.is_dir():
+        tree, under = holding(out)
+        if under:  # a run's data/: its ledger is the run's
+            deletable(tree, "output", inputs, under)
+        else:
+            check_replaceable(out, "output", inputs)
 
 
 def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = None,
@@ -52,7 +58,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     say = progress or (lambda msg: None)
     start = time.perf_counter()
     out = Path(out_dir)
-    check_output(out, cfg.output.overwrite)
+    check_output(out, cfg.output.overwrite, cfg.inputs())
     data_path = embedded.data_path(cfg.data.path)
     model_dir, tokenizer_json = _model(cfg)
     check_inputs(cfg.data, data_path)  # before Spark starts: a typo should cost no JVM start-up
@@ -74,6 +80,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
             job = _Job(spark, cfg, data_path, shown, fmt, model_dir, tokenizer_json, tmp, say, store, names, tables)
             manifest = _prepare(job, start)
         manifest.write(tmp)
+        seal(tmp)  # its own ledger: a later --overwrite may replace exactly these files
         publish(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

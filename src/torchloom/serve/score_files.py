@@ -28,7 +28,7 @@ from torchloom.input_formats import (
     spreadsheet_hint,
     text_column_hint,
 )
-from torchloom.runrecord import holds_cwd
+from torchloom.ledger import check_output, record_output
 from torchloom.text_encoding import decoded_as, file_codec, head_text, read_note
 
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
@@ -62,25 +62,30 @@ def _check_paths(input_path: str, output_path: str, overwrite: bool, local_only:
     if local_only and remote:
         raise UserError(f"--input {input_path}: the local engine reads local files; use --score-with spark for"
                         " HDFS or object stores")
-    if not remote and not os.path.exists(input_path.removeprefix("file:")):
+    if not remote and not os.path.exists(_local(input_path)):
         raise UserError(f"--input {input_path}: no such file or directory")
-    if os.path.exists(output_path) and not overwrite:
+    out = _local(output_path)
+    if out is None:  # a store or HDFS: Spark's own errorifexists says whether anything is there
+        if overwrite:
+            raise UserError(f"--output {output_path}: --overwrite is only for a local --output (torchloom cannot see"
+                            " there what Spark's overwrite would delete); delete the earlier predictions yourself, or"
+                            " pass a new --output")
+        return
+    if os.path.lexists(out) and not overwrite:
         raise UserError(f"--output {output_path}: already exists; remove it or pass --overwrite")
-    if overwrite and os.path.isdir(output_path):
-        _check_replaceable_output(Path(output_path))
-    if os.path.abspath(output_path) == os.path.abspath(input_path):
+    if not remote and os.path.abspath(out) == os.path.abspath(_local(input_path)):
         raise UserError(f"--output {output_path}: is the input; write the predictions elsewhere")
+    if overwrite:
+        check_output(out, [] if remote else [_local(input_path)])
 
 
-def _check_replaceable_output(out: Path) -> None:
-    """--overwrite replaces an earlier predictions directory (Parquet parts), nothing else."""
-    if holds_cwd(out):
-        raise UserError(f"--output {out}: is the working directory or holds it; pass another --output")
-    other = next((f for f in out.rglob("*") if f.is_file() and f.suffix != ".parquet"
-                  and not f.name.startswith(("_", "."))), None)
-    if other is not None:
-        raise UserError(f"--output {out}: not replaced: it holds {other.name}, which is not a Parquet part of"
-                        " earlier predictions; pass another --output")
+def _local(path: str) -> str | None:
+    """A local path (`file:` URIs too), or None for a store or HDFS."""
+    if path.startswith("file://"):
+        return path[len("file://"):] or "/"
+    if path.startswith("file:"):
+        return path[len("file:"):]
+    return None if "://" in path else path
 
 
 def _check_schema(names: list[str], text_is_string: bool, text_column: str, input_path: str) -> None:
@@ -255,6 +260,7 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
                     last_report = time.perf_counter()
                     print(f"predict: {rows} rows ({rows / (last_report - started):.0f}/s)", flush=True)
         _replace(tmp, out)
+        record_output(out)
     finally:
         tmp.unlink(missing_ok=True)
     return {"rows": rows, "seconds": round(time.perf_counter() - started, 2), "output": str(out)}
@@ -277,7 +283,7 @@ def _writable_tmp(out: Path) -> Path:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    if out.is_dir():  # --overwrite of an earlier Spark output
+    if out.is_dir() and not out.is_symlink():  # --overwrite of an earlier Spark output (check_output: all ours)
         shutil.rmtree(out)
     os.replace(tmp, out)
 
@@ -454,8 +460,7 @@ def _spark_write(spark, result, input_path: str, output_path: str, overwrite: bo
 
     from torchloom.java_errors import unreadable_input
 
-    local = output_path.removeprefix("file:") if "://" not in output_path or output_path.startswith("file:") \
-        else None
+    local = _local(output_path)
     existed = local is not None and os.path.lexists(local)
     try:
         result.write.mode("overwrite" if overwrite else "errorifexists").parquet(output_path)
@@ -469,6 +474,8 @@ def _spark_write(spark, result, input_path: str, output_path: str, overwrite: bo
             raise unreadable from None
         raise UserError(f"--output {output_path}: Spark cannot write there ({_java_line(e)}); choose an --output"
                         " whose parent is a directory you may write") from None
+    if local is not None:
+        record_output(local)  # a later --overwrite may replace these, and only these
 
 
 def _is_io_error(spark, e) -> bool:

@@ -12,6 +12,10 @@ The checks before a stage are preflight.py's, what a stage prints is console.py'
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import TypeVar
+
 from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
@@ -19,9 +23,23 @@ from torchloom.preflight import check_foreign_config
 from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 
+T = TypeVar("T")
+
 
 def run_dir(cfg: Config) -> RunDir:
     return RunDir(cfg.output.dir)
+
+
+def recorded(stage: Callable[..., T]) -> Callable[..., T]:
+    """A stage over cfg's run: what it writes there goes into the run's ledger (ledger.py), whoever calls it (the
+    command line, tune's trials, a notebook); a stage inside another stage's call records once, at the outermost."""
+
+    @functools.wraps(stage)
+    def call(cfg: Config, *args, **kwargs) -> T:
+        with RunFiles(run_dir(cfg)).recording():
+            return stage(cfg, *args, **kwargs)
+
+    return call
 
 
 def save_config(cfg: Config, rd: RunDir) -> None:

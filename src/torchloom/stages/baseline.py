@@ -9,15 +9,17 @@ from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
+from torchloom.ledger import deletable
 from torchloom.rundir import read_json, write_json
 from torchloom.runfiles import RunFiles
-from torchloom.stages import run_dir
+from torchloom.stages import recorded, run_dir
 
 
 def baseline_splits(cfg: Config) -> list[str]:
     return list(dict.fromkeys(["val", "test", cfg.eval.split]))
 
 
+@recorded
 def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     """Fit the classical baseline on the train split, C chosen on val, and score the others (etl/baseline.py)
     into baseline.json; None when eval.baseline is off. The driver path (scikit-learn) needs no Spark; the
@@ -30,6 +32,7 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     rd = run_dir(cfg)
     files = RunFiles(rd)
     files.ensure(rd.data)
+    deletable(files.tree(), "output.dir", cfg.inputs(), under="baseline")  # its arrays are replaced below
     m = manifest_mod.read(rd.data)
     how, started = "the baseline", False
     try:

@@ -11,10 +11,11 @@ from torchloom.errors import UserError
 from torchloom.evaluate.onnx_gate import onnx_gate
 from torchloom.rundir import RunDir, read_json
 from torchloom.runfiles import RunFiles
-from torchloom.stages import run_dir
+from torchloom.stages import recorded, run_dir
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 
 
+@recorded
 def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announce: bool = True) -> dict:
     """Score the exported model (and the baseline beside it); announce: print the verdict line here (run
     prints it in its summary instead)."""

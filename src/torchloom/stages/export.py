@@ -7,11 +7,13 @@ import time
 
 from torchloom.config import Config
 from torchloom.console import combine_line, say
+from torchloom.ledger import deletable
 from torchloom.rundir import RunDir, read_json
 from torchloom.runfiles import RunFiles
-from torchloom.stages import run_dir
+from torchloom.stages import recorded, run_dir
 
 
+@recorded
 def export_stage(cfg: Config, tracker=None) -> dict:
     from torchloom import __version__
     from torchloom import manifest as manifest_mod
@@ -24,6 +26,8 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     started = time.perf_counter()
     files = RunFiles(rd)
     files.ensure(rd.data)
+    # the export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused)
+    deletable(files.tree(), "output.dir", cfg.inputs(), under="model")
     files.pull_checkpoints()
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)

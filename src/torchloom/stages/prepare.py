@@ -12,10 +12,11 @@ from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
+from torchloom.ledger import deletable
 from torchloom.preflight import check_input, check_untrained, for_this_machine
 from torchloom.rundir import RunDir, is_uri, redact
 from torchloom.runfiles import RunFiles
-from torchloom.stages import run_dir, save_config
+from torchloom.stages import recorded, run_dir, save_config
 from torchloom.stages.baseline import baseline_stage
 
 
@@ -38,6 +39,7 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
 
 
+@recorded
 def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
     from torchloom.etl.prepare import prepare
 
@@ -62,8 +64,8 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
             # away from the training workers.
             stop_spark()
-    if cfg.output.overwrite:
-        files.delete(rd.data, here=False)  # the store's earlier shards, whatever their names
+    if cfg.output.overwrite and files.on_store:
+        files.replace(inputs=cfg.inputs(), under=rd.data)  # the store's earlier data: only what torchloom wrote
     files.push(rd.data)  # manifest.json last: the prepared data counts once it is there
     files.new_identity()  # after the data: a host that saw the new record finds the new data
     save_config(cfg, rd)
@@ -114,14 +116,18 @@ def _stage_remote_data(cfg: Config, files: RunFiles) -> None:
     """prepare into a run on a store: the store says whether prepared data is there (never this host's copy,
     which may be of another run); the copy's data directory is cleared for the new data."""
     rd = files.rd
-    if files.listing(rd.data) and not cfg.output.overwrite:
-        raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true to"
-                        " replace it")
+    files.check_own()  # before anything is written or deleted: the prefix is empty or torchloom's
+    if files.listing(rd.data):
+        if not cfg.output.overwrite:
+            raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true"
+                            " to replace it")
+        deletable(files.tree(), "output.dir", cfg.inputs(), under="data")  # refused now, not after the work
     files.sync_copy()
     if rd.data.exists():
         shutil.rmtree(rd.data)
 
 
+@recorded
 def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
     """prepare, then (eval.baseline) the baseline: on the driver, or on Spark in prepare's SparkSession,
     which is stopped after."""

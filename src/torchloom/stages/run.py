@@ -15,7 +15,7 @@ from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_input, for_this_machine
 from torchloom.rundir import RunDir, write_json
 from torchloom.runfiles import RunFiles
-from torchloom.stages import run_dir
+from torchloom.stages import recorded, run_dir
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 from torchloom.stages.evaluate import evaluate_stage
 from torchloom.stages.export import export_stage
@@ -23,6 +23,7 @@ from torchloom.stages.prepare import prepare_stage
 from torchloom.stages.train import train_stage
 
 
+@recorded
 def run_all(cfg: Config) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
     cfg = for_this_machine(cfg)
@@ -33,7 +34,7 @@ def run_all(cfg: Config) -> dict:
     if files.on_store:
         _fresh_remote(cfg, files)
     exists = rd.root.exists()
-    if exists and any(rd.root.iterdir()) and not cfg.output.overwrite and not cfg.train.resume and not files.on_store:
+    if exists and files.holds_anything() and not cfg.output.overwrite and not cfg.train.resume and not files.on_store:
         raise UserError(
             f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
         )
@@ -41,7 +42,7 @@ def run_all(cfg: Config) -> dict:
         if files.on_store:  # a staging copy is ours to replace; the store's side was replaced above
             shutil.rmtree(rd.root)
         elif cfg.output.overwrite:
-            files.replace()
+            files.replace(inputs=cfg.inputs())
     from torchloom import tracking
 
     with tracking.start(cfg, "run") as tracker:
@@ -58,7 +59,7 @@ def _fresh_remote(cfg: Config, files: RunFiles) -> None:
         if not cfg.output.overwrite:
             raise UserError(f"output.dir {files.rd.where}: holds objects already; pass --output.overwrite true or"
                             " another --output.dir")
-        files.replace()
+        files.replace(inputs=cfg.inputs())
 
 
 def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:

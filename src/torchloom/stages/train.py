@@ -13,7 +13,7 @@ from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_trainable, for_this_machine
 from torchloom.rundir import RunDir, write_atomic, write_json
 from torchloom.runfiles import RunFiles
-from torchloom.stages import run_dir, save_config
+from torchloom.stages import recorded, run_dir, save_config
 from torchloom.train.result import TrainResult
 
 
@@ -106,6 +106,7 @@ def tracked_metrics(result: TrainResult) -> dict[str, float]:
             **{f"train_time_{k}": v for k, v in result.time_split.items()}}
 
 
+@recorded
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
                 startup: dict | None = None) -> TrainResult:
     """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py);

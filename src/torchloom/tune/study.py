@@ -29,9 +29,11 @@ from torchloom import config as config_mod
 from torchloom import preflight, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
+from torchloom.ledger import LEDGER_FILE, check_replaceable, replace_local
 from torchloom.rundir import StudyDir, read_json, write_json
 from torchloom.runfiles import RunFiles
-from torchloom.runrecord import STUDY_FORMAT, check_replaceable, replace_local
+from torchloom.runrecord import STUDY_FORMAT
+from torchloom.stages import recorded
 from torchloom.stages.prepare import prepare_with_baseline
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
@@ -75,7 +77,7 @@ def from_store(cfg: Config) -> None:
     if not files.on_store:
         return
     if cfg.output.overwrite:
-        files.replace()
+        files.replace(inputs=cfg.inputs())
         return
     files.sync_copy()
     files.pull(files.rd.root)
@@ -104,17 +106,18 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
     sd = study_dir(cfg)
     marker = sd.marker
     if sd.root.exists() and cfg.output.overwrite:
-        check_replaceable(sd.root)
+        check_replaceable(sd.root, inputs=cfg.inputs())
         with open(sd.lock("running"), "a") as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 raise UserError(f"output.dir {sd.root}: another torchloom tune process is running this study;"
                                 " wait for it to finish, or stop it, before --overwrite") from None
-            replace_local(sd.root)
+            replace_local(sd.root, inputs=cfg.inputs())
     resuming = True
     if not marker.is_file():
-        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".")} if sd.root.exists() else set()
+        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and p.name != LEDGER_FILE} \
+            if sd.root.exists() else set()
         if names and marker.name not in names and sd.data.name not in names:
             raise UserError(f"output.dir {sd.root}: exists and is not a tune study;"
                             " pass another --output.dir or --overwrite")
@@ -202,6 +205,7 @@ def _hold(sd: StudyDir) -> None:
     _HELD.append(lock)
 
 
+@recorded
 def run(cfg: Config) -> dict:
     """Check the space, prepare once, run the trials on the chosen backend, then report and export."""
     cfg = preflight.for_this_machine(cfg)
