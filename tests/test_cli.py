@@ -219,20 +219,54 @@ def test_train_resume_latest_continues_to_more_epochs(finished_run, tiny):
 
 
 def test_a_fresh_train_in_a_trained_run_removes_the_earlier_checkpoints(finished_run, tiny, tmp_path):
-    """Without --resume, export must not pick the earlier training's (higher-numbered) checkpoints."""
+    """Only with --overwrite (a retried job that forgets --resume loses nothing); then export must not pick the
+    earlier training's (higher-numbered) checkpoints."""
     rd, _ = finished_run
     run = tmp_path / "again"
     shutil.copytree(rd, run)
     earlier = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
-    proc = torchloom("train", "--output.dir", str(run), "--train.max_steps", "2",  # the run's own model
-                     "--train.batch_size", "8", "--train.precision", "fp32", "--engine.workers", "1",
-                     "--tracking.enabled", "false")
+    args = ["train", "--output.dir", str(run), "--train.max_steps", "2",  # the run's own model
+            "--train.batch_size", "8", "--train.precision", "fp32", "--engine.workers", "1", "--tracking.enabled",
+            "false"]
+    refused = torchloom(*args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert f"holds {len(earlier)} checkpoint(s) of an earlier training" in refused.stderr
+    assert "pass --resume to go on from the latest, or --overwrite to train afresh" in refused.stderr
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == earlier
+    # a file of someone else's among them: --overwrite is refused too, before anything starts
+    (run / "checkpoints" / "mine.ckpt").write_bytes(b"w")
+    refused = torchloom(*args, "--overwrite")
+    assert refused.returncode == 2 and "it holds checkpoints/mine.ckpt, which torchloom did not" in refused.stderr
+    (run / "checkpoints" / "mine.ckpt").unlink()
+    proc = torchloom(*args, "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr + "".join(p.read_text() for p in (run / "logs").rglob("*") if p.is_file())
     assert f"the {len(earlier)} checkpoint(s) of the earlier training" in said, said[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-2"]
     record = json.loads((run / "torchloom-run.json").read_text())
     assert record["id"] != json.loads((rd / "torchloom-run.json").read_text())["id"]
+
+
+def test_a_real_run_s_ledger_lists_every_file_it_wrote(finished_run, tmp_path):
+    """The ledger of a real `run` (every stage) vouches for each file in it: --overwrite may replace it whole; a base
+    model kept in model/ is never exported over."""
+    from torchloom.errors import UserError
+    from torchloom.ledger import LEDGER_FILE, LocalTree, deletable
+    from torchloom.runfiles import RunFiles
+
+    rd, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(rd, run)  # sizes and modification times kept, as a copy of a run would
+    every = sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file() and p != run / LEDGER_FILE)
+    assert deletable(LocalTree(run), "output.dir") == every
+    (run / "model" / "vocab-notes.txt").write_text("mine")
+    exported = torchloom("export", "--output.dir", str(run))
+    assert exported.returncode == 2 and "it holds model/vocab-notes.txt, which torchloom did not" in exported.stderr
+    with pytest.raises(UserError, match="nothing deleted: it holds model/vocab-notes.txt"):
+        RunFiles(run).replace()
+    (run / "model" / "vocab-notes.txt").unlink()
+    RunFiles(run).replace()
+    assert [p.name for p in run.iterdir()] == [LEDGER_FILE]
 
 
 def test_a_stage_run_on_its_own_follows_what_the_run_recorded(finished_run, tiny, tmp_path):
@@ -272,7 +306,7 @@ def test_a_train_whose_launch_fails_before_any_worker_starts_leaves_the_run_as_i
     shutil.copytree(rd, run)
     before = {name: (run / name).read_bytes() for name in ("config.toml", "metrics.jsonl")}
     cfg = build(None, ["--output.dir", str(run), "--model.path", tiny, "--train.lr", "0.5", "--engine.workers", "1",
-                       "--train.batch_size", "8"])
+                       "--train.batch_size", "8", "--output.overwrite", "true"])
 
     def unreachable(*args, **kwargs):
         raise RuntimeError("the cluster did not answer")
@@ -410,7 +444,7 @@ def _spark_engine_on_one_slot(tmp: Path, request) -> list[str]:
     run = tmp / "run"
     shutil.copytree(request.getfixturevalue("finished_run")[0], run)
     return ["train", "--output.dir", str(run), "--model.path", request.getfixturevalue("tiny"), "--engine.name",
-            "spark", "--engine.workers", "2", "--prepare.spark_master", "local-cluster[1,1,1024]"]
+            "spark", "--engine.workers", "2", "--prepare.spark_master", "local-cluster[1,1,1024]", "--overwrite"]
 
 
 # case: (args, extra environment, what the error line says: a string or several); each gets a fresh tmp dir

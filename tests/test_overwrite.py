@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def torchloom(*args: str, cwd: Path | None = None, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """The real CLI in a fresh process (the environment read now: a store fixture may have set AWS_*)."""
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **ENV, **env}, cwd=cwd)
-
-
-def one_error(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("torchloom: error:")]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    return errors[0]
+from support.owned import BUCKET, CREDENTIALS, ENV, FOREIGN, one_error, real_config, real_manifest, torchloom
 
 
 def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, topics_csv, tiny_model_dir):
@@ -104,16 +88,6 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
 
 # -- what counts as torchloom's: a marker file's content, never its name ---------------------------------------
 
-# Directories with a name torchloom also uses (checkpoints/, config.toml, manifest.json) that are not torchloom's.
-FOREIGN = {
-    "lightning": {"train.py": "import lightning as L\n", "lightning_logs/version_0/hparams.yaml": "lr: 0.001\n",
-                  "checkpoints/epoch=0.ckpt": "weights"},
-    "hugo": {"config.toml": 'baseURL = "https://example.org/"\ntitle = "x"\n[params]\n',
-             "content/_index.md": "# Home\n", "themes/plain/theme.toml": 'name = "plain"\n'},
-    "webapp": {"manifest.json": '{"name": "App", "short_name": "A", "start_url": "/", "icons": []}',
-               "index.html": "<!doctype html><title>App</title>\n"},
-}
-
 
 def make_tree(root: Path, files: dict[str, str]) -> None:
     for rel, text in files.items():
@@ -123,20 +97,6 @@ def make_tree(root: Path, files: dict[str, str]) -> None:
 
 def tree(root: Path) -> dict[str, str]:
     return {p.relative_to(root).as_posix(): p.read_text() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def real_config() -> bytes:
-    from torchloom.config import build, to_toml
-
-    return to_toml(build(None, ["--output.dir", "runs/x"])).encode()
-
-
-def real_manifest() -> bytes:
-    from torchloom.manifest import Manifest, Shard, Split
-
-    split = Split(rows=2, shards=[Shard("train/part-0.parquet", 2, [2])], per_class={"a": 1, "b": 1})
-    return Manifest(labels=["a", "b"], splits={"train": split}, tokenizer={"path": "m", "hash": "h"},
-                    fingerprint="f").to_json().encode()
 
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
@@ -235,7 +195,7 @@ def test_overwrite_never_deletes_a_project_holding_torchloom_config_s_output(tmp
     before = tree(project)
     error = one_error(torchloom("run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir,
                                 "--output.dir", str(project), "--tracking.enabled", "false", "--overwrite"))
-    assert f"output.dir {project}: not replaced, nothing deleted: it holds notes.md, src/train.py, which" in error, error
+    assert f"output.dir {project}: not replaced, nothing deleted: it holds notes.md, src/train.py, which" in error
     assert tree(project) == before
 
 
@@ -251,11 +211,6 @@ def test_overwrite_deletes_nothing_before_every_input_is_checked(tmp_path, tiny_
 
 
 # -- the same rule on a store ----------------------------------------------------------------------------------
-
-BUCKET = "torchloom-overwrite"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-               "AWS_DEFAULT_REGION": "us-east-1"}
-
 
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):

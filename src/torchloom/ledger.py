@@ -312,7 +312,7 @@ def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> 
     foreign = sorted(rel for rel, st in inventory.items() if ours.get(rel) != st and rel not in kept_inputs)
     if not kept_inputs and not foreign:
         return sorted(inventory)
-    named = [f"{rel} (an input of this command)" for rel in kept_inputs] + foreign
+    named = [f"{rel} (an input)" for rel in kept_inputs] + foreign
     more = f" and {len(named) - 3} more" if len(named) > 3 else ""
     why = "torchloom did not write (or changed since)" if ledger is not None else (
         "no marker of torchloom's vouches for (a run from before ledgers)")
@@ -326,7 +326,20 @@ def replace(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> li
     rels = deletable(tree, key, inputs, under)
     if rels:
         tree.delete(rels)
+        settle(tree)
     return rels
+
+
+def settle(tree: Tree) -> None:
+    """Write the ledger as it stands now: what it vouches for that is still there, and the commands still open
+    (a killed one is settled: what it wrote is listed; a file that comes later is nobody's but its owner's)."""
+    ledger = parse(tree.read(LEDGER_FILE))
+    if ledger is None:
+        return
+    ours = settled(ledger, content(tree))
+    me = (os.getpid(), socket.gethostname())
+    still = [o for o in ledger.open if (o.pid, o.host) == me or (not tree.exclusive and o.alive())]
+    tree.write(LEDGER_FILE, Ledger(ours, still).dumps())
 
 
 def check_replaceable(path: str | Path, key: str = "output.dir", inputs: list[str] = ()) -> list[str]:
@@ -352,6 +365,7 @@ def replace_local(path: str | Path, key: str = "output.dir", inputs: list[str] =
     rels = check_replaceable(path, key, inputs)
     if rels:
         LocalTree(path).delete(rels)
+        settle(LocalTree(path))
 
 
 def holding(path: str | Path) -> tuple[Tree, str]:
