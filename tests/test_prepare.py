@@ -240,6 +240,17 @@ def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read
                             " same header, in the same order")
     assert not (tmp_path / "out").exists()
     (d / "c.csv").unlink()
+    # compressed files too (gzip, bz2): their header is read decompressed
+    import bz2
+    import gzip
+
+    gz = tmp_path / "gz"
+    gz.mkdir()
+    with gzip.open(gz / "a.csv.gz", "wt") as f:
+        f.write("text,label\n" + "".join(f"alpha text {i},a\n" for i in range(6)))
+    (gz / "b.csv.bz2").write_bytes(bz2.compress(("label,text\n" + "".join(f"b,beta {i}\n" for i in range(6))).encode()))
+    with pytest.raises(UserError, match=r"b.csv.bz2: its header \(label, text\) differs from that of .*a.csv.gz"):
+        prepare(make_cfg(gz, tiny_model_dir), str(tmp_path / "out"), spark=spark)
     m = prepare(make_cfg(d, tiny_model_dir), str(tmp_path / "out"), spark=spark)
     assert m.counts["rows_kept"] == 12
     # one header written in UTF-8 and in cp1252 is one header

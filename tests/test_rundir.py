@@ -60,3 +60,20 @@ def test_progress_and_errors_reach_the_driver_files(tmp_path):
     reporter.failed(RuntimeError("later"))  # the first error stays
     err = json.loads(rd.error_file(0).read_text())
     assert err["type"] == "ValueError" and err["message"] == "boom" and "ValueError: boom" in err["traceback"]
+
+
+def test_a_store_run_s_copy_behind_a_symbolic_link_is_one_path(tmp_path, monkeypatch):
+    """A home or cache directory that is a symbolic link (/gpfs, /lustre on clusters): every path of the copy
+    maps to its URI, whoever resolved it (was: ValueError '... is not in the subpath')."""
+    from torchloom.rundir import RunDir
+    from torchloom.runfiles import RunFiles
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "link"))
+    rd = RunDir("s3://bucket/runs/x")
+    rd.data.mkdir(parents=True)
+    assert RunFiles(rd).uri(rd.data) == "s3://bucket/runs/x/data"
+    assert rd.home(rd.data.resolve() / "manifest.json") == "s3://bucket/runs/x/data/manifest.json"
+    assert RunFiles(rd).uri(tmp_path / "link" / rd.root.relative_to(tmp_path / "real") / "model") \
+        == "s3://bucket/runs/x/model"

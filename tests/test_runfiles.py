@@ -124,3 +124,27 @@ def test_a_host_without_access_is_told_its_own_stores_credentials():
                        ("abfs://c@acct.dfs.core.windows.net/run", "AZURE_STORAGE_CONNECTION_STRING")):
         line = str(not_visible(RunDir(uri), ["hostb"]))
         assert names in line and "hostb" in line and "\n" not in line, line
+
+
+def test_a_host_s_copy_is_checked_file_by_file_before_it_is_trusted(tmp_path, monkeypatch):
+    """The host that trained holds data/ with its manifest alone (it streamed the shards), and a model exported
+    before another host exported again (the same sizes): a stage there reads the store's, never a stale copy."""
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    uri = f"file+store://{tmp_path}/store/run"
+    store = tmp_path / "store" / "run"
+    for rel, content in {"torchloom-run.json": b'{"id": "r"}', "data/manifest.json": b'{"m": 1}',
+                         "data/train/part-0.parquet": b"rows", "model/torchloom.json": b'{"step": 320}',
+                         "model/model.safetensors": b"new-weights"}.items():
+        (store / rel).parent.mkdir(parents=True, exist_ok=True)
+        (store / rel).write_bytes(content)
+    rd = RunDir(uri)
+    for rel, content in {"torchloom-run.json": b'{"id": "r"}', "data/manifest.json": b'{"m": 1}',
+                         "model/torchloom.json": b'{"step": 290}', "model/model.safetensors": b"old-weights",
+                         "model/model.onnx": b"an earlier export's"}.items():
+        (rd.root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (rd.root / rel).write_bytes(content)
+    RunFiles(rd).ensure(rd.model, rd.data)
+    assert (rd.data / "train" / "part-0.parquet").read_bytes() == b"rows"
+    assert (rd.model / "torchloom.json").read_bytes() == b'{"step": 320}'
+    assert sorted(p.name for p in rd.model.iterdir()) == ["model.safetensors", "torchloom.json"]
+    assert (rd.model / "model.safetensors").read_bytes() == b"new-weights"

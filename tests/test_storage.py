@@ -71,6 +71,13 @@ def test_objects_round_trip_and_list(s3, tmp_path):
     assert storage.list_files(uri("tree")) == {"meta.json": 2, "sub/x.bin": 1000}
     assert storage.pull_tree(uri("tree"), tmp_path / "back") == 2
     assert (tmp_path / "back" / "sub" / "x.bin").read_bytes() == b"\0" * 1000
+    # a staged input (by_time): an object edited in place at the same size is downloaded again, an unchanged one not
+    assert storage.pull_tree(uri("tree"), tmp_path / "staged", by_time=True) == 2
+    assert storage.pull_tree(uri("tree"), tmp_path / "staged", by_time=True) == 0
+    time.sleep(1.1)  # a store's modification times may be whole seconds
+    storage.write_bytes(uri("tree/sub/x.bin"), b"\1" * 1000)
+    assert storage.pull_tree(uri("tree"), tmp_path / "staged", by_time=True) == 1
+    assert (tmp_path / "staged" / "sub" / "x.bin").read_bytes() == b"\1" * 1000
     with storage.open_input(uri("tree/sub/x.bin")) as f:  # a ranged read, not a download
         assert f.read_at(10, 500) == b"\0" * 10
     storage.delete_tree(uri("tree"))

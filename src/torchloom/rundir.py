@@ -144,7 +144,8 @@ def cache_root() -> Path:
 def staging_dir(uri: str) -> Path:
     """This host's working copy of a run that lives on a store (the same URI, the same directory)."""
     digest = hashlib.sha256(redact(uri).rstrip("/").encode()).hexdigest()[:16]
-    return cache_root() / "staging" / digest
+    # resolved once: a home or cache behind a symbolic link (/gpfs, /lustre) is one path, whoever resolves it later
+    return Path(os.path.realpath(cache_root() / "staging" / digest))
 
 
 class RunDir:

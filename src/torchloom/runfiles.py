@@ -47,6 +47,8 @@ from torchloom.store_errors import retrying_for, what_to_check
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")
+# The files that say which version of a directory a copy holds: prepared data's manifest, an export's own record.
+SUMMARIES = ("manifest.json", "torchloom.json")
 
 
 class RunFiles:
@@ -130,13 +132,37 @@ class RunFiles:
                     storage.download(self.uri(p), p)
 
     def ensure(self, *paths: str | Path) -> None:
-        """Pull what this copy lacks of these (a stage about to read them), once it is of the store's run."""
+        """Before a stage reads these: this copy holds the store's, once the copy is of the store's run. A file or
+        directory the copy lacks is pulled; a directory it has is checked file by file against the store's listing
+        (a host that streamed its shards holds data/ with the manifest alone), and taken again whole where its
+        summary (manifest.json, torchloom.json) differs from the store's (a re-export made on another host)."""
         if self._remote is None:
             return
         self.sync_copy()
-        missing = [p for p in map(Path, paths) if not p.exists()]
-        if missing:
-            self.pull(*missing)
+        for p in map(Path, paths):
+            if not p.exists():
+                self.pull(p)
+            elif p.is_dir():
+                self._mirror(p)
+
+    def _mirror(self, local: Path) -> None:
+        uri = self.uri(local)
+        listing = storage.list_files(uri)
+        if not listing:
+            return  # the store holds none of it: the copy is what there is
+        def differs(name: str) -> bool:
+            mine = local / name
+            return not mine.is_file() or mine.read_bytes() != storage.read_bytes(storage.join(uri, name))
+
+        if any(differs(name) for name in SUMMARIES if name in listing):
+            # another version of the directory: taken whole, then put in place
+            tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
+            shutil.rmtree(tmp, ignore_errors=True)
+            storage.pull_tree(uri, tmp, only_if_changed=False)
+            shutil.rmtree(local, ignore_errors=True)
+            os.replace(tmp, local)
+        elif any(not (local / rel).is_file() or (local / rel).stat().st_size != size for rel, size in listing.items()):
+            storage.pull_tree(uri, local)  # what the copy lacks, or holds at another size
 
     def write_through(self, path: str | Path, text: str) -> None:
         """A small file on the store first, then in this copy: once the local file is there, so is the store's."""
@@ -396,7 +422,7 @@ class RunFiles:
         nothing; a bucket's root, or a directory or prefix holding anything torchloom did not write or any input of
         the command, is refused in one line before anything is deleted. under: only this directory of the run (its
         data). A run on a store: the store's objects (this host's copy is then emptied by sync_copy)."""
-        rel = Path(under).resolve().relative_to(self.rd.root).as_posix() if under is not None else ""
+        rel = Path(under).relative_to(self.rd.root).as_posix() if under is not None else ""
         if self._remote is None:
             if not rel:
                 replace_local(self.rd.root, key, inputs)

@@ -157,11 +157,27 @@ def file_codec(path: str, chunk: int = 1 << 22) -> str:
         return detect(chunks(), AUTO)
 
 
+# Compressed files whose first bytes the standard library can read (Spark reads these and more: .snappy, .zst).
+DECOMPRESSORS = {".gz": "gzip", ".bz2": "bz2"}
+
+
 def head_text(path: str, size: int = 1 << 16) -> str:
     """A local file's first `size` bytes as text, in the encoding they tell (`detect` on them alone): enough for
-    a CSV's header, read right whether the file is UTF-8, cp1252 or UTF-16."""
-    with open(path, "rb") as f:
-        head = f.read(size)
+    a CSV's header, read right whether the file is UTF-8, cp1252 or UTF-16, plain or compressed (gzip, bz2; a
+    compressed file cut short: what it holds before the cut). Raises ValueError for another compression."""
+    import importlib
+
+    suffix = path[path.rfind("."):].lower() if "." in path else ""
+    if suffix in (".snappy", ".zst", ".lz4"):
+        raise ValueError(f"{path}: {suffix} is not read here")
+    opener = importlib.import_module(DECOMPRESSORS[suffix]).open if suffix in DECOMPRESSORS else open
+    head = b""
+    with opener(path, "rb") as f:
+        try:
+            while len(head) < size and (chunk := f.read(size - len(head))):
+                head += chunk
+        except (EOFError, OSError):  # cut short, or damaged: what came before it (Spark's read says the rest)
+            pass
     codec = detect([head], AUTO)
     return head[skip(head[:3], codec, AUTO):].decode(codec, errors="replace")
 

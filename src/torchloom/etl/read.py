@@ -415,11 +415,16 @@ def _same_local_headers(path: str, sep: str) -> None:
 
     if not _is_local(path):
         return
-    files = [f for f in _local_files(path) if not f.endswith(COMPRESSED_SUFFIXES)]
+    files = _local_files(path)
     first: tuple[list[str], str] | None = None
     for f in files if len(files) > 1 else []:
-        # the header in the file's own encoding, from its first 64 KB (a directory may hold many big files)
-        record = next(store_read.csv_records(io.StringIO(head_text(f), newline=""), sep), "")
+        # the header in the file's own encoding, from its first 64 KB (a directory may hold many big files);
+        # a gzip or bz2 file's from its first 64 KB decompressed
+        try:
+            text = head_text(f)
+        except ValueError:  # a compression only Spark reads (.snappy, .zst, .lz4): not checked
+            continue
+        record = next(store_read.csv_records(io.StringIO(text, newline=""), sep), "")
         names = store_read.header_names(record, sep)
         if first is None:
             first = (names, f)
@@ -509,7 +514,8 @@ def check_reachable(uri: str, key: str) -> None:
 def stage_input(path: str, into: Path, key: str) -> str:
     """A data path on a store, for the embedded local Spark (which has no Hadoop S3 connector): the object,
     or every object under the prefix, streamed to local disk under `into`; returns the local path to read.
-    The same listing gives the same copy, so a re-run downloads only what changed."""
+    The same listing gives the same copy, so a re-run downloads only what changed (by size and modification
+    time: an object edited in place at the same size is downloaded again)."""
     from torchloom import storage
 
     storage.check_readable(path, key)
@@ -517,7 +523,7 @@ def stage_input(path: str, into: Path, key: str) -> str:
     name = path.rstrip("/").rsplit("/", 1)[-1] or "input"
     target = into / name
     if listing:  # a prefix: a folder of files
-        storage.pull_tree(path, target)
+        storage.pull_tree(path, target, by_time=True)
     else:
         storage.download(path, target)
     return str(target)
