@@ -269,6 +269,27 @@ def test_a_real_run_s_ledger_lists_every_file_it_wrote(finished_run, tmp_path):
     assert [p.name for p in run.iterdir()] == [LEDGER_FILE]
 
 
+def test_run_resume_follows_the_recorded_model_as_train_resume_does(finished_run, tiny, tmp_path):
+    """Was: `run --resume` without --model.path rewrote config.toml with the default model before a worker failed,
+    after which export and train --resume refused the right model."""
+    from torchloom.config import build
+    from torchloom.recorded import follow
+
+    rd, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(rd, run)
+    cfg = follow(build(None, ["--output.dir", str(run), "--train.resume", "latest"]), "run", set())
+    assert cfg.model.path == tiny and cfg.train.batch_size == 8  # the recorded model and training settings
+    fresh = follow(build(None, ["--output.dir", str(run)]), "run", set())
+    assert fresh.model.path == ""  # a fresh run (which --overwrite must allow) takes what it is given
+    config = (run / "config.toml").read_bytes()
+    other = write_tiny_model(tmp_path / "other")
+    refused = torchloom("run", "--output.dir", str(run), "--resume", "--model.path", other)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "trained from model.path" in refused.stderr and "leave --model.path out" in refused.stderr
+    assert (run / "config.toml").read_bytes() == config
+
+
 def test_a_stage_run_on_its_own_follows_what_the_run_recorded(finished_run, tiny, tmp_path):
     """The run trained a tiny model of its own (--model.path): export, evaluate and train --resume with no flags use
     it and the run's training settings; a --model.path that contradicts the run is one line."""

@@ -6,6 +6,7 @@ that model.
 - model.path: taken from the run unless given; given and different, `export`, `evaluate` and `train --resume`
   refuse in one line naming both (the checkpoints hold the recorded model's weights); a fresh `train` takes it
   only when its tokenizer is the one the data was tokenized with (the manifest's hash), and says so.
+- `run --resume` follows the run as `train --resume` does (checked on the driver, before config.toml is written).
 - train.*: `train --resume` goes on with the recorded training settings (epochs, batch size, learning rate and
   schedule, strategy, precision...), each one a flag names is applied and said in one line.
 Keys a user gives win where that is safe; nothing else of the record is taken (data.*, engine.* and output.*
@@ -25,7 +26,7 @@ from torchloom.rundir import CONFIG_FILE, RunDir, is_uri
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import is_own_file
 
-STAGES = ("train", "export", "evaluate")
+STAGES = ("train", "export", "evaluate", "run")  # `run` only with --resume: a fresh one prepares and trains anew
 
 
 def say(msg: str) -> None:
@@ -57,12 +58,14 @@ def follow(cfg: Config, command: str, given: set[str]) -> Config:
     contradicts the model the run trained."""
     if command not in STAGES or not (is_uri(cfg.output.dir) or Path(cfg.output.dir).is_dir()):
         return cfg
+    if command == "run" and not cfg.train.resume:
+        return cfg
     rd = RunDir(cfg.output.dir)
     recorded = recorded_config(rd)
     if recorded is None:
         return cfg
     cfg = _model(cfg, recorded, command, given, rd)
-    if command == "train" and cfg.train.resume:
+    if command in ("train", "run") and cfg.train.resume:
         cfg = _training(cfg, recorded, given)
     return cfg
 
@@ -75,7 +78,7 @@ def _model(cfg: Config, recorded: Config, command: str, given: set[str], rd: Run
                 " recorded")
         return replace(cfg, model=replace(cfg.model, path=theirs))
     shown = theirs or '"" (the embedded all-MiniLM-L6-v2)'
-    if command != "train" or cfg.train.resume:
+    if command not in ("train", "run") or cfg.train.resume:
         raise UserError(f"model.path {mine}: the run in {rd.where} trained from model.path {shown}, whose weights"
                         f" its checkpoints hold; leave --model.path out (or pass {shown}), or train afresh into"
                         " another --output.dir")

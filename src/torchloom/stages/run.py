@@ -28,9 +28,10 @@ def run_all(cfg: Config) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
     cfg = for_this_machine(cfg)
     rd = run_dir(cfg)
-    if not (cfg.train.resume and rd.manifest.is_file()):  # a resume reuses the prepared data
-        check_input(cfg)  # every input checked before --overwrite deletes anything
     files = RunFiles(rd)
+    reuse = bool(cfg.train.resume) and files.holds(rd.manifest)  # a resume reuses the prepared data (the store's)
+    if not reuse:
+        check_input(cfg)  # every input checked before --overwrite deletes anything
     if files.on_store:
         _fresh_remote(cfg, files)
     exists = rd.root.exists()
@@ -45,8 +46,10 @@ def run_all(cfg: Config) -> dict:
             files.replace(inputs=cfg.inputs())
     from torchloom import tracking
 
+    if reuse:
+        files.ensure(rd.manifest)  # on another host: the store's
     with tracking.start(cfg, "run") as tracker:
-        return _run_all(cfg, rd, tracker)
+        return _run_all(cfg, rd, tracker, reuse)
 
 
 def _fresh_remote(cfg: Config, files: RunFiles) -> None:
@@ -62,11 +65,11 @@ def _fresh_remote(cfg: Config, files: RunFiles) -> None:
         files.replace(inputs=cfg.inputs())
 
 
-def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
+def _run_all(cfg: Config, rd: RunDir, tracker, reuse: bool) -> dict:
     started = time.perf_counter()
     timings: dict[str, float] = {}
     startup: dict[str, float] = {}  # the driver's phases before the workers launch (the start-up account)
-    spark = _prepare_and_baseline(cfg, rd, tracker, timings, startup)
+    spark = _prepare_and_baseline(cfg, rd, tracker, timings, startup, reuse)
     result = train_stage(cfg, spark=spark, tracker=tracker, startup=startup)
     if cfg.engine.name == "local":
         from torchloom.engines import local
@@ -113,7 +116,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker) -> dict:
     return summary
 
 
-def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, startup: dict):
+def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, startup: dict, reuse: bool):
     """prepare (or, on a resume, the prepared data as it is) and the baseline in one SparkSession; returns
     the session when the Spark engine trains next, else stops it (its JVM would keep memory and wake-ups
     away from the workers)."""
@@ -122,7 +125,7 @@ def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, start
     t = time.perf_counter()
     spark = get_spark(cfg.prepare)  # one SparkSession for the ETL, the baseline and the Spark engine
     startup["spark_start_s"] = time.perf_counter() - t
-    if cfg.train.resume and rd.manifest.is_file():
+    if reuse:
         say(f"run: resuming; reusing the prepared data in {rd.home(rd.data)}")
     else:
         timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
