@@ -880,6 +880,26 @@ def test_the_shipped_mix_scores_the_same_on_every_path(onnx_run, tmp_path):
     for name, probs in paths.items():
         np.testing.assert_allclose(probs, shipped, atol=1e-5, err_msg=name)
 
+    # the baseline won on val (weight 0): it answers alone, and the transformer is never run
+    (mixed / "torchloom.json").write_text(json.dumps({**info, "combine": {"weight": 0.0, "baseline": "baseline"}}))
+    alone = Predictor(str(mixed))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the transformer ran")
+
+    alone.logits = never
+    np.testing.assert_allclose(table(alone.predict(texts)), baseline, atol=1e-6)
+    # a weight that is no share of a mix: one line, never NaN or a probability outside 0..1
+    from torchloom.errors import UserError
+
+    for bad in ("0.4", 1.5, -0.1, None, "nan"):
+        (mixed / "torchloom.json").write_text(json.dumps({**info, "combine": {"weight": bad}}))
+        if bad == "0.4":  # a number written as a string still reads as one
+            Predictor(str(mixed))
+            continue
+        with pytest.raises(UserError, match=r"combine.weight is .*, not a number from 0 to 1.*export the model"):
+            Predictor(str(mixed))
+
 
 def test_onnx_export_falls_back_to_torch_export_when_the_torchscript_exporter_fails(finished_run, tmp_path,
                                                                                     monkeypatch):

@@ -198,10 +198,15 @@ def test_serve_manifests_validate_and_hold_probes_secret_and_a_draining_stop(cap
 @pytest.mark.parametrize("args, says", [
     (["--secret", ""], "k8s.env_from: the server's API key comes from a Secret"),
     (["--", "--api-key", "abc12345"], "--api-key: not a flag to pass on"),
+    # serve's own parser would take `--api` for --api-key: no abbreviation reaches a manifest, nor the secret a line
+    (["--", "--api", "abc12345"], "--api: not a flag of torchloom serve (flags are spelled out whole here)"),
+    (["--", "--max-batch", "8"], "--max-batch: not a flag of torchloom serve"),
+    (["--", "--max-batch-size", "lots"], "--max-batch-size: invalid int value"),
 ])
 def test_serve_refusals_are_one_line(capsys, args, says):
     code, stdout, err = run_main(capsys, *SERVE, *args)
     assert code == 2 and stdout == "" and says in err and err.count("\n") == 1, err
+    assert "abc12345" not in err
     code, _, err = run_main(capsys, "serve", "/models/local", "--image", "x", "--secret", "s")
     assert code == 2 and "MODEL_URI /models/local: a path on this machine" in err
 

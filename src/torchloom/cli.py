@@ -10,6 +10,7 @@ from pathlib import Path
 
 from torchloom import __version__
 from torchloom.errors import UserError, one_line
+from torchloom.serve.arguments import OldName, add_serve_arguments
 
 COMMANDS = {
     "run": "prepare, train, export and evaluate into one run dir (no arguments: the embedded demo)",
@@ -119,17 +120,6 @@ def build_config(args: argparse.Namespace, rest: list[str]):
     return follow(cfg, args.command, given_keys(args.config, extra))
 
 
-class _OldName(argparse.Action):
-    """`--engine`, the name predict and serve used before: it still works, and says its new name once. Training's
-    engine is `--engine.name`; a command's own choice of where it runs is named for what it does."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if option_string == "--engine":
-            print(f"torchloom: --engine is now {self.option_strings[0]} (--engine.name is training's engine)",
-                  file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
     sp.usage = ('torchloom predict --model DIR "text" ... | --input FILE\n'
                 "       torchloom predict MODEL_DIR --input PATH --output PATH [--score-with local|spark]")
@@ -140,7 +130,7 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--output", help="write a Parquet file (--score-with local) or directory (spark): the input"
                                      " columns plus label, score and probabilities")
     sp.add_argument("--score-with", "--engine", dest="score_with", choices=("local", "spark"), default="local",
-                    action=_OldName, help="for --output: score in this process (local, the default) or on Spark")
+                    action=OldName, help="for --output: score in this process (local, the default) or on Spark")
     sp.add_argument("--text-column", default="text",
                     help="the column (CSV, Parquet) or field (JSON lines) with the texts (default text)")
     sp.add_argument("--spark-master", default="local[*]", help="for --score-with spark (default local[*])")
@@ -265,55 +255,6 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: 
     rate = result["rows"] / result["seconds"] if result["seconds"] else 0.0
     print(f"predict: {result['rows']} rows -> {result['output']} in {result['seconds']} s ({rate:.0f} rows/s)")
     return 0
-
-
-def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
-    from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
-
-    sp.add_argument("model_dir", metavar="MODEL_DIR", help="an exported model dir (e.g. runs/bbc-minilm/model)")
-    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
-    sp.add_argument("--serve-with", "--engine", dest="serve_with", choices=("local", "ray"), default="local",
-                    action=_OldName, help="local: one process with dynamic batching (default); ray: Ray Serve replicas")
-    sp.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas (--serve-with ray)")
-    sp.add_argument("--max-batch-size", type=int, default=32, help="texts per model forward (default 32)")
-    sp.add_argument("--max-batch-tokens", type=int, default=8192,
-                    help="padded tokens (texts x the longest) per model forward (default 8192; 0: no limit)")
-    sp.add_argument("--length-bucket", type=int, default=16,
-                    help="pad each forward to a multiple of this many tokens, so that forwards come in few shapes,"
-                         " each warmed up before /readyz (default 16; 1: to the longest text)")
-    sp.add_argument("--max-wait-ms", type=float, default=5.0,
-                    help="how long a text waits for its batch to fill (default 5)")
-    sp.add_argument("--fixed-wait", action="store_true",
-                    help="always wait --max-wait-ms for a batch to fill, even when no other request is in flight"
-                         " (default: adaptive, a lone request goes at once)")
-    sp.add_argument("--no-tune", dest="tune", action="store_false",
-                    help="skip the warm-up's measurements on a CPU (a traced forward where it is as fast as eager;"
-                         " on 2-3 cores, torch's threads): eager, and every core for the model")
-    sp.add_argument("--max-queue", type=int, default=1024,
-                    help="texts waiting for the model; past this requests get 429 (default 1024)")
-    sp.add_argument("--max-texts-per-request", type=int, default=256)
-    sp.add_argument("--max-text-chars", type=int, default=20_000)
-    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set TORCHLOOM_API_KEY)")
-    sp.add_argument("--require-api-key", action="store_true",
-                    help="refuse to start without an API key (default: start, with a warning when --host is not"
-                         " loopback)")
-    sp.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                    help=f"largest request body in bytes; past it 413, refused before it is read whole (default"
-                         f" {DEFAULT_MAX_BODY_BYTES}; less where --max-texts-per-request x --max-text-chars allow"
-                         " less)")
-    sp.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                    help=f"requests served at once (from their headers to their answer; /healthz, /readyz and"
-                         f" /metrics not counted); past it 503 (default {DEFAULT_MAX_CONNECTIONS}; local engine)")
-    sp.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
-                    help=f"a request's headers and body must arrive within this of its first byte, else 408 and"
-                         f" the connection closes (default {DEFAULT_READ_TIMEOUT_S:g}; local engine)")
-    sp.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default auto)")
-    sp.add_argument("--precision", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
-                    help="auto (default): what training's rule picks: a GPU's bf16 (else fp16); on a CPU bf16 only"
-                         " where it is native (AMX, AVX512-BF16), else fp32")
-    sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
-                    help="torch, or onnx: the gated ONNX file of `torchloom export --format onnx|onnx-int8`")
 
 
 def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:

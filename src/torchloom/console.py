@@ -41,6 +41,9 @@ def combine_line(combine: dict) -> str:
               f" shipped {val['shipped']:.4f} on {combine['texts']} texts")
     if combine["weight"] >= 1.0:
         return f"ships the transformer alone (the mix with the baseline did not beat it on val; {scores})"
+    if combine["weight"] <= 0.0:
+        return (f"the baseline won: ships the baseline alone, the transformer is not run when serving (no mix with"
+                f" it beat the baseline on val; {scores})")
     return (f"ships the mix: {combine['weight']:.2f} x the transformer + {1 - combine['weight']:.2f} x the baseline"
             f" ({scores})")
 

@@ -18,6 +18,7 @@ import math
 from torchloom.config.schema import K8sConfig
 from torchloom.errors import UserError
 from torchloom.k8s import manifests as m
+from torchloom.serve.arguments import check_serve_flags
 from torchloom.serve.settings import ServeSettings
 
 PORT = 8000
@@ -40,6 +41,7 @@ def serve_manifests(model_uri: str, k: K8sConfig, port: int = PORT, serve_flags:
         raise UserError(f"k8s.env_from: the server's API key comes from a Secret; create one with the key"
                         f" {m.API_KEY_ENV} (and the store's credentials) and pass --secret NAME")
     flags = list(serve_flags or [])
+    check_serve_flags(flags)  # serve's own parser, no abbreviations (`--api KEY` would be --api-key's)
     for flag in flags:
         reason = OWN_FLAGS.get(flag.split("=", 1)[0])
         if reason:

@@ -235,8 +235,9 @@ class Predictor:
         lengths = [len(f["input_ids"]) for f in features]
         order = sorted(range(len(features)), key=lengths.__getitem__)
         logits = torch.zeros(len(features), len(self.labels))
+        baseline_alone = self.lexical is not None and self.weight == 0.0  # the export found the baseline best
         with torch.inference_mode():
-            for batch_ids in self.forwards(lengths, order):
+            for batch_ids in [] if baseline_alone else self.forwards(lengths, order):
                 longest = lengths[batch_ids[-1]]
                 batch = pad_batch([features[i] for i in batch_ids], self.tokenizer, self.padded_length(longest))
                 logits[batch_ids] = self.logits(batch)
@@ -268,7 +269,14 @@ def shipped_baseline(model_dir: Path, info: dict[str, Any]) -> tuple[Lexical | N
     """The baseline an exported model mixes in and the transformer's weight (torchloom.json "combine"); (None, 1.0)
     for a model that ships the transformer alone."""
     combine = info.get("combine") or {}
-    weight = float(combine.get("weight", 1.0))
+    raw = combine.get("weight", 1.0) if isinstance(combine, dict) else None
+    try:
+        weight = float(raw)
+    except (TypeError, ValueError):
+        weight = float("nan")
+    if not 0.0 <= weight <= 1.0:  # NaN fails this too: never a probability outside 0..1
+        raise UserError(f"model dir {model_dir}: torchloom.json's combine.weight is {raw!r}, not a number from 0 to 1"
+                        " (the transformer's share of the mix); export the model again")
     if weight >= 1.0:
         return None, 1.0
     where = Path(model_dir) / str(combine.get("baseline") or "baseline")
