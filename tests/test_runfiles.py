@@ -148,3 +148,35 @@ def test_a_host_s_copy_is_checked_file_by_file_before_it_is_trusted(tmp_path, mo
     assert (rd.model / "torchloom.json").read_bytes() == b'{"step": 320}'
     assert sorted(p.name for p in rd.model.iterdir()) == ["model.safetensors", "torchloom.json"]
     assert (rd.model / "model.safetensors").read_bytes() == b"new-weights"
+
+
+def test_a_study_on_a_store_goes_up_as_it_goes(tmp_path, monkeypatch):
+    """Each finished trial once (again when it ends again), the marker, and a consistent copy of optuna.db; a
+    trial still running stays here until the study's end."""
+    import sqlite3
+
+    from torchloom.rundir import StudyDir
+    from torchloom.tune.study import push_finished
+
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    sd = StudyDir(f"file+store://{tmp_path}/store/study")
+    store = tmp_path / "store" / "study"
+    (sd.trials / "t0").mkdir(parents=True)
+    (sd.trials / "t0" / "metrics.jsonl").write_text("{}\n")
+    (sd.trials / "t0" / "trial_result.json").write_text('{"status": "completed"}')
+    (sd.trials / "t1").mkdir()
+    (sd.trials / "t1" / "metrics.jsonl").write_text("{}\n")  # running
+    sd.marker.write_text('{"format": "torchloom-study/1"}')
+    with sqlite3.connect(sd.optuna_db) as db:
+        db.execute("create table trials (n int)")
+        db.execute("insert into trials values (1)")
+    pushed: dict[str, int] = {}
+    push_finished(RunFiles(sd), sd, pushed)
+    assert sorted(p.relative_to(store).as_posix() for p in store.rglob("*") if p.is_file()) == [
+        "optuna.db", "study.json", "trials/t0/metrics.jsonl", "trials/t0/trial_result.json"]
+    with sqlite3.connect(store / "optuna.db") as db:
+        assert db.execute("select n from trials").fetchall() == [(1,)]
+    (sd.trials / "t0" / "metrics.jsonl").write_text("{}\n{}\n")  # not ended again: not pushed again
+    push_finished(RunFiles(sd), sd, pushed)
+    assert (store / "trials" / "t0" / "metrics.jsonl").read_text() == "{}\n"
+    assert not list(sd.root.glob(".optuna.db.*"))

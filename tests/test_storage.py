@@ -663,7 +663,7 @@ def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, c
 
     storage.write_bytes(storage.join(run, "lease.json"), b"{}")
     RunFiles(run).check_own()
-    put(run, {"torchloom-run.json": json.dumps(new_record()).encode(), "metrics.jsonl": b"{}\n"})
+    put(run, {"torchloom-run.json": json.dumps(new_record()).encode()})
     RunFiles(run).replace()
     assert storage.list_files(run) == {"lease.json": 2}
 
@@ -672,11 +672,12 @@ def test_a_second_torchloom_train_on_a_leased_run_is_refused_in_one_line(s3, tmp
     from torchloom import lease
 
     run = uri("leased-cli")
-    with lease.Lease(run, "train", owner={"host": "host-a", "pid": 11, "id": "a" * 32}):
-        proc = torchloom("train", "--output.dir", run, "--tracking.enabled", "false", cache=tmp_path / "cache")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("torchloom: error:")]
-    assert "another torchloom writes this run: train on host host-a (pid 11" in line and "lease.json" in line
+    for command in ("train", "export", "evaluate"):  # every stage that writes the run holds the lease
+        with lease.Lease(run, "train", owner={"host": "host-a", "pid": 11, "id": "a" * 32}):
+            proc = torchloom(command, "--output.dir", run, "--tracking.enabled", "false", cache=tmp_path / "cache")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+        (line,) = [x for x in proc.stderr.splitlines() if x.startswith("torchloom: error:")]
+        assert "another torchloom writes this run: train on host host-a (pid 11" in line and "lease.json" in line
 
 
 def test_a_tune_study_on_the_store_keeps_its_study_trials_and_best_model_there(s3, tmp_path, tiny_model_dir):

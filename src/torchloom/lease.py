@@ -2,11 +2,11 @@
 
 A run on a store has no shared directory to lock (a local run's stages take flock-style locks on its files), so
 two drivers on two hosts could both write one run and leave a mix of both. The driver of a stage that writes
-(`prepare`, `train`, `run`) holds `lease.json` at the run's prefix: its owner (host, pid, a random id), the
-stage, and an expiry it moves forward every third of LEASE_S from a thread while the stage runs; it removes the
-object at the end. Another driver that finds an unexpired lease of another owner stops in one line that names
-the owner and when the lease ends; an expired one (its driver died without removing it) is taken over with a
-warning.
+(`prepare`, `train`, `run`, `export`, `evaluate`, `tune`) holds `lease.json` at the run's prefix: its owner (host,
+pid, a random id), the stage, and an expiry it moves forward every third of LEASE_S from a thread while the stage
+runs; it removes the object at the end. Another driver that finds an unexpired lease of another owner stops in
+one line that names the owner and when the lease ends; an expired one (its driver died without removing it) is
+taken over with a warning.
 
 Best effort, not a consensus protocol: two drivers that start within the same fraction of a second may both
 read "no lease"; each reads the object back after writing it and the one whose id is not there stops, which
@@ -150,7 +150,7 @@ class Lease:
         self.release()
 
 
-WRITERS = ("prepare", "train", "run")  # the commands whose driver holds the lease
+WRITERS = ("prepare", "train", "run", "export", "evaluate", "tune")  # the commands whose driver holds the lease
 
 
 def hold(output_dir: str, command: str):

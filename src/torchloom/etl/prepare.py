@@ -29,13 +29,16 @@ from torchloom.manifest import Manifest, Split
 Progress = Callable[[str], object]
 
 
-def check_output(out: Path, overwrite: bool, inputs: list[str] = ()) -> None:
+def check_output(out: Path, overwrite: bool, inputs: list[str] = (), shown: str | None = None) -> None:
     """Before any work: `out` is new, empty, or (overwrite) holds only what torchloom wrote and no input (the
-    new data replaces it whole): one line otherwise."""
+    new data replaces it whole): one line otherwise. shown: what names `out` in a line (a store's URI for a
+    working copy, never the staging path)."""
+    shown = shown or str(out)
     if out.exists() and not out.is_dir():
-        raise UserError(f"output {out}: exists and is not a directory; choose another --output.dir")
+        raise UserError(f"output {shown}: exists and is not a directory; choose another --output.dir")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"output {out}: already exists and is not empty; pass --output.overwrite true to replace it")
+        raise UserError(f"output {shown}: already exists and is not empty; pass --output.overwrite true to replace"
+                        " it")
     if overwrite and out.is_dir():
         tree, under = holding(out)
         if under:  # a run's data/: its ledger is the run's
@@ -58,7 +61,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
     say = progress or (lambda msg: None)
     start = time.perf_counter()
     out = Path(out_dir)
-    check_output(out, cfg.output.overwrite, cfg.inputs())
+    check_output(out, cfg.output.overwrite, cfg.inputs(), shown_out)
     data_path = embedded.data_path(cfg.data.path)
     model_dir, tokenizer_json = _model(cfg)
     check_inputs(cfg.data, data_path)  # before Spark starts: a typo should cost no JVM start-up

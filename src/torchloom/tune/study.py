@@ -83,17 +83,61 @@ def from_store(cfg: Config) -> None:
     files.pull(files.rd.root)
 
 
+PUSH_EVERY_S = 60.0  # a study on a store: how often its finished trials and its Optuna database go up meanwhile
+
+
 @contextlib.contextmanager
 def to_store(sd: StudyDir):
-    """A study on a store: everything the study wrote here (its record, prepared data, optuna.db, the trials' run
-    directories, results and the best model) goes up when it ends, whether it finished or not."""
+    """A study on a store: what it has finished goes up as it goes (every PUSH_EVERY_S: each finished trial once,
+    the study's marker, a consistent copy of optuna.db), so a driver lost mid-study loses at most the trials then
+    running; everything the study wrote here (its record, prepared data, optuna.db, the trials' run directories,
+    results and the best model) goes up when it ends, whether it finished or not."""
+    files = RunFiles(sd)
+    stop = threading.Event()
+    pusher = None
+    if files.on_store:
+        pushed: dict[str, int] = {}
+
+        def loop() -> None:
+            while not stop.wait(float(os.environ.get("TORCHLOOM_STUDY_PUSH_S") or PUSH_EVERY_S)):
+                push_finished(files, sd, pushed)
+
+        pusher = threading.Thread(target=loop, name="torchloom-study-push", daemon=True)
+        pusher.start()
     try:
         yield
     finally:
-        files = RunFiles(sd)
+        stop.set()
+        if pusher is not None:
+            pusher.join()
         if files.on_store:
             files.push(sd.root)
             say(f"the study is on the store: {sd.where}")
+
+
+def push_finished(files: RunFiles, sd: StudyDir, pushed: dict[str, int]) -> None:
+    """One round of the study's pushes as it goes: each trial that has ended since (its trial_result.json, by its
+    modification time), the marker, and optuna.db through SQLite's own backup (never a half-written copy).
+    Failures are warnings: the push at the end, and the next round, try again."""
+    import sqlite3
+
+    for result in sorted(sd.trials.glob("*/trial_result.json")) if sd.trials.is_dir() else []:
+        stamp = result.stat().st_mtime_ns
+        if pushed.get(result.parent.name) != stamp:
+            files.push(result.parent, quiet=True)
+            pushed[result.parent.name] = stamp
+    files.push(sd.marker, quiet=True)
+    if sd.optuna_db.is_file():
+        copy = sd.root / f".optuna.db.{os.getpid()}.push.tmp"
+        try:
+            with contextlib.closing(sqlite3.connect(sd.optuna_db)) as src, \
+                    contextlib.closing(sqlite3.connect(copy)) as dst:
+                src.backup(dst)
+            files.push_as(copy, sd.optuna_db)
+        except Exception as e:  # noqa: BLE001 - the end's push tries again
+            say(f"warning: could not push {sd.home(sd.optuna_db)} meanwhile ({e})")
+        finally:
+            copy.unlink(missing_ok=True)
 
 
 def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
