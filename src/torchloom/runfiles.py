@@ -95,8 +95,9 @@ class RunFiles:
             return sent
         with self._guard("upload", paths, quiet, wait):
             for p in map(Path, paths):
-                if p.is_dir():
-                    sent += storage.push_tree(p, self.uri(p), last=COMPLETE_LAST)
+                if p.is_dir():  # never the run's ledger: the store's is the driver's (ledger.py), a copy's is stale
+                    skip = ledger.NOT_CONTENT if p.resolve() == self.rd.root.resolve() else ()
+                    sent += storage.push_tree(p, self.uri(p), last=COMPLETE_LAST, skip=tuple(skip))
                 elif p.is_file():
                     storage.upload(p, self.uri(p))
                     sent += p.stat().st_size

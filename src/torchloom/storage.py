@@ -286,11 +286,13 @@ def download(uri: str, local: str | Path) -> Path:
     return local
 
 
-def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = ()) -> int:
+def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> int:
     """Upload every file under local_dir to uri/<same relative path>, the names in `last` after all the
-    others (the file whose presence says the directory is complete). Returns the bytes uploaded."""
+    others (the file whose presence says the directory is complete), none of the relative paths in `skip`.
+    Returns the bytes uploaded."""
     local_dir = Path(local_dir)
-    files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.name.endswith((".tmp", ".part", ".lock")))
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file() and not p.name.endswith((".tmp", ".part", ".lock"))
+                   and p.relative_to(local_dir).as_posix() not in skip)
     files.sort(key=lambda p: p.name in last)  # stable: the `last` files go at the end
     total = 0
     for p in files:
