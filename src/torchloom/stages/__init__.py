@@ -47,7 +47,7 @@ def save_config(cfg: Config, rd: RunDir) -> None:
     try:
         rd.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"output.dir {rd.root}: cannot be created ({e.strerror}); pass another --output.dir") \
+        raise UserError(f"output.dir {rd.where}: cannot be created ({e.strerror}); pass another --output.dir") \
             from None
     config_mod.save(cfg, rd.config)
     RunFiles(rd).push(rd.config)

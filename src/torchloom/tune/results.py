@@ -184,7 +184,7 @@ def _report(cfg: Config, sd: StudyDir, params: list[Param], tracker, backend: st
     }
     if best is None:
         write_json(sd.marker, {**read_json(sd.marker), **summary})
-        raise UserError(f"tune: no trial in {sd.root} reported validation {metric}; see the trials' logs in"
+        raise UserError(f"tune: no trial in {sd.where} reported validation {metric}; see the trials' logs in"
                         f" {sd.trials}")
     ev = export_best(cfg, sd, best, tracker)
     summary.update({

@@ -155,7 +155,7 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise UserError(f"output.dir {sd.root}: another torchloom tune process is running this study;"
+                raise UserError(f"output.dir {sd.where}: another torchloom tune process is running this study;"
                                 " wait for it to finish, or stop it, before --overwrite") from None
             replace_local(sd.root, inputs=cfg.inputs())
     resuming = True
@@ -163,7 +163,7 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
         names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and p.name != LEDGER_FILE} \
             if sd.root.exists() else set()
         if names and marker.name not in names and sd.data.name not in names:
-            raise UserError(f"output.dir {sd.root}: exists and is not a tune study;"
+            raise UserError(f"output.dir {sd.where}: exists and is not a tune study;"
                             " pass another --output.dir or --overwrite")
     sd.root.mkdir(parents=True, exist_ok=True)
     _hold(sd)
@@ -181,7 +181,7 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
             tmp.unlink()
     old = read_json(marker)
     if old.get("backend") != backend:
-        raise UserError(f"output.dir {sd.root}: holds a {old.get('backend')} study; use tune.backend"
+        raise UserError(f"output.dir {sd.where}: holds a {old.get('backend')} study; use tune.backend"
                         f" {old.get('backend')} to resume it, or --overwrite to start afresh")
     check_same_study(sd, old, cfg)
     return sd, resuming
@@ -194,7 +194,7 @@ def check_same_study(sd: StudyDir, old: dict, cfg: Config) -> None:
     now = {"space": cfg.tune.space, "metric": cfg.tune.metric, "mode": mode_of(cfg)}
     for key, value in now.items():
         if key in old and old[key] != value:
-            raise UserError(f"output.dir {sd.root}: the study there was started with tune.{key} {old[key]!r}, not"
+            raise UserError(f"output.dir {sd.where}: the study there was started with tune.{key} {old[key]!r}, not"
                             f" {value!r}; resume it with the same settings, pass another --output.dir, or --overwrite"
                             " to start afresh")
 
@@ -216,7 +216,7 @@ def prepare_once(cfg: Config, sd: StudyDir, tracker) -> None:
         key_file = sd.prepare_key
         if sd.manifest.is_file():
             if key_file.is_file() and key_file.read_text() != prepare_key(cfg):
-                raise UserError(f"output.dir {sd.root}: the study's data was prepared with other data, prepare or"
+                raise UserError(f"output.dir {sd.where}: the study's data was prepared with other data, prepare or"
                                 " model settings; use another --output.dir or --overwrite")
             say(f"reusing the prepared data in {sd.data}")
             return
@@ -258,7 +258,7 @@ def run(cfg: Config) -> dict:
     mode = mode_of(cfg)
     from_store(cfg)
     sd, resuming = open_study_dir(cfg, backend)
-    say(f"{'resuming' if resuming else 'starting'} study {study_name(cfg)!r} in {sd.root}: {cfg.tune.trials} trials,"
+    say(f"{'resuming' if resuming else 'starting'} study {study_name(cfg)!r} in {sd.where}: {cfg.tune.trials} trials,"
         f" {backend} backend, {cfg.engine.workers} workers per trial on the "
         f"{'ray' if backend == 'ray' else cfg.engine.name} engine, {mode}imise validation {cfg.tune.metric}")
     started = time.perf_counter()
