@@ -158,7 +158,8 @@ def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeyp
     assert table.schema.field("input_ids").type.value_type == pa.int32()
     assert json.loads((out / "manifest.json").read_text())["fingerprint"] == m.fingerprint
     assert leftovers(tmp_path, {"in.csv", "data"}) == []
-    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rejected", "test", "train", "val"]
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "rejected", "test", "torchloom-ledger.json",
+                                                     "train", "val"]  # the ledger: what a later --overwrite may delete
 
 
 def test_jsonl_parquet_and_folder_inputs(spark, tiny_model_dir, tmp_path):
