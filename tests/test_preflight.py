@@ -37,7 +37,7 @@ def test_run_checks_the_config_once_though_run_all_and_train_stage_ask_again(tmp
         raise Stopped
 
     monkeypatch.setattr(train, "check_trainable", trainable)
-    monkeypatch.setattr(run, "_run_all", lambda cfg, rd, tracker: train.train_stage(cfg))  # no prepare: no Spark
+    monkeypatch.setattr(run, "_run_all", lambda cfg, rd, tracker, reuse: train.train_stage(cfg))  # no prepare: no Spark
     out = str(tmp_path / "run")
     with pytest.raises(Stopped):
         cli.main(["run", "--output.dir", out, "--engine.device", "cpu", "--tracking.enabled", "false"])

@@ -78,6 +78,7 @@ def test_objects_round_trip_and_list(s3, tmp_path):
     storage.write_bytes(uri("tree/sub/x.bin"), b"\1" * 1000)
     assert storage.pull_tree(uri("tree"), tmp_path / "staged", by_time=True) == 1
     assert (tmp_path / "staged" / "sub" / "x.bin").read_bytes() == b"\1" * 1000
+    storage.write_bytes(uri("tree/sub/x.bin"), b"\0" * 1000)
     with storage.open_input(uri("tree/sub/x.bin")) as f:  # a ranged read, not a download
         assert f.read_at(10, 500) == b"\0" * 10
     storage.delete_tree(uri("tree"))

@@ -116,8 +116,9 @@ class RunFiles:
         with self._guard("read", paths, quiet, wait):
             for p in map(Path, paths):
                 uri = self.uri(p)
-                if storage.list_files(uri):
-                    storage.pull_tree(uri, p)
+                if storage.list_files(uri):  # never the run's ledger or lease: the store's, the driver's
+                    storage.pull_tree(uri, p, skip=tuple(ledger.NOT_CONTENT) if p.resolve() == self.rd.root.resolve()
+                                      else ())
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         storage.download(uri, p)

@@ -301,14 +301,17 @@ def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = (), skip:
     return total
 
 
-def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True, by_time: bool = False) -> int:
+def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True, by_time: bool = False,
+              skip: tuple[str, ...] = ()) -> int:
     """Download every object under uri into local_dir (those whose local copy has the same size are kept
-    when only_if_changed). by_time: a copy made by this function is kept only while the object also has the
-    modification time it had then (a same-size edit is downloaded again; a store that lists no time: always).
-    Returns the number of files downloaded."""
+    when only_if_changed), none of the relative paths in `skip`. by_time: a copy made by this function is kept only
+    while the object also has the modification time it had then (a same-size edit is downloaded again; a store
+    that lists no time: always). Returns the number of files downloaded."""
     local_dir = Path(local_dir)
     n = 0
     for rel, (size, mtime) in list_objects(uri).items():
+        if rel in skip:
+            continue
         target = local_dir / rel
         if only_if_changed and target.is_file() and target.stat().st_size == size \
                 and (not by_time or (mtime is not None and target.stat().st_mtime_ns == mtime)):

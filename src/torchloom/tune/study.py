@@ -29,7 +29,7 @@ from torchloom import config as config_mod
 from torchloom import preflight, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
-from torchloom.ledger import LEDGER_FILE, check_replaceable, replace_local
+from torchloom.ledger import NOT_CONTENT, check_replaceable, replace_local
 from torchloom.rundir import StudyDir, read_json, write_json
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import STUDY_FORMAT
@@ -160,7 +160,7 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
             replace_local(sd.root, inputs=cfg.inputs())
     resuming = True
     if not marker.is_file():
-        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and p.name != LEDGER_FILE} \
+        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and p.name not in NOT_CONTENT} \
             if sd.root.exists() else set()
         if names and marker.name not in names and sd.data.name not in names:
             raise UserError(f"output.dir {sd.where}: exists and is not a tune study;"
