@@ -987,3 +987,64 @@ def test_install_hints_name_the_extras_packages_never_a_torchloom_package():
         text = path.read_text()
         assert not re.search(r"pip install '?torchloom\[", text), path
         assert "torchloom==" not in text, path
+
+
+# -- monitoring: the reference profile and `torchloom monitor` --------------------------------------------------
+
+def _topic_texts(path: Path, numbers: range, repeat: int = 1, noise: str = "") -> Path:
+    words = {"sport": "match goal team win league", "money": "bank market price shares profit",
+             "music": "album song band concert guitar"}
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["body", "topic"])
+        for label, vocab in words.items():
+            for i in numbers:
+                w.writerow([" ".join([f"{vocab} number {i} " + " ".join(reversed(vocab.split())) + noise] * repeat),
+                            label])
+    return path
+
+
+def test_monitor_compares_new_texts_with_the_model_s_profile(finished_run, tmp_path):
+    """A file like the held-out texts: no drift (exit 0); texts ten times longer, in words the model never saw:
+    drift (exit 3), with the report, plots and an accuracy estimate; a model exported without a profile, or with a
+    damaged one, is one line."""
+    from torchloom.model.predict import read_texts
+    from torchloom.model.profile import write_profile
+    from torchloom.serve.monitor_batch import monitor_file
+
+    rd, proc = finished_run
+    assert "export: no monitoring profile: " in proc.stderr  # 120 rows: too few held-out texts
+    model = tmp_path / "model"
+    shutil.copytree(rd / "model", model)
+    held = _topic_texts(tmp_path / "held.csv", range(100, 150))  # what the reference holds: 150 unseen texts
+    write_profile(model, read_texts(str(held), column="body"), read_texts(str(held), column="topic"),
+                  {"val": 150, "test": 0})
+    like = _topic_texts(tmp_path / "like.csv", range(200, 240))
+    same = monitor_file(str(model), str(like), str(tmp_path / "same"), text_column="body", labels_column="topic",
+                        say=lambda line: None)
+    assert not same["drift"] and same["accuracy"] >= 0.9, same
+    assert same["estimated_accuracy"]["low"] <= same["accuracy"] <= same["estimated_accuracy"]["high"]
+    assert {"report.md", "monitor.json", "plots"} <= {p.name for p in (tmp_path / "same").iterdir()}
+    shifted = _topic_texts(tmp_path / "shifted.csv", range(300, 340), repeat=10, noise=" zxq vlorp")
+    proc = torchloom("monitor", "--model", str(model), "--input", str(shifted), "--text-column", "body",
+                     "--output", str(tmp_path / "drift"))
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert proc.stdout.startswith("monitor: drift in ") and "length" in proc.stdout
+    report = json.loads((tmp_path / "drift" / "monitor.json").read_text())
+    assert report["signals"]["length"]["drift"] and report["texts"] == 120
+    assert "**Drift** in" in (tmp_path / "drift" / "report.md").read_text()
+    # a second report where one is: only with --overwrite, and only over torchloom's own
+    again = torchloom("monitor", "--model", str(model), "--input", str(like), "--text-column", "body",
+                      "--output", str(tmp_path / "drift"))
+    assert again.returncode == 2 and "already exists; remove it or pass --overwrite" in again.stderr
+    monitor_file(str(model), str(like), str(tmp_path / "drift"), text_column="body", overwrite=True,
+                 say=lambda line: None)
+    assert not json.loads((tmp_path / "drift" / "monitor.json").read_text())["drift"]
+    # older exports, damaged profiles: one line each
+    from torchloom.errors import UserError
+
+    with pytest.raises(UserError, match=r"no monitoring profile .*export it again"):
+        monitor_file(str(rd / "model"), str(like), str(tmp_path / "none"), text_column="body")
+    (model / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/1", "reference": {}}')
+    with pytest.raises(UserError, match=r"monitor/profile.json cannot be read \(.*\); export it again"):
+        monitor_file(str(model), str(like), str(tmp_path / "none"), text_column="body")

@@ -20,6 +20,7 @@ COMMANDS = {
     "evaluate": "score the exported model on a split: report.md, report.json, plots/",
     "predict": "predict labels with an exported model: texts as JSON lines, or a whole file to Parquet (--output)",
     "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--serve-with ray)",
+    "monitor": "compare new texts with the model's reference profile: drift report, estimated accuracy (exit 3: drift)",
     "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
@@ -91,6 +92,9 @@ def parser() -> argparse.ArgumentParser:
         if name == "serve":
             add_serve_arguments(sp)
             continue
+        if name == "monitor":
+            add_monitor_arguments(sp)
+            continue
         sp.add_argument("--config", help="a TOML file with [section] tables")
         if name in ("run", "prepare", "train", "tune"):
             sp.add_argument("--overwrite", action="store_true", help="same as --output.overwrite true")
@@ -118,6 +122,47 @@ def build_config(args: argparse.Namespace, rest: list[str]):
 
     # a stage on its own: the model and (on a resume) the training the run recorded, unless a flag says otherwise
     return follow(cfg, args.command, given_keys(args.config, extra))
+
+
+def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--model", required=True,
+                    help="an exported model dir (its monitor/profile.json is written at export)")
+    sp.add_argument("--input", required=True,
+                    help="the new texts: a CSV, JSON lines or .txt file, as predict reads it")
+    sp.add_argument("--text-column", default="text", help="the column or field with the texts (default text)")
+    sp.add_argument("--labels", metavar="COLUMN", help="a column with the true labels: the real accuracy is reported"
+                                                       " beside the estimate")
+    sp.add_argument("--output", default="monitor-report",
+                    help="the report's directory: report.md, monitor.json, plots/ (default monitor-report)")
+    sp.add_argument("--overwrite", action="store_true", help="replace an earlier report of torchloom's at --output")
+    sp.add_argument("--false-alarm", type=float, default=None, metavar="RATE",
+                    help="the chance of a drift verdict on texts like the validation split (default: the profile's,"
+                         " 0.01)")
+    sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+
+
+def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
+    if rest:
+        raise UserError(f"monitor: unexpected arguments {' '.join(rest)}; see torchloom monitor --help")
+    from torchloom.model.export import check_exported
+    from torchloom.serve.monitor_batch import DRIFT_EXIT, monitor_file
+
+    model = local_model(args.model, "--model")
+    check_exported(model)
+    device = args.device
+    if device != "cpu":
+        from torchloom.model.device import resolve_device
+
+        device = resolve_device(device)
+    result = monitor_file(model, args.input, args.output, text_column=args.text_column, labels_column=args.labels,
+                          false_alarm=args.false_alarm, device=device, overwrite=args.overwrite,
+                          say=lambda line: print(f"monitor: {line}", file=sys.stderr, flush=True))
+    est = result["estimated_accuracy"]
+    verdict = f"drift in {', '.join(result['drifted'])}" if result["drift"] else "no drift"
+    real = f", accuracy with the labels {result['accuracy']:.3f}" if "accuracy" in result else ""
+    print(f"monitor: {verdict} ({result['texts']} texts; estimated accuracy {est['value']:.3f}, 95 % interval"
+          f" {est['low']:.3f}-{est['high']:.3f}{real}); report in {Path(args.output) / 'report.md'}")
+    return DRIFT_EXIT if result["drift"] else 0
 
 
 def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
@@ -295,6 +340,8 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         return cmd_predict(args, rest)
     if args.command == "serve":
         return cmd_serve(args, rest)
+    if args.command == "monitor":
+        return cmd_monitor(args, rest)
     cfg = build_config(args, rest)
     if args.command == "config":
         from torchloom.config import to_toml

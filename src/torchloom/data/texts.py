@@ -87,3 +87,21 @@ def gate_rows(m: Manifest, limit: int) -> GateRows:
         keep = int(np.searchsorted(docs, docs[min(limit, len(docs)) - 1], side="right")) if len(docs) else 0
         return GateRows(split, ids[:keep], np.array(labels[:keep]), docs[:keep])
     return GateRows(split, ids[:limit], np.array(labels[:limit]))
+
+
+def labelled_texts(manifest: Manifest, split: str, limit: int) -> tuple[list[str], list[str]]:
+    """(texts, labels) of a split's first `limit` texts, in file order: a chunked text once, by its first window."""
+    texts: list[str] = []
+    labels: list[str] = []
+    if split not in manifest.splits:
+        return texts, labels
+    for shard in manifest.split(split).shards:
+        table = pq.read_table(manifest.shard_uri(shard), columns=["text", "label", "chunk"])
+        first = np.asarray(table.column("chunk")) == 0
+        for text, label, keep in zip(table.column("text").to_pylist(), table.column("label").to_pylist(), first):
+            if keep and len(texts) < limit:
+                texts.append(text)
+                labels.append(label)
+        if len(texts) >= limit:
+            break
+    return texts, labels

@@ -54,11 +54,39 @@ def export_stage(cfg: Config, tracker=None) -> dict:
 
         onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
                                 say=lambda msg: say(f"export: {msg}"))
+    profile = _profile(out, m, cfg)
     files.push(rd.model)
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
-            "onnx": onnx_info}
+            "onnx": onnx_info, "profile": profile}
+
+
+def _profile(model_dir: str, m, cfg: Config) -> dict | None:
+    """The served model's reference profile (model/profile.py) from val's texts, then test's: what a monitor
+    compares traffic with. None (said) where the run has no such texts."""
+    from torchloom.data.texts import labelled_texts
+    from torchloom.model.profile import MIN_PROFILE_TEXTS, PROFILE_TEXTS, write_profile
+
+    texts: list[str] = []
+    labels: list[str] = []
+    splits = {}
+    for split in ("val", "test"):
+        more, their = labelled_texts(m, split, PROFILE_TEXTS - len(texts))
+        texts, labels, splits[split] = texts + more, labels + their, len(more)
+    if len(texts) < MIN_PROFILE_TEXTS:
+        say(f"export: no monitoring profile: {len(texts)} val and test texts, and a monitor needs at least"
+            f" {MIN_PROFILE_TEXTS} to know what normal looks like (more data, or larger data.val_fraction and"
+            " data.test_fraction)")
+        return None
+    from torchloom.model.device import resolve_device
+
+    started = time.perf_counter()
+    write_profile(model_dir, texts, labels, splits, device=resolve_device("cpu" if cfg.engine.device == "cpu"
+                                                                          else "auto"))
+    say(f"export: monitoring profile of {len(texts)} texts (val {splits['val']}, test {splits['test']}) in"
+        f" {time.perf_counter() - started:.1f} s: what `torchloom monitor` and the server compare traffic with")
+    return {"texts": len(texts), "splits": splits}
 
 
 def choose_combine(cfg: Config, rd: RunDir, model, m) -> dict | None:

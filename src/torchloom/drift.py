@@ -1,0 +1,130 @@
+"""Drift arithmetic, numpy only: what a window of texts is compared on, its distance to the model's reference
+profile on each signal, the thresholds that give a chosen false-alarm rate, and the accuracy expected from the
+model's confidence where no labels are there.
+
+Signals (one value per text, the same function for the reference at export and for traffic later):
+    classes     the predicted class            Jensen-Shannon distance of the class shares
+    confidence  the top probability            Jensen-Shannon distance of a 10-bin histogram on [0, 1]
+    length      tokens before truncation       two-sample Kolmogorov-Smirnov statistic (of log lengths)
+    unknown     the share of unknown tokens    two-sample Kolmogorov-Smirnov statistic
+
+Thresholds are chosen, not guessed: windows of the same size are drawn from the reference itself (without
+replacement) and compared with the rest of it; a signal's threshold is the (1 - false_alarm / signals) quantile
+of those distances, so a window from the validation distribution raises the verdict with probability at most
+`false_alarm` (Bonferroni over the signals). A window larger than half the reference is calibrated at half its
+size: a larger window varies less, so the threshold errs towards fewer alarms.
+
+Accuracy without labels (confidence-based performance estimation, as NannyML's CBPE): the reference's accuracy
+per confidence bin (its texts have labels), averaged over the window's texts. Its interval holds the window's
+own sampling and the bins' estimation; it assumes the model stays as calibrated as on the reference, which a
+shift in what the labels mean (not only in the inputs) breaks: compare it with real labels when some come.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+SIGNALS = ("classes", "confidence", "length", "unknown")
+CONFIDENCE_BINS = 10
+DRAWS = 2000  # resampled windows per threshold: a 0.25 % tail (1 % over 4 signals) rests on 5 of them
+FALSE_ALARM = 0.01  # the default chance that a window like the reference raises the verdict
+
+
+def _js(p: np.ndarray, q: np.ndarray) -> float:
+    """Jensen-Shannon distance (base 2, 0..1) between two histograms of counts."""
+    p = p / max(p.sum(), 1)
+    q = q / max(q.sum(), 1)
+    m = (p + q) / 2
+
+    def kl(a: np.ndarray) -> float:
+        nz = a > 0
+        return float(np.sum(a[nz] * np.log2(a[nz] / m[nz])))
+
+    return float(np.sqrt(max(0.0, (kl(p) + kl(q)) / 2)))
+
+
+def _ks(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical distributions."""
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    return float(np.max(np.abs(np.searchsorted(a, grid, side="right") / len(a)
+                               - np.searchsorted(b, grid, side="right") / len(b))))
+
+
+@dataclass
+class Texts:
+    """The signals of some texts, one value per text each (a window, or the reference)."""
+
+    predicted: np.ndarray  # int
+    confidence: np.ndarray  # float, 0..1
+    length: np.ndarray  # int, tokens before truncation
+    unknown: np.ndarray  # float, 0..1
+
+    def __len__(self) -> int:
+        return len(self.predicted)
+
+    def take(self, index: np.ndarray) -> Texts:
+        return Texts(self.predicted[index], self.confidence[index], self.length[index], self.unknown[index])
+
+    @classmethod
+    def of(cls, data: dict) -> Texts:
+        return cls(np.asarray(data["predicted"], np.int64), np.asarray(data["confidence"], np.float64),
+                   np.asarray(data["length"], np.int64), np.asarray(data["unknown"], np.float64))
+
+
+def confidence_bin(confidence: np.ndarray) -> np.ndarray:
+    return np.minimum((np.asarray(confidence) * CONFIDENCE_BINS).astype(np.int64), CONFIDENCE_BINS - 1)
+
+
+def distances(window: Texts, reference: Texts, num_classes: int) -> dict[str, float]:
+    """The window's distance to the reference on each signal (SIGNALS)."""
+    return {
+        "classes": _js(np.bincount(window.predicted, minlength=num_classes).astype(float),
+                       np.bincount(reference.predicted, minlength=num_classes).astype(float)),
+        "confidence": _js(np.bincount(confidence_bin(window.confidence), minlength=CONFIDENCE_BINS).astype(float),
+                          np.bincount(confidence_bin(reference.confidence), minlength=CONFIDENCE_BINS).astype(float)),
+        "length": _ks(np.log1p(window.length), np.log1p(reference.length)),
+        "unknown": _ks(window.unknown, reference.unknown),
+    }
+
+
+def thresholds(reference: Texts, size: int, num_classes: int, false_alarm: float = FALSE_ALARM,
+               draws: int = DRAWS, seed: int = 0) -> dict[str, float]:
+    """Each signal's threshold for windows of `size` texts (module docstring)."""
+    n = len(reference)
+    m = max(1, min(int(size), n // 2))
+    rng = np.random.default_rng(seed)
+    seen = {name: np.empty(draws) for name in SIGNALS}
+    for d in range(draws):
+        inside = np.zeros(n, bool)
+        inside[rng.choice(n, m, replace=False)] = True
+        for name, value in distances(reference.take(inside), reference.take(~inside), num_classes).items():
+            seen[name][d] = value
+    q = 1.0 - false_alarm / len(SIGNALS)
+    return {name: float(np.quantile(values, q, method="higher")) for name, values in seen.items()}
+
+
+def verdict(found: dict[str, float], limits: dict[str, float]) -> list[str]:
+    """The signals whose distance is past their threshold (drift where any is)."""
+    return [name for name in SIGNALS if found[name] > limits[name]]
+
+
+def estimated_accuracy(window_confidence: np.ndarray, reference: Texts, correct: np.ndarray
+                       ) -> tuple[float, float, float]:
+    """(estimate, low, high) of the window's accuracy from its confidences (module docstring); a 95 % interval."""
+    ref_bins = confidence_bin(reference.confidence)
+    count = np.bincount(ref_bins, minlength=CONFIDENCE_BINS).astype(float)
+    hits = np.bincount(ref_bins, weights=np.asarray(correct, float), minlength=CONFIDENCE_BINS)
+    # a bin the reference barely fills leans on the bin's own confidence (its middle) rather than on a few texts
+    middle = (np.arange(CONFIDENCE_BINS) + 0.5) / CONFIDENCE_BINS
+    accuracy = (hits + 2 * middle) / (count + 2)
+    bins = confidence_bin(window_confidence)
+    p = accuracy[bins]
+    n = len(p)
+    share = np.bincount(bins, minlength=CONFIDENCE_BINS) / n
+    variance = np.sum(p * (1 - p)) / n ** 2 + np.sum(share ** 2 * accuracy * (1 - accuracy) / (count + 2))
+    half = 1.96 * float(np.sqrt(variance))
+    estimate = float(p.mean())
+    return estimate, max(0.0, estimate - half), min(1.0, estimate + half)

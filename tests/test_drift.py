@@ -1,0 +1,61 @@
+"""The monitors' arithmetic (drift.py): thresholds drawn from the reference keep false alarms at the chosen rate
+on windows like it, a real shift is found, and the accuracy estimated from confidence holds the real accuracy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from torchloom.drift import SIGNALS, Texts, distances, estimated_accuracy, thresholds, verdict
+
+
+def texts(rng, n: int, shift: float = 0.0, classes=(0.3, 0.25, 0.2, 0.15, 0.1)) -> Texts:
+    """Signals like a classifier's: skewed classes, confidence near 1, log-normal lengths, a few unknown tokens."""
+    return Texts(predicted=rng.choice(len(classes), n, p=classes),
+                 confidence=np.clip(rng.beta(8 - 6 * shift, 1.5, n), 0, 1),
+                 length=(rng.lognormal(5 + shift, 0.5, n)).astype(int) + 3,
+                 unknown=np.clip(rng.exponential(0.01 + 0.02 * shift, n), 0, 1))
+
+
+@pytest.mark.parametrize("size", [30, 200])
+def test_windows_like_the_reference_raise_the_verdict_at_most_at_the_chosen_rate(size):
+    rng = np.random.default_rng(7)
+    reference = texts(rng, 1000)
+    limits = thresholds(reference, size, 5, false_alarm=0.05)
+    alarms = [bool(verdict(distances(texts(rng, size), reference, 5), limits)) for _ in range(400)]
+    assert np.mean(alarms) <= 0.05 + 2 * np.sqrt(0.05 * 0.95 / 400)  # the bound, give or take its noise
+    # ...and a shift in the inputs is found in nearly every window
+    found = [bool(verdict(distances(texts(rng, size, shift=0.5), reference, 5), limits)) for _ in range(50)]
+    assert np.mean(found) >= 0.9
+
+
+def test_each_signal_answers_to_its_own_shift():
+    rng = np.random.default_rng(3)
+    reference = texts(rng, 1000)
+    limits = thresholds(reference, 200, 5)
+    base = texts(rng, 200)
+    shifted = {
+        "classes": Texts(np.zeros(200, int), base.confidence, base.length, base.unknown),  # one class only
+        "length": Texts(base.predicted, base.confidence, base.length * 4, base.unknown),  # four times longer
+        "unknown": Texts(base.predicted, base.confidence, base.length, base.unknown + 0.2),  # another language
+        "confidence": Texts(base.predicted, np.clip(base.confidence - 0.3, 0, 1), base.length, base.unknown),
+    }
+    assert verdict(distances(base, reference, 5), limits) == []
+    for name, window in shifted.items():
+        assert name in verdict(distances(window, reference, 5), limits), name
+    assert set(limits) == set(SIGNALS)
+
+
+def test_the_accuracy_estimate_holds_the_real_accuracy_where_confidence_is_calibrated():
+    rng = np.random.default_rng(11)
+    reference = texts(rng, 1000)
+    correct = rng.random(1000) < reference.confidence  # a calibrated model: right as often as it is confident
+    held = []
+    for shift in (0.0, 0.0, 0.3, 0.6):  # less confident windows: the estimate follows them down
+        for _ in range(25):
+            window = texts(rng, 300, shift=shift)
+            truth = np.mean(rng.random(300) < window.confidence)
+            estimate, low, high = estimated_accuracy(window.confidence, reference, correct)
+            held.append(low <= truth <= high)
+            assert abs(estimate - truth) < 0.12
+    assert np.mean(held) >= 0.9
