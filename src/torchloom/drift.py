@@ -12,7 +12,9 @@ Thresholds are chosen, not guessed: windows of the same size are drawn from the 
 replacement) and compared with the rest of it; a signal's threshold is the (1 - false_alarm / signals) quantile
 of those distances, so a window from the validation distribution raises the verdict with probability at most
 `false_alarm` (Bonferroni over the signals). A window larger than half the reference is calibrated at half its
-size: a larger window varies less, so the threshold errs towards fewer alarms.
+size: a larger window varies less, so the threshold errs towards fewer alarms. A Kolmogorov-Smirnov threshold is
+at least one text's worth of the window plus the rule of three's 3/n of the reference: a reference that never
+varies on a signal (no unknown token in any of its texts) would otherwise call one odd text drift.
 
 Accuracy without labels (confidence-based performance estimation, as NannyML's CBPE): the reference's accuracy
 per confidence bin (its texts have labels), averaged over the window's texts. Its interval holds the window's
@@ -103,7 +105,12 @@ def thresholds(reference: Texts, size: int, num_classes: int, false_alarm: float
         for name, value in distances(reference.take(inside), reference.take(~inside), num_classes).items():
             seen[name][d] = value
     q = 1.0 - false_alarm / len(SIGNALS)
-    return {name: float(np.quantile(values, q, method="higher")) for name, values in seen.items()}
+    limits = {name: float(np.quantile(values, q, method="higher")) for name, values in seen.items()}
+    # A signal the reference never varies on (no unknown token in 400 texts) would flag one odd text: a window
+    # has to differ by more than one text's worth (the rule of three: the reference's rate may be up to 3/n).
+    for name in ("length", "unknown"):
+        limits[name] = max(limits[name], 1.0 / m + 3.0 / n)
+    return limits
 
 
 def verdict(found: dict[str, float], limits: dict[str, float]) -> list[str]:
