@@ -52,6 +52,11 @@ def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], sp
     from torchloom.model.predict import Predictor
 
     model_dir = Path(model_dir)
+    earlier = model_dir / PROFILE_DIR
+    if earlier.exists() and not (sorted(p.name for p in earlier.iterdir()) == [PROFILE_FILE]
+                                 and read_profile(model_dir) is not None):
+        raise UserError(f"model dir {model_dir}: {PROFILE_DIR}/ holds files torchloom did not write there; move it"
+                        " away to write the model's monitoring profile")
     predictor = Predictor(str(model_dir), device=device)
     answers = predictor.predict(texts)
     signals = text_signals(predictor, texts, answers)
@@ -69,8 +74,8 @@ def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], sp
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     (tmp / PROFILE_FILE).write_text(json.dumps(profile, separators=(",", ":")) + "\n", encoding="utf-8")
-    shutil.rmtree(model_dir / PROFILE_DIR, ignore_errors=True)
-    os.replace(tmp, model_dir / PROFILE_DIR)
+    shutil.rmtree(earlier, ignore_errors=True)  # an earlier profile alone (checked above)
+    os.replace(tmp, earlier)
     return profile
 
 
