@@ -96,8 +96,10 @@ def labelled_texts(manifest: Manifest, split: str, limit: int) -> tuple[list[str
     if split not in manifest.splits:
         return texts, labels
     for shard in manifest.split(split).shards:
-        table = pq.read_table(manifest.shard_uri(shard), columns=["text", "label", "chunk"])
-        first = np.asarray(table.column("chunk")) == 0
+        pf = pq.ParquetFile(manifest.shard_uri(shard))
+        chunked = "chunk" in pf.schema_arrow.names  # shards written before chunks have a row per text
+        table = pf.read(columns=["text", "label", *(["chunk"] if chunked else [])])
+        first = np.asarray(table.column("chunk")) == 0 if chunked else np.ones(table.num_rows, bool)
         for text, label, keep in zip(table.column("text").to_pylist(), table.column("label").to_pylist(), first):
             if keep and len(texts) < limit:
                 texts.append(text)

@@ -54,7 +54,13 @@ def export_stage(cfg: Config, tracker=None) -> dict:
 
         onnx_info = export_onnx(out, gate_rows(m, cfg.export.gate_rows), cfg.export.format,
                                 say=lambda msg: say(f"export: {msg}"))
-    profile = _profile(out, m, cfg)
+    try:
+        profile = _profile(out, m, cfg)
+    except Exception as e:  # the model is exported whatever: a monitor of it is what is missing, said in one line
+        from torchloom.errors import first_line
+
+        say(f"export: warning: no monitoring profile ({first_line(e)}); `torchloom monitor` needs one: export again")
+        profile = None
     files.push(rd.model)
     if tracker is not None and tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(out)
