@@ -1045,6 +1045,6 @@ def test_monitor_compares_new_texts_with_the_model_s_profile(finished_run, tmp_p
 
     with pytest.raises(UserError, match=r"no monitoring profile .*export it again"):
         monitor_file(str(rd / "model"), str(like), str(tmp_path / "none"), text_column="body")
-    (model / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/1", "reference": {}}')
+    (model / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/2", "reference": {}}')
     with pytest.raises(UserError, match=r"monitor/profile.json cannot be read \(.*\); export it again"):
         monitor_file(str(model), str(like), str(tmp_path / "none"), text_column="body")

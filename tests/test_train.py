@@ -224,14 +224,25 @@ def test_gpu_fp16_with_grad_scaler_trains(tmp_path, data_dir, models):
 
 def test_a_failing_rank_becomes_the_error_with_its_traceback_and_is_not_restarted(tmp_path, data_dir, models):
     # max_restarts 2, but an error of a rank's own would happen again: the job fails at once
+    # and the webhook (tracking.notify_url, from the environment here) gets one message, its secret never printed
+    from support.net import Webhook
+
     rd = new_run(tmp_path, data_dir, "fail")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
-         "--train.batch_size", "8", "--train.precision", "fp32", "--engine.max_restarts", "2"],
-        capture_output=True, text=True, timeout=300,
-        env={**__import__("os").environ, "TORCHLOOM_FAULT": "rank=1,step=3,kind=raise"},
-    )
+    with Webhook() as hook:
+        proc = subprocess.run(
+            [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
+             "--train.batch_size", "8", "--train.precision", "fp32", "--engine.max_restarts", "2"],
+            capture_output=True, text=True, timeout=300,
+            env={**__import__("os").environ, "TORCHLOOM_FAULT": "rank=1,step=3,kind=raise",
+                 "TORCHLOOM_NOTIFY_URL": hook.url},
+        )
     assert proc.returncode == 1
+    assert len(hook.posts) == 1 and hook.posts[0]["content_type"] == "application/json", hook.posts
+    message = hook.posts[0]["body"]
+    assert message["torchloom"]["event"] == "train_failed" and message["torchloom"]["run"] == str(rd)
+    assert message["text"].startswith(f"torchloom {rd}: training failed: ") and "InjectedFault" in message["text"]
+    assert f"alert: sent to {hook.url.split('/hooks')[0]} (train_failed, HTTP 200)" in proc.stderr
+    assert "secret-token" not in proc.stderr + proc.stdout
     assert "training failed on rank 1: InjectedFault: injected fault on rank 1 at step 3" in proc.stderr
     assert "traceback of rank 1" in proc.stderr and "faults.py" in proc.stderr
     assert json.loads((rd / "logs" / "error-rank1.json").read_text())["type"] == "InjectedFault"
@@ -381,3 +392,39 @@ def test_length_bucketing_auto_resumes_as_the_run_began(tmp_path, data_dir, mode
     result = local.train(cfg_for(rd, models["no_dropout"], "--train.max_steps", "5", "--train.resume", "latest",
                                  "--train.length_bucketing", "auto"), rd, quiet=True)
     assert result.resumed_from.endswith("step-3") and result.steps == 5
+
+
+def test_a_resumed_training_that_ends_worse_on_validation_alerts_and_a_dead_webhook_is_one_line(tmp_path, capsys):
+    """The run's history before the resume against its last validation after it: worse is said and sent; better or
+    equal is neither. A webhook that cannot be reached costs one line, never the command."""
+    from support.net import Webhook
+
+    from torchloom.rundir import RunDir
+    from torchloom.stages.train import last_validation, worse_after_resume
+    from torchloom.train.result import TrainResult
+
+    rd = RunDir(tmp_path / "run")
+    rd.root.mkdir()
+    rd.metrics.write_text("\n".join(json.dumps(r) for r in (
+        {"kind": "eval", "step": 10, "macro_f1": 0.70}, {"kind": "train", "step": 15, "loss": 0.3},
+        {"kind": "eval", "step": 20, "macro_f1": 0.82}, "not json")) + "\n")
+    before = last_validation(rd, "macro_f1")
+    assert before == (20, 0.82)
+    result = TrainResult.__new__(TrainResult)
+    with Webhook() as hook:
+        cfg = build(overrides=["--tracking.notify_url", hook.url])
+        for value, sent in ((0.85, 0), (0.82, 0), (0.74, 1)):
+            result.last_eval, result.steps = {"macro_f1": value}, 40
+            worse_after_resume(cfg, rd, before, result, 20)
+            assert len(hook.posts) == sent
+    assert hook.posts[0]["body"]["torchloom"] | {"run": None} == {
+        "event": "train_worse_after_resume", "run": None, "engine": "local", "workers": cfg.engine.workers,
+        "metric": "macro_f1", "value": 0.74, "before": 0.82, "before_step": 20, "step": 40}
+    err = capsys.readouterr().err
+    assert err.count("train: warning: validation macro_f1 0.7400 at step 40, worse than 0.8200 at step 20") == 1
+    worse_after_resume(build(overrides=["--tracking.notify_url", hook.url]), rd, before, result, 20)  # now closed
+    err = capsys.readouterr().err
+    assert "alert: the webhook at http://127.0.0.1:" in err and "cannot be reached" in err
+    assert "secret-token" not in err
+    with pytest.raises(UserError, match="config tracking.notify_url: not an http"):
+        build(overrides=["--tracking.notify_url", "hooks.slack.com/x"])

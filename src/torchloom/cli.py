@@ -20,7 +20,8 @@ COMMANDS = {
     "evaluate": "score the exported model on a split: report.md, report.json, plots/",
     "predict": "predict labels with an exported model: texts as JSON lines, or a whole file to Parquet (--output)",
     "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--serve-with ray)",
-    "monitor": "compare new texts with the model's reference profile: drift report, estimated accuracy (exit 3: drift)",
+    "monitor": "compare new texts with the model's reference profile: drift report, estimated accuracy (exit 3:"
+               " drift); `monitor rules`: Prometheus alerts and a Grafana dashboard for served models",
     "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
@@ -318,7 +319,8 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
-        require_api_key=args.require_api_key,
+        require_api_key=args.require_api_key, monitor=args.monitor, monitor_window=args.monitor_window,
+        monitor_window_s=args.monitor_window_s, false_alarm=args.false_alarm,
     ).check()
     warning = settings.exposure_warning()
     if warning:
@@ -389,6 +391,10 @@ def main(argv: list[str] | None = None) -> int:
         from torchloom.plan.command import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:2] == ["monitor", "rules"]:  # Prometheus rules and a Grafana dashboard: text, no torch
+        from torchloom.serve.alerting import main as rules_main
+
+        return rules_main(argv[2:])
     if argv and argv[0] == "k8s":  # manifests from the config: no torch either
         from torchloom.k8s.command import main as k8s_main
 

@@ -92,6 +92,7 @@ MEANINGS: dict[str, str] = {
     'tracking.experiment': 'the MLflow experiment (created when missing)',
     'tracking.run_name': '"" = the run directory\'s name',
     'tracking.log_model': 'log the exported model as an MLflow pyfunc model (`mlflow models serve -m runs:/<id>/model --env-manager local`: it carries torchloom\'s own code)',
+    'tracking.notify_url': 'a webhook (Slack, Mattermost, Teams or any HTTP endpoint) that gets one JSON message, `{"text": ..., "torchloom": {"event": ...}}`, when a training fails, is preempted with nothing left to go on, or ends worse on validation than the run it resumed from; "" = none. It is a secret (it is never printed whole): prefer `TORCHLOOM_NOTIFY_URL` in the environment',
     'tune.backend': '`ray` (Ray Tune: Optuna search, ASHA, each trial a Ray Train run), `optuna` (trials on the local or spark engine, pruning, shared storage); auto = ray when installed',
     'tune.space': 'config key -> distribution: `uniform(a, b)`, `loguniform(a, b)`, `int(a, b)`, `logint(a, b)` (both ends included), `choice(x, y, ...)`; a bare key (`lr`) is looked up in train, model, eval, prepare, engine',
     'tune.trials': 'trials in the study (all processes together, for Optuna)',

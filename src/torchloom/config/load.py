@@ -103,6 +103,11 @@ def validate(cfg: Config) -> Config:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
+    from torchloom.notify import check_url
+
+    problem = check_url(cfg.tracking.notify_url)
+    if problem:
+        raise UserError(f"config tracking.notify_url: {problem}")
     validate_strategy(cfg)
     if cfg.train.batch_size == "auto":
         return cfg  # it is chosen from the data, a multiple of workers x grad_accum (config/budget.py)

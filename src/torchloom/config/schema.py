@@ -175,6 +175,7 @@ class TrackingConfig:
     experiment: str = "torchloom"
     run_name: str = ""  # "": the run dir's name
     log_model: bool = True  # the exported model as an MLflow pyfunc model
+    notify_url: str = ""  # a webhook (Slack-compatible) told when training fails, is preempted or ends worse
 
 
 @dataclass

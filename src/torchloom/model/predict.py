@@ -125,19 +125,23 @@ class Predictor:
         self.info = info
         self.lexical, self.weight = shipped_baseline(path, info)
 
-    def predict(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
+    def predict(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
+                ) -> list[dict[str, Any]]:
         """One {"label", "score", "probabilities"} per text, in input order; texts are cleaned like prepare's.
-        with_logits: also "logits" (label -> the logit; a chunked text's, its windows' mean)."""
+        with_logits: also "logits" (label -> the logit; a chunked text's, its windows' mean); with_signals: also
+        "tokens" and "unknown" (predict_encoded)."""
         if isinstance(texts, str) or not all(isinstance(t, str) for t in texts):
             raise UserError("predict takes a list of strings")
         results: list[dict[str, Any]] = []
         for start in range(0, len(texts), SORT_CHUNK):
-            results += self._predict_chunk(texts[start:start + SORT_CHUNK], with_logits)
+            results += self._predict_chunk(texts[start:start + SORT_CHUNK], with_logits, with_signals)
         return results
 
-    def encode(self, texts: list[str], cleaned: list[str] | None = None) -> list[dict[str, list[int]]]:
+    def encode(self, texts: list[str], cleaned: list[str] | None = None, lengths: list[int] | None = None
+               ) -> list[dict[str, list[int]]]:
         """The model's inputs for each text: cleaned like prepare's (`cleaned`, where the caller has them), cut
-        like prepare's (self.truncation)."""
+        like prepare's (self.truncation). `lengths`, a list: each text's tokens before the cut are appended to it
+        (estimated, in proportion to characters, for a text longer than the start `head` encodes)."""
         cleaned = [clean_text(well_formed(t)) for t in texts] if cleaned is None else cleaned
         if self.truncation == "head":
             # prepare's shortcut (truncation.prefix, prefix_holds): a long text's start alone, when its tokens pass
@@ -146,6 +150,9 @@ class Predictor:
             starts = [prefix(t, size) for t in cleaned]
             first = self.tokenizer(starts, truncation=False)
             counts = [len(ids) for ids in first["input_ids"]]
+            if lengths is not None:
+                lengths += [n if len(start) == len(text) else round(n * len(text) / max(1, len(start)))
+                            for start, text, n in zip(starts, cleaned, counts)]
             rows = [dict(zip(first.keys(), values)) for values in zip(*first.values())]
             # A whole text within max_length is already encoded as the cut would encode it: only the others are
             # encoded again (with short texts, as a server's, that halves the tokenizer's work)
@@ -160,6 +167,8 @@ class Predictor:
         if self.truncation == "chunks":
             raise ValueError("truncation chunks gives several windows per text: use encode_windows")
         encoded = self.tokenizer(cleaned, truncation=False)  # whole, then cut: every per-token list alike
+        if lengths is not None:
+            lengths += [len(ids) for ids in encoded["input_ids"]]
         return [{k: cut(v, self.max_length, self.truncation) for k, v in zip(encoded.keys(), values)}
                 for values in zip(*encoded.values())]
 
@@ -168,16 +177,23 @@ class Predictor:
         prepare's: truncation.windows), else the one input `encode` gives. A model that ships the mix with the
         baseline carries each text's baseline probabilities with its windows (`Windows.lexical`)."""
         cleaned = [clean_text(well_formed(t)) for t in texts]
+        lengths: list[int] = []
         if self.truncation != "chunks":
-            out = [Windows([f]) for f in self.encode(texts, cleaned)]
+            out = [Windows([f]) for f in self.encode(texts, cleaned, lengths)]
         else:
             encoded = self.tokenizer(cleaned, truncation=False)
+            lengths = [len(ids) for ids in encoded["input_ids"]]
             front, back = self.layout
             out = []
             for values in zip(*encoded.values()):
                 per_key = {k: windows(v, self.max_length, self.stride, self.max_chunks, front, back)
                            for k, v in zip(encoded.keys(), values)}
                 out.append(Windows(dict(zip(per_key, parts)) for parts in zip(*per_key.values())))
+        unk = self.tokenizer.unk_token_id
+        for item, n in zip(out, lengths):  # what a monitor compares (model/profile.py): a few list scans a text
+            item.tokens = n
+            read = sum(len(f["input_ids"]) for f in item)
+            item.unknown = (sum(f["input_ids"].count(unk) for f in item) / read) if read and unk is not None else 0.0
         if self.lexical is not None:
             for item, probs in zip(out, self.lexical.probabilities(cleaned)):
                 item.lexical = probs
@@ -196,8 +212,9 @@ class Predictor:
             return self.traced.logits(batch).float().cpu()
         return self.model(**batch).logits.float().cpu()
 
-    def _predict_chunk(self, texts: list[str], with_logits: bool = False) -> list[dict[str, Any]]:
-        return self.predict_encoded(self.encode_windows(texts), with_logits) if texts else []
+    def _predict_chunk(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
+                       ) -> list[dict[str, Any]]:
+        return self.predict_encoded(self.encode_windows(texts), with_logits, with_signals) if texts else []
 
     def forwards(self, lengths: list[int], ids: list[int]) -> list[list[int]]:
         """`ids` (sorted by `lengths[id]`, ascending) cut into forwards: at most batch_size rows and
@@ -222,9 +239,11 @@ class Predictor:
         """Every length padded_length gives for rows of 1 to max_length tokens."""
         return sorted({self.padded_length(n) for n in range(1, self.max_length + 1)})
 
-    def predict_encoded(self, per_text: list[list[dict[str, list[int]]]], with_logits: bool = False
-                        ) -> list[dict[str, Any]]:
-        """predict's answers for texts already encoded by encode_windows (one list of model inputs per text)."""
+    def predict_encoded(self, per_text: list[list[dict[str, list[int]]]], with_logits: bool = False,
+                        with_signals: bool = False) -> list[dict[str, Any]]:
+        """predict's answers for texts already encoded by encode_windows (one list of model inputs per text).
+        with_signals: also "tokens" (before truncation) and "unknown" (the share of unknown tokens the model read),
+        what a monitor compares (model/profile.py)."""
         import torch
 
         if not per_text:
@@ -256,6 +275,9 @@ class Predictor:
                             "probabilities": dict(zip(self.labels, row))})
             if with_logits:
                 results[-1]["logits"] = dict(zip(self.labels, mean))
+        if with_signals:
+            for result, item in zip(results, per_text):
+                result["tokens"], result["unknown"] = item.tokens, item.unknown
         return results
 
 
@@ -263,6 +285,8 @@ class Windows(list):
     """One text's model inputs (its windows), and, where the model ships the mix, its baseline probabilities."""
 
     lexical: np.ndarray | None = None
+    tokens: int = 0  # the text's tokens before truncation (Predictor.encode's `lengths`)
+    unknown: float = 0.0  # the share of unknown tokens among those the model reads
 
 
 def shipped_baseline(model_dir: Path, info: dict[str, Any]) -> tuple[Lexical | None, float]:

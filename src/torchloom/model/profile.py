@@ -22,28 +22,22 @@ from torchloom.errors import UserError, first_line
 
 PROFILE_DIR = "monitor"
 PROFILE_FILE = "profile.json"
-FORMAT = "torchloom-monitor/1"
+FORMAT = "torchloom-monitor/2"  # /1 (one day old) measured lengths and unknown tokens otherwise
 PROFILE_TEXTS = 1000  # at most: the thresholds' resampled windows are drawn from these
 MIN_PROFILE_TEXTS = 100  # at least: fewer held-out texts say too little of what normal looks like
 REEXPORT = "export it again (torchloom export --output.dir RUN) to monitor it"
 
 
-def text_signals(predictor, texts: list[str], answers: list[dict[str, Any]]) -> Texts:
-    """The signals of `texts` given the predictor's answers for them (drift.SIGNALS)."""
-    from torchloom.model.predict import well_formed
-    from torchloom.textclean import clean_text
-
-    tokenizer = predictor.tokenizer
-    cleaned = [clean_text(well_formed(t)) for t in texts]
-    ids = tokenizer(cleaned, truncation=False, add_special_tokens=True)["input_ids"] if cleaned else []
-    unk = tokenizer.unk_token_id
-    index = {label: i for i, label in enumerate(predictor.labels)}
-    return Texts(
-        predicted=np.array([index[a["label"]] for a in answers], np.int64),
-        confidence=np.array([a["score"] for a in answers], np.float64),
-        length=np.array([len(row) for row in ids], np.int64),
-        unknown=np.array([(sum(1 for t in row if t == unk) / len(row)) if row and unk is not None else 0.0
-                          for row in ids], np.float64))
+def text_signals(labels: list[str], answers: list[dict[str, Any]]) -> Texts:
+    """The signals of texts from a Predictor's answers for them, given `with_signals` (drift.SIGNALS): the same
+    numbers a server reads off the inputs it encoded anyway, so that a profile, a batch monitor and a server's
+    window all measure alike (length: tokens before truncation, estimated from characters past the start a
+    `head` model encodes; unknown: the share of unknown tokens among those the model reads)."""
+    index = {label: i for i, label in enumerate(labels)}
+    return Texts(predicted=np.array([index[a["label"]] for a in answers], np.int64),
+                 confidence=np.array([a["score"] for a in answers], np.float64),
+                 length=np.array([a["tokens"] for a in answers], np.int64),
+                 unknown=np.array([a["unknown"] for a in answers], np.float64))
 
 
 def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], splits: dict[str, int],
@@ -58,8 +52,8 @@ def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], sp
         raise UserError(f"model dir {model_dir}: {PROFILE_DIR}/ holds files torchloom did not write there; move it"
                         " away to write the model's monitoring profile")
     predictor = Predictor(str(model_dir), device=device)
-    answers = predictor.predict(texts)
-    signals = text_signals(predictor, texts, answers)
+    answers = predictor.predict(texts, with_signals=True)
+    signals = text_signals(predictor.labels, answers)
     correct = [a["label"] == y for a, y in zip(answers, labels)]
     profile = {
         "format": FORMAT, "labels": predictor.labels, "texts": len(texts), "splits": splits,

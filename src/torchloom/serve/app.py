@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -42,7 +43,8 @@ from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("torchloom.serve")
 
-ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
+ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/v1/monitor", "/", "/healthz", "/readyz", "/metrics", "/docs",
+             "/openapi.json")
 # Worst case JSON size of one character (\uXXXX for a surrogate half, twice) plus per-item overhead.
 _BYTES_PER_CHAR = 12
 _BYTES_PER_ITEM = 8
@@ -212,6 +214,13 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
     async def labels() -> Response:
         return JSONResponse({"model": model_info, "labels": list(identity.labels)})
 
+    @api.get("/v1/monitor", summary="the monitor's verdict on recent texts: drift per signal against its"
+                                     " threshold, estimated accuracy, class shares (docs/serving.md, Monitoring)")
+    async def monitor() -> Response:
+        report = monitor_report(backend)
+        shown = {k: v for k, v in report.items() if k not in ("at", "model")}
+        return JSONResponse({"model": model_info, **shown})
+
     @api.post(
         "/v1/predict", response_model=PredictResponse,
         responses={status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503)},
@@ -223,6 +232,13 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
         return await answer_predict(request, backend, max_texts, max_chars, body_limit)
 
     return api
+
+
+def monitor_report(backend: Backend) -> dict[str, Any]:
+    """The backend's monitor report (serve/live_monitor.py); "off" for a backend without one."""
+    read = getattr(backend, "monitor_report", None)
+    return read() if read is not None else {"state": "off", "reason": "this backend has no monitor", "drift": False,
+                                            "drifted": []}
 
 
 async def answer_predict(request: Request, backend: Backend, max_texts: int, max_chars: int,
@@ -293,6 +309,11 @@ class MetricsMiddleware:
             self.metrics.latency.observe(time.perf_counter() - started, endpoint)
 
 
+# The page's own script and style only, calls to this server only, in no frame of another site
+PAGE_POLICY = ("default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; connect-src 'self';"
+               " img-src data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+
+
 def health_router(backend: Backend) -> APIRouter:
     """GET /healthz, /readyz and /metrics: open to anyone, like a load balancer or Prometheus."""
     identity = backend.identity
@@ -311,6 +332,16 @@ def health_router(backend: Backend) -> APIRouter:
     @api.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:
         return Response(backend.metrics.render(), media_type=CONTENT_TYPE)
+
+    @api.get("/", summary="the status page: the model, live traffic, the monitor, a box to try a text",
+             response_class=Response)
+    async def status_page() -> Response:
+        from torchloom.serve.page import render_page
+
+        nonce = secrets.token_urlsafe(16)
+        return Response(render_page(identity, nonce), media_type="text/html; charset=utf-8",
+                        headers={"Content-Security-Policy": PAGE_POLICY.format(nonce=nonce),
+                                 "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
     return api
 

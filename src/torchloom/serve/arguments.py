@@ -66,6 +66,16 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                          " where it is native (AMX, AVX512-BF16), else fp32")
     sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
                     help="torch, or onnx: the gated ONNX file of `torchloom export --format onnx|onnx-int8`")
+    sp.add_argument("--no-monitor", dest="monitor", action="store_false",
+                    help="do not compare recent texts with the model's reference profile (default: compare, where"
+                         " the export wrote one: /v1/monitor, /metrics, the page at /)")
+    sp.add_argument("--monitor-window", type=int, default=500, metavar="TEXTS",
+                    help="the monitor compares the last this many texts (default 500)")
+    sp.add_argument("--monitor-window-s", type=float, default=0.0, metavar="SECONDS",
+                    help="and none older than this (default 0: no age limit)")
+    sp.add_argument("--false-alarm", type=float, default=None, metavar="P",
+                    help="the chance that a window of texts like the reference is called drift (default: the"
+                         " profile's, 0.01)")
 
 
 

@@ -60,6 +60,62 @@ class Gauge:
         yield f"{self.name} {_number(self.read())}"
 
 
+class Family:
+    """Gauges with labels, all read when scraped from one function: [(label values, value), ...]."""
+
+    def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...],
+                 read: Callable[[], list[tuple[tuple[str, ...], float]]]) -> None:
+        self.name, self.help, self.labelnames, self.read = name, help_text, labelnames, read
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} gauge"
+        for labels, value in self.read():
+            yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
+
+
+def monitor_families(report: Callable[[], dict]) -> list[Family]:
+    """The monitor's gauges (serve/live_monitor.py), read from its current report when scraped."""
+    from torchloom.drift import SIGNALS
+
+    def signal(key: str):
+        def read():
+            r = report()
+            return [((name,), r["signals"][name][key]) for name in SIGNALS
+                    if "signals" in r and r["signals"][name][key] is not None]
+        return read
+
+    def states():
+        current = report()["state"]
+        return [((state,), float(state == current)) for state in ("off", "warming_up", "no_drift", "drift")]
+
+    def accuracy():
+        est = report().get("estimated_accuracy")
+        return [((bound,), est[key]) for bound, key in (("estimate", "value"), ("low", "low"), ("high", "high"))] \
+            if est else []
+
+    def shares():
+        r = report()
+        return [((label,), s["window"]) for label, s in r.get("class_shares", {}).items()]
+
+    return [
+        Family("torchloom_monitor_state", "1 for the monitor's state: off (no profile), warming_up (too few texts),"
+               " no_drift or drift.", ("state",), states),
+        Family("torchloom_monitor_drift", "1 while the window of recent texts has drifted from the model's reference"
+               " (any signal past its threshold), else 0.", (), lambda: [((), float(report()["drift"]))]),
+        Family("torchloom_monitor_distance", "Each signal's distance between the window and the reference.",
+               ("signal",), signal("distance")),
+        Family("torchloom_monitor_threshold", "Each signal's threshold, drawn from the reference for the chosen"
+               " false-alarm rate.", ("signal",), signal("threshold")),
+        Family("torchloom_monitor_estimated_accuracy", "Accuracy the model's confidence promises on the window"
+               " (no labels needed), with its 95 % interval.", ("bound",), accuracy),
+        Family("torchloom_monitor_window_texts", "Texts in the monitor's window.",
+               (), lambda: [((), float(report().get("texts", 0)))]),
+        Family("torchloom_monitor_class_share", "Each label's share of the window's predictions.", ("label",),
+               shares),
+    ]
+
+
 class Histogram:
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...],
                  labelnames: tuple[str, ...] = ()) -> None:
@@ -93,7 +149,9 @@ class Histogram:
 class ServeMetrics:
     """The server's metrics: requests by endpoint and status, latency, batch sizes, queue depth, model errors."""
 
-    def __init__(self, queue_depth: Callable[[], float] = lambda: 0) -> None:
+    def __init__(self, queue_depth: Callable[[], float] = lambda: 0,
+                 monitor: Callable[[], dict] | None = None, queue_capacity: float = 0) -> None:
+        """monitor: the monitor's current report (live_monitor.LiveMonitor.current, or its "off" report)."""
         self.requests = Counter("torchloom_requests_total", "HTTP requests by endpoint and status code.",
                                 ("endpoint", "status"))
         self.latency = Histogram("torchloom_request_duration_seconds",
@@ -124,11 +182,15 @@ class ServeMetrics:
                                        " padded length: one per length bucket.", ("length",))
         self.model_errors = Counter("torchloom_model_errors_total", "Batches or requests the model failed on.")
         self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
+        self.queue_capacity = Gauge("torchloom_queue_capacity", "Texts the queue holds at most (--max-queue): past it"
+                                    " requests get 429.", lambda: queue_capacity)
+        self.monitor = monitor_families(monitor) if monitor is not None else []
 
     def render(self) -> str:
         lines: list[str] = []
         for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
                        self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped,
-                       self.client_disconnects, self.warm_up_batches, self.model_errors, self.queue_depth):
+                       self.client_disconnects, self.warm_up_batches, self.model_errors, self.queue_depth,
+                       self.queue_capacity, *self.monitor):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"

@@ -78,10 +78,13 @@ class ServedModel:
     def _autocast(self):
         return autocast(self.device, self.precision)
 
+    # each answer also carries its text's "tokens" and "unknown" (Predictor.predict_encoded), for a monitor
+    signals = False
+
     def predict(self, texts: list[str]) -> list[dict[str, Any]]:
         """Predictor.predict's answers, with each text's logits (TEI's raw_scores)."""
         with self._autocast():
-            return self.predictor.predict(texts, with_logits=True)
+            return self.predictor.predict(texts, with_logits=True, with_signals=self.signals)
 
     def encode(self, texts: list[str]) -> list[list[dict[str, list[int]]]]:
         """Each text's model inputs (cleaned and cut like training's): the server tokenizes before queueing,
@@ -90,7 +93,7 @@ class ServedModel:
 
     def predict_encoded(self, encoded: list[list[dict[str, list[int]]]]) -> list[dict[str, Any]]:
         with self._autocast():
-            return self.predictor.predict_encoded(encoded, with_logits=True)
+            return self.predictor.predict_encoded(encoded, with_logits=True, with_signals=self.signals)
 
     @staticmethod
     def cost(encoded: list[dict[str, list[int]]]) -> tuple[int, int]:

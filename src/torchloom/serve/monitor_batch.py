@@ -60,8 +60,8 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     predictor = Predictor(model_dir, device=device)
     if predictor.labels != profile["labels"]:
         raise UserError(f"model dir {model_dir}: its profile is of other labels than the model's; {REEXPORT}")
-    answers = predictor.predict(texts)
-    window = text_signals(predictor, texts, answers)
+    answers = predictor.predict(texts, with_signals=True)
+    window = text_signals(predictor.labels, answers)
     reference = Texts.of(profile["reference"])
     k = len(profile["labels"])
     found = distances(window, reference, k)

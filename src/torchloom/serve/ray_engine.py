@@ -63,9 +63,18 @@ class RayBackend:
         self.identity = self.model.identity
         self._pending = 0
         self._ready = False
-        self.metrics = ServeMetrics(queue_depth=lambda: self._pending)
+        from torchloom.serve.live_monitor import load_monitor
+
+        self.monitor, self.monitor_off, line = load_monitor(settings, self.model.labels, self.identity.name)
+        self.model.signals = self.monitor is not None
+        log.info("%s", line)  # each replica watches the texts it answers
+        self.metrics = ServeMetrics(queue_depth=lambda: self._pending, monitor=self.monitor_report,
+                                   queue_capacity=settings.max_queue)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
         self._batched_one = None  # the deployment's @serve.batch method, one text per call
+
+    def monitor_report(self) -> dict[str, Any]:
+        return self.monitor.current() if self.monitor is not None else self.monitor_off
 
     def attach(self, batched_one) -> None:
         self._batched_one = batched_one
@@ -80,6 +89,8 @@ class RayBackend:
         full-length text, then one batch at every length bucket on the model thread, as the local server
         does (ServedModel.warm_up_buckets; no token limit: @serve.batch counts texts, and the Predictor cuts a
         batch into the forwards it runs). A replica whose warm-up fails does not start, and says why."""
+        if self.monitor is not None:
+            self.monitor.start()
         await self.predict(["warm up"] * min(self.settings.max_batch_size, self.settings.max_queue, 8))
         await self.predict(["warm up " * self.model.max_length])
         if self.settings.tune:  # the traced forward where it is as fast; threads are the replica's CPUs, as Ray gave
@@ -116,6 +127,8 @@ class RayBackend:
         for result in results:
             if isinstance(result, _Failed):
                 raise ModelFailed(result.error_id)
+        if self.monitor is not None and self._ready:  # not the warm-up's texts
+            self.monitor.observe(results)
         return results
 
     async def predict_batch(self, items: list[_Item]) -> list[Any]:

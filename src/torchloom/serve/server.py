@@ -28,9 +28,14 @@ class LocalBackend:
     """The model behind a MicroBatcher; ready once the warm-up has run."""
 
     def __init__(self, model: ServedModel, settings: ServeSettings) -> None:
+        from torchloom.serve.live_monitor import load_monitor
+
         self.model = model
         self.identity = model.identity
-        self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth)
+        self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.labels, model.identity.name)
+        model.signals = self.monitor is not None
+        self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth, monitor=self.monitor_report,
+                                   queue_capacity=settings.max_queue)
         self.batcher = MicroBatcher(model.predict_encoded, settings.max_batch_size, settings.max_wait_ms,
                                     settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait,
                                     encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens,
@@ -43,8 +48,13 @@ class LocalBackend:
     def ready(self) -> bool:
         return self._ready
 
+    def monitor_report(self) -> dict[str, Any]:
+        return self.monitor.current() if self.monitor is not None else self.monitor_off
+
     async def start(self) -> None:
         await self.batcher.start()
+        if self.monitor is not None:
+            self.monitor.start()
         # Warm up after the socket listens: /healthz answers at once, /readyz once this is done.
         self._warm_up_task = asyncio.get_running_loop().create_task(self._warm_up())
 
@@ -80,7 +90,10 @@ class LocalBackend:
         await self.batcher.close()
 
     async def predict(self, texts: list[str]) -> list[dict[str, Any]]:
-        return await self.batcher.submit(texts)
+        answers = await self.batcher.submit(texts)
+        if self.monitor is not None and self._ready:  # not the warm-up's texts
+            self.monitor.observe(answers)
+        return answers
 
 
 def configure_logging() -> None:
@@ -163,6 +176,7 @@ def run_local(settings: ServeSettings) -> int:
     if model.warning:
         print(f"torchloom serve: warning: {model.warning}", file=sys.stderr, flush=True)
     backend = LocalBackend(model, settings)
+    print(f"torchloom serve: {backend.monitor_line}", file=sys.stderr, flush=True)
     app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local",
                      max_body_bytes=settings.max_body_bytes, max_connections=settings.max_connections)
     identity = model.identity

@@ -42,6 +42,10 @@ class ServeSettings:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # connections.RequestCap: past it 503 (local only)
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # connections.timed_protocol: past it 408, closed (local only)
     require_api_key: bool = False  # refuse to start without an API key (else: a warning when not on loopback)
+    monitor: bool = True  # compare recent texts with the model's reference profile (live_monitor.py), if it has one
+    monitor_window: int = 500  # texts in the monitor's window
+    monitor_window_s: float = 0.0  # and none older than this (0: no age limit)
+    false_alarm: float | None = None  # the chance a window like the reference is called drift (None: the profile's)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -69,6 +73,11 @@ class ServeSettings:
             (self.max_body_bytes >= 1, f"--max-body-bytes {self.max_body_bytes}: must be at least 1"),
             (self.max_connections >= 1, f"--max-connections {self.max_connections}: must be at least 1"),
             (self.read_timeout_s > 0, f"--read-timeout {self.read_timeout_s:g}: must be more than 0 seconds"),
+            (self.monitor_window >= 2, f"--monitor-window {self.monitor_window}: must be at least 2 texts"),
+            (self.monitor_window_s >= 0, f"--monitor-window-s {self.monitor_window_s:g}: must be 0 (no age limit) or"
+                                         " more seconds"),
+            (self.false_alarm is None or 0 < self.false_alarm < 1,
+             f"--false-alarm {self.false_alarm}: a chance, between 0 and 1 (e.g. 0.01)"),
             (self.api_key is None or (self.api_key.strip() == self.api_key and len(self.api_key) >= 8),
              "--api-key: use at least 8 characters without surrounding spaces"),
         ]

@@ -106,6 +106,79 @@ def tracked_metrics(result: TrainResult) -> dict[str, float]:
             **{f"train_time_{k}": v for k, v in result.time_split.items()}}
 
 
+def notify_url(cfg: Config) -> str:
+    import os
+
+    return cfg.tracking.notify_url or os.environ.get("TORCHLOOM_NOTIFY_URL", "")
+
+
+def alert(cfg: Config, rd: RunDir, event: str, text: str, **fields) -> None:
+    """One message to the webhook (tracking.notify_url), if one is set; a line on stderr either way."""
+    url = notify_url(cfg)
+    if not url:
+        return
+    from torchloom import notify
+
+    problem = notify.check_url(url)
+    if problem:
+        say(f"alert: TORCHLOOM_NOTIFY_URL: {problem}")
+        return
+    run = str(rd.where)
+    notify.send(url, event, f"torchloom {run}: {text}",
+                {"run": run, "engine": cfg.engine.name, "workers": cfg.engine.workers, **fields}, say=say)
+
+
+@contextmanager
+def alerting(cfg: Config, rd: RunDir):
+    """A training that fails, or is preempted with nothing left here to go on, alerts the webhook."""
+    from torchloom.engines.common import Preempted, TrainingFailed
+
+    try:
+        yield
+    except TrainingFailed as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "a worker failed"
+        alert(cfg, rd, "train_failed", f"training failed: {first[:300]}", error=str(e)[-4000:])
+        raise
+    except Preempted as e:
+        alert(cfg, rd, "train_preempted", f"training preempted, past what it could absorb: {e}", error=str(e))
+        raise
+
+
+def last_validation(rd: RunDir, metric: str) -> tuple[int, float] | None:
+    """(step, value) of the last validation in the run's history so far (a resumed run's: the one it resumes)."""
+    import json
+
+    last = None
+    if rd.metrics.exists():
+        for line in rd.metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("kind") == "eval" and isinstance(record.get(metric),
+                                                                                        (int, float)):
+                last = (int(record.get("step", 0)), float(record[metric]))
+    return last
+
+
+def worse_after_resume(cfg: Config, rd: RunDir, before: tuple[int, float] | None, result: TrainResult,
+                       resume_step: int | None) -> None:
+    """A resumed training whose last validation is worse than the one before it resumed: said, and alerted."""
+    from torchloom.train.state import better
+
+    metric = cfg.train.metric
+    now = result.last_eval.get(metric) if result.last_eval else None
+    if before is None or not isinstance(now, (int, float)) or result.steps <= before[0]:
+        return
+    if now == before[1] or better(metric, now, before[1]):
+        return
+    text = (f"validation {metric} {now:.4f} at step {result.steps}, worse than {before[1]:.4f} at step {before[0]}"
+            f" before it resumed (from step {resume_step})")
+    say(f"train: warning: {text}")
+    alert(cfg, rd, "train_worse_after_resume", f"resumed training ended worse: {text}", metric=metric,
+          value=now, before=before[1], before_step=before[0], step=result.steps)
+
+
 @recorded
 def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
                 startup: dict | None = None) -> TrainResult:
@@ -138,7 +211,8 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
             if tracker.enabled:
                 after = -1 if resume_step is None else resume_step
                 forward = MetricsForwarder(tracker.client, tracker.run_id, rd.metrics, after)
-            with forward:  # rank 0's per-step metrics to MLflow, from here: the workers never import MLflow
+            before = last_validation(rd, cfg.train.metric) if resume_step is not None else None
+            with forward, alerting(cfg, rd):  # rank 0's per-step metrics to MLflow: the workers never import MLflow
                 result = launch(cfg, rd, quiet, spark)
     finally:
         rd.write_hooks({})  # a later run must not report into this run's trial
@@ -157,6 +231,7 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
     if result.resumed_world_size:
         say(f"train: resumed at step {result.resumed_at_step} on {result.world_size} workers (the checkpoint's run"
             f" had {result.resumed_world_size}); the same global batches went on")
+    worse_after_resume(cfg, rd, before, result, resume_step)
     say(f"train: {result.steps} steps in {result.train_s:.1f} s, precision {result.precision}"
         f" ({result.precision_reason}); validation {result.last_eval or '-'}")
     say(f"train: {speed_line(result)}")

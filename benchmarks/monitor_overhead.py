@@ -1,0 +1,110 @@
+"""What the live monitor costs a server: `torchloom serve` with monitoring on against the same server with
+`--no-monitor`, at c = 64, one text per request (the most answers per second, so the most monitor work per second).
+
+    .venv/bin/python benchmarks/monitor_overhead.py [--models tiny,minilm] [--rounds 3] [--requests 4000]
+                                                    [--time-cap 20] [--no-write]
+
+Per model (tiny: the random 2-layer BERT, the fastest a server answers here, so the monitor's largest share;
+minilm: the demo's MiniLM with a fresh 5-label head), both servers run side by side, on the same model copy with
+its reference profile (1000 benchmark texts); rounds alternate on, off, off, on, ... so that neither side always
+goes first, each round a fresh load of `--requests` requests (or `--time-cap` seconds) after a warm-up. The ratio
+is the median over rounds of (texts/s with monitoring) / (texts/s without), both timed by the same load generator
+from the same moment (its start after the warm-up). Writes the table to docs/benchmarks.md under '## Serving with
+the monitor on and off'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import platform
+import statistics
+import sys
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve import LABELS, Process, export_benchmark_model, load, load_texts, wait_ready, write_doc  # noqa: E402
+from serve_front import cpu_name  # noqa: E402
+
+C = 64
+
+
+def model_for(name: str, work: Path, texts: list[str]) -> str:
+    from torchloom.model.profile import write_profile
+    from torchloom.model.tiny import write_tiny_model
+
+    base = write_tiny_model(work / "tiny-base") if name == "tiny" else None
+    model = export_benchmark_model(work / name / "model", base=base)
+    # labels for the profile's accuracy: the model's own answers on half, another label on the rest
+    from torchloom.model.predict import Predictor
+
+    answers = Predictor(model).predict(texts)
+    truth = [a["label"] if i % 2 else LABELS[(LABELS.index(a["label"]) + 1) % len(LABELS)]
+             for i, a in enumerate(answers)]
+    write_profile(model, texts, truth, {"val": len(texts), "test": 0})
+    return model
+
+
+def measure(name: str, model: str, texts: list[str], a: argparse.Namespace, work: Path) -> dict:
+    servers = {}
+    for side, flags in (("on", []), ("off", ["--no-monitor"])):
+        servers[side] = Process([sys.executable, "-m", "torchloom", "serve", model, "--port", "0", "--device", "cpu",
+                                 *flags], work, f"{name}-{side}")
+    try:
+        for s in servers.values():
+            asyncio.run(wait_ready(s.url))
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        p99: dict[str, list[float]] = {"on": [], "off": []}
+        order = ["on", "off", "off", "on"] * a.rounds
+        for side in order[:2 * a.rounds]:
+            row = asyncio.run(load(servers[side].url, texts, C, a.requests, a.time_cap))
+            rates[side].append(row["texts_s"])
+            p99[side].append(row["p99"])
+            print(f"{name:7} monitor {side:3}: {row['texts_s']:8.1f} texts/s  p99 {row['p99']:7.1f} ms"
+                  f"  ({row['requests']} requests, {row['errors']} errors)", flush=True)
+        on_log = (work / f"{name}-on.err").read_text()
+        assert "monitoring: the last 500 texts" in on_log, on_log[-2000:]
+        ratios = [x / y for x, y in zip(rates["on"], rates["off"])]
+        return {"model": name, "on": statistics.median(rates["on"]), "off": statistics.median(rates["off"]),
+                "p99_on": statistics.median(p99["on"]), "p99_off": statistics.median(p99["off"]),
+                "ratio": statistics.median(ratios), "ratios": ratios}
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="tiny,minilm")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per side")
+    p.add_argument("--requests", type=int, default=4000)
+    p.add_argument("--time-cap", type=float, default=20.0)
+    p.add_argument("--no-write", action="store_true")
+    a = p.parse_args()
+    texts = load_texts(1000)
+    cpu = cpu_name()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tl-monitor-cost-") as tmp:
+        work = Path(tmp)
+        for name in a.models.split(","):
+            rows.append(measure(name, model_for(name, work, texts), texts, a, work))
+    lines = [f"Machine: {cpu}; Python {platform.python_version()}; {datetime.now(UTC):%Y-%m-%d}."
+             f" `benchmarks/monitor_overhead.py --rounds {a.rounds} --requests {a.requests}`: c = {C}, one text per"
+             " request, window 500 texts (the default), reference 1000 texts.", "",
+             "| model | texts/s, monitor on | texts/s, monitor off | on / off (median of rounds; each round) |"
+             " p99 ms on | p99 ms off |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        each = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        lines.append(f"| {r['model']} | {r['on']:.1f} | {r['off']:.1f} | **{r['ratio']:.3f}** ({each}) |"
+                     f" {r['p99_on']:.1f} | {r['p99_off']:.1f} |")
+    body = "\n".join(lines)
+    print(body)
+    if not a.no_write:
+        print(f"wrote {write_doc(body, 'Serving with the monitor on and off (issue 57)')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""A server's own monitor: a sliding window of the texts it answered, compared with the model's reference profile
+(model/profile.py) on every signal (drift.py), with the accuracy the model's confidence promises.
+
+The window holds the last `size` texts, and none older than `max_age_s` (0: no age limit). A verdict needs at
+least `min_texts` of them ("warming_up" before). Thresholds depend on how many texts are compared: they are drawn
+at start (on a thread: about 0.7 s each on a 2-core CPU) for a ladder of sizes from `min_texts` to `size`, and a
+window between two rungs uses the lower one's, whose thresholds are higher (fewer alarms, never more than the
+chosen rate). The verdict is worked out again every `size // 10` texts and whenever someone reads it (/metrics,
+/v1/monitor, the status page); each change is one log line.
+
+Everything runs on the server's event loop (observing a text is a few appends; a verdict 0.4 ms on 500 texts),
+except the thresholds' thread. One monitor per process: a Ray Serve replica watches the texts it answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from torchloom.drift import SIGNALS, Texts, distances, estimated_accuracy, thresholds, verdict
+
+log = logging.getLogger("torchloom.serve")
+
+WINDOW = 500  # texts: a class share of 10 % is then known to about +-2.7 %; 4 signals drawn from 1000 reference texts
+MIN_TEXTS = 100
+STATES = ("off", "warming_up", "no_drift", "drift")
+
+
+class LiveMonitor:
+    def __init__(self, profile: dict, model: str, size: int = WINDOW, max_age_s: float = 0.0,
+                 false_alarm: float | None = None, min_texts: int = MIN_TEXTS) -> None:
+        self.profile = profile
+        self.model = model
+        self.labels = list(profile["labels"])
+        self.reference = Texts.of(profile["reference"])
+        self.correct = np.asarray(profile["reference"]["correct"], bool)
+        self.size = int(size)
+        self.max_age_s = float(max_age_s)
+        self.false_alarm = float(profile.get("false_alarm", 0.01) if false_alarm is None else false_alarm)
+        self.min_texts = max(2, min(int(min_texts), self.size))
+        # (time, class, confidence, tokens, unknown) per text, newest last
+        self.window: deque[tuple[float, int, float, int, float]] = deque(maxlen=self.size)
+        self.index = {label: i for i, label in enumerate(self.labels)}
+        self.seen = 0
+        self._since_verdict = 0
+        self.every = max(1, self.size // 10)
+        self.limits: dict[int, dict[str, float]] = {}  # rung size -> thresholds, filled by the thread
+        self.state = "warming_up"
+        self.since = time.time()
+        self.last: dict[str, Any] = {}
+        self._ladder = ladder(self.min_texts, self.size, len(self.reference))
+        self._thread = threading.Thread(target=self._calibrate, name="torchloom-monitor-thresholds", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _calibrate(self) -> None:
+        k = len(self.labels)
+        for rung in self._ladder:  # smallest first: a verdict is possible as soon as min_texts have come
+            self.limits[rung] = thresholds(self.reference, rung, k, self.false_alarm)
+
+    # --- fed by the server -------------------------------------------------------------------------------
+
+    def observe(self, answers: list[dict[str, Any]]) -> None:
+        """The answers to one request (Predictor's, with signals)."""
+        now = time.time()
+        index, append = self.index, self.window.append
+        for a in answers:
+            append((now, index[a["label"]], a["score"], a["tokens"], a["unknown"]))
+        self.seen += len(answers)
+        self._since_verdict += len(answers)
+        if self._since_verdict >= self.every:
+            self.evaluate()
+
+    # --- read by /metrics, /v1/monitor, the page -----------------------------------------------------------
+
+    def evaluate(self) -> dict[str, Any]:
+        """The verdict on the window as it is now (also kept as `last`); logs a change of verdict."""
+        self._since_verdict = 0
+        now = time.time()
+        if self.max_age_s > 0:
+            while self.window and self.window[0][0] < now - self.max_age_s:
+                self.window.popleft()
+        n = len(self.window)
+        rung = max((r for r in self.limits if r <= n), default=None)
+        report: dict[str, Any] = {"state": "warming_up", "model": self.model, "texts": n, "seen": self.seen,
+                                  "window": {"size": self.size, "max_age_s": self.max_age_s,
+                                             "min_texts": self.min_texts},
+                                  "false_alarm": self.false_alarm, "reference_texts": len(self.reference),
+                                  "drift": False, "drifted": []}
+        if n >= 2:
+            cols = list(zip(*self.window))
+            window = Texts(np.fromiter(cols[1], np.int64, n), np.fromiter(cols[2], np.float64, n),
+                           np.fromiter(cols[3], np.int64, n), np.fromiter(cols[4], np.float64, n))
+            report["seconds"] = round(now - cols[0][0], 1)
+            found = distances(window, self.reference, len(self.labels))
+            limits = self.limits.get(rung, {}) if rung is not None else {}
+            drifted = verdict(found, limits) if limits else []
+            estimate, low, high = estimated_accuracy(window.confidence, self.reference, self.correct)
+            report["signals"] = {name: {"distance": round(found[name], 6),
+                                        "threshold": round(limits[name], 6) if limits else None,
+                                        "drift": name in drifted} for name in SIGNALS}
+            report["estimated_accuracy"] = {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
+                                            "reference": self.profile.get("accuracy")}
+            report["class_shares"] = {
+                label: {"window": round(float(np.mean(window.predicted == i)), 4),
+                        "reference": round(float(np.mean(self.reference.predicted == i)), 4)}
+                for i, label in enumerate(self.labels)}
+            if limits and n >= self.min_texts:
+                report["state"] = "drift" if drifted else "no_drift"
+                report["drift"], report["drifted"] = bool(drifted), drifted
+                report["calibrated_for"] = rung
+        self._settle(report)
+        report["since"] = round(self.since, 3)
+        report["at"] = now
+        self.last = report
+        return report
+
+    def _settle(self, report: dict[str, Any]) -> None:
+        state = report["state"]
+        if state == "warming_up" and self.state in ("drift", "no_drift"):
+            return  # the window emptied with age: the verdict stands until enough texts come again
+        if state == self.state and report["drifted"] == self.last.get("drifted", []):
+            return
+        self.state, self.since = state, time.time()
+        if state == "warming_up":
+            return
+        est = report["estimated_accuracy"]
+        what = f"drift in {', '.join(report['drifted'])}" if report["drift"] else "no drift"
+        (log.warning if report["drift"] else log.info)(
+            "monitor: %s (last %d texts over %.0f s; estimated accuracy %.3f [%.3f, %.3f], %s on the reference)",
+            what, report["texts"], report.get("seconds", 0.0), est["value"], est["low"], est["high"],
+            est["reference"])
+
+    def current(self, max_age: float = 1.0) -> dict[str, Any]:
+        """The last verdict, worked out again when texts came since or it is older than `max_age` seconds."""
+        if not self.last or self._since_verdict or time.time() - self.last["at"] > max_age:
+            self.evaluate()
+        return self.last
+
+
+def ladder(low: int, size: int, reference: int) -> list[int]:
+    """The window sizes thresholds are drawn for: low, doubling, then the top, `size` (drift.py calibrates a
+    window larger than half the reference at that half, so the top is never more)."""
+    top = max(low, min(size, reference // 2))
+    rungs, r = [], low
+    while r < top:
+        rungs.append(r)
+        r *= 2
+    return [*rungs, top]
+
+
+def off_report(reason: str) -> dict[str, Any]:
+    return {"state": "off", "reason": reason, "drift": False, "drifted": []}
+
+
+def load_monitor(settings, labels: list[str], name: str) -> tuple[LiveMonitor | None, dict[str, Any], str]:
+    """The server's monitor (None when off), the report it gives while off, and the one line the server prints
+    at start: what it watches, or why monitoring is off and how to turn it on. A damaged profile never stops a
+    server: it serves, unmonitored, and says so."""
+    from torchloom.errors import UserError
+    from torchloom.model.profile import REEXPORT, read_profile
+
+    if not settings.monitor:
+        reason = "monitoring off (--no-monitor)"
+        return None, off_report(reason), reason
+    try:
+        profile = read_profile(settings.model_dir)
+    except UserError as e:
+        reason = f"monitoring off: {e}"
+        return None, off_report(reason), f"warning: {reason}"
+    if profile is None:
+        reason = (f"monitoring off: model dir {settings.model_dir} has no monitor/profile.json (exported before"
+                  f" torchloom wrote one); {REEXPORT}")
+        return None, off_report(reason), reason
+    if list(profile["labels"]) != list(labels):
+        reason = f"monitoring off: the profile in {settings.model_dir}/monitor is of other labels; {REEXPORT}"
+        return None, off_report(reason), f"warning: {reason}"
+    monitor = LiveMonitor(profile, name, settings.monitor_window, settings.monitor_window_s, settings.false_alarm)
+    age = f", none older than {settings.monitor_window_s:g} s" if settings.monitor_window_s else ""
+    return monitor, {}, (f"monitoring: the last {monitor.size} texts{age} against {len(monitor.reference)} reference"
+                         f" texts, {monitor.false_alarm:.2%} false alarms (GET /v1/monitor, /metrics, /)")

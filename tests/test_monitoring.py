@@ -1,0 +1,329 @@
+"""A served model that watches itself, as its operators meet it: a real `torchloom serve` (the tiny model, with the
+reference profile export writes) sent texts like its validation texts, then shifted ones; Debian's real Prometheus
+scraping it with the rules `torchloom monitor rules` writes, until the drift alert fires; the status page in a real
+headless Chromium. One server for the module (~10 s), Prometheus ~3 s, Chromium ~5 s, and their apt-get install
+on a fresh machine (~45 s, once).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from support.debian import ensure
+from support.net import free_port
+from support.served import Server, export_tiny
+
+pytestmark = pytest.mark.heavy(3)
+
+LABELS = ["sport", "money", "music"]
+POOLS = {"sport": ["match", "goal", "team", "win", "league", "player", "coach", "score", "season", "cup"],
+         "money": ["bank", "shares", "profit", "market", "price", "rate", "fund", "stock", "trade", "loan"],
+         "music": ["guitar", "band", "song", "album", "concert", "singer", "tour", "stage", "record", "chart"]}
+COMMON = ["the", "a", "of", "and", "in", "to", "today", "after", "with", "new"]
+WINDOW = 100
+
+
+def like_validation(rng: random.Random, n: int) -> tuple[list[str], list[str]]:
+    """Texts from the distribution the profile was drawn from, and their labels."""
+    texts, labels = [], []
+    for _ in range(n):
+        label = rng.choice(LABELS)
+        texts.append(" ".join(rng.choice(POOLS[label] + COMMON) for _ in range(rng.randint(4, 14))))
+        labels.append(label)
+    return texts, labels
+
+
+def shifted(rng: random.Random, n: int) -> list[str]:
+    """Another kind of text: ten times longer, in words the model never saw."""
+    return [" ".join(rng.choice(["zxq", "vlorp", "quandle", "mib", "fr0st"]) for _ in range(rng.randint(60, 120)))
+            for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def monitored_model(tmp_path_factory) -> str:
+    from torchloom.model.profile import write_profile
+    from torchloom.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("monitored")
+    model = export_tiny(write_tiny_model(root / "base"), root / "shop" / "model", LABELS,
+                        [" ".join(POOLS[label][:6]) for label in LABELS])
+    texts, labels = like_validation(random.Random(0), 400)
+    write_profile(model, texts, labels, {"val": 400, "test": 0})
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(monitored_model, tmp_path_factory):
+    s = Server(monitored_model, "--monitor-window", str(WINDOW), "--device", "cpu",
+               log_dir=tmp_path_factory.mktemp("server"))
+    yield s
+    assert s.terminate() == 0, s.stderr()[-3000:]
+
+
+def send(server: Server, texts: list[str], per_request: int = 25) -> None:
+    for start in range(0, len(texts), per_request):
+        r = server.client.post("/v1/predict", json={"texts": texts[start:start + per_request]})
+        assert r.status_code == 200, r.text
+
+
+def monitor(server: Server) -> dict:
+    r = server.client.get("/v1/monitor")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus: the rules as written, a real scrape, the alert from inactive to firing
+# ---------------------------------------------------------------------------------------------
+
+
+class Prometheus:
+    def __init__(self, target: str, rules: Path, root: Path) -> None:
+        binary = ensure("prometheus", "prometheus")
+        self.port = free_port()
+        config = root / "prometheus.yml"
+        config.write_text(json.dumps({  # YAML is a superset of JSON
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(rules)],
+            "scrape_configs": [{"job_name": "torchloom", "static_configs": [{"targets": [target]}]}]}))
+        self.log = root / "prometheus.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
+                                          f"--web.listen-address=127.0.0.1:{self.port}"],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        import httpx
+
+        self.client = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
+        self.wait(lambda: self._ready(), 60, "Prometheus never became ready")
+
+    def _ready(self) -> bool:
+        import httpx
+
+        assert self.proc.poll() is None, self.log.read_text()[-3000:]
+        try:
+            return self.client.get("/-/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def wait(self, condition, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"{what}:\n{self.log.read_text()[-2000:]}"
+            time.sleep(0.25)
+
+    def query(self, expr: str) -> list[dict]:
+        body = self.client.get("/api/v1/query", params={"query": expr}).json()
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def alert_state(self, name: str) -> str:
+        """The alert's state as Prometheus' rule manager has it: inactive, pending or firing."""
+        for group in self.client.get("/api/v1/rules").json()["data"]["groups"]:
+            for rule in group["rules"]:
+                if rule.get("name") == name:
+                    return rule["state"]
+        raise AssertionError(f"no rule {name} loaded")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def test_the_drift_alert_fires_in_a_real_prometheus_and_not_before(server, tmp_path):
+    """In-distribution traffic: the monitor says no drift and Prometheus' TorchloomDrift stays inactive; shifted
+    traffic: the server logs the change once, /metrics says drift, and the alert goes to firing. The rules are
+    `torchloom monitor rules`' own, checked and unit-tested by promtool first."""
+    from support.owned import torchloom
+
+    promtool = ensure("promtool", "prometheus")
+    out = tmp_path / "rules"
+    made = torchloom("monitor", "rules", "--output", str(out), "--for", "0s", "--rate-window", "1m")
+    assert made.returncode == 0, made.stderr
+    rules = out / "torchloom-rules.yml"
+    check = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
+    tests = subprocess.run([promtool, "test", "rules", "torchloom-rules.test.yml"], capture_output=True, text=True,
+                           cwd=out)
+    assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
+    dashboard = json.loads((out / "torchloom-dashboard.json").read_text())
+    assert {p["title"] for p in dashboard["panels"]} >= {"Drift verdict", "Estimated accuracy (95 % interval)"}
+
+    rng = random.Random(1)
+    before = monitor(server)
+    assert before["state"] == "warming_up" and before["texts"] == 0
+    prometheus = Prometheus(server.url.split("://", 1)[1], rules, tmp_path)
+    try:
+        for _ in range(3):  # three windows like the validation texts: no drift at each
+            send(server, like_validation(rng, WINDOW)[0])
+            verdict = monitor(server)
+            assert verdict["state"] == "no_drift", verdict
+        prometheus.wait(lambda: any(r["value"][1] == "1" for r in prometheus.query(
+            'torchloom_monitor_state{state="no_drift"}')), 30, "Prometheus never scraped the no-drift verdict")
+        prometheus.wait(lambda: prometheus.alert_state("TorchloomMonitorOff") == "inactive", 10, "rules not evaluated")
+        assert prometheus.alert_state("TorchloomDrift") == "inactive"
+        assert prometheus.alert_state("TorchloomDown") == "inactive"
+
+        windows = 0
+        while monitor(server)["state"] != "drift":  # shifted texts: drift within one window
+            windows += 1
+            assert windows <= 4, monitor(server)
+            send(server, shifted(rng, WINDOW // 4))
+        verdict = monitor(server)
+        assert "length" in verdict["drifted"] and verdict["signals"]["length"]["distance"] > \
+            verdict["signals"]["length"]["threshold"]
+        assert windows <= 4  # a quarter window at a time: at most one window of shifted texts
+        prometheus.wait(lambda: prometheus.alert_state("TorchloomDrift") == "firing", 30,
+                        "TorchloomDrift never fired")
+        alerts = prometheus.client.get("/api/v1/alerts").json()["data"]["alerts"]
+        drift = [a for a in alerts if a["labels"]["alertname"] == "TorchloomDrift"]
+        assert drift and drift[0]["state"] == "firing" and drift[0]["labels"]["severity"] == "warning"
+    finally:
+        prometheus.stop()
+    log = server.stderr()  # a line when the verdict changes, not one per window
+    assert "WARNING torchloom.serve: monitor: drift in " in log and "monitor: no drift (last 100 texts" in log, log
+    assert log.count("monitor: no drift") == 1, log
+
+
+# ---------------------------------------------------------------------------------------------
+# the status page in a real headless Chromium
+# ---------------------------------------------------------------------------------------------
+
+
+class Browser:
+    """Headless Chromium driven over the DevTools protocol (websocket-client); it loads only the server's page."""
+
+    def __init__(self, root: Path) -> None:
+        import websocket
+
+        binary = ensure("chromium", "chromium")
+        self.profile = Path(tempfile.mkdtemp(prefix="chromium-", dir=root))
+        self.proc = subprocess.Popen(
+            [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-default-apps", "--disable-extensions", "--remote-debugging-address=127.0.0.1",
+             "--remote-debugging-port=0", f"--user-data-dir={self.profile}", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        port_file = self.profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (port_file.is_file() and port_file.read_text().strip()):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.proc.stderr.read().decode()[-2000:]
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        import httpx
+
+        pages = [t for t in httpx.get(f"http://127.0.0.1:{port}/json/list").json() if t["type"] == "page"]
+        self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=30, suppress_origin=True)
+        self.next_id = 0
+        self.errors: list[str] = []
+        for method in ("Runtime.enable", "Log.enable", "Page.enable"):
+            self.call(method)
+
+    def call(self, method: str, **params) -> dict:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params}))
+        while True:
+            message = json.loads(self.ws.recv())
+            if message.get("id") == self.next_id:
+                assert "error" not in message, message
+                return message.get("result", {})
+            self._event(message)
+
+    def _event(self, message: dict) -> None:
+        method, params = message.get("method"), message.get("params", {})
+        if method == "Runtime.exceptionThrown":
+            self.errors.append(json.dumps(params["exceptionDetails"])[:500])
+        elif method == "Runtime.consoleAPICalled" and params.get("type") in ("error", "assert"):
+            self.errors.append(json.dumps(params.get("args"))[:500])
+        elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
+            self.errors.append(params["entry"].get("text", "")[:500])
+
+    def js(self, expression: str):
+        result = self.call("Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True)
+        assert "exceptionDetails" not in result, result
+        return result["result"].get("value")
+
+    def until(self, expression: str, timeout: float = 20.0):
+        deadline = time.monotonic() + timeout
+        while not (value := self.js(expression)):
+            assert time.monotonic() < deadline, f"never true: {expression}; errors: {self.errors}"
+            time.sleep(0.2)
+        return value
+
+    def close(self) -> None:
+        self.ws.close()
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def test_the_status_page_shows_the_monitor_and_answers_a_text_in_chromium(server, tmp_path):
+    """GET / in a real browser: it loads with no console error (its own policy allows only itself), shows the model,
+    live traffic and each signal against its threshold, and the try-it box returns a label."""
+    send(server, like_validation(random.Random(2), WINDOW)[0])
+    browser = Browser(tmp_path)
+    try:
+        browser.call("Page.navigate", url=server.url + "/")
+        browser.until("document.readyState === 'complete'")
+        assert browser.js("document.getElementById('model').textContent") == "shop"
+        rows = browser.until("document.querySelectorAll('#signals tbody tr').length === 4 && "
+                             "[...document.querySelectorAll('#signals tbody tr')].map(r => r.dataset.signal)")
+        assert rows == ["classes", "confidence", "length", "unknown"]
+        state = browser.js("document.getElementById('state').textContent")
+        assert state.startswith(("drift", "no drift")), state
+        assert browser.js("document.querySelectorAll('#shares tbody tr').length") == len(LABELS)
+        browser.until("document.getElementById('throughput').textContent !== '-'", timeout=10)
+        browser.js("document.getElementById('text').value = 'goal match team league win'; "
+                   "document.getElementById('send').click(); true")
+        label = browser.until("document.getElementById('label') && document.getElementById('label').textContent")
+        assert label in LABELS
+        assert browser.errors == [], browser.errors
+    finally:
+        browser.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# no profile, a damaged one, flags: one line each
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_model, tmp_path):
+    """An older export (no monitor/), and a damaged profile: the server starts and serves, and says in one line
+    that monitoring is off and how to turn it on; /v1/monitor and /metrics say "off"."""
+    from support.owned import one_error, torchloom
+
+    from torchloom.serve.live_monitor import load_monitor
+    from torchloom.serve.settings import ServeSettings
+
+    older = tmp_path / "older" / "model"
+    shutil.copytree(monitored_model, older, ignore=shutil.ignore_patterns("monitor"))
+    s = Server(str(older), "--device", "cpu", "--no-tune", log_dir=tmp_path)
+    try:
+        lines = [line for line in s.stderr().splitlines() if "monitoring" in line]
+        assert len(lines) == 1 and "monitoring off: model dir" in lines[0] and "export it again" in lines[0], lines
+        assert s.client.post("/v1/predict", json={"texts": ["goal"]}).status_code == 200
+        report = s.client.get("/v1/monitor").json()
+        assert report["state"] == "off" and "export it again" in report["reason"]
+        assert 'torchloom_monitor_state{state="off"} 1' in s.client.get("/metrics").text
+    finally:
+        assert s.terminate() == 0
+    damaged = tmp_path / "damaged"
+    shutil.copytree(monitored_model, damaged)
+    (damaged / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/2", "labels": []}')
+    monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), LABELS, "m")
+    assert monitor_ is None and off["state"] == "off"
+    assert line.startswith("warning: monitoring off: model dir ") and "cannot be read" in line and "\n" not in line
+    for flags, needle in ((["--monitor-window", "1"], "--monitor-window 1: must be at least 2"),
+                          (["--false-alarm", "2"], "--false-alarm 2.0: a chance, between 0 and 1"),
+                          (["--monitor-window-s", "-1"], "--monitor-window-s -1: must be 0")):
+        assert needle in one_error(torchloom("serve", monitored_model, *flags))
