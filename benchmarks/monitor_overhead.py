@@ -6,7 +6,8 @@
 
 Per model (tiny: the random 2-layer BERT, the fastest a server answers here, so the monitor's largest share;
 minilm: the demo's MiniLM with a fresh 5-label head), both servers run side by side, on the same model copy with
-its reference profile (1000 benchmark texts); rounds alternate on, off, off, on, ... so that neither side always
+its reference profile (1000 benchmark texts), both with `--no-tune` (the same forward and threads); rounds
+alternate on, off, off, on, ... so that neither side always
 goes first, each round a fresh load of `--requests` requests (or `--time-cap` seconds) after a warm-up. The ratio
 is the median over rounds of (texts/s with monitoring) / (texts/s without), both timed by the same load generator
 from the same moment (its start after the warm-up). Writes the table to docs/benchmarks.md under '## Serving with
@@ -27,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve import LABELS, Process, export_benchmark_model, load, load_texts, wait_ready, write_doc  # noqa: E402
-from serve_front import cpu_name  # noqa: E402
+from serve_front import cpu_name, cpu_seconds  # noqa: E402
 
 C = 64
 
@@ -51,26 +52,35 @@ def model_for(name: str, work: Path, texts: list[str]) -> str:
 def measure(name: str, model: str, texts: list[str], a: argparse.Namespace, work: Path) -> dict:
     servers = {}
     for side, flags in (("on", []), ("off", ["--no-monitor"])):
+        # --no-tune: the warm-up's measured choices (traced or eager, 1 or 2 torch threads) differ from one server
+        # start to the next on a noisy machine (seen: 20 % apart); both sides get the same eager, all-core forward
         servers[side] = Process([sys.executable, "-m", "torchloom", "serve", model, "--port", "0", "--device", "cpu",
-                                 *flags], work, f"{name}-{side}")
+                                 "--no-tune", *flags], work, f"{name}-{side}")
     try:
         for s in servers.values():
             asyncio.run(wait_ready(s.url))
         rates: dict[str, list[float]] = {"on": [], "off": []}
         p99: dict[str, list[float]] = {"on": [], "off": []}
+        cpu: dict[str, list[float]] = {"on": [], "off": []}
         order = ["on", "off", "off", "on"] * a.rounds
         for side in order[:2 * a.rounds]:
+            pid = servers[side].proc.pid
+            before = cpu_seconds(pid)
             row = asyncio.run(load(servers[side].url, texts, C, a.requests, a.time_cap))
+            # the server's CPU per text, warm-up included (the same warm-up on both sides): less noisy than a rate
+            cpu[side].append((cpu_seconds(pid) - before) / max(1, row["requests"] + min(2 * C, 64)) * 1e6)
             rates[side].append(row["texts_s"])
             p99[side].append(row["p99"])
             print(f"{name:7} monitor {side:3}: {row['texts_s']:8.1f} texts/s  p99 {row['p99']:7.1f} ms"
-                  f"  ({row['requests']} requests, {row['errors']} errors)", flush=True)
+                  f"  server CPU {cpu[side][-1]:7.0f} us a text ({row['requests']} requests, {row['errors']} errors)",
+                  flush=True)
         on_log = (work / f"{name}-on.err").read_text()
         assert "monitoring: the last 500 texts" in on_log, on_log[-2000:]
         ratios = [x / y for x, y in zip(rates["on"], rates["off"])]
         return {"model": name, "on": statistics.median(rates["on"]), "off": statistics.median(rates["off"]),
                 "p99_on": statistics.median(p99["on"]), "p99_off": statistics.median(p99["off"]),
-                "ratio": statistics.median(ratios), "ratios": ratios}
+                "ratio": statistics.median(ratios), "ratios": ratios,
+                "cpu_on": statistics.median(cpu["on"]), "cpu_off": statistics.median(cpu["off"])}
     finally:
         for s in servers.values():
             s.stop()
@@ -93,13 +103,14 @@ def main() -> None:
             rows.append(measure(name, model_for(name, work, texts), texts, a, work))
     lines = [f"Machine: {cpu}; Python {platform.python_version()}; {datetime.now(UTC):%Y-%m-%d}."
              f" `benchmarks/monitor_overhead.py --rounds {a.rounds} --requests {a.requests}`: c = {C}, one text per"
-             " request, window 500 texts (the default), reference 1000 texts.", "",
+             " request, window 500 texts (the default), reference 1000 texts, both servers `--no-tune`.", "",
              "| model | texts/s, monitor on | texts/s, monitor off | on / off (median of rounds; each round) |"
-             " p99 ms on | p99 ms off |", "|---|---|---|---|---|---|"]
+             " p99 ms on | p99 ms off | server CPU us a text, on | off | on / off |", "|---" * 9 + "|"]
     for r in rows:
         each = ", ".join(f"{x:.3f}" for x in r["ratios"])
         lines.append(f"| {r['model']} | {r['on']:.1f} | {r['off']:.1f} | **{r['ratio']:.3f}** ({each}) |"
-                     f" {r['p99_on']:.1f} | {r['p99_off']:.1f} |")
+                     f" {r['p99_on']:.1f} | {r['p99_off']:.1f} | {r['cpu_on']:.0f} | {r['cpu_off']:.0f} |"
+                     f" {r['cpu_on'] / r['cpu_off']:.3f} |")
     body = "\n".join(lines)
     print(body)
     if not a.no_write:

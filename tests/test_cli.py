@@ -1026,9 +1026,19 @@ def test_monitor_compares_new_texts_with_the_model_s_profile(finished_run, tmp_p
     assert same["estimated_accuracy"]["low"] <= same["accuracy"] <= same["estimated_accuracy"]["high"]
     assert {"report.md", "monitor.json", "plots"} <= {p.name for p in (tmp_path / "same").iterdir()}
     shifted = _topic_texts(tmp_path / "shifted.csv", range(300, 340), repeat=10, noise=" zxq vlorp")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     proc = torchloom("monitor", "--model", str(model), "--input", str(shifted), "--text-column", "body",
-                     "--output", str(tmp_path / "drift"))
+                     "--output", str(tmp_path / "drift"), "--track", "--tracking-uri", store)
     assert proc.returncode == 3, proc.stderr[-3000:]
+    from mlflow import MlflowClient  # the report in MLflow: its numbers and its files
+
+    client = MlflowClient(tracking_uri=store)
+    (tracked,) = client.search_runs([client.get_experiment_by_name("torchloom").experiment_id])
+    assert tracked.data.tags["torchloom.kind"] == "monitor" and tracked.data.metrics["drift"] == 1.0
+    assert tracked.data.metrics["length_distance"] > tracked.data.metrics["length_threshold"]
+    assert not tracked.data.params  # a monitor trains nothing: no config as params
+    assert {a.path for a in client.list_artifacts(tracked.info.run_id, "monitor")} >= {
+        "monitor/report.md", "monitor/monitor.json", "monitor/plots"}
     assert proc.stdout.startswith("monitor: drift in ") and "length" in proc.stdout
     report = json.loads((tmp_path / "drift" / "monitor.json").read_text())
     assert report["signals"]["length"]["drift"] and report["texts"] == 120
@@ -1046,5 +1056,5 @@ def test_monitor_compares_new_texts_with_the_model_s_profile(finished_run, tmp_p
     with pytest.raises(UserError, match=r"no monitoring profile .*export it again"):
         monitor_file(str(rd / "model"), str(like), str(tmp_path / "none"), text_column="body")
     (model / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/2", "reference": {}}')
-    with pytest.raises(UserError, match=r"monitor/profile.json cannot be read \(.*\); export it again"):
+    with pytest.raises(UserError, match=r"monitor/ cannot be read \(profile.json: .*\); export it again"):
         monitor_file(str(model), str(like), str(tmp_path / "none"), text_column="body")

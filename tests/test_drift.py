@@ -6,15 +6,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from torchloom.drift import SIGNALS, Texts, distances, estimated_accuracy, thresholds, verdict
+from torchloom.drift import SIGNALS, Kernel, Texts, distances, estimated_accuracy, thresholds, verdict
+
+KERNEL = Kernel.draw(np.random.default_rng(0).standard_normal((500, 32)).astype(np.float32))
 
 
-def texts(rng, n: int, shift: float = 0.0, classes=(0.3, 0.25, 0.2, 0.15, 0.1)) -> Texts:
-    """Signals like a classifier's: skewed classes, confidence near 1, log-normal lengths, a few unknown tokens."""
+def sketches(rng, n: int, moved: float = 0.0) -> np.ndarray:
+    """Pooled representations, sketched: one Gaussian cloud per class centre; `moved` pushes every text along one
+    direction (a new domain the head still maps to the same classes)."""
+    centres = np.random.default_rng(99).standard_normal((5, 32))
+    rows = centres[rng.integers(0, 5, n)] + rng.standard_normal((n, 32))
+    rows[:, 0] += moved
+    return rows.astype(np.float32)
+
+
+def texts(rng, n: int, shift: float = 0.0, classes=(0.3, 0.25, 0.2, 0.15, 0.1), moved: float = 0.0,
+          sketched: bool = True) -> Texts:
+    """Signals like a classifier's: skewed classes, confidence near 1, log-normal lengths, a few unknown tokens,
+    and (sketched) the representation's features."""
     return Texts(predicted=rng.choice(len(classes), n, p=classes),
                  confidence=np.clip(rng.beta(8 - 6 * shift, 1.5, n), 0, 1),
                  length=(rng.lognormal(5 + shift, 0.5, n)).astype(int) + 3,
-                 unknown=np.clip(rng.exponential(0.01 + 0.02 * shift, n), 0, 1))
+                 unknown=np.clip(rng.exponential(0.01 + 0.02 * shift, n), 0, 1),
+                 features=KERNEL.features(sketches(rng, n, moved + shift)) if sketched else None)
 
 
 @pytest.mark.parametrize("size", [30, 200])
@@ -39,21 +53,29 @@ def test_each_signal_answers_to_its_own_shift():
         "length": Texts(base.predicted, base.confidence, base.length * 4, base.unknown),  # four times longer
         "unknown": Texts(base.predicted, base.confidence, base.length, base.unknown + 0.2),  # another language
         "confidence": Texts(base.predicted, np.clip(base.confidence - 0.3, 0, 1), base.length, base.unknown),
+        # the same classes, confidence, lengths and tokens: only the representation moved (a new domain)
+        "representation": Texts(base.predicted, base.confidence, base.length, base.unknown,
+                                KERNEL.features(sketches(rng, 200, moved=1.0))),
     }
     assert verdict(distances(base, reference, 5), limits) == []
     for name, window in shifted.items():
         assert name in verdict(distances(window, reference, 5), limits), name
+    assert verdict(distances(shifted["representation"], reference, 5), limits) == ["representation"]
     assert set(limits) == set(SIGNALS)
+    # without sketches (an ONNX runtime, an older profile): four signals, Bonferroni over four
+    bare = Texts(reference.predicted, reference.confidence, reference.length, reference.unknown)
+    assert set(thresholds(bare, 200, 5)) == set(SIGNALS) - {"representation"} == set(bare.signals)
+    assert "representation" not in distances(shifted["representation"], bare, 5)
 
 
 def test_the_accuracy_estimate_holds_the_real_accuracy_where_confidence_is_calibrated():
     rng = np.random.default_rng(11)
-    reference = texts(rng, 1000)
+    reference = texts(rng, 1000, sketched=False)
     correct = rng.random(1000) < reference.confidence  # a calibrated model: right as often as it is confident
     held = []
     for shift in (0.0, 0.0, 0.3, 0.6):  # less confident windows: the estimate follows them down
         for _ in range(25):
-            window = texts(rng, 300, shift=shift)
+            window = texts(rng, 300, shift=shift, sketched=False)
             truth = np.mean(rng.random(300) < window.confidence)
             estimate, low, high = estimated_accuracy(window.confidence, reference, correct)
             held.append(low <= truth <= high)

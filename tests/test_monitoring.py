@@ -276,9 +276,9 @@ def test_the_status_page_shows_the_monitor_and_answers_a_text_in_chromium(server
         browser.call("Page.navigate", url=server.url + "/")
         browser.until("document.readyState === 'complete'")
         assert browser.js("document.getElementById('model').textContent") == "shop"
-        rows = browser.until("document.querySelectorAll('#signals tbody tr').length === 4 && "
+        rows = browser.until("document.querySelectorAll('#signals tbody tr').length === 5 && "
                              "[...document.querySelectorAll('#signals tbody tr')].map(r => r.dataset.signal)")
-        assert rows == ["classes", "confidence", "length", "unknown"]
+        assert rows == ["classes", "confidence", "length", "unknown", "representation"]
         state = browser.js("document.getElementById('state').textContent")
         assert state.startswith(("drift", "no drift")), state
         assert browser.js("document.querySelectorAll('#shares tbody tr').length") == len(LABELS)
@@ -319,6 +319,12 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
         assert s.terminate() == 0
     damaged = tmp_path / "damaged"
     shutil.copytree(monitored_model, damaged)
+    sketch = damaged / "monitor" / "sketch.safetensors"
+    sketch.write_bytes(sketch.read_bytes()[:100])  # cut short
+    monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), LABELS, "m")
+    assert monitor_ is None and off["state"] == "off" and "\n" not in line
+    assert line.startswith("warning: monitoring off: model dir ")
+    assert "cannot be read (sketch.safetensors is damaged)" in line
     (damaged / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/2", "labels": []}')
     monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), LABELS, "m")
     assert monitor_ is None and off["state"] == "off"

@@ -991,8 +991,10 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
     pytest.importorskip("ray.serve")
     port = free_port()
     # bound beyond loopback with a key: only Serve's proxy may listen there; requests go to 127.0.0.1 only
+    # two replicas: whichever answers a scrape, /metrics counts both (prometheus-client's multiprocess files)
     s = Server(model_dir, "--serve-with", "ray", "--host", "0.0.0.0", "--port", str(port), "--api-key", API_KEY,
-               "--max-wait-ms", "20", "--device", "cpu", log_dir=tmp_path, ready_timeout=150, local_url=True)
+               "--max-wait-ms", "20", "--device", "cpu", "--replicas", "2", log_dir=tmp_path, ready_timeout=150,
+               local_url=True)
     try:
         assert_own_ray_is_private(s.proc.pid, port, API_KEY)
         assert s.client.post("/v1/predict", json={"texts": TEXTS}).status_code == 401  # the key reached replicas
@@ -1012,6 +1014,12 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
         responses = asyncio.run(send_all())
         assert all(r.status_code == 200 for r in responses)
         assert_same_predictions([r.json()["predictions"][0] for r in responses], reference.predict(TEXTS * 3), BATCHED)
+        # 9 warm-up texts per replica, then 6 + 18: every scrape sees all of them, whichever replica it reached
+        for _ in range(4):
+            families = s.metrics()
+            assert sample_value(families, "torchloom_texts", "torchloom_texts_total") == 2 * 9 + 6 + 18
+            assert sample_value(families, "torchloom_queue_capacity", "torchloom_queue_capacity") == 2 * 1024
+        assert s.client.get("/v1/monitor").json()["state"] == "off"  # model_dir has no profile
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()

@@ -51,6 +51,30 @@ def test_a_traced_graph_gives_eager_logits_on_batches_of_every_shape(predictor, 
             assert torch.equal(forward.logits(first), predictor.model(**first).logits)
 
 
+def test_a_traced_graph_for_a_monitor_gives_eager_pooled_representations_too(predictor):
+    """With pooled=True (a server whose monitor sketches), the graph gives (logits, pooled) as eager_forward does:
+    each row's last hidden states averaged over its own tokens, padding left out."""
+    from torchloom.model.traced import eager_forward
+
+    forward = TracedForward(predictor.model, pooled=True)
+    first = next(batches(predictor, seed=1))
+    with torch.inference_mode():
+        used, why = forward.choose(first, gain=float("inf"))
+        assert used, why
+        for batch in batches(predictor):
+            (want_logits, want_pooled), (got_logits, got_pooled) = eager_forward(predictor.model, batch, True), \
+                forward.forward(batch)
+            assert torch.allclose(got_logits, want_logits, atol=1e-5, rtol=0)
+            assert got_pooled.shape == (len(batch["input_ids"]), predictor.model.config.hidden_size)
+            assert torch.allclose(got_pooled, want_pooled, atol=1e-5, rtol=0)
+        # a padded row's pooled representation is its own, unpadded: padding does not move it
+        row = {k: v[-1:] for k, v in first.items()}
+        real = int(row["attention_mask"].sum())
+        alone = {k: v[:, :real] for k, v in row.items()}
+        assert torch.allclose(eager_forward(predictor.model, row, True)[1],
+                              eager_forward(predictor.model, alone, True)[1], atol=1e-5, rtol=0)
+
+
 class _Model(torch.nn.Module):
     """A classifier-shaped model that misbehaves only while it is being traced: it raises, or answers twice."""
 

@@ -140,6 +140,37 @@ def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
                     help="the chance of a drift verdict on texts like the validation split (default: the profile's,"
                          " 0.01)")
     sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    sp.add_argument("--track", action="store_true",
+                    help="log the report to MLflow: a run of kind monitor with each signal's distance and threshold,"
+                         " the estimated (and real) accuracy, the verdict, and report.md, monitor.json and plots/")
+    sp.add_argument("--tracking-uri", default="", metavar="URI",
+                    help="with --track: the MLflow store, as tracking.uri (default $MLFLOW_TRACKING_URI, else"
+                         " sqlite:///mlflow.db here)")
+    sp.add_argument("--experiment", default="torchloom", help="with --track: the MLflow experiment (default"
+                                                               " torchloom)")
+
+
+def track_monitor(args: argparse.Namespace, result: dict) -> None:
+    """`monitor --track`: the report as an MLflow run (a store that fails is a warning, as for training)."""
+    from torchloom.config import build
+    from torchloom.tracking import Tracker
+
+    cfg = build(overrides=["--tracking.uri", args.tracking_uri, "--tracking.experiment", args.experiment,
+                           "--output.dir", args.output])
+    tracker = Tracker.start(cfg, "monitor", run_name=f"monitor {Path(args.input).name}", params=False,
+                            extra_tags={"model": str(args.model), "input": str(args.input)})
+    with tracker:
+        metrics = {"drift": float(result["drift"]), "texts": result["texts"],
+                   "estimated_accuracy": result["estimated_accuracy"]["value"],
+                   "estimated_accuracy_low": result["estimated_accuracy"]["low"],
+                   "estimated_accuracy_high": result["estimated_accuracy"]["high"],
+                   **({"accuracy": result["accuracy"]} if "accuracy" in result else {})}
+        for name, signal in result["signals"].items():
+            metrics[f"{name}_distance"], metrics[f"{name}_threshold"] = signal["distance"], signal["threshold"]
+        tracker.log_metrics(metrics)
+        tracker.log_artifact(args.output, "monitor")
+    if tracker.enabled:
+        print(f"monitor: logged to MLflow at {tracker.shown_uri} (run {tracker.run_id})", file=sys.stderr)
 
 
 def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
@@ -158,6 +189,8 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
     result = monitor_file(model, args.input, args.output, text_column=args.text_column, labels_column=args.labels,
                           false_alarm=args.false_alarm, device=device, overwrite=args.overwrite,
                           say=lambda line: print(f"monitor: {line}", file=sys.stderr, flush=True))
+    if args.track:
+        track_monitor(args, result)
     est = result["estimated_accuracy"]
     verdict = f"drift in {', '.join(result['drifted'])}" if result["drift"] else "no drift"
     real = f", accuracy with the labels {result['accuracy']:.3f}" if "accuracy" in result else ""

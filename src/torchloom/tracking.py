@@ -135,7 +135,8 @@ class Tracker(NullTracker):
 
     @classmethod
     def start(cls, cfg: Config, kind: str, run_name: str | None = None, parent: Tracker | None = None,
-              extra_tags: dict | None = None, parent_run_id: str | None = None) -> NullTracker:
+              extra_tags: dict | None = None, parent_run_id: str | None = None, params: bool = True) -> NullTracker:
+        """params: log the config as the run's params (not for a run that trains nothing, as `monitor`'s)."""
         tracking_cfg = cfg.tracking
         if not tracking_cfg.enabled:
             return NullTracker()
@@ -192,7 +193,8 @@ class Tracker(NullTracker):
             raise UserError(f"tracking.uri {uri}: cannot use this MLflow store ({first[:200]}); start the server,"
                             " fix the URI, or pass --tracking.enabled false") from None
         tracker = cls(client, uri, exp_id, run.info.run_id, cfg)
-        tracker._guard("the config as params", tracker.log_params, redact_config(to_dict(cfg)))
+        if params:
+            tracker._guard("the config as params", tracker.log_params, redact_config(to_dict(cfg)))
         return tracker
 
     def _guard(self, what: str, fn, *args) -> None:

@@ -66,6 +66,9 @@ class Predictor:
     length_bucket: int = 1
     # The forward as a traced graph where TracedForward.choose chose one (a server, at warm-up); None: eager
     traced: TracedForward | None = None
+    # A monitor's random projection of the pooled representation (hidden x dims, model/profile.py): with it,
+    # predict_encoded's signals hold each text's "sketch" (PyTorch runtimes; an ONNX graph gives logits only)
+    sketch: np.ndarray | None = None
 
     def __init__(self, model_dir: str, device: str = "cpu", max_length: int | None = None,
                  batch_size: int = 32, runtime: str = "torch", threads: int | None = None,
@@ -172,10 +175,11 @@ class Predictor:
         return [{k: cut(v, self.max_length, self.truncation) for k, v in zip(encoded.keys(), values)}
                 for values in zip(*encoded.values())]
 
-    def encode_windows(self, texts: list[str]) -> list[Windows]:
+    def encode_windows(self, texts: list[str], signals: bool = False) -> list[Windows]:
         """The model's inputs for each text as a list: its windows with truncation chunks (cut like
         prepare's: truncation.windows), else the one input `encode` gives. A model that ships the mix with the
-        baseline carries each text's baseline probabilities with its windows (`Windows.lexical`)."""
+        baseline carries each text's baseline probabilities with its windows (`Windows.lexical`); with `signals`,
+        each text's tokens before the cut and share of unknown tokens (`Windows.tokens`, `.unknown`)."""
         cleaned = [clean_text(well_formed(t)) for t in texts]
         lengths: list[int] = []
         if self.truncation != "chunks":
@@ -190,7 +194,7 @@ class Predictor:
                            for k, v in zip(encoded.keys(), values)}
                 out.append(Windows(dict(zip(per_key, parts)) for parts in zip(*per_key.values())))
         unk = self.tokenizer.unk_token_id
-        for item, n in zip(out, lengths):  # what a monitor compares (model/profile.py): a few list scans a text
+        for item, n in zip(out, lengths if signals else ()):  # what a monitor compares (model/profile.py)
             item.tokens = n
             read = sum(len(f["input_ids"]) for f in item)
             item.unknown = (sum(f["input_ids"].count(unk) for f in item) / read) if read and unk is not None else 0.0
@@ -201,20 +205,30 @@ class Predictor:
 
     def logits(self, batch: dict) -> Any:
         """Float32 logits (a CPU tensor) of one padded batch from the tokenizer, on this runtime."""
+        return self.forward(batch)[0]
+
+    def forward(self, batch: dict, pooled: bool = False) -> tuple[Any, Any]:
+        """(float32 logits, float32 pooled representation or None), CPU tensors, of one padded batch; pooled only
+        where asked and the runtime is PyTorch's (traced.eager_forward says what it is)."""
         import torch
+
+        from torchloom.model.traced import eager_forward
 
         if self.session is not None:
             feeds = {"input_ids": batch["input_ids"].numpy().astype("int64"),
                      "attention_mask": batch["attention_mask"].numpy().astype("int64")}
-            return torch.from_numpy(self.session.run(["logits"], feeds)[0]).float()
+            return torch.from_numpy(self.session.run(["logits"], feeds)[0]).float(), None
         batch = {k: v.to(self.device) for k, v in batch.items()}
-        if self.traced is not None:
-            return self.traced.logits(batch).float().cpu()
-        return self.model(**batch).logits.float().cpu()
+        if self.traced is not None and self.traced.pooled == pooled:
+            logits, rows = self.traced.forward(batch)
+        else:
+            logits, rows = eager_forward(self.model, batch, pooled)
+        return logits.float().cpu(), rows.float().cpu() if rows is not None else None
 
     def _predict_chunk(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
                        ) -> list[dict[str, Any]]:
-        return self.predict_encoded(self.encode_windows(texts), with_logits, with_signals) if texts else []
+        return self.predict_encoded(self.encode_windows(texts, with_signals), with_logits, with_signals) \
+            if texts else []
 
     def forwards(self, lengths: list[int], ids: list[int]) -> list[list[int]]:
         """`ids` (sorted by `lengths[id]`, ascending) cut into forwards: at most batch_size rows and
@@ -255,11 +269,15 @@ class Predictor:
         order = sorted(range(len(features)), key=lengths.__getitem__)
         logits = torch.zeros(len(features), len(self.labels))
         baseline_alone = self.lexical is not None and self.weight == 0.0  # the export found the baseline best
+        sketch = self.sketch if with_signals and self.session is None and not baseline_alone else None
+        sketched = np.zeros((len(features), sketch.shape[1]), np.float32) if sketch is not None else None
         with torch.inference_mode():
             for batch_ids in [] if baseline_alone else self.forwards(lengths, order):
                 longest = lengths[batch_ids[-1]]
                 batch = pad_batch([features[i] for i in batch_ids], self.tokenizer, self.padded_length(longest))
-                logits[batch_ids] = self.logits(batch)
+                logits[batch_ids], pooled = self.forward(batch, sketch is not None)
+                if sketched is not None:
+                    sketched[batch_ids] = pooled.numpy() @ sketch
         # a text's score: the softmax of its windows' mean logits (one window: its own), as everywhere
         scores = text_scores(logits.numpy(), np.asarray(owner))
         if len(scores.first) != len(per_text):
@@ -278,6 +296,12 @@ class Predictor:
         if with_signals:
             for result, item in zip(results, per_text):
                 result["tokens"], result["unknown"] = item.tokens, item.unknown
+        if sketched is not None:  # a text's sketch: its windows' mean
+            sums = np.zeros((len(per_text), sketched.shape[1]), np.float32)
+            np.add.at(sums, np.asarray(owner), sketched)
+            sums /= np.bincount(owner, minlength=len(per_text))[:, None]
+            for result, row in zip(results, sums):
+                result["sketch"] = row
         return results
 
 

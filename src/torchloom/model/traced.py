@@ -32,15 +32,22 @@ class TracedForward:
     a traced graph where `choose` chose one for these inputs and this autocast dtype, else eager. Not
     thread-safe (one model thread)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, pooled: bool = False) -> None:
+        """pooled: the graphs also give each row's pooled representation (`forward`; a monitor's sketch)."""
         self.model = model
+        self.pooled = pooled
         self._graphs: dict[tuple, Any] = {}  # (input names, autocast dtype) -> the graph chosen (None: eager)
 
     def logits(self, batch: dict[str, Any]) -> Any:
+        return self.forward(batch)[0]
+
+    def forward(self, batch: dict[str, Any]) -> tuple[Any, Any]:
+        """(logits, pooled representation or None) of a padded batch."""
         graph = self._graphs.get((tuple(batch), _autocast_dtype()))
         if graph is None:
-            return self.model(**batch).logits
-        return graph(*batch.values())
+            return eager_forward(self.model, batch, self.pooled)
+        out = graph(*batch.values())
+        return out if self.pooled else (out, None)
 
     @property
     def traced(self) -> bool:
@@ -64,24 +71,31 @@ class TracedForward:
             probe = _probe(batch)
             with warnings.catch_warnings(), context():
                 warnings.simplefilter("ignore")  # the deprecation notice, and transformers' tracer warnings
-                graph = torch.jit.trace(_positional(self.model, key[0]), tuple(probe.values()), check_trace=False)
+                graph = torch.jit.trace(_positional(self.model, key[0], self.pooled), tuple(probe.values()),
+                                        check_trace=False)
             atol = PARITY_ATOL["reduced" if key[1] is not None else "fp32"]
             for rows in (probe, _unpadded(probe), batch):
                 with context():
-                    want, got = self.model(**rows).logits.float(), graph(*rows.values()).float()
-                if want.shape != got.shape or not torch.allclose(want, got, atol=atol, rtol=0):
-                    return False, f"traced logits differ from eager by {(want - got).abs().max().item():.3g}"
+                    want = eager_forward(self.model, rows, self.pooled)
+                    got = graph(*rows.values())
+                    got = got if self.pooled else (got, None)
+                for what, a, b in zip(("logits", "pooled representations"), want, got):
+                    if a is None:
+                        continue
+                    a, b = a.float(), b.float()
+                    if a.shape != b.shape or not torch.allclose(a, b, atol=atol, rtol=0):
+                        return False, f"traced {what} differ from eager by {(a - b).abs().max().item():.3g}"
         except Exception as e:  # noqa: BLE001 - whatever the tracer or the model raises, the forward stays eager
             return False, f"the model does not trace ({first_line(e)})"
-        def eager_forward() -> None:
+        def run_eager() -> None:
             with context():
-                self.model(**batch)
+                eager_forward(self.model, batch, self.pooled)
 
-        def traced_forward() -> None:
+        def run_traced() -> None:
             with context():
                 graph(*batch.values())
 
-        eager, traced = best_seconds(eager_forward), best_seconds(traced_forward)
+        eager, traced = best_seconds(run_eager), best_seconds(run_traced)
         timing = f"{traced * 1e3:.1f} ms a batch traced, {eager * 1e3:.1f} eager"
         if traced > gain * eager:
             return False, f"not faster traced ({timing})"
@@ -104,8 +118,22 @@ def best_seconds(run: Any, times: int = 3, warm: int = 3) -> float:
     return best
 
 
-def _positional(model: Any, names: tuple[str, ...]) -> Any:
-    """The model as a module of positional tensors (what a trace takes), giving its logits."""
+def eager_forward(model: Any, batch: dict[str, Any], pooled: bool = False) -> tuple[Any, Any]:
+    """(logits, pooled) of a padded batch, eagerly; pooled: each row's last hidden states averaged over its tokens
+    (the attention mask), the representation a monitor sketches (model/profile.py); None unless asked."""
+    if not pooled:
+        return model(**batch).logits, None
+    out = model(**batch, output_hidden_states=True)
+    return out.logits, mean_pooled(out.hidden_states[-1], batch["attention_mask"])
+
+
+def mean_pooled(hidden: Any, mask: Any) -> Any:
+    weights = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
+
+
+def _positional(model: Any, names: tuple[str, ...], pooled: bool = False) -> Any:
+    """The model as a module of positional tensors (what a trace takes), giving its logits (and pooled)."""
     import torch
 
     class Positional(torch.nn.Module):
@@ -114,7 +142,8 @@ def _positional(model: Any, names: tuple[str, ...]) -> Any:
             self.model = model
 
         def forward(self, *tensors):
-            return self.model(**dict(zip(names, tensors))).logits
+            return eager_forward(self.model, dict(zip(names, tensors)), pooled) if pooled else \
+                self.model(**dict(zip(names, tensors))).logits
 
     return Positional()
 

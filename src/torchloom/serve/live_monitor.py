@@ -3,10 +3,10 @@
 
 The window holds the last `size` texts, and none older than `max_age_s` (0: no age limit). A verdict needs at
 least `min_texts` of them ("warming_up" before). Thresholds depend on how many texts are compared: they are drawn
-at start (on a thread: about 0.7 s each on a 2-core CPU) for a ladder of sizes from `min_texts` to `size`, and a
+at start (on a thread: about 0.2 s each on a 2-core CPU) for a ladder of sizes from `min_texts` to `size`, and a
 window between two rungs uses the lower one's, whose thresholds are higher (fewer alarms, never more than the
-chosen rate). The verdict is worked out again every `size // 10` texts and whenever someone reads it (/metrics,
-/v1/monitor, the status page); each change is one log line.
+chosen rate). The verdict is worked out again every `size // 10` texts (at most every half second) and whenever
+someone reads it (/metrics, /v1/monitor, the status page); each change is one log line.
 
 Everything runs on the server's event loop (observing a text is a few appends; a verdict 0.4 ms on 500 texts),
 except the thresholds' thread. One monitor per process: a Ray Serve replica watches the texts it answered.
@@ -18,26 +18,32 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from torchloom.drift import SIGNALS, Texts, distances, estimated_accuracy, thresholds, verdict
+from torchloom.drift import SIGNALS, Kernel, Texts, distances, estimated_accuracy, thresholds, verdict
 
 log = logging.getLogger("torchloom.serve")
 
 WINDOW = 500  # texts: a class share of 10 % is then known to about +-2.7 %; 4 signals drawn from 1000 reference texts
 MIN_TEXTS = 100
+EVALUATE_EVERY_S = 0.5  # a verdict (0.4 ms) at most this often from traffic alone: 0.1 % of the event loop
 STATES = ("off", "warming_up", "no_drift", "drift")
 
 
 class LiveMonitor:
     def __init__(self, profile: dict, model: str, size: int = WINDOW, max_age_s: float = 0.0,
-                 false_alarm: float | None = None, min_texts: int = MIN_TEXTS) -> None:
+                 false_alarm: float | None = None, min_texts: int = MIN_TEXTS, kernel: Kernel | None = None) -> None:
+        """kernel: the profile's, where the server's answers carry sketches (model/profile.kernel_for)."""
+        from torchloom.model.profile import reference_texts
+
         self.profile = profile
         self.model = model
         self.labels = list(profile["labels"])
-        self.reference = Texts.of(profile["reference"])
+        self.kernel = kernel
+        self.reference = reference_texts(profile, sketched=kernel is not None)
         self.correct = np.asarray(profile["reference"]["correct"], bool)
         self.size = int(size)
         self.max_age_s = float(max_age_s)
@@ -45,6 +51,7 @@ class LiveMonitor:
         self.min_texts = max(2, min(int(min_texts), self.size))
         # (time, class, confidence, tokens, unknown) per text, newest last
         self.window: deque[tuple[float, int, float, int, float]] = deque(maxlen=self.size)
+        self.sketches: deque[np.ndarray] = deque(maxlen=self.size)  # with a kernel: each text's, as `window`
         self.index = {label: i for i, label in enumerate(self.labels)}
         self.seen = 0
         self._since_verdict = 0
@@ -55,6 +62,7 @@ class LiveMonitor:
         self.last: dict[str, Any] = {}
         self._ladder = ladder(self.min_texts, self.size, len(self.reference))
         self._thread = threading.Thread(target=self._calibrate, name="torchloom-monitor-thresholds", daemon=True)
+        self.on_report: Callable[[dict[str, Any]], None] | None = None  # told each new verdict (Ray's shared gauges)
 
     def start(self) -> None:
         self._thread.start()
@@ -72,9 +80,11 @@ class LiveMonitor:
         index, append = self.index, self.window.append
         for a in answers:
             append((now, index[a["label"]], a["score"], a["tokens"], a["unknown"]))
+        if self.kernel is not None:
+            self.sketches.extend(a["sketch"] for a in answers)
         self.seen += len(answers)
         self._since_verdict += len(answers)
-        if self._since_verdict >= self.every:
+        if self._since_verdict >= self.every and now - self.last.get("at", 0.0) >= EVALUATE_EVERY_S:
             self.evaluate()
 
     # --- read by /metrics, /v1/monitor, the page -----------------------------------------------------------
@@ -86,6 +96,8 @@ class LiveMonitor:
         if self.max_age_s > 0:
             while self.window and self.window[0][0] < now - self.max_age_s:
                 self.window.popleft()
+                if self.sketches:
+                    self.sketches.popleft()
         n = len(self.window)
         rung = max((r for r in self.limits if r <= n), default=None)
         report: dict[str, Any] = {"state": "warming_up", "model": self.model, "texts": n, "seen": self.seen,
@@ -95,8 +107,10 @@ class LiveMonitor:
                                   "drift": False, "drifted": []}
         if n >= 2:
             cols = list(zip(*self.window))
+            features = self.kernel.features(np.stack(self.sketches)) \
+                if self.kernel is not None and len(self.sketches) == n else None
             window = Texts(np.fromiter(cols[1], np.int64, n), np.fromiter(cols[2], np.float64, n),
-                           np.fromiter(cols[3], np.int64, n), np.fromiter(cols[4], np.float64, n))
+                           np.fromiter(cols[3], np.int64, n), np.fromiter(cols[4], np.float64, n), features)
             report["seconds"] = round(now - cols[0][0], 1)
             found = distances(window, self.reference, len(self.labels))
             limits = self.limits.get(rung, {}) if rung is not None else {}
@@ -104,7 +118,7 @@ class LiveMonitor:
             estimate, low, high = estimated_accuracy(window.confidence, self.reference, self.correct)
             report["signals"] = {name: {"distance": round(found[name], 6),
                                         "threshold": round(limits[name], 6) if limits else None,
-                                        "drift": name in drifted} for name in SIGNALS}
+                                        "drift": name in drifted} for name in SIGNALS if name in found}
             report["estimated_accuracy"] = {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
                                             "reference": self.profile.get("accuracy")}
             report["class_shares"] = {
@@ -119,6 +133,8 @@ class LiveMonitor:
         report["since"] = round(self.since, 3)
         report["at"] = now
         self.last = report
+        if self.on_report is not None:
+            self.on_report(report)
         return report
 
     def _settle(self, report: dict[str, Any]) -> None:
@@ -159,12 +175,13 @@ def off_report(reason: str) -> dict[str, Any]:
     return {"state": "off", "reason": reason, "drift": False, "drifted": []}
 
 
-def load_monitor(settings, labels: list[str], name: str) -> tuple[LiveMonitor | None, dict[str, Any], str]:
+def load_monitor(settings, labels: list[str], name: str, predictor=None
+                 ) -> tuple[LiveMonitor | None, dict[str, Any], str]:
     """The server's monitor (None when off), the report it gives while off, and the one line the server prints
     at start: what it watches, or why monitoring is off and how to turn it on. A damaged profile never stops a
     server: it serves, unmonitored, and says so."""
     from torchloom.errors import UserError
-    from torchloom.model.profile import REEXPORT, read_profile
+    from torchloom.model.profile import REEXPORT, kernel_for, read_profile
 
     if not settings.monitor:
         reason = "monitoring off (--no-monitor)"
@@ -181,7 +198,11 @@ def load_monitor(settings, labels: list[str], name: str) -> tuple[LiveMonitor | 
     if list(profile["labels"]) != list(labels):
         reason = f"monitoring off: the profile in {settings.model_dir}/monitor is of other labels; {REEXPORT}"
         return None, off_report(reason), f"warning: {reason}"
-    monitor = LiveMonitor(profile, name, settings.monitor_window, settings.monitor_window_s, settings.false_alarm)
+    kernel = kernel_for(profile, predictor) if predictor is not None else None
+    monitor = LiveMonitor(profile, name, settings.monitor_window, settings.monitor_window_s, settings.false_alarm,
+                          kernel=kernel)
     age = f", none older than {settings.monitor_window_s:g} s" if settings.monitor_window_s else ""
+    sketch = "" if kernel is not None else (", representation not compared (" + (
+        "the profile has no sketch" if "_sketch" not in profile else "the ONNX runtime gives logits only") + ")")
     return monitor, {}, (f"monitoring: the last {monitor.size} texts{age} against {len(monitor.reference)} reference"
-                         f" texts, {monitor.false_alarm:.2%} false alarms (GET /v1/monitor, /metrics, /)")
+                         f" texts, {monitor.false_alarm:.2%} false alarms{sketch} (GET /v1/monitor, /metrics, /)")

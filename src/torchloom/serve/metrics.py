@@ -82,7 +82,7 @@ def monitor_families(report: Callable[[], dict]) -> list[Family]:
         def read():
             r = report()
             return [((name,), r["signals"][name][key]) for name in SIGNALS
-                    if "signals" in r and r["signals"][name][key] is not None]
+                    if name in r.get("signals", {}) and r["signals"][name][key] is not None]
         return read
 
     def states():
@@ -146,47 +146,167 @@ class Histogram:
             yield f"{self.name}_count{_labels(self.labelnames, labels)} {cumulative}"
 
 
+# --- several processes (Ray Serve's replicas): prometheus-client's multiprocess mode ---------------------------
+#
+# Each replica writes its values to files in one directory of the node (ServeSettings.metrics_dir, in the server's
+# private temp dir); whichever replica the proxy sends a scrape to reads them all: counters and histograms summed
+# over replicas (a restarted replica's counts stay), the queue gauges summed over live replicas, the monitor's
+# gauges one series per live replica (a `pid` label: each replica watches the texts it answered).
+
+
+def _use_files(path: str) -> None:
+    """prometheus-client's values in files under `path` for this process. The choice is made when
+    prometheus_client is imported (Ray's worker may have imported it first): the value class is set here too."""
+    import os
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    from prometheus_client import values
+
+    if values.ValueClass is values.MutexValue:
+        values.ValueClass = values.MultiProcessValue()
+
+
+class _Shared:
+    """One prometheus-client metric behind the interface of Counter/Histogram above."""
+
+    def __init__(self, metric, labelnames: tuple[str, ...]) -> None:
+        self.metric, self.labelnames = metric, labelnames
+        self.children: dict[tuple[str, ...], object] = {}
+
+    def child(self, labels: tuple[str, ...]):
+        found = self.children.get(labels)
+        if found is None:
+            found = self.children[labels] = self.metric.labels(*labels) if self.labelnames else self.metric
+        return found
+
+
+class SharedCounter(_Shared):
+    def inc(self, *labels: str, amount: float = 1.0) -> None:
+        self.child(labels).inc(amount)
+
+    @property
+    def values(self) -> dict[tuple[str, ...], float]:
+        """This process's own counts (as Counter.values)."""
+        return {labels: child._value.get() for labels, child in self.children.items()}
+
+
+class SharedHistogram(_Shared):
+    def observe(self, value: float, *labels: str) -> None:
+        self.child(labels).observe(value)
+
+    def count(self, *labels: str) -> int:
+        child = self.children.get(labels)
+        return int(sum(b.get() for b in child._buckets)) if child is not None else 0
+
+
+def _shared_metrics(path: str) -> dict[str, object]:
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PCounter
+    from prometheus_client import Gauge as PGauge
+    from prometheus_client import Histogram as PHistogram
+
+    _use_files(path)
+    registry = CollectorRegistry()  # the objects only: what a scrape shows comes from the files (render)
+
+    def counter(name, help_text, labelnames=()):
+        return SharedCounter(PCounter(name, help_text, labelnames, registry=registry), labelnames)
+
+    def histogram(name, help_text, buckets, labelnames=()):
+        return SharedHistogram(PHistogram(name, help_text, labelnames, registry=registry, buckets=buckets),
+                               labelnames)
+
+    def gauge(name, help_text, labelnames=(), mode="livesum"):
+        return PGauge(name, help_text, labelnames, registry=registry, multiprocess_mode=mode)
+
+    return {"counter": counter, "histogram": histogram, "gauge": gauge}
+
+
 class ServeMetrics:
     """The server's metrics: requests by endpoint and status, latency, batch sizes, queue depth, model errors."""
 
     def __init__(self, queue_depth: Callable[[], float] = lambda: 0,
-                 monitor: Callable[[], dict] | None = None, queue_capacity: float = 0) -> None:
-        """monitor: the monitor's current report (live_monitor.LiveMonitor.current, or its "off" report)."""
-        self.requests = Counter("torchloom_requests_total", "HTTP requests by endpoint and status code.",
+                 monitor: Callable[[], dict] | None = None, queue_capacity: float = 0,
+                 shared_dir: str | None = None) -> None:
+        """monitor: the monitor's current report (live_monitor.LiveMonitor.current, or its "off" report).
+        shared_dir: the directory the processes of one server share their values in (prometheus-client's
+        multiprocess mode, for Ray Serve's replicas); None: this process's own, rendered by hand (the local
+        server: one process, and the cheapest per request)."""
+        self.shared_dir = shared_dir
+        made = _shared_metrics(shared_dir) if shared_dir else {}
+        Counter_ = made.get("counter", Counter)  # noqa: N806 (a class, or its stand-in)
+        Histogram_ = made.get("histogram", Histogram)  # noqa: N806
+        self.requests = Counter_("torchloom_requests_total", "HTTP requests by endpoint and status code.",
                                 ("endpoint", "status"))
-        self.latency = Histogram("torchloom_request_duration_seconds",
+        self.latency = Histogram_("torchloom_request_duration_seconds",
                                  "Time from request received to response sent, by endpoint.",
                                  LATENCY_BUCKETS, ("endpoint",))
-        self.batch_size = Histogram("torchloom_batch_size", "Texts per model forward batch.", BATCH_BUCKETS)
-        self.batch_seconds = Histogram("torchloom_batch_duration_seconds",
+        self.batch_size = Histogram_("torchloom_batch_size", "Texts per model forward batch.", BATCH_BUCKETS)
+        self.batch_seconds = Histogram_("torchloom_batch_duration_seconds",
                                        "Time one batch spends in the model (forward and softmax; cleaning and"
                                        " tokenizing too where the request was not tokenized first).",
                                        LATENCY_BUCKETS)
-        self.batch_tokens = Histogram("torchloom_batch_tokens", "Padded tokens per model forward batch (rows x"
+        self.batch_tokens = Histogram_("torchloom_batch_tokens", "Padded tokens per model forward batch (rows x"
                                       " the longest row): what the forward computes.", TOKEN_BUCKETS)
-        self.queue_seconds = Histogram("torchloom_queue_duration_seconds",
+        self.queue_seconds = Histogram_("torchloom_queue_duration_seconds",
                                        "Time a request's texts wait in the queue before their batch starts.",
                                        LATENCY_BUCKETS)
-        self.tokenize_seconds = Histogram("torchloom_tokenize_duration_seconds",
+        self.tokenize_seconds = Histogram_("torchloom_tokenize_duration_seconds",
                                           "Time to clean and tokenize one request's texts.", LATENCY_BUCKETS)
-        self.texts = Counter("torchloom_texts_total", "Texts predicted.")
-        self.dropped = Counter("torchloom_texts_dropped_total",
+        self.texts = Counter_("torchloom_texts_total", "Texts predicted.")
+        self.dropped = Counter_("torchloom_texts_dropped_total",
                                "Texts dropped before the model because their client disconnected.")
-        self.client_disconnects = Counter("torchloom_client_disconnects_total",
+        self.client_disconnects = Counter_("torchloom_client_disconnects_total",
                                           "Requests whose client closed the connection before the answer: while"
                                           " sending the body (stage=body) or while its texts waited"
                                           " (stage=waiting).", ("stage",))
         for stage in ("body", "waiting"):  # both series from the start, at 0
             self.client_disconnects.inc(stage, amount=0)
-        self.warm_up_batches = Counter("torchloom_warm_up_batches_total", "Batches the warm-up ran before /readyz, by"
+        self.warm_up_batches = Counter_("torchloom_warm_up_batches_total", "Batches the warm-up ran before /readyz, by"
                                        " padded length: one per length bucket.", ("length",))
-        self.model_errors = Counter("torchloom_model_errors_total", "Batches or requests the model failed on.")
+        self.model_errors = Counter_("torchloom_model_errors_total", "Batches or requests the model failed on.")
         self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
         self.queue_capacity = Gauge("torchloom_queue_capacity", "Texts the queue holds at most (--max-queue): past it"
                                     " requests get 429.", lambda: queue_capacity)
+        self.read_monitor = monitor
         self.monitor = monitor_families(monitor) if monitor is not None else []
+        self.shared_gauges: dict[str, object] = {}
+        if shared_dir:
+            gauge = made["gauge"]
+            self.shared_gauges = {
+                "queue_depth": gauge("torchloom_queue_depth", "Texts accepted and waiting for the model."),
+                "queue_capacity": gauge("torchloom_queue_capacity", "Texts the queues hold at most (--max-queue"
+                                        " each): past it requests get 429."),
+                **{f.name: gauge(f.name, f.help, f.labelnames, mode="liveall") for f in self.monitor},
+            }
+            self.shared_gauges["queue_capacity"].set(queue_capacity)
+            self.queue_changed(0)
+
+    def queue_changed(self, depth: int) -> None:
+        """Several processes: this one's queue depth, in the files (one process: read when scraped)."""
+        if self.shared_gauges:
+            self.shared_gauges["queue_depth"].set(depth)
+
+    def publish_monitor(self, _report: dict | None = None) -> None:
+        """Several processes: this one's monitor gauges, in the files (one process: read when scraped)."""
+        if not self.shared_gauges:
+            return
+        for family in self.monitor:
+            gauge = self.shared_gauges[family.name]
+            for labels, value in family.read():
+                (gauge.labels(*labels) if family.labelnames else gauge).set(value)
+
+    def process_gone(self) -> None:
+        """Several processes: this one stops; its live gauges leave the files (its counts stay)."""
+        if self.shared_dir:
+            import os
+
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid(), self.shared_dir)
 
     def render(self) -> str:
+        if self.shared_dir:
+            return self._render_shared()
         lines: list[str] = []
         for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
                        self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped,
@@ -194,3 +314,12 @@ class ServeMetrics:
                        self.queue_capacity, *self.monitor):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
+
+    def _render_shared(self) -> str:
+        from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+
+        if self.read_monitor is not None:
+            self.publish_monitor()  # this replica's verdict as of now; the others' as of their last evaluation
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
+        return generate_latest(registry).decode("utf-8")

@@ -89,7 +89,7 @@ class ServedModel:
     def encode(self, texts: list[str]) -> list[list[dict[str, list[int]]]]:
         """Each text's model inputs (cleaned and cut like training's): the server tokenizes before queueing,
         so batches can be bounded in tokens."""
-        return self.predictor.encode_windows(texts)
+        return self.predictor.encode_windows(texts, self.signals)
 
     def predict_encoded(self, encoded: list[list[dict[str, list[int]]]]) -> list[dict[str, Any]]:
         with self._autocast():
@@ -139,7 +139,8 @@ class ServedModel:
         batch = pad_batch([row] * rows, self.predictor.tokenizer, length)  # CPU tensors, as the model is here
         lines = []
         with torch.inference_mode():
-            traced = self.predictor.traced = TracedForward(self.predictor.model)
+            traced = self.predictor.traced = TracedForward(
+                self.predictor.model, pooled=self.signals and self.predictor.sketch is not None)  # a monitor's sketch
             used, why = traced.choose(batch, self._autocast)
             lines.append(f"forward {'traced' if used else 'eager'}: {why}")
             if cores in (2, 3):

@@ -27,6 +27,7 @@ MEANING = {
     "confidence": "the model's confidence, top probability (Jensen-Shannon distance of a 10-bin histogram)",
     "length": "tokens per text before truncation (Kolmogorov-Smirnov statistic)",
     "unknown": "share of tokens the tokenizer does not know (Kolmogorov-Smirnov statistic)",
+    "representation": "the model's pooled representation, sketched (maximum mean discrepancy, Gaussian kernel)",
 }
 
 
@@ -35,7 +36,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
                  overwrite: bool = False, say=print) -> dict[str, Any]:
     """Compare `input_path`'s texts with the model's profile; write the report to `output`; returns its JSON."""
     from torchloom.model.predict import Predictor, read_texts
-    from torchloom.model.profile import REEXPORT, read_profile, text_signals
+    from torchloom.model.profile import REEXPORT, kernel_for, read_profile, reference_texts, text_signals
 
     profile = read_profile(model_dir)
     if profile is None:
@@ -60,9 +61,10 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     predictor = Predictor(model_dir, device=device)
     if predictor.labels != profile["labels"]:
         raise UserError(f"model dir {model_dir}: its profile is of other labels than the model's; {REEXPORT}")
+    kernel = kernel_for(profile, predictor)
     answers = predictor.predict(texts, with_signals=True)
-    window = text_signals(predictor.labels, answers)
-    reference = Texts.of(profile["reference"])
+    window = text_signals(predictor.labels, answers, kernel)
+    reference = reference_texts(profile, sketched=kernel is not None)
     k = len(profile["labels"])
     found = distances(window, reference, k)
     limits = thresholds(reference, len(texts), k, rate)
@@ -72,7 +74,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
         "model": str(model_dir), "input": str(input_path), "texts": len(texts), "reference_texts": len(reference),
         "false_alarm": rate, "drift": bool(drifted), "drifted": drifted,
         "signals": {name: {"distance": round(found[name], 6), "threshold": round(limits[name], 6),
-                           "drift": name in drifted} for name in SIGNALS},
+                           "drift": name in drifted} for name in SIGNALS if name in found},
         "estimated_accuracy": {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
                                "reference": profile.get("accuracy")},
         "class_shares": {label: {"window": round(float(np.mean(window.predicted == i)), 4),

@@ -65,11 +65,14 @@ class RayBackend:
         self._ready = False
         from torchloom.serve.live_monitor import load_monitor
 
-        self.monitor, self.monitor_off, line = load_monitor(settings, self.model.labels, self.identity.name)
+        self.monitor, self.monitor_off, line = load_monitor(settings, self.model.labels, self.identity.name,
+                                                                   self.model.predictor)
         self.model.signals = self.monitor is not None
         log.info("%s", line)  # each replica watches the texts it answers
         self.metrics = ServeMetrics(queue_depth=lambda: self._pending, monitor=self.monitor_report,
-                                   queue_capacity=settings.max_queue)
+                                   queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
+        if self.monitor is not None:
+            self.monitor.on_report = self.metrics.publish_monitor
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
         self._batched_one = None  # the deployment's @serve.batch method, one text per call
 
@@ -107,11 +110,13 @@ class RayBackend:
     async def stop(self) -> None:
         self._ready = False
         self._executor.shutdown(wait=True)
+        self.metrics.process_gone()
 
     async def predict(self, texts: list[str]) -> list[dict[str, Any]]:
         if self._pending + len(texts) > self.settings.max_queue:
             raise Overloaded(self._pending, self.settings.max_queue)
         self._pending += len(texts)
+        self.metrics.queue_changed(self._pending)
         items = [_Item(t) for t in texts]
         try:
             results = await asyncio.gather(*(self._batched_one(item) for item in items))
@@ -124,6 +129,7 @@ class RayBackend:
             raise
         finally:
             self._pending -= len(texts)
+            self.metrics.queue_changed(self._pending)
         for result in results:
             if isinstance(result, _Failed):
                 raise ModelFailed(result.error_id)
@@ -286,6 +292,8 @@ def run_ray(settings: ServeSettings) -> int:
     # The proxy and controller need a little CPU too; replicas share the rest.
     cpus_per_replica = max(0.01, (cpus - 0.2) / settings.replicas)
     temp_dir = tempfile.mkdtemp(prefix="torchloom-ray-")  # mode 0700
+    settings.metrics_dir = os.path.join(temp_dir, "metrics")  # the replicas' shared metrics (serve/metrics.py)
+    os.mkdir(settings.metrics_dir)
     stop = threading.Event()
     previous: dict[int, Any] = {}
     try:

@@ -32,7 +32,8 @@ class LocalBackend:
 
         self.model = model
         self.identity = model.identity
-        self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.labels, model.identity.name)
+        self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.labels, model.identity.name,
+                                                                          model.predictor)
         model.signals = self.monitor is not None
         self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth, monitor=self.monitor_report,
                                    queue_capacity=settings.max_queue)

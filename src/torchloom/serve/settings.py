@@ -46,6 +46,7 @@ class ServeSettings:
     monitor_window: int = 500  # texts in the monitor's window
     monitor_window_s: float = 0.0  # and none older than this (0: no age limit)
     false_alarm: float | None = None  # the chance a window like the reference is called drift (None: the profile's)
+    metrics_dir: str | None = None  # Ray: where the replicas share their metrics (set by run_ray, not a flag)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
