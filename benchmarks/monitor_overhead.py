@@ -6,8 +6,8 @@
 
 Per model (tiny: the random 2-layer BERT, the fastest a server answers here, so the monitor's largest share;
 minilm: the demo's MiniLM with a fresh 5-label head), both servers run side by side, on the same model copy with
-its reference profile (1000 benchmark texts), both with `--no-tune` (the same forward and threads); rounds
-alternate on, off, off, on, ... so that neither side always
+its reference profile (1000 benchmark texts), with the default warm-up (what each chose is in the table;
+`--no-tune`: eager on all cores for both); rounds alternate on, off, off, on, ... so that neither side always
 goes first, each round a fresh load of `--requests` requests (or `--time-cap` seconds) after a warm-up. The ratio
 is the median over rounds of (texts/s with monitoring) / (texts/s without), both timed by the same load generator
 from the same moment (its start after the warm-up). Writes the table to docs/benchmarks.md under '## Serving with
@@ -52,10 +52,10 @@ def model_for(name: str, work: Path, texts: list[str]) -> str:
 def measure(name: str, model: str, texts: list[str], a: argparse.Namespace, work: Path) -> dict:
     servers = {}
     for side, flags in (("on", []), ("off", ["--no-monitor"])):
-        # --no-tune: the warm-up's measured choices (traced or eager, 1 or 2 torch threads) differ from one server
-        # start to the next on a noisy machine (seen: 20 % apart); both sides get the same eager, all-core forward
+        # the warm-up's measured choices (traced or eager, 1 or 2 torch threads) can differ from one server start to
+        # the next on a noisy machine: the table says what each side chose; --no-tune gives both eager, all cores
         servers[side] = Process([sys.executable, "-m", "torchloom", "serve", model, "--port", "0", "--device", "cpu",
-                                 "--no-tune", *flags], work, f"{name}-{side}")
+                                 *(["--no-tune"] if a.no_tune else []), *flags], work, f"{name}-{side}")
     try:
         for s in servers.values():
             asyncio.run(wait_ready(s.url))
@@ -76,11 +76,14 @@ def measure(name: str, model: str, texts: list[str], a: argparse.Namespace, work
                   flush=True)
         on_log = (work / f"{name}-on.err").read_text()
         assert "monitoring: the last 500 texts" in on_log, on_log[-2000:]
+        chosen = {side: "; ".join(line.split("warm-up: ", 1)[1].split(":")[0] for line in
+                                  (work / f"{name}-{side}.err").read_text().splitlines() if "warm-up: " in line)
+                  or "eager, all cores (--no-tune)" for side in servers}
         ratios = [x / y for x, y in zip(rates["on"], rates["off"])]
         return {"model": name, "on": statistics.median(rates["on"]), "off": statistics.median(rates["off"]),
                 "p99_on": statistics.median(p99["on"]), "p99_off": statistics.median(p99["off"]),
                 "ratio": statistics.median(ratios), "ratios": ratios,
-                "cpu_on": statistics.median(cpu["on"]), "cpu_off": statistics.median(cpu["off"])}
+                "cpu_on": statistics.median(cpu["on"]), "cpu_off": statistics.median(cpu["off"]), "chosen": chosen}
     finally:
         for s in servers.values():
             s.stop()
@@ -93,6 +96,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=4000)
     p.add_argument("--time-cap", type=float, default=20.0)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--no-tune", action="store_true", help="serve both sides with --no-tune")
     a = p.parse_args()
     texts = load_texts(1000)
     cpu = cpu_name()
@@ -102,8 +106,10 @@ def main() -> None:
         for name in a.models.split(","):
             rows.append(measure(name, model_for(name, work, texts), texts, a, work))
     lines = [f"Machine: {cpu}; Python {platform.python_version()}; {datetime.now(UTC):%Y-%m-%d}."
-             f" `benchmarks/monitor_overhead.py --rounds {a.rounds} --requests {a.requests}`: c = {C}, one text per"
-             " request, window 500 texts (the default), reference 1000 texts, both servers `--no-tune`.", "",
+             f" `benchmarks/monitor_overhead.py --rounds {a.rounds} --requests {a.requests}"
+             f"{' --no-tune' if a.no_tune else ''}`: c = {C}, one text per request, window 500 texts (the default),"
+             " reference 1000 texts. What each server's warm-up chose: "
+             + "; ".join(f"{r['model']} on: {r['chosen']['on']}, off: {r['chosen']['off']}" for r in rows) + ".", "",
              "| model | texts/s, monitor on | texts/s, monitor off | on / off (median of rounds; each round) |"
              " p99 ms on | p99 ms off | server CPU us a text, on | off | on / off |", "|---" * 9 + "|"]
     for r in rows:

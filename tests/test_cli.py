@@ -1058,3 +1058,39 @@ def test_monitor_compares_new_texts_with_the_model_s_profile(finished_run, tmp_p
     (model / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/2", "reference": {}}')
     with pytest.raises(UserError, match=r"monitor/ cannot be read \(profile.json: .*\); export it again"):
         monitor_file(str(model), str(like), str(tmp_path / "none"), text_column="body")
+
+
+def test_predict_with_two_models_compares_them_on_a_labelled_file(finished_run, tmp_path):
+    """`predict --model v1=A --model v2=B --input FILE --labels COL`: agreement, class shares, each model's accuracy
+    and F1, and McNemar's verdict naming the better one (B: A with a scrambled head); one line for two models of
+    different labels, and for --output with two models."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    rd, _ = finished_run
+    worse = tmp_path / "worse"
+    shutil.copytree(rd / "model", worse, ignore=shutil.ignore_patterns("monitor", "baseline"))
+    info = json.loads((worse / "torchloom.json").read_text())
+    info.pop("combine", None)  # the transformer alone: its scrambled head is all it has
+    (worse / "torchloom.json").write_text(json.dumps(info))
+    weights = load_file(str(worse / "model.safetensors"))
+    for k in [k for k in weights if k.startswith("classifier.")]:  # each class's row moved to the next class
+        weights[k] = np.ascontiguousarray(np.roll(weights[k], 1, axis=0))
+    save_file(weights, str(worse / "model.safetensors"), metadata={"format": "pt"})
+    data = _topic_texts(tmp_path / "labelled.csv", range(400, 480))
+    proc = torchloom("predict", "--model", f"v1={rd / 'model'}", "--model", f"v2={worse}", "--input", str(data),
+                     "--text-column", "body", "--labels", "topic", "--report", str(tmp_path / "cmp"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "v1 better" in proc.stdout, proc.stdout
+    result = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert result["texts"] == result["labelled"] == 240 and result["verdict"]["state"] == "v1 better"
+    assert result["accuracy"]["v1"] > result["accuracy"]["v2"] and result["verdict"]["p_value"] < 0.05
+    assert 0 <= result["agreement"] < 1 and set(result["f1"]) == {"sport", "money", "music"}
+    disagreements = (tmp_path / "cmp" / "disagreements.jsonl").read_text().splitlines()
+    assert len(disagreements) == round(240 * (1 - result["agreement"]))
+    assert set(json.loads(disagreements[0])) == {"text", "v1", "v2", "label"}
+    assert "McNemar" in (tmp_path / "cmp" / "report.md").read_text()
+    again = torchloom("predict", "--model", str(rd / "model"), "--model", str(worse), "--input", str(data),
+                      "--text-column", "body", "--output", str(tmp_path / "x.parquet"))
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    assert "with two models the comparison goes to --report" in again.stderr

@@ -989,10 +989,15 @@ def assert_own_ray_is_private(pid: int, http_port: int, api_key: str) -> None:
 @pytest.mark.ray
 def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_path):
     pytest.importorskip("ray.serve")
+    from torchloom.model.profile import write_profile
+
     port = free_port()
+    monitored = tmp_path / "shop" / "model"  # with a profile: each replica watches the texts it answers
+    shutil.copytree(model_dir, monitored)
+    write_profile(monitored, TEXTS * 20, [LABELS[i % 3] for i in range(len(TEXTS) * 20)], {"val": 120, "test": 0})
     # bound beyond loopback with a key: only Serve's proxy may listen there; requests go to 127.0.0.1 only
     # two replicas: whichever answers a scrape, /metrics counts both (prometheus-client's multiprocess files)
-    s = Server(model_dir, "--serve-with", "ray", "--host", "0.0.0.0", "--port", str(port), "--api-key", API_KEY,
+    s = Server(str(monitored), "--serve-with", "ray", "--host", "0.0.0.0", "--port", str(port), "--api-key", API_KEY,
                "--max-wait-ms", "20", "--device", "cpu", "--replicas", "2", log_dir=tmp_path, ready_timeout=150,
                local_url=True)
     try:
@@ -1019,7 +1024,11 @@ def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_
             families = s.metrics()
             assert sample_value(families, "torchloom_texts", "torchloom_texts_total") == 2 * 9 + 6 + 18
             assert sample_value(families, "torchloom_queue_capacity", "torchloom_queue_capacity") == 2 * 1024
-        assert s.client.get("/v1/monitor").json()["state"] == "off"  # model_dir has no profile
+        monitor = s.client.get("/v1/monitor").json()  # one replica's window: at most the 24 texts it may have had
+        assert monitor["state"] == "warming_up" and 0 <= monitor["texts"] <= 24 and monitor["window"]["size"] == 500
+        states = [sample for sample in families["torchloom_monitor_state"].samples
+                  if sample.labels["state"] == "warming_up"]
+        assert len(states) == 2 and all(sample.value == 1 for sample in states), states  # one per live replica
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()
@@ -1224,3 +1233,45 @@ def test_fuzzed_requests_get_no_5xx_answers_as_documented_and_the_server_stays_u
     wait_for(lambda: server.stderr().count("INFO torchloom.serve: refused ") == logged + sum(refused), 5)
     assert "Traceback" not in server.stderr() and "unexpected error" not in server.stderr(), server.stderr()[-3000:]
     assert server.proc.poll() is None
+
+
+@pytest.mark.slow
+def test_monitor_compares_a_uniform_sample_of_a_large_input_read_locally_or_on_spark(spark, model_dir, tmp_path):
+    """`torchloom monitor` on a Parquet directory larger than --sample: a uniform sample of the texts (both files
+    drawn from alike), empty texts counted and set aside, labels kept with their texts; on Spark the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchloom.model.profile import write_profile
+    from torchloom.serve.monitor_batch import monitor_file
+
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    words = ["match goal team", "bank shares profit", "guitar band song"]
+    held = [f"{words[i % 3]} {i}" for i in range(150)]
+    write_profile(model, held, [LABELS[i % 3] for i in range(150)], {"val": 150, "test": 0})
+    data = tmp_path / "traffic"
+    data.mkdir()
+    for part in range(2):
+        n = 1500
+        body = [None if i % 100 == 7 else f"{words[i % 3]} part{part} {i}" for i in range(n)]
+        pq.write_table(pa.table({"body": body, "topic": [LABELS[i % 3] for i in range(n)]}),
+                       data / f"part-{part}.parquet", row_group_size=400)
+    results = {}
+    for engine in ("local", "spark"):
+        results[engine] = r = monitor_file(str(model), str(data), str(tmp_path / f"report-{engine}"),
+                                           text_column="body", labels_column="topic", sample=300,
+                                           spark=spark if engine == "spark" else None, say=lambda line: None)
+        assert r["texts"] == 300 and r["rows"] == 3000 and r["sampled"], r
+        assert r["labelled"] == 300 and 0 <= r["accuracy"] <= 1
+        report = (tmp_path / f"report-{engine}" / "report.md").read_text()
+        assert "300 texts (a uniform sample of the input's" in report
+    assert results["local"]["empty"] == results["spark"]["empty"] == 30  # every empty text counted, set aside
+    from torchloom.serve.monitor_batch import read_sample
+
+    sample = read_sample(str(data), "body", "topic", 1000)
+    second = sum("part1" in t for t in sample.texts) / len(sample.texts)
+    assert len(sample.texts) == 1000 and sample.empty == 30 and abs(second - 0.5) < 0.07, second
+    assert all(t.split()[0] in {"match", "bank", "guitar"} and y in LABELS for t, y in zip(sample.texts,
+                                                                                             sample.labels))
+    assert all(LABELS[int(t.split()[-1]) % 3] == y for t, y in zip(sample.texts, sample.labels))  # kept together

@@ -140,6 +140,13 @@ def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
                     help="the chance of a drift verdict on texts like the validation split (default: the profile's,"
                          " 0.01)")
     sp.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    sp.add_argument("--sample", type=int, default=10_000, metavar="N",
+                    help="compare a uniform sample of at most N texts of the input (default 10000: more makes every"
+                         " tiny shift significant, and costs scoring time)")
+    sp.add_argument("--read-with", choices=("local", "spark"), default="local",
+                    help="read the input in this process, streamed (default), or draw the sample on Spark (an input"
+                         " too large to scan on one machine: a directory or a store's prefix)")
+    sp.add_argument("--spark-master", default="local[*]", help="for --read-with spark (default local[*])")
     sp.add_argument("--track", action="store_true",
                     help="log the report to MLflow: a run of kind monitor with each signal's distance and threshold,"
                          " the estimated (and real) accuracy, the verdict, and report.md, monitor.json and plots/")
@@ -186,9 +193,16 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
         from torchloom.model.device import resolve_device
 
         device = resolve_device(device)
+    spark = None
+    if args.read_with == "spark":
+        from torchloom.config.schema import PrepareConfig
+        from torchloom.etl.session import get_spark
+
+        spark = get_spark(PrepareConfig(spark_master=args.spark_master))
     result = monitor_file(model, args.input, args.output, text_column=args.text_column, labels_column=args.labels,
                           false_alarm=args.false_alarm, device=device, overwrite=args.overwrite,
-                          say=lambda line: print(f"monitor: {line}", file=sys.stderr, flush=True))
+                          say=lambda line: print(f"monitor: {line}", file=sys.stderr, flush=True),
+                          sample=args.sample, spark=spark)
     if args.track:
         track_monitor(args, result)
     est = result["estimated_accuracy"]
@@ -202,8 +216,15 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
 def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
     sp.usage = ('torchloom predict --model DIR "text" ... | --input FILE\n'
                 "       torchloom predict MODEL_DIR --input PATH --output PATH [--score-with local|spark]")
-    sp.add_argument("--model", help="an exported model dir (e.g. runs/bbc-minilm/model); or give it as the first"
-                                    " argument")
+    sp.add_argument("--model", action="append", help="an exported model dir (e.g. runs/bbc-minilm/model); or give it"
+                    " as the first argument. Twice (`--model v1=DIR --model v2=DIR --input FILE`): compare the two"
+                    " on the file (agreement, class shares; with --labels accuracy, per-class F1 and McNemar's test)")
+    sp.add_argument("--labels", metavar="COLUMN", help="with two models: the column of true labels")
+    sp.add_argument("--report", default="compare-report",
+                    help="with two models: the comparison's directory (report.md, compare.json, disagreements.jsonl;"
+                         " default compare-report)")
+    sp.add_argument("--sample", type=int, default=100_000, metavar="N",
+                    help="with two models: compare a uniform sample of at most N texts (default 100000)")
     sp.add_argument("--input", help="without --output: a .txt (one text per line), .jsonl or .csv file with a text"
                                     " field; with --output: a CSV, JSONL or Parquet file or directory")
     sp.add_argument("--output", help="write a Parquet file (--score-with local) or directory (spark): the input"
@@ -252,7 +273,9 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
     if unknown:
         raise UserError(f"predict: unexpected arguments {' '.join(unknown)}; see torchloom predict --help")
     texts = list(args.texts) + [r for r in rest if not r.startswith("-")]
-    model = args.model
+    if args.model and len(args.model) > 1:
+        return compare_models(args, texts)
+    model = args.model[0] if args.model else None
     if model is None:
         if not texts or not _is_model_dir(texts[0]):
             first = f"{texts[0]!r} is not a model dir (no config.json)" if texts else "none was given"
@@ -289,6 +312,31 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
     lines = (json.dumps({"text": text[:200], **pred}, ensure_ascii=False)
              for text, pred in zip(texts, predictor.predict(texts)))
     return print_lines(lines)
+
+
+def compare_models(args: argparse.Namespace, texts: list[str]) -> int:
+    """`predict --model A --model B --input FILE`: serve/compare_batch.py."""
+    from torchloom.model.export import check_exported
+    from torchloom.serve.compare_batch import compare_file, model_names
+
+    if len(args.model) != 2:
+        raise UserError(f"predict: {len(args.model)} --model flags; compare two models at a time")
+    if texts or not args.input:
+        raise UserError("predict: two models compare the texts of --input FILE (a CSV, JSON lines or Parquet file or"
+                        " directory with a text column)")
+    if args.output:
+        raise UserError("predict: --output writes one model's predictions; with two models the comparison goes to"
+                        " --report DIR")
+    models = [(name, local_model(path, "--model")) for name, path in model_names(args.model)]
+    for _, path in models:
+        check_exported(path)
+    result = compare_file(models, args.input, args.report, text_column=args.text_column, labels_column=args.labels,
+                          sample=args.sample, device=args.device, overwrite=args.overwrite,
+                          say=lambda line: print(f"predict: {line}", file=sys.stderr, flush=True))
+    verdict = f"; {result['verdict']['state']}: {result['verdict']['line']}" if "verdict" in result else ""
+    print(f"predict: {result['texts']} texts, agreement {result['agreement']:.1%}{verdict}; report in"
+          f" {Path(args.report) / 'report.md'}")
+    return 0
 
 
 SIGPIPE_EXIT = 128 + 13  # what a shell reports for a process that SIGPIPE ended

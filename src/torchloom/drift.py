@@ -207,3 +207,13 @@ def estimated_accuracy(window_confidence: np.ndarray, reference: Texts, correct:
     half = 1.96 * float(np.sqrt(variance))
     estimate = float(p.mean())
     return estimate, max(0.0, estimate - half), min(1.0, estimate + half)
+
+
+CAVEAT = ("the texts drifted in what the model sees: the estimate assumes the model stays as calibrated as on the"
+          " reference, which such a shift can break (measured: TREC questions thinned to every other word, estimate"
+          " 0.894, real 0.605); check it with labels")
+
+
+def caveat(drifted: list[str]) -> str | None:
+    """What to say beside an accuracy estimate when the window drifted where calibration may not hold."""
+    return CAVEAT if set(drifted) & {"confidence", "representation", "unknown"} else None

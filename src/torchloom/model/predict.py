@@ -296,11 +296,11 @@ class Predictor:
         if with_signals:
             for result, item in zip(results, per_text):
                 result["tokens"], result["unknown"] = item.tokens, item.unknown
-        if sketched is not None:  # a text's sketch: its windows' mean
-            sums = np.zeros((len(per_text), sketched.shape[1]), np.float32)
-            np.add.at(sums, np.asarray(owner), sketched)
-            sums /= np.bincount(owner, minlength=len(per_text))[:, None]
-            for result, row in zip(results, sums):
+        if sketched is not None:  # a text's sketch: its windows' mean (owner runs in order, one run per text)
+            if len(sketched) != len(per_text):
+                starts = np.flatnonzero(np.r_[True, np.diff(owner) != 0])
+                sketched = np.add.reduceat(sketched, starts, axis=0) / np.diff(np.r_[starts, len(owner)])[:, None]
+            for result, row in zip(results, sketched):
                 result["sketch"] = row
         return results
 

@@ -5,7 +5,7 @@ The window holds the last `size` texts, and none older than `max_age_s` (0: no a
 least `min_texts` of them ("warming_up" before). Thresholds depend on how many texts are compared: they are drawn
 at start (on a thread: about 0.2 s each on a 2-core CPU) for a ladder of sizes from `min_texts` to `size`, and a
 window between two rungs uses the lower one's, whose thresholds are higher (fewer alarms, never more than the
-chosen rate). The verdict is worked out again every `size // 10` texts (at most every half second) and whenever
+chosen rate). The verdict is worked out again every `size // 10` texts (at most once a second) and whenever
 someone reads it (/metrics, /v1/monitor, the status page); each change is one log line.
 
 Everything runs on the server's event loop (observing a text is a few appends; a verdict 0.4 ms on 500 texts),
@@ -23,13 +23,22 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import SIGNALS, Kernel, Texts, distances, estimated_accuracy, thresholds, verdict
+from torchloom.drift import (
+    SIGNALS,
+    Kernel,
+    Texts,
+    caveat,
+    distances,
+    estimated_accuracy,
+    thresholds,
+    verdict,
+)
 
 log = logging.getLogger("torchloom.serve")
 
 WINDOW = 500  # texts: a class share of 10 % is then known to about +-2.7 %; 4 signals drawn from 1000 reference texts
 MIN_TEXTS = 100
-EVALUATE_EVERY_S = 0.5  # a verdict (0.4 ms) at most this often from traffic alone: 0.1 % of the event loop
+EVALUATE_EVERY_S = 1.0  # a verdict (0.4-0.7 ms) at most this often from traffic alone: under 0.1 % of a core
 STATES = ("off", "warming_up", "no_drift", "drift")
 
 
@@ -128,6 +137,7 @@ class LiveMonitor:
             if limits and n >= self.min_texts:
                 report["state"] = "drift" if drifted else "no_drift"
                 report["drift"], report["drifted"] = bool(drifted), drifted
+                report["estimated_accuracy"]["caveat"] = caveat(drifted)
                 report["calibrated_for"] = rung
         self._settle(report)
         report["since"] = round(self.since, 3)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import SIGNALS, Texts, distances, estimated_accuracy, thresholds, verdict
+from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
 from torchloom.ledger import check_output, record_output
 
@@ -31,11 +31,108 @@ MEANING = {
 }
 
 
+SAMPLE = 10_000  # texts compared at most: past a few thousand a window's thresholds call every tiny shift drift
+
+
+class Sampled:
+    """Up to n texts (with their labels) drawn uniformly from a stream of rows: each row gets a random key and the
+    n smallest keys stay (memory: n rows, whatever the input's size)."""
+
+    def __init__(self, n: int, seed: int = 0) -> None:
+        self.n, self.rng = n, np.random.default_rng(seed)
+        self.keys = np.empty(0)
+        self.texts: list[str] = []
+        self.labels: list[Any] = []
+        self.total = self.empty = 0
+
+    def add(self, texts: list[Any], labels: list[Any] | None = None) -> None:
+        labels = labels if labels is not None else [None] * len(texts)
+        usable = [(t, y) for t, y in zip(texts, labels) if isinstance(t, str) and t.strip()]
+        self.empty += len(texts) - len(usable)
+        self.total += len(texts)
+        if not usable:
+            return
+        keys = np.concatenate([self.keys, self.rng.random(len(usable))])
+        rows = list(zip(self.texts, self.labels)) + usable
+        keep = np.sort(np.argpartition(keys, self.n - 1)[:self.n]) if len(keys) > self.n else np.arange(len(keys))
+        self.keys = keys[keep]
+        self.texts = [rows[i][0] for i in keep]
+        self.labels = [rows[i][1] for i in keep]
+
+
+def read_sample(input_path: str, text_column: str, labels_column: str | None, n: int = SAMPLE, spark=None,
+                say=print) -> Sampled:
+    """A uniform sample of up to n texts of `input_path`, read as `predict --input ... --output` reads it (CSV,
+    JSON lines or Parquet, a file or a directory; a .txt file a text a line): streamed locally, or on Spark
+    (`spark`: a session) for inputs too large for one machine to scan quickly. Empty texts are counted, not kept."""
+    from torchloom.model.predict import read_texts
+    from torchloom.serve import score_files
+
+    sample = Sampled(n)
+    if Path(input_path).suffix.lower() == ".txt" and spark is None:
+        if labels_column:
+            raise UserError(f"--labels {labels_column}: a .txt input has texts only; give a CSV or JSON lines file"
+                            " with a label column")
+        sample.add(read_texts(input_path, say=say))
+        return sample
+    fmt = score_files.input_format(input_path)
+    if spark is not None:
+        return _spark_sample(spark, input_path, fmt, text_column, labels_column, sample)
+    schema, batches = score_files._local_batches(input_path, fmt)
+    text_column, labels_column = _columns(schema.names, text_column, labels_column, input_path)
+    for batch in batches:
+        texts = batch.column(text_column).to_pylist()
+        labels = [None if y is None else str(y) for y in batch.column(labels_column).to_pylist()] \
+            if labels_column else None
+        sample.add(texts, labels)
+    return sample
+
+
+def _columns(names: list[str], text_column: str, labels_column: str | None, input_path: str
+             ) -> tuple[str, str | None]:
+    from torchloom.input_formats import column_named, text_column_hint
+
+    found = column_named(names, text_column)
+    if found is None:
+        raise UserError(f"--input {input_path}: no column {text_column!r} (columns: {', '.join(names) or 'none'});"
+                        " name the text column with --text-column" + text_column_hint(names))
+    labels = column_named(names, labels_column) if labels_column else None
+    if labels_column and labels is None:
+        raise UserError(f"--labels {labels_column}: no such column in {input_path} (columns: {', '.join(names)})")
+    return found, labels
+
+
+def _spark_sample(spark, input_path: str, fmt: str, text_column: str, labels_column: str | None,
+                  sample: Sampled) -> Sampled:
+    """Spark counts the rows, keeps about 1.5 n of them at random and the driver n of those, at random."""
+    from pyspark.sql import functions as F  # noqa: N812
+
+    from torchloom.serve import score_files
+
+    df = score_files._spark_read(spark, input_path, fmt)
+    text_column, labels_column = _columns(df.columns, text_column, labels_column, input_path)
+    cols = [F.col(text_column).cast("string").alias("text")]
+    if labels_column:
+        cols.append(F.col(labels_column).cast("string").alias("label"))
+    df = df.select(*cols)
+    usable = F.col("text").isNotNull() & (F.length(F.trim(F.col("text"))) > 0)
+    counts = df.agg(F.count(F.lit(1)).alias("rows"), F.sum(F.when(usable, 1).otherwise(0)).alias("texts")).first()
+    total, texts = int(counts["rows"]), int(counts["texts"] or 0)
+    df = df.where(usable)
+    fraction = min(1.0, 1.5 * sample.n / max(1, texts))
+    rows = df.sample(False, fraction, seed=0).orderBy(F.rand(seed=0)).limit(sample.n).collect() \
+        if fraction < 1.0 else df.collect()
+    sample.add([r["text"] for r in rows], [r["label"] for r in rows] if labels_column else None)
+    sample.total, sample.empty = total, total - texts
+    return sample
+
+
 def monitor_file(model_dir: str, input_path: str, output: str, text_column: str = "text",
                  labels_column: str | None = None, false_alarm: float | None = None, device: str = "cpu",
-                 overwrite: bool = False, say=print) -> dict[str, Any]:
-    """Compare `input_path`'s texts with the model's profile; write the report to `output`; returns its JSON."""
-    from torchloom.model.predict import Predictor, read_texts
+                 overwrite: bool = False, say=print, sample: int = SAMPLE, spark=None) -> dict[str, Any]:
+    """Compare `input_path`'s texts (a uniform sample of `sample` where it holds more) with the model's profile;
+    write the report to `output`; returns its JSON."""
+    from torchloom.model.predict import Predictor
     from torchloom.model.profile import REEXPORT, kernel_for, read_profile, reference_texts, text_signals
 
     profile = read_profile(model_dir)
@@ -50,13 +147,18 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
         raise UserError(f"--output {output}: already exists; remove it or pass --overwrite")
     if overwrite:
         check_output(out, [input_path])
-    if labels_column and Path(input_path).suffix.lower() == ".txt":
-        raise UserError(f"--labels {labels_column}: a .txt input has texts only; give a CSV or JSON lines file with a"
-                        " label column")
-    texts = read_texts(input_path, say=say, column=text_column)
-    truth = read_texts(input_path, column=labels_column) if labels_column else None
+    if sample < 2:
+        raise UserError(f"--sample {sample}: compare at least 2 texts")
+    drawn = read_sample(input_path, text_column, labels_column, sample, spark=spark, say=say)
+    texts = drawn.texts
+    truth = drawn.labels if labels_column else None
     if len(texts) < 2:
-        raise UserError(f"--input {input_path}: {len(texts)} text(s); a window to compare needs at least 2")
+        raise UserError(f"--input {input_path}: {len(texts)} text(s) to compare ({drawn.empty} empty); a window"
+                        " needs at least 2")
+    if drawn.empty:
+        say(f"{drawn.empty} empty or missing texts set aside")
+    if len(texts) < drawn.total - drawn.empty:
+        say(f"comparing a uniform sample of {len(texts)} of the {drawn.total - drawn.empty} texts (--sample)")
     started = time.perf_counter()
     predictor = Predictor(model_dir, device=device)
     if predictor.labels != profile["labels"]:
@@ -71,22 +173,23 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     drifted = verdict(found, limits)
     estimate, low, high = estimated_accuracy(window.confidence, reference, np.asarray(profile["reference"]["correct"]))
     result: dict[str, Any] = {
-        "model": str(model_dir), "input": str(input_path), "texts": len(texts), "reference_texts": len(reference),
+        "model": str(model_dir), "input": str(input_path), "texts": len(texts), "rows": drawn.total,
+        "empty": drawn.empty, "sampled": len(texts) < drawn.total - drawn.empty, "reference_texts": len(reference),
         "false_alarm": rate, "drift": bool(drifted), "drifted": drifted,
         "signals": {name: {"distance": round(found[name], 6), "threshold": round(limits[name], 6),
                            "drift": name in drifted} for name in SIGNALS if name in found},
         "estimated_accuracy": {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
-                               "reference": profile.get("accuracy")},
+                               "reference": profile.get("accuracy"), "caveat": caveat(drifted)},
         "class_shares": {label: {"window": round(float(np.mean(window.predicted == i)), 4),
                                  "reference": round(float(np.mean(reference.predicted == i)), 4)}
                          for i, label in enumerate(profile["labels"])},
         "seconds": 0.0,
     }
     if truth is not None:
-        if len(truth) != len(texts):
-            raise UserError(f"--labels {labels_column}: {len(truth)} labels for {len(texts)} texts; every row needs"
-                            " both")
-        result["accuracy"] = round(float(np.mean([a["label"] == y for a, y in zip(answers, truth)])), 4)
+        labelled = [(a["label"], y) for a, y in zip(answers, truth) if y is not None and y != ""]
+        if labelled:
+            result["accuracy"] = round(float(np.mean([a == y for a, y in labelled])), 4)
+            result["labelled"] = len(labelled)
     result["seconds"] = round(time.perf_counter() - started, 2)
     _write(out, result, window, reference, profile["labels"])
     return result
@@ -109,8 +212,9 @@ def _write(out: Path, result: dict, window: Texts, reference: Texts, labels: lis
 def report_text(r: dict) -> str:
     est = r["estimated_accuracy"]
     verdict_line = (f"**Drift** in {', '.join(r['drifted'])}" if r["drift"] else "**No drift**")
+    sampled = f" (a uniform sample of the input's {r['rows'] - r['empty']})" if r.get("sampled") else ""
     lines = [f"# Monitor: {r['input']}", "",
-             f"{verdict_line}: {r['texts']} texts against the model's reference of {r['reference_texts']}"
+             f"{verdict_line}: {r['texts']} texts{sampled} against the model's reference of {r['reference_texts']}"
              f" (validation texts), each signal's threshold set for a {r['false_alarm']:.2%} chance of a false"
              " alarm on texts like the reference.", "",
              "| signal | distance | threshold | drift | what it measures |", "|---|---|---|---|---|"]
@@ -118,9 +222,10 @@ def report_text(r: dict) -> str:
         lines.append(f"| {name} | {s['distance']:.4f} | {s['threshold']:.4f} | {'yes' if s['drift'] else 'no'}"
                      f" | {MEANING[name]} |")
     lines += ["", f"Estimated accuracy (from confidence, no labels): **{est['value']:.3f}** (95 % interval"
-              f" {est['low']:.3f} to {est['high']:.3f}); on the reference it was {est['reference']}."]
+              f" {est['low']:.3f} to {est['high']:.3f}); on the reference it was {est['reference']}."
+              + (f" Caveat: {est['caveat']}." if est.get("caveat") else "")]
     if "accuracy" in r:
-        lines.append(f"Accuracy with the given labels: **{r['accuracy']:.3f}**.")
+        lines.append(f"Accuracy with the given labels: **{r['accuracy']:.3f}** ({r['labelled']} labelled texts).")
     lines += ["", "| class | share here | share in the reference |", "|---|---|---|"]
     lines += [f"| {label} | {s['window']:.3f} | {s['reference']:.3f} |" for label, s in r["class_shares"].items()]
     lines += ["", "![signals](plots/signals.png)", ""]

@@ -139,7 +139,8 @@ async function monitor() {{
   const est = r.estimated_accuracy;
   $("accuracy").textContent = est ? est.value.toFixed(3) : "-";
   $("interval").textContent = est ? "95 % interval " + est.low.toFixed(3) + " to " + est.high.toFixed(3) +
-    (est.reference !== null ? "; reference " + est.reference : "") : "";
+    (est.reference !== null ? "; reference " + est.reference : "") +
+    (est.caveat ? "; under this drift it may be far off: check it with labels" : "") : "";
   const body = $("signals").tBodies[0];
   body.replaceChildren();
   for (const [name, s] of Object.entries(r.signals || {{}})) {{

@@ -94,6 +94,7 @@ class RayBackend:
         batch into the forwards it runs). A replica whose warm-up fails does not start, and says why."""
         if self.monitor is not None:
             self.monitor.start()
+            self.monitor.evaluate()  # its gauges in the shared files from the start (warming up), whoever scrapes
         await self.predict(["warm up"] * min(self.settings.max_batch_size, self.settings.max_queue, 8))
         await self.predict(["warm up " * self.model.max_length])
         if self.settings.tune:  # the traced forward where it is as fast; threads are the replica's CPUs, as Ray gave
