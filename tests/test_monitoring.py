@@ -158,6 +158,16 @@ def test_the_drift_alert_fires_in_a_real_prometheus_and_not_before(server, tmp_p
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
     dashboard = json.loads((out / "torchloom-dashboard.json").read_text())
     assert {p["title"] for p in dashboard["panels"]} >= {"Drift verdict", "Estimated accuracy (95 % interval)"}
+    again = torchloom("monitor", "rules", "--output", str(out), "--for", "0s", "--rate-window", "1m",
+                      "--error-rate", "0.02")  # its own files: replaced
+    assert again.returncode == 0 and "> 0.02" in rules.read_text(), again.stderr
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "torchloom-rules.yml").write_text("groups: []  # a team's own rules\n")
+    refused = torchloom("monitor", "rules", "--output", str(theirs))
+    assert refused.returncode == 2 and "torchloom did not write it" in refused.stderr
+    assert (theirs / "torchloom-rules.yml").read_text() == "groups: []  # a team's own rules\n"
+    assert "--for 5x: not a Prometheus duration" in torchloom("monitor", "rules", "--for", "5x").stderr
 
     rng = random.Random(1)
     before = monitor(server)
@@ -333,3 +343,21 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
                           (["--false-alarm", "2"], "--false-alarm 2.0: a chance, between 0 and 1"),
                           (["--monitor-window-s", "-1"], "--monitor-window-s -1: must be 0")):
         assert needle in one_error(torchloom("serve", monitored_model, *flags))
+
+
+def test_answers_without_a_sketch_stop_the_representation_never_a_request(monitored_model):
+    """A monitor that compares sketches and then gets answers without one (a forward that gave none) goes on with
+    the other four signals instead of failing the request."""
+    from torchloom.model.profile import read_profile
+    from torchloom.serve.live_monitor import LiveMonitor
+
+    profile = read_profile(monitored_model)
+    monitor = LiveMonitor(profile, "m", size=100, kernel=profile["_sketch"]["kernel"])
+    monitor._calibrate()
+    sketch = profile["_sketch"]["features"][0][:32] * 0  # any 32 numbers: the kernel's input is a sketch
+    monitor.observe([{"label": LABELS[i % 3], "score": 0.9, "tokens": 8, "unknown": 0.0, "sketch": sketch}
+                     for i in range(60)])
+    assert "representation" in monitor.evaluate()["signals"]
+    monitor.observe([{"label": "sport", "score": 0.9, "tokens": 8, "unknown": 0.0} for _ in range(60)])
+    report = monitor.evaluate()
+    assert monitor.kernel is None and "representation" not in report["signals"] and report["texts"] == 100

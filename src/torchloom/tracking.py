@@ -149,12 +149,7 @@ class Tracker(NullTracker):
             print("torchloom: tracking: MLflow is not installed, so this run is not tracked"
                   f" ({install_hint('track')}; --tracking.enabled false silences this)", file=sys.stderr)
             return NullTracker()
-        _quiet_mlflow()
-        uri = resolve_uri(tracking_cfg.uri)
-        if redact_text(uri) != uri:  # MLflow's own "View run at" line would show the password
-            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
-        if uri.startswith("sqlite:///"):
-            Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        uri = _prepared_uri(tracking_cfg.uri)
         try:
             client = MlflowClient(tracking_uri=uri)
             exp = client.get_experiment_by_name(tracking_cfg.experiment)
@@ -264,6 +259,17 @@ class Tracker(NullTracker):
             self.finish("FINISHED")
         else:
             self.finish("KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED")
+
+
+def _prepared_uri(uri: str) -> str:
+    """The store's URI, resolved; MLflow quietened; a SQLite store's folder made."""
+    _quiet_mlflow()
+    uri = resolve_uri(uri)
+    if redact_text(uri) != uri:  # MLflow's own "View run at" line would show the password
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    return uri
 
 
 def start(cfg: Config, kind: str, **kwargs) -> NullTracker:

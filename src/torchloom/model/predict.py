@@ -269,14 +269,17 @@ class Predictor:
         order = sorted(range(len(features)), key=lengths.__getitem__)
         logits = torch.zeros(len(features), len(self.labels))
         baseline_alone = self.lexical is not None and self.weight == 0.0  # the export found the baseline best
-        sketch = self.sketch if with_signals and self.session is None and not baseline_alone else None
+        sketch = self.sketch if with_signals and getattr(self, "session", None) is None and not baseline_alone \
+            else None
         sketched = np.zeros((len(features), sketch.shape[1]), np.float32) if sketch is not None else None
         with torch.inference_mode():
             for batch_ids in [] if baseline_alone else self.forwards(lengths, order):
                 longest = lengths[batch_ids[-1]]
                 batch = pad_batch([features[i] for i in batch_ids], self.tokenizer, self.padded_length(longest))
-                logits[batch_ids], pooled = self.forward(batch, sketch is not None)
-                if sketched is not None:
+                if sketched is None:
+                    logits[batch_ids] = self.logits(batch)
+                else:
+                    logits[batch_ids], pooled = self.forward(batch, True)
                     sketched[batch_ids] = pooled.numpy() @ sketch
         # a text's score: the softmax of its windows' mean logits (one window: its own), as everywhere
         scores = text_scores(logits.numpy(), np.asarray(owner))

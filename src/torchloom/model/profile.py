@@ -173,7 +173,8 @@ def kernel_for(profile: dict, predictor) -> Kernel | None:
     the model's hidden size); None otherwise: the representation is then not compared."""
     sketch = profile.get("_sketch")
     if sketch is None or predictor.model is None \
-            or int(predictor.model.config.hidden_size) != sketch["projection"].shape[0]:
+            or int(predictor.model.config.hidden_size) != sketch["projection"].shape[0] \
+            or (predictor.lexical is not None and predictor.weight == 0.0):  # the baseline alone: no forward runs
         return None
     predictor.sketch = sketch["projection"]
     return sketch["kernel"]

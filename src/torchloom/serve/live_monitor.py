@@ -90,7 +90,16 @@ class LiveMonitor:
         for a in answers:
             append((now, index[a["label"]], a["score"], a["tokens"], a["unknown"]))
         if self.kernel is not None:
-            self.sketches.extend(a["sketch"] for a in answers)
+            sketches = [a.get("sketch") for a in answers]
+            if any(sketch is None for sketch in sketches):  # a forward that gave none: stop comparing, never fail
+                log.warning("monitor: answers without a sketch; the representation is no longer compared")
+                self.kernel, self.reference.features = None, None
+                self.limits = {}
+                self._thread = threading.Thread(target=self._calibrate, daemon=True)
+                self._thread.start()  # thresholds again, over the four signals left
+                self.sketches.clear()
+            else:
+                self.sketches.extend(sketches)
         self.seen += len(answers)
         self._since_verdict += len(answers)
         if self._since_verdict >= self.every and now - self.last.get("at", 0.0) >= EVALUATE_EVERY_S:

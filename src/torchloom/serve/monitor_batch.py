@@ -132,8 +132,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
                  overwrite: bool = False, say=print, sample: int = SAMPLE, spark=None) -> dict[str, Any]:
     """Compare `input_path`'s texts (a uniform sample of `sample` where it holds more) with the model's profile;
     write the report to `output`; returns its JSON."""
-    from torchloom.model.predict import Predictor
-    from torchloom.model.profile import REEXPORT, kernel_for, read_profile, reference_texts, text_signals
+    from torchloom.model.profile import REEXPORT, read_profile
 
     profile = read_profile(model_dir)
     if profile is None:
@@ -150,16 +149,28 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     if sample < 2:
         raise UserError(f"--sample {sample}: compare at least 2 texts")
     drawn = read_sample(input_path, text_column, labels_column, sample, spark=spark, say=say)
-    texts = drawn.texts
-    truth = drawn.labels if labels_column else None
-    if len(texts) < 2:
-        raise UserError(f"--input {input_path}: {len(texts)} text(s) to compare ({drawn.empty} empty); a window"
-                        " needs at least 2")
+    if len(drawn.texts) < 2:
+        raise UserError(f"--input {input_path}: {len(drawn.texts)} text(s) to compare ({drawn.empty} empty); a"
+                        " window needs at least 2")
     if drawn.empty:
         say(f"{drawn.empty} empty or missing texts set aside")
-    if len(texts) < drawn.total - drawn.empty:
-        say(f"comparing a uniform sample of {len(texts)} of the {drawn.total - drawn.empty} texts (--sample)")
+    if len(drawn.texts) < drawn.total - drawn.empty:
+        say(f"comparing a uniform sample of {len(drawn.texts)} of the {drawn.total - drawn.empty} texts (--sample)")
     started = time.perf_counter()
+    result, window, reference = compare(model_dir, profile, drawn, rate, device, labels_column is not None)
+    result.update(model=str(model_dir), input=str(input_path))
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    _write(out, result, window, reference, profile["labels"])
+    return result
+
+
+def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: str, labelled: bool
+            ) -> tuple[dict[str, Any], Texts, Texts]:
+    """The drawn texts scored by the model and compared with its profile: the report's JSON, and the two sides."""
+    from torchloom.model.predict import Predictor
+    from torchloom.model.profile import REEXPORT, kernel_for, reference_texts, text_signals
+
+    texts = drawn.texts
     predictor = Predictor(model_dir, device=device)
     if predictor.labels != profile["labels"]:
         raise UserError(f"model dir {model_dir}: its profile is of other labels than the model's; {REEXPORT}")
@@ -173,8 +184,8 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     drifted = verdict(found, limits)
     estimate, low, high = estimated_accuracy(window.confidence, reference, np.asarray(profile["reference"]["correct"]))
     result: dict[str, Any] = {
-        "model": str(model_dir), "input": str(input_path), "texts": len(texts), "rows": drawn.total,
-        "empty": drawn.empty, "sampled": len(texts) < drawn.total - drawn.empty, "reference_texts": len(reference),
+        "texts": len(texts), "rows": drawn.total, "empty": drawn.empty,
+        "sampled": len(texts) < drawn.total - drawn.empty, "reference_texts": len(reference),
         "false_alarm": rate, "drift": bool(drifted), "drifted": drifted,
         "signals": {name: {"distance": round(found[name], 6), "threshold": round(limits[name], 6),
                            "drift": name in drifted} for name in SIGNALS if name in found},
@@ -183,16 +194,13 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
         "class_shares": {label: {"window": round(float(np.mean(window.predicted == i)), 4),
                                  "reference": round(float(np.mean(reference.predicted == i)), 4)}
                          for i, label in enumerate(profile["labels"])},
-        "seconds": 0.0,
     }
-    if truth is not None:
-        labelled = [(a["label"], y) for a, y in zip(answers, truth) if y is not None and y != ""]
-        if labelled:
-            result["accuracy"] = round(float(np.mean([a == y for a, y in labelled])), 4)
-            result["labelled"] = len(labelled)
-    result["seconds"] = round(time.perf_counter() - started, 2)
-    _write(out, result, window, reference, profile["labels"])
-    return result
+    if labelled:
+        pairs = [(a["label"], y) for a, y in zip(answers, drawn.labels) if y is not None and y != ""]
+        if pairs:
+            result["accuracy"] = round(float(np.mean([a == y for a, y in pairs])), 4)
+            result["labelled"] = len(pairs)
+    return result, window, reference
 
 
 def _write(out: Path, result: dict, window: Texts, reference: Texts, labels: list[str]) -> None:
