@@ -21,7 +21,7 @@ def ensure(binary: str, package: str) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not shutil.which(binary):
             env = {"DEBIAN_FRONTEND": "noninteractive", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-            install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
+            install = ["apt-get", "install", "-y", "-q", package]  # with its recommends, as verified (fonts)
             done = subprocess.run(install, capture_output=True, text=True, env=env)
             if done.returncode != 0:  # a fresh machine's package lists may be missing or stale
                 subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, env=env)
