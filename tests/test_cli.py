@@ -1090,6 +1090,26 @@ def test_predict_with_two_models_compares_them_on_a_labelled_file(finished_run, 
     assert len(disagreements) == round(240 * (1 - result["agreement"]))
     assert set(json.loads(disagreements[0])) == {"text", "v1", "v2", "label"}
     assert "McNemar" in (tmp_path / "cmp" / "report.md").read_text()
+    # --overwrite replaces only a report of torchloom's, as it left it; never a user's file, never an input
+    from torchloom.errors import UserError
+    from torchloom.serve.compare_batch import compare_file
+
+    models = [("v1", str(rd / "model")), ("v2", str(worse))]
+    report = tmp_path / "cmp"
+    with pytest.raises(UserError, match=r"--report .*: already exists; remove it or pass --overwrite"):
+        compare_file(models, str(data), str(report), text_column="body", say=lambda line: None)
+    compare_file(models, str(data), str(report), text_column="body", overwrite=True, say=lambda line: None)
+    assert "verdict" not in json.loads((report / "compare.json").read_text())  # replaced: no --labels this time
+    (report / "notes.md").write_text("mine")
+    with pytest.raises(UserError, match=r"--report .*: not replaced, nothing deleted: it holds notes.md"):
+        compare_file(models, str(data), str(report), text_column="body", overwrite=True, say=lambda line: None)
+    assert (report / "notes.md").read_text() == "mine" and (report / "compare.json").is_file()
+    inside = report / "labelled.csv"
+    shutil.copy(data, inside)
+    (report / "notes.md").unlink()
+    with pytest.raises(UserError, match=r"--report .*: holds the input .*labelled.csv"):
+        compare_file(models, str(inside), str(report), text_column="body", overwrite=True, say=lambda line: None)
+    assert inside.read_text() == data.read_text()
     again = torchloom("predict", "--model", str(rd / "model"), "--model", str(worse), "--input", str(data),
                       "--text-column", "body", "--output", str(tmp_path / "x.parquet"))
     assert again.returncode == 2 and "Traceback" not in again.stderr

@@ -86,6 +86,29 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
         _check_paths(str(src), ".", overwrite=True, local_only=True)
 
 
+def test_a_report_is_deleted_only_as_torchloom_left_it_checked_again_right_before(tmp_path):
+    """ledger.clear_output (monitor's and predict --model A --model B's reports): an earlier report of torchloom's is
+    deleted; one changed since the command's first check (a file added while it scored) is refused, kept whole;
+    one holding an input too."""
+    from torchloom.errors import UserError
+    from torchloom.ledger import check_output, clear_output, record_output
+
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.md").write_text("# earlier")
+    record_output(report)
+    check_output(report, [], "--report")  # the command's first check passes...
+    (report / "notes.md").write_text("written while the command scored")  # ...then someone adds a file
+    with pytest.raises(UserError, match=r"--report .*report: not replaced, nothing deleted: it holds notes.md"):
+        clear_output(report, [], "--report")
+    assert sorted(p.name for p in report.iterdir()) == ["_torchloom-ledger.json", "notes.md", "report.md"]
+    (report / "notes.md").unlink()
+    with pytest.raises(UserError, match=r"holds the input .*report.md"):
+        clear_output(report, [str(report / "report.md")], "--report")
+    clear_output(report, [str(tmp_path / "elsewhere.csv")], "--report")
+    assert not report.exists()
+
+
 # -- what counts as torchloom's: a marker file's content, never its name ---------------------------------------
 
 

@@ -479,6 +479,19 @@ def check_output(out: str | Path, inputs: list[str], key: str = "--output") -> N
                         f" torchloom did not write as predictions (or changed since); pass another {key}")
 
 
+def clear_output(out: str | Path, inputs: list[str], key: str = "--output") -> None:
+    """Delete an earlier output of torchloom's before a command writes it again: checked once more here, right
+    before anything goes (check_output ran when the command began; the work since may have taken minutes)."""
+    import shutil
+
+    out = Path(out)
+    check_output(out, inputs, key)
+    if out.is_dir() and not out.is_symlink():
+        shutil.rmtree(out)
+    elif out.exists() or out.is_symlink():
+        out.unlink()  # a file's ledger beside it: rewritten by record_output
+
+
 def record_output(out: str | Path) -> None:
     """After predictions are written to `out`: their ledger, so that a later --overwrite may replace them."""
     out = Path(out)

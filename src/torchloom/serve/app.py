@@ -236,9 +236,10 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
 
 def monitor_report(backend: Backend) -> dict[str, Any]:
     """The backend's monitor report (serve/live_monitor.py); "off" for a backend without one."""
+    from torchloom.serve.live_monitor import off_report
+
     read = getattr(backend, "monitor_report", None)
-    return read() if read is not None else {"state": "off", "reason": "this backend has no monitor", "drift": False,
-                                            "drifted": []}
+    return read() if read is not None else off_report("this backend has no monitor")
 
 
 async def answer_predict(request: Request, backend: Backend, max_texts: int, max_chars: int,

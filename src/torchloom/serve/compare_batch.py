@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from torchloom.errors import UserError
-from torchloom.ledger import check_output, record_output
+from torchloom.ledger import check_output, clear_output, record_output
 
 
 def model_names(given: list[str]) -> list[tuple[str, str]]:
@@ -47,7 +47,7 @@ def compare_file(models: list[tuple[str, str]], input_path: str, report: str, te
     if out.exists() and not overwrite:
         raise UserError(f"--report {report}: already exists; remove it or pass --overwrite")
     if overwrite:
-        check_output(out, [input_path, dir_a, dir_b])
+        check_output(out, [input_path, dir_a, dir_b], "--report")
     drawn = read_sample(input_path, text_column, labels_column, sample, say=say)
     texts, truth = drawn.texts, drawn.labels if labels_column else None
     if not texts:
@@ -85,7 +85,7 @@ def compare_file(models: list[tuple[str, str]], input_path: str, report: str, te
             verdict.state, "no difference found"), "test": "McNemar (exact, paired)", "p_value": verdict.p_value,
             "alpha": alpha, "line": verdict.line((name_a, name_b))}
     result["seconds"] = round(time.perf_counter() - started, 2)
-    _write(out, result, texts, pa, pb, truth, (name_a, name_b))
+    _write(out, result, texts, pa, pb, truth, (name_a, name_b), [input_path, dir_a, dir_b])
     return result
 
 
@@ -96,13 +96,9 @@ def _f1(pred: list[str], truth: list[Any], keep: list[int], label: str) -> float
     return round(2 * tp / (2 * tp + fp + fn), 4) if tp else 0.0
 
 
-def _write(out: Path, r: dict, texts: list[str], pa: list[str], pb: list[str], truth, names: tuple[str, str]) -> None:
-    import shutil
-
-    if out.is_dir():
-        shutil.rmtree(out)  # check_output: an earlier report of torchloom's, as it left it
-    elif out.exists():
-        out.unlink()
+def _write(out: Path, r: dict, texts: list[str], pa: list[str], pb: list[str], truth, names: tuple[str, str],
+           inputs: list[str]) -> None:
+    clear_output(out, inputs, "--report")  # an earlier report of torchloom's, as it left it, checked again
     out.mkdir(parents=True)
     (out / "compare.json").write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
     with open(out / "disagreements.jsonl", "w", encoding="utf-8") as f:

@@ -77,6 +77,7 @@ class Family:
 def monitor_families(report: Callable[[], dict]) -> list[Family]:
     """The monitor's gauges (serve/live_monitor.py), read from its current report when scraped."""
     from torchloom.drift import SIGNALS
+    from torchloom.serve.live_monitor import STATES
 
     def signal(key: str):
         def read():
@@ -87,7 +88,7 @@ def monitor_families(report: Callable[[], dict]) -> list[Family]:
 
     def states():
         current = report()["state"]
-        return [((state,), float(state == current)) for state in ("off", "warming_up", "no_drift", "drift")]
+        return [((state,), float(state == current)) for state in STATES]
 
     def accuracy():
         est = report().get("estimated_accuracy")

@@ -19,7 +19,7 @@ import numpy as np
 
 from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
-from torchloom.ledger import check_output, record_output
+from torchloom.ledger import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
 MEANING = {
@@ -145,7 +145,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     if out.exists() and not overwrite:
         raise UserError(f"--output {output}: already exists; remove it or pass --overwrite")
     if overwrite:
-        check_output(out, [input_path])
+        check_output(out, [input_path, model_dir])
     if sample < 2:
         raise UserError(f"--sample {sample}: compare at least 2 texts")
     drawn = read_sample(input_path, text_column, labels_column, sample, spark=spark, say=say)
@@ -160,7 +160,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     result, window, reference = compare(model_dir, profile, drawn, rate, device, labels_column is not None)
     result.update(model=str(model_dir), input=str(input_path))
     result["seconds"] = round(time.perf_counter() - started, 2)
-    _write(out, result, window, reference, profile["labels"])
+    _write(out, result, window, reference, profile["labels"], [input_path, model_dir])
     return result
 
 
@@ -203,13 +203,8 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
     return result, window, reference
 
 
-def _write(out: Path, result: dict, window: Texts, reference: Texts, labels: list[str]) -> None:
-    import shutil
-
-    if out.is_dir():
-        shutil.rmtree(out)  # check_output: an earlier report of torchloom's, as it left it
-    elif out.exists():
-        out.unlink()
+def _write(out: Path, result: dict, window: Texts, reference: Texts, labels: list[str], inputs: list[str]) -> None:
+    clear_output(out, inputs)  # an earlier report of torchloom's, as it left it, checked again
     (out / "plots").mkdir(parents=True)
     (out / "monitor.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     (out / "report.md").write_text(report_text(result), encoding="utf-8")
