@@ -195,6 +195,22 @@ def test_serve_manifests_validate_and_hold_probes_secret_and_a_draining_stop(cap
     assert pod["terminationGracePeriodSeconds"] > pause + ServeSettings.drain_timeout_s
 
 
+def test_serve_manifests_of_several_models_keep_a_client_on_one_pod(capsys):
+    flags = ["--model", "v1=s3://bucket/runs/a/model", "--model", "v2=s3://bucket/runs/b/model", "--traffic",
+             "v1=90,v2=10"]
+    objs = manifests(capsys, *[a for a in SERVE if a != SERVE[1]], "--", *flags)
+    (c,) = objs["Deployment"]["spec"]["template"]["spec"]["containers"]
+    assert c["command"][:3] == ["torchloom", "serve", "--host"] and c["command"][-len(flags):] == flags
+    assert objs["Service"]["spec"]["sessionAffinity"] == "ClientIP"  # feedback reaches the pod that answered
+    assert "sessionAffinity" not in manifests(capsys, *SERVE)["Service"]["spec"]
+    for extra, says in [(["--traffic", "v1=90,v2=20"], "add up to 110"), (["--shadow", "v3"], "no model is named"),
+                        (["--model", "v3=/models/c"], "--model v3 /models/c: a path on this machine")]:
+        code, stdout, err = run_main(capsys, *[a for a in SERVE if a != SERVE[1]], "--", *flags[:4], *extra)
+        assert code == 2 and stdout == "" and says in err and err.count("\n") == 1, err
+    code, _, err = run_main(capsys, *SERVE, "--", *flags)
+    assert code == 2 and "MODEL_URI s3://bucket/runs/tickets/model and --model flags" in err, err
+
+
 @pytest.mark.parametrize("args, says", [
     (["--secret", ""], "k8s.env_from: the server's API key comes from a Secret"),
     (["--", "--api-key", "abc12345"], "--api-key: not a flag to pass on"),

@@ -123,10 +123,11 @@ def once(outcomes: Outcomes, alpha: float = ALPHA) -> Verdict:
 
 def compare(outcomes: Outcomes, alpha: float = ALPHA, n_min: int = N_MIN, min_effect: float = MIN_EFFECT
             ) -> Verdict:
-    """The verdict on two models from their outcomes (module docstring): paired where the labels hold both
-    models' answers on at least n_min texts, else unpaired."""
+    """The verdict on two models from their outcomes (module docstring): paired where every label holds both
+    models' answers (a shadow's) or at least n_min of them do, else unpaired."""
     pairs = [(x, y) for x, y in zip(outcomes.a, outcomes.b) if x is not None and y is not None]
-    if len(pairs) >= n_min or (pairs and not _unpaired_counts(outcomes)[1]):
+    alone = sum(1 for x, y in zip(outcomes.a, outcomes.b) if (x is None) != (y is None))
+    if len(pairs) >= n_min or (pairs and not alone):  # a shadow's labels, or enough of them among a split's
         return _paired(pairs, alpha, n_min, min_effect)
     return _unpaired(outcomes, alpha, n_min, min_effect)
 

@@ -384,16 +384,42 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: 
     return 0
 
 
-def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
+def serve_models(args: argparse.Namespace) -> dict[str, str] | None:
+    """`--model NAME=DIR` flags as {name: local dir} (fetched from a store where given a URI), each checked; None
+    for one MODEL_DIR, which is checked and made local in args."""
     from torchloom.model.export import check_exported
+    from torchloom.serve.compare_batch import model_names
+
+    if args.models and args.model_dir:
+        raise UserError(f"serve: MODEL_DIR {args.model_dir} and --model flags; give one model as MODEL_DIR or"
+                        " several as --model NAME=DIR, not both")
+    if not args.models:
+        if not args.model_dir:
+            raise UserError("serve: no model; give MODEL_DIR (e.g. runs/bbc-minilm/model) or --model NAME=DIR flags")
+        args.model_dir = local_model(args.model_dir, "MODEL_DIR")
+        check_exported(args.model_dir)
+        return None
+    models: dict[str, str] = {}
+    for name, path in model_names(args.models):
+        if name in models:
+            raise UserError(f"--model {name}=...: two models of one name; name them apart (--model v1=DIR --model"
+                            " v2=DIR)")
+        if not name or "," in name or len(name) > 64:
+            raise UserError(f"--model {name}=...: use a name of up to 64 characters without a comma")
+        models[name] = local_model(path, f"--model {name}")
+        check_exported(models[name])
+    return models
+
+
+def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
     from torchloom.serve.settings import ServeSettings
 
     if rest:
         raise UserError(f"serve: unexpected arguments {' '.join(rest)}; see torchloom serve --help")
-    args.model_dir = local_model(args.model_dir, "MODEL_DIR")
-    check_exported(args.model_dir)
+    models = serve_models(args)
     settings = ServeSettings(
-        model_dir=args.model_dir, host=args.host, port=args.port, serve_with=args.serve_with, replicas=args.replicas,
+        model_dir=next(iter(models.values())) if models else args.model_dir, host=args.host, port=args.port,
+        serve_with=args.serve_with, replicas=args.replicas,
         max_batch_size=args.max_batch_size, max_wait_ms=args.max_wait_ms, max_queue=args.max_queue,
         max_batch_tokens=args.max_batch_tokens, length_bucket=args.length_bucket,
         fixed_wait=args.fixed_wait, tune=args.tune,
@@ -401,7 +427,9 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
         require_api_key=args.require_api_key, monitor=args.monitor, monitor_window=args.monitor_window,
-        monitor_window_s=args.monitor_window_s, false_alarm=args.false_alarm,
+        monitor_window_s=args.monitor_window_s, false_alarm=args.false_alarm, models=models, traffic=args.traffic,
+        shadow=[s.strip() for given in args.shadow for s in given.split(",") if s.strip()],
+        feedback_size=args.feedback_size, min_effect=args.min_effect, verdict_alpha=args.verdict_alpha,
     ).check()
     warning = settings.exposure_warning()
     if warning:

@@ -42,7 +42,8 @@ class Server:
         self.stdout_path, self.stderr_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
         port = [] if "--port" in args else ["--port", "0"]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "torchloom", "serve", model, *port, *args],
+            model_args = [model] if model else []  # "": the models come as --model flags
+            self.proc = subprocess.Popen([sys.executable, "-m", "torchloom", "serve", *model_args, *port, *args],
                                          stdout=out, stderr=err, env=ENV, start_new_session=True)
         deadline = time.monotonic() + ready_timeout
         self.url = ""

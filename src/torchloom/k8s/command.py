@@ -76,8 +76,6 @@ def manifests(args: argparse.Namespace, rest: list[str], serve_flags: list[str])
 
         cfg = build_config(args, rest)
         return train_manifests(cfg), cfg.k8s, ()
-    if not args.model_uri:
-        raise UserError("k8s serve: give the exported model's URI on the store, e.g. s3://bucket/runs/x/model")
     from torchloom.k8s.deployment import serve_manifests
     from torchloom.k8s.manifests import API_KEY_ENV
 

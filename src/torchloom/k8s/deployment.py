@@ -33,10 +33,44 @@ OWN_FLAGS = {"--host": "the pod listens on every address", "--port": "use --port
              "--serve-with": "one server per pod; scale with --replicas", "--engine": "one server per pod"}
 
 
-def serve_manifests(model_uri: str, k: K8sConfig, port: int = PORT, serve_flags: list[str] | None = None) -> list[dict]:
-    """The Deployment and its Service; one line before anything if the model or the settings cannot serve there."""
+def flag_values(flags: list[str], name: str) -> list[str]:
+    """Every value given to `name` (`--name V` or `--name=V`)."""
+    out = []
+    for i, flag in enumerate(flags):
+        if flag == name and i + 1 < len(flags):
+            out.append(flags[i + 1])
+        elif flag.startswith(name + "="):
+            out.append(flag.split("=", 1)[1])
+    return out
+
+
+def serve_manifests(model_uri: str | None, k: K8sConfig, port: int = PORT, serve_flags: list[str] | None = None
+                    ) -> list[dict]:
+    """The Deployment and its Service; one line before anything if the model or the settings cannot serve there.
+    Several models (`-- --model A=URI --model B=URI --traffic A=90,B=10`): each on the store; the Service keeps a
+    client on one pod (sessionAffinity ClientIP), where its predictions' ids are kept for its feedback."""
     m.check_image(k)
-    m.check_on_store(model_uri, "MODEL_URI")
+    models = flag_values(list(serve_flags or []), "--model")
+    if models and model_uri:
+        raise UserError(f"k8s serve: MODEL_URI {model_uri} and --model flags after --; give one model as MODEL_URI"
+                        " or several as --model NAME=URI")
+    if not models and not model_uri:
+        raise UserError("k8s serve: give the exported model's URI on the store, e.g. s3://bucket/runs/x/model")
+    names = []
+    for given in models:
+        name, sep, uri = given.partition("=")
+        if not sep or "://" in name or not name:
+            raise UserError(f"--model {given}: name each model here: --model NAME=URI")
+        m.check_on_store(uri, f"--model {name}")
+        names.append(name)
+    if models:
+        from torchloom.serve.split import make_plan
+
+        traffic = flag_values(list(serve_flags or []), "--traffic")
+        shadows = [s for v in flag_values(list(serve_flags or []), "--shadow") for s in v.split(",") if s]
+        make_plan(names, traffic[-1] if traffic else None, shadows)
+    if model_uri:
+        m.check_on_store(model_uri, "MODEL_URI")
     if not k.env_from:
         raise UserError(f"k8s.env_from: the server's API key comes from a Secret; create one with the key"
                         f" {m.API_KEY_ENV} (and the store's credentials) and pass --secret NAME")
@@ -48,11 +82,13 @@ def serve_manifests(model_uri: str, k: K8sConfig, port: int = PORT, serve_flags:
             raise UserError(f"{flag.split('=', 1)[0]}: not a flag to pass on to torchloom serve here; {reason}")
     if not 0 < port < 65536:
         raise UserError(f"--port {port}: must be between 1 and 65535")
-    name = m.object_name(k, model_uri, "serve")
-    command = ["torchloom", "serve", model_uri, "--host", "0.0.0.0", "--port", str(port), "--require-api-key",
+    source = model_uri or models[0].partition("=")[2]
+    name = m.object_name(k, source, "serve")
+    head = ["torchloom", "serve", *([model_uri] if model_uri else [])]
+    command = [*head, "--host", "0.0.0.0", "--port", str(port), "--require-api-key",
                *(["--device", "cuda" if k.gpus else "cpu"] if not any(f.startswith("--device") for f in flags) else []),
                *flags]
-    return [deployment(name, k, command, port), service(name, k)]
+    return [deployment(name, k, command, port), service(name, k, sticky=bool(models))]
 
 
 def termination_grace() -> int:
@@ -91,7 +127,9 @@ def deployment(name: str, k: K8sConfig, command: list[str], port: int) -> dict:
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": m.metadata(name, k, "serve"), "spec": spec}
 
 
-def service(name: str, k: K8sConfig) -> dict:
+def service(name: str, k: K8sConfig, sticky: bool = False) -> dict:
+    """sticky: a client's requests reach one pod (several models: its feedback finds the pod that answered)."""
+    affinity = {"sessionAffinity": "ClientIP"} if sticky else {}
     return {"apiVersion": "v1", "kind": "Service", "metadata": m.metadata(name, k, "serve"),
-            "spec": {"selector": m.labels(name, "serve"),
+            "spec": {"selector": m.labels(name, "serve"), **affinity,
                      "ports": [{"name": "http", "port": 80, "targetPort": "http"}]}}

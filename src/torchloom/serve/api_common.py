@@ -21,6 +21,9 @@ from torchloom.serve.metrics import ServeMetrics
 from torchloom.serve.model import ModelIdentity
 
 T = TypeVar("T")
+KEY_HEADER = "x-torchloom-key"  # a client's routing key: the same key, the same model (serve/fleet.py)
+MODEL_HEADER = "X-Torchloom-Model"  # the model that answered
+IDS_HEADER = "X-Torchloom-Ids"  # the texts' prediction ids, for POST /v1/feedback
 # Bodies up to this size are parsed on the event loop (a thread hop costs more than parsing them); larger ones
 # on a worker thread, so a few MB of JSON never stall the other connections.
 PARSE_INLINE_BYTES = 16 * 1024
@@ -179,3 +182,27 @@ def json_type(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "number"
     return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def routed_predict(request: Request, backend: Backend, texts: list[str]):
+    """backend.predict, with the request's routing key where the backend routes (serve/fleet.py)."""
+    key = request.headers.get(KEY_HEADER)
+    if key is not None and hasattr(backend, "route"):
+        return backend.predict(texts, key)
+    return backend.predict(texts)
+
+
+def answered_by(backend: Backend, predictions: list[dict[str, Any]]) -> tuple[dict[str, str], dict[str, str]]:
+    """The model that answered, as the native body shows it, and the response headers that name it (and the
+    texts' prediction ids, for POST /v1/feedback)."""
+    name = predictions[0].get("model") if predictions else None
+    members = getattr(backend, "members", None)
+    identity = members[name].identity if members and name in members else backend.identity
+    model = {"name": identity.name, "version": identity.version}
+    headers = {}
+    if name is not None:
+        model["variant"] = name
+        headers[MODEL_HEADER] = name
+    if predictions and "id" in predictions[0]:
+        headers[IDS_HEADER] = ",".join(p["id"] for p in predictions)
+    return model, headers

@@ -30,10 +30,12 @@ from torchloom.serve.api_common import (
     ApiError,
     Backend,
     ClientGone,
+    answered_by,
     json_type,
     load_json,
     parse_off_loop,
     read_body,
+    routed_predict,
     until_disconnect,
 )
 from torchloom.serve.batcher import ModelFailed, Overloaded, ShuttingDown
@@ -43,8 +45,8 @@ from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("torchloom.serve")
 
-ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/v1/monitor", "/", "/healthz", "/readyz", "/metrics", "/docs",
-             "/openapi.json")
+ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/v1/monitor", "/v1/feedback", "/v1/admin", "/",
+             "/healthz", "/readyz", "/metrics", "/docs", "/openapi.json")
 # Worst case JSON size of one character (\uXXXX for a surrogate half, twice) plus per-item overhead.
 _BYTES_PER_CHAR = 12
 _BYTES_PER_ITEM = 8
@@ -91,6 +93,31 @@ class PredictResponse(BaseModel):
 class LabelsResponse(BaseModel):
     model: ModelInfo
     labels: list[str]
+
+
+class FeedbackRequest(BaseModel):
+    id: str = Field(min_length=1, description="a prediction's id, from /v1/predict", examples=["3f9a1c-2a"])
+    label: str = Field(min_length=1, description="the text's true label", examples=["sport"])
+
+
+class TrafficRequest(BaseModel):
+    traffic: dict[str, float] = Field(description="each model's share in percent, summing to 100",
+                                      examples=[{"v1": 90, "v2": 10}])
+    shadows: list[str] | None = Field(default=None, description="the shadows (kept when left out)")
+
+
+class PromoteRequest(BaseModel):
+    model: str = Field(min_length=1, examples=["v2"])
+
+
+class LoadRequest(BaseModel):
+    path: str = Field(min_length=1, description="an exported model: a directory or a store's URI",
+                      examples=["runs/b/model"])
+
+
+def body_of(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra documenting a required JSON body of `model`'s schema (bodies are parsed by hand)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
 class ErrorBody(BaseModel):
@@ -219,7 +246,18 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
     async def monitor() -> Response:
         report = monitor_report(backend)
         shown = {k: v for k, v in report.items() if k not in ("at", "model")}
-        return JSONResponse({"model": model_info, **shown})
+        fleet = backend.report() if hasattr(backend, "report") else {}
+        return JSONResponse({"model": model_info, **shown, **fleet})
+
+    @api.post("/v1/feedback", summary="the true label of a prediction (its id from /v1/predict): scores every"
+                                      " model that answered it (docs/serving.md, A/B and shadow)",
+              responses={status: {"model": ErrorResponse} for status in (400, 404, 409, 422)},
+              openapi_extra=body_of(FeedbackRequest))
+    async def feedback(request: Request) -> Response:
+        if not hasattr(backend, "feedback"):
+            raise ApiError(501, "not_supported", "this server keeps no predictions for feedback")
+        prediction_id, label = parse_feedback(await read_body(request, FEEDBACK_BODY))
+        return JSONResponse(backend.feedback(prediction_id, label))
 
     @api.post(
         "/v1/predict", response_model=PredictResponse,
@@ -234,6 +272,25 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
     return api
 
 
+FEEDBACK_BODY = 64 * 1024
+FEEDBACK_EXAMPLE = 'send JSON like {"id": "<an id from /v1/predict>", "label": "<the true label>"}'
+
+
+def parse_feedback(body: bytes) -> tuple[str, str]:
+    """(id, label) of a POST /v1/feedback body, or an ApiError naming what is wrong."""
+    if not body.strip():
+        raise ApiError(400, "empty_body", f"the request body is empty; {FEEDBACK_EXAMPLE}")
+    payload = load_json(body, FEEDBACK_EXAMPLE)
+    if not isinstance(payload, dict):
+        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object;"
+                                               f" {FEEDBACK_EXAMPLE}")
+    for key in ("id", "label"):
+        if not isinstance(payload.get(key), str) or not payload[key]:
+            got = "missing" if key not in payload else f"a {json_type(payload[key])}"
+            raise ApiError(422, "invalid_request", f'"{key}" is {got}, not a non-empty string; {FEEDBACK_EXAMPLE}')
+    return payload["id"], payload["label"]
+
+
 def monitor_report(backend: Backend) -> dict[str, Any]:
     """The backend's monitor report (serve/live_monitor.py); "off" for a backend without one."""
     from torchloom.serve.live_monitor import off_report
@@ -246,12 +303,14 @@ async def answer_predict(request: Request, backend: Backend, max_texts: int, max
                          body_limit: int) -> Response:
     """The answer to POST /v1/predict (errors raised, for error_reply)."""
     texts = await parse_off_loop(parse_texts, await read_body(request, body_limit), max_texts, max_chars)
-    predictions = await until_disconnect(request, backend.predict(texts))
-    identity = backend.identity
-    shown = [{k: p[k] for k in ("label", "score", "probabilities")} for p in predictions]
-    body = json.dumps({"model": {"name": identity.name, "version": identity.version}, "predictions": shown},
-                      ensure_ascii=False, separators=(",", ":"))
-    return Response(body.encode("utf-8"), media_type="application/json")
+    predictions = await until_disconnect(request, routed_predict(request, backend, texts))
+    model, headers = answered_by(backend, predictions)
+    shown = [{k: p[k] for k in SHOWN if k in p} for p in predictions]
+    body = json.dumps({"model": model, "predictions": shown}, ensure_ascii=False, separators=(",", ":"))
+    return Response(body.encode("utf-8"), media_type="application/json", headers=headers)
+
+
+SHOWN = ("id", "label", "score", "probabilities")
 
 
 class FastPredict:
@@ -293,7 +352,7 @@ class MetricsMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = path if path in ENDPOINTS else "/v1/admin" if path.startswith("/v1/admin/") else "other"
         started = time.perf_counter()
         status = 500
 
@@ -343,6 +402,80 @@ def health_router(backend: Backend) -> APIRouter:
         return Response(render_page(identity, nonce), media_type="text/html; charset=utf-8",
                         headers={"Content-Security-Policy": PAGE_POLICY.format(nonce=nonce),
                                  "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
+
+    return api
+
+
+# --- the admin route ---------------------------------------------------------------------------------------
+
+
+ADMIN_BODY = 64 * 1024
+
+
+def admin_key_check(api_key: str | None):
+    """The admin route's guard: the API key, and no admin at all on a server started without one."""
+    check = api_key_check(api_key)
+
+    async def check_admin(credentials: BearerToken) -> None:
+        if api_key is None:
+            raise ApiError(403, "admin_disabled", "the admin route needs an API key; start the server with --api-key"
+                                                  " KEY (or TORCHLOOM_API_KEY)")
+        await check(credentials)
+
+    return check_admin
+
+
+async def admin_body(request: Request, example: str) -> dict[str, Any]:
+    payload = load_json(await read_body(request, ADMIN_BODY), example)
+    if not isinstance(payload, dict):
+        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object; {example}")
+    return payload
+
+
+def admin_router(fleet) -> APIRouter:
+    """/v1/admin: the split, the shadows, promotion and loading a model, changed without a restart (fleet.py)."""
+    from torchloom.serve.split import make_plan
+
+    api = APIRouter(prefix="/v1/admin")
+
+    def who(request: Request) -> str:
+        return request.client.host if request.client else "a client"
+
+    @api.get("", summary="the models, the split and the shadows")
+    async def view() -> Response:
+        return JSONResponse(fleet.admin_view())
+
+    @api.put("/traffic", summary="set the split (and the shadows)", openapi_extra=body_of(TrafficRequest))
+    async def traffic(request: Request) -> Response:
+        example = 'send JSON like {"traffic": {"A": 90, "B": 10}, "shadows": ["C"]}'
+        payload = await admin_body(request, example)
+        split, shadows = payload.get("traffic"), payload.get("shadows")
+        shadows = fleet.plan.shadows if shadows is None else shadows
+        if not isinstance(split, dict):
+            raise ApiError(422, "invalid_request", f'"traffic" is missing or not an object; {example}')
+        if not isinstance(shadows, list) or not all(isinstance(x, str) for x in shadows):
+            raise ApiError(422, "invalid_request", f'"shadows" is not a list of model names; {example}')
+        plan = make_plan(fleet.order, split, shadows, what="traffic")
+        return JSONResponse(fleet.set_plan(plan, who(request)))
+
+    @api.post("/promote", summary="the model takes all the traffic and stops being a shadow",
+              openapi_extra=body_of(PromoteRequest))
+    async def promote(request: Request) -> Response:
+        name = (await admin_body(request, 'send JSON like {"model": "B"}')).get("model")
+        if not isinstance(name, str):
+            raise ApiError(422, "invalid_request", '"model" is missing or not a string; send JSON like {"model": "B"}')
+        return JSONResponse(fleet.promote(name, who(request)))
+
+    @api.put("/models/{name}", summary="load a model (warmed up first) as NAME, or replace NAME in place",
+             openapi_extra=body_of(LoadRequest))
+    async def put_model(name: str, request: Request) -> Response:
+        path = (await admin_body(request, 'send JSON like {"path": "runs/x/model"}')).get("path")
+        if not isinstance(path, str) or not path:
+            raise ApiError(422, "invalid_request", '"path" is missing or not a string; send JSON like {"path":'
+                                                   ' "runs/x/model"}')
+        if not name or "=" in name or "," in name or len(name) > 64:
+            raise ApiError(422, "invalid_request", f"model name {name!r}: use up to 64 characters without = or ,")
+        return JSONResponse(await fleet.put_model(name, path, who(request)))
 
     return api
 
@@ -406,4 +539,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
                                "responses": {401: {"model": ErrorResponse}}}
     app.include_router(native_router(backend, max_texts, max_chars, body_limit), **guarded)
     app.include_router(tei.router(backend, max_texts, max_chars, body_limit), **guarded)
+    if hasattr(backend, "set_plan"):
+        app.include_router(admin_router(backend), dependencies=[Depends(admin_key_check(api_key))],
+                           responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
     return app

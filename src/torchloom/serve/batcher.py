@@ -81,9 +81,10 @@ class MicroBatcher:
                  max_wait_ms: float = 5.0, max_queue: int = 1024, metrics: ServeMetrics | None = None,
                  adaptive_wait: bool = True, encode: Callable[[list[str]], list[Any]] | None = None,
                  cost: Callable[[Any], tuple[int, int]] | None = None, max_batch_tokens: int = 0,
-                 encode_workers: int = 1) -> None:
+                 encode_workers: int = 1, nice: int = 0) -> None:
         """predict takes what encode returns (or the texts, without encode); cost gives an encoded text's
-        (rows, longest row); max_batch_tokens 0: no token limit; encode_workers: tokenizer threads."""
+        (rows, longest row); max_batch_tokens 0: no token limit; encode_workers: tokenizer threads; nice: the
+        model thread's niceness (a shadow's: the cores go to the models that answer first, serve/fleet.py)."""
         if max_batch_size < 1 or max_queue < 1 or max_wait_ms < 0 or max_batch_tokens < 0:
             raise ValueError("max_batch_size and max_queue must be >= 1, max_wait_ms and max_batch_tokens >= 0")
         self._predict = predict
@@ -105,6 +106,7 @@ class MicroBatcher:
         self._stopped: asyncio.Future | None = None  # done when the model thread has finished
         self._tokenizer: ThreadPoolExecutor | None = None
         self._encode_workers = max(1, encode_workers)
+        self._nice = nice
         self._to_encode: list[tuple[list[str], asyncio.Future]] = []  # requests waiting for a tokenizer thread
         self._encoding = 0  # tokenizer calls running
         self._tokenizing = 0  # requests being tokenized: about to join the queue
@@ -132,8 +134,11 @@ class MicroBatcher:
             self._lock.notify()
         return await future
 
-    async def submit(self, texts: list[str]) -> list[Any]:
-        """Results for `texts`, in order. Raises Overloaded, ShuttingDown or ModelFailed."""
+    async def submit(self, texts: list[str], items: list[Any] | None = None,
+                     on_items: Callable[[list[Any]], None] | None = None) -> list[Any]:
+        """Results for `texts`, in order. Raises Overloaded, ShuttingDown or ModelFailed. items: their encodings,
+        made by another model's batcher with the same encoding (a shadow: tokenized once, serve/fleet.py);
+        on_items: called with the encodings once made, before they queue."""
         if self._closing or self._thread is None:
             raise ShuttingDown("the server is shutting down")
         if self._pending + len(texts) > self.max_queue:
@@ -144,8 +149,11 @@ class MicroBatcher:
         queued = tokenizing = False
         try:
             if self._encode is not None:
-                self._tokenizing, tokenizing = self._tokenizing + 1, True
-                items = await self._tokenize(texts)
+                if items is None:
+                    self._tokenizing, tokenizing = self._tokenizing + 1, True
+                    items = await self._tokenize(texts)
+                if on_items is not None:
+                    on_items(items)
                 costs = [self._cost(item) for item in items] if self._cost is not None else [(1, 0)] * len(texts)
             else:
                 items, costs = list(texts), [(1, 0)] * len(texts)
@@ -269,6 +277,13 @@ class MicroBatcher:
             pass
 
     def _model_thread(self) -> None:
+        if self._nice:
+            import os
+
+            try:  # Linux: a thread's niceness is its own, and threads it starts (torch's workers) inherit it
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
+            except OSError:
+                log.warning("could not lower the model thread's priority (nice %d)", self._nice)
         try:
             while True:
                 work = self._take()

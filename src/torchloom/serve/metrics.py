@@ -64,12 +64,12 @@ class Family:
     """Gauges with labels, all read when scraped from one function: [(label values, value), ...]."""
 
     def __init__(self, name: str, help_text: str, labelnames: tuple[str, ...],
-                 read: Callable[[], list[tuple[tuple[str, ...], float]]]) -> None:
-        self.name, self.help, self.labelnames, self.read = name, help_text, labelnames, read
+                 read: Callable[[], list[tuple[tuple[str, ...], float]]], kind: str = "gauge") -> None:
+        self.name, self.help, self.labelnames, self.read, self.kind = name, help_text, labelnames, read, kind
 
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} gauge"
+        yield f"# TYPE {self.name} {self.kind}"
         for labels, value in self.read():
             yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
 
@@ -270,6 +270,7 @@ class ServeMetrics:
                                     " requests get 429.", lambda: queue_capacity)
         self.read_monitor = monitor
         self.monitor = monitor_families(monitor) if monitor is not None else []
+        self.extra: list[Family] = []  # this process's own, rendered by hand in either mode (serve/fleet.py's)
         self.shared_gauges: dict[str, object] = {}
         if shared_dir:
             gauge = made["gauge"]
@@ -312,7 +313,7 @@ class ServeMetrics:
         for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
                        self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped,
                        self.client_disconnects, self.warm_up_batches, self.model_errors, self.queue_depth,
-                       self.queue_capacity, *self.monitor):
+                       self.queue_capacity, *self.monitor, *self.extra):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
 
@@ -323,4 +324,5 @@ class ServeMetrics:
             self.publish_monitor()  # this replica's verdict as of now; the others' as of their last evaluation
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
-        return generate_latest(registry).decode("utf-8")
+        own = [line for family in self.extra for line in family.render()]
+        return generate_latest(registry).decode("utf-8") + ("\n".join(own) + "\n" if own else "")

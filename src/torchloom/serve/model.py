@@ -74,6 +74,23 @@ class ServedModel:
         self.labels = list(self.predictor.labels)
         self.max_length = self.predictor.max_length
         self.identity = model_identity(model_dir, self.predictor.info, self.labels)
+        self.model_dir = model_dir
+
+    def encoding_key(self) -> tuple | None:
+        """What this model's encoding of a text depends on (encode): two models of equal keys take each other's
+        encodings (a shadow tokenized once, serve/fleet.py). None where it cannot be shared: a shipped baseline,
+        whose probabilities travel with the encoding, is the model's own."""
+        import hashlib
+
+        p = self.predictor
+        if p.lexical is not None:
+            return None
+        digest = hashlib.sha256()
+        for path in sorted(Path(self.model_dir).iterdir()):
+            if path.name.startswith(("tokenizer", "vocab", "special_tokens", "merges", "spiece", "sentencepiece")):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        chunks = (p.stride, p.max_chunks) if p.truncation == "chunks" else ()
+        return digest.hexdigest(), p.truncation, p.max_length, chunks, self.signals
 
     def _autocast(self):
         return autocast(self.device, self.precision)

@@ -52,7 +52,8 @@ class _Item:
 class RayBackend:
     """The replica side: the model, a one-thread executor, and the batched call. Built inside the replica."""
 
-    def __init__(self, settings: ServeSettings, threads: int) -> None:
+    def __init__(self, settings: ServeSettings, threads: int, metrics=None) -> None:
+        """metrics: the replica's, where several models share it (serve/fleet.py)."""
         from torchloom.serve.metrics import ServeMetrics
         from torchloom.serve.model import ServedModel
 
@@ -69,9 +70,9 @@ class RayBackend:
                                                                    self.model.predictor)
         self.model.signals = self.monitor is not None
         log.info("%s", line)  # each replica watches the texts it answers
-        self.metrics = ServeMetrics(queue_depth=lambda: self._pending, monitor=self.monitor_report,
-                                   queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
-        if self.monitor is not None:
+        self.metrics = metrics or ServeMetrics(queue_depth=lambda: self._pending, monitor=self.monitor_report,
+                                               queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
+        if self.monitor is not None and metrics is None:
             self.monitor.on_report = self.metrics.publish_monitor
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchloom-model")
         self._batched_one = None  # the deployment's @serve.batch method, one text per call
@@ -230,24 +231,69 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float, gpus_per_
             if key_file:  # the key never travels in these init args (replica_fields)
                 with open(key_file, encoding="utf-8") as f:
                     replica_settings.api_key = f.read()
-            threads = max(1, int(cpus_per_replica))
-            self.backend = RayBackend(replica_settings, threads)
-            self.predict_one.set_max_batch_size(replica_settings.max_batch_size)
-            self.predict_one.set_batch_wait_timeout_s(replica_settings.max_wait_ms / 1000)
-            self.backend.attach(self.predict_one)
-
-        @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-        async def predict_one(self, items: list[_Item]) -> list[Any]:
-            return await self.backend.predict_batch(items)
+            self.settings = replica_settings
+            self.backend = replica_fleet(replica_settings, max(1, int(cpus_per_replica)))
 
         def __serve_build_asgi_app__(self):
             from torchloom.serve.app import create_app
 
-            s = self.backend.settings
+            s = self.settings
             return create_app(self.backend, s.texts_per_request, s.max_text_chars, s.api_key, "ray",
                               max_body_bytes=s.max_body_bytes)
 
     return TorchloomDeployment
+
+
+def ray_member(name: str | None, path: str, settings: ServeSettings, threads: int, metrics):
+    """One model of a replica: a RayBackend of its own, with its own @serve.batch queue."""
+    from dataclasses import replace
+
+    from ray import serve
+
+    from torchloom.serve.fleet import Member
+
+    backend = RayBackend(replace(settings, model_dir=path), threads, metrics)
+
+    @serve.batch(max_batch_size=settings.max_batch_size, batch_wait_timeout_s=settings.max_wait_ms / 1000)
+    async def predict_one(items: list[_Item]) -> list[Any]:
+        return await backend.predict_batch(items)
+
+    backend.attach(predict_one)
+    return Member(name or backend.identity.name, path, backend)
+
+
+def replica_fleet(settings: ServeSettings, threads: int):
+    """The replica's models behind one Fleet (serve/fleet.py), as the local server's. Feedback and the admin route
+    keep their state in the replica: with one replica they work as locally; with several, a prediction's id is
+    known to its replica alone and a change would reach one replica, so both answer 501."""
+    from torchloom.serve.fleet import Fleet
+    from torchloom.serve.metrics import ServeMetrics
+    from torchloom.serve.split import Plan, make_plan
+
+    models = settings.models or {None: settings.model_dir}
+    holder: list[Fleet] = []
+    metrics = ServeMetrics(queue_depth=lambda: 0, monitor=lambda: holder[0].main_monitor(),
+                           queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
+    members = [ray_member(name, path, settings, threads, metrics) for name, path in models.items()]
+    plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else \
+        Plan({members[0].name: 100.0})
+
+    async def load(name: str, path: str):
+        member = await asyncio.to_thread(ray_member, name, path, settings, threads, metrics)
+        await member.backend.start()
+        return member
+
+    fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
+                  load=load if settings.replicas == 1 else None)
+    if settings.replicas > 1:
+        fleet.refused = (f"with {settings.replicas} Ray Serve replicas each keeps its own predictions and split;"
+                         " feedback and the admin route need --replicas 1 (or the local engine)")
+    for m in members:
+        if m.backend.monitor is not None:
+            m.backend.monitor.on_report = metrics.publish_monitor
+    holder.append(fleet)
+    metrics.extra = fleet.families()
+    return fleet
 
 
 def start_ray(temp_dir: str) -> None:

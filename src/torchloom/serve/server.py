@@ -27,7 +27,9 @@ log = logging.getLogger("torchloom.serve")
 class LocalBackend:
     """The model behind a MicroBatcher; ready once the warm-up has run."""
 
-    def __init__(self, model: ServedModel, settings: ServeSettings) -> None:
+    def __init__(self, model: ServedModel, settings: ServeSettings, metrics: ServeMetrics | None = None,
+                 nice: int = 0) -> None:
+        """metrics: the server's, where several models share it (serve/fleet.py); nice: the model thread's."""
         from torchloom.serve.live_monitor import load_monitor
 
         self.model = model
@@ -35,12 +37,12 @@ class LocalBackend:
         self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.labels, model.identity.name,
                                                                           model.predictor)
         model.signals = self.monitor is not None
-        self.metrics = ServeMetrics(queue_depth=lambda: self.batcher.queue_depth, monitor=self.monitor_report,
-                                   queue_capacity=settings.max_queue)
+        self.metrics = metrics or ServeMetrics(queue_depth=lambda: self.batcher.queue_depth,
+                                               monitor=self.monitor_report, queue_capacity=settings.max_queue)
         self.batcher = MicroBatcher(model.predict_encoded, settings.max_batch_size, settings.max_wait_ms,
                                     settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait,
                                     encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens,
-                                    encode_workers=usable_cores())
+                                    encode_workers=usable_cores(), nice=nice)
         self.tune = settings.tune
         self._ready = False
         self._warm_up_task: asyncio.Task | None = None
@@ -90,8 +92,16 @@ class LocalBackend:
         self._ready = False
         await self.batcher.close()
 
-    async def predict(self, texts: list[str]) -> list[dict[str, Any]]:
-        answers = await self.batcher.submit(texts)
+    async def warmed(self) -> bool:
+        """Wait for the warm-up; whether it succeeded."""
+        if self._warm_up_task is not None:
+            await self._warm_up_task
+        return self._ready
+
+    async def predict(self, texts: list[str], items: list[Any] | None = None,
+                      on_items: Any = None) -> list[dict[str, Any]]:
+        """items, on_items: MicroBatcher.submit's (a shadow tokenized once)."""
+        answers = await self.batcher.submit(texts, items, on_items)
         if self.monitor is not None and self._ready:  # not the warm-up's texts
             self.monitor.observe(answers)
         return answers
@@ -153,6 +163,66 @@ def model_threads(device: str, cores: int) -> int:
     return max(1, cores - 1) if device == "cpu" and cores >= 4 else cores
 
 
+SHADOW_NICE = 10  # a shadow's model thread: the cores go first to the model whose answers clients wait for
+
+
+def local_member(name: str | None, path: str, settings: ServeSettings, threads: int, metrics: ServeMetrics | None,
+                 nice: int = 0):
+    """One model of the server: loaded, behind its own batcher (not started); named `name`, else its own name."""
+    from torchloom.serve.fleet import Member
+
+    model = ServedModel(path, device=settings.device, precision=settings.precision,
+                        batch_size=settings.max_batch_size, threads=threads, runtime=settings.runtime,
+                        length_bucket=settings.length_bucket)
+    if model.warning:
+        print(f"torchloom serve: warning: {model.warning}", file=sys.stderr, flush=True)
+    backend = LocalBackend(model, settings, metrics, nice)
+    label = name or model.identity.name
+    print(f"torchloom serve: {'' if name is None else f'{name}: '}{backend.monitor_line}", file=sys.stderr, flush=True)
+    return Member(label, path, backend, model.encoding_key())
+
+
+def local_fleet(settings: ServeSettings, threads: int):
+    """The server's models behind one Fleet (serve/fleet.py), sharing one ServeMetrics; the admin route loads
+    more with local_member, warmed up before they take traffic."""
+    from torchloom.serve.fleet import Fleet
+    from torchloom.serve.split import make_plan
+
+    models = settings.models or {None: settings.model_dir}
+    plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else None
+    holder: list[Fleet] = []
+    metrics = ServeMetrics(queue_depth=lambda: sum(m.backend.batcher.queue_depth for m in holder[0].members.values()),
+                           monitor=lambda: holder[0].main_monitor(), queue_capacity=settings.max_queue)
+    members = [local_member(name, path, settings, threads, metrics,
+                            SHADOW_NICE if plan and name in plan.shadows else 0) for name, path in models.items()]
+    if plan is None:
+        from torchloom.serve.split import Plan
+
+        plan = Plan({members[0].name: 100.0})
+
+    async def load(name: str, path: str):
+        import asyncio
+
+        from torchloom.rundir import is_uri
+
+        if is_uri(path):
+            from torchloom.model_cache import fetch_model
+
+            path = str(await asyncio.to_thread(fetch_model, path, f"model {name}"))
+        member = await asyncio.to_thread(local_member, name, path, settings, threads, metrics)
+        await member.backend.start()
+        if not await member.backend.warmed():
+            await member.backend.stop()
+            raise UserError(f"model {name} ({path}): its warm-up failed; the server log has why")
+        return member
+
+    fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
+                  load=load)
+    holder.append(fleet)
+    metrics.extra = fleet.families()
+    return fleet
+
+
 def run_local(settings: ServeSettings) -> int:
     """Serve until SIGTERM/SIGINT; returns the exit code."""
     try:
@@ -167,22 +237,17 @@ def run_local(settings: ServeSettings) -> int:
     try:
         from torchloom.model.device import resolve_device
 
-        threads = model_threads(resolve_device(settings.device), usable_cores())
-        model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
-                            batch_size=settings.max_batch_size, threads=threads, runtime=settings.runtime,
-                            length_bucket=settings.length_bucket)
+        fleet = local_fleet(settings, model_threads(resolve_device(settings.device), usable_cores()))
     except BaseException:
         sock.close()
         raise
-    if model.warning:
-        print(f"torchloom serve: warning: {model.warning}", file=sys.stderr, flush=True)
-    backend = LocalBackend(model, settings)
-    print(f"torchloom serve: {backend.monitor_line}", file=sys.stderr, flush=True)
-    app = create_app(backend, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local",
+    app = create_app(fleet, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local",
                      max_body_bytes=settings.max_body_bytes, max_connections=settings.max_connections)
+    model = fleet.members[fleet.order[0]].backend.model
+    names = "" if settings.models is None else f"models {', '.join(fleet.order)}: {fleet.plan.line()}; "
     identity = model.identity
     # One line on stdout that scripts (and the tests) can wait for; the socket already queues connections.
-    print(f"torchloom serve: listening on {url_of(sock)} (model {identity.name} {identity.version},"
+    print(f"torchloom serve: listening on {url_of(sock)} ({names}model {identity.name} {identity.version},"
           f" device {model.device}, runtime {model.runtime}, precision {model.precision} ({model.precision_reason}),"
           f" max batch {settings.max_batch_size}, max wait {settings.max_wait_ms:g} ms,"
           f" max body {body_limit_for(settings.texts_per_request, settings.max_text_chars, settings.max_body_bytes)}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torchloom.errors import UserError
 
@@ -47,6 +47,12 @@ class ServeSettings:
     monitor_window_s: float = 0.0  # and none older than this (0: no age limit)
     false_alarm: float | None = None  # the chance a window like the reference is called drift (None: the profile's)
     metrics_dir: str | None = None  # Ray: where the replicas share their metrics (set by run_ray, not a flag)
+    models: dict[str, str] | None = None  # --model NAME=DIR, in order (the first is the others' yardstick); None: one
+    traffic: str | None = None  # --traffic A=90,B=10 (None: an even split over the models that are not shadows)
+    shadow: list[str] = field(default_factory=list)  # --shadow B: sees every text, never answers (serve/fleet.py)
+    feedback_size: int = 100_000  # predictions kept for POST /v1/feedback
+    min_effect: float = 0.02  # the accuracy difference the verdict is sized to find
+    verdict_alpha: float = 0.05  # the chance that two equal models are ever called different
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -79,6 +85,13 @@ class ServeSettings:
                                          " more seconds"),
             (self.false_alarm is None or 0 < self.false_alarm < 1,
              f"--false-alarm {self.false_alarm}: a chance, between 0 and 1 (e.g. 0.01)"),
+            (self.feedback_size >= 1, f"--feedback-size {self.feedback_size}: must be at least 1"),
+            (0 < self.min_effect < 1, f"--min-effect {self.min_effect}: an accuracy difference between 0 and 1"
+                                      " (e.g. 0.02: two points)"),
+            (0 < self.verdict_alpha < 0.5, f"--verdict-alpha {self.verdict_alpha}: a chance between 0 and 0.5 (e.g."
+                                           " 0.05)"),
+            (self.models is not None or (self.traffic is None and not self.shadow),
+             "--traffic and --shadow name models: give them with --model NAME=DIR (one flag per model)"),
             (self.api_key is None or (self.api_key.strip() == self.api_key and len(self.api_key) >= 8),
              "--api-key: use at least 8 characters without surrounding spaces"),
         ]
@@ -88,6 +101,10 @@ class ServeSettings:
         if self.serve_with == "local" and self.replicas != 1:
             raise UserError(f"--replicas {self.replicas}: only --serve-with ray runs replicas; the local engine"
                             " uses one model per process (start more processes behind a load balancer)")
+        if self.models is not None:
+            from torchloom.serve.split import make_plan
+
+            make_plan(list(self.models), self.traffic, self.shadow)
         if self.require_api_key and self.api_key is None:
             raise UserError(f"--require-api-key: no API key is set (--host {self.host}); pass --api-key KEY or set"
                             f" {API_KEY_ENV} (at least 8 characters)")

@@ -18,10 +18,12 @@ from pydantic import BaseModel, Field
 from torchloom.serve.api_common import (
     ApiError,
     Backend,
+    answered_by,
     json_type,
     load_json,
     parse_off_loop,
     read_body,
+    routed_predict,
     until_disconnect,
 )
 
@@ -128,9 +130,10 @@ def router(backend: Backend, max_texts: int, max_chars: int, body_limit: int) ->
     async def tei_predict(request: Request) -> Response:
         texts, batched, raw = await parse_off_loop(parse_request, await read_body(request, body_limit), max_texts,
                                                    max_chars)
-        predictions = await until_disconnect(request, backend.predict(texts))
+        predictions = await until_disconnect(request, routed_predict(request, backend, texts))
         answers = [answer(p, raw) for p in predictions]
         body = json.dumps(answers if batched else answers[0], ensure_ascii=False, separators=(",", ":"))
-        return Response(body.encode("utf-8"), media_type="application/json")
+        return Response(body.encode("utf-8"), media_type="application/json",
+                        headers=answered_by(backend, predictions)[1])
 
     return api

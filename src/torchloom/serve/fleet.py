@@ -1,0 +1,405 @@
+"""Several models behind one endpoint (issue 58): a traffic split, shadows, prediction ids, feedback, online
+accuracy and a verdict on which model is better; the admin's changes, applied without a restart.
+
+A `Fleet` is the backend the HTTP app talks to (app.py): every server has one, of one model or several. Its
+members are the engine's own backends (server.LocalBackend, ray_engine.RayBackend), each named by its
+`--model NAME=DIR`. A request goes to one member: by the hash of its key (`X-Torchloom-Key`: the same key, the same
+model, while the split stays) or at random, in the proportions of the split. Each shadow gets every text; its
+answers are recorded, never returned, and where its encoding equals the answering model's, it takes the texts
+tokenized once. Each text answered gets an id; `POST /v1/feedback` with the id and the true label scores every
+model that answered it. The verdict (ab.compare) compares each model with the first (`--model` order) on the
+labels they share: paired where both answered the same texts (a shadow), unpaired otherwise (a split).
+
+Everything here runs on the event loop thread; no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torchloom.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
+from torchloom.serve.api_common import ApiError
+from torchloom.serve.batcher import Overloaded, ShuttingDown
+from torchloom.serve.split import Plan, key_point
+
+log = logging.getLogger("torchloom.serve")
+FEEDBACK_SIZE = 100_000  # predictions kept for feedback: the most recent this many
+VERDICT_EVERY_S = 0.5  # the verdict is worked out again at most this often on feedback (always on a read)
+
+
+@dataclass
+class Member:
+    """One model of the fleet: its name (`--model NAME=...`), where it came from, its engine's backend."""
+
+    name: str
+    path: str
+    backend: Any
+    encoding: tuple | None = None  # ServedModel.encoding_key (local engine; None: not shared)
+
+    @property
+    def identity(self):
+        return self.backend.identity
+
+
+@dataclass
+class Tally:
+    """One model's labelled answers: how many, how many right."""
+
+    labels: int = 0
+    right: int = 0
+
+    def interval(self) -> dict[str, float] | None:
+        """Accuracy with its 95 % Wilson interval (None before the first label)."""
+        if not self.labels:
+            return None
+        n, p, z = self.labels, self.right / self.labels, 1.959964
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return {"value": p, "low": max(0.0, centre - half), "high": min(1.0, centre + half), "labels": n}
+
+
+class Fleet:
+    """The backend of the HTTP app over one or more models (module docstring)."""
+
+    def __init__(self, members: list[Member], plan: Plan, metrics, feedback_size: int = FEEDBACK_SIZE,
+                 alpha: float = ALPHA, min_effect: float = MIN_EFFECT, n_min: int = N_MIN,
+                 load: Callable[[str, str], Awaitable[Member]] | None = None) -> None:
+        """metrics: the server's ServeMetrics, shared by the members; load: makes a member (NAME, DIR) for the
+        admin route, warmed up (None: loading refused)."""
+        self.members = {m.name: m for m in members}
+        self.order = [m.name for m in members]  # the first is the one the others are compared with
+        self.plan = plan
+        self.metrics = metrics
+        self.feedback_size, self.alpha, self.min_effect, self.n_min = feedback_size, alpha, min_effect, n_min
+        self.load = load
+        self.records: OrderedDict[str, dict[str, str | None]] = OrderedDict()  # id -> {model: its label}
+        self.labelled: set[str] = set()
+        self.prefix = secrets.token_hex(3)  # ids of different servers and starts never meet
+        self.counter = 0
+        self.tallies = {name: Tally() for name in self.order}
+        self.outcomes: dict[str, Outcomes] = {}
+        self.verdicts: dict[str, Verdict] = {}
+        self.verdict_at = 0.0
+        self.counts: dict[tuple[str, ...], float] = {}  # counters for /metrics: (family, labels...) -> value
+        self.shadow_tasks: set[asyncio.Task] = set()
+        self.rng = random.Random()
+        self.identity = members[0].identity
+        self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
+        self.check_labels(members)
+
+    def may_change(self) -> None:
+        if self.refused:
+            raise ApiError(501, "not_supported", self.refused)
+
+    # --- the Backend protocol ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return all(m.backend.ready for m in self.members.values())
+
+    async def start(self) -> None:
+        for m in self.members.values():
+            await m.backend.start()
+
+    async def stop(self) -> None:
+        for task in list(self.shadow_tasks):
+            task.cancel()
+        for m in self.members.values():
+            await m.backend.stop()
+
+    def count(self, *key: str, amount: float = 1.0) -> None:
+        self.counts[key] = self.counts.get(key, 0.0) + amount
+
+    def route(self, key: str | None) -> Member:
+        """The member that answers: the key's point in the split, else a random one."""
+        point = key_point(key) if key else self.rng.random() * 100
+        edge = 0.0
+        for name, share in self.plan.traffic.items():
+            edge += share
+            if point < edge and share:
+                return self.members[name]
+        return self.members[max(self.plan.traffic, key=self.plan.traffic.get)]  # rounding at the top
+
+    async def predict(self, texts: list[str], key: str | None = None) -> list[dict[str, Any]]:
+        """Answers for `texts` from the routed member, each with its "id" and the member's name ("model");
+        the shadows get the same texts, on their own time."""
+        member = self.route(key)
+        ids = self.new_ids(len(texts))
+        shadows = [self.members[s] for s in self.plan.shadows if s != member.name]
+        on_items = None
+        if shadows:
+            sharing = [s for s in shadows if s.encoding is not None and s.encoding == member.encoding]
+            others = [s for s in shadows if s not in sharing]
+            for s in others:
+                self.watch(s, texts, ids)
+            if sharing:
+                def on_items(items: list[Any]) -> None:
+                    for s in sharing:
+                        self.watch(s, texts, ids, items)
+        try:
+            answers = await (member.backend.predict(texts, on_items=on_items) if on_items is not None
+                             else member.backend.predict(texts))
+        except BaseException:
+            for i in ids:
+                self.records.pop(i, None)
+            raise
+        for i, answer in zip(ids, answers):
+            answer["id"], answer["model"] = i, member.name
+            record = self.records.get(i)
+            if record is not None:
+                record[member.name] = answer["label"]
+        self.count("answers", member.name, "answer", amount=len(texts))
+        return answers
+
+    def new_ids(self, n: int) -> list[str]:
+        """n prediction ids, each with an empty record; the oldest records leave past feedback_size."""
+        ids = []
+        for _ in range(n):
+            self.counter += 1
+            i = f"{self.prefix}-{self.counter:x}"
+            self.records[i] = {}
+            ids.append(i)
+        while len(self.records) > self.feedback_size:
+            old, _ = self.records.popitem(last=False)
+            self.labelled.discard(old)
+        return ids
+
+    def watch(self, shadow: Member, texts: list[str], ids: list[str], items: list[Any] | None = None) -> None:
+        """The shadow's answers to `texts`, recorded under their ids when they come; never awaited by the client."""
+        task = asyncio.ensure_future(self._shadow(shadow, texts, ids, items))
+        self.shadow_tasks.add(task)
+        task.add_done_callback(self.shadow_tasks.discard)
+
+    async def _shadow(self, shadow: Member, texts: list[str], ids: list[str], items: list[Any] | None) -> None:
+        try:
+            answers = await (shadow.backend.predict(texts, items=items) if items is not None
+                             else shadow.backend.predict(texts))
+        except (Overloaded, ShuttingDown) as e:
+            self.count("shadow_dropped", shadow.name, "overloaded" if isinstance(e, Overloaded) else "stopping",
+                       amount=len(texts))
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the model's error: logged by its batcher under an id
+            self.count("shadow_dropped", shadow.name, "model_error", amount=len(texts))
+            return
+        for i, answer in zip(ids, answers):
+            record = self.records.get(i)
+            if record is not None:
+                record[shadow.name] = answer["label"]
+        self.count("answers", shadow.name, "shadow", amount=len(texts))
+
+    # --- feedback and the verdict --------------------------------------------------------------------------
+
+    def feedback(self, prediction_id: str, label: str) -> dict[str, Any]:
+        """Record the true `label` of a prediction: every model that answered it is scored. ApiError 404 for an
+        id unknown or past the store, 409 for one already labelled, 422 for a label the models do not have."""
+        self.may_change()
+        record = self.records.get(prediction_id)
+        if record is None or not record:
+            self.count("feedback", "unknown_id")
+            raise ApiError(404, "unknown_id", f"prediction id {prediction_id!r} is unknown or expired (the server"
+                                              f" keeps the last {self.feedback_size} predictions:"
+                                              " --feedback-size); send feedback sooner")
+        if prediction_id in self.labelled:
+            self.count("feedback", "duplicate")
+            raise ApiError(409, "already_labelled", f"prediction id {prediction_id!r} already has a label; each"
+                                                    " prediction takes one")
+        labels = self.identity.labels
+        if label not in labels:
+            self.count("feedback", "invalid_label")
+            raise ApiError(422, "unknown_label", f"label {label!r} is not one of the model's labels"
+                                                 f" ({', '.join(labels[:20])}); GET /v1/labels lists them")
+        self.labelled.add(prediction_id)
+        self.count("feedback", "recorded")
+        right = {name: answered == label for name, answered in record.items() if answered is not None}
+        for name, ok in right.items():
+            if name in self.tallies:
+                self.tallies[name].labels += 1
+                self.tallies[name].right += ok
+        control = self.order[0]
+        for name in self.order[1:]:
+            if control in right or name in right:
+                self.outcomes.setdefault(name, Outcomes()).add(right.get(control), right.get(name))
+        if time.monotonic() - self.verdict_at >= VERDICT_EVERY_S:
+            self.judge()
+        return {"id": prediction_id, "label": label, "right": right}
+
+    def judge(self) -> dict[str, Verdict]:
+        """Each model against the first on the labels they share; a log line when a verdict changes."""
+        self.verdict_at = time.monotonic()
+        control = self.order[0]
+        for name, outcomes in self.outcomes.items():
+            verdict = compare(outcomes, self.alpha, self.n_min, self.min_effect)
+            before = self.verdicts.get(name)
+            self.verdicts[name] = verdict
+            if before is None or before.state != verdict.state:
+                log.info("verdict %s against %s: %s", name, control, verdict.line((control, name)))
+        return self.verdicts
+
+    def report(self) -> dict[str, Any]:
+        """The fleet's part of GET /v1/monitor: models, split, shadows, online accuracy, verdicts."""
+        verdicts = self.judge()
+        control = self.order[0]
+        models = {}
+        for name in self.order:
+            m = self.members[name]
+            report = getattr(m.backend, "monitor_report", None)
+            models[name] = {"name": m.identity.name, "version": m.identity.version,
+                            "traffic": self.plan.traffic.get(name, 0.0), "shadow": name in self.plan.shadows,
+                            "online_accuracy": self.tallies[name].interval(),
+                            "monitor": _brief(report()) if report is not None else None}
+        comparisons = [{"model": name, "against": control, "state": v.state, "test": v.test, "labels": v.labels,
+                        "p_value": v.p_value, "level": v.level, "needed": v.needed, "line": v.line((control, name))}
+                       for name, v in verdicts.items()]
+        return {"models": models, "plan": self.plan.line(), "verdicts": comparisons,
+                "feedback": {"kept": len(self.records), "labelled": len(self.labelled)}}
+
+    # --- the admin's changes (app.admin_router) ----------------------------------------------------------
+
+    def set_plan(self, plan: Plan, who: str, action: str = "traffic") -> dict[str, Any]:
+        """A new split and shadows from now on; requests already routed finish where they went."""
+        self.may_change()
+        before = self.plan.line()
+        self.plan = plan
+        self.count("admin", action)
+        log.info("admin (%s): %s (was %s)", who, plan.line(), before)
+        return self.admin_view()
+
+    def promote(self, name: str, who: str) -> dict[str, Any]:
+        """`name` takes all the traffic and stops being a shadow; the others stay loaded, without traffic."""
+        self.may_change()
+        if name not in self.members:
+            raise ApiError(404, "unknown_model", f"no model is named {name!r} (the models: {', '.join(self.order)})")
+        plan = Plan({n: 100.0 if n == name else 0.0 for n in self.order}, [s for s in self.plan.shadows if s != name])
+        return self.set_plan(plan, who, "promote")
+
+    async def put_model(self, name: str, path: str, who: str) -> dict[str, Any]:
+        """Load `path` as model `name`, warmed up before it takes any traffic: a new model joins without traffic;
+        a model of that name is replaced in place (its share and shadow role kept), and released once the texts
+        it was given are answered."""
+        self.may_change()
+        if self.load is None:
+            raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas);"
+                                                 " redeploy instead")
+        member = await self.load(name, path)
+        try:
+            self.check_labels([self.members[self.order[0]], member] if self.order[0] != name else
+                              [member, *(self.members[n] for n in self.order[1:])])
+        except Exception as e:
+            await member.backend.stop()
+            raise ApiError(422, "labels_differ", str(e)) from None
+        old = self.members.get(name)
+        self.members[name] = member
+        if old is None:
+            self.order.append(name)
+            self.tallies[name] = Tally()
+            self.plan.traffic[name] = 0.0
+        else:  # a new version: its labels counted afresh, its comparison too
+            self.tallies[name] = Tally()
+            self.outcomes.pop(name, None)
+            self.verdicts.pop(name, None)
+        if name == self.order[0]:
+            self.identity = member.identity
+        self.count("admin", "load" if old is None else "replace")
+        log.info("admin (%s): model %s loaded from %s (%s %s)%s", who, name, path, member.identity.name,
+                 member.identity.version, "" if old is None else f", replacing {old.identity.version}")
+        if old is not None:
+            task = asyncio.ensure_future(self._release(old))
+            self.shadow_tasks.add(task)
+            task.add_done_callback(self.shadow_tasks.discard)
+        return self.admin_view()
+
+    async def _release(self, old: Member, timeout_s: float = 60.0) -> None:
+        """Stop a replaced member once its queue is empty: what it was given, it answers."""
+        depth = getattr(getattr(old.backend, "batcher", None), "queue_depth", 0)
+        deadline = time.monotonic() + timeout_s
+        while depth and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            depth = old.backend.batcher.queue_depth
+        await old.backend.stop()
+        log.info("released %s %s", old.identity.name, old.identity.version)
+
+    def admin_view(self) -> dict[str, Any]:
+        return {"plan": self.plan.line(), "traffic": dict(self.plan.traffic), "shadows": list(self.plan.shadows),
+                "models": {n: {"name": self.members[n].identity.name, "version": self.members[n].identity.version,
+                               "path": self.members[n].path} for n in self.order}}
+
+    def monitor_report(self) -> dict[str, Any]:
+        return self.main_monitor()
+
+    def main_monitor(self) -> dict[str, Any]:
+        """The monitor report of the model most traffic goes to: the one the torchloom_monitor_* gauges show."""
+        from torchloom.serve.live_monitor import off_report
+
+        name = max(self.order, key=lambda n: self.plan.traffic.get(n, 0.0))
+        report = getattr(self.members[name].backend, "monitor_report", None)
+        return report() if report is not None else off_report("this backend has no monitor")
+
+    def families(self) -> list:
+        """The fleet's metrics (ServeMetrics.extra), read when scraped."""
+        from torchloom.serve.metrics import Family
+
+        def counted(family: str):
+            return lambda: [(k[1:], v) for k, v in sorted(self.counts.items()) if k[0] == family]
+
+        def accuracy():
+            out = []
+            for name in self.order:
+                est = self.tallies[name].interval()
+                if est:
+                    out += [((name, b), est[k]) for b, k in (("estimate", "value"), ("low", "low"), ("high", "high"))]
+            return out
+
+        def verdicts():
+            return [((name, self.order[0], state), float(v.state == state)) for name, v in self.verdicts.items()
+                    for state in ("a_better", "b_better", "not_yet_known")]
+
+        return [
+            Family("torchloom_model_info", "1 per model behind the endpoint, with its name and version.",
+                   ("model", "name", "version"), lambda: [((n, self.members[n].identity.name,
+                                                            self.members[n].identity.version), 1.0)
+                                                          for n in self.order]),
+            Family("torchloom_model_traffic_percent", "Each model's share of the requests (the split).", ("model",),
+                   lambda: [((n,), self.plan.traffic.get(n, 0.0)) for n in self.order]),
+            Family("torchloom_model_shadow", "1 for a shadow: it sees every text, its answers are never returned.",
+                   ("model",), lambda: [((n,), float(n in self.plan.shadows)) for n in self.order]),
+            Family("torchloom_model_texts_total", "Texts each model answered (role=answer) or watched as a shadow"
+                   " (role=shadow).", ("model", "role"), counted("answers"), "counter"),
+            Family("torchloom_shadow_dropped_total", "Texts a shadow did not get to, by reason (its queue full, the"
+                   " server stopping, its model's error).", ("model", "reason"), counted("shadow_dropped"),
+                   "counter"),
+            Family("torchloom_feedback_total", "Labels sent to POST /v1/feedback, by result.", ("result",),
+                   counted("feedback"), "counter"),
+            Family("torchloom_online_accuracy", "Each model's accuracy on the labels fed back, with its 95 %"
+                   " interval.", ("model", "bound"), accuracy),
+            Family("torchloom_online_labels", "Labels fed back for each model's answers.", ("model",),
+                   lambda: [((n,), float(self.tallies[n].labels)) for n in self.order]),
+            Family("torchloom_ab_verdict", "1 for the verdict on each model against the first: a_better (the first"
+                   " is), b_better (this one is), not_yet_known.", ("model", "against", "state"), verdicts),
+            Family("torchloom_admin_changes_total", "Changes made through the admin route, by action.", ("action",),
+                   counted("admin"), "counter"),
+        ]
+
+    def check_labels(self, members: list[Member]) -> None:
+        from torchloom.errors import UserError
+
+        first = members[0]
+        for m in members[1:]:
+            if set(m.identity.labels) != set(first.identity.labels):
+                raise UserError(f"--model {m.name}: its labels ({', '.join(m.identity.labels[:8])}) differ from"
+                                f" {first.name}'s ({', '.join(first.identity.labels[:8])}); models behind one"
+                                " endpoint must predict the same labels")
+
+
+def _brief(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: report.get(k) for k in ("state", "drift", "texts", "estimated_accuracy")}

@@ -1,0 +1,222 @@
+"""Several models behind one endpoint (serve/fleet.py, issue 58): a traffic split, sticky keys, shadows, feedback,
+the verdict, and the admin route, on a real `torchloom serve` (and on Ray Serve through its proxy).
+
+The models are the tiny random BERT: A; B, the same weights with its labels rotated (it answers a different label
+for every text: a planted difference); C, a copy of A (an equal model, which must never be called different)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from support.net import free_port
+from support.owned import one_error, torchloom
+from support.served import Server, export_tiny, sample_value, wait_for
+
+httpx = pytest.importorskip("httpx")
+pytestmark = pytest.mark.heavy(3)
+
+LABELS = ["sport", "money", "music"]
+WORDS = {"sport": "match goal team win league", "money": "bank shares profit market price",
+         "music": "guitar band song album concert"}
+TEXTS = [*WORDS.values(), "short", "a much longer text " * 10]
+API_KEY = "fleet-key-0123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, str]:
+    from torchloom.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("fleet")
+    base = write_tiny_model(root / "base")
+    a = export_tiny(base, root / "a" / "model", LABELS, TEXTS, seed=0)
+    b = export_tiny(base, root / "b" / "model", LABELS[1:] + LABELS[:1], TEXTS, seed=0)  # A's logits, labels rotated
+    c = str(root / "c" / "model")
+    shutil.copytree(a, c)
+    other = export_tiny(base, root / "other" / "model", ["yes", "no", "maybe"], TEXTS, seed=0)
+    return {"A": a, "B": b, "C": c, "other": other}
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"{rng.choice(list(WORDS.values()))} {rng.choice(list(WORDS.values()))} number {i}" for i in range(n)]
+
+
+def counted(s: Server, model: str, role: str) -> float:
+    return sample_value(s.metrics(), "torchloom_model_texts", "torchloom_model_texts_total", model=model, role=role)
+
+
+def routed(s: Server, n: int, key: str | None = None) -> list[str]:
+    """The model that answered each of n one-text requests (sent at once), checked header against body."""
+    async def send():
+        headers = {**AUTH, **({"X-Torchloom-Key": key} if key else {})}
+        async with httpx.AsyncClient(base_url=s.url, timeout=60, headers=headers) as client:
+            return await asyncio.gather(*(client.post("/v1/predict", json={"texts": [t]}) for t in texts(n)))
+
+    out = []
+    for r in asyncio.run(send()):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert r.headers["X-Torchloom-Model"] == body["model"]["variant"]
+        assert r.headers["X-Torchloom-Ids"] == body["predictions"][0]["id"]
+        out.append(body["model"]["variant"])
+    return out
+
+
+def check_split_sticky_and_shadow(s: Server, shares: dict[str, float], shadow: str, n: int = 300) -> None:
+    """Answers split within 4.5 standard deviations of the shares; a key always reaches one model; the shadow
+    never answers and sees every text."""
+    before = counted(s, shadow, "shadow")
+    answered = routed(s, n)
+    assert shadow not in answered
+    for name, share in shares.items():
+        sd = (n * share * (1 - share)) ** 0.5
+        assert abs(answered.count(name) - n * share) <= 4.5 * sd, (name, answered.count(name), shares)
+    for key in ("user-1", "user-2", "user-3", "user-4"):
+        assert len(set(routed(s, 8, key))) == 1, key
+    wait_for(lambda: counted(s, shadow, "shadow") == before + n + 32)
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    s = Server("", "--model", f"A={models['A']}", "--model", f"B={models['B']}", "--model", f"C={models['C']}",
+               "--traffic", "A=70,B=30", "--shadow", "C", "--api-key", API_KEY, "--device", "cpu",
+               log_dir=tmp_path_factory.mktemp("fleet-log"))
+    s.client.headers.update(AUTH)
+    yield s
+    s.kill()
+
+
+def test_a_split_with_a_shadow_routes_by_share_and_key_and_never_returns_the_shadows_answers(server):
+    check_split_sticky_and_shadow(server, {"A": 0.7, "B": 0.3}, "C")
+    families = server.metrics()
+    assert sample_value(families, "torchloom_model_traffic_percent", "torchloom_model_traffic_percent",
+                        model="B") == 30
+    assert sample_value(families, "torchloom_model_shadow", "torchloom_model_shadow", model="C") == 1
+    # TEI's body keeps its shape; the headers say who answered
+    r = server.client.post("/predict", json={"inputs": "match goal"}, headers={"X-Torchloom-Key": "user-1"})
+    assert r.status_code == 200 and isinstance(r.json(), list) and r.headers["X-Torchloom-Model"] in ("A", "B")
+
+
+def test_feedback_scores_the_models_and_refuses_unknown_repeated_and_foreign_labels(server):
+    before = counted(server, "C", "shadow")
+    r = server.client.post("/v1/predict", json={"texts": ["match goal team"]}, headers={"X-Torchloom-Key": "k"})
+    variant, prediction = r.json()["model"]["variant"], r.json()["predictions"][0]
+    wait_for(lambda: counted(server, "C", "shadow") == before + 1)  # the shadow's answer is in
+    r = server.client.post("/v1/feedback", json={"id": prediction["id"], "label": prediction["label"]})
+    assert r.status_code == 200, r.text
+    # C is A's copy: right where A answered, wrong where B (A's labels rotated) did
+    assert r.json()["right"] == {variant: True, "C": variant == "A"}, r.json()
+    for body, status, code in [({"id": prediction["id"], "label": "sport"}, 409, "already_labelled"),
+                               ({"id": "0-0", "label": "sport"}, 404, "unknown_id"),
+                               ({"id": prediction["id"], "label": "weather"}, 422, "unknown_label"),
+                               ({"label": "sport"}, 422, "invalid_request")]:
+        r = server.client.post("/v1/feedback", json=body)
+        assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+        assert "\n" not in r.json()["error"]["message"]
+    assert "Traceback" not in server.stderr()
+
+
+def test_the_verdict_names_the_worse_model_only_once_enough_labels_came_and_never_an_equal_one(server):
+    r = server.client.put("/v1/admin/traffic", json={"traffic": {"A": 100, "B": 0, "C": 0}, "shadows": ["B", "C"]})
+    assert r.status_code == 200, r.text
+    sent = texts(400, seed=1)
+    shadowed = {name: counted(server, name, "shadow") for name in ("B", "C")}
+    predictions = [p for chunk in (sent[:200], sent[200:]) for p in
+                   server.client.post("/v1/predict", json={"texts": chunk}).json()["predictions"]]
+    for name in ("B", "C"):
+        wait_for(lambda name=name: counted(server, name, "shadow") == shadowed[name] + 400)
+    rng = random.Random(0)
+    truth = [p["label"] if rng.random() < 0.9 else rng.choice(LABELS) for p in predictions]
+
+    def verdicts() -> dict[str, dict]:
+        return {v["model"]: v for v in server.client.get("/v1/monitor").json()["verdicts"]}
+
+    for p, label in zip(predictions[:150], truth[:150]):
+        assert server.client.post("/v1/feedback", json={"id": p["id"], "label": label}).status_code == 200
+    assert verdicts()["B"]["state"] == "not_yet_known" and verdicts()["B"]["needed"] > 0  # too few labels
+    for p, label in zip(predictions[150:], truth[150:]):
+        assert server.client.post("/v1/feedback", json={"id": p["id"], "label": label}).status_code == 200
+    v = verdicts()
+    assert v["B"]["state"] == "a_better" and v["B"]["test"] == "paired", v["B"]
+    assert v["C"]["state"] == "not_yet_known", v["C"]  # C is A's copy
+    families = server.metrics()
+    assert sample_value(families, "torchloom_ab_verdict", "torchloom_ab_verdict", model="B", state="a_better") == 1
+    assert sample_value(families, "torchloom_online_accuracy", "torchloom_online_accuracy", model="A",
+                        bound="estimate") > 0.85
+    assert "verdict B against A: A better" in server.stderr()
+
+
+def test_admin_changes_need_the_key_and_refuse_bad_splits_unknown_models_and_foreign_labels(server, models):
+    bare = httpx.Client(base_url=server.url, timeout=60)
+    for headers in ({}, {"Authorization": "Bearer wrong-key-000"}):
+        r = bare.put("/v1/admin/traffic", json={"traffic": {"A": 100}}, headers=headers)
+        assert r.status_code == 401, r.text
+    for method, path, body, status in [
+            ("PUT", "/v1/admin/traffic", {"traffic": {"A": 50, "B": 40}}, 422),  # 90, not 100
+            ("PUT", "/v1/admin/traffic", {"traffic": {"A": 50, "Z": 50}}, 422),
+            ("PUT", "/v1/admin/traffic", {"traffic": {"A": 50, "C": 50}, "shadows": ["C"]}, 422),
+            ("POST", "/v1/admin/promote", {"model": "Z"}, 404),
+            ("PUT", "/v1/admin/models/D", {"path": models["other"]}, 422),  # other labels
+            ("PUT", "/v1/admin/models/D", {"path": "/nonexistent/model"}, 422)]:
+        r = server.client.request(method, path, json=body)
+        assert r.status_code == status, (path, body, r.text)
+        assert "\n" not in r.json()["error"]["message"]
+    # promote, then load a new version of A in place: warmed up first, then it answers A's traffic
+    assert server.client.post("/v1/admin/promote", json={"model": "C"}).json()["traffic"]["C"] == 100
+    assert set(routed(server, 20)) == {"C"}
+    r = server.client.put("/v1/admin/traffic", json={"traffic": {"A": 100}, "shadows": []})
+    version = r.json()["models"]["A"]["version"]
+    again = Path(models["A"]).parent.parent / "a2" / "model"
+    shutil.copytree(models["A"], again)
+    (again / "torchloom.json").write_text((again / "torchloom.json").read_text().replace("{", '{"version": "v2", ', 1))
+    r = server.client.put("/v1/admin/models/A", json={"path": str(again)})
+    assert r.status_code == 200 and r.json()["models"]["A"]["version"] == "v2" != version, r.text
+    assert server.client.post("/v1/predict", json={"texts": ["x"]}).json()["model"]["version"] == "v2"
+    wait_for(lambda: "released a " in server.stderr())
+    changes = {s.labels["action"]: s.value for s in server.metrics()["torchloom_admin_changes"].samples
+               if s.name.endswith("_total")}
+    assert changes["promote"] >= 1 and changes["replace"] == 1, changes
+
+
+def test_a_server_without_a_key_has_no_admin_and_bad_splits_fail_in_one_line(models, tmp_path):
+    for flags, words in [(["--traffic", "A=50,B=40"], "add up to 90"),
+                         (["--traffic", "A=100", "--shadow", "A"], "give it no traffic"),
+                         (["--shadow", "A", "--shadow", "B"], "every model is a shadow"),
+                         (["--shadow", "Z"], "no model is named 'Z'")]:
+        error = one_error(torchloom("serve", "--model", f"A={models['A']}", "--model", f"B={models['B']}", *flags))
+        assert words in error, error
+    error = one_error(torchloom("serve", "--model", f"A={models['A']}", "--model", f"B={models['other']}",
+                                "--port", "0"))
+    assert "labels" in error and "differ" in error, error
+    s = Server(models["A"], "--device", "cpu", log_dir=tmp_path)
+    try:
+        r = s.client.put("/v1/admin/traffic", json={"traffic": {"A": 100}})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
+        p = s.client.post("/v1/predict", json={"texts": ["match"]}).json()  # one model: feedback works too
+        assert s.client.post("/v1/feedback", json={"id": p["predictions"][0]["id"], "label": "sport"}).status_code \
+            == 200
+        assert s.client.get("/v1/monitor").json()["models"]["a"]["online_accuracy"]["labels"] == 1
+    finally:
+        s.kill()
+
+
+@pytest.mark.ray
+def test_ray_serve_splits_sticks_and_shadows_through_its_proxy(models, tmp_path):
+    pytest.importorskip("ray.serve")
+    s = Server("", "--serve-with", "ray", "--model", f"A={models['A']}", "--model", f"B={models['B']}", "--model",
+               f"C={models['C']}", "--traffic", "A=60,B=40", "--shadow", "C", "--api-key", API_KEY, "--device", "cpu",
+               "--port", str(free_port()), log_dir=tmp_path, ready_timeout=150)
+    try:
+        s.client.headers.update(AUTH)
+        check_split_sticky_and_shadow(s, {"A": 0.6, "B": 0.4}, "C", n=200)
+        p = s.client.post("/v1/predict", json={"texts": ["match"]}).json()["predictions"][0]
+        r = s.client.post("/v1/feedback", json={"id": p["id"], "label": "sport"})  # one replica: its own ids
+        assert r.status_code == 200, r.text
+        assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
+    finally:
+        s.kill()
