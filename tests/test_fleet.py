@@ -98,22 +98,25 @@ def test_a_split_with_a_shadow_routes_by_share_and_key_and_never_returns_the_sha
                         model="B") == 30
     assert sample_value(families, "torchloom_model_shadow", "torchloom_model_shadow", model="C") == 1
     # TEI's body keeps its shape; the headers say who answered
+    watched = counted(server, "C", "shadow")
     r = server.client.post("/predict", json={"inputs": "match goal"}, headers={"X-Torchloom-Key": "user-1"})
     assert r.status_code == 200 and isinstance(r.json(), list) and r.headers["X-Torchloom-Model"] in ("A", "B")
+    wait_for(lambda: counted(server, "C", "shadow") == watched + 1)  # the shadow watched it too
 
 
 def test_feedback_scores_the_models_and_refuses_unknown_repeated_and_foreign_labels(server):
     before = counted(server, "C", "shadow")
-    r = server.client.post("/v1/predict", json={"texts": ["match goal team"]}, headers={"X-Torchloom-Key": "k"})
-    variant, prediction = r.json()["model"]["variant"], r.json()["predictions"][0]
-    wait_for(lambda: counted(server, "C", "shadow") == before + 1)  # the shadow's answer is in
+    r = server.client.post("/v1/predict", json={"texts": ["match goal team", "bank"]},
+                           headers={"X-Torchloom-Key": "k"})
+    variant, (prediction, other) = r.json()["model"]["variant"], r.json()["predictions"]
+    wait_for(lambda: counted(server, "C", "shadow") == before + 2)  # the shadow's answers are in
     r = server.client.post("/v1/feedback", json={"id": prediction["id"], "label": prediction["label"]})
     assert r.status_code == 200, r.text
     # C is A's copy: right where A answered, wrong where B (A's labels rotated) did
     assert r.json()["right"] == {variant: True, "C": variant == "A"}, r.json()
     for body, status, code in [({"id": prediction["id"], "label": "sport"}, 409, "already_labelled"),
                                ({"id": "0-0", "label": "sport"}, 404, "unknown_id"),
-                               ({"id": prediction["id"], "label": "weather"}, 422, "unknown_label"),
+                               ({"id": other["id"], "label": "weather"}, 422, "unknown_label"),
                                ({"label": "sport"}, 422, "invalid_request")]:
         r = server.client.post("/v1/feedback", json=body)
         assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text

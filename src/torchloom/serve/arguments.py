@@ -24,20 +24,7 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
 
     sp.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
                     help="an exported model dir (e.g. runs/bbc-minilm/model); or several models as --model flags")
-    sp.add_argument("--model", dest="models", action="append", metavar="NAME=DIR",
-                    help="one of several models behind the endpoint (a dir or a store's URI), once per model; the"
-                         " first is the one the others are compared with (docs/serving.md, A/B and shadow)")
-    sp.add_argument("--traffic", metavar="A=90,B=10",
-                    help="each model's share of the requests, in percent (default: even over the models that are"
-                         " not shadows); a request's X-Torchloom-Key header always reaches the same model")
-    sp.add_argument("--shadow", action="append", default=[], metavar="NAME",
-                    help="a model that sees every text and whose answers are recorded, never returned (repeatable)")
-    sp.add_argument("--feedback-size", type=int, default=100_000, metavar="N",
-                    help="predictions kept for POST /v1/feedback: the most recent N (default 100000)")
-    sp.add_argument("--min-effect", type=float, default=0.02, metavar="POINTS",
-                    help="the accuracy difference the verdict between models is sized to find (default 0.02)")
-    sp.add_argument("--verdict-alpha", type=float, default=0.05, metavar="P",
-                    help="the chance that two equal models are ever called different (default 0.05)")
+    add_fleet_arguments(sp)
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
     sp.add_argument("--serve-with", "--engine", dest="serve_with", choices=("local", "ray"), default="local",
@@ -93,6 +80,24 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                          " profile's, 0.01)")
 
 
+
+
+def add_fleet_arguments(sp: argparse.ArgumentParser) -> None:
+    """Several models behind the endpoint (serve/fleet.py, docs/serving.md "A/B and shadow")."""
+    sp.add_argument("--model", dest="models", action="append", metavar="NAME=DIR",
+                    help="one of several models behind the endpoint (a dir or a store's URI), once per model; the"
+                         " first is the one the others are compared with (docs/serving.md, A/B and shadow)")
+    sp.add_argument("--traffic", metavar="A=90,B=10",
+                    help="each model's share of the requests, in percent (default: even over the models that are"
+                         " not shadows); a request's X-Torchloom-Key header always reaches the same model")
+    sp.add_argument("--shadow", action="append", default=[], metavar="NAME",
+                    help="a model that sees every text and whose answers are recorded, never returned (repeatable)")
+    sp.add_argument("--feedback-size", type=int, default=100_000, metavar="N",
+                    help="predictions kept for POST /v1/feedback: the most recent N (default 100000)")
+    sp.add_argument("--min-effect", type=float, default=0.02, metavar="POINTS",
+                    help="the accuracy difference the verdict between models is sized to find (default 0.02)")
+    sp.add_argument("--verdict-alpha", type=float, default=0.05, metavar="P",
+                    help="the chance that two equal models are ever called different (default 0.05)")
 
 
 def check_serve_flags(flags: list[str]) -> None:

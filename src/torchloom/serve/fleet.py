@@ -33,6 +33,7 @@ from torchloom.serve.split import Plan, key_point
 
 log = logging.getLogger("torchloom.serve")
 FEEDBACK_SIZE = 100_000  # predictions kept for feedback: the most recent this many
+SHADOW_GATHER_S = 0.005  # a shadow's texts of the requests that come within this go to it in one call
 VERDICT_EVERY_S = 0.5  # the verdict is worked out again at most this often on feedback (always on a read)
 
 
@@ -91,6 +92,7 @@ class Fleet:
         self.verdict_at = 0.0
         self.counts: dict[tuple[str, ...], float] = {}  # counters for /metrics: (family, labels...) -> value
         self.shadow_tasks: set[asyncio.Task] = set()
+        self.shadow_pending: dict[str, list[tuple[list[str], list[str], list[Any] | None]]] = {}
         self.rng = random.Random()
         self.identity = members[0].identity
         self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
@@ -174,10 +176,42 @@ class Fleet:
         return ids
 
     def watch(self, shadow: Member, texts: list[str], ids: list[str], items: list[Any] | None = None) -> None:
-        """The shadow's answers to `texts`, recorded under their ids when they come; never awaited by the client."""
-        task = asyncio.ensure_future(self._shadow(shadow, texts, ids, items))
-        self.shadow_tasks.add(task)
-        task.add_done_callback(self.shadow_tasks.discard)
+        """The shadow's answers to `texts`, recorded under their ids when they come; never awaited by the client.
+        The texts of the requests that come within SHADOW_GATHER_S go to the shadow in one call: per request, a
+        shadow then costs the event loop an append (one call each cost the tiny model's server a third of its
+        answers, docs/benchmarks.md)."""
+        pending = self.shadow_pending.setdefault(shadow.name, [])
+        pending.append((texts, ids, items))
+        if len(pending) == 1:
+            asyncio.get_running_loop().call_later(SHADOW_GATHER_S, self._flush, shadow.name)
+
+    def _flush(self, name: str) -> None:
+        pending = self.shadow_pending.pop(name, [])
+        shadow = self.members.get(name)
+        if shadow is None or not pending:
+            return
+        room = shadow.backend.room()
+        for encoded in (True, False):  # texts tokenized once (items), and texts the shadow tokenizes itself
+            group = [p for p in pending if (p[2] is not None) == encoded]
+            texts = [t for p in group for t in p[0]]
+            if not texts:
+                continue
+            if len(texts) > room:  # whole requests' texts, as many as its queue holds now; the rest counted
+                fits, kept = [], 0
+                for p in group:
+                    if kept + len(p[0]) <= room:
+                        fits.append(p)
+                        kept += len(p[0])
+                self.count("shadow_dropped", name, "overloaded", amount=len(texts) - kept)
+                group, texts = fits, [t for p in fits for t in p[0]]
+                if not texts:
+                    continue
+            room -= len(texts)
+            ids = [i for p in group for i in p[1]]
+            items = [x for p in group for x in p[2]] if encoded else None
+            task = asyncio.ensure_future(self._shadow(shadow, texts, ids, items))
+            self.shadow_tasks.add(task)
+            task.add_done_callback(self.shadow_tasks.discard)
 
     async def _shadow(self, shadow: Member, texts: list[str], ids: list[str], items: list[Any] | None) -> None:
         try:

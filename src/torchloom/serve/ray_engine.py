@@ -80,6 +80,10 @@ class RayBackend:
     def monitor_report(self) -> dict[str, Any]:
         return self.monitor.current() if self.monitor is not None else self.monitor_off
 
+    def room(self) -> int:
+        """Texts the replica's queue takes now."""
+        return self.settings.max_queue - self._pending
+
     def attach(self, batched_one) -> None:
         self._batched_one = batched_one
 

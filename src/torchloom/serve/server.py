@@ -92,6 +92,10 @@ class LocalBackend:
         self._ready = False
         await self.batcher.close()
 
+    def room(self) -> int:
+        """Texts the queue takes now."""
+        return self.batcher.max_queue - self.batcher.queue_depth
+
     async def warmed(self) -> bool:
         """Wait for the warm-up; whether it succeeded."""
         if self._warm_up_task is not None:
