@@ -45,6 +45,7 @@ from torchloom.train.resume import resume
 from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
 from torchloom.train.upload import CheckpointUploader
 
+WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds after their first batch
 # A shuffle window spans shuffle_buffer / batch_size global batches (data/loader.py); with a large global
 # batch and the default buffer that would be 1 or 2, so rows next to each other in the data would meet
 # in consecutive steps. 16 steps cost each worker 16 of its micro-batches of memory.
@@ -414,7 +415,10 @@ class Trainer:
         the time after the first batch arrived (its read is start-up: first_batch_s)."""
         s = self.state
         self.clock.settle()
-        _, work = summed(self.d, 0.0, self.clock.run)
+        # each rank's own window beside its phases: a rank whose first batch came sooner spent more of the run in
+        # its phases than rank 0's window holds (summed over ranks they were 1.02 of it, tests/test_train.py)
+        window = {**self.clock.run, WINDOW_KEY: train_s - self.startup.get("first_batch_s", 0.0)}
+        _, work = summed(self.d, 0.0, window)
         work_rates = self.work_rates(work, train_s)
         return TrainResult(
             steps=s.step, total_steps=self.total_steps, epochs=self.epoch_float(), samples_seen=s.samples_seen,
@@ -429,7 +433,7 @@ class Trainer:
             resumed_at_step=self.resumed_step,
             precision=self.precision.precision, precision_reason=self.precision.reason, startup=self.startup,
             tokens_per_s=work_rates["tokens_per_s"], padding=work_rates["padding"], mfu=work_rates.get("mfu"),
-            time_split=time_split(work, train_s - self.startup.get("first_batch_s", 0.0), self.d.world_size),
+            time_split=time_split(work, work[WINDOW_KEY] / self.d.world_size, self.d.world_size),
             global_batch=self.tc.batch_size,
             compiled_graphs=compiled_graphs() if self.tc.compile else None, packed=self.tc.packing,
         )
