@@ -244,7 +244,7 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
 
 def _is_model_dir(path: str) -> bool:
     from torchloom.model.export import is_exported
-    from torchloom.rundir import is_uri
+    from torchloom.uri import is_uri
 
     return is_uri(path) or is_exported(path) or is_exported(Path(path) / "model")  # a run directory too
 
@@ -254,7 +254,7 @@ def local_model(model: str, what: str) -> str:
     keyed by its objects and checked by their hashes (model_cache.fetch_model); a local directory as it is. A run
     directory given for its model (runs/x, s3://bucket/runs/x): its exported model/, said in one line."""
     from torchloom.model.export import is_exported
-    from torchloom.rundir import is_uri
+    from torchloom.uri import is_uri
 
     if not is_uri(model):
         if not is_exported(model) and is_exported(Path(model) / "model"):
@@ -359,8 +359,8 @@ def print_lines(lines) -> int:
 def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: str) -> int:
     """The batch form: --input file(s) to a Parquet --output, on Spark or locally. `model` is a local
     directory; `given` what the user named (a store's URI: Spark's executors fetch the model from there)."""
-    from torchloom.rundir import is_uri
     from torchloom.serve import score_files
+    from torchloom.uri import is_uri
 
     if texts:
         raise UserError(f"predict: with --output the texts come from --input, not arguments ({texts[0]!r})")

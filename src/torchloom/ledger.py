@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from torchloom.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE, write_atomic
+from torchloom.jsonio import write_atomic
+from torchloom.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE
 from torchloom.runrecord import TEMP_NAME, holds_cwd, is_own_file, parse_record
+from torchloom.uri import has_scheme
 
 LEDGER_FILE = "torchloom-ledger.json"
 FORMAT = "torchloom-ledger/1"
@@ -307,7 +309,7 @@ def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> 
         raise UserError(f"{key} {tree.where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
                         " study (no config.toml, manifest.json or study.json that torchloom wrote); pass another"
                         " --output.dir")
-    wanted = [i if "://" in i else os.path.realpath(i) for i in inputs if i]
+    wanted = [i if has_scheme(i) else os.path.realpath(i) for i in inputs if i]
     kept_inputs = sorted(rel for rel in inventory if _under(tree.locate(rel), wanted))
     foreign = sorted(rel for rel, st in inventory.items() if ours.get(rel) != st and rel not in kept_inputs)
     if not kept_inputs and not foreign:

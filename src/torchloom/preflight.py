@@ -21,8 +21,9 @@ from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir, is_uri, redact
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
+from torchloom.uri import is_uri, redact
 
 T = TypeVar("T")
 

@@ -40,10 +40,12 @@ from pathlib import Path
 
 from torchloom import ledger, storage
 from torchloom.errors import UserError, first_line
+from torchloom.jsonio import write_atomic
 from torchloom.ledger import replace_local
-from torchloom.rundir import CONFIG_FILE, RUN_RECORD, STEP_DIR, RunDir, redact, write_atomic
+from torchloom.rundir import CONFIG_FILE, RUN_RECORD, STEP_DIR, RunDir
 from torchloom.runrecord import is_own, is_own_file, parse_record, write_record
 from torchloom.store_errors import retrying_for, what_to_check
+from torchloom.uri import redact
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")

@@ -30,6 +30,7 @@ from torchloom.input_formats import (
 )
 from torchloom.ledger import check_output, record_output
 from torchloom.text_encoding import decoded_as, file_codec, head_text, read_note
+from torchloom.uri import has_scheme, is_uri
 
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
 CHUNK_ROWS = 4096  # rows read, predicted and written at a time by the local engine
@@ -58,7 +59,7 @@ def _data_files(root: Path) -> list[Path]:
 
 
 def _check_paths(input_path: str, output_path: str, overwrite: bool, local_only: bool) -> None:
-    remote = "://" in input_path and not input_path.startswith("file:")
+    remote = is_uri(input_path)
     if local_only and remote:
         raise UserError(f"--input {input_path}: the local engine reads local files; use --score-with spark for"
                         " HDFS or object stores")
@@ -85,7 +86,7 @@ def _local(path: str) -> str | None:
         return path[len("file://"):] or "/"
     if path.startswith("file:"):
         return path[len("file:"):]
-    return None if "://" in path else path
+    return None if has_scheme(path) else path
 
 
 def _check_schema(names: list[str], text_is_string: bool, text_column: str, input_path: str) -> None:
@@ -300,8 +301,8 @@ def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str =
     if model is None:
         from pyspark import TaskContext
 
-        from torchloom.rundir import is_uri
         from torchloom.serve.model import ServedModel
+        from torchloom.uri import is_uri
 
         if is_uri(model_dir):  # a model on a store: this executor's host fetches it once into its own cache
             from torchloom.model_cache import fetch_dir
@@ -342,7 +343,7 @@ CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked
 
 def _local_inputs(path: str, fmt: str) -> list[Path] | None:
     """The `fmt` files of a local --input (a file, or a directory's files with that suffix); None for a URI."""
-    if "://" in path and not path.startswith("file:"):
+    if is_uri(path):
         return None
     p = Path(path.removeprefix("file:"))
     return [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
@@ -432,7 +433,7 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     _check_paths(input_path, output_path, overwrite, local_only=False)
     # executors may run elsewhere: in the same file system, or fetching from the store themselves
     model_dir = model_uri or os.path.abspath(model_dir)
-    fmt = (input_format(input_path) if "://" not in input_path
+    fmt = (input_format(input_path) if not has_scheme(input_path)
            else SUFFIX_FORMATS.get(Path(input_path).suffix, "parquet"))
     started = time.perf_counter()
     try:
