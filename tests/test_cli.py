@@ -795,7 +795,7 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
     from test_serve import Server, httpx
 
     from torchloom.model.predict import Predictor
-    from torchloom.serve.score_files import predict_spark
+    from torchloom.serve.score_spark import predict_spark
 
     rd, fp32_dir = onnx_run[0], onnx_run[1]
     texts = ["match goal team win", "bank market price", "album song band", "a text about nothing much " * 30]

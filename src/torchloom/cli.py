@@ -359,7 +359,7 @@ def print_lines(lines) -> int:
 def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: str) -> int:
     """The batch form: --input file(s) to a Parquet --output, on Spark or locally. `model` is a local
     directory; `given` what the user named (a store's URI: Spark's executors fetch the model from there)."""
-    from torchloom.serve import score_files
+    from torchloom.serve import score_files, score_spark
     from torchloom.uri import is_uri
 
     if texts:
@@ -375,7 +375,7 @@ def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: 
 
         check_exported(model)
         spark = get_spark(PrepareConfig(spark_master=args.spark_master))
-        result = score_files.predict_spark(spark, model, args.input, args.output, **options,
+        result = score_spark.predict_spark(spark, model, args.input, args.output, **options,
                                            model_uri=given if is_uri(given) else None)
     else:
         result = score_files.predict_local(model, args.input, args.output, **options)
