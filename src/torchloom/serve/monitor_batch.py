@@ -19,7 +19,7 @@ import numpy as np
 
 from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
-from torchloom.ledger import check_output, clear_output, record_output
+from torchloom.outputs import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
 MEANING = {

@@ -27,7 +27,7 @@ from torchloom.input_formats import (
     spreadsheet_hint,
     text_column_hint,
 )
-from torchloom.ledger import check_output, record_output
+from torchloom.outputs import check_output, record_output
 from torchloom.text_encoding import file_codec, read_note
 from torchloom.uri import has_scheme, is_uri
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from torchloom.errors import UserError, first_line
 from torchloom.input_formats import SUFFIX_FORMATS, column_named, default_separator, separator_in
-from torchloom.ledger import record_output
+from torchloom.outputs import record_output
 from torchloom.serve.score_files import (
     _check_paths,
     _check_schema,
