@@ -636,7 +636,7 @@ def test_a_binary_file_named_csv_is_one_short_line(tmp_path):
 def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(tmp_path):
     from torchloom.config.schema import DataConfig
     from torchloom.errors import UserError
-    from torchloom.etl.read import resolve_format
+    from torchloom.etl.inputs import resolve_format
     from torchloom.model.predict import read_texts
     from torchloom.serve.score_files import input_format
 

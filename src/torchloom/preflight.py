@@ -72,7 +72,7 @@ _STORES_CHECKED: set[str] = set()
 def check_stores(cfg: Config) -> None:
     """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
     write the run, said in one line before any stage starts (once per URI and process)."""
-    from torchloom.etl.read import check_reachable
+    from torchloom.etl.inputs import check_reachable
 
     for key, uri, check in (("output.dir", cfg.output.dir, lambda uri, key: RunFiles(uri).check_writable(key)),
                             ("data.path", cfg.data.path, check_reachable),
@@ -114,7 +114,7 @@ def check_input(cfg: Config) -> None:
     asked for, is one line before Spark or MLflow start: a typo costs no JVM start-up. prepare checks it again
     (etl/prepare.py); stores are check_stores'."""
     from torchloom import embedded
-    from torchloom.etl.read import check_inputs, pin_tables
+    from torchloom.etl.inputs import check_inputs, pin_tables
 
     check_inputs(cfg.data, embedded.data_path(cfg.data.path))
     pin_tables(cfg.data, embedded.data_path(cfg.data.path), local_only=True)  # prepare pins them again

@@ -16,8 +16,9 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches, look_alike
+from torchloom.etl.inputs import check_inputs, pin_tables, resolve_format, utf8_files
 from torchloom.etl.lengths import choose_length, model_positions
-from torchloom.etl.read import check_inputs, pin_tables, read_input, reader_of, resolve_format, utf8_files
+from torchloom.etl.read import read_input, reader_of
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, rank_bucket, rank_hash
 from torchloom.etl.tables import record as table_record

@@ -75,7 +75,7 @@ JAVA_CHARSETS = {"utf-8-sig": "UTF-8", "utf-8-replaced": "UTF-8", "cp1252": "win
                  "latin-1": "ISO-8859-1", "utf-16": "UTF-16"}
 
 
-CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked, as prepare's (etl/read.py)
+CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked, as prepare's (etl/inputs.py)
 
 
 def _local_inputs(path: str, fmt: str) -> list[Path] | None:

@@ -29,7 +29,7 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     (etl/tables.py), at one version: a copy would be of every version's files."""
     if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
         return cfg
-    from torchloom.etl.read import is_table, stage_input
+    from torchloom.etl.inputs import is_table, stage_input
 
     paths = {}
     for key in ("path", "val_path", "test_path"):
