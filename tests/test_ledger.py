@@ -64,7 +64,7 @@ class Store(Local):
         self.root = prefix
 
     def tree(self):
-        from torchloom.runfiles import StoreTree
+        from torchloom.store_tree import StoreTree
 
         return StoreTree(self.root)
 

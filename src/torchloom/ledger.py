@@ -12,7 +12,7 @@ Runs made before ledgers: only content-verified markers count (a run record, a c
 torchloom's readers accept, the shards a manifest lists, a checkpoint's files that its meta.json lists at their
 sizes, a study marker), never a bare name.
 
-The same rules for a local directory (LocalTree) and a prefix on a store (runfiles.StoreTree). Nothing heavy is
+The same rules for a local directory (LocalTree) and a prefix on a store (store_tree.StoreTree). Nothing heavy is
 imported here: every layer may use it.
 """
 
