@@ -208,7 +208,7 @@ def _same_local_headers(path: str, sep: str) -> None:
     its labels as texts. A URI's files: the store reader checks each object (store_read.csv_task)."""
     import io
 
-    from torchloom.etl import store_read
+    from torchloom.etl import store_tasks
     from torchloom.text_encoding import head_text
 
     if not is_local(path):
@@ -222,12 +222,12 @@ def _same_local_headers(path: str, sep: str) -> None:
             text = head_text(f)
         except ValueError:  # a compression only Spark reads (.snappy, .zst, .lz4): not checked
             continue
-        record = next(store_read.csv_records(io.StringIO(text, newline=""), sep), "")
-        names = store_read.header_names(record, sep)
+        record = next(store_tasks.csv_records(io.StringIO(text, newline=""), sep), "")
+        names = store_tasks.header_names(record, sep)
         if first is None:
             first = (names, f)
         else:
-            store_read.same_header(names, first[0], f, first[1])
+            store_tasks.same_header(names, first[0], f, first[1])
 
 
 def _spark_text_table(spark, cfg: DataConfig, files: str | list[str], path: str, fmt: str, sep: str,

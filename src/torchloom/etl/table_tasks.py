@@ -6,7 +6,7 @@ from __future__ import annotations
 import zlib
 
 from torchloom import storage
-from torchloom.etl.store_read import SOURCE, reading
+from torchloom.etl.store_tasks import SOURCE, reading
 from torchloom.uri import has_scheme
 
 
