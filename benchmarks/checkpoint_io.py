@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from torchloom.jsonio import sha256_file
 from torchloom.machine import cpu
-from torchloom.rundir import sha256_file
 from torchloom.train import checkpoint
 from torchloom.train.distributed import Dist
 

@@ -636,7 +636,7 @@ def test_a_binary_file_named_csv_is_one_short_line(tmp_path):
 def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(tmp_path):
     from torchloom.config.schema import DataConfig
     from torchloom.errors import UserError
-    from torchloom.etl.read import resolve_format
+    from torchloom.etl.inputs import resolve_format
     from torchloom.model.predict import read_texts
     from torchloom.serve.score_files import input_format
 
@@ -795,7 +795,7 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
     from test_serve import Server, httpx
 
     from torchloom.model.predict import Predictor
-    from torchloom.serve.score_files import predict_spark
+    from torchloom.serve.score_spark import predict_spark
 
     rd, fp32_dir = onnx_run[0], onnx_run[1]
     texts = ["match goal team win", "bank market price", "album song band", "a text about nothing much " * 30]

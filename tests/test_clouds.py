@@ -16,7 +16,7 @@ from support.runs import torchloom
 from torchloom import storage, store_clients, store_errors
 from torchloom.errors import UserError
 from torchloom.redaction import redact_text
-from torchloom.rundir import redact
+from torchloom.uri import redact
 
 pytestmark = pytest.mark.heavy(12)  # see tests/support/schedule.py
 

@@ -85,13 +85,13 @@ def test_cleaning_decodes_the_files_the_text_source_passed_undecoded():
 
 
 def test_the_store_reader_decides_per_object(tmp_path, monkeypatch):
-    # the tasks of etl/store_read.py, without a store: pyarrow opens the local files as it would the objects
+    # the tasks of etl/store_tasks.py, without a store: pyarrow opens the local files as it would the objects
     import pyarrow as pa
 
-    from torchloom.etl import store_read
+    from torchloom.etl import store_tasks
 
-    monkeypatch.setattr(store_read.storage, "open_input", lambda uri: pa.OSFile(uri))
-    monkeypatch.setattr(store_read.storage, "redact", lambda uri: uri)
+    monkeypatch.setattr(store_tasks.storage, "open_input", lambda uri: pa.OSFile(uri))
+    monkeypatch.setattr(store_tasks.storage, "redact", lambda uri: uri)
     files = {"a/1.txt": "café €".encode("cp1252"), "a/2.txt": b"plain", "b/3.txt": "naïve".encode("utf-16"),
              "b/4.txt": codecs.BOM_UTF8 + b"stray \xff"}
     for rel, raw in files.items():
@@ -99,23 +99,23 @@ def test_the_store_reader_decides_per_object(tmp_path, monkeypatch):
         (tmp_path / rel).write_bytes(raw)
     uris = [str(tmp_path / rel) for rel in files]
     ids = [pa.record_batch([pa.array([0, 1, 2, 3])], ["id"])]
-    rows = pa.Table.from_batches(store_read.folder_task(iter(ids), uris, "auto")).to_pylist()
-    assert [(r["text"], r["label"], r[store_read.CODEC]) for r in rows] == [
+    rows = pa.Table.from_batches(store_tasks.folder_task(iter(ids), uris, "auto")).to_pylist()
+    assert [(r["text"], r["label"], r[store_tasks.CODEC]) for r in rows] == [
         ("café €", "a", "cp1252"), ("plain", "a", "utf-8"), ("naïve", "b", "utf-16"),
         ("stray \ufffd", "b", "utf-8-replaced")]
-    strict = pa.Table.from_batches(store_read.folder_task(iter(ids), uris)).to_pylist()
-    assert strict[0]["text"] == "caf\ufffd \ufffd" and strict[0][store_read.CODEC] is None  # as Spark decodes
+    strict = pa.Table.from_batches(store_tasks.folder_task(iter(ids), uris)).to_pylist()
+    assert strict[0]["text"] == "caf\ufffd \ufffd" and strict[0][store_tasks.CODEC] is None  # as Spark decodes
 
     csv = tmp_path / "t.csv"
     csv.write_bytes("text,label\ncrème brûlée,a\n\"two\nlines €\",b\n".encode("cp1252"))
     one = [pa.record_batch([pa.array([0])], ["id"])]
-    rows = pa.Table.from_batches(store_read.csv_task(iter(one), [str(csv)], ",", "auto")).to_pylist()
-    assert [(r["record"], r[store_read.CODEC]) for r in rows] == [
+    rows = pa.Table.from_batches(store_tasks.csv_task(iter(one), [str(csv)], ",", "auto")).to_pylist()
+    assert [(r["record"], r[store_tasks.CODEC]) for r in rows] == [
         ("crème brûlée,a", "cp1252"), ('"two\nlines €",b', "cp1252")]
     with pytest.raises(RuntimeError, match=r"torchloom-input-error: data.path .*t.csv: not valid utf-8 at byte 13"
                                            r" \(invalid continuation byte\), so data.encoding utf-8 cannot read it;"
                                            r" set data.encoding to the file's encoding, or auto"):
-        list(store_read.csv_task(iter(one), [str(csv)], ",", "utf-8"))
+        list(store_tasks.csv_task(iter(one), [str(csv)], ",", "utf-8"))
 
 
 # -- prepare on the shared local Spark -----------------------------------------------------------------

@@ -57,3 +57,20 @@ def test_no_import_cycles_between_modules():
         if m not in state:
             cycle = visit(m, [])
             assert cycle is None, " -> ".join(cycle)
+
+
+def test_uris_are_told_apart_in_one_place_and_nothing_else_spells_the_rule():
+    """uri.py alone decides what is a URI: no hand-spelled `"://" in` elsewhere (they disagreed with is_uri about
+    file://), and its rules read alike in rundir's redact and redaction's masking."""
+    from torchloom.redaction import redact_text
+    from torchloom.uri import has_scheme, is_uri, redact
+
+    spelled = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "src" / "torchloom").rglob("*.py") if p.name != "uri.py"
+               for n, line in enumerate(p.read_text().splitlines(), 1) if '"://" in' in line or '"://" not in' in line]
+    assert not spelled, spelled
+    assert is_uri("s3://b/x") and is_uri("HDFS://nn/x") and not is_uri("file:///tmp/x") and not is_uri("/tmp/a://b")
+    assert has_scheme("file:///tmp/x") and has_scheme("http://h:1") and not has_scheme("localhost:9023")
+    assert redact("s3://user:secret@bucket/x?X-Amz-Signature=abc") == redact("s3://bucket/x") == "s3://bucket/x"
+    assert redact_text("to s3://user:secret@bucket/x now") == "to s3://***@bucket/x now"
+    azure = "abfs://runs@account.dfs.core.windows.net/x"  # a container's name, no secret
+    assert redact(azure) == azure and redact_text(azure) == azure

@@ -64,7 +64,7 @@ class Store(Local):
         self.root = prefix
 
     def tree(self):
-        from torchloom.runfiles import StoreTree
+        from torchloom.store_tree import StoreTree
 
         return StoreTree(self.root)
 
@@ -281,7 +281,7 @@ def test_predict_overwrite_replaces_only_earlier_predictions(tmp_path):
     import pyarrow.parquet as pq
 
     from torchloom.errors import UserError
-    from torchloom.ledger import record_output
+    from torchloom.outputs import record_output
     from torchloom.serve.score_files import _check_paths
 
     shared = tmp_path / "exports"

@@ -67,7 +67,7 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
 
     src = tmp_path / "in.parquet"
     src.write_bytes(b"")
-    from torchloom.ledger import record_output
+    from torchloom.outputs import record_output
 
     earlier = tmp_path / "earlier"
     earlier.mkdir()
@@ -87,11 +87,11 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
 
 
 def test_a_report_is_deleted_only_as_torchloom_left_it_checked_again_right_before(tmp_path):
-    """ledger.clear_output (monitor's and predict --model A --model B's reports): an earlier report of torchloom's is
+    """outputs.clear_output (monitor's and predict --model A --model B's reports): an earlier report of torchloom's is
     deleted; one changed since the command's first check (a file added while it scored) is refused, kept whole;
     one holding an input too."""
     from torchloom.errors import UserError
-    from torchloom.ledger import check_output, clear_output, record_output
+    from torchloom.outputs import check_output, clear_output, record_output
 
     report = tmp_path / "report"
     report.mkdir()

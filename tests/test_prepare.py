@@ -227,7 +227,7 @@ def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read
     # labels as texts, silently. Now one line names the file and both headers, and nothing is written.
     import pyarrow as pa
 
-    from torchloom.etl import store_read
+    from torchloom.etl import store_tasks
 
     d = tmp_path / "parts"
     d.mkdir()
@@ -265,14 +265,14 @@ def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read
     assert prepare(cfg, str(tmp_path / "out-fr"), spark=spark).counts["rows_kept"] == 12
 
     # the store reader's tasks check each object's header against the first's
-    monkeypatch.setattr(store_read.storage, "open_input", lambda uri: pa.OSFile(uri))
-    monkeypatch.setattr(store_read.storage, "redact", lambda uri: uri)
+    monkeypatch.setattr(store_tasks.storage, "open_input", lambda uri: pa.OSFile(uri))
+    monkeypatch.setattr(store_tasks.storage, "redact", lambda uri: uri)
     (d / "c.csv").write_text("label,text\na,x\n")
     uris = [str(d / n) for n in ("a.csv", "b.csv", "c.csv")]
     ids = [pa.record_batch([pa.array([0, 1, 2])], ["id"])]
     with pytest.raises(RuntimeError, match=r"^torchloom-input-error: data.path .*c.csv: its header \(label, text\)"
                                            r" differs from that of .*a.csv \(text, label\)"):
-        list(store_read.csv_task(iter(ids), uris, ",", "auto", names=["text", "label"]))
+        list(store_tasks.csv_task(iter(ids), uris, ",", "auto", names=["text", "label"]))
 
 
 def test_labels_written_two_ways_stay_classes_and_one_warning_names_them(spark, tiny_model_dir, tmp_path):

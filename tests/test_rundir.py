@@ -8,7 +8,8 @@ import pytest
 
 from torchloom.engines.worker import hooked_reporters, worker_reporter
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir, write_atomic
+from torchloom.jsonio import write_atomic
+from torchloom.rundir import RunDir
 from torchloom.train.reporter import Reporters
 from torchloom.tune.pruning import PruningReporter
 

@@ -779,7 +779,8 @@ def test_batch_predict_reads_files_in_the_encoding_prepare_reads_them_in(spark, 
     import pyarrow.parquet as pq
 
     from torchloom.errors import UserError
-    from torchloom.serve.score_files import predict_local, predict_spark
+    from torchloom.serve.score_files import predict_local
+    from torchloom.serve.score_spark import predict_spark
 
     texts = ["café au lait, 5 €", "“quoted” reply", "naïve résumé"]
     (tmp_path / "cp.csv").write_bytes(("id;text\n" + "".join(f'{i};"{t}"\n' for i, t in enumerate(texts)))
@@ -896,7 +897,7 @@ def test_predict_cli_repairs_a_non_utf8_argument_and_refuses_a_bad_jsonl_in_one_
 def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, reference, tmp_path):
     import pyarrow.dataset as ds
 
-    from torchloom.serve.score_files import predict_spark
+    from torchloom.serve.score_spark import predict_spark
 
     root, rows = inputs
     out = tmp_path / "spark-out"

@@ -484,8 +484,9 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
     import pyarrow.parquet as pq
 
     from torchloom.config.schema import Config, DataConfig
+    from torchloom.etl.inputs import resolve_format
     from torchloom.etl.prepare import prepare
-    from torchloom.etl.read import read_input, resolve_format, spark_reads
+    from torchloom.etl.read import read_input, spark_reads
 
     spark = store_spark()
     assert not spark_reads(spark, uri("x.csv")) and spark_reads(spark, f"file://{tmp_path}")

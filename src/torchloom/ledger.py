@@ -12,7 +12,7 @@ Runs made before ledgers: only content-verified markers count (a run record, a c
 torchloom's readers accept, the shards a manifest lists, a checkpoint's files that its meta.json lists at their
 sizes, a study marker), never a bare name.
 
-The same rules for a local directory (LocalTree) and a prefix on a store (runfiles.StoreTree). Nothing heavy is
+The same rules for a local directory (LocalTree) and a prefix on a store (store_tree.StoreTree). Nothing heavy is
 imported here: every layer may use it.
 """
 
@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from torchloom.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE, write_atomic
+from torchloom.jsonio import write_atomic
+from torchloom.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE
 from torchloom.runrecord import TEMP_NAME, holds_cwd, is_own_file, parse_record
+from torchloom.uri import has_scheme
 
 LEDGER_FILE = "torchloom-ledger.json"
 FORMAT = "torchloom-ledger/1"
@@ -288,7 +290,7 @@ def _warn(tree: Tree, e: Exception) -> None:
 
 
 # -- what --overwrite may delete -------------------------------------------------------------------------------
-def _under(location: str, inputs: list[str]) -> bool:
+def under_any(location: str, inputs: list[str]) -> bool:
     return any(location == i or location.startswith(i.rstrip("/") + "/") for i in inputs)
 
 
@@ -307,8 +309,8 @@ def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> 
         raise UserError(f"{key} {tree.where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
                         " study (no config.toml, manifest.json or study.json that torchloom wrote); pass another"
                         " --output.dir")
-    wanted = [i if "://" in i else os.path.realpath(i) for i in inputs if i]
-    kept_inputs = sorted(rel for rel in inventory if _under(tree.locate(rel), wanted))
+    wanted = [i if has_scheme(i) else os.path.realpath(i) for i in inputs if i]
+    kept_inputs = sorted(rel for rel in inventory if under_any(tree.locate(rel), wanted))
     foreign = sorted(rel for rel, st in inventory.items() if ours.get(rel) != st and rel not in kept_inputs)
     if not kept_inputs and not foreign:
         return sorted(inventory)
@@ -439,67 +441,3 @@ class LocalTree:
                     (self.root / parent).rmdir()  # only when empty: a user's file keeps its directory
                 except OSError:
                     pass
-
-
-# -- a predictions output (`predict --output`) -----------------------------------------------------------------
-# Its ledger: inside a directory (Spark's and pyarrow's readers skip names that start with `_`), beside a file.
-OUTPUT_LEDGER = "_torchloom-ledger.json"
-
-
-def _output_ledger(out: Path) -> Path:
-    return out / OUTPUT_LEDGER if out.is_dir() and not out.is_symlink() else out.with_name(f".{out.name}.{LEDGER_FILE}")
-
-
-def check_output(out: str | Path, inputs: list[str], key: str = "--output") -> None:
-    """Before --overwrite replaces a predictions output: it is one that torchloom wrote (its ledger lists every file
-    in it as it is now) and holds no input of the command; one line otherwise, before anything is deleted."""
-    from torchloom.errors import UserError
-
-    out = Path(out)
-    if not out.exists() and not out.is_symlink():
-        return
-    if holds_cwd(out):
-        raise UserError(f"{key} {out}: is the working directory or holds it; pass another {key}")
-    here = os.path.realpath(out)
-    for given in inputs:
-        if _under(os.path.realpath(given), [here]):
-            raise UserError(f"{key} {out}: holds the input {given}; --overwrite would delete it; write the predictions"
-                            f" elsewhere (another {key})")
-    listed = parse(LocalTree(out.parent).read(_output_ledger(out).relative_to(out.parent).as_posix()))
-    files = listed.files if listed is not None else {}
-    if out.is_dir() and not out.is_symlink():
-        found = {rel: st for rel, st in LocalTree(out).inventory().items() if rel != OUTPUT_LEDGER}
-    else:
-        st = out.lstat()
-        found = {out.name: (st.st_size, st.st_mtime_ns)}
-    foreign = sorted(rel for rel, st in found.items() if files.get(rel) != st)
-    if foreign:
-        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
-        raise UserError(f"{key} {out}: not replaced, nothing deleted: it holds {', '.join(foreign[:3])}{more}, which"
-                        f" torchloom did not write as predictions (or changed since); pass another {key}")
-
-
-def clear_output(out: str | Path, inputs: list[str], key: str = "--output") -> None:
-    """Delete an earlier output of torchloom's before a command writes it again: checked once more here, right
-    before anything goes (check_output ran when the command began; the work since may have taken minutes)."""
-    import shutil
-
-    out = Path(out)
-    check_output(out, inputs, key)
-    if out.is_dir() and not out.is_symlink():
-        shutil.rmtree(out)
-    elif out.exists() or out.is_symlink():
-        out.unlink()  # a file's ledger beside it: rewritten by record_output
-
-
-def record_output(out: str | Path) -> None:
-    """After predictions are written to `out`: their ledger, so that a later --overwrite may replace them."""
-    out = Path(out)
-    if out.is_dir():
-        files = {rel: st for rel, st in LocalTree(out).inventory().items() if rel != OUTPUT_LEDGER}
-    elif out.is_file():
-        st = out.stat()
-        files = {out.name: (st.st_size, st.st_mtime_ns)}
-    else:
-        return
-    write_atomic(_output_ledger(out), Ledger(files).dumps())

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
-from torchloom.rundir import MANIFEST_FILE, RunDir, write_atomic
+from torchloom.jsonio import write_atomic
+from torchloom.rundir import MANIFEST_FILE, RunDir
+from torchloom.uri import has_scheme
 
 FORMAT_VERSION = 1
 SPLITS = ("train", "val", "test")
@@ -60,7 +62,7 @@ class Manifest:
         return len(self.labels)
 
     def shard_uri(self, shard: Shard) -> str:
-        if "://" in shard.path or os.path.isabs(shard.path):
+        if has_scheme(shard.path) or os.path.isabs(shard.path):
             return shard.path
         return os.path.join(self.root, shard.path)
 

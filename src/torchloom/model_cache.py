@@ -13,7 +13,9 @@ from pathlib import Path
 
 from torchloom import storage
 from torchloom.errors import UserError
-from torchloom.rundir import cache_root, redact, sha256_file
+from torchloom.jsonio import sha256_file
+from torchloom.rundir import cache_root
+from torchloom.uri import redact
 
 
 def fetch_model(uri: str, what: str) -> Path:

@@ -21,8 +21,9 @@ from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir, is_uri, redact
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
+from torchloom.uri import is_uri, redact
 
 T = TypeVar("T")
 
@@ -71,7 +72,7 @@ _STORES_CHECKED: set[str] = set()
 def check_stores(cfg: Config) -> None:
     """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
     write the run, said in one line before any stage starts (once per URI and process)."""
-    from torchloom.etl.read import check_reachable
+    from torchloom.etl.inputs import check_reachable
 
     for key, uri, check in (("output.dir", cfg.output.dir, lambda uri, key: RunFiles(uri).check_writable(key)),
                             ("data.path", cfg.data.path, check_reachable),
@@ -113,7 +114,7 @@ def check_input(cfg: Config) -> None:
     asked for, is one line before Spark or MLflow start: a typo costs no JVM start-up. prepare checks it again
     (etl/prepare.py); stores are check_stores'."""
     from torchloom import embedded
-    from torchloom.etl.read import check_inputs, pin_tables
+    from torchloom.etl.inputs import check_inputs, pin_tables
 
     check_inputs(cfg.data, embedded.data_path(cfg.data.path))
     pin_tables(cfg.data, embedded.data_path(cfg.data.path), local_only=True)  # prepare pins them again

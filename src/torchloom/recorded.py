@@ -22,9 +22,10 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict
 from torchloom.errors import UserError
-from torchloom.rundir import CONFIG_FILE, RunDir, is_uri
+from torchloom.rundir import CONFIG_FILE, RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import is_own_file
+from torchloom.uri import is_uri
 
 STAGES = ("train", "export", "evaluate", "run")  # `run` only with --resume: a fresh one prepares and trains anew
 

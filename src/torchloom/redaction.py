@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from torchloom.uri import mask_userinfo
+
 MASK = "***"
 # A study database URL with a password reaches the workers' pruner in this variable (every engine forwards
 # it, engines/worker.FORWARDED), never through hooks.json.
@@ -25,9 +27,6 @@ _SECRET_WORDS = {"secret", "secrets", "password", "passwd", "pwd", "passphrase",
                  "accountkey", "authorization", "auth"}
 _KEY_QUALIFIERS = {"access", "api", "private", "account", "secret", "master", "encryption", "client"}
 _WORD_SPLIT = re.compile(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])")
-_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/@\s'\"]+)@")
-# abfs://container@account.dfs.core.windows.net/path: the part before `@` is an Azure container's name, no secret
-_CONTAINER = re.compile(r"(?i:abfss?|wasbs?)://[a-z0-9-]{3,63}@")
 # key=value or "key": "value" in free text (a query string, a Spark conf line, a JSON body). A bare
 # `key: text` is not one: it is how torchloom's own error lines start (`--api-key: use at least 8 ...`).
 _PAIR = re.compile(r"(?P<key>[A-Za-z][\w.\-]*)(?P<sep>\s*=\s*|[\"']\s*:\s*)"
@@ -53,11 +52,7 @@ def _mask_pair(m: re.Match) -> str:
 
 def redact_text(text: Any) -> str:
     """A line fit for a log or an error: no URI userinfo, no value of a secret-named key."""
-    return _PAIR.sub(_mask_pair, _USERINFO.sub(_mask_userinfo, str(text)))
-
-
-def _mask_userinfo(m: re.Match) -> str:
-    return m.group(0) if _CONTAINER.fullmatch(m.group(0)) else f"{m.group(1)}{MASK}@"
+    return _PAIR.sub(_mask_pair, mask_userinfo(str(text), MASK))
 
 
 def redact_value(key: str, value: Any) -> Any:

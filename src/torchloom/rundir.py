@@ -1,4 +1,5 @@
-"""The contract of one run directory: every path in it, who writes it, and one `write_atomic`.
+"""The contract of one run directory: every path in it, and who writes it (files are written whole with
+jsonio.write_atomic; URIs are uri.py's).
 
     runs/<name>/
       torchloom-run.json    prepare, fresh train     the run's identity and the names it owns (--overwrite)
@@ -35,9 +36,11 @@ import json
 import os
 import re
 import sys
-import threading
 from pathlib import Path
 from typing import Any
+
+from torchloom.jsonio import read_json, read_jsonl, write_atomic, write_json
+from torchloom.uri import is_uri, redact
 
 MANIFEST_FILE = "manifest.json"  # in a prepared data dir: what it holds (manifest.py)
 CONFIG_FILE = "config.toml"  # in a run dir: the resolved config (config/load.save)
@@ -45,54 +48,6 @@ STUDY_FILE = "study.json"  # in a tune study: what ran and which trial won (tune
 RUN_RECORD = "torchloom-run.json"  # at the top of every run and study directory (runrecord.write_record)
 STEP_DIR = re.compile(r"^step-(\d+)$")  # a checkpoint's directory: step_name(N), the only spelling of the rule
 LEASE_FILE = "lease.json"  # a run on a store: which driver writes it now (lease.py); --overwrite leaves it to its owner
-
-
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write to a temporary name beside `path`, then rename: readers see the old file or the new, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        if isinstance(data, bytes):
-            tmp.write_bytes(data)
-        else:
-            tmp.write_text(data, encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def write_json(path: str | Path, data: Any, indent: int | None = 2) -> Path:
-    return write_atomic(path, json.dumps(data, indent=indent, default=str))
-
-
-def read_json(path: str | Path) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file; [] when it is missing. Unparsable lines (a line still being
-    written by a live run) are skipped."""
-    p = Path(path)
-    if not p.is_file():
-        return []
-    rows = []
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 def step_name(step: int) -> str:
@@ -109,31 +64,6 @@ class _In:
 
     def __get__(self, run: RunDir | None, owner: type | None = None) -> Any:
         return self if run is None else run.root.joinpath(*self.parts)
-
-
-URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # a storage URI's scheme
-
-
-def is_uri(path: str | os.PathLike | None) -> bool:
-    """A storage URI (s3://bucket/prefix, gs://, abfs://, hdfs://), not a local path (file:// is local)."""
-    m = URI.match(str(path or ""))
-    return bool(m) and m.group(1).lower() != "file"
-
-
-def redact(uri: str) -> str:
-    """A URI fit for a log line: no user:password@ part, no query string (presigned URLs carry keys). An Azure
-    URI's `container@` (abfs://container@account.dfs.core.windows.net/path) is no secret and stays."""
-    return _USERINFO.sub(lambda m: m.group(0) if is_container(m.group(1), m.group(2)) else m.group(1),
-                         str(uri)).split("?", 1)[0]
-
-
-_USERINFO = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)([^/@]*)@")
-CONTAINER_SCHEMES = ("abfs://", "abfss://", "wasb://", "wasbs://")
-
-
-def is_container(scheme: str, userinfo: str) -> bool:
-    """The part before `@` of an Azure URI names its container (a name of letters, digits and dashes)."""
-    return scheme.lower() in CONTAINER_SCHEMES and re.fullmatch(r"[a-z0-9-]{3,63}", userinfo) is not None
 
 
 def cache_root() -> Path:
@@ -220,6 +150,7 @@ class RunDir:
     logs = _In("logs")
     worker_logs = _In("logs", "workers")  # torch elastic's per-attempt logs (local engine)
     ray_storage = _In("ray")  # Ray Train's own storage
+    staged_inputs = _In("input")  # a run on a store: prepare's local copies of inputs given on a store
 
     def row_trace(self, rank: int) -> Path:
         return self.logs / f"rows-rank{rank}.jsonl"
@@ -330,3 +261,12 @@ class StudyDir(RunDir):
         """A lock file that processes sharing the study take turns on (prepare, report, storage)."""
         return self.root / f".{name}.lock"
 
+
+def top_names() -> tuple[str, ...]:
+    """Every name at the top of a run or study directory, as the classes above spell them (runrecord.RUN_ENTRIES)."""
+    names: dict[str, None] = {}
+    for cls in (RunDir, StudyDir):
+        for value in vars(cls).values():
+            if isinstance(value, _In):
+                names[value.parts[0]] = None
+    return tuple(names)

@@ -14,12 +14,12 @@ each host works in a staging copy (RunDir.root); these verbs are the fixed point
     read(path) / write(path, data)   the file where the run lives (the store's object, not this copy's)
     delete(path)               here and on the store
     listing(path)              {name: size} of what the store holds under a path ({} for a local run)
-    stored_steps / pull_checkpoints        the store's complete checkpoints
+    stored_steps / pull_checkpoints        the store's complete checkpoints (runfiles_checkpoints.py)
     streamed(manifest)         prepared data whose shards are read from the store (ranged reads)
     sync_copy / new_identity   the copy counts only while its record equals the store's (rundir.RUN_RECORD)
     check_own / replace        the own-prefix rule, and --overwrite (ledger.py: what torchloom wrote) on the store
-    tree / recording           the run as the ledger sees it (the store's objects for a run on one), and a command's
-                               stock-taking of what it wrote there
+    tree / recording           the run as the ledger sees it (the store's objects for a run on one: store_tree.py),
+                               and a command's stock-taking of what it wrote there
 
 quiet=True: a failure is one warning line instead of an error (the driver judges the store by what it then sees);
 wait=False: no retrying (the caller asks again within seconds anyway), and a quiet failure is not even a warning.
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import shutil
 import sys
@@ -40,10 +39,13 @@ from pathlib import Path
 
 from torchloom import ledger, storage
 from torchloom.errors import UserError, first_line
+from torchloom.jsonio import write_atomic
 from torchloom.ledger import replace_local
-from torchloom.rundir import CONFIG_FILE, RUN_RECORD, STEP_DIR, RunDir, redact, write_atomic
+from torchloom.rundir import CONFIG_FILE, RUN_RECORD, RunDir
+from torchloom.runfiles_checkpoints import CheckpointFiles
 from torchloom.runrecord import is_own, is_own_file, parse_record, write_record
 from torchloom.store_errors import retrying_for, what_to_check
+from torchloom.store_tree import StoreTree
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")
@@ -51,7 +53,7 @@ COMPLETE_LAST = ("meta.json", "manifest.json")
 SUMMARIES = ("manifest.json", "torchloom.json")
 
 
-class RunFiles:
+class RunFiles(CheckpointFiles):
     """A run's files (see the module's docstring). Cheap to make, and picklable: a worker makes its own."""
 
     def __init__(self, rd: RunDir | str | os.PathLike):
@@ -307,58 +309,6 @@ class RunFiles:
 
         return replace(manifest, root=self.uri(self.rd.data))
 
-    # -- checkpoints -------------------------------------------------------------------------------------
-    def stored_steps(self) -> list[int]:
-        """The steps of the complete checkpoints (those with meta.json) the store holds, newest first ([] for a
-        local run)."""
-        if self._remote is None:
-            return []
-        steps = set()
-        for rel in self.listing(self.rd.checkpoints):
-            name, _, rest = rel.partition("/")
-            if rest == "meta.json" and (m := STEP_DIR.match(name)):
-                steps.add(int(m.group(1)))
-        return sorted(steps, reverse=True)
-
-    def pull_checkpoints(self, intact: Callable[[Path], bool] | None = None) -> list[int]:
-        """Bring the store's complete checkpoints into the copy, newest first, each downloaded beside and renamed
-        into place; returns their steps, newest first. A local copy counts only while its meta.json (which holds
-        every file's sha256) equals the store's and its files are there at their sizes; a complete local
-        checkpoint the store does not hold is removed, so no host resumes from a step the others cannot load.
-
-        intact: a resume's check of a local checkpoint (its files hash as its meta.json says; train/checkpoint.py).
-        With it the pull stops at the first checkpoint that passes: it, and any damaged newer one (left for the
-        resume to warn of and skip), are downloaded whole; of the older ones only meta.json, so the copy still lists
-        every checkpoint the store keeps without their bytes. Without it (export, which may take the best) all are
-        whole."""
-        if self._remote is None:
-            return []
-        self.sync_copy()
-        steps = self.stored_steps()
-        if self.rd.checkpoints.is_dir():
-            for local in self.rd.checkpoints.iterdir():
-                m = STEP_DIR.match(local.name)
-                if m and int(m.group(1)) not in steps and (local / "meta.json").is_file():
-                    shutil.rmtree(local, ignore_errors=True)
-        found = False
-        for step in steps:
-            local = self.rd.checkpoint(step)
-            meta = storage.read_bytes(self.uri(local / "meta.json"))
-            if found:
-                if not ((local / "meta.json").is_file() and (local / "meta.json").read_bytes() == meta):
-                    shutil.rmtree(local, ignore_errors=True)
-                    local.mkdir(parents=True)
-                    write_atomic(local / "meta.json", meta)
-                continue
-            if not _holds(local, meta):
-                tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
-                shutil.rmtree(tmp, ignore_errors=True)
-                storage.pull_tree(self.uri(local), tmp, only_if_changed=False)
-                shutil.rmtree(local, ignore_errors=True)
-                os.replace(tmp, local)
-            found = intact is not None and intact(local)
-        return steps
-
     # -- whose prefix it is, and --overwrite ------------------------------------------------------------
     def _objects(self) -> tuple[dict[str, int], Callable[[str], bytes | None]]:
         """The run's objects but its lease (lease.py: a driver holds it before it looks whether the prefix is empty
@@ -436,48 +386,3 @@ class RunFiles:
             raise UserError(f"{key} {self.rd.where}: not replaced: it is a bucket's root, which --overwrite never"
                             f" empties; give the run a prefix of its own, e.g. {self.rd.where}/runs/NAME")
         ledger.replace(self.tree(), key, inputs, under=rel)
-
-
-class StoreTree:
-    """A run's prefix on a store as the ledger sees it (ledger.Tree)."""
-
-    exclusive = True  # the driver that writes it holds its lease (lease.py)
-
-    def __init__(self, remote: str):
-        self.remote = remote
-        self.where = redact(remote)
-
-    def exists(self) -> bool:
-        return True
-
-    def inventory(self) -> dict[str, ledger.Stat]:
-        return storage.list_objects(self.remote)
-
-    def read(self, rel: str) -> bytes | None:
-        try:
-            return storage.read_bytes(storage.join(self.remote, rel))
-        except FileNotFoundError:
-            return None
-
-    def write(self, rel: str, data: bytes) -> None:
-        storage.write_bytes(storage.join(self.remote, rel), data)
-
-    def locate(self, rel: str) -> str:
-        return storage.join(self.remote, rel)
-
-    def delete(self, rels: list[str]) -> None:
-        for rel in rels:
-            storage.delete(storage.join(self.remote, rel))
-
-
-def _holds(local: Path, meta: bytes) -> bool:
-    """Does this host's checkpoint directory hold the store's (the same meta.json, every file it records there at
-    its size)? A copy of meta.json alone (pull_checkpoints) does not."""
-    if not (local / "meta.json").is_file() or (local / "meta.json").read_bytes() != meta:
-        return False
-    try:
-        files = json.loads(meta).get("files") or {}
-    except ValueError:
-        return True  # the resume judges a meta.json it cannot read
-    return all((local / name).is_file() and (local / name).stat().st_size == want.get("size")
-               for name, want in files.items() if isinstance(want, dict))

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchloom.rundir import CONFIG_FILE, MANIFEST_FILE, RUN_RECORD, STUDY_FILE, write_json
+from torchloom.jsonio import write_json
+from torchloom.rundir import CONFIG_FILE, MANIFEST_FILE, RUN_RECORD, STUDY_FILE, top_names
 
 # The keys manifest.py's Manifest writes (its fields but `root`; tests/test_overwrite.py holds them equal).
 MANIFEST_KEYS = frozenset({"counts", "fingerprint", "format_version", "inputs", "labels", "splits", "timings",
@@ -103,10 +104,7 @@ def is_own(read: Callable[[str], bytes | None]) -> bool:
 # -- the run's record: who it is, and what it owns --------------------------------------------------
 RUN_FORMAT = "torchloom-run/1"
 # The names a run's record lists (for versions that read them; what --overwrite deletes is the ledger's: ledger.py).
-RUN_ENTRIES = (RUN_RECORD, CONFIG_FILE, "data", "checkpoints", "metrics.jsonl", "train_result.json", "model",
-               "report.md", "report.json", "misclassified.jsonl", "plots", "summary.json", "baseline.json", "baseline",
-               "hooks.json", "progress.json", "logs", "ray", "input", "trial.json", "trial_result.json", STUDY_FILE,
-               "trials", "results.csv", "results.png", "best_config.toml", "optuna.db", "lease.json")
+RUN_ENTRIES = top_names()
 # torchloom's own temporary names: `.NAME.<pid>...tmp|part|pending|pull`, a study's `.NAME.lock`, the store's
 # write probe, prepare's `data.tmp-XXXXXXXX` and `data.old-XXXXXXXX` beside the data it replaces.
 TEMP_NAME = re.compile(r"^\..+\.(tmp|part|pending|pull|lock)$|^\.torchloom-probe-\d+$|^[\w.-]+\.(tmp|old)-[0-9a-f]{8}$")

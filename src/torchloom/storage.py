@@ -30,9 +30,9 @@ from pathlib import Path
 
 from torchloom import store_clients
 from torchloom.errors import UserError
-from torchloom.rundir import URI, redact
 from torchloom.store_clients import LOCAL_STORE, SCHEMES
 from torchloom.store_errors import CHECK_RETRY_S, NoBucket, attempts, reason, what_to_check
+from torchloom.uri import URI, redact
 
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
 # Streams are opened with compression=None: objects hold the bytes of the files, as they are. pyarrow's default

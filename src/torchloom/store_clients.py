@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from torchloom.errors import UserError
+from torchloom.uri import has_scheme
 
 LOCAL_STORE = "file+store"
 
@@ -107,7 +108,7 @@ def gcs():
     name = "STORAGE_EMULATOR_HOST" if os.environ.get("STORAGE_EMULATOR_HOST") else "CLOUD_STORAGE_EMULATOR_ENDPOINT"
     emulator = os.environ.get(name)
     if emulator:
-        url = _url(emulator if "://" in emulator else f"http://{emulator}", name, "http://127.0.0.1:9023")
+        url = _url(emulator if has_scheme(emulator) else f"http://{emulator}", name, "http://127.0.0.1:9023")
         options.update(anonymous=True, scheme=url.scheme, endpoint_override=url.netloc)
     return pafs.GcsFileSystem(**options)
 

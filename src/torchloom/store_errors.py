@@ -19,8 +19,8 @@ from collections.abc import Callable
 from torchloom import store_clients
 from torchloom.errors import UserError
 from torchloom.redaction import redact_text
-from torchloom.rundir import URI, redact
 from torchloom.store_clients import SCHEMES
+from torchloom.uri import URI, redact
 
 
 class NoBucket(OSError):

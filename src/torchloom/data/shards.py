@@ -18,6 +18,7 @@ import torch
 
 from torchloom.errors import UserError
 from torchloom.manifest import Manifest
+from torchloom.uri import has_scheme
 
 READ_COLUMNS = ["input_ids", "label_id"]
 
@@ -159,7 +160,7 @@ class RangeReader:
         self._files: dict[int, pq.ParquetFile] = {}
         self._last: dict[int, tuple[RowGroup, pa.Table]] = {}
         self.rows_read = 0
-        self._remote = any("://" in u for u in uris)
+        self._remote = any(has_scheme(u) for u in uris)
         self._pool = None
         self._ahead: dict[int, dict[int, Future]] = {}  # slot -> {group position: its read}
         self._opened: dict[int, tuple] = {}  # remote shard -> (its file handle, its footer)

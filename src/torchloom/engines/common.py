@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir, read_json
+from torchloom.jsonio import read_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 
 

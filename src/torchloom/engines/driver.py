@@ -28,7 +28,8 @@ from torchloom.engines.common import (
 )
 from torchloom.engines.progress import LogTailer, ProgressMonitor
 from torchloom.errors import UserError, message_line
-from torchloom.rundir import RunDir, read_json
+from torchloom.jsonio import read_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 

@@ -22,9 +22,10 @@ from torchloom.engines.driver import Attempt, attempts
 from torchloom.engines.worker import enter_worker_env, run_worker, worker_env
 from torchloom.errors import UserError, missing_extra
 from torchloom.etl.session import conf_value, get_spark, is_local_master
+from torchloom.jsonio import write_json
 from torchloom.machine import gpu_names
 from torchloom.poller import Poller
-from torchloom.rundir import RunDir, write_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 

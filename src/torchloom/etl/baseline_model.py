@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchloom.manifest import Manifest
+from torchloom.uri import has_scheme
 
 # The features, the same on both paths. scikit-learn's default token pattern: runs of 2+ word characters
 # (letters, digits, underscore). Spark's RegexTokenizer splits at everything else and drops 1-character tokens.
@@ -66,7 +67,7 @@ def open_parquet(uri: str):
     """A Parquet file at a local path or on a store (s3://, s3a://, gs://, hdfs://: storage.py's client)."""
     import pyarrow.parquet as pq
 
-    if "://" in uri:
+    if has_scheme(uri):
         from torchloom import storage
 
         return pq.ParquetFile(storage.open_input(uri))

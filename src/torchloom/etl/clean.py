@@ -122,7 +122,7 @@ def _codecs(batch, encoding: str, texts: list, valid: list[bool]) -> list:
         try:
             texts[i], codec = encoding_decode(binary[i].as_py(), encoding)
         except Undecodable as e:
-            from torchloom.etl.store_read import MARK
+            from torchloom.etl.store_tasks import MARK
 
             raise RuntimeError(MARK + undecodable_line(local_path(sources[i].as_py() or "?"), encoding, e)) from None
         valid[i], out[i] = True, None if codec == UTF8 else codec

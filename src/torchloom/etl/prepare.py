@@ -16,8 +16,10 @@ from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches, look_alike
+from torchloom.etl.given_splits import TYPED, given_source, leaked_by_split, spread, with_given
+from torchloom.etl.inputs import check_inputs, pin_tables, resolve_format, utf8_files
 from torchloom.etl.lengths import choose_length, model_positions
-from torchloom.etl.read import check_inputs, pin_tables, read_input, reader_of, resolve_format, utf8_files
+from torchloom.etl.read import read_input, reader_of
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, rank_bucket, rank_hash
 from torchloom.etl.tables import record as table_record
@@ -208,10 +210,10 @@ def _read_and_count(job: _Job):
         if reader_of(job.spark, job.data_path, p.input_reader) == "pyarrow" else ""
     say(f"reading {job.shown} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
-    raw = _spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader,
+    raw = spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader,
                              job.tables.get(job.data_path), say), width, job.fmt)
     if job.user_split:
-        raw = _with_given(job, raw, width)
+        raw = with_given(job, raw, width)
     inputs = [(job.data_path, job.fmt)] + [(path, resolve_format(cfg.data, path))
                                            for path in (cfg.data.val_path, cfg.data.test_path) if path]
     utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
@@ -288,7 +290,7 @@ def _set_aside(job: _Job, marked, counts: _Counts):
             " check --data.text_column / --data.label_column and --prepare.min_chars / --prepare.max_chars"
         )
     if job.user_split and not counts.per_label:
-        raise UserError(f"data.path {job.shown}: no usable train rows ({_given_source(job)}); the train"
+        raise UserError(f"data.path {job.shown}: no usable train rows ({given_source(job)}); the train"
                         " split needs rows to learn from")
     carve_val = p.val_fraction if not job.user_split or not any(k[0] == "val" for k in given) else 0.0
     carve_test = p.test_fraction if not job.user_split else 0.0
@@ -325,10 +327,10 @@ def _set_aside(job: _Job, marked, counts: _Counts):
 def _say_kept(job: _Job, counts: _Counts, plans, carve_val: float) -> None:
     """The split as given (and what leaked into it), then the kept rows per class."""
     p, given = job.cfg.prepare, counts.given
-    counts.leaked = (_leaked_by_split(counts.stats) if p.leakage == "drop" else
+    counts.leaked = (leaked_by_split(counts.stats) if p.leakage == "drop" else
                      {name: sum(n for (g, _), n in counts.leaks.items() if g == name) for name in ("val", "test")})
     if job.user_split:
-        job.say(f"split as given ({_given_source(job)}): train {sum(plan.train for plan in plans)}, val "
+        job.say(f"split as given ({given_source(job)}): train {sum(plan.train for plan in plans)}, val "
                 + (f"{sum(plan.val for plan in plans)} (carved from train by prepare.val_fraction)" if carve_val
                    else str(sum(n for (g, _), n in given.items() if g == "val")))
                 + f", test {sum(n for (g, _), n in given.items() if g == 'test')}")
@@ -388,74 +390,9 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
             "rows_read": counts.rows_read, "rows_rejected": counts.rejected,
             "duplicates_removed": counts.duplicates, "rows_kept": counts.rows_kept,
             **({"decoded": dict(sorted(counts.decoded.items()))} if cfg.data.encoding != "strict" else {}),
-            **({"split": _given_source(job), "leaked": counts.leaked, "leakage": p.leakage}
+            **({"split": given_source(job), "leaked": counts.leaked, "leakage": p.leakage}
                if job.user_split else {}),
             "splits": {name: s.rows for name, s in splits.items()},
         },
         timings={k: round(v, 3) for k, v in job.timings.items()},
     )
-
-
-# split column values, lower-cased and trimmed, and the split each means
-GIVEN_SPLITS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",
-                "dev": "val", "test": "test", "testing": "test"}
-
-
-def _given_source(job: _Job) -> str:
-    cfg = job.cfg
-    if cfg.data.split_column:
-        return f"column {cfg.data.split_column!r}"
-    return ", ".join(f"{name} from {job.name(path)}" for name, path in (("val", cfg.data.val_path),
-                                                                          ("test", cfg.data.test_path)) if path)
-
-
-def _with_given(job: _Job, raw, width: int):
-    """The input with `given`, the split each row comes with: the split column's value (null when it is
-    none of GIVEN_SPLITS), or train for data.path and val/test for data.val_path / data.test_path."""
-    from functools import reduce
-
-    from pyspark.sql import functions as F
-
-    spark, cfg, say = job.spark, job.cfg, job.say
-    if cfg.data.split_column:
-        names = F.create_map(*[F.lit(x) for pair in GIVEN_SPLITS.items() for x in pair])
-        return raw.withColumn("given", names[F.lower(F.trim(F.col("given")))])
-    parts = [raw.withColumn("given", F.lit("train"))]
-    for name, path in (("val", cfg.data.val_path), ("test", cfg.data.test_path)):
-        if path:
-            fmt = resolve_format(cfg.data, path)
-            say(f"reading {job.name(path)} ({fmt}) as the {name} split")
-            parts.append(_spread(read_input(spark, cfg.data, path, fmt, cfg.prepare.input_reader,
-                                            job.tables.get(path), say), width, fmt).withColumn("given", F.lit(name)))
-    return reduce(lambda a, b: a.unionByName(b), parts)
-
-
-def _leaked_by_split(stats: list[dict]) -> dict[str, int]:
-    """Rows set aside as leaked, per split (prepare.leakage drop)."""
-    out = {"val": 0, "test": 0}
-    for row in stats:
-        if row["status"] == "leaked":
-            out[row["given"]] += row["n"]
-    return out
-
-
-SPLITTABLE = ("parquet", "delta")  # formats read in bounded splits (128 MB) whatever the file size
-TYPED = ("parquet", "delta", "iceberg")  # typed strings: a U+FFFD in them was written, not a decoding error
-
-
-def _spread(raw, cores: int, fmt: str = ""):
-    """`raw` over partitions of bounded size, at least `cores` of them, so that cleaning (Python) runs
-    on every core and no task holds a whole big file.
-
-    A CSV or JSON read with multiLine (needed for quoted line breaks) is one task per file: one big file
-    was cleaned on one core while the others waited, and 10 million rows in one file, spread over
-    2 x cores partitions, were 1.3 GB each and ran the 1 GB local JVM out of heap. Hash-partitioning on
-    the raw text with no fixed count lets adaptive execution size the partitions (session.py); it costs
-    a shuffle of the input but no sort, and gives the same rows to the same partitions on every run.
-    """
-    try:
-        if fmt in SPLITTABLE and raw.rdd.getNumPartitions() >= cores:
-            return raw
-    except Exception:  # Spark Connect has no RDDs: spread anyway
-        pass
-    return raw.repartition("text")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import zlib
 
 from torchloom import storage
-from torchloom.etl.store_read import SOURCE, reading
+from torchloom.etl.store_tasks import SOURCE, reading
+from torchloom.uri import has_scheme
 
 
 def _ids(batches):
@@ -18,7 +19,7 @@ def _open(uri: str):
     """A data file: a local path (or file://), else an object on a store (storage.py's client)."""
     import pyarrow as pa
 
-    if "://" not in uri:
+    if not has_scheme(uri):
         return pa.OSFile(uri)
     if uri.startswith("file://"):
         from urllib.parse import urlparse

@@ -23,7 +23,7 @@ from urllib.parse import unquote, urlparse
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, first_line, install_hint
 from torchloom.input_formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
-from torchloom.rundir import redact
+from torchloom.uri import has_scheme, redact
 
 SPLIT_BYTES = 128 << 20  # Spark's spark.sql.files.maxPartitionBytes
 OPEN_COST = 4 << 20  # Spark's spark.sql.files.openCostInBytes: the smallest range worth a task of its own
@@ -196,7 +196,7 @@ def _commit_ms(uri: str, version: int) -> int | None:
     version names the newest commits): one read of that commit's file; None where the log no longer has it."""
     name = f"{uri.rstrip('/')}/{DELTA_LOG}/{version:020d}.json"
     try:
-        if "://" in uri:
+        if has_scheme(uri):
             from torchloom import storage
 
             text = storage.read_bytes(name).decode("utf-8")
@@ -230,7 +230,7 @@ def _delta_plan(table, uri: str) -> tuple[dict[str, Any], _DeltaPlan]:
     files = []
     for row in actions.to_pylist():
         rel = unquote(row["path"])
-        file_uri = rel if "://" in rel or rel.startswith("/") else f"{uri.rstrip('/')}/{rel}"
+        file_uri = rel if has_scheme(rel) or rel.startswith("/") else f"{uri.rstrip('/')}/{rel}"
         values = {c[len("partition."):]: row[c] for c in parts}
         keep = keeps.pop(_same(file_uri), None)
         files.append((file_uri, int(row["size_bytes"]), values, keep))
@@ -242,7 +242,7 @@ def _delta_plan(table, uri: str) -> tuple[dict[str, Any], _DeltaPlan]:
 
 def _same(location: str) -> str:
     """A data file's location as delta-rs names it in one place or another (a path, a percent-encoded URI)."""
-    if "://" not in location:
+    if not has_scheme(location):
         return location
     parsed = urlparse(location)
     return ("" if parsed.scheme == "file" else parsed.netloc) + unquote(parsed.path)

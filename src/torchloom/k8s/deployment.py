@@ -20,6 +20,7 @@ from torchloom.errors import UserError
 from torchloom.k8s import manifests as m
 from torchloom.serve.arguments import check_serve_flags
 from torchloom.serve.settings import ServeSettings
+from torchloom.uri import has_scheme
 
 PORT = 8000
 CONTAINER = "server"
@@ -59,7 +60,7 @@ def serve_manifests(model_uri: str | None, k: K8sConfig, port: int = PORT, serve
     names = []
     for given in models:
         name, sep, uri = given.partition("=")
-        if not sep or "://" in name or not name:
+        if not sep or has_scheme(name) or not name:
             raise UserError(f"--model {given}: name each model here: --model NAME=URI")
         m.check_on_store(uri, f"--model {name}")
         names.append(name)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from torchloom.config.schema import K8sConfig
 from torchloom.errors import UserError
-from torchloom.rundir import is_uri, redact
+from torchloom.uri import is_uri, redact
 
 # RFC 1035 labels: a Service's name must be one, and the Job's pods take `<name>-<index>` as their host name.
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

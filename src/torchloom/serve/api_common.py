@@ -9,12 +9,15 @@ errors) in the shape of the API the request came to.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Annotated, Any, Protocol, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
 from torchloom.serve.metrics import ServeMetrics
@@ -206,3 +209,34 @@ def answered_by(backend: Backend, predictions: list[dict[str, Any]]) -> tuple[di
     if predictions and "id" in predictions[0]:
         headers[IDS_HEADER] = ",".join(p["id"] for p in predictions)
     return model, headers
+
+
+# FastAPI reads these annotations by name from the module (this file uses postponed annotations).
+BEARER = HTTPBearer(auto_error=False, description="the key the server was started with")
+BearerToken = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
+
+
+def api_key_check(api_key: str | None):
+    """The dependency that refuses a request without `api_key` (None: every request passes)."""
+
+    # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop on every request
+    async def check_api_key(credentials: BearerToken) -> None:
+        if api_key is None:
+            return
+        token = credentials.credentials.encode() if credentials else b""
+        if not hmac.compare_digest(token, api_key.encode()):
+            raise ApiError(401, "unauthorized", "missing or wrong API key; send the header"
+                                                " 'Authorization: Bearer <key>'",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check_api_key
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    id: str | None = Field(default=None, description="for model errors: find it in the server log")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -7,19 +7,17 @@ speaks HTTP. Every native error is JSON: {"error": {"code", "message"[, "id"]}}.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,10 +25,13 @@ import torchloom
 from torchloom.errors import UserError, one_line
 from torchloom.serve import tei
 from torchloom.serve.api_common import (
+    BEARER,
     ApiError,
     Backend,
     ClientGone,
+    ErrorResponse,
     answered_by,
+    api_key_check,
     json_type,
     load_json,
     parse_off_loop,
@@ -51,11 +52,6 @@ ENDPOINTS = ("/v1/predict", "/predict", "/v1/labels", "/v1/monitor", "/v1/feedba
 _BYTES_PER_CHAR = 12
 _BYTES_PER_ITEM = 8
 _BODY_SLACK = 4096
-
-
-# FastAPI reads these annotations by name from the module (this file uses postponed annotations).
-BEARER = HTTPBearer(auto_error=False, description="the key the server was started with")
-BearerToken = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
 
 
 # --- schemas: documentation in /docs (requests are parsed by hand for precise error messages) -----------
@@ -93,41 +89,6 @@ class PredictResponse(BaseModel):
 class LabelsResponse(BaseModel):
     model: ModelInfo
     labels: list[str]
-
-
-class FeedbackRequest(BaseModel):
-    id: str = Field(min_length=1, description="a prediction's id, from /v1/predict", examples=["3f9a1c-2a"])
-    label: str = Field(min_length=1, description="the text's true label", examples=["sport"])
-
-
-class TrafficRequest(BaseModel):
-    traffic: dict[str, float] = Field(description="each model's share in percent, summing to 100",
-                                      examples=[{"v1": 90, "v2": 10}])
-    shadows: list[str] | None = Field(default=None, description="the shadows (kept when left out)")
-
-
-class PromoteRequest(BaseModel):
-    model: str = Field(min_length=1, examples=["v2"])
-
-
-class LoadRequest(BaseModel):
-    path: str = Field(min_length=1, description="an exported model: a directory or a store's URI",
-                      examples=["runs/b/model"])
-
-
-def body_of(model: type[BaseModel]) -> dict[str, Any]:
-    """openapi_extra documenting a required JSON body of `model`'s schema (bodies are parsed by hand)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
-class ErrorBody(BaseModel):
-    code: str
-    message: str
-    id: str | None = Field(default=None, description="for model errors: find it in the server log")
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
 
 
 # --- errors ------------------------------------------------------------------------------------------------
@@ -249,16 +210,6 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
         fleet = backend.report() if hasattr(backend, "report") else {}
         return JSONResponse({"model": model_info, **shown, **fleet})
 
-    @api.post("/v1/feedback", summary="the true label of a prediction (its id from /v1/predict): scores every"
-                                      " model that answered it (docs/serving.md, A/B and shadow)",
-              responses={status: {"model": ErrorResponse} for status in (400, 404, 409, 422)},
-              openapi_extra=body_of(FeedbackRequest))
-    async def feedback(request: Request) -> Response:
-        if not hasattr(backend, "feedback"):
-            raise ApiError(501, "not_supported", "this server keeps no predictions for feedback")
-        prediction_id, label = parse_feedback(await read_body(request, FEEDBACK_BODY))
-        return JSONResponse(backend.feedback(prediction_id, label))
-
     @api.post(
         "/v1/predict", response_model=PredictResponse,
         responses={status: {"model": ErrorResponse} for status in (400, 413, 422, 429, 500, 503)},
@@ -270,25 +221,6 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
         return await answer_predict(request, backend, max_texts, max_chars, body_limit)
 
     return api
-
-
-FEEDBACK_BODY = 64 * 1024
-FEEDBACK_EXAMPLE = 'send JSON like {"id": "<an id from /v1/predict>", "label": "<the true label>"}'
-
-
-def parse_feedback(body: bytes) -> tuple[str, str]:
-    """(id, label) of a POST /v1/feedback body, or an ApiError naming what is wrong."""
-    if not body.strip():
-        raise ApiError(400, "empty_body", f"the request body is empty; {FEEDBACK_EXAMPLE}")
-    payload = load_json(body, FEEDBACK_EXAMPLE)
-    if not isinstance(payload, dict):
-        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object;"
-                                               f" {FEEDBACK_EXAMPLE}")
-    for key in ("id", "label"):
-        if not isinstance(payload.get(key), str) or not payload[key]:
-            got = "missing" if key not in payload else f"a {json_type(payload[key])}"
-            raise ApiError(422, "invalid_request", f'"{key}" is {got}, not a non-empty string; {FEEDBACK_EXAMPLE}')
-    return payload["id"], payload["label"]
 
 
 def monitor_report(backend: Backend) -> dict[str, Any]:
@@ -406,97 +338,7 @@ def health_router(backend: Backend) -> APIRouter:
     return api
 
 
-# --- the admin route ---------------------------------------------------------------------------------------
-
-
-ADMIN_BODY = 64 * 1024
-
-
-def admin_key_check(api_key: str | None):
-    """The admin route's guard: the API key, and no admin at all on a server started without one."""
-    check = api_key_check(api_key)
-
-    async def check_admin(credentials: BearerToken) -> None:
-        if api_key is None:
-            raise ApiError(403, "admin_disabled", "the admin route needs an API key; start the server with --api-key"
-                                                  " KEY (or TORCHLOOM_API_KEY)")
-        await check(credentials)
-
-    return check_admin
-
-
-async def admin_body(request: Request, example: str) -> dict[str, Any]:
-    payload = load_json(await read_body(request, ADMIN_BODY), example)
-    if not isinstance(payload, dict):
-        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object; {example}")
-    return payload
-
-
-def admin_router(fleet) -> APIRouter:
-    """/v1/admin: the split, the shadows, promotion and loading a model, changed without a restart (fleet.py)."""
-    from torchloom.serve.split import make_plan
-
-    api = APIRouter(prefix="/v1/admin")
-
-    def who(request: Request) -> str:
-        return request.client.host if request.client else "a client"
-
-    @api.get("", summary="the models, the split and the shadows")
-    async def view() -> Response:
-        return JSONResponse(fleet.admin_view())
-
-    @api.put("/traffic", summary="set the split (and the shadows)", openapi_extra=body_of(TrafficRequest))
-    async def traffic(request: Request) -> Response:
-        example = 'send JSON like {"traffic": {"A": 90, "B": 10}, "shadows": ["C"]}'
-        payload = await admin_body(request, example)
-        split, shadows = payload.get("traffic"), payload.get("shadows")
-        shadows = fleet.plan.shadows if shadows is None else shadows
-        if not isinstance(split, dict):
-            raise ApiError(422, "invalid_request", f'"traffic" is missing or not an object; {example}')
-        if not isinstance(shadows, list) or not all(isinstance(x, str) for x in shadows):
-            raise ApiError(422, "invalid_request", f'"shadows" is not a list of model names; {example}')
-        plan = make_plan(fleet.order, split, shadows, what="traffic")
-        return JSONResponse(fleet.set_plan(plan, who(request)))
-
-    @api.post("/promote", summary="the model takes all the traffic and stops being a shadow",
-              openapi_extra=body_of(PromoteRequest))
-    async def promote(request: Request) -> Response:
-        name = (await admin_body(request, 'send JSON like {"model": "B"}')).get("model")
-        if not isinstance(name, str):
-            raise ApiError(422, "invalid_request", '"model" is missing or not a string; send JSON like {"model": "B"}')
-        return JSONResponse(fleet.promote(name, who(request)))
-
-    @api.put("/models/{name}", summary="load a model (warmed up first) as NAME, or replace NAME in place",
-             openapi_extra=body_of(LoadRequest))
-    async def put_model(name: str, request: Request) -> Response:
-        path = (await admin_body(request, 'send JSON like {"path": "runs/x/model"}')).get("path")
-        if not isinstance(path, str) or not path:
-            raise ApiError(422, "invalid_request", '"path" is missing or not a string; send JSON like {"path":'
-                                                   ' "runs/x/model"}')
-        if not name or "=" in name or "," in name or len(name) > 64:
-            raise ApiError(422, "invalid_request", f"model name {name!r}: use up to 64 characters without = or ,")
-        return JSONResponse(await fleet.put_model(name, path, who(request)))
-
-    return api
-
-
 # --- the app -----------------------------------------------------------------------------------------------
-
-
-def api_key_check(api_key: str | None):
-    """The dependency that refuses a request without `api_key` (None: every request passes)."""
-
-    # async: FastAPI runs a plain `def` dependency on its thread pool, a thread hop on every request
-    async def check_api_key(credentials: BearerToken) -> None:
-        if api_key is None:
-            return
-        token = credentials.credentials.encode() if credentials else b""
-        if not hmac.compare_digest(token, api_key.encode()):
-            raise ApiError(401, "unauthorized", "missing or wrong API key; send the header"
-                                                " 'Authorization: Bearer <key>'",
-                           headers={"WWW-Authenticate": "Bearer"})
-
-    return check_api_key
 
 
 def body_limit_for(max_texts: int, max_chars: int, max_body_bytes: int) -> int:
@@ -539,7 +381,10 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
                                "responses": {401: {"model": ErrorResponse}}}
     app.include_router(native_router(backend, max_texts, max_chars, body_limit), **guarded)
     app.include_router(tei.router(backend, max_texts, max_chars, body_limit), **guarded)
-    if hasattr(backend, "set_plan"):
+    if hasattr(backend, "feedback"):
+        from torchloom.serve.fleet_api import admin_key_check, admin_router, feedback_router
+
+        app.include_router(feedback_router(backend), **guarded)
         app.include_router(admin_router(backend), dependencies=[Depends(admin_key_check(api_key))],
                            responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
     return app

@@ -90,6 +90,8 @@ class Fleet:
         self.outcomes: dict[str, Outcomes] = {}
         self.verdicts: dict[str, Verdict] = {}
         self.verdict_at = 0.0
+        self.labels_in = 0  # labels recorded, ever
+        self.judged = -1  # labels_in when the verdicts were last worked out
         self.counts: dict[tuple[str, ...], float] = {}  # counters for /metrics: (family, labels...) -> value
         self.shadow_tasks: set[asyncio.Task] = set()
         self.shadow_pending: dict[str, list[tuple[list[str], list[str], list[Any] | None]]] = {}
@@ -254,6 +256,7 @@ class Fleet:
             raise ApiError(422, "unknown_label", f"label {label!r} is not one of the model's labels"
                                                  f" ({', '.join(labels[:20])}); GET /v1/labels lists them")
         self.labelled.add(prediction_id)
+        self.labels_in += 1
         self.count("feedback", "recorded")
         right = {name: answered == label for name, answered in record.items() if answered is not None}
         for name, ok in right.items():
@@ -269,7 +272,11 @@ class Fleet:
         return {"id": prediction_id, "label": label, "right": right}
 
     def judge(self) -> dict[str, Verdict]:
-        """Each model against the first on the labels they share; a log line when a verdict changes."""
+        """Each model against the first on the labels they share (worked out again only after new labels: a
+        dashboard's reads cost nothing more); a log line when a verdict changes."""
+        if self.judged == self.labels_in and self.verdicts.keys() == self.outcomes.keys():
+            return self.verdicts
+        self.judged = self.labels_in
         self.verdict_at = time.monotonic()
         control = self.order[0]
         for name, outcomes in self.outcomes.items():

@@ -19,7 +19,7 @@ import numpy as np
 
 from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
-from torchloom.ledger import check_output, clear_output, record_output
+from torchloom.outputs import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
 MEANING = {
@@ -107,9 +107,9 @@ def _spark_sample(spark, input_path: str, fmt: str, text_column: str, labels_col
     """Spark counts the rows, keeps about 1.5 n of them at random and the driver n of those, at random."""
     from pyspark.sql import functions as F  # noqa: N812
 
-    from torchloom.serve import score_files
+    from torchloom.serve import score_spark
 
-    df = score_files._spark_read(spark, input_path, fmt)
+    df = score_spark.spark_read(spark, input_path, fmt)
     text_column, labels_column = _columns(df.columns, text_column, labels_column, input_path)
     cols = [F.col(text_column).cast("string").alias("text")]
     if labels_column:

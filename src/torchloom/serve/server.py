@@ -207,7 +207,7 @@ def local_fleet(settings: ServeSettings, threads: int):
     async def load(name: str, path: str):
         import asyncio
 
-        from torchloom.rundir import is_uri
+        from torchloom.uri import is_uri
 
         if is_uri(path):
             from torchloom.model_cache import fetch_model

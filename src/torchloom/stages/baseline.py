@@ -9,8 +9,8 @@ from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
+from torchloom.jsonio import read_json, write_json
 from torchloom.ledger import deletable
-from torchloom.rundir import read_json, write_json
 from torchloom.runfiles import RunFiles
 from torchloom.stages import recorded, run_dir
 

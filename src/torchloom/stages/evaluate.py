@@ -9,7 +9,8 @@ from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.evaluate.onnx_gate import onnx_gate
-from torchloom.rundir import RunDir, read_json
+from torchloom.jsonio import read_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.stages import recorded, run_dir
 from torchloom.stages.baseline import baseline_stage, stored_baseline

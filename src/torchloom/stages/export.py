@@ -7,8 +7,9 @@ import time
 
 from torchloom.config import Config
 from torchloom.console import combine_line, say
+from torchloom.jsonio import read_json
 from torchloom.ledger import deletable
-from torchloom.rundir import RunDir, read_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.stages import recorded, run_dir
 

@@ -14,10 +14,11 @@ from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
 from torchloom.ledger import deletable
 from torchloom.preflight import check_input, check_untrained, for_this_machine
-from torchloom.rundir import RunDir, is_uri, redact
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.stages import recorded, run_dir, save_config
 from torchloom.stages.baseline import baseline_stage
+from torchloom.uri import is_uri, redact
 
 
 def local_input(cfg: Config, rd: RunDir) -> Config:
@@ -28,14 +29,14 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     (etl/tables.py), at one version: a copy would be of every version's files."""
     if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
         return cfg
-    from torchloom.etl.read import is_table, stage_input
+    from torchloom.etl.inputs import is_table, stage_input
 
     paths = {}
     for key in ("path", "val_path", "test_path"):
         value = getattr(cfg.data, key)
         if is_uri(value) and not is_table(cfg.data, value):
             say(f"prepare: reading {redact(value)} from the store")
-            paths[key] = stage_input(value, rd.root / "input" / key, f"data.{key}")
+            paths[key] = stage_input(value, rd.staged_inputs / key, f"data.{key}")
     return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
 
 

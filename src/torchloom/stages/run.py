@@ -11,9 +11,10 @@ from torchloom.config import Config
 from torchloom.console import say, speed_line, summary_text, training_line
 from torchloom.errors import UserError
 from torchloom.etl.session import stop_spark
+from torchloom.jsonio import write_json
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_input, for_this_machine
-from torchloom.rundir import RunDir, write_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.stages import recorded, run_dir
 from torchloom.stages.baseline import baseline_stage, stored_baseline

@@ -9,9 +9,10 @@ from contextlib import contextmanager, nullcontext
 from torchloom.config import Config
 from torchloom.console import precision_line, say, speed_line
 from torchloom.errors import UserError
+from torchloom.jsonio import write_atomic, write_json
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_trainable, for_this_machine
-from torchloom.rundir import RunDir, write_atomic, write_json
+from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.stages import recorded, run_dir, save_config
 from torchloom.train.result import TrainResult

@@ -38,7 +38,8 @@ from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
-from torchloom.rundir import STEP_DIR, sha256_file, step_name, write_atomic
+from torchloom.jsonio import sha256_file, write_atomic
+from torchloom.rundir import STEP_DIR, step_name
 from torchloom.runfiles import RunFiles
 from torchloom.train.distributed import Dist, broadcast_from_main
 

@@ -190,7 +190,7 @@ def trial_name_of(result) -> str | None:
 
 
 def ran_to_the_end(td: RunDir) -> bool:
-    from torchloom.rundir import read_json
+    from torchloom.jsonio import read_json
 
     if not td.progress.is_file():
         return False

@@ -29,14 +29,16 @@ from torchloom import config as config_mod
 from torchloom import preflight, tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
+from torchloom.jsonio import read_json, write_json
 from torchloom.ledger import NOT_CONTENT, check_replaceable, replace_local
-from torchloom.rundir import StudyDir, read_json, write_json
+from torchloom.rundir import StudyDir
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import STUDY_FORMAT
 from torchloom.stages import recorded
 from torchloom.stages.prepare import prepare_with_baseline
 from torchloom.tune import space as space_mod
 from torchloom.tune.common import mode_of, say, study_dir, study_name, with_output
+from torchloom.uri import has_scheme
 
 
 def choose_backend(cfg: Config) -> str:
@@ -227,7 +229,7 @@ def prepare_once(cfg: Config, sd: StudyDir, tracker) -> None:
 
 def absolute_paths(cfg: Config) -> Config:
     def absolute(path: str) -> str:
-        if not path or "://" in path or Path(path).is_absolute():
+        if not path or has_scheme(path) or Path(path).is_absolute():
             return path
         return str(Path(path).resolve())
 

@@ -10,7 +10,8 @@ from typing import Any
 from torchloom import tracking
 from torchloom.config import Config
 from torchloom.errors import first_line
-from torchloom.rundir import RunDir, StudyDir, read_json, write_json
+from torchloom.jsonio import read_json, write_json
+from torchloom.rundir import RunDir, StudyDir
 from torchloom.stages.train import train_stage
 from torchloom.train import checkpoint
 from torchloom.train.result import TrainResult

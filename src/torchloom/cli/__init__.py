@@ -1,0 +1,215 @@
+"""The command line. Each sub-command is a thin call into one stage; those that use an exported model (predict,
+serve, monitor) are cli/serving.py's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torchloom import __version__
+from torchloom.cli.serving import add_monitor_arguments, add_predict_arguments, cmd_monitor, cmd_predict, cmd_serve
+from torchloom.errors import UserError, one_line
+from torchloom.serve.arguments import add_serve_arguments
+
+COMMANDS = {
+    "run": "prepare, train, export and evaluate into one run dir (no arguments: the embedded demo)",
+    "prepare": "Spark ETL: validate, clean, dedup, split and tokenize labelled text to Parquet",
+    "train": "train on the prepared data (DDP with engine.workers processes)",
+    "export": "write the selected checkpoint as a Hugging Face model dir (<run>/model)",
+    "evaluate": "score the exported model on a split: report.md, report.json, plots/",
+    "predict": "predict labels with an exported model: texts as JSON lines, or a whole file to Parquet (--output)",
+    "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--serve-with ray)",
+    "monitor": "compare new texts with the model's reference profile: drift report, estimated accuracy (exit 3:"
+               " drift); `monitor rules`: Prometheus alerts and a Grafana dashboard for served models",
+    "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
+    "config": "print the resolved config as TOML",
+    "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
+    "k8s": "Kubernetes manifests: an Indexed Job of torchrun pods (train), a Deployment (serve) (torchloom k8s --help)",
+}
+
+OVERRIDES_HELP = """\
+Config: defaults are the embedded demo (BBC News + all-MiniLM-L6-v2). Change any field with
+--config FILE.toml and/or --SECTION.KEY VALUE (or --SECTION.KEY=VALUE), e.g.
+  --data.path my.csv --data.text_column body --train.lr 3e-5 --engine.workers 4
+`torchloom config` prints every section and key with its current value.
+"""
+
+
+# The config keys each command uses: whole sections, or "section.key".
+COMMAND_KEYS = {
+    "run": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking"],
+    "prepare": ["data", "prepare", "model.path", "output", "tracking"],
+    "train": ["train", "engine", "model", "prepare.spark_master", "prepare.spark_conf", "eval.batch_size",
+              "eval.precision", "output", "tracking"],
+    "export": ["train.select", "model.path", "export", "output.dir"],
+    "evaluate": ["eval", "prepare.spark_master", "prepare.spark_conf", "output.dir", "tracking"],
+    "tune": ["tune", "data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
+    "config": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking", "tune", "k8s"],
+}
+
+
+def keys_help(command: str, width: int = 110) -> str:
+    """The config keys `command` uses, each with its default and meaning, from the schema (config/keys.py)."""
+    import dataclasses
+    import re
+    import textwrap
+
+    from torchloom.config.keys import MEANINGS
+    from torchloom.config.schema import Config
+
+    defaults = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            defaults[f"{section.name}.{f.name}"] = json.dumps(value) if isinstance(value, str | dict) else str(value)
+            if isinstance(value, bool):
+                defaults[f"{section.name}.{f.name}"] = str(value).lower()
+    wanted = COMMAND_KEYS.get(command, [])
+    keys = [k for k in defaults if k in wanted or k.split(".")[0] in wanted]
+    lines = [f"Config keys of `torchloom {command}` (--KEY VALUE; default, then meaning):"]
+    for k in keys:
+        head = f"  --{k} {defaults[k]}"
+        meaning = re.sub(r"\[([^\]]+)\]\([^)]+\)", r"\1", MEANINGS[k]).replace("`", "")  # markdown to text
+        lines += textwrap.wrap(meaning, width, initial_indent=f"{head}\n      ",
+                               subsequent_indent="      ") or [head]
+    return "\n".join(lines) + "\n\n"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchloom", description="Labelled text to a trained, exported classifier with distributed PyTorch.",
+        epilog=OVERRIDES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"torchloom {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        epilog = (keys_help(name) if name in COMMAND_KEYS else "") + OVERRIDES_HELP
+        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        if name == "predict":
+            add_predict_arguments(sp)
+            continue
+        if name == "serve":
+            add_serve_arguments(sp)
+            continue
+        if name == "monitor":
+            add_monitor_arguments(sp)
+            continue
+        sp.add_argument("--config", help="a TOML file with [section] tables")
+        if name in ("run", "prepare", "train", "tune"):
+            sp.add_argument("--overwrite", action="store_true", help="same as --output.overwrite true")
+        if name in ("run", "export"):
+            sp.add_argument("--format", choices=("hf", "onnx", "onnx-int8"), default=None,
+                            help="same as --export.format: onnx / onnx-int8 add a gated ONNX model beside the HF one")
+        if name in ("run", "train"):
+            sp.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
+                            help="resume from the latest checkpoint, or from CHECKPOINT")
+    return p
+
+
+def build_config(args: argparse.Namespace, rest: list[str]):
+    from torchloom.config import build
+
+    extra = list(rest)
+    if getattr(args, "overwrite", False):
+        extra += ["--output.overwrite", "true"]
+    if getattr(args, "resume", None):
+        extra += ["--train.resume", args.resume]
+    if getattr(args, "format", None):
+        extra += ["--export.format", args.format]
+    cfg = build(args.config, extra)
+    from torchloom.recorded import follow, given_keys
+
+    # a stage on its own: the model and (on a resume) the training the run recorded, unless a flag says otherwise
+    return follow(cfg, args.command, given_keys(args.config, extra))
+
+
+def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
+    from torchloom.model.env import use_model_env
+
+    use_model_env()  # models from local directories only, here and in the workers this command starts
+    if args.command == "predict":
+        return cmd_predict(args, rest)
+    if args.command == "serve":
+        return cmd_serve(args, rest)
+    if args.command == "monitor":
+        return cmd_monitor(args, rest)
+    cfg = build_config(args, rest)
+    if args.command == "config":
+        from torchloom.config import to_toml
+
+        sys.stdout.write(to_toml(cfg))
+        return 0
+    from torchloom import preflight
+    from torchloom.lease import hold
+
+    with preflight.command():  # each check once: the stages this command runs find its answers kept
+        cfg = preflight.for_this_machine(cfg)  # what cannot run here fails now, before prepare
+        with hold(cfg.output.dir, args.command):  # a run on a store: one driver writes it at a time
+            return run_stage(args.command, cfg)
+
+
+def run_stage(command: str, cfg) -> int:
+    from torchloom.stages import evaluate, export, prepare, run, train
+
+    if command == "prepare":
+        prepare.prepare_with_baseline(cfg)
+    elif command == "train":
+        from torchloom import tracking
+        from torchloom.preflight import check_prepared
+
+        check_prepared(cfg)  # before MLflow and torch load: a wrong --output.dir is one line at once
+        with tracking.start(cfg, "train") as tracker:
+            train.train_stage(cfg, tracker=tracker)
+    elif command == "export":
+        export.export_stage(cfg)
+    elif command == "evaluate":
+        evaluate.evaluate_stage(cfg)
+    elif command == "run":
+        run.run_all(cfg)
+    elif command == "tune":
+        from torchloom.tune.study import run as tune_run
+
+        tune_run(cfg)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plan":
+        # pure arithmetic with its own options: no config, no torch, starts in a blink
+        from torchloom.plan.command import main as plan_main
+
+        return plan_main(argv[1:])
+    if argv[:2] == ["monitor", "rules"]:  # Prometheus rules and a Grafana dashboard: text, no torch
+        from torchloom.serve.alerting import main as rules_main
+
+        return rules_main(argv[2:])
+    if argv and argv[0] == "k8s":  # manifests from the config: no torch either
+        from torchloom.k8s.command import main as k8s_main
+
+        return k8s_main(argv[1:])
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    if args.command is None:
+        p.print_help()
+        return 0
+    try:
+        return dispatch(args, rest)
+    except UserError as e:
+        print(f"torchloom: error: {one_line(e)}", file=sys.stderr)
+        return UserError.exit_code
+    except KeyboardInterrupt:
+        print("torchloom: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        from torchloom.engines.common import Preempted, TrainingFailed
+
+        if isinstance(e, Preempted):  # one line: where it stopped, and the command that goes on
+            print(f"torchloom: {e}", file=sys.stderr)
+            return Preempted.exit_code
+        if isinstance(e, TrainingFailed):  # the failing rank's error and traceback: several lines on purpose
+            print(f"torchloom: error: {e}", file=sys.stderr)
+            return TrainingFailed.exit_code
+        raise

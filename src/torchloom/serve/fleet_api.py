@@ -1,0 +1,153 @@
+"""The HTTP side of several models behind one endpoint (serve/fleet.py): POST /v1/feedback and the admin route,
+/v1/admin, behind the API key (docs/serving.md, "A/B and shadow"). Bodies are parsed by hand, for one-line errors;
+their schemas document them in /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+
+from torchloom.serve.api_common import (
+    ApiError,
+    BearerToken,
+    ErrorResponse,
+    api_key_check,
+    json_type,
+    load_json,
+    read_body,
+)
+
+
+class FeedbackRequest(BaseModel):
+    id: str = Field(min_length=1, description="a prediction's id, from /v1/predict", examples=["3f9a1c-2a"])
+    label: str = Field(min_length=1, description="the text's true label", examples=["sport"])
+
+
+class TrafficRequest(BaseModel):
+    traffic: dict[str, float] = Field(description="each model's share in percent, summing to 100",
+                                      examples=[{"v1": 90, "v2": 10}])
+    shadows: list[str] | None = Field(default=None, description="the shadows (kept when left out)")
+
+
+class PromoteRequest(BaseModel):
+    model: str = Field(min_length=1, examples=["v2"])
+
+
+class LoadRequest(BaseModel):
+    path: str = Field(min_length=1, description="an exported model: a directory or a store's URI",
+                      examples=["runs/b/model"])
+
+
+def body_of(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra documenting a required JSON body of `model`'s schema (bodies are parsed by hand)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+FEEDBACK_BODY = 64 * 1024
+FEEDBACK_EXAMPLE = 'send JSON like {"id": "<an id from /v1/predict>", "label": "<the true label>"}'
+
+
+def parse_feedback(body: bytes) -> tuple[str, str]:
+    """(id, label) of a POST /v1/feedback body, or an ApiError naming what is wrong."""
+    if not body.strip():
+        raise ApiError(400, "empty_body", f"the request body is empty; {FEEDBACK_EXAMPLE}")
+    payload = load_json(body, FEEDBACK_EXAMPLE)
+    if not isinstance(payload, dict):
+        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object;"
+                                               f" {FEEDBACK_EXAMPLE}")
+    for key in ("id", "label"):
+        if not isinstance(payload.get(key), str) or not payload[key]:
+            got = "missing" if key not in payload else f"a {json_type(payload[key])}"
+            raise ApiError(422, "invalid_request", f'"{key}" is {got}, not a non-empty string; {FEEDBACK_EXAMPLE}')
+    return payload["id"], payload["label"]
+
+
+def feedback_router(backend) -> APIRouter:
+    """POST /v1/feedback over a Fleet."""
+    api = APIRouter()
+
+    @api.post("/v1/feedback", summary="the true label of a prediction (its id from /v1/predict): scores every"
+                                      " model that answered it (docs/serving.md, A/B and shadow)",
+              responses={status: {"model": ErrorResponse} for status in (400, 404, 409, 422)},
+              openapi_extra=body_of(FeedbackRequest))
+    async def feedback(request: Request) -> Response:
+        if not hasattr(backend, "feedback"):
+            raise ApiError(501, "not_supported", "this server keeps no predictions for feedback")
+        prediction_id, label = parse_feedback(await read_body(request, FEEDBACK_BODY))
+        return JSONResponse(backend.feedback(prediction_id, label))
+
+    return api
+
+
+ADMIN_BODY = 64 * 1024
+
+
+def admin_key_check(api_key: str | None):
+    """The admin route's guard: the API key, and no admin at all on a server started without one."""
+    check = api_key_check(api_key)
+
+    async def check_admin(credentials: BearerToken) -> None:
+        if api_key is None:
+            raise ApiError(403, "admin_disabled", "the admin route needs an API key; start the server with --api-key"
+                                                  " KEY (or TORCHLOOM_API_KEY)")
+        await check(credentials)
+
+    return check_admin
+
+
+async def admin_body(request: Request, example: str) -> dict[str, Any]:
+    payload = load_json(await read_body(request, ADMIN_BODY), example)
+    if not isinstance(payload, dict):
+        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object; {example}")
+    return payload
+
+
+def admin_router(fleet) -> APIRouter:
+    """/v1/admin: the split, the shadows, promotion and loading a model, changed without a restart (fleet.py)."""
+    from torchloom.serve.split import make_plan
+
+    api = APIRouter(prefix="/v1/admin")
+
+    def who(request: Request) -> str:
+        return request.client.host if request.client else "a client"
+
+    @api.get("", summary="the models, the split and the shadows")
+    async def view() -> Response:
+        return JSONResponse(fleet.admin_view())
+
+    @api.put("/traffic", summary="set the split (and the shadows)", openapi_extra=body_of(TrafficRequest))
+    async def traffic(request: Request) -> Response:
+        example = 'send JSON like {"traffic": {"A": 90, "B": 10}, "shadows": ["C"]}'
+        payload = await admin_body(request, example)
+        split, shadows = payload.get("traffic"), payload.get("shadows")
+        shadows = fleet.plan.shadows if shadows is None else shadows
+        if not isinstance(split, dict):
+            raise ApiError(422, "invalid_request", f'"traffic" is missing or not an object; {example}')
+        if not isinstance(shadows, list) or not all(isinstance(x, str) for x in shadows):
+            raise ApiError(422, "invalid_request", f'"shadows" is not a list of model names; {example}')
+        plan = make_plan(fleet.order, split, shadows, what="traffic")
+        return JSONResponse(fleet.set_plan(plan, who(request)))
+
+    @api.post("/promote", summary="the model takes all the traffic and stops being a shadow",
+              openapi_extra=body_of(PromoteRequest))
+    async def promote(request: Request) -> Response:
+        name = (await admin_body(request, 'send JSON like {"model": "B"}')).get("model")
+        if not isinstance(name, str):
+            raise ApiError(422, "invalid_request", '"model" is missing or not a string; send JSON like {"model": "B"}')
+        return JSONResponse(fleet.promote(name, who(request)))
+
+    @api.put("/models/{name}", summary="load a model (warmed up first) as NAME, or replace NAME in place",
+             openapi_extra=body_of(LoadRequest))
+    async def put_model(name: str, request: Request) -> Response:
+        path = (await admin_body(request, 'send JSON like {"path": "runs/x/model"}')).get("path")
+        if not isinstance(path, str) or not path:
+            raise ApiError(422, "invalid_request", '"path" is missing or not a string; send JSON like {"path":'
+                                                   ' "runs/x/model"}')
+        if not name or "=" in name or "," in name or len(name) > 64:
+            raise ApiError(422, "invalid_request", f"model name {name!r}: use up to 64 characters without = or ,")
+        return JSONResponse(await fleet.put_model(name, path, who(request)))
+
+    return api
