@@ -223,3 +223,42 @@ def test_ray_serve_splits_sticks_and_shadows_through_its_proxy(models, tmp_path)
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()
+
+
+def test_requests_sent_while_a_model_is_replaced_are_all_answered_by_the_old_version_or_the_new(models, tmp_path):
+    """Texts wait 300 ms for their batch; requests keep coming while A's new version loads: the ones still queued at
+    the swap are answered by the old version (released only once its queue is empty), none fails."""
+    import threading
+
+    s = Server("", "--model", f"A={models['A']}", "--api-key", API_KEY, "--device", "cpu", "--max-wait-ms", "300",
+               "--fixed-wait", "--no-tune", log_dir=tmp_path)
+    try:
+        s.client.headers.update(AUTH)
+        again = tmp_path / "a2" / "model"
+        shutil.copytree(models["A"], again)
+        (again / "torchloom.json").write_text((again / "torchloom.json").read_text().replace("{", '{"version": "v2", ',
+                                                                                             1))
+        answers: list[tuple[int, str]] = []
+        done = threading.Event()
+
+        def keep_asking() -> None:
+            with httpx.Client(base_url=s.url, timeout=60, headers=AUTH) as client:
+                while not done.is_set() or len(answers) < 5:
+                    r = client.post("/v1/predict", json={"texts": ["match goal"]})
+                    answers.append((r.status_code, r.json()["model"]["version"] if r.status_code == 200 else r.text))
+
+        askers = [threading.Thread(target=keep_asking) for _ in range(4)]
+        for t in askers:
+            t.start()
+        r = s.client.put("/v1/admin/models/A", json={"path": str(again)})
+        wait_for(lambda: any(v == "v2" for _, v in answers))  # the askers' requests after the swap: the new version's
+        done.set()
+        for t in askers:
+            t.join(60)
+        assert r.status_code == 200, r.text
+        assert all(code == 200 for code, _ in answers), [a for a in answers if a[0] != 200][:3]
+        versions = [v for _, v in answers]
+        assert "v2" in versions and versions[0] != "v2" and set(versions) == {versions[0], "v2"}
+        wait_for(lambda: "released a " in s.stderr())
+    finally:
+        s.kill()
