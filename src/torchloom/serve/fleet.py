@@ -30,6 +30,7 @@ from torchloom.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
 from torchloom.serve.api_common import ApiError
 from torchloom.serve.batcher import Overloaded, ShuttingDown
 from torchloom.serve.split import Plan, key_point
+from torchloom.uri import is_uri
 
 log = logging.getLogger("torchloom.serve")
 FEEDBACK_SIZE = 100_000  # predictions kept for feedback: the most recent this many
@@ -332,6 +333,10 @@ class Fleet:
         if self.load is None:
             raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas);"
                                                  " redeploy instead")
+        if is_uri(path):  # a model on a store: fetched once into this host's cache, for either engine
+            from torchloom.model_cache import fetch_model
+
+            path = str(await asyncio.to_thread(fetch_model, path, f"model {name}"))
         member = await self.load(name, path)
         try:
             self.check_labels([self.members[self.order[0]], member] if self.order[0] != name else
@@ -376,9 +381,6 @@ class Fleet:
                                "path": self.members[n].path} for n in self.order}}
 
     def monitor_report(self) -> dict[str, Any]:
-        return self.main_monitor()
-
-    def main_monitor(self) -> dict[str, Any]:
         """The monitor report of the model most traffic goes to: the one the torchloom_monitor_* gauges show."""
         from torchloom.serve.live_monitor import off_report
 

@@ -281,12 +281,13 @@ class ServeMetrics:
                 **{f.name: gauge(f.name, f.help, f.labelnames, mode="liveall") for f in self.monitor},
             }
             self.shared_gauges["queue_capacity"].set(queue_capacity)
-            self.queue_changed(0)
+            self.shared_gauges["queue_depth"].set(0)
 
-    def queue_changed(self, depth: int) -> None:
-        """Several processes: this one's queue depth, in the files (one process: read when scraped)."""
+    def queue_changed(self) -> None:
+        """Several processes: this one's queue depth (the queue_depth it was given, read now: the sum over a
+        replica's models), in the files (one process: read when scraped)."""
         if self.shared_gauges:
-            self.shared_gauges["queue_depth"].set(depth)
+            self.shared_gauges["queue_depth"].set(self.queue_depth.read())
 
     def publish_monitor(self, _report: dict | None = None) -> None:
         """Several processes: this one's monitor gauges, in the files (one process: read when scraped)."""

@@ -80,6 +80,11 @@ class RayBackend:
     def monitor_report(self) -> dict[str, Any]:
         return self.monitor.current() if self.monitor is not None else self.monitor_off
 
+    @property
+    def queued(self) -> int:
+        """Texts this model's queue holds now."""
+        return self._pending
+
     def room(self) -> int:
         """Texts the replica's queue takes now."""
         return self.settings.max_queue - self._pending
@@ -122,7 +127,7 @@ class RayBackend:
         if self._pending + len(texts) > self.settings.max_queue:
             raise Overloaded(self._pending, self.settings.max_queue)
         self._pending += len(texts)
-        self.metrics.queue_changed(self._pending)
+        self.metrics.queue_changed()
         items = [_Item(t) for t in texts]
         try:
             results = await asyncio.gather(*(self._batched_one(item) for item in items))
@@ -135,7 +140,7 @@ class RayBackend:
             raise
         finally:
             self._pending -= len(texts)
-            self.metrics.queue_changed(self._pending)
+            self.metrics.queue_changed()
         for result in results:
             if isinstance(result, _Failed):
                 raise ModelFailed(result.error_id)
@@ -276,7 +281,8 @@ def replica_fleet(settings: ServeSettings, threads: int):
 
     models = settings.models or {None: settings.model_dir}
     holder: list[Fleet] = []
-    metrics = ServeMetrics(queue_depth=lambda: 0, monitor=lambda: holder[0].main_monitor(),
+    metrics = ServeMetrics(queue_depth=lambda: sum(m.backend.queued for m in holder[0].members.values()),
+                           monitor=lambda: holder[0].monitor_report(),
                            queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
     members = [ray_member(name, path, settings, threads, metrics) for name, path in models.items()]
     plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else \

@@ -39,7 +39,6 @@ def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str =
         from pyspark import TaskContext
 
         from torchloom.serve.model import ServedModel
-        from torchloom.uri import is_uri
 
         if is_uri(model_dir):  # a model on a store: this executor's host fetches it once into its own cache
             from torchloom.model_cache import fetch_dir

@@ -196,7 +196,7 @@ def local_fleet(settings: ServeSettings, threads: int):
     plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else None
     holder: list[Fleet] = []
     metrics = ServeMetrics(queue_depth=lambda: sum(m.backend.batcher.queue_depth for m in holder[0].members.values()),
-                           monitor=lambda: holder[0].main_monitor(), queue_capacity=settings.max_queue)
+                           monitor=lambda: holder[0].monitor_report(), queue_capacity=settings.max_queue)
     members = [local_member(name, path, settings, threads, metrics,
                             SHADOW_NICE if plan and name in plan.shadows else 0) for name, path in models.items()]
     if plan is None:
@@ -207,12 +207,6 @@ def local_fleet(settings: ServeSettings, threads: int):
     async def load(name: str, path: str):
         import asyncio
 
-        from torchloom.uri import is_uri
-
-        if is_uri(path):
-            from torchloom.model_cache import fetch_model
-
-            path = str(await asyncio.to_thread(fetch_model, path, f"model {name}"))
         member = await asyncio.to_thread(local_member, name, path, settings, threads, metrics)
         await member.backend.start()
         if not await member.backend.warmed():
