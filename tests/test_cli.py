@@ -274,13 +274,14 @@ def test_run_resume_follows_the_recorded_model_as_train_resume_does(finished_run
     after which export and train --resume refused the right model."""
     from torchloom.config import build
     from torchloom.recorded import follow
+    from torchloom.runfiles import RunFiles
 
     rd, _ = finished_run
     run = tmp_path / "run"
     shutil.copytree(rd, run)
-    cfg = follow(build(None, ["--output.dir", str(run), "--train.resume", "latest"]), "run", set())
+    cfg = follow(build(None, ["--output.dir", str(run), "--train.resume", "latest"]), "run", set(), RunFiles(run))
     assert cfg.model.path == tiny and cfg.train.batch_size == 8  # the recorded model and training settings
-    fresh = follow(build(None, ["--output.dir", str(run)]), "run", set())
+    fresh = follow(build(None, ["--output.dir", str(run)]), "run", set(), RunFiles(run))
     assert fresh.model.path == ""  # a fresh run (which --overwrite must allow) takes what it is given
     config = (run / "config.toml").read_bytes()
     other = write_tiny_model(tmp_path / "other")

@@ -120,6 +120,7 @@ def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
 def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, capsys):
     from torchloom.config import budget, save
     from torchloom.data.synthetic import write_synthetic_dataset
+    from torchloom.rundir import RunDir
     from torchloom.stages.train import how_long
 
     assert budget.choose_batch(5, 1780, 128)[0] == 16  # the demo: 2 epochs of 112 steps are 225 needed
@@ -138,10 +139,10 @@ def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, 
     # the driver: from the prepared data; a resumed run keeps the batch its config.toml recorded
     rd = tmp_path / "run"
     write_synthetic_dataset(rd / "data", rows={"train": 12000, "val": 8, "test": 8}, num_labels=2)
-    fresh = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]))
+    fresh = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]), RunDir(rd))
     assert fresh.train.batch_size == 64 and "batch_size auto: 64" in capsys.readouterr().err
     save(build(None, ["--output.dir", str(rd), "--train.batch_size", "32"]), rd / "config.toml")
-    resumed = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]), resuming=True)
+    resumed = how_long(build(None, ["--output.dir", str(rd), "--engine.workers", "2"]), RunDir(rd), resuming=True)
     assert resumed.train.batch_size == 32
 
 

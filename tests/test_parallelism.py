@@ -25,6 +25,7 @@ from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
 from torchloom.plan import command as plan
 from torchloom.plan.advice import RUN_WITH
+from torchloom.runfiles import RunFiles
 from torchloom.stages.export import export_stage
 from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist
@@ -271,7 +272,7 @@ def test_activation_checkpointing_lowers_peak_memory_at_equal_results(tmp_path):
         cfg = build(None, ["--output.dir", str(rd), "--model.path", model, "--train.batch_size", "16",
                            "--train.precision", "fp32", "--engine.workers", "1",
                            "--train.activation_checkpointing", ac])
-        trainer = Trainer(cfg, ONE_PROCESS)
+        trainer = Trainer(cfg, ONE_PROCESS, RunFiles(rd))
         trainer.loader.set_epoch(0)
         batches = iter(trainer.loader)
         trainer.train_step([next(batches)], 0)  # the optimizer's state exists from here on

@@ -1,5 +1,6 @@
-"""The checks before a stage run once per command (preflight.py): the CLI checks the config, and `run` and the
-stages it calls get the answer kept; a stage called from Python outside a command checks every time."""
+"""The checks before a stage run once per run (preflight.py, run.py): the CLI opens the command's Run, checked,
+and hands it to `run` and the stages it calls, which ask nothing again; a stage called from Python with a Config
+opens (and checks) a Run of its own."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 from torchloom import cli, preflight
 from torchloom.config import build
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir
+from torchloom.run import Run
+from torchloom.runfiles import RunFiles
 
 
 class Stopped(Exception):
@@ -16,52 +18,65 @@ class Stopped(Exception):
 
 
 def counting(monkeypatch) -> dict[str, list[str]]:
-    """The checks' calls, by check: the config's output.dir or the run directory each one checked."""
-    calls: dict[str, list[str]] = {"for_this_machine": [], "check_foreign_config": []}
-    machine, foreign = preflight._for_this_machine, preflight._check_foreign_config
-    monkeypatch.setattr(preflight, "_for_this_machine",
-                        lambda cfg: calls["for_this_machine"].append(cfg.output.dir) or machine(cfg))
-    monkeypatch.setattr(preflight, "_check_foreign_config",
-                        lambda rd: calls["check_foreign_config"].append(rd.location) or foreign(rd))
+    """The checks' calls, by check: the output.dir each one checked."""
+    calls: dict[str, list[str]] = {"for_this_machine": [], "check_own": []}
+    machine, own = preflight.for_this_machine, RunFiles.check_own
+    monkeypatch.setattr(preflight, "for_this_machine",
+                        lambda run: calls["for_this_machine"].append(run.cfg.output.dir) or machine(run))
+    monkeypatch.setattr(RunFiles, "check_own",
+                        lambda self, *a: calls["check_own"].append(self.rd.location) or own(self, *a))
     return calls
 
 
-def test_run_checks_the_config_once_though_run_all_and_train_stage_ask_again(tmp_path, monkeypatch):
-    from torchloom.stages import run, train
+def test_run_checks_its_run_once_and_hands_it_to_the_stages(tmp_path, monkeypatch):
+    from torchloom.stages import run, save_config, train
 
     calls = counting(monkeypatch)
-    asked: list[str] = []
+    given: list[Run] = []
 
-    def trainable(cfg):  # train_stage has asked for_this_machine again by now
-        asked.append(cfg.output.dir)
+    def trainable(r):  # train_stage's own check, reached with the Run the CLI built
+        given.append(r)
+        save_config(r)  # asks whether the run is torchloom's: kept on the Run, not asked again
         raise Stopped
 
     monkeypatch.setattr(train, "check_trainable", trainable)
-    monkeypatch.setattr(run, "_run_all", lambda cfg, rd, tracker, reuse: train.train_stage(cfg))  # no prepare: no Spark
+    monkeypatch.setattr(run, "_run_all", lambda r, reuse: train.train_stage(r))  # no prepare: no Spark
     out = str(tmp_path / "run")
     with pytest.raises(Stopped):
         cli.main(["run", "--output.dir", out, "--engine.device", "cpu", "--tracking.enabled", "false"])
-    assert asked == [out]  # the CLI, run_all and train_stage each asked; the machine and the run were checked once
-    assert calls == {"for_this_machine": [out], "check_foreign_config": [out]}
+    assert [r.cfg.output.dir for r in given] == [out] and isinstance(given[0].cfg.engine.workers, int)
+    assert calls == {"for_this_machine": [out], "check_own": [out]}
+    assert (tmp_path / "run" / "config.toml").is_file()
 
 
-def test_outside_a_command_every_call_checks(tmp_path, monkeypatch):
+def test_a_config_from_python_opens_a_run_of_its_own_and_a_run_passes_through(tmp_path, monkeypatch):
+    from torchloom.stages import as_run
+
     calls = counting(monkeypatch)
     cfg = build(None, ["--output.dir", str(tmp_path / "run"), "--engine.device", "cpu"])
-    counted = preflight.for_this_machine(cfg)
-    assert preflight.for_this_machine(counted) == counted
+    opened = as_run(cfg)
+    assert isinstance(opened, Run) and opened.cfg.engine.workers != "auto" and opened.rd.root == tmp_path / "run"
+    assert as_run(opened) is opened and as_run(cfg) is not opened  # each Config: its own run, checked again
     assert len(calls["for_this_machine"]) == 2
-    with preflight.command():
-        assert preflight.for_this_machine(counted) is preflight.for_this_machine(counted)
-        preflight.check_foreign_config(RunDir(tmp_path / "run"))
-    assert len(calls["for_this_machine"]) == 3
-    assert len(calls["check_foreign_config"]) == 3  # two outside the command, one in it
+    with pytest.raises(ValueError, match="given the config of"):  # a run never takes another directory's config
+        opened.but(cfg=build(None, ["--output.dir", str(tmp_path / "other")]))
 
 
 def test_a_failed_check_is_asked_again(tmp_path):
     (tmp_path / "file").write_text("x")
     cfg = build(None, ["--output.dir", str(tmp_path / "file"), "--engine.device", "cpu"])
-    with preflight.command():
-        for _ in range(2):
-            with pytest.raises(UserError, match="is a file, not a directory"):
-                preflight.for_this_machine(cfg)
+    for _ in range(2):
+        with pytest.raises(UserError, match="is a file, not a directory"):
+            preflight.open_run(cfg)
+    run = preflight.open_run(build(None, ["--output.dir", str(tmp_path / "ok"), "--engine.device", "cpu"]))
+    answers = iter([UserError("down"), None])
+
+    def flaky() -> None:
+        error = next(answers)
+        if error:
+            raise error
+
+    with pytest.raises(UserError):
+        run.once("flaky", flaky)
+    run.once("flaky", flaky)  # asked again, and passes
+    run.once("flaky", lambda: pytest.fail("a passed check is kept"))

@@ -10,6 +10,7 @@ from torchloom.engines.worker import hooked_reporters, worker_reporter
 from torchloom.errors import UserError
 from torchloom.jsonio import write_atomic
 from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 from torchloom.train.reporter import Reporters
 from torchloom.tune.pruning import PruningReporter
 
@@ -42,7 +43,7 @@ def test_hooks_build_the_named_reporter_on_every_rank_and_refuse_foreign_code(tm
     rd.write_hooks({"reporters": [PruningReporter.hook(storage="sqlite:///x.db", study_name="s", trial_id=0,
                                                        metric="macro_f1", scheduler="asha", grace_period=1,
                                                        reduction_factor=2)]})
-    reporter = worker_reporter(rd, rank=1)
+    reporter = worker_reporter(RunFiles(rd), rank=1)
     assert isinstance(reporter, Reporters) and reporter.may_stop
     assert any(isinstance(r, PruningReporter) for r in reporter.reporters)
     rd.write_hooks({"reporters": [{"class": "os:system", "args": {}}]})
@@ -54,7 +55,7 @@ def test_hooks_build_the_named_reporter_on_every_rank_and_refuse_foreign_code(tm
 
 def test_progress_and_errors_reach_the_driver_files(tmp_path):
     rd = RunDir(tmp_path)
-    reporter = worker_reporter(rd, rank=0)
+    reporter = worker_reporter(RunFiles(rd), rank=0)
     reporter.progress({"total_steps": 10, "step": 3, "phase": "train"})
     assert json.loads(rd.progress.read_text())["step"] == 3
     reporter.failed(ValueError("boom"))

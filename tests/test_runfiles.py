@@ -118,11 +118,10 @@ def test_every_file_a_run_writes_on_a_host_reaches_its_store(tmp_path, topics_cs
 
 def test_a_host_without_access_is_told_its_own_stores_credentials():
     from torchloom.engines.common import not_visible
-    from torchloom.rundir import RunDir
 
     for uri, names in (("s3://b/run", "AWS_ACCESS_KEY_ID"), ("gs://b/run", "GOOGLE_APPLICATION_CREDENTIALS"),
                        ("abfs://c@acct.dfs.core.windows.net/run", "AZURE_STORAGE_CONNECTION_STRING")):
-        line = str(not_visible(RunDir(uri), ["hostb"]))
+        line = str(not_visible(RunFiles(uri), ["hostb"]))
         assert names in line and "hostb" in line and "\n" not in line, line
 
 

@@ -228,7 +228,7 @@ def test_a_model_re_exported_to_the_same_uri_is_fetched_again_and_keys_never_lea
 
 
 def test_uploads_run_behind_training_and_the_store_keeps_what_the_run_keeps(s3, cache, tmp_path):
-    from torchloom.train.upload import CheckpointUploader
+    from torchloom.runfiles_checkpoints import CheckpointUploader
 
     rd = RunDir(uri("uploads"))
     logged = []
@@ -573,14 +573,15 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
 RANK_ON_A_HOST = """
 import os, sys, time
 from torchloom.engines import worker
-from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 worker.REMOTE_LOG_S = 0.5
-rd = RunDir(sys.argv[1])
-worker.capture_output(rd, 0)
+files = RunFiles(sys.argv[1])
+rd = files.rd
+worker.capture_output(files, 0)
 print("line from " + sys.argv[2], flush=True)
 placement = rd.placement_file("l1", 0, 0)
 worker.write_json(placement, {"host": sys.argv[2]})
-worker.start_heartbeat(placement, rd, rd.rank_log(0))
+worker.start_heartbeat(placement, files, rd.rank_log(0))
 time.sleep(3)
 os._exit(9)  # the host is gone: no upload at the end
 """
@@ -618,7 +619,7 @@ def test_the_driver_shows_the_lines_of_ranks_on_other_hosts_from_the_store(s3, c
             time.sleep(0.2)
         return out.getvalue()
 
-    with LogTailer(rd, stream=out, interval=0.2):
+    with LogTailer(RunFiles(rd), stream=out, interval=0.2):
         (rd.logs / "rank-0.log").write_text("rank 0 here\n")
         other.write_text("old attempt line\nrank 1 on another host\n")
         storage.upload(other, uri("tailed", "logs", "rank-1.log"))

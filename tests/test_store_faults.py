@@ -167,6 +167,7 @@ def test_transient_store_errors_are_retried_within_a_window_and_a_permanent_one_
     from torchloom.engines.worker import record_error
     from torchloom.errors import UserError
     from torchloom.rundir import RunDir
+    from torchloom.runfiles import RunFiles
 
     monkeypatch.setattr(store_errors, "BACKOFF_S", (0.01, 0.02))
     monkeypatch.setenv(store_errors.RETRY_ENV, "5")
@@ -200,9 +201,9 @@ def test_transient_store_errors_are_retried_within_a_window_and_a_permanent_one_
         store_errors.retry_window()
     # in a worker, a store that outlasted the window is restartable like a lost process; a user error is not
     rd = RunDir(tmp_path / "run")
-    record_error(rd, 0, store_errors.StoreUnavailable("s3://b/k: cannot write it"), "L1")
+    record_error(RunFiles(rd), 0, store_errors.StoreUnavailable("s3://b/k: cannot write it"), "L1")
     assert failure_cause(rd, "L1") is None
-    record_error(rd, 1, UserError("data.path x: no such file"), "L1")
+    record_error(RunFiles(rd), 1, UserError("data.path x: no such file"), "L1")
     assert failure_cause(rd, "L1")["rank"] == 1
 
 

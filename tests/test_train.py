@@ -22,6 +22,7 @@ from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
+from torchloom.rundir import RunDir
 from torchloom.stages.train import how_long
 from torchloom.train import checkpoint, optim
 from torchloom.train.state import seed_everything
@@ -351,7 +352,7 @@ def test_train_budget_auto_trains_longer_where_more_epochs_help_and_off_keeps_th
         cfg = cfg_for(rd, models["no_dropout"], "--train.budget", budget, "--train.metric", "accuracy",
                       "--train.lr", "3e-3")
         cfg.train.epochs = cfg.train.early_stopping_patience = "auto"  # the defaults, as a user gets them
-        results[budget] = local.train(how_long(cfg), rd, quiet=True)
+        results[budget] = local.train(how_long(cfg, RunDir(rd)), rd, quiet=True)
     off, auto = results["off"], results["auto"]
     assert off.steps == 24 and not off.stopped_early
     assert auto.steps > off.steps and auto.best_metric > off.best_metric, (auto.to_dict(), off.best_metric)

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING
 
 from torchloom import preflight
 from torchloom.config import Config
-from torchloom.manifest import read as read_manifest
 from torchloom.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -48,11 +47,11 @@ def combine_line(combine: dict) -> str:
             f" ({scores})")
 
 
-def training_line(cfg: Config, result: TrainResult) -> str:
-    """How long training ran against what was asked or chosen (train.epochs auto: config/budget.py), one line."""
+def training_line(cfg: Config, m, result: TrainResult) -> str:
+    """How long training ran on the prepared data `m` against what was asked or chosen (train.epochs auto:
+    config/budget.py), one line."""
     from torchloom.config import budget
 
-    m = read_manifest(RunDir(cfg.output.dir).data)
     chosen, why = cfg.train.epochs, None
     if chosen == "auto":
         chosen, why = budget.choose_epochs(cfg.train.budget, m.num_labels, m.split("train").rows,

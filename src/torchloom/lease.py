@@ -26,7 +26,6 @@ import time
 import uuid
 
 from torchloom.errors import UserError, first_line
-from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 
 FORMAT = "torchloom-lease/1"
@@ -48,11 +47,11 @@ def lease_seconds() -> float:
     return value
 
 
-def read(uri: str) -> dict | None:
-    """The lease at the run `uri` (None: none there, or not a lease torchloom wrote)."""
-    rd = RunDir(uri)
+def read(run: RunFiles | str) -> dict | None:
+    """The lease of the run (its files, or its URI) (None: none there, or not a lease torchloom wrote)."""
+    files = RunFiles.of(run)
     try:
-        data = json.loads(RunFiles(rd).read(rd.lease) or b"null")
+        data = json.loads(files.read(files.rd.lease) or b"null")
     except ValueError:
         return None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("expires"), (int, float)):
@@ -70,12 +69,11 @@ def describe(lease: dict) -> str:
 
 
 class Lease:
-    """Hold the run at `uri` for `stage` while the block runs (`with Lease(...)`)."""
+    """Hold the run (its files, or its URI) for `stage` while the block runs (`with Lease(...)`)."""
 
-    def __init__(self, uri: str, stage: str, seconds: float | None = None, owner: dict | None = None):
-        self.uri, self.stage = uri.rstrip("/"), stage
-        self.rd = RunDir(self.uri)
-        self.files = RunFiles(self.rd)
+    def __init__(self, run: RunFiles | str, stage: str, seconds: float | None = None, owner: dict | None = None):
+        self.files, self.stage = RunFiles.of(run.rstrip("/") if isinstance(run, str) else run), stage
+        self.rd = self.files.rd
         self.seconds = seconds or lease_seconds()
         self.owner = owner or {"host": socket.gethostname(), "pid": os.getpid(), "id": uuid.uuid4().hex}
         self._stop = threading.Event()
@@ -98,7 +96,7 @@ class Lease:
                          f" process is gone, wait {left} s or remove {self.where}")
 
     def acquire(self) -> None:
-        held = read(self.uri)
+        held = read(self.files)
         if held is not None and held.get("id") != self.owner["id"]:
             if held["expires"] > time.time():
                 raise self._refuse(held)
@@ -106,7 +104,7 @@ class Lease:
                   f" at {_when(held['expires'])}", file=sys.stderr, flush=True)
         self._write()
         time.sleep(SETTLE_S)
-        held = read(self.uri)
+        held = read(self.files)
         if held is not None and held.get("id") != self.owner["id"]:
             raise self._refuse(held)  # another driver wrote its lease just after ours
         self._thread = threading.Thread(target=self._renew, name="torchloom-lease", daemon=True)
@@ -116,7 +114,7 @@ class Lease:
         warned = False
         while not self._stop.wait(self.seconds / 3):
             try:
-                held = read(self.uri)
+                held = read(self.files)
                 if held is not None and held.get("id") != self.owner["id"]:
                     print(f"torchloom: warning: {self.where}: now held by {describe(held)} (it was removed or"
                           " expired); this stage goes on without it", file=sys.stderr, flush=True)
@@ -135,7 +133,7 @@ class Lease:
             self._thread.join()
             self._thread = None
         try:
-            held = read(self.uri)
+            held = read(self.files)
             if held is not None and held.get("id") == self.owner["id"]:
                 self.files.delete(self.rd.lease)
         except Exception as e:  # the lease then expires by itself
@@ -153,11 +151,11 @@ class Lease:
 WRITERS = ("prepare", "train", "run", "export", "evaluate", "tune")  # the commands whose driver holds the lease
 
 
-def hold(output_dir: str, command: str):
-    """The lease of a command that writes a run on a store, after the store's pre-flight write check (one line
-    within seconds for a wrong endpoint); nothing for a local run or a command that only reads."""
-    files = RunFiles(output_dir)
-    if command not in WRITERS or not files.on_store:
+def hold(run, command: str):
+    """The lease of a command that writes `run` (run.Run) on a store, after the store's pre-flight write check (one
+    line within seconds for a wrong endpoint, asked once per run); nothing for a local run (the meaning differs:
+    a local directory has no lease, its driver is the one process writing it) or a command that only reads."""
+    if command not in WRITERS or not run.files.on_store:
         return contextlib.nullcontext()
-    files.check_writable()
-    return Lease(output_dir, command)
+    run.once("writable", lambda: run.files.check_writable("output.dir"))
+    return Lease(run.files, command)

@@ -2,53 +2,30 @@
 cannot be written or holds someone else's files, inputs that match nothing, a run that cannot be trained. Each
 failure is one line (a UserError), and nothing is written to find out.
 
-Each check runs once per command. The CLI enters command() and checks the config before it takes the run's
-lease; `run` and the stages it calls (or `tune` and its study) check the same config again, and within the command
-they get the kept answer instead of asking the machine and the store again. Outside a command (a stage called from
-Python, a Ray Tune trial's own process) every call checks.
+Each check runs once per run: open_run checks the config and builds the command's Run (run.py), which the CLI
+hands to its stages; a check a stage asks again (the prefix is torchloom's, before config.toml is written) is
+kept on that Run (Run.once), never in this module. A stage called from Python with a Config, or a Ray Tune
+trial's own process, opens its own Run, checked the same way.
 """
 
 from __future__ import annotations
-
-import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TypeVar
 
 from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine
-from torchloom.manifest import read as read_manifest
+from torchloom.run import Run
 from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.uri import is_uri, redact
 
-T = TypeVar("T")
 
-_answers: dict[tuple[str, str], object] | None = None  # in a command: each check's answer, by what it checked
-
-
-@contextmanager
-def command() -> Iterator[None]:
-    """One command: within it, each check answers once for what it checks (see the module's docstring)."""
-    global _answers
-    _answers = {}
-    try:
-        yield
-    finally:
-        _answers = None
-
-
-def once(check: str, key: str, answer: Callable[[], T]) -> T:
-    """answer(), kept for the rest of the command under (check, key); asked every time outside a command. A failed
-    check raises and keeps nothing."""
-    if _answers is None:
-        return answer()
-    if (check, key) not in _answers:
-        _answers[check, key] = answer()
-    return _answers[check, key]  # type: ignore[return-value]
+def open_run(cfg: Config, files: RunFiles | None = None) -> Run:
+    """The command's Run (run.py), once every check below has passed: engine.workers auto counted on this machine,
+    what cannot run here refused, the stores asked (for_this_machine). files: the run's, where the caller has them
+    already (the CLI, which read the run's recorded config with them)."""
+    run = Run(cfg, files if files is not None else RunFiles(RunDir(cfg.output.dir)))
+    return run.but(cfg=for_this_machine(run))
 
 
 def visible_gpus(cfg: Config) -> int:
@@ -66,15 +43,16 @@ def visible_gpus(cfg: Config) -> int:
     return gpu_count()
 
 
-_STORES_CHECKED: set[str] = set()
-
-
-def check_stores(cfg: Config) -> None:
+def check_stores(cfg: Config, run: Run | None = None) -> None:
     """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
-    write the run, said in one line before any stage starts (once per URI and process)."""
+    write the run, said in one line before any stage starts (once per run: `run` keeps what passed)."""
     from torchloom.etl.inputs import check_reachable
 
-    for key, uri, check in (("output.dir", cfg.output.dir, lambda uri, key: RunFiles(uri).check_writable(key)),
+    def writable(uri: str, key: str) -> None:
+        if run is not None:
+            check_writable(run)
+
+    for key, uri, check in (("output.dir", cfg.output.dir, writable),
                             ("data.path", cfg.data.path, check_reachable),
                             ("data.val_path", cfg.data.val_path, check_reachable),
                             ("data.test_path", cfg.data.test_path, check_reachable)):
@@ -83,27 +61,27 @@ def check_stores(cfg: Config) -> None:
                             " give them in the environment (AWS_*, GOOGLE_APPLICATION_CREDENTIALS or AZURE_STORAGE_*,"
                             " a profile, an instance role),"
                             " never in the URI, which is written to config.toml and logs")
-        if is_uri(uri) and uri not in _STORES_CHECKED:
+        if is_uri(uri):
             if key.startswith("data.") and not runs_on_this_machine(cfg.prepare.spark_master):
                 continue  # a Spark cluster reads it with its own connector and credentials
             check(uri, key)
-            _STORES_CHECKED.add(uri)
 
 
-def for_this_machine(cfg: Config) -> Config:
-    """engine.workers auto counted on this machine, and what cannot run here refused, before any stage
-    starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too.
-    Once per config in a command: the counted config is its own answer."""
-    counted = once("for_this_machine", repr(cfg), lambda: _for_this_machine(cfg))
-    return once("for_this_machine", repr(counted), lambda: counted)
+def check_writable(run: Run) -> None:
+    """The run's store answers and these credentials may write and delete there, or its local directory can be
+    made and written (once per run)."""
+    run.once("writable", lambda: run.files.check_writable("output.dir"))
 
 
-def _for_this_machine(cfg: Config) -> Config:
-    check_stores(cfg)
-    if not is_uri(cfg.output.dir):
-        check_output_dir(RunDir(cfg.output.dir).root)
+def for_this_machine(run: Run) -> Config:
+    """run.cfg with engine.workers auto counted on this machine, and what cannot run here refused, before any
+    stage starts (config/load.resolve_workers); a config already counted passes through. Stores are checked too,
+    and a local output.dir that cannot be written, and a run directory holding someone else's files."""
+    cfg = run.cfg
+    check_stores(cfg, run)
+    check_writable(run)  # a local directory too: it can be made and written
     if not cfg.output.overwrite:  # --overwrite: runrecord.owned_entries says
-        check_foreign_config(RunDir(cfg.output.dir))
+        check_foreign_config(run)
     if cfg.engine.workers != "auto" and (not config_mod.ranks_here(cfg) or cfg.engine.device == "cpu"):
         return cfg
     return config_mod.resolve_workers(cfg, visible_gpus(cfg))
@@ -120,47 +98,26 @@ def check_input(cfg: Config) -> None:
     pin_tables(cfg.data, embedded.data_path(cfg.data.path), local_only=True)  # prepare pins them again
 
 
-def check_prepared(cfg: Config) -> None:
+def check_prepared(run: Run) -> None:
     """`train` on a local output.dir without prepared data: the one line read_manifest gives, before anything
     loads (a run on a store is checked when its working copy is staged)."""
-    if not is_uri(cfg.output.dir):
-        rd = RunDir(cfg.output.dir)
-        if not (rd.data / "manifest.json").is_file():
-            read_manifest(rd.data)
+    if not run.files.holds(run.rd.manifest):  # where the run lives: the store's, never this host's copy
+        raise UserError(f"{run.rd.home(run.rd.data)}: no prepared data (manifest.json) here; run torchloom prepare"
+                        " first")
 
 
-def check_output_dir(path: Path) -> None:
-    """A local output.dir that cannot be made or written (a file on its path, a directory this user may not
-    write) is one line before any stage starts, and nothing is created to find out."""
-    fix = "pass another --output.dir"
-    if path.exists() and not path.is_dir():
-        raise UserError(f"output.dir {path}: is a file, not a directory; {fix}")
-    nearest = path
-    while not nearest.exists() and nearest.parent != nearest:  # a path under a file does not exist either
-        nearest = nearest.parent
-    if not nearest.is_dir():
-        raise UserError(f"output.dir {path}: cannot be created, {nearest} is a file, not a directory; {fix}")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        made = "written" if nearest == path else f"created, {nearest} is not writable"
-        raise UserError(f"output.dir {path}: cannot be {made} for this user; {fix} or make it writable")
-
-
-def check_foreign_config(rd: RunDir) -> None:
+def check_foreign_config(run: Run) -> None:
     """Never write over a config.toml torchloom did not write (a Hugo site's, say), nor into a store's prefix
     that holds objects of someone else's: refused before any stage, from the store itself for a run on one.
-    Once per run directory in a command (each stage that saves the config asks again)."""
-    once("check_foreign_config", rd.location, lambda: _check_foreign_config(rd))
+    Once per run (each stage that saves the config asks again)."""
+    run.once("own", run.files.check_own)
 
 
-def _check_foreign_config(rd: RunDir) -> None:
-    RunFiles(rd).check_own()
-
-
-def check_untrained(cfg: Config) -> None:
+def check_untrained(run: Run) -> None:
     """prepare --overwrite into a run that was trained: its checkpoints (and model) would belong to data that is
     gone, and a later resume or export would take them; one line before Spark starts, nothing touched."""
-    rd = RunDir(cfg.output.dir)
-    if RunFiles(rd).holds(rd.checkpoints):
+    rd = run.rd
+    if run.files.holds(rd.checkpoints):
         raise UserError(f"output.dir {rd.where}: holds checkpoints trained on the data that prepare would replace;"
                         " start the whole run afresh (torchloom run --overwrite) or prepare into another"
                         " --output.dir")
@@ -170,10 +127,9 @@ def check_fresh(cfg: Config, files: RunFiles) -> None:
     """A fresh training removes the earlier one's checkpoints (train/checkpoint.clear_earlier): only with
     --overwrite, and only when they are all torchloom's (the run's ledger), else one line before anything starts."""
     from torchloom.ledger import deletable
-    from torchloom.train import checkpoint
 
     rd = files.rd
-    steps = files.stored_steps() if files.on_store else [s for s, _ in checkpoint.list_checkpoints(rd.checkpoints)]
+    steps = files.stored_steps()
     if not steps:
         return
     if not cfg.output.overwrite:
@@ -185,7 +141,7 @@ def check_fresh(cfg: Config, files: RunFiles) -> None:
     deletable(files.tree(), "output.dir", cfg.inputs(), under="checkpoints")
 
 
-def check_trainable(cfg: Config) -> int | None:
+def check_trainable(run: Run) -> int | None:
     """Catch in the driver what would otherwise fail in every worker; returns the step train.resume
     resumes from (None: a fresh start)."""
     from torchloom import manifest as manifest_mod
@@ -193,8 +149,7 @@ def check_trainable(cfg: Config) -> int | None:
     from torchloom.model.build import check_model_dir
     from torchloom.train import checkpoint
 
-    rd = RunDir(cfg.output.dir)
-    files = RunFiles(rd)
+    cfg, files, rd = run.cfg, run.files, run.rd
     files.ensure(rd.manifest)  # the workers stream the shards from the store
     if cfg.train.resume == "latest":  # the newest intact checkpoint alone, hashed once (rank 0 finds it stamped)
         files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)

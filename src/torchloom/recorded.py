@@ -22,10 +22,9 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict
 from torchloom.errors import UserError
-from torchloom.rundir import CONFIG_FILE, RunDir
+from torchloom.rundir import CONFIG_FILE
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import is_own_file
-from torchloom.uri import is_uri
 
 STAGES = ("train", "export", "evaluate", "run")  # `run` only with --resume: a fresh one prepares and trains anew
 
@@ -46,32 +45,32 @@ def given_keys(config_file: str | None, overrides: list[str]) -> set[str]:
     return keys
 
 
-def recorded_config(rd: RunDir) -> Config | None:
+def recorded_config(files: RunFiles) -> Config | None:
     """The config.toml the run holds (on its store for a run on one), when torchloom wrote it."""
-    content = RunFiles(rd).read(rd.config)
+    content = files.read(files.rd.config)
     if content is None or not is_own_file(CONFIG_FILE, content):
         return None
     return from_dict(tomllib.loads(content.decode("utf-8")))
 
 
-def follow(cfg: Config, command: str, given: set[str]) -> Config:
-    """`cfg` with what the run recorded where the user gave nothing, and the one-line refusals where a given value
-    contradicts the model the run trained."""
-    if command not in STAGES or not (is_uri(cfg.output.dir) or Path(cfg.output.dir).is_dir()):
+def follow(cfg: Config, command: str, given: set[str], files: RunFiles) -> Config:
+    """`cfg` with what the run (`files`: cfg's run) recorded where the user gave nothing, and the one-line refusals
+    where a given value contradicts the model the run trained."""
+    if command not in STAGES:
         return cfg
     if command == "run" and not cfg.train.resume:
         return cfg
-    rd = RunDir(cfg.output.dir)
-    recorded = recorded_config(rd)
+    recorded = recorded_config(files)
     if recorded is None:
         return cfg
-    cfg = _model(cfg, recorded, command, given, rd)
+    cfg = _model(cfg, recorded, command, given, files)
     if command in ("train", "run") and cfg.train.resume:
         cfg = _training(cfg, recorded, given)
     return cfg
 
 
-def _model(cfg: Config, recorded: Config, command: str, given: set[str], rd: RunDir) -> Config:
+def _model(cfg: Config, recorded: Config, command: str, given: set[str], files: RunFiles) -> Config:
+    rd = files.rd
     mine, theirs = cfg.model.path, recorded.model.path
     if "model.path" not in given or mine == theirs:
         if mine != theirs:
@@ -83,19 +82,20 @@ def _model(cfg: Config, recorded: Config, command: str, given: set[str], rd: Run
         raise UserError(f"model.path {mine}: the run in {rd.where} trained from model.path {shown}, whose weights"
                         f" its checkpoints hold; leave --model.path out (or pass {shown}), or train afresh into"
                         " another --output.dir")
-    _check_tokenizer(cfg, rd)
+    _check_tokenizer(cfg, files)
     say(f"train: model.path {mine} instead of the recorded {shown}: a fresh training, its tokenizer the one the"
         " data was prepared with")
     return cfg
 
 
-def _check_tokenizer(cfg: Config, rd: RunDir) -> None:
+def _check_tokenizer(cfg: Config, files: RunFiles) -> None:
     """A fresh train on another model: only where the prepared token ids mean the same words to it."""
     from torchloom import manifest as manifest_mod
     from torchloom.embedded import model_path
     from torchloom.etl.tokenize import read_tokenizer_json, tokenizer_hash
 
-    RunFiles(rd).ensure(rd.manifest)
+    rd = files.rd
+    files.ensure(rd.manifest)
     m = manifest_mod.read(rd.data)
     want = m.tokenizer.get("hash")
     try:

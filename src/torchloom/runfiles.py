@@ -17,6 +17,11 @@ each host works in a staging copy (RunDir.root); these verbs are the fixed point
     stored_steps / pull_checkpoints        the store's complete checkpoints (runfiles_checkpoints.py)
     streamed(manifest)         prepared data whose shards are read from the store (ranged reads)
     sync_copy / new_identity   the copy counts only while its record equals the store's (rundir.RUN_RECORD)
+    drop_copy                  a fresh run on a store: this host's copy emptied
+    adopt / pushing            a run worked on in this host's copy (a tune study): the store's taken, and pushed
+                               as it goes and at the end
+    uploader / publish_part    rank 0's checkpoint uploads in the background, a rank's own part of a checkpoint
+                               (runfiles_checkpoints.py); None / nothing on a local run
     check_own / replace        the own-prefix rule, and --overwrite (ledger.py: what torchloom wrote) on the store
     tree / recording           the run as the ledger sees it (the store's objects for a run on one: store_tree.py),
                                and a command's stock-taking of what it wrote there
@@ -34,6 +39,7 @@ import fcntl
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -63,6 +69,11 @@ class RunFiles(CheckpointFiles):
     def __repr__(self) -> str:
         return f"RunFiles({self.rd.where!r})"
 
+    @classmethod
+    def of(cls, run: RunFiles | RunDir | str | os.PathLike) -> RunFiles:
+        """A run's files as they are, or those of a RunDir or a location (a Python caller of an engine's train)."""
+        return run if isinstance(run, RunFiles) else cls(run)
+
     @property
     def on_store(self) -> bool:
         """The run lives on a store, and this host holds a copy of it (the protocol's few rules that differ:
@@ -74,6 +85,11 @@ class RunFiles(CheckpointFiles):
         assert self._remote is not None
         rel = Path(path).resolve().relative_to(self.rd.root).as_posix()
         return self._remote if rel == "." else storage.join(self._remote, rel)
+
+    def stored(self, path: str | Path) -> str | None:
+        """The store's URI of the run's `path`, for a client that writes or reads it there itself (a Spark cluster's
+        executors, which do not see this host's copy); None for a local run, whose directory they share."""
+        return None if self._remote is None else self.uri(path)
 
     # -- moving files -------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -226,10 +242,13 @@ class RunFiles(CheckpointFiles):
             storage.write_bytes(self.uri(path), data)
 
     def check_writable(self, key: str = "output.dir") -> None:
-        """Before any work: the store answers and these credentials may write and delete there (one line
-        otherwise, within seconds); nothing to check for a local run."""
+        """Before any work: the store answers and these credentials may write and delete there, or a local
+        directory can be made and written by this user (one line otherwise, within seconds; nothing is created to
+        find out)."""
         if self._remote is not None:
             storage.check_writable(self._remote, key)
+        else:
+            check_local_dir(self.rd.root, key)
 
     def what_to_check(self) -> str:
         """For a line telling a host without access what to give it: this store's kind of credentials and endpoint
@@ -285,6 +304,61 @@ class RunFiles(CheckpointFiles):
             if remote is not None:
                 rd.root.mkdir(parents=True, exist_ok=True)
                 write_atomic(rd.record, remote)
+
+    def adopt(self, overwrite: bool, inputs: list[str] = ()) -> None:
+        """A run whose work happens in this host's copy (a tune study, whose trials are local runs in it): the copy
+        takes the store's (a study resumed on another host goes on from what the store holds); overwrite: the
+        store's own objects of the run are replaced instead (replace). A local run is its own copy: nothing."""
+        if self._remote is None:
+            return
+        if overwrite:
+            self.replace(inputs=inputs)
+            return
+        self.sync_copy()
+        self.pull(self.rd.root)
+
+    @contextlib.contextmanager
+    def pushing(self, every_s: Callable[[], float], one_round: Callable[[], None],
+                pushed: Callable[[], None] = lambda: None) -> Iterator[None]:
+        """Around work done in this host's copy of a run on a store (a tune study): one_round() every every_s()
+        seconds meanwhile (what has finished goes up as it goes), and the whole copy pushed when the block ends,
+        whether it finished or not, then pushed(). A local run's block just runs."""
+        if self._remote is None:
+            yield
+            return
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every_s()):
+                one_round()
+
+        pusher = threading.Thread(target=loop, name="torchloom-push", daemon=True)
+        pusher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            pusher.join()
+            self.push(self.rd.root)
+            pushed()
+
+    def drop_copy(self, path: str | Path | None = None) -> None:
+        """A run on a store begun afresh: this host's staging copy (of `path`: a directory of the run, else all of
+        it) is emptied, its files an earlier run's (the store's side is replaced by then, or refused). A local
+        run's directory is the run itself: nothing happens (what replaces it there is the ledger's business)."""
+        path = Path(path) if path is not None else self.rd.root
+        if self._remote is not None and path.exists():
+            shutil.rmtree(path)
+
+    def push_anew(self, path: str | Path, inputs: list[str] = ()) -> None:
+        """A directory made anew in this copy (prepared data) replaces the store's: the store's earlier objects under
+        it (only what torchloom wrote: replace) go first, then it goes up (its manifest last). A local run's
+        directory is the new one already."""
+        if self._remote is None:
+            return
+        if self.listing(path):
+            self.replace(inputs=inputs, under=path)
+        self.push(path)
 
     def new_identity(self) -> None:
         """A new record for the run (runrecord.write_record), on the store too: every other host's copy is void."""
@@ -386,3 +460,19 @@ class RunFiles(CheckpointFiles):
             raise UserError(f"{key} {self.rd.where}: not replaced: it is a bucket's root, which --overwrite never"
                             f" empties; give the run a prefix of its own, e.g. {self.rd.where}/runs/NAME")
         ledger.replace(self.tree(), key, inputs, under=rel)
+
+
+def check_local_dir(path: Path, key: str = "output.dir") -> None:
+    """A local directory that cannot be made or written (a file on its path, a directory this user may not
+    write) is one line, and nothing is created to find out."""
+    fix = f"pass another --{key}"
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{key} {path}: is a file, not a directory; {fix}")
+    nearest = path
+    while not nearest.exists() and nearest.parent != nearest:  # a path under a file does not exist either
+        nearest = nearest.parent
+    if not nearest.is_dir():
+        raise UserError(f"{key} {path}: cannot be created, {nearest} is a file, not a directory; {fix}")
+    if not os.access(nearest, os.W_OK | os.X_OK):
+        made = "written" if nearest == path else f"created, {nearest} is not writable"
+        raise UserError(f"{key} {path}: cannot be {made} for this user; {fix} or make it writable")

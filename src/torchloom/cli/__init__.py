@@ -109,7 +109,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def build_config(args: argparse.Namespace, rest: list[str]):
+    """The command's config from --config and the flags, and the keys the user gave (recorded.given_keys)."""
     from torchloom.config import build
+    from torchloom.recorded import given_keys
 
     extra = list(rest)
     if getattr(args, "overwrite", False):
@@ -118,11 +120,7 @@ def build_config(args: argparse.Namespace, rest: list[str]):
         extra += ["--train.resume", args.resume]
     if getattr(args, "format", None):
         extra += ["--export.format", args.format]
-    cfg = build(args.config, extra)
-    from torchloom.recorded import follow, given_keys
-
-    # a stage on its own: the model and (on a resume) the training the run recorded, unless a flag says otherwise
-    return follow(cfg, args.command, given_keys(args.config, extra))
+    return build(args.config, extra), given_keys(args.config, extra)
 
 
 def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
@@ -135,7 +133,7 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         return cmd_serve(args, rest)
     if args.command == "monitor":
         return cmd_monitor(args, rest)
-    cfg = build_config(args, rest)
+    cfg, given = build_config(args, rest)
     if args.command == "config":
         from torchloom.config import to_toml
 
@@ -143,35 +141,41 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         return 0
     from torchloom import preflight
     from torchloom.lease import hold
+    from torchloom.recorded import follow
+    from torchloom.runfiles import RunFiles
 
-    with preflight.command():  # each check once: the stages this command runs find its answers kept
-        cfg = preflight.for_this_machine(cfg)  # what cannot run here fails now, before prepare
-        with hold(cfg.output.dir, args.command):  # a run on a store: one driver writes it at a time
-            return run_stage(args.command, cfg)
+    # The command's Run, built once: the run's files; the config with what the run recorded where the user gave
+    # nothing (a stage on its own: the model and, on a resume, the training), checked for this machine (what
+    # cannot run here fails now, before prepare). Every stage takes it.
+    files = RunFiles(cfg.output.dir)
+    run = preflight.open_run(follow(cfg, args.command, given, files), files)
+    with hold(run, args.command):  # a run on a store: one driver writes it at a time
+        return run_stage(args.command, run)
 
 
-def run_stage(command: str, cfg) -> int:
-    from torchloom.stages import evaluate, export, prepare, run, train
+def run_stage(command: str, run) -> int:
+    from torchloom.stages import evaluate, export, prepare, train
+    from torchloom.stages import run as run_all
 
     if command == "prepare":
-        prepare.prepare_with_baseline(cfg)
+        prepare.prepare_with_baseline(run)
     elif command == "train":
         from torchloom import tracking
         from torchloom.preflight import check_prepared
 
-        check_prepared(cfg)  # before MLflow and torch load: a wrong --output.dir is one line at once
-        with tracking.start(cfg, "train") as tracker:
-            train.train_stage(cfg, tracker=tracker)
+        check_prepared(run)  # before MLflow and torch load: a wrong --output.dir is one line at once
+        with tracking.start(run.cfg, "train") as tracker:
+            train.train_stage(run.but(tracker=tracker))
     elif command == "export":
-        export.export_stage(cfg)
+        export.export_stage(run)
     elif command == "evaluate":
-        evaluate.evaluate_stage(cfg)
+        evaluate.evaluate_stage(run)
     elif command == "run":
-        run.run_all(cfg)
+        run_all.run_all(run)
     elif command == "tune":
         from torchloom.tune.study import run as tune_run
 
-        tune_run(cfg)
+        tune_run(run)
     return 0
 
 

@@ -51,11 +51,12 @@ class RunDirNotVisible(UserError):
     """This host does not see the run directory the driver prepared (no shared storage, another path)."""
 
 
-def not_visible(rd: RunDir, hosts: list[str]) -> RunDirNotVisible:
-    if RunFiles(rd).on_store:
+def not_visible(files: RunFiles, hosts: list[str]) -> RunDirNotVisible:
+    rd = files.rd
+    if files.on_store:  # the meaning differs: a store's run is reached with credentials, a local one by a mount
         return RunDirNotVisible(
             f"output.dir {rd.where}: the store's prepared data ({rd.home(rd.manifest)}) cannot be read from"
-            f" host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}; give those hosts {RunFiles(rd).what_to_check()}")
+            f" host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)}; give those hosts {files.what_to_check()}")
     return RunDirNotVisible(
         f"output.dir {rd.root}: not visible on host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} (no"
         f" {rd.manifest.relative_to(rd.root)} there); put the run directory on storage every host mounts at the same"
@@ -78,33 +79,35 @@ REMOTE_BEAT_S = 2.0
 REMOTE_LOG_S = 10.0  # a run on a store: how often a rank uploads its log when it grew (engines/worker.py)
 
 
-def lost_ranks(rd: RunDir, launch_id: str, start: int) -> list[dict]:
+def lost_ranks(files: RunFiles, launch_id: str, start: int) -> list[dict]:
     """The ranks of the given start of this launch that vanished: they left no error of their own (a
     failing rank records one before it leaves), were not stopped by their launcher, and their heartbeat
     ended well before the others' (as when a host dies or is cut off, and the others wait for it). On a store
     the beats are the times the ranks uploaded in their placement files (the hosts' clocks, kept in step by
     NTP as on any cluster)."""
+    rd = files.rd
     paths = rd.placements(launch_id, start)
-    files = RunFiles(rd)
     files.refresh(*paths, quiet=True, wait=False)  # a store that does not answer now: judge by what this host has
+    # the meaning differs: hosts that share no directory share no file times, so the beats written in the files
+    remote = files.on_store
     placed = []
     for p in paths:
         try:
             info = read_json(p)
-            beat = float(info.get("beat") or info.get("time") or 0) if files.on_store else p.stat().st_mtime
+            beat = float(info.get("beat") or info.get("time") or 0) if remote else p.stat().st_mtime
             placed.append((info, beat))
         except (OSError, ValueError, TypeError):
             continue
     if not placed:
         return []
     last = max(beat for _, beat in placed)
-    after = LOST_AFTER_S + (REMOTE_BEAT_S if files.on_store else 0.0)
+    after = LOST_AFTER_S + (REMOTE_BEAT_S if remote else 0.0)
     return [info for info, beat in placed
             if not info.get("stopped") and not rd.error_file(info["rank"]).exists() and last - beat > after]
 
 
-def describe_loss(rd: RunDir, launch_id: str, start: int) -> str:
-    lost = lost_ranks(rd, launch_id, start)
+def describe_loss(files: RunFiles, launch_id: str, start: int) -> str:
+    lost = lost_ranks(files, launch_id, start)
     if not lost:
         return ""
     return "; ".join(f"rank {p['rank']} on host {p['host']} stopped answering (lost)" for p in lost)

@@ -72,7 +72,7 @@ def driver_stream(quiet: bool) -> Iterator[TextIO]:
         yield stream
 
 
-def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], engine_label: str,
+def attempts(files: RunFiles, cfg: Config, launch_once: Callable[[Attempt], None], engine_label: str,
              quiet: bool = False, tail_logs: bool = True,
              failures: tuple[type[BaseException], ...] = (Exception,),
              resize: Callable[[], int] | None = None) -> TrainResult:
@@ -88,6 +88,7 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     """
     # Errors stay across the attempts of a launch: the first one is the cause, and a restarted rank
     # tells a peer that failed from one that vanished.
+    rd = files.rd
     rd.clear_errors()
     launch_id = new_launch_id()
     launched_at = time.time()
@@ -95,20 +96,20 @@ def attempts(rd: RunDir, cfg: Config, launch_once: Callable[[Attempt], None], en
     failed, number, preemptions = 0, 0, []  # failed attempts (the budget), all attempts, notices met
     with driver_stream(quiet) as stream:
         while True:
-            RunFiles(rd).pull(rd.logs, quiet=True)  # a run on a store: what the workers of other hosts recorded so far
+            files.pull(rd.logs, quiet=True)  # a run on a store: what the workers of other hosts recorded so far
             stopped = False
             try:
-                tailer = LogTailer(rd, stream=stream) if tail_logs else contextlib.nullcontext()
-                with ProgressMonitor(rd, stream=stream), tailer:
+                tailer = LogTailer(files, stream=stream) if tail_logs else contextlib.nullcontext()
+                with ProgressMonitor(files, stream=stream), tailer:
                     launch_once(Attempt(launch_id, number, launched_at))
             except LauncherStopped:
                 stopped = True
             except failures as e:  # the engine wraps the workers' failure; our error files hold the real one
-                RunFiles(rd).pull(rd.logs, quiet=True)
-                rerun_or_raise(rd, launch_id, failed, count, e, engine_label, start=number)
+                files.pull(rd.logs, quiet=True)
+                rerun_or_raise(files, launch_id, failed, count, e, engine_label, start=number)
                 failed, number = failed + 1, number + 1
                 continue
-            RunFiles(rd).pull(rd.logs, rd.metrics, rd.progress, quiet=True)
+            files.pull(rd.logs, rd.metrics, rd.progress, quiet=True)
             result = read_result(rd, launch_id, stopped)
             own, preemptions = result.preemptions, preemptions + result.preemptions
             result.preemptions = preemptions
@@ -169,13 +170,14 @@ def engine_account(text: str) -> str:
     return f"Spark lost {executor}: {reason.strip().rstrip('.')}"
 
 
-def rerun_or_raise(rd: RunDir, launch_id: str, attempt: int, attempts: int, error: Exception,
+def rerun_or_raise(files: RunFiles, launch_id: str, attempt: int, attempts: int, error: Exception,
                    engine_label: str, start: int | None = None) -> None:
     """After `attempt` (0-based) of `attempts` failed with `error`: when a lost process caused it and an
     attempt is left, say so and return (the caller re-runs the workers, which resume from the latest
     checkpoint); else raise the job's error. A rank's own error (a user error too) would come back the same."""
     text = str(error)
-    loss = describe_loss(rd, launch_id, attempt if start is None else start)  # start: counting preempted ones
+    rd = files.rd
+    loss = describe_loss(files, launch_id, attempt if start is None else start)  # start: counting preempted ones
     if attempt + 1 < attempts and not worker_user_error(text) and failure_cause(rd, launch_id) is None:
         how = error.how if isinstance(error, AttemptFailed) else engine_account(text) or type(error).__name__
         print(f"torchloom: train: attempt {attempt + 1} of {attempts} failed ({loss or how});"

@@ -22,7 +22,6 @@ import socket
 import threading
 import time
 
-from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train.reporter import Reporter
 
@@ -38,9 +37,9 @@ def parse(spec: str) -> dict[str, str]:
 
 
 class FaultInjector(Reporter):
-    def __init__(self, spec: str, rd: RunDir, rank: int):
+    def __init__(self, spec: str, files: RunFiles, rank: int):
         f = parse(spec)
-        self.spec, self.rd, self.rank = spec, rd, rank
+        self.spec, self.files, self.rd, self.rank = spec, files, files.rd, rank
         self.at_rank, self.at_step, self.kind = int(f.get("rank", -1)), int(f.get("step", -1)), f.get("kind", "raise")
         self.at_host = f.get("host")  # instead of a rank: whichever rank runs on this host
         self.sleep = float(f.get("sleep", 0.5))
@@ -90,14 +89,14 @@ class FaultInjector(Reporter):
     def fired(self, marker) -> bool:
         """This fault fired before in this run (on a store: on any host)."""
         if not marker.exists():
-            RunFiles(self.rd).pull(marker, quiet=True)
+            self.files.pull(marker, quiet=True)
         return marker.exists()
 
     def record(self, marker, text: str) -> None:
         """On a store, there before it is here: a test that cuts the host off on seeing it loses none."""
-        RunFiles(self.rd).write_through(marker, text)
+        self.files.write_through(marker, text)
 
 
-def from_env(rd: RunDir, rank: int) -> FaultInjector | None:
+def from_env(files: RunFiles, rank: int) -> FaultInjector | None:
     spec = os.environ.get(ENV)
-    return FaultInjector(spec, rd, rank) if spec else None
+    return FaultInjector(spec, files, rank) if spec else None

@@ -16,7 +16,7 @@ from torchloom.config import Config, to_dict
 from torchloom.engines.driver import Attempt, AttemptFailed, LauncherStopped, attempts
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError
-from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 
 
@@ -164,14 +164,15 @@ def quiet_launcher() -> Iterator[None]:
             log.setLevel(level)
 
 
-def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
+def train(cfg: Config, run: RunFiles | str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers local processes; returns rank 0's result."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     check_gpus(cfg)
-    rd = RunDir(run_dir)
+    files = RunFiles.of(run)  # the command's Run's files (a path: a Python caller's run directory)
+    rd = files.rd
     log_dir = rd.worker_logs
     log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(worker_env())  # the workers start with this environment (worker_start)
@@ -195,4 +196,4 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
 
     with quiet_launcher():
         # torch elastic's logs already reach this terminal, each line prefixed (tee)
-        return attempts(rd, cfg, launch_once, "local", quiet=quiet, tail_logs=False, failures=(AttemptFailed,))
+        return attempts(files, cfg, launch_once, "local", quiet=quiet, tail_logs=False, failures=(AttemptFailed,))

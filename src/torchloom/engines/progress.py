@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from torchloom.poller import Poller
-from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 
 
@@ -31,9 +30,9 @@ def render(p: dict) -> str:
 class ProgressMonitor(Poller):
     """Polls `<run>/progress.json`; a live line on a terminal, a plain line every `every` s otherwise."""
 
-    def __init__(self, rd: RunDir, every: float = 15.0, stream=None):
+    def __init__(self, files: RunFiles, every: float = 15.0, stream=None):
         super().__init__(interval=0.5, name="torchloom-progress")
-        self.rd, self.path, self.files = rd, rd.progress, RunFiles(rd)
+        self.rd, self.path, self.files = files.rd, files.rd.progress, files
         self._pulled = 0.0
         self.stream = stream or sys.stderr
         self.every = every
@@ -55,7 +54,7 @@ class ProgressMonitor(Poller):
         """A run on a store whose rank 0 is on another host: its progress.json comes from the store (every 2 s;
         not while a rank on this host keeps the local file fresh)."""
         now = time.monotonic()
-        if not self.files.on_store or now - self._pulled < 2.0:
+        if now - self._pulled < 2.0:  # a local run's pull moves nothing
             return
         self._pulled = now
         try:
@@ -90,9 +89,9 @@ class LogTailer(Poller):
     the logs of ranks on other hosts come from the store (each rank uploads its log every 10 s while it grows),
     read every 2 s into a private directory; a rank whose log grows on this host is read here."""
 
-    def __init__(self, rd: RunDir, stream=None, interval: float = 0.5):
+    def __init__(self, files: RunFiles, stream=None, interval: float = 0.5):
         super().__init__(interval=interval, name="torchloom-logs")
-        self.rd, self.files = rd, RunFiles(rd)
+        self.rd, self.files = files.rd, files
         self.stream = stream or sys.stderr
         self._offsets: dict[Path, int] = {}
         self._partial: dict[Path, str] = {}
@@ -100,18 +99,24 @@ class LogTailer(Poller):
         self._remote_sizes: dict[str, int] = {}
         self._local_ranks: set[str] = set()
         self._pulled = 0.0
+        self._before: dict[str, int] = {}
 
     def __enter__(self) -> LogTailer:
         # Only what this launch writes: start at the current end of existing logs.
         for p in self.rd.rank_logs():
             self._offsets[p] = p.stat().st_size
-        if self.files.on_store:
+        self._before = self._remote_logs()  # the store's logs before this launch (a local run lists none)
+        return super().__enter__()
+
+    def _mirrored(self) -> Path:
+        """The private directory the store's logs are read into, made when the store first lists one."""
+        if self._mirror is None:
             import tempfile
 
             self._mirror = Path(tempfile.mkdtemp(prefix="torchloom-logs-"))
-            for name, size in self._remote_logs().items():
+            for name, size in self._before.items():
                 self._offsets[self._mirror / name] = size
-        return super().__enter__()
+        return self._mirror
 
     def __exit__(self, *exc) -> None:
         try:
@@ -129,8 +134,6 @@ class LogTailer(Poller):
 
     def _pull_remote(self) -> list[Path]:
         """The store's copies of the logs of ranks on other hosts, downloaded when they changed."""
-        if self._mirror is None:
-            return []
         now = time.monotonic()
         if now - self._pulled >= 2.0:
             self._pulled = now
@@ -138,12 +141,14 @@ class LogTailer(Poller):
                 if name in self._local_ranks or self._remote_sizes.get(name) == size:
                     continue
                 try:
-                    self.files.download(self.rd.logs / name, self._mirror / name, wait=False)
+                    self.files.download(self.rd.logs / name, self._mirrored() / name, wait=False)
                 except Exception:
                     continue
                 self._remote_sizes[name] = size
                 if size < self._offsets.get(self._mirror / name, 0):  # another host's log of that rank now
                     self._offsets[self._mirror / name] = 0
+        if self._mirror is None:
+            return []
         return sorted(p for p in self._mirror.glob("rank-*.log") if p.name not in self._local_ranks)
 
     def poll(self) -> None:

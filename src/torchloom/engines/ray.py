@@ -29,6 +29,7 @@ from torchloom.model.env import model_env
 from torchloom.private import private_dir
 from torchloom.ray_instance import start_local_ray
 from torchloom.rundir import RunDir
+from torchloom.runfiles import RunFiles
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 
@@ -295,7 +296,7 @@ def trainer(cfg: Config, rd: RunDir, attempt: Attempt, scaling_config, started_l
     )
 
 
-def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
+def train(cfg: Config, run: RunFiles | str | Path, quiet: bool = False) -> TrainResult:
     """Train with cfg.engine.workers Ray Train workers; returns rank 0's result."""
     try:
         import ray
@@ -303,7 +304,8 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     except ImportError:
         raise missing_extra("ray", "ray") from None
 
-    rd = RunDir(run_dir)
+    files = RunFiles.of(run)  # the command's Run's files (a path: a Python caller's run directory)
+    rd = files.rd
     started_local = init_ray(cfg.engine.ray_address)
     scaling_config = scaling(cfg, started_local)
     if not cfg.engine.threads_per_worker:
@@ -313,7 +315,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
     def launch_once(attempt: Attempt) -> None:
         nonlocal cfg, scaling_config
         if attempt.number:
-            lost = lost_ranks(rd, attempt.launch_id, attempt.number - 1)
+            lost = lost_ranks(files, attempt.launch_id, attempt.number - 1)
             if cfg.engine.min_workers:
                 cfg, scaling_config = shrink_to_alive(cfg, scaling_config, len(lost))
             elif lost:
@@ -328,7 +330,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False) -> TrainResult:
 
     try:
         # Ray wraps a worker's failure in its own error; the run directory's error files hold the real one
-        return attempts(rd, cfg, launch_once, "Ray", quiet=quiet, resize=resize)
+        return attempts(files, cfg, launch_once, "Ray", quiet=quiet, resize=resize)
     finally:
         if started_local:
             ray.shutdown()

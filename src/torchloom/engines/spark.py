@@ -85,9 +85,9 @@ class DecommissionWatch(Poller):
     Python processes get no signal from Spark), so the driver writes the attempt's notice file, which the
     workers watch (worker.watch_notice_file)."""
 
-    def __init__(self, spark, rd: RunDir, path: Path, told: set[str], every_s: float = 2.0):
+    def __init__(self, spark, files: RunFiles, path: Path, told: set[str], every_s: float = 2.0):
         super().__init__(every_s, "torchloom-spark-decommission")
-        self.spark, self.rd, self.path, self.given = spark, rd, path, False
+        self.spark, self.files, self.path, self.given = spark, files, path, False
         self.told = told  # executors whose decommission an earlier attempt was told of
 
     def poll(self) -> None:
@@ -101,7 +101,7 @@ class DecommissionWatch(Poller):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_json(self.path, {"notice": f"Spark decommissions executor {executor} on host {host}",
                                "time": time.time()}, indent=None)
-        RunFiles(self.rd).push(self.path, quiet=True)
+        self.files.push(self.path, quiet=True)
         self.given = True
 
     def last_poll(self) -> None:  # the attempt is over: a notice now is for nobody
@@ -181,9 +181,9 @@ def check_slots(cfg: Config, spark=None):
 
 
 def _sees(location: str):
-    def visible() -> bool:
-        rd = RunDir(location)
-        return RunFiles(rd).reachable(rd.manifest)  # a run on a store: the executor's host must reach it
+    def visible() -> bool:  # in the executor: its host's own files of the run (its staging copy is its own)
+        files = RunFiles(RunDir(location))
+        return files.reachable(files.rd.manifest)  # a run on a store: the executor's host must reach it
 
     def check(batches):
         import socket
@@ -195,24 +195,25 @@ def _sees(location: str):
     return check
 
 
-def check_executors_see(spark, rd: RunDir, workers: int) -> None:
+def check_executors_see(spark, files: RunFiles, workers: int) -> None:
     """Before the launch: a barrier stage of `workers` tasks (placed as the training's will be) reports
     each task's host and whether it sees the run directory. A host without it fails the launch in
     seconds with one line, where the training processes would fail one by one, retried."""
     rows = (spark.range(0, workers, 1, workers)
-            .mapInPandas(_sees(rd.location), schema="host string, visible boolean", barrier=True).collect())
+            .mapInPandas(_sees(files.rd.location), schema="host string, visible boolean", barrier=True).collect())
     blind = sorted({r.host for r in rows if not r.visible})
     if blind:
-        raise not_visible(rd, blind)
+        raise not_visible(files, blind)
 
 
-def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> TrainResult:
+def train(cfg: Config, run: RunFiles | str | Path, quiet: bool = False, spark=None) -> TrainResult:
     """Train with cfg.engine.workers processes launched by TorchDistributor; returns rank 0's result."""
     try:
         from pyspark.ml.torch.distributor import TorchDistributor
     except ImportError:
         raise missing_extra("pyspark", "spark") from None
-    rd = RunDir(run_dir)
+    files = RunFiles.of(run)  # the command's Run's files (a path: a Python caller's run directory)
+    rd = files.rd
     spark = spark or get_spark(cfg.prepare)
     # No SparkContext from here on: under Spark Connect this process is a client without one.
     master = conf_value(spark, "spark.master", cfg.prepare.spark_master)
@@ -227,7 +228,7 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if not local_mode:
         check_slots(cfg, spark)
-        check_executors_see(spark, rd, cfg.engine.workers)
+        check_executors_see(spark, files, cfg.engine.workers)
 
     told: set[str] = set()  # executors being decommissioned that a notice named already
 
@@ -239,9 +240,9 @@ def train(cfg: Config, run_dir: str | Path, quiet: bool = False, spark=None) -> 
             return
         if attempt.number:
             wait_for_slots(spark, cfg, master)
-        with DecommissionWatch(spark, rd, rd.notice_file(attempt.launch_id, attempt.number), told):
+        with DecommissionWatch(spark, files, rd.notice_file(attempt.launch_id, attempt.number), told):
             distributor.run(_entry, to_dict(cfg), rd.location, attempt.launch_id, worker_env(), attempt.launched_at,
                             attempt.number)
 
     # Spark wraps a worker's failure in its own error; the run directory's error files hold the real one
-    return attempts(rd, cfg, launch_once, f"Spark ({master})", quiet=quiet)
+    return attempts(files, cfg, launch_once, f"Spark ({master})", quiet=quiet)

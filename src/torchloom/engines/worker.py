@@ -2,8 +2,10 @@
 speaks, whatever engine started it.
 
 `run_worker` is the one function every launcher runs in every worker: it counts restarts, assembles
-the reporter handed to the training entry, records a failure, and writes the result. `worker_env` is
-the environment every engine gives its workers.
+the reporter handed to the training entry, records a failure, and writes the result. It builds the run's
+files (RunFiles) once and hands that owner to everything the rank does with them: the trainer and its
+checkpoints, the heartbeat, the log, the progress and error files. `worker_env` is the environment every
+engine gives its workers.
 """
 
 from __future__ import annotations
@@ -62,14 +64,14 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def capture_output(rd: RunDir, rank: int) -> None:
+def capture_output(files: RunFiles, rank: int) -> None:
     """Send this process's stdout and stderr (Python's and native code's) to logs/rank-{rank}.log. A run on a
     store: a host that has no such log yet first takes the store's (an earlier start of this rank, on a host
     that was lost), so the log goes on from there instead of replacing it."""
-    path = rd.rank_log(rank)
+    path = files.rd.rank_log(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():  # the rank runs without the earlier lines if the store fails; it is judged elsewhere
-        RunFiles(rd).pull(path, quiet=True)
+        files.pull(path, quiet=True)
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -87,8 +89,8 @@ class ProgressFile(Reporter):
 
     PUSH_EVERY_S = 2.0
 
-    def __init__(self, rd: RunDir):
-        self.rd, self.path, self.files = rd, rd.progress, RunFiles(rd)
+    def __init__(self, files: RunFiles):
+        self.path, self.files = files.rd.progress, files
         self._pushed = 0.0
 
     def progress(self, fields: dict) -> None:
@@ -101,11 +103,11 @@ class ProgressFile(Reporter):
 class ErrorFile(Reporter):
     """Records this rank's failure where the driver looks for it, before the rank leaves the group."""
 
-    def __init__(self, rd: RunDir, rank: int, launch_id: str | None = None):
-        self.rd, self.rank, self.launch_id = rd, rank, launch_id
+    def __init__(self, files: RunFiles, rank: int, launch_id: str | None = None):
+        self.files, self.rank, self.launch_id = files, rank, launch_id
 
     def failed(self, error: BaseException) -> None:
-        record_error(self.rd, self.rank, error, self.launch_id)
+        record_error(self.files, self.rank, error, self.launch_id)
 
 
 def hooked_reporters(rd: RunDir, rank: int) -> list[Reporter]:
@@ -120,27 +122,28 @@ def hooked_reporters(rd: RunDir, rank: int) -> list[Reporter]:
     return out
 
 
-def worker_reporter(rd: RunDir, rank: int, engine_reporter: Reporter | None = None,
+def worker_reporter(files: RunFiles, rank: int, engine_reporter: Reporter | None = None,
                     launch_id: str | None = None) -> Reporter:
     """Everything one rank reports to: the driver's files, the engine's own reporter, the driver's hooks, faults."""
-    return combine([ErrorFile(rd, rank, launch_id), ProgressFile(rd), engine_reporter, *hooked_reporters(rd, rank),
-                    faults.from_env(rd, rank)])
+    return combine([ErrorFile(files, rank, launch_id), ProgressFile(files), engine_reporter,
+                    *hooked_reporters(files.rd, rank), faults.from_env(files, rank)])
 
 
 # -- the worker ----------------------------------------------------------------------------------
-def check_visible(rd: RunDir) -> None:
+def check_visible(files: RunFiles) -> None:
     """The driver prepared the data before any launch, so a worker that cannot see it is on a host
     without the shared storage; failing here takes seconds, while waiting for peers would hang. A run on a
     store has no shared directory: this host's working copy takes the prepared data from the store."""
-    RunFiles(rd).ensure(rd.manifest)  # on a store the shards themselves are streamed from it (train/loop.py)
+    rd = files.rd
+    files.ensure(rd.manifest)  # on a store the shards themselves are streamed from it (train/loop.py)
     if not rd.manifest.is_file():
-        raise not_visible(rd, [socket.gethostname()])
+        raise not_visible(files, [socket.gethostname()])
 
 
-def record_start(rd: RunDir, launch_id: str, rank: int) -> int:
+def record_start(files: RunFiles, launch_id: str, rank: int) -> int:
     """Record where this rank starts; returns how often it started before in this launch (0: first). A run on
     a store counts the starts the store holds: a replacement host has none of its own."""
-    files = RunFiles(rd)
+    rd = files.rd
     files.pull(rd.logs, quiet=True)  # placements and errors of the ranks before this start, from every host
     start = len(rd.placements(launch_id, rank=rank))
     rd.logs.mkdir(parents=True, exist_ok=True)
@@ -158,11 +161,11 @@ def update_placement(placement: Path, **fields) -> None:
         write_json(placement, {**read_json(placement), **fields}, indent=None)
 
 
-def start_heartbeat(placement: Path, rd: RunDir | None = None, log: Path | None = None) -> None:
-    """Touch the placement file every HEARTBEAT_S; a run on a store also uploads the beat's time in it every
-    REMOTE_BEAT_S (common.lost_ranks), and the rank's `log` when it grew, every REMOTE_LOG_S (a host that is
-    lost keeps its lines up to then), quietly: a store that does not answer now is judged by the driver."""
-    files = RunFiles(rd) if rd is not None else None
+def start_heartbeat(placement: Path, files: RunFiles | None = None, log: Path | None = None) -> None:
+    """Touch the placement file every HEARTBEAT_S; write the beat's time in it every REMOTE_BEAT_S and publish it
+    (a run on a store uploads it: common.lost_ranks reads it there), and publish the rank's `log` when it grew,
+    every REMOTE_LOG_S (a host that is lost keeps its lines up to then), quietly: a store that does not answer now
+    is judged by the driver. A local run's publishing moves nothing (its driver reads the files themselves)."""
 
     def beat() -> None:
         pushed = logged = 0.0
@@ -171,7 +174,7 @@ def start_heartbeat(placement: Path, rd: RunDir | None = None, log: Path | None 
             time.sleep(HEARTBEAT_S)
             try:
                 os.utime(placement)
-                if files is None or not files.on_store:
+                if files is None:
                     continue
                 # a beat is due again in seconds: never wait on the store (and miss the local touches) for one
                 if time.monotonic() - pushed >= REMOTE_BEAT_S:
@@ -212,12 +215,10 @@ def note_stop_signal(placement: Path, rank: int, grace_s: float) -> None:
 NOTICE_POLL_S = 2.0  # how often one worker per host looks for the driver's notice file
 
 
-def watch_notice_file(rd: RunDir, path: Path, every_s: float = NOTICE_POLL_S) -> None:
+def watch_notice_file(files: RunFiles, path: Path, every_s: float = NOTICE_POLL_S) -> None:
     """A notice that reaches the driver rather than the workers (Spark decommissioning an executor): the
     driver writes it to `path`, and this thread gives it here when the file appears (on a store: when the
     store has it). One worker per host is enough: the flag reaches every rank at the next step boundary."""
-
-    files = RunFiles(rd)
 
     def poll() -> None:
         while not preemption.NOTICE.given:
@@ -244,10 +245,11 @@ def preempted_starts(rd: RunDir, launch_id: str, rank: int) -> int:
     return count
 
 
-def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int) -> dict:
+def restarted(files: RunFiles, cfg_dict: dict, launch_id: str, rank: int, starts: int) -> dict:
     """The config of a worker that the engine (torch elastic, Ray, Spark's own stage retry or torchloom's)
     started again after a failure: resuming from the latest checkpoint. Whoever restarts,
     engine.max_restarts bounds how often; and a rank's own error, which would recur, stops it at once."""
+    rd = files.rd
     limit = cfg_dict["engine"]["max_restarts"]
     failed = starts - preempted_starts(rd, launch_id, rank)  # a start after a preemption is not a restart
     if failed > limit:
@@ -258,7 +260,7 @@ def restarted(rd: RunDir, cfg_dict: dict, launch_id: str, rank: int, starts: int
                            " happen again; restarts are for lost processes")
     if not cfg_dict["train"]["resume"]:
         cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
-    loss = describe_loss(rd, launch_id, starts - 1)
+    loss = describe_loss(files, launch_id, starts - 1)
     label = f"restart {starts}" if failed else f"start {starts + 1}, after a preemption"
     print(f"{label}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
           f" {rd.home(rd.checkpoints)}", flush=True)
@@ -272,38 +274,41 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
                capture: bool = False, launched_at: float | None = None, device: str | None = None,
                attempt: int | None = None) -> TrainResult:
     """Train on this rank; record a failure where the driver looks for it, and re-raise it.
+    run_dir: the run's location (RunDir.location: its URI, or the directory every host mounts), never the driver's
+    RunFiles itself, whose staging copy is where the driver's host keeps it.
     attempt: the driver's attempt number, given where the driver may pass on a notice (rd.notice_file)."""
-    from torchloom.train.entry import run
+    from torchloom.train.entry import run as train
 
-    rd = RunDir(run_dir)
+    files = RunFiles(RunDir(run_dir))  # this rank's one owner of the run's files
+    rd = files.rd
     rank = env_rank()
-    check_visible(rd)  # before anything is written: on a host without the shared storage it would land locally
+    check_visible(files)  # before anything is written: on a host without the shared storage it would land locally
     if capture:
-        capture_output(rd, rank)
+        capture_output(files, rank)
     try:
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": rd.location}}
-        starts = record_start(rd, launch_id, rank)
+        starts = record_start(files, launch_id, rank)
         placement = rd.placement_file(launch_id, rank, starts)
         note_stop_signal(placement, rank, float(cfg_dict["train"]["preemption_grace_s"]))
         if cfg_dict["train"].get("preemption_url") and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             preemption.poll_url(cfg_dict["train"]["preemption_url"])
         if attempt is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            watch_notice_file(rd, rd.notice_file(launch_id, attempt))
-        start_heartbeat(placement, rd, rd.rank_log(rank) if capture else None)
+            watch_notice_file(files, rd.notice_file(launch_id, attempt))
+        start_heartbeat(placement, files, rd.rank_log(rank) if capture else None)
         if starts:
-            cfg_dict = restarted(rd, cfg_dict, launch_id, rank, starts)
-        result = run(cfg_dict, worker_reporter(rd, rank, engine_reporter, launch_id), launched_at=launched_at,
-                     device=device)
+            cfg_dict = restarted(files, cfg_dict, launch_id, rank, starts)
+        result = train(cfg_dict, files, worker_reporter(files, rank, engine_reporter, launch_id),
+                       launched_at=launched_at, device=device)
         if result.preemptions:  # this start ended preempted: the next one is not a restart
             update_placement(placement, preempted=True)
-            RunFiles(rd).push(placement, quiet=True)
+            files.push(placement, quiet=True)
         if rank == 0:
             write_json(rd.result_file(launch_id), result.to_dict(), indent=None)
             # the result last: a driver that sees it finds everything it reads with it
-            RunFiles(rd).push(rd.metrics, rd.progress, rd.result_file(launch_id), quiet=True)
+            files.push(rd.metrics, rd.progress, rd.result_file(launch_id), quiet=True)
         return result
     except BaseException as e:
-        record_error(rd, rank, e, launch_id)
+        record_error(files, rank, e, launch_id)
         if is_peer_loss(str(e)):
             # A consequence of another rank's end: leave a moment after it, so that a launcher that names the
             # first worker it finds ended (torch elastic polls every 0.5 s) names the rank that went away.
@@ -313,12 +318,12 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
         if capture:
             sys.stdout.flush()
             sys.stderr.flush()
-            RunFiles(rd).push(rd.rank_log(rank), quiet=True)
+            files.push(rd.rank_log(rank), quiet=True)
 
 
-def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None = None) -> None:
+def record_error(files: RunFiles, rank: int, e: BaseException, launch_id: str | None = None) -> None:
     """Write this rank's error for the driver; the first one stays (a restarted attempt may fail too)."""
-    path = rd.error_file(rank)
+    path = files.rd.error_file(rank)
     if path.exists():
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -332,4 +337,4 @@ def record_error(rd: RunDir, rank: int, e: BaseException, launch_id: str | None 
         "message": str(e),
         "traceback": "".join(traceback.format_exception(e)),
     }, indent=None)
-    RunFiles(rd).push(path, quiet=True)
+    files.push(path, quiet=True)

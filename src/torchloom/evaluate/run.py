@@ -11,11 +11,9 @@ from torchloom.data.packing import pack_batch
 from torchloom.data.texts import texts_at, to_documents
 from torchloom.machine import usable_cores
 from torchloom.manifest import Manifest
-from torchloom.manifest import read as read_manifest
 from torchloom.model.device import choose_precision
 from torchloom.model.forward import prepared_logits
 from torchloom.model.packing import check_packing
-from torchloom.rundir import RunDir
 from torchloom.scoring import classification_metrics
 
 
@@ -44,11 +42,11 @@ def split_probabilities(cfg: Config, model, manifest: Manifest, split: str
     return to_documents(manifest, split, logits, labels, index)
 
 
-def evaluate_model_dir(cfg: Config, model_dir: str) -> tuple[dict, list[dict]]:
-    """The shipped model's metrics on eval.split (with the mix, "transformer" holds the transformer's alone)."""
+def evaluate_model_dir(cfg: Config, model_dir: str, manifest) -> tuple[dict, list[dict]]:
+    """The shipped model's metrics on eval.split of the prepared data `manifest` (with the mix, "transformer" holds
+    the transformer's alone)."""
     from torchloom.evaluate.mix import shipped_probabilities
 
-    manifest = read_manifest(RunDir(cfg.output.dir).data)
     probs, labels, index = score_split(cfg, model_dir, manifest)
     probs, alone = shipped_probabilities(model_dir, manifest, cfg.eval.split, probs, index)
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)

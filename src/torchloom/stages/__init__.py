@@ -7,7 +7,9 @@
     evaluate.py  evaluate_stage: the exported model scored, the report written
     run.py       run_all (the `run` command): all of them into one run directory, then a summary
 
-The checks before a stage are preflight.py's, what a stage prints is console.py's. Here: what every stage shares.
+Each stage takes the command's Run (run.py: the config, the run's files, the tracker, a SparkSession), built once
+by the CLI (preflight.open_run); a stage called from Python with a Config opens one (as_run). The checks before
+a stage are preflight.py's, what a stage prints is console.py's. Here: what every stage shares.
 """
 
 from __future__ import annotations
@@ -19,35 +21,40 @@ from typing import TypeVar
 from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
-from torchloom.preflight import check_foreign_config
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.preflight import check_foreign_config, open_run
+from torchloom.run import Run
 
 T = TypeVar("T")
 
 
-def run_dir(cfg: Config) -> RunDir:
-    return RunDir(cfg.output.dir)
+def as_run(given: Run | Config) -> Run:
+    """The command's Run as it is; a Config (a stage called from Python, a trial) opened as one, checked."""
+    return given if isinstance(given, Run) else open_run(given)
 
 
 def recorded(stage: Callable[..., T]) -> Callable[..., T]:
-    """A stage over cfg's run: what it writes there goes into the run's ledger (ledger.py), whoever calls it (the
-    command line, tune's trials, a notebook); a stage inside another stage's call records once, at the outermost."""
+    """A stage over a run (a Run, or a Config opened as one): what it writes there goes into the run's ledger
+    (ledger.py), whoever calls it (the command line, tune's trials, a notebook); a stage inside another stage's
+    call records once, at the outermost."""
 
     @functools.wraps(stage)
-    def call(cfg: Config, *args, **kwargs) -> T:
-        with RunFiles(run_dir(cfg)).recording():
-            return stage(cfg, *args, **kwargs)
+    def call(given: Run | Config, *args, tracker=None, spark=None, **kwargs) -> T:
+        run = as_run(given)  # tracker=, spark=: a Python caller's, for this call
+        run = run.but(tracker=tracker or run.tracker, spark=spark or run.spark)
+        with run.files.recording():
+            return stage(run, *args, **kwargs)
 
     return call
 
 
-def save_config(cfg: Config, rd: RunDir) -> None:
-    check_foreign_config(rd)
+def save_config(run: Run) -> None:
+    """The run's config.toml (never over one torchloom did not write), here and on the run's store."""
+    cfg, rd = run.cfg, run.rd
+    check_foreign_config(run)
     try:
         rd.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UserError(f"output.dir {rd.where}: cannot be created ({e.strerror}); pass another --output.dir") \
             from None
     config_mod.save(cfg, rd.config)
-    RunFiles(rd).push(rd.config)
+    run.files.push(rd.config)

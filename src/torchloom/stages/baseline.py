@@ -11,8 +11,8 @@ from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
 from torchloom.jsonio import read_json, write_json
 from torchloom.ledger import deletable
-from torchloom.runfiles import RunFiles
-from torchloom.stages import recorded, run_dir
+from torchloom.run import Run
+from torchloom.stages import recorded
 
 
 def baseline_splits(cfg: Config) -> list[str]:
@@ -20,17 +20,16 @@ def baseline_splits(cfg: Config) -> list[str]:
 
 
 @recorded
-def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
+def baseline_stage(run: Run) -> dict | None:
     """Fit the classical baseline on the train split, C chosen on val, and score the others (etl/baseline.py)
     into baseline.json; None when eval.baseline is off. The driver path (scikit-learn) needs no Spark; the
     Spark path uses `spark`, or starts a session and stops it."""
+    cfg, rd, files, tracker, spark = run.cfg, run.rd, run.files, run.tracker, run.spark
     if not cfg.eval.baseline:
         return None
     from torchloom import manifest as manifest_mod
     from torchloom.etl import baseline
 
-    rd = run_dir(cfg)
-    files = RunFiles(rd)
     files.ensure(rd.data)
     deletable(files.tree(), "output.dir", cfg.inputs(), under="baseline")  # its arrays are replaced below
     m = manifest_mod.read(rd.data)
@@ -71,10 +70,10 @@ def baseline_stage(cfg: Config, spark=None, tracker=None) -> dict | None:
     return result
 
 
-def stored_baseline(cfg: Config, m) -> dict | None:
+def stored_baseline(run: Run, m) -> dict | None:
     """baseline.json, when it was made from these prepared rows and scored the evaluated split."""
-    rd = run_dir(cfg)
-    RunFiles(rd).ensure(rd.baseline)
+    cfg, rd = run.cfg, run.rd
+    run.files.ensure(rd.baseline)
     if not rd.baseline.is_file():
         return None
     try:

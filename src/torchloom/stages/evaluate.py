@@ -5,42 +5,40 @@ from __future__ import annotations
 
 import time
 
-from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.evaluate.onnx_gate import onnx_gate
 from torchloom.jsonio import read_json
+from torchloom.run import Run
 from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
-from torchloom.stages import recorded, run_dir
+from torchloom.stages import recorded
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 
 
 @recorded
-def evaluate_stage(cfg: Config, extra: dict | None = None, tracker=None, announce: bool = True) -> dict:
+def evaluate_stage(run: Run, extra: dict | None = None, announce: bool = True) -> dict:
     """Score the exported model (and the baseline beside it); announce: print the verdict line here (run
     prints it in its summary instead)."""
     from torchloom.evaluate.report import write_report
     from torchloom.evaluate.run import evaluate_model_dir
 
-    rd = run_dir(cfg)
+    cfg, rd, files, tracker = run.cfg, run.rd, run.files, run.tracker
     started = time.perf_counter()
     from torchloom import manifest as manifest_mod
     from torchloom.model.export import check_exported
 
-    files = RunFiles(rd)
     files.ensure(rd.model, rd.data)
     check_exported(rd.model, "run torchloom export (or torchloom run) first")
     m = manifest_mod.read(rd.data)
     if m.split(cfg.eval.split).rows == 0:
         raise UserError(f"eval.split {cfg.eval.split}: the split is empty in {rd.home(rd.data)}; choose another split"
                         " or prepare with a non-zero fraction for it")
-    metrics, misclassified = evaluate_model_dir(cfg, str(rd.model))
+    metrics, misclassified = evaluate_model_dir(cfg, str(rd.model), m)
     cmp, line = None, None
     if cfg.eval.baseline:
         from torchloom.evaluate.baseline import comparison, verdict
 
-        stored = stored_baseline(cfg, m) or baseline_stage(cfg, tracker=tracker)
+        stored = stored_baseline(run, m) or baseline_stage(run)
         cmp = comparison(metrics, stored, cfg.eval.split) if stored else None
         line = verdict(cmp, m, (extra or {}).get("train") or _train_result(rd)) if cmp else None
     seconds = round(time.perf_counter() - started, 2)

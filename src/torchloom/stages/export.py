@@ -9,13 +9,13 @@ from torchloom.config import Config
 from torchloom.console import combine_line, say
 from torchloom.jsonio import read_json
 from torchloom.ledger import deletable
-from torchloom.rundir import RunDir
+from torchloom.run import Run
 from torchloom.runfiles import RunFiles
-from torchloom.stages import recorded, run_dir
+from torchloom.stages import recorded
 
 
 @recorded
-def export_stage(cfg: Config, tracker=None) -> dict:
+def export_stage(run: Run) -> dict:
     from torchloom import __version__
     from torchloom import manifest as manifest_mod
     from torchloom.embedded import model_path
@@ -23,9 +23,8 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     from torchloom.model.export import export_model
     from torchloom.train import checkpoint
 
-    rd = run_dir(cfg)
+    cfg, rd, files, tracker = run.cfg, run.rd, run.files, run.tracker
     started = time.perf_counter()
-    files = RunFiles(rd)
     files.ensure(rd.data)
     # the export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused)
     deletable(files.tree(), "output.dir", cfg.inputs(), under="model")
@@ -36,7 +35,7 @@ def export_stage(cfg: Config, tracker=None) -> dict:
     model = build_classifier(src, m.labels)
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
-    combine = choose_combine(cfg, rd, model, m)
+    combine = choose_combine(cfg, files, model, m)
     shipped = combine is not None and combine["weight"] < 1.0
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
@@ -96,12 +95,13 @@ def _profile(model_dir: str, m, cfg: Config) -> dict | None:
     return {"texts": len(texts), "splits": splits}
 
 
-def choose_combine(cfg: Config, rd: RunDir, model, m) -> dict | None:
+def choose_combine(cfg: Config, files: RunFiles, model, m) -> dict | None:
     """export.combine: the transformer's weight in the shipped mix with the baseline, chosen on val (evaluate/mix.py);
     None without a baseline fitted on these prepared rows by the driver."""
     if cfg.export.combine == "off":
         return None
-    RunFiles(rd).ensure(rd.baseline, rd.baseline_model)
+    rd = files.rd
+    files.ensure(rd.baseline, rd.baseline_model)
     try:
         fitted_on = read_json(rd.baseline).get("fingerprint")
     except (OSError, ValueError):

@@ -4,7 +4,6 @@ the `prepare` command, which fits the baseline in the same SparkSession."""
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import replace
 
@@ -13,10 +12,11 @@ from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
 from torchloom.ledger import deletable
-from torchloom.preflight import check_input, check_untrained, for_this_machine
+from torchloom.preflight import check_input, check_untrained
+from torchloom.run import Run
 from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
-from torchloom.stages import recorded, run_dir, save_config
+from torchloom.stages import recorded, save_config
 from torchloom.stages.baseline import baseline_stage
 from torchloom.uri import is_uri, redact
 
@@ -41,19 +41,16 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
 
 
 @recorded
-def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
+def prepare_stage(run: Run) -> dict:
     from torchloom.etl.prepare import prepare
 
-    rd = run_dir(cfg)
-    files = RunFiles(rd)
+    cfg, rd, files, tracker, spark = run.cfg, run.rd, run.files, run.tracker, run.spark
     started = time.perf_counter()
     before = _recorded_inputs(files)
-    if files.on_store:
-        _stage_remote_data(cfg, files)
+    _stage_data(cfg, files)
     try:
         # a Spark cluster's executors do not see this host's working copy: they write through the store
-        through = files.uri(rd.data) if files.on_store and not runs_on_this_machine(cfg.prepare.spark_master) \
-            else None
+        through = None if runs_on_this_machine(cfg.prepare.spark_master) else files.stored(rd.data)
         local = local_input(cfg, rd)
         # the inputs read from local copies are named by their URIs
         shown = {getattr(local.data, key): redact(getattr(cfg.data, key))
@@ -65,11 +62,9 @@ def prepare_stage(cfg: Config, spark=None, tracker=None) -> dict:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
             # away from the training workers.
             stop_spark()
-    if cfg.output.overwrite and files.on_store:
-        files.replace(inputs=cfg.inputs(), under=rd.data)  # the store's earlier data: only what torchloom wrote
-    files.push(rd.data)  # manifest.json last: the prepared data counts once it is there
+    files.push_anew(rd.data, cfg.inputs())  # manifest.json last: the prepared data counts once it is there
     files.new_identity()  # after the data: a host that saw the new record finds the new data
-    save_config(cfg, rd)
+    save_config(run)
     splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
                        for k, v in manifest.splits.items())
     reasons = {k: v for k, v in manifest.counts.get("rows_rejected", {}).items() if v}
@@ -113,9 +108,10 @@ def _say_version_change(before: dict, after: dict) -> None:
         f" {describe(before)} this run's data was prepared from (replaced)")
 
 
-def _stage_remote_data(cfg: Config, files: RunFiles) -> None:
+def _stage_data(cfg: Config, files: RunFiles) -> None:
     """prepare into a run on a store: the store says whether prepared data is there (never this host's copy,
-    which may be of another run); the copy's data directory is cleared for the new data."""
+    which may be of another run); the copy's data directory is cleared for the new data. A local run's data
+    directory is etl/prepare.py's to check and replace (listing: {}, drop_copy: nothing)."""
     rd = files.rd
     files.check_own()  # before anything is written or deleted: the prefix is empty or torchloom's
     if files.listing(rd.data):
@@ -124,25 +120,24 @@ def _stage_remote_data(cfg: Config, files: RunFiles) -> None:
                             " to replace it")
         deletable(files.tree(), "output.dir", cfg.inputs(), under="data")  # refused now, not after the work
     files.sync_copy()
-    if rd.data.exists():
-        shutil.rmtree(rd.data)
+    files.drop_copy(rd.data)
 
 
 @recorded
-def prepare_with_baseline(cfg: Config, tracker=None) -> dict:
+def prepare_with_baseline(run: Run) -> dict:
     """prepare, then (eval.baseline) the baseline: on the driver, or on Spark in prepare's SparkSession,
     which is stopped after."""
-    cfg = for_this_machine(cfg)
-    check_untrained(cfg)  # the run's own state first: whatever the input, a trained run is not prepared over
+    cfg = run.cfg
+    check_untrained(run)  # the run's own state first: whatever the input, a trained run is not prepared over
     check_input(cfg)
     if not cfg.eval.baseline:
-        return prepare_stage(cfg, tracker=tracker)
+        return prepare_stage(run)
     from torchloom.etl.session import get_spark
 
-    spark = get_spark(cfg.prepare)
+    run = run.but(spark=get_spark(cfg.prepare))
     try:
-        out = prepare_stage(cfg, spark=spark, tracker=tracker)
-        fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+        out = prepare_stage(run)
+        fitted = baseline_stage(run)
         if fitted:
             out["baseline_s"] = fitted["seconds"]
     finally:

@@ -4,19 +4,16 @@ console.summary_text prints)."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
-from torchloom.config import Config
 from torchloom.console import say, speed_line, summary_text, training_line
 from torchloom.errors import UserError
 from torchloom.etl.session import stop_spark
 from torchloom.jsonio import write_json
 from torchloom.manifest import read as read_manifest
-from torchloom.preflight import check_input, for_this_machine
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
-from torchloom.stages import recorded, run_dir
+from torchloom.preflight import check_input, check_writable
+from torchloom.run import Run
+from torchloom.stages import recorded
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 from torchloom.stages.evaluate import evaluate_stage
 from torchloom.stages.export import export_stage
@@ -25,60 +22,50 @@ from torchloom.stages.train import train_stage
 
 
 @recorded
-def run_all(cfg: Config) -> dict:
+def run_all(run: Run) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
-    cfg = for_this_machine(cfg)
-    rd = run_dir(cfg)
-    files = RunFiles(rd)
+    cfg, rd, files = run.cfg, run.rd, run.files
     reuse = bool(cfg.train.resume) and files.holds(rd.manifest)  # a resume reuses the prepared data (the store's)
     if not reuse:
         check_input(cfg)  # every input checked before --overwrite deletes anything
-    if files.on_store:
-        _fresh_remote(cfg, files)
-    exists = rd.root.exists()
-    if exists and files.holds_anything() and not cfg.output.overwrite and not cfg.train.resume and not files.on_store:
-        raise UserError(
-            f"output.dir {rd.root}: exists and is not empty; pass --output.overwrite true or another --output.dir"
-        )
-    if exists and not cfg.train.resume:
-        if files.on_store:  # a staging copy is ours to replace; the store's side was replaced above
-            shutil.rmtree(rd.root)
-        elif cfg.output.overwrite:
-            files.replace(inputs=cfg.inputs())
+    check_writable(run)  # a store answers and takes writes (one line otherwise, before any work)
+    if not cfg.train.resume:
+        _fresh(run)
     from torchloom import tracking
 
     if reuse:
         files.ensure(rd.manifest)  # on another host: the store's
     with tracking.start(cfg, "run") as tracker:
-        return _run_all(cfg, rd, tracker, reuse)
+        return _run_all(run.but(tracker=tracker), reuse)
 
 
-def _fresh_remote(cfg: Config, files: RunFiles) -> None:
-    """A run on a store: the store answers and takes writes (one line otherwise, before any work); a prefix
-    that holds a run is refused without --overwrite or --resume, and its own objects replaced with --overwrite."""
-    files.check_writable()
-    if cfg.train.resume:
-        return
-    if files.holds_anything():  # its lease aside: this driver's own, taken before (lease.py)
+def _fresh(run: Run) -> None:
+    """A fresh run: where the run lives (the directory, or the store's prefix, its lease aside: this driver's own,
+    lease.py) holds anything, it is refused without --overwrite, and with it what torchloom wrote there is
+    replaced; a store's staging copy on this host is emptied too (RunFiles.drop_copy)."""
+    cfg, files = run.cfg, run.files
+    if files.holds_anything():
         if not cfg.output.overwrite:
-            raise UserError(f"output.dir {files.rd.where}: holds objects already; pass --output.overwrite true or"
+            raise UserError(f"output.dir {files.rd.where}: exists and is not empty; pass --output.overwrite true or"
                             " another --output.dir")
         files.replace(inputs=cfg.inputs())
+    files.drop_copy()
 
 
-def _run_all(cfg: Config, rd: RunDir, tracker, reuse: bool) -> dict:
+def _run_all(run: Run, reuse: bool) -> dict:
+    cfg, rd, tracker = run.cfg, run.rd, run.tracker
     started = time.perf_counter()
     timings: dict[str, float] = {}
     startup: dict[str, float] = {}  # the driver's phases before the workers launch (the start-up account)
-    spark = _prepare_and_baseline(cfg, rd, tracker, timings, startup, reuse)
-    result = train_stage(cfg, spark=spark, tracker=tracker, startup=startup)
+    run = _prepare_and_baseline(run, timings, startup, reuse)
+    result = train_stage(run, startup=startup)
     if cfg.engine.name == "local":
         from torchloom.engines import local
 
         local.stop_fork_server()  # ~300 MB of the workers' imports, idle from here on
     timings["train_s"] = result.wall_s
-    timings["export_s"] = export_stage(cfg, tracker=tracker)["seconds"]
-    ev = evaluate_stage(cfg, extra={"timings": timings, "train": result.to_dict()}, tracker=tracker, announce=False)
+    timings["export_s"] = export_stage(run)["seconds"]
+    ev = evaluate_stage(run, extra={"timings": timings, "train": result.to_dict()}, announce=False)
     timings["evaluate_s"] = ev["seconds"]
     timings["total_s"] = round(time.perf_counter() - started, 2)
     # the first step ended this long after the run started: everything before training, then the launch's part
@@ -91,7 +78,7 @@ def _run_all(cfg: Config, rd: RunDir, tracker, reuse: bool) -> dict:
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},
         "data": {k: v for k, v in read_manifest(rd.data).inputs.items()
                  if k in ("path", "format", "version", "committed")},  # a table: the version read
-        "training": training_line(cfg, result), "speed": speed_line(result),
+        "training": training_line(cfg, read_manifest(rd.data), result), "speed": speed_line(result),
         "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "packed", "mfu",
                                                         "time_split")},
     }
@@ -110,39 +97,40 @@ def _run_all(cfg: Config, rd: RunDir, tracker, reuse: bool) -> dict:
         summary["mlflow_run_id"] = tracker.run_id
         summary["mlflow_uri"] = tracker.shown_uri
     write_json(rd.summary, summary)
-    RunFiles(rd).push(rd.summary)
+    run.files.push(rd.summary)
     tracker.log_metrics({f"time_{k}": v for k, v in timings.items()})
     tracker.log_artifact(rd.summary)
     print(summary_text(summary, cfg.eval.split, rd, tracker), flush=True)
     return summary
 
 
-def _prepare_and_baseline(cfg: Config, rd: RunDir, tracker, timings: dict, startup: dict, reuse: bool):
-    """prepare (or, on a resume, the prepared data as it is) and the baseline in one SparkSession; returns
-    the session when the Spark engine trains next, else stops it (its JVM would keep memory and wake-ups
-    away from the workers)."""
+def _prepare_and_baseline(run: Run, timings: dict, startup: dict, reuse: bool) -> Run:
+    """prepare (or, on a resume, the prepared data as it is) and the baseline in one SparkSession; returns the
+    run with the session when the Spark engine trains next, else stops it (its JVM would keep memory and
+    wake-ups away from the workers)."""
     from torchloom.etl.session import get_spark
 
+    cfg, rd, tracker = run.cfg, run.rd, run.tracker
     t = time.perf_counter()
-    spark = get_spark(cfg.prepare)  # one SparkSession for the ETL, the baseline and the Spark engine
+    run = run.but(spark=get_spark(cfg.prepare))  # one SparkSession for the ETL, the baseline and the Spark engine
     startup["spark_start_s"] = time.perf_counter() - t
     if reuse:
         say(f"run: resuming; reusing the prepared data in {rd.home(rd.data)}")
     else:
-        timings["prepare_s"] = prepare_stage(cfg, spark=spark, tracker=tracker)["seconds"]
+        timings["prepare_s"] = prepare_stage(run)["seconds"]
         done = read_manifest(rd.data).timings
         startup.update({"read_clean_s": done.get("read_clean_dedup", 0.0) + done.get("write_rejected", 0.0),
                         "tokenize_s": done.get("tokenize_write", 0.0)})
     if cfg.eval.baseline:
-        stored = stored_baseline(cfg, read_manifest(rd.data))
+        stored = stored_baseline(run, read_manifest(rd.data))
         if stored is None:  # fitted now, and logged as it is
-            fitted = baseline_stage(cfg, spark=spark, tracker=tracker)
+            fitted = baseline_stage(run)
             if fitted:
                 timings["baseline_s"] = startup["baseline_s"] = fitted["seconds"]
         else:  # a resumed run reuses it: this run's tracker gets its scores once
             tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in stored["splits"].items()
                                  for metric in ("accuracy", "macro_f1")})
     if cfg.engine.name == "spark":
-        return spark
+        return run
     stop_spark()
-    return None
+    return run.but(spark=None)

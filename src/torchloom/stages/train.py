@@ -11,34 +11,35 @@ from torchloom.console import precision_line, say, speed_line
 from torchloom.errors import UserError
 from torchloom.jsonio import write_atomic, write_json
 from torchloom.manifest import read as read_manifest
-from torchloom.preflight import check_trainable, for_this_machine
+from torchloom.preflight import check_trainable
+from torchloom.run import Run
 from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
-from torchloom.stages import recorded, run_dir, save_config
+from torchloom.stages import recorded, save_config
 from torchloom.train.result import TrainResult
 
 
-def launch(cfg: Config, rd: RunDir, quiet: bool, spark=None) -> TrainResult:
-    """Start the workers on the configured engine; returns rank 0's result."""
+def launch(run: Run, quiet: bool) -> TrainResult:
+    """Start the workers on the configured engine with the run's files; returns rank 0's result."""
+    cfg = run.cfg
     if cfg.engine.name == "spark":
         from torchloom.engines import spark as spark_engine
 
-        return spark_engine.train(cfg, rd.location, quiet=quiet, spark=spark)
+        return spark_engine.train(cfg, run.files, quiet=quiet, spark=run.spark)
     if cfg.engine.name == "ray":
         from torchloom.engines import ray as ray_engine
 
-        return ray_engine.train(cfg, rd.location, quiet=quiet)
+        return ray_engine.train(cfg, run.files, quiet=quiet)
     from torchloom.engines import local
 
-    return local.train(cfg, rd.location, quiet=quiet)
+    return local.train(cfg, run.files, quiet=quiet)
 
 
-def how_long(cfg: Config, resuming: bool = False) -> Config:
+def how_long(cfg: Config, rd: RunDir, resuming: bool = False) -> Config:
     """train.batch_size, train.epochs and early stopping made numbers for the prepared data (config/budget.py), said
     in one line. resuming: batch_size auto keeps the batch the run trained with (its config.toml)."""
     from torchloom.config import batch_multiple, budget, load_saved
 
-    rd = run_dir(cfg)
     m = read_manifest(rd.data)
     resumed = None
     if resuming and cfg.train.batch_size == "auto" and rd.config.is_file():
@@ -51,11 +52,11 @@ def how_long(cfg: Config, resuming: bool = False) -> Config:
     return cfg
 
 
-def _start_history(rd: RunDir, resume_step: int | None, startup: dict | None) -> None:
+def _start_history(files: RunFiles, resume_step: int | None, startup: dict | None) -> None:
     """metrics.jsonl for this training, before any worker starts (so the driver never forwards another run's lines
     to this run's tracker), with the driver's start-up record first; a fresh training voids other hosts' copies of
     the earlier one (its checkpoints)."""
-    files = RunFiles(rd)
+    rd = files.rd
     if resume_step is None:
         files.new_identity()
     else:  # this host's copy may lack the earlier lines (written on another host): the store's history first
@@ -67,31 +68,33 @@ def _start_history(rd: RunDir, resume_step: int | None, startup: dict | None) ->
 
 
 @contextmanager
-def kept_unless_started(rd: RunDir):
+def kept_unless_started(files: RunFiles):
     """config.toml and metrics.jsonl as they were before this launch, put back if it fails before any worker has
     started (an unreachable cluster, no free slots): a launch that never ran takes nothing of the earlier one."""
+    rd = files.rd
     kept = {p: p.read_bytes() if p.is_file() else None for p in (rd.config, rd.metrics)}
     since = time.time()
     try:
         yield
     except BaseException:
-        if not workers_started(rd, since):
+        if not workers_started(files, since):
             for path, content in kept.items():
                 if content is None:
                     path.unlink(missing_ok=True)
                 else:
                     write_atomic(path, content)
-                    RunFiles(rd).push(path)
+                    files.push(path)
         raise
 
 
-def workers_started(rd: RunDir, since: float) -> bool:
+def workers_started(files: RunFiles, since: float) -> bool:
     """Whether a rank of a launch begun at `since` recorded its start (logs/placement-*.json), here or on the
     run's store."""
+    rd = files.rd
     if any(p.stat().st_mtime >= since for p in rd.logs.glob("placement-*")) if rd.logs.is_dir() else False:
         return True
     try:
-        stored = RunFiles(rd).modified(rd.logs)  # a local run: {}
+        stored = files.modified(rd.logs)  # a local run: {}
     except UserError:
         return True  # cannot tell: keep what the launch wrote
     return any(rel.startswith("placement-") and (mtime or 0) / 1e9 >= since - 5 for rel, mtime in stored.items())
@@ -181,31 +184,30 @@ def worse_after_resume(cfg: Config, rd: RunDir, before: tuple[int, float] | None
 
 
 @recorded
-def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hooks: dict | None = None,
+def train_stage(run: Run, quiet: bool = False, hooks: dict | None = None,
                 startup: dict | None = None) -> TrainResult:
     """Launch the workers on the configured engine; hooks: reporters every worker adds (engines/common.py);
     startup: the driver's phases before the launch (seconds), the first record of metrics.jsonl."""
     from torchloom.tracking import MetricsForwarder, NullTracker
 
-    cfg = for_this_machine(cfg)
-    resume_step = check_trainable(cfg)
-    cfg = how_long(cfg, resuming=resume_step is not None)
+    resume_step = check_trainable(run)
+    run = run.but(cfg=how_long(run.cfg, run.rd, resuming=resume_step is not None))
+    cfg, rd = run.cfg, run.rd
     if cfg.engine.name == "spark":  # its barrier slots counted before anything is written
         from torchloom.engines.spark import check_slots
 
-        spark = check_slots(cfg, spark)
-    rd = run_dir(cfg)
-    tracker = tracker or NullTracker()
+        run = run.but(spark=check_slots(cfg, run.spark))
+    tracker = run.tracker or NullTracker()
     if tracker.enabled:
         from torchloom import manifest as manifest_mod
 
         tracker.set_tags({"data_fingerprint": manifest_mod.read(rd.data).fingerprint})
     started = time.perf_counter()
     try:
-        with kept_unless_started(rd):
-            save_config(cfg, rd)
+        with kept_unless_started(run.files):
+            save_config(run)
             rd.write_hooks(hooks or {})
-            _start_history(rd, resume_step, startup)
+            _start_history(run.files, resume_step, startup)
             say(f"train: {cfg.engine.workers} workers on the {cfg.engine.name} engine, {precision_line(cfg)},"
                 f" global batch {cfg.train.batch_size}, {cfg.train.epochs} epochs; logs in {rd.home(rd.logs)}")
             forward = nullcontext()
@@ -214,12 +216,12 @@ def train_stage(cfg: Config, quiet: bool = False, spark=None, tracker=None, hook
                 forward = MetricsForwarder(tracker.client, tracker.run_id, rd.metrics, after)
             before = last_validation(rd, cfg.train.metric) if resume_step is not None else None
             with forward, alerting(cfg, rd):  # rank 0's per-step metrics to MLflow: the workers never import MLflow
-                result = launch(cfg, rd, quiet, spark)
+                result = launch(run, quiet)
     finally:
         rd.write_hooks({})  # a later run must not report into this run's trial
     result.wall_s = round(time.perf_counter() - started, 2)
     write_json(rd.train_result, result.to_dict())
-    RunFiles(rd).push(rd.train_result, rd.metrics, rd.progress, rd.logs)
+    run.files.push(rd.train_result, rd.metrics, rd.progress, rd.logs)
     tracker.log_metrics(tracked_metrics(result))
     if isinstance(result.best_metric, (int, float)):
         tracker.log_metrics({f"best_val_{cfg.train.metric}": result.best_metric}, step=result.best_step)

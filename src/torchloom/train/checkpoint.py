@@ -149,8 +149,8 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
                          written)
             _write_torch(optimizer.state_dict(), tmp, "optimizer.pt", written)
         _write_torch(trainer_state, tmp, "trainer.pt", written)
-    if files is not None and files.on_store and not d.is_main:
-        _upload_own_files(files, tmp, final)
+    if files is not None and not d.is_main:  # on a store: this rank's part goes up from here (nothing locally)
+        files.publish_part(tmp, final, lambda rel: rel.name.startswith("rng-rank") or SHARDED_DIR in rel.parts)
     d.io_barrier()
     if d.is_main:
         # Last, once every rank's files are there: their sizes and hashes, which resume and export check.
@@ -161,16 +161,9 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         os.replace(tmp, final)
         prune(root, keep_last, keep | {step})
     d.io_barrier()
-    if files is not None and files.on_store and not d.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # uploaded; rank 0's copy is the checkpoint
+    if files is not None and not d.is_main:
+        files.drop_part(tmp)
     return final
-
-
-def _upload_own_files(files: RunFiles, tmp: Path, final: Path) -> None:
-    """This rank's files of a checkpoint (its RNG state, its shards), straight to the store as `final`'s."""
-    for p in sorted(tmp.rglob("*")):
-        if p.is_file() and (p.name.startswith("rng-rank") or SHARDED_DIR in p.relative_to(tmp).parts):
-            files.push_as(p, final / p.relative_to(tmp))
 
 
 def clear_earlier(files: RunFiles) -> None:

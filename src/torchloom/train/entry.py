@@ -7,6 +7,7 @@ import socket
 
 from torchloom.config import Config, from_dict
 from torchloom.machine import usable_cores
+from torchloom.runfiles import RunFiles
 from torchloom.train.distributed import Dist, setup, teardown
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
@@ -32,12 +33,13 @@ def placement(d: Dist) -> str:
     return line
 
 
-def run(cfg: Config | dict, reporter: Reporter | None = None, *, launched_at: float | None = None,
+def run(cfg: Config | dict, files: RunFiles, reporter: Reporter | None = None, *, launched_at: float | None = None,
         device: str | None = None) -> TrainResult:
     """Train on this rank: join the process group the engine described, fit, leave. Returns this rank's result.
 
-    cfg.output.dir is the run directory (an absolute path the launcher resolved); `launched_at` is the
-    wall-clock time the engine launched the job, from which the time to the first step is measured;
+    files: the run's (the worker's one owner of them, for the trainer, its checkpoints and uploads);
+    `launched_at` is the wall-clock time the engine launched the job, from which the time to the first step is
+    measured;
     `device` is the device the engine assigned this rank (Ray Train's), else engine.device decides.
     """
     import time
@@ -54,7 +56,7 @@ def run(cfg: Config | dict, reporter: Reporter | None = None, *, launched_at: fl
                "process_group_s": time.time() - entered}
     print(placement(d), flush=True)
     try:
-        return Trainer(cfg, d, reporter, launched_at=launched_at, startup=startup).fit()
+        return Trainer(cfg, d, files, reporter, launched_at=launched_at, startup=startup).fit()
     except BaseException as e:
         # Before teardown: the other ranks fail as soon as this one leaves the process group, and a
         # launcher may kill this one then; the driver reports the earliest failure as the cause.

@@ -32,7 +32,6 @@ from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.model.packing import packed_logits
-from torchloom.rundir import RunDir
 from torchloom.runfiles import RunFiles
 from torchloom.train import checkpoint, optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
@@ -43,7 +42,6 @@ from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 from torchloom.train.resume import resume
 from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
-from torchloom.train.upload import CheckpointUploader
 
 WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds after their first batch
 # A shuffle window spans shuffle_buffer / batch_size global batches (data/loader.py); with a large global
@@ -53,10 +51,11 @@ MIN_WINDOW_STEPS = 16
 
 
 class Trainer:
-    """Built once per rank from the config; `fit()` runs the loop and returns this rank's result."""
+    """Built once per rank from the config and the run's files (the worker's one owner of them); `fit()` runs the
+    loop and returns this rank's result."""
 
-    def __init__(self, cfg: Config, d: Dist, reporter: Reporter | None = None, launched_at: float | None = None,
-                 startup: dict | None = None):
+    def __init__(self, cfg: Config, d: Dist, files: RunFiles, reporter: Reporter | None = None,
+                 launched_at: float | None = None, startup: dict | None = None):
         self.cfg, self.d = cfg, d
         # seconds of each phase before the first step (the engine's part comes in `startup`): logged once
         self.startup = dict(startup or {})
@@ -68,11 +67,10 @@ class Trainer:
             print(f"precision {self.precision.precision} ({self.precision.reason})", flush=True)
             if self.precision.warning:
                 print(f"warning: {self.precision.warning}", flush=True)
-        self.rd = RunDir(cfg.output.dir)
+        self.files, self.rd = files, files.rd
         self.reporter = reporter or Reporter()
         # A run on a store: rank 0 uploads each checkpoint in the background (train/upload.py).
-        self.files = RunFiles(self.rd)
-        self.uploader = CheckpointUploader(self.files, self.log) if d.is_main and self.files.on_store else None
+        self.uploader = self.files.uploader(self.log) if d.is_main else None
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
         self.manifest = self.files.streamed(read_manifest(self.rd.data))

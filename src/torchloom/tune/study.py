@@ -26,11 +26,12 @@ import time
 from pathlib import Path
 
 from torchloom import config as config_mod
-from torchloom import preflight, tracking
+from torchloom import tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
 from torchloom.jsonio import read_json, write_json
 from torchloom.ledger import NOT_CONTENT, check_replaceable, replace_local
+from torchloom.run import Run
 from torchloom.rundir import StudyDir
 from torchloom.runfiles import RunFiles
 from torchloom.runrecord import STUDY_FORMAT
@@ -71,50 +72,21 @@ def choose_backend(cfg: Config) -> str:
     return cfg.tune.backend
 
 
-def from_store(cfg: Config) -> None:
-    """A study on a store (output.dir s3://...): its trials run in this host's copy, which first takes the store's
-    study (a study resumed on another host goes on from what the store holds); --overwrite replaces the store's
-    own objects of it (RunFiles.replace)."""
-    files = RunFiles(study_dir(cfg))
-    if not files.on_store:
-        return
-    if cfg.output.overwrite:
-        files.replace(inputs=cfg.inputs())
-        return
-    files.sync_copy()
-    files.pull(files.rd.root)
 
 
 PUSH_EVERY_S = 60.0  # a study on a store: how often its finished trials and its Optuna database go up meanwhile
 
 
-@contextlib.contextmanager
-def to_store(sd: StudyDir):
+def to_store(files: RunFiles, sd: StudyDir):
     """A study on a store: what it has finished goes up as it goes (every PUSH_EVERY_S: each finished trial once,
     the study's marker, a consistent copy of optuna.db), so a driver lost mid-study loses at most the trials then
     running; everything the study wrote here (its record, prepared data, optuna.db, the trials' run directories,
-    results and the best model) goes up when it ends, whether it finished or not."""
-    files = RunFiles(sd)
-    stop = threading.Event()
-    pusher = None
-    if files.on_store:
-        pushed: dict[str, int] = {}
-
-        def loop() -> None:
-            while not stop.wait(float(os.environ.get("TORCHLOOM_STUDY_PUSH_S") or PUSH_EVERY_S)):
-                push_finished(files, sd, pushed)
-
-        pusher = threading.Thread(target=loop, name="torchloom-study-push", daemon=True)
-        pusher.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        if pusher is not None:
-            pusher.join()
-        if files.on_store:
-            files.push(sd.root)
-            say(f"the study is on the store: {sd.where}")
+    results and the best model) goes up when it ends, whether it finished or not (RunFiles.pushing; a local
+    study is its own copy: nothing moves)."""
+    pushed: dict[str, int] = {}
+    return files.pushing(lambda: float(os.environ.get("TORCHLOOM_STUDY_PUSH_S") or PUSH_EVERY_S),
+                         lambda: push_finished(files, sd, pushed),
+                         lambda: say(f"the study is on the store: {sd.where}"))
 
 
 def push_finished(files: RunFiles, sd: StudyDir, pushed: dict[str, int]) -> None:
@@ -252,20 +224,23 @@ def _hold(sd: StudyDir) -> None:
 
 
 @recorded
-def run(cfg: Config) -> dict:
-    """Check the space, prepare once, run the trials on the chosen backend, then report and export."""
-    cfg = preflight.for_this_machine(cfg)
+def run(study: Run) -> dict:
+    """Check the space, prepare once, run the trials on the chosen backend, then report and export. The study's
+    trials are runs of their own in its directory (on a store: in this host's copy of it)."""
+    cfg = study.cfg
     params = space_mod.parse(cfg)  # a bad space fails here, before anything starts
     backend = choose_backend(cfg)
     mode = mode_of(cfg)
-    from_store(cfg)
+    # a study on a store: its trials run in this host's copy, which first takes the store's study; --overwrite
+    # replaces the store's own objects of it (RunFiles.adopt)
+    study.files.adopt(cfg.output.overwrite, cfg.inputs())
     sd, resuming = open_study_dir(cfg, backend)
     say(f"{'resuming' if resuming else 'starting'} study {study_name(cfg)!r} in {sd.where}: {cfg.tune.trials} trials,"
         f" {backend} backend, {cfg.engine.workers} workers per trial on the "
         f"{'ray' if backend == 'ray' else cfg.engine.name} engine, {mode}imise validation {cfg.tune.metric}")
     started = time.perf_counter()
     cfg = absolute_paths(cfg)  # trials run in other processes, in other working directories
-    with tracking.start(cfg, "tune", run_name=study_name(cfg)) as tracker, to_store(sd):
+    with tracking.start(cfg, "tune", run_name=study_name(cfg)) as tracker, to_store(study.files, sd):
         if tracker.enabled:
             cfg = dataclasses.replace(cfg, tracking=dataclasses.replace(cfg.tracking, uri=tracker.uri))
         prepare_once(cfg, sd, tracker)
