@@ -19,7 +19,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +33,14 @@ from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.model.packing import packed_logits
 from torchloom.runfiles import RunFiles
-from torchloom.train import checkpoint, optim, preemption
+from torchloom.train import optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
 from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum, any_rank
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import COMPILE_PAD, compiled_graphs, parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
-from torchloom.train.resume import resume
+from torchloom.train.resume import Checkpointing
 from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
 
 WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds after their first batch
@@ -50,9 +50,10 @@ WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds af
 MIN_WINDOW_STEPS = 16
 
 
-class Trainer:
-    """Built once per rank from the config and the run's files (the worker's one owner of them); `fit()` runs the
-    loop and returns this rank's result."""
+class Trainer(Checkpointing):
+    """Built once per rank from the config and the run's files (the worker's one owner of them); `fit()` starts
+    where train.resume says (train/resume.py: the trainer's state in and out), runs the loop and returns this
+    rank's result."""
 
     def __init__(self, cfg: Config, d: Dist, files: RunFiles, reporter: Reporter | None = None,
                  launched_at: float | None = None, startup: dict | None = None):
@@ -106,11 +107,8 @@ class Trainer:
         self.last_eval: dict | None = None
         self.first_step_s: float | None = None
         self.notice = AgreedLater(d)  # the preemption notice, shared at step boundaries
-        self.resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
-        self.resumed_step: int | None = None
-        self.checkpoint_s = 0.0  # the last checkpoint's write (0 before the first)
-        self.resumed_from = resume(self)
-        self.startup["data_s"] = time.perf_counter() - t  # the loader, the optimizer and a resume
+        self.resumed_from: str | None = None
+        self.startup["data_s"] = time.perf_counter() - t  # the loader and the optimizer (and a resume: fit)
         if self.tc.trace_rows:
             self.rd.logs.mkdir(parents=True, exist_ok=True)
 
@@ -128,6 +126,9 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         """Every optimizer step, then maybe log, evaluate, checkpoint; at the end a last eval and checkpoint."""
+        t = time.perf_counter()
+        self.resumed_from = self.start()  # the checkpoint train.resume names, or a fresh start
+        self.startup["data_s"] += time.perf_counter() - t
         s, tc = self.state, self.tc
         started = self.fit_started = time.perf_counter()
         self.samples_before = s.samples_seen
@@ -382,32 +383,6 @@ class Trainer:
         return result
 
     # -- resume and checkpoints ---------------------------------------------------------------
-    def save_checkpoint(self) -> str:
-        s = self.state
-        s.last_checkpoint_step = s.step
-        trainer_state = {
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-            "loader": self.loader.state_dict(),
-            "state": asdict(s),
-        }
-        meta = {"epoch": s.epoch, "samples_seen": s.samples_seen, "best_step": s.best_step,
-                "strategy": self.par.strategy, "eval": self.last_eval_summary()}
-        keep = {s.best_step} if s.best_step >= 0 else set()
-        # Backpressure: the previous upload finishes before this checkpoint is written (and pruned against).
-        blocked = self.uploader.wait() if self.uploader else 0.0
-        started = time.perf_counter()
-        with self.clock.phase("checkpoint"):
-            path = checkpoint.save(
-                self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
-                trainer_state=trainer_state, meta=meta, keep_last=self.tc.keep_last, keep=keep,
-                sharded=self.par.sharded, files=self.files,
-            )
-        self.checkpoint_s = time.perf_counter() - started  # what a checkpoint at a preemption would take
-        if self.uploader:
-            self.uploader.submit(path, blocked)
-        return str(path)
-
     def result(self, train_s: float) -> TrainResult:
         """Collective (the clock's run totals are summed over the ranks): what this launch did. The time split is of
         the time after the first batch arrived (its read is start-up: first_batch_s)."""
