@@ -51,7 +51,7 @@ def reference(manifest) -> tuple[float, float]:
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression
 
-    from torchloom.etl.baseline_driver import read_split
+    from torchloom.baseline.driver import read_split
 
     texts, labels = read_split(manifest, "train")
     test_texts, test_labels = read_split(manifest, "test")
@@ -63,7 +63,7 @@ def reference(manifest) -> tuple[float, float]:
 
 
 def describe(manifest) -> dict:
-    from torchloom.etl.baseline_driver import read_split
+    from torchloom.baseline.driver import read_split
 
     train, test = read_split(manifest, "train")[0], read_split(manifest, "test")[0]
     words = sum(len(t.split()) for t in train + test) / max(1, len(train) + len(test))
@@ -89,7 +89,7 @@ def machine() -> str:
 
 def measure(corpus: str, engines: list[str], workdir: Path, spark) -> dict:
     """One table row: the corpus's sizes, the reference's accuracy and seconds, and each engine's."""
-    from torchloom.etl.baseline import fit_and_score
+    from torchloom.baseline import fit_and_score
     from torchloom.manifest import read
 
     m = read(prepared(corpus, workdir))

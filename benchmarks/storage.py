@@ -17,7 +17,7 @@ sitting, each pair interleaved round by round so that a slow spell of the machin
 4. prepare's input (--input-rows, 0 skips): a CSV of that many rows (quoted texts, a third with a line
    break) in 4 files, read and parsed by a local[2] Spark into text and label (the sum of the texts' lengths
    as the job's result): Spark's reader on local disk, the tasks streaming the objects from the store
-   (etl/store_read.py: a Spark cluster without a connector), and the embedded Spark's way with an input on a
+   (inputs/store_read.py: a Spark cluster without a connector), and the embedded Spark's way with an input on a
    store (download to local disk, then Spark's reader); rows/s and the ratio to Spark's reader on disk;
    then (--prepare-rounds) whole `torchloom prepare` runs of the same files the same three ways.
 
@@ -102,8 +102,8 @@ def cpu_seconds(pid: int | None = None) -> float:
 def bench_loader(tmp: Path, rows: int, rounds: int, server_pid: int, log: Path) -> list[tuple]:
     from dataclasses import replace
 
-    from torchloom import storage
     from torchloom.data.synthetic import write_synthetic_dataset
+    from torchloom.store import storage
 
     local = write_synthetic_dataset(tmp / "data", rows={"train": rows}, max_len=128, vocab_size=30522,
                                     rows_per_group=1024, rows_per_shard=25_000)
@@ -128,10 +128,10 @@ def bench_input(tmp: Path, rows: int, rounds: int, prepare_rounds: int = 0) -> l
 
     from pyspark.sql import functions as F
 
-    from torchloom import storage
     from torchloom.config.schema import DataConfig, PrepareConfig
-    from torchloom.etl.read import read_input
     from torchloom.etl.session import get_spark
+    from torchloom.inputs.read import read_input
+    from torchloom.store import storage
 
     rng = random.Random(0)
     words = ["the", "market", "said", "goal", "chip", "team", "price", '"quoted"', "band,", "song", "data", "over",
@@ -199,8 +199,8 @@ def whole_prepare(tmp: Path, src: Path, uri: str, rounds: int, rows: int) -> tup
 
 def train(output: str, steps: int, data: Path, cache: Path) -> dict:
     """One `torchloom train`, returning {samples_per_s (steady), wall_s, records}."""
-    from torchloom import storage
-    from torchloom.rundir import RunDir
+    from torchloom.runs.rundir import RunDir
+    from torchloom.store import storage
 
     rd = RunDir(output)
     if rd.remote:
@@ -227,8 +227,8 @@ def train(output: str, steps: int, data: Path, cache: Path) -> dict:
 
 def sync_upload_s(cache: Path, output: str) -> float:
     """A synchronous upload of the store run's last local checkpoint directory, timed."""
-    from torchloom import storage
-    from torchloom.rundir import RunDir
+    from torchloom.runs.rundir import RunDir
+    from torchloom.store import storage
 
     os.environ["TORCHLOOM_CACHE"] = str(cache)
     rd = RunDir(output)

@@ -4,7 +4,7 @@
 
 Writes --rows labelled rows (20-80 words each) as a Delta table with deltalake, then copies the table's data files
 (the same bytes) into a plain directory. In one Spark session (local[*], its start-up apart), in interleaved rounds,
-prepares each: the plain directory with Spark's own Parquet reader, the table through etl/tables.py (pinned on the
+prepares each: the plain directory with Spark's own Parquet reader, the table through inputs/tables.py (pinned on the
 driver, the version's files read by the tasks with pyarrow). Prints the best round of each, whole and its
 read+clean+dedup job (where the readers differ), rows/s and the ratio Delta / Parquet (target >= 0.9), and the CPU.
 """
@@ -89,7 +89,7 @@ def report(rounds: dict[str, list[dict]], rows: int, files: int) -> None:
     print(f"\n{rows:,} rows (20-80 words) in {files} data file(s), MiniLM tokenizer, {os.cpu_count()} cores,"
           f" {len(rounds['delta'])} interleaved rounds")
     print(f"{'input':48} {'rows':>8} {'best s':>7} {'rows/s':>9} {'x parquet':>10} {'median x':>9}  cpu")
-    for name, what in (("parquet", "Parquet files (Spark's reader)"), ("delta", "Delta table (etl/tables.py)")):
+    for name, what in (("parquet", "Parquet files (Spark's reader)"), ("delta", "Delta table (inputs/tables.py)")):
         for part, label in (("total", "prepare, whole"), ("read", "read+clean+dedup")):
             best = min(r[part] for r in rounds[name])
             ratio = min(r[part] for r in rounds["parquet"]) / best

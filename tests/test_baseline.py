@@ -1,4 +1,4 @@
-"""The classical baseline (etl/baseline.py, evaluate/baseline.py): what it trains on, what it scores,
+"""The classical baseline (baseline/__init__.py, evaluate/baseline.py): what it trains on, what it scores,
 and how it is reported beside the transformer."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def two_topics(tmp_path_factory) -> Manifest:
 
 
 def test_baseline_scores_agree_with_the_evaluation_metrics():
-    from torchloom.etl.baseline import scores
+    from torchloom.baseline import scores
 
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 3, 300)  # class 3 never occurs in the labels but is predicted at times
@@ -78,7 +78,7 @@ def test_baseline_scores_agree_with_the_evaluation_metrics():
 
 
 def test_the_baseline_trains_on_train_and_scores_exactly_the_prepared_splits(tmp_path):
-    from torchloom.etl.baseline import C_GRID, fit_and_score
+    from torchloom.baseline import C_GRID, fit_and_score
 
     written = write_synthetic_dataset(tmp_path / "data", rows={"train": 150, "val": 30, "test": 45})
     m = read_manifest(tmp_path / "data")
@@ -96,7 +96,8 @@ def test_the_baseline_trains_on_train_and_scores_exactly_the_prepared_splits(tmp
 
 
 def test_c_is_chosen_on_val_where_c_1_underfits(topics):
-    from torchloom.etl import baseline, baseline_driver
+    from torchloom import baseline
+    from torchloom.baseline import driver as baseline_driver
 
     result = baseline.fit_and_score(None, topics, ["val", "test"], engine="driver")
     by_c = {g["C"]: g["val_accuracy"] for g in result["grid"]}
@@ -110,7 +111,7 @@ def test_c_is_chosen_on_val_where_c_1_underfits(topics):
 
 
 def test_without_val_rows_the_default_c_is_used_and_said(tmp_path):
-    from torchloom.etl import baseline
+    from torchloom import baseline
 
     write_synthetic_dataset(tmp_path / "data", rows={"train": 150, "val": 0, "test": 45})
     result = baseline.fit_and_score(None, read_manifest(tmp_path / "data"), ["val", "test"], engine="driver")
@@ -121,7 +122,7 @@ def test_without_val_rows_the_default_c_is_used_and_said(tmp_path):
 
 def driver_predictions(m: Manifest, c: float) -> dict[str, int]:
     """scikit-learn's prediction for each test text, fitted on train at C=c."""
-    from torchloom.etl import baseline_driver
+    from torchloom.baseline import driver as baseline_driver
 
     texts, labels = baseline_driver.read_split(m, "train")
     vec = baseline_driver.vectorizer()
@@ -132,7 +133,8 @@ def driver_predictions(m: Manifest, c: float) -> dict[str, int]:
 
 def spark_predictions(spark, m: Manifest, c: float) -> dict[str, int]:
     """MLlib's prediction for each test text, fitted on train at C=c."""
-    from torchloom.etl import baseline, baseline_spark
+    from torchloom import baseline
+    from torchloom.baseline import spark as baseline_spark
 
     rows = baseline.train_texts(m)
     docs, counts = baseline_spark.term_counts(baseline_spark.read_split(spark, m, "train"))
@@ -149,7 +151,7 @@ def spark_predictions(spark, m: Manifest, c: float) -> dict[str, int]:
 def test_the_driver_and_spark_paths_fit_the_same_model(spark, data, request):
     """Same features, same C, same predictions: at least 98% of the test rows identical, accuracy within a
     point (both fit to the optimum, each with its own optimiser and stopping rule)."""
-    from torchloom.etl import baseline
+    from torchloom import baseline
 
     m = request.getfixturevalue(data)
     driver = baseline.fit_and_score(None, m, ["val", "test"], engine="driver")

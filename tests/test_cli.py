@@ -251,8 +251,8 @@ def test_a_real_run_s_ledger_lists_every_file_it_wrote(finished_run, tmp_path):
     """The ledger of a real `run` (every stage) vouches for each file in it: --overwrite may replace it whole; a base
     model kept in model/ is never exported over."""
     from torchloom.errors import UserError
-    from torchloom.ledger import LEDGER_FILE, LocalTree, deletable
-    from torchloom.runfiles import RunFiles
+    from torchloom.runs.ledger import LEDGER_FILE, LocalTree, deletable
+    from torchloom.runs.runfiles import RunFiles
 
     rd, _ = finished_run
     run = tmp_path / "run"
@@ -272,9 +272,9 @@ def test_a_real_run_s_ledger_lists_every_file_it_wrote(finished_run, tmp_path):
 def test_run_resume_follows_the_recorded_model_as_train_resume_does(finished_run, tiny, tmp_path):
     """Was: `run --resume` without --model.path rewrote config.toml with the default model before a worker failed,
     after which export and train --resume refused the right model."""
+    from torchloom.cli.recorded import follow
     from torchloom.config import build
-    from torchloom.recorded import follow
-    from torchloom.runfiles import RunFiles
+    from torchloom.runs.runfiles import RunFiles
 
     rd, _ = finished_run
     run = tmp_path / "run"
@@ -637,7 +637,7 @@ def test_a_binary_file_named_csv_is_one_short_line(tmp_path):
 def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(tmp_path):
     from torchloom.config.schema import DataConfig
     from torchloom.errors import UserError
-    from torchloom.etl.inputs import resolve_format
+    from torchloom.inputs.locate import resolve_format
     from torchloom.model.predict import read_texts
     from torchloom.serve.score_files import input_format
 
@@ -655,7 +655,7 @@ def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(t
 
 
 def test_a_missing_column_line_fills_in_the_columns_whose_names_say_what_they_hold():
-    from torchloom.input_formats import column_fix
+    from torchloom.inputs.formats import column_fix
 
     both = {"data.text_column": "text", "data.label_column": "label"}
     assert column_fix(["id", "body", "topic"], both) == "set --data.text_column body --data.label_column topic"
@@ -699,8 +699,9 @@ def test_evaluate_scores_what_serve_answers(finished_run):
 def test_a_baseline_that_fails_is_one_line_and_evaluate_goes_on(finished_run, tmp_path, monkeypatch, capsys):
     import shutil
 
+    from torchloom import baseline
     from torchloom.config import build
-    from torchloom.etl import baseline, session
+    from torchloom.etl import session
     from torchloom.stages.evaluate import evaluate_stage
 
     rd = tmp_path / "copy"

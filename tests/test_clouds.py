@@ -2,7 +2,7 @@
 reached through the variables each cloud's own tools read (STORAGE_EMULATOR_HOST, AZURE_STORAGE_CONNECTION_STRING).
 For each: the storage layer's round trip, a whole `torchloom run` with its input and run directory on the store,
 predict from a host with an empty cache, and a resume on another host from the store alone (as tests/test_storage.py
-does on S3). The configuration of the clients (store_clients.py) is tested without a server."""
+does on S3). The configuration of the clients (store/clients.py) is tested without a server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 from support.clouds import AZURITE_ACCOUNT, AZURITE_KEY, azurite_server, gcs_server
 from support.runs import torchloom
 
-from torchloom import storage, store_clients, store_errors
 from torchloom.errors import UserError
 from torchloom.redaction import redact_text
+from torchloom.store import clients as store_clients
+from torchloom.store import errors as store_errors
+from torchloom.store import storage
 from torchloom.uri import redact
 
 pytestmark = pytest.mark.heavy(12)  # see tests/support/schedule.py

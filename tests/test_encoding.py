@@ -1,4 +1,4 @@
-"""data.encoding: the per-file decision (text_encoding.py), and prepare reading folders, CSV files and objects of a
+"""data.encoding: the per-file decision (inputs/encoding.py), and prepare reading folders, CSV files and objects of a
 store in the encoding they were written in, counting what was not UTF-8."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchloom.errors import UserError
-from torchloom.text_encoding import Undecodable, decode, detect
+from torchloom.inputs.encoding import Undecodable, decode, detect
 
 WORDS = ["apple pie recipe", "garden tools sale", "train timetable change", "football score tonight",
          "piano lesson booked", "river walk photos", "tax form reminder", "birthday party plans"]
@@ -85,10 +85,10 @@ def test_cleaning_decodes_the_files_the_text_source_passed_undecoded():
 
 
 def test_the_store_reader_decides_per_object(tmp_path, monkeypatch):
-    # the tasks of etl/store_tasks.py, without a store: pyarrow opens the local files as it would the objects
+    # the tasks of inputs/store_tasks.py, without a store: pyarrow opens the local files as it would the objects
     import pyarrow as pa
 
-    from torchloom.etl import store_tasks
+    from torchloom.inputs import store_tasks
 
     monkeypatch.setattr(store_tasks.storage, "open_input", lambda uri: pa.OSFile(uri))
     monkeypatch.setattr(store_tasks.storage, "redact", lambda uri: uri)

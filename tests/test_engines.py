@@ -292,7 +292,7 @@ def test_an_attempt_spark_aborted_for_a_lost_executor_is_named_by_spark_s_reason
     # Spark saw the executor lost and aborted the barrier stage before the ranks' heartbeats could name the lost
     # rank: the re-run line and the final error give Spark's reason, not "Py4JJavaError"
     from torchloom.engines.driver import rerun_or_raise
-    from torchloom.rundir import RunDir
+    from torchloom.runs.rundir import RunDir
 
     class Py4JJavaError(Exception):
         pass

@@ -13,7 +13,7 @@ import torch
 from torchloom.errors import UserError
 from torchloom.model.export import export_model, read_export_info, strip_wrapper_prefixes
 from torchloom.model.predict import Predictor, read_texts
-from torchloom.textclean import clean_text
+from torchloom.text.clean import clean_text
 
 LABELS = ["business", "sport", "tech"]
 TEXTS = [

@@ -120,7 +120,7 @@ def test_workers_auto_is_one_per_gpu_and_the_cpu_default_elsewhere(tmp_path):
 def test_batch_size_auto_grows_only_where_the_data_has_steps_to_spare(tmp_path, capsys):
     from torchloom.config import budget, save
     from torchloom.data.synthetic import write_synthetic_dataset
-    from torchloom.rundir import RunDir
+    from torchloom.runs.rundir import RunDir
     from torchloom.stages.train import how_long
 
     assert budget.choose_batch(5, 1780, 128)[0] == 16  # the demo: 2 epochs of 112 steps are 225 needed

@@ -301,7 +301,7 @@ def test_the_serve_pods_command_fetches_the_model_and_answers_its_probes(capsys,
     pytest.importorskip("uvicorn")
     from support.s3 import s3_server
 
-    from torchloom import storage
+    from torchloom.store import storage
 
     creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}
     with s3_server(tmp_path, "models", creds):

@@ -1,5 +1,5 @@
-"""Nothing lost by design: --overwrite deletes only what torchloom wrote (the run's ledger, ledger.py), all of it or
-nothing, and never an input of the command; locally and on a real S3 server (moto's, on 127.0.0.1)."""
+"""Nothing lost by design: --overwrite deletes only what torchloom wrote (the run's ledger, runs/ledger.py), all of
+it or nothing, and never an input of the command; locally and on a real S3 server (moto's, on 127.0.0.1)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ USER_FILES = ["data/reviews.csv", "data/train/mine.parquet", "model/config.json"
 
 def earlier_run(write) -> dict[str, bytes]:
     """What a torchloom command leaves in a run (names and markers of a real one): written through `write`."""
-    from torchloom.runrecord import new_record
+    from torchloom.runs.runrecord import new_record
 
     meta = b'{"files": {"model.safetensors": {"size": 6}}, "step": 2}'
     files = {"config.toml": real_config(), "torchloom-run.json": str(new_record()).encode(),
@@ -39,7 +39,7 @@ class Local:
         self.root = root
 
     def tree(self):
-        from torchloom.ledger import LocalTree
+        from torchloom.runs.ledger import LocalTree
 
         return LocalTree(self.root)
 
@@ -54,7 +54,7 @@ class Local:
         return str(self.root / rel)
 
     def replace(self, inputs: list[str]) -> None:
-        from torchloom.runfiles import RunFiles
+        from torchloom.runs.runfiles import RunFiles
 
         RunFiles(self.root).replace(inputs=inputs)
 
@@ -64,17 +64,17 @@ class Store(Local):
         self.root = prefix
 
     def tree(self):
-        from torchloom.store_tree import StoreTree
+        from torchloom.runs.store_tree import StoreTree
 
         return StoreTree(self.root)
 
     def write(self, rel: str, content: bytes) -> None:
-        from torchloom import storage
+        from torchloom.store import storage
 
         storage.write_bytes(storage.join(self.root, rel), content)
 
     def snapshot(self) -> dict[str, bytes]:
-        from torchloom import storage
+        from torchloom.store import storage
 
         return {rel: storage.read_bytes(storage.join(self.root, rel)) for rel in storage.list_files(self.root)}
 
@@ -86,7 +86,7 @@ def scenario(seed: int, place: Local) -> tuple[dict[str, bytes], list[str], bool
     """A random tree at `place`: torchloom's earlier output (with a ledger, from before ledgers, or none), users'
     files under a run's names, and inputs inside it. Returns (the user's files, the inputs, whether every file is
     torchloom's as it left it and no input is among them: then --overwrite must delete them all)."""
-    from torchloom.ledger import LEDGER_FILE, recording
+    from torchloom.runs.ledger import LEDGER_FILE, recording
 
     rng = random.Random(seed)
     base = rng.choice(["ledger", "ledger", "legacy", "none"])
@@ -117,7 +117,7 @@ def scenario(seed: int, place: Local) -> tuple[dict[str, bytes], list[str], bool
 
 def check_oracle(place: Local, users: dict[str, bytes], inputs: list[str], clean: bool) -> str:
     from torchloom.errors import UserError
-    from torchloom.ledger import LEDGER_FILE
+    from torchloom.runs.ledger import LEDGER_FILE
 
     before = place.snapshot()
     try:
@@ -178,7 +178,7 @@ def test_a_command_killed_before_its_end_is_settled_by_the_next(tmp_path):
     import json
 
     from torchloom.errors import UserError
-    from torchloom.ledger import LEDGER_FILE, LocalTree, begin, replace
+    from torchloom.runs.ledger import LEDGER_FILE, LocalTree, begin, replace
 
     run = tmp_path / "run"
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -260,7 +260,7 @@ def test_prepare_overwrite_on_a_store_checks_before_it_deletes_or_writes(s3, tmp
     assert place.snapshot() == before
     # prepared data on the store (a run not trained yet) whose data/ holds an object of someone else's: refused
     # before the work
-    from torchloom.ledger import recording
+    from torchloom.runs.ledger import recording
 
     run = Store(f"s3://{BUCKET}/run-with-foreign-data")
     with recording(run.tree()):
@@ -281,7 +281,7 @@ def test_predict_overwrite_replaces_only_earlier_predictions(tmp_path):
     import pyarrow.parquet as pq
 
     from torchloom.errors import UserError
-    from torchloom.outputs import record_output
+    from torchloom.runs.outputs import record_output
     from torchloom.serve.score_files import _check_paths
 
     shared = tmp_path / "exports"
@@ -312,8 +312,8 @@ def test_predict_overwrite_replaces_only_earlier_predictions(tmp_path):
 
 def test_the_ledger_is_not_taken_for_content(tmp_path):
     """A run holding only its ledger is empty to every check ('exists and is not empty', a tune study's)."""
-    from torchloom.ledger import LocalTree, begin, end, is_empty
-    from torchloom.runfiles import RunFiles
+    from torchloom.runs.ledger import LocalTree, begin, end, is_empty
+    from torchloom.runs.runfiles import RunFiles
 
     run = tmp_path / "run"
     stock = begin(LocalTree(run))

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from torchloom.etl import baseline_driver
+from torchloom.baseline import driver as baseline_driver
 from torchloom.lexical import Lexical
 from torchloom.scoring import choose_weight, mix
 

@@ -67,7 +67,7 @@ def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, mon
 
     src = tmp_path / "in.parquet"
     src.write_bytes(b"")
-    from torchloom.outputs import record_output
+    from torchloom.runs.outputs import record_output
 
     earlier = tmp_path / "earlier"
     earlier.mkdir()
@@ -91,7 +91,7 @@ def test_a_report_is_deleted_only_as_torchloom_left_it_checked_again_right_befor
     deleted; one changed since the command's first check (a file added while it scored) is refused, kept whole;
     one holding an input too."""
     from torchloom.errors import UserError
-    from torchloom.outputs import check_output, clear_output, record_output
+    from torchloom.runs.outputs import check_output, clear_output, record_output
 
     report = tmp_path / "report"
     report.mkdir()
@@ -170,7 +170,7 @@ def test_prepare_without_overwrite_never_writes_over_a_foreign_config(tmp_path, 
     ("checkpoints", b"", False),  # not a marker at all
 ])
 def test_a_marker_counts_only_by_its_content(rel, content, own):
-    from torchloom.runrecord import is_own_file
+    from torchloom.runs.runrecord import is_own_file
 
     assert is_own_file(rel, content) is own
 
@@ -178,7 +178,7 @@ def test_a_marker_counts_only_by_its_content(rel, content, own):
 def test_overwrite_replaces_only_what_is_torchloom_s_and_refuses_anything_beside_it(tmp_path):
     """Runs made before ledgers: only content-verified markers (and what they list) count, never a bare name."""
     from torchloom.errors import UserError
-    from torchloom.ledger import check_replaceable, replace_local
+    from torchloom.runs.ledger import check_replaceable, replace_local
 
     dirs = {"run/config.toml": real_config(), "prepared/manifest.json": real_manifest(),
             "study/study.json": b'{"format": "torchloom-study/1", "backend": "optuna"}',
@@ -245,7 +245,7 @@ def s3(tmp_path_factory):
 
 
 def put_tree(prefix: str, files: dict[str, str | bytes]) -> None:
-    from torchloom import storage
+    from torchloom.store import storage
 
     for rel, content in files.items():
         storage.write_bytes(storage.join(prefix, rel), content.encode() if isinstance(content, str) else content)
@@ -253,7 +253,7 @@ def put_tree(prefix: str, files: dict[str, str | bytes]) -> None:
 
 @pytest.mark.parametrize("kind", sorted(FOREIGN))
 def test_overwrite_on_a_store_refuses_a_foreign_project(s3, tmp_path, topics_csv, tiny_model_dir, kind):
-    from torchloom import storage
+    from torchloom.store import storage
 
     prefix = f"s3://{BUCKET}/{kind}"
     put_tree(prefix, FOREIGN[kind])
@@ -269,7 +269,7 @@ def test_overwrite_on_a_store_refuses_a_foreign_project(s3, tmp_path, topics_csv
 @pytest.mark.parametrize("kind", ["hugo", "webapp"])
 def test_prepare_on_a_store_never_writes_into_a_foreign_prefix(s3, tmp_path, topics_csv, tiny_model_dir, kind):
     """Decided from the store's objects, never from this host's copy (which has none of them)."""
-    from torchloom import storage
+    from torchloom.store import storage
 
     prefix = f"s3://{BUCKET}/prepare-{kind}"
     put_tree(prefix, FOREIGN[kind])
@@ -283,9 +283,9 @@ def test_prepare_on_a_store_never_writes_into_a_foreign_prefix(s3, tmp_path, top
 
 
 def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
-    from torchloom import storage
     from torchloom.errors import UserError
-    from torchloom.runfiles import RunFiles
+    from torchloom.runs.runfiles import RunFiles
+    from torchloom.store import storage
 
     monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
     prefix = f"s3://{BUCKET}/run"
@@ -308,7 +308,7 @@ def test_overwrite_never_empties_a_bucket_s_root(s3, tmp_path, topics_csv, tiny_
     """A torchloom config.toml at a bucket's root, beside the bucket's other prefixes: nothing is deleted."""
     from pyarrow import fs as pafs
 
-    from torchloom import storage
+    from torchloom.store import storage
 
     root = "s3://torchloom-bucket-root"
     pafs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{s3}", scheme="http", allow_bucket_creation=True,
@@ -327,6 +327,6 @@ def test_the_manifest_keys_rundir_knows_are_the_manifests_fields():
     import dataclasses
 
     from torchloom.manifest import Manifest
-    from torchloom.runrecord import MANIFEST_KEYS
+    from torchloom.runs.runrecord import MANIFEST_KEYS
 
     assert {f.name for f in dataclasses.fields(Manifest)} - {"root"} == MANIFEST_KEYS

@@ -25,7 +25,7 @@ from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
 from torchloom.plan import command as plan
 from torchloom.plan.advice import RUN_WITH
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 from torchloom.stages.export import export_stage
 from torchloom.train import checkpoint, optim
 from torchloom.train.distributed import Dist

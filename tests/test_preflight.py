@@ -9,8 +9,8 @@ import pytest
 from torchloom import cli, preflight
 from torchloom.config import build
 from torchloom.errors import UserError
-from torchloom.run import Run
-from torchloom.runfiles import RunFiles
+from torchloom.runs.run import Run
+from torchloom.runs.runfiles import RunFiles
 
 
 class Stopped(Exception):

@@ -227,7 +227,7 @@ def test_csv_files_of_one_input_with_other_headers_are_one_line_not_columns_read
     # labels as texts, silently. Now one line names the file and both headers, and nothing is written.
     import pyarrow as pa
 
-    from torchloom.etl import store_tasks
+    from torchloom.inputs import store_tasks
 
     d = tmp_path / "parts"
     d.mkdir()
@@ -349,7 +349,7 @@ def test_split_is_deterministic_across_partitioning(spark, tiny_model_dir, tmp_p
 def test_token_ids_match_transformers_and_row_groups_are_bounded(spark, tiny_model_dir, tmp_path, strategy):
     from transformers import AutoTokenizer
 
-    from torchloom.truncation import cut
+    from torchloom.text.truncation import cut
 
     long_text = " ".join(f"word{i} Ünïcödé, punctuation!" for i in range(200))
     texts = ["Short one.", "Crème brûlée at the café", long_text, "x" * 3000, "tokenization " * 40]

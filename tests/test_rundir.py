@@ -9,8 +9,8 @@ import pytest
 from torchloom.engines.worker import hooked_reporters, worker_reporter
 from torchloom.errors import UserError
 from torchloom.jsonio import write_atomic
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.reporter import Reporters
 from torchloom.tune.pruning import PruningReporter
 
@@ -67,8 +67,8 @@ def test_progress_and_errors_reach_the_driver_files(tmp_path):
 def test_a_store_run_s_copy_behind_a_symbolic_link_is_one_path(tmp_path, monkeypatch):
     """A home or cache directory that is a symbolic link (/gpfs, /lustre on clusters): every path of the copy
     maps to its URI, whoever resolved it (was: ValueError '... is not in the subpath')."""
-    from torchloom.rundir import RunDir
-    from torchloom.runfiles import RunFiles
+    from torchloom.runs.rundir import RunDir
+    from torchloom.runs.runfiles import RunFiles
 
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from torchloom import storage
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
-from torchloom.runrecord import TEMP_NAME
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
+from torchloom.runs.runrecord import TEMP_NAME
+from torchloom.store import storage
 
 
 def test_a_local_run_has_nothing_to_move(tmp_path):
@@ -154,7 +154,7 @@ def test_a_study_on_a_store_goes_up_as_it_goes(tmp_path, monkeypatch):
     trial still running stays here until the study's end."""
     import sqlite3
 
-    from torchloom.rundir import StudyDir
+    from torchloom.runs.rundir import StudyDir
     from torchloom.tune.study import push_finished
 
     monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))

@@ -19,11 +19,11 @@ from support.s3 import s3_server
 
 pytest.importorskip("moto")
 
-from torchloom import storage  # noqa: E402
 from torchloom.errors import UserError  # noqa: E402
 from torchloom.model_cache import fetch_dir  # noqa: E402
-from torchloom.rundir import RunDir  # noqa: E402
-from torchloom.runfiles import RunFiles  # noqa: E402
+from torchloom.runs.rundir import RunDir  # noqa: E402
+from torchloom.runs.runfiles import RunFiles  # noqa: E402
+from torchloom.store import storage  # noqa: E402
 
 pytestmark = pytest.mark.heavy(2)  # see tests/support/schedule.py
 
@@ -228,7 +228,7 @@ def test_a_model_re_exported_to_the_same_uri_is_fetched_again_and_keys_never_lea
 
 
 def test_uploads_run_behind_training_and_the_store_keeps_what_the_run_keeps(s3, cache, tmp_path):
-    from torchloom.runfiles_checkpoints import CheckpointUploader
+    from torchloom.runs.runfiles_checkpoints import CheckpointUploader
 
     rd = RunDir(uri("uploads"))
     logged = []
@@ -476,7 +476,7 @@ def test_executors_writing_through_the_store_give_the_shards_spark_writes(s3, ca
 def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(s3, cache, tmp_path,
                                                                                 tiny_model_dir):
     # A Spark cluster with no Hadoop connector for s3:// (this one has none) reads data.path on the store
-    # with etl/store_read.py: the tasks stream the objects with pyarrow and Spark's own parsers parse them.
+    # with inputs/store_read.py: the tasks stream the objects with pyarrow and Spark's own parsers parse them.
     # Each input gives the rows Spark's reader gives for the same files on local disk.
     import gzip
 
@@ -484,9 +484,9 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
     import pyarrow.parquet as pq
 
     from torchloom.config.schema import Config, DataConfig
-    from torchloom.etl.inputs import resolve_format
     from torchloom.etl.prepare import prepare
-    from torchloom.etl.read import read_input, spark_reads
+    from torchloom.inputs.locate import resolve_format
+    from torchloom.inputs.read import read_input, spark_reads
 
     spark = store_spark()
     assert not spark_reads(spark, uri("x.csv")) and spark_reads(spark, f"file://{tmp_path}")
@@ -560,7 +560,7 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
     # the Spark baseline on the shards on the store (a cluster's executors do not see the driver's copy)
     from dataclasses import replace
 
-    from torchloom.etl import baseline_spark
+    from torchloom.baseline import spark as baseline_spark
     from torchloom.manifest import read as read_manifest
 
     storage.push_tree(tmp_path / "from-store", uri("prepared"), last=("manifest.json",))
@@ -573,7 +573,7 @@ def test_an_input_on_the_store_is_read_by_the_tasks_as_spark_reads_it_from_disk(
 RANK_ON_A_HOST = """
 import os, sys, time
 from torchloom.engines import worker
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 worker.REMOTE_LOG_S = 0.5
 files = RunFiles(sys.argv[1])
 rd = files.rd
@@ -637,7 +637,7 @@ def test_the_driver_shows_the_lines_of_ranks_on_other_hosts_from_the_store(s3, c
 
 
 def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, capsys, monkeypatch):
-    from torchloom import lease
+    from torchloom.runs import lease
 
     monkeypatch.setattr(lease, "SETTLE_S", 0.0)
     run = uri("leased")
@@ -662,7 +662,7 @@ def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, c
         assert lease.read(run)["host"] == "host-b"
     assert "took over the expired lease of run on host gone" in capsys.readouterr().err
     # the lease is never the reason a prefix counts as someone else's, nor deleted by --overwrite
-    from torchloom.runrecord import new_record
+    from torchloom.runs.runrecord import new_record
 
     storage.write_bytes(storage.join(run, "lease.json"), b"{}")
     RunFiles(run).check_own()
@@ -672,7 +672,7 @@ def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, c
 
 
 def test_a_second_torchloom_train_on_a_leased_run_is_refused_in_one_line(s3, tmp_path):
-    from torchloom import lease
+    from torchloom.runs import lease
 
     run = uri("leased-cli")
     for command in ("train", "export", "evaluate"):  # every stage that writes the run holds the lease

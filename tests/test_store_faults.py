@@ -20,8 +20,9 @@ from support.s3 import s3_server
 
 pytest.importorskip("moto")
 
-from torchloom import storage, store_errors  # noqa: E402
 from torchloom.data.synthetic import write_synthetic_dataset  # noqa: E402
+from torchloom.store import errors as store_errors
+from torchloom.store import storage  # noqa: E402
 
 pytestmark = pytest.mark.heavy(10)  # see tests/support/schedule.py
 
@@ -166,8 +167,8 @@ def test_transient_store_errors_are_retried_within_a_window_and_a_permanent_one_
     from torchloom.engines.common import failure_cause
     from torchloom.engines.worker import record_error
     from torchloom.errors import UserError
-    from torchloom.rundir import RunDir
-    from torchloom.runfiles import RunFiles
+    from torchloom.runs.rundir import RunDir
+    from torchloom.runs.runfiles import RunFiles
 
     monkeypatch.setattr(store_errors, "BACKOFF_S", (0.01, 0.02))
     monkeypatch.setenv(store_errors.RETRY_ENV, "5")

@@ -23,8 +23,8 @@ pytest.importorskip("pyspark")
 deltalake = pytest.importorskip("deltalake")
 pytest.importorskip("pyiceberg")
 
-from torchloom.etl import tables  # noqa: E402
 from torchloom.etl.prepare import prepare  # noqa: E402
+from torchloom.inputs import tables  # noqa: E402
 
 VOCAB = {"sport": "match goal team win league", "money": "bank market price shares profit"}
 
@@ -243,7 +243,7 @@ def test_bad_tables_versions_catalogs_and_columns_are_one_line(tmp_path, delta_t
     fails("iceberg://rest/docs.news", "iceberg", "does not answer", "127.0.0.1:9",
           catalogs={"rest": {"type": "rest", "uri": "http://127.0.0.1:9"}})
     fails("iceberg://lake/news", "iceberg", "iceberg://CATALOG/NAMESPACE.TABLE")
-    from torchloom.etl.inputs import pin_tables, resolve_format
+    from torchloom.inputs.locate import pin_tables, resolve_format
 
     data.version = "3"
     csv = tmp_path / "x.csv"
@@ -280,7 +280,7 @@ def test_tables_on_the_s3_test_server(tmp_path):
     from deltalake import DeltaTable, write_deltalake
     from support.s3 import s3_server
 
-    from torchloom.etl import table_tasks
+    from torchloom.inputs import table_tasks
 
     credentials = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
                    "AWS_DEFAULT_REGION": "us-east-1"}
@@ -292,7 +292,7 @@ def test_tables_on_the_s3_test_server(tmp_path):
         DeltaTable(where, storage_options=options).delete("text LIKE '%number 2%'")
         expected = pairs(DeltaTable(where, storage_options=options).to_pyarrow_table(columns=["text", "label"]))
         data = Config().data
-        from torchloom.etl.inputs import resolve_format
+        from torchloom.inputs.locate import resolve_format
 
         assert resolve_format(data, uri) == "delta"  # the prefix's _delta_log/ says so
         table = tables.pin(data, "s3a://lake/tables/docs", "delta")

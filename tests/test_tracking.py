@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mlflow")
 
 from torchloom.config import Config  # noqa: E402
-from torchloom.rundir import RunDir  # noqa: E402
+from torchloom.runs.rundir import RunDir  # noqa: E402
 from torchloom.tracking import MetricsForwarder, Tracker, forward_missing  # noqa: E402
 
 

@@ -22,7 +22,7 @@ from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.tiny import write_tiny_model
-from torchloom.rundir import RunDir
+from torchloom.runs.rundir import RunDir
 from torchloom.stages.train import how_long
 from torchloom.train import checkpoint, optim
 from torchloom.train.state import seed_everything
@@ -400,7 +400,7 @@ def test_a_resumed_training_that_ends_worse_on_validation_alerts_and_a_dead_webh
     equal is neither. A webhook that cannot be reached costs one line, never the command."""
     from support.net import Webhook
 
-    from torchloom.rundir import RunDir
+    from torchloom.runs.rundir import RunDir
     from torchloom.stages.train import last_validation, worse_after_resume
     from torchloom.train.result import TrainResult
 

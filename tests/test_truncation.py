@@ -1,4 +1,4 @@
-"""How long texts are cut (truncation.py): the same ids in prepare's shards and in every inference path."""
+"""How long texts are cut (text/truncation.py): the same ids in prepare's shards and in every inference path."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from torchloom.config.schema import Config
-from torchloom.truncation import cut, head_tokens, special_layout, window_starts, windows
+from torchloom.text.truncation import cut, head_tokens, special_layout, window_starts, windows
 
 pytest.importorskip("pyspark")
 
@@ -93,8 +93,9 @@ def test_a_chunked_text_scores_the_same_in_evaluate_predict_serve_and_spark_batc
     import pyarrow.dataset as ds
     import torch
 
+    from torchloom.baseline import driver as baseline_driver
+    from torchloom.baseline import spark as baseline_spark
     from torchloom.data.texts import texts_at
-    from torchloom.etl import baseline_driver, baseline_spark
     from torchloom.etl.prepare import prepare
     from torchloom.evaluate.run import score_split
     from torchloom.model.build import build_classifier

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from torchloom import preflight
 from torchloom.config import Config
-from torchloom.rundir import RunDir
+from torchloom.runs.rundir import RunDir
 
 if TYPE_CHECKING:
     from torchloom.train.result import TrainResult
@@ -101,7 +101,7 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     if summary.get("verdict"):
         lines.append(f"  note    {summary['verdict']}")
     if summary.get("data", {}).get("path"):
-        from torchloom.etl.tables import describe
+        from torchloom.inputs.tables import describe
 
         lines.append(f"  data    {summary['data']['path']} ({describe(summary['data'])})")
     lines += [f"  model   {summary['model_dir']}", f"  report  {summary['report']}", f"  plots   {rd.home(rd.plots)}",

@@ -7,6 +7,8 @@ import re
 
 from torchloom.errors import UserError, message_line
 
+REASON_CHARS = 150  # of the JVM's reason in an error line: the input and the fix must fit beside it
+
 
 def java_chain(e: BaseException) -> list[str]:
     """The Java exception behind a Py4JJavaError and its causes, outermost first, each as its class's simple
@@ -55,3 +57,25 @@ def unreadable_input(name: str, e: BaseException) -> UserError | None:
     root = root if len(root) <= 90 else root[:87] + "..."
     return UserError(f"{name}: Spark cannot read {failed} ({root}); replace that file (cut short, damaged, or not"
                      " what its name says) or move it out of the input")
+
+
+def short(line: str) -> str:
+    """A Java error line without package names, thread prefix or SQLSTATE, at most REASON_CHARS."""
+    line = re.sub(r"^Exception in thread \"[^\"]*\" ", "", line.strip())
+    line = re.sub(r"^\S*spark-class: line \d+: ", "", line)
+    line = without_packages(line)
+    line = re.sub(r"\s*SQLSTATE: \w+\.?$", "", line)
+    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
+
+
+def java_reason(e: BaseException) -> str:
+    """The Java exception behind a Py4JJavaError (or pyspark's own copy of one) as one short line."""
+    from py4j.protocol import Py4JError
+
+    java = getattr(e, "java_exception", None)
+    if java is not None:
+        try:
+            return short(message_line(java.toString()))
+        except Py4JError:  # the gateway went away: the Python side's message says the same
+            pass
+    return short(message_line(str(e)))

@@ -1,5 +1,5 @@
 """Files written whole or not at all, and JSON in and out of them. Standard library only, below the run
-directory's contract (rundir.py) and the store client (storage.py)."""
+directory's contract (runs/rundir.py) and the store client (store/storage.py)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The shipped model may be a mix of the transformer's probabilities and this model's (scoring.mix), so every
 path that scores texts (predict, serve, Spark batch, evaluate, the MLflow model) must compute the baseline's
-probabilities the way scikit-learn did when it was fitted (etl/baseline_driver.py), without scikit-learn and
+probabilities the way scikit-learn did when it was fitted (baseline/driver.py), without scikit-learn and
 without pickle. A fitted baseline is saved as two files in a directory (`baseline/` of a run, and of an
 exported model that ships the mix):
 

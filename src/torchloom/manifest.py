@@ -14,7 +14,7 @@ from typing import Any
 
 from torchloom.errors import UserError
 from torchloom.jsonio import write_atomic
-from torchloom.rundir import MANIFEST_FILE, RunDir
+from torchloom.runs.rundir import MANIFEST_FILE, RunDir
 from torchloom.uri import has_scheme
 
 FORMAT_VERSION = 1

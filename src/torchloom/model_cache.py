@@ -11,10 +11,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from torchloom import storage
 from torchloom.errors import UserError
 from torchloom.jsonio import sha256_file
-from torchloom.rundir import cache_root
+from torchloom.runs.rundir import cache_root
+from torchloom.store import storage
 from torchloom.uri import redact
 
 

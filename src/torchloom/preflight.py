@@ -2,7 +2,7 @@
 cannot be written or holds someone else's files, inputs that match nothing, a run that cannot be trained. Each
 failure is one line (a UserError), and nothing is written to find out.
 
-Each check runs once per run: open_run checks the config and builds the command's Run (run.py), which the CLI
+Each check runs once per run: open_run checks the config and builds the command's Run (runs/run.py), which the CLI
 hands to its stages; a check a stage asks again (the prefix is torchloom's, before config.toml is written) is
 kept on that Run (Run.once), never in this module. A stage called from Python with a Config, or a Ray Tune
 trial's own process, opens its own Run, checked the same way.
@@ -14,14 +14,14 @@ from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine
-from torchloom.run import Run
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.run import Run
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.uri import is_uri, redact
 
 
 def open_run(cfg: Config, files: RunFiles | None = None) -> Run:
-    """The command's Run (run.py), once every check below has passed: engine.workers auto counted on this machine,
+    """The command's Run (runs/run.py), once every check below has passed: engine.workers auto counted on this machine,
     what cannot run here refused, the stores asked (for_this_machine). files: the run's, where the caller has them
     already (the CLI, which read the run's recorded config with them)."""
     run = Run(cfg, files if files is not None else RunFiles(RunDir(cfg.output.dir)))
@@ -46,7 +46,7 @@ def visible_gpus(cfg: Config) -> int:
 def check_stores(cfg: Config, run: Run | None = None) -> None:
     """A run or data on a store: the store answers, the bucket exists and the credentials may read the data and
     write the run, said in one line before any stage starts (once per run: `run` keeps what passed)."""
-    from torchloom.etl.inputs import check_reachable
+    from torchloom.inputs.locate import check_reachable
 
     def writable(uri: str, key: str) -> None:
         if run is not None:
@@ -92,7 +92,7 @@ def check_input(cfg: Config) -> None:
     asked for, is one line before Spark or MLflow start: a typo costs no JVM start-up. prepare checks it again
     (etl/prepare.py); stores are check_stores'."""
     from torchloom import embedded
-    from torchloom.etl.inputs import check_inputs, pin_tables
+    from torchloom.inputs.locate import check_inputs, pin_tables
 
     check_inputs(cfg.data, embedded.data_path(cfg.data.path))
     pin_tables(cfg.data, embedded.data_path(cfg.data.path), local_only=True)  # prepare pins them again
@@ -126,7 +126,7 @@ def check_untrained(run: Run) -> None:
 def check_fresh(cfg: Config, files: RunFiles) -> None:
     """A fresh training removes the earlier one's checkpoints (train/checkpoint.clear_earlier): only with
     --overwrite, and only when they are all torchloom's (the run's ledger), else one line before anything starts."""
-    from torchloom.ledger import deletable
+    from torchloom.runs.ledger import deletable
 
     rd = files.rd
     steps = files.stored_steps()

@@ -1,5 +1,5 @@
 """Storage URIs: which strings are one, their scheme, and the one rule for the credentials they may carry.
-Standard library only, below everything that names a place (rundir.py, storage.py, redaction.py, k8s/).
+Standard library only, below everything that names a place (runs/rundir.py, store/storage.py, redaction.py, k8s/).
 
     has_scheme(s)   s starts with `scheme://` (file:// too): a URL, not a plain path
     is_uri(s)       a storage URI (s3://bucket/prefix, gs://, abfs://, hdfs://); file:// is a local path
@@ -15,7 +15,7 @@ import os
 import re
 
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # a URI's scheme, at its start
-URI = SCHEME  # the name storage.py and store_errors.py read it by
+URI = SCHEME  # the name store/storage.py and store/errors.py read it by
 USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.-]*://)([^/@\s'\"]+)@")
 CONTAINER_SCHEMES = ("abfs://", "abfss://", "wasb://", "wasbs://")
 _CONTAINER_NAME = re.compile(r"[a-z0-9-]{3,63}")

@@ -4,7 +4,7 @@
 BUCKET = """
 import sys
 from pyarrow import fs
-from torchloom import storage
+from torchloom.store import storage
 fs.S3FileSystem(endpoint_override=sys.argv[1], scheme="http", allow_bucket_creation=True,
                 region="us-east-1").create_dir(sys.argv[2])
 """

@@ -35,7 +35,7 @@ skip_without_namespaces()
 UPLOAD = with_bucket('storage.push_tree(sys.argv[3], sys.argv[4], last=("manifest.json",))')
 LIST = """
 import sys
-from torchloom import storage
+from torchloom.store import storage
 print("\\n".join(sorted(storage.list_files(sys.argv[1]))))
 """
 

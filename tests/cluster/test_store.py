@@ -47,7 +47,7 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "cluster-key", "AWS_SECRET_ACCESS_KEY": "clu
 UPLOAD = with_bucket("storage.upload(sys.argv[3], sys.argv[4])")
 DOWNLOAD = """
 import sys
-from torchloom import storage
+from torchloom.store import storage
 storage.pull_tree(sys.argv[1], sys.argv[2])
 """
 
@@ -274,7 +274,7 @@ def test_spark_standalone_on_the_store_prepares_survives_the_loss_of_the_checkpo
                            {**env, "TORCHLOOM_CACHE": str(caches[a.name])}, 300, tmp_path / "driver-hidden.log",
                            expect=2)
         assert_not_visible_error(hidden, hidden_rd, workers, time.monotonic() - started)
-        # the tasks stream the CSV from the store (etl/store_read.py) and write their rows through it
+        # the tasks stream the CSV from the store (inputs/store_read.py) and write their rows through it
         # (etl/store_write.py)
         said = prepare_from_store(a, run, env, caches, model, tmp_path, *master,
                                   "--prepare.spark_conf", '{"spark.executor.memory" = "1g"}')

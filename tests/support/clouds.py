@@ -77,7 +77,7 @@ def _server(name: str, argv: list[str], port: int, log_path: Path, cwd: Path):
 
 @contextlib.contextmanager
 def _environment(values: dict[str, str]):
-    from torchloom import storage
+    from torchloom.store import storage
 
     saved = {k: os.environ.get(k) for k in {*CLOUD_ENV, *values}}
     for k in CLOUD_ENV:

@@ -20,7 +20,7 @@ def s3_server(log_dir, bucket: str, credentials: dict, front=None):
     """A real S3 server (moto's, over HTTP on 127.0.0.1) with one bucket, for the storage tests. This process
     and its children reach it through AWS_ENDPOINT_URL, as a user's S3-compatible store: at the server's port,
     or at `front(port)`'s (a proxy in front of it). Yields the port clients use; the environment is restored."""
-    from torchloom import storage
+    from torchloom.store import storage
 
     port = free_port()
     log = open(os.path.join(log_dir, "s3-server.log"), "w")

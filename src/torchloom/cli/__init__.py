@@ -110,8 +110,8 @@ def parser() -> argparse.ArgumentParser:
 
 def build_config(args: argparse.Namespace, rest: list[str]):
     """The command's config from --config and the flags, and the keys the user gave (recorded.given_keys)."""
+    from torchloom.cli.recorded import given_keys
     from torchloom.config import build
-    from torchloom.recorded import given_keys
 
     extra = list(rest)
     if getattr(args, "overwrite", False):
@@ -140,9 +140,9 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         sys.stdout.write(to_toml(cfg))
         return 0
     from torchloom import preflight
-    from torchloom.lease import hold
-    from torchloom.recorded import follow
-    from torchloom.runfiles import RunFiles
+    from torchloom.cli.recorded import follow
+    from torchloom.runs.lease import hold
+    from torchloom.runs.runfiles import RunFiles
 
     # The command's Run, built once: the run's files; the config with what the run recorded where the user gave
     # nothing (a stage on its own: the model and, on a resume, the training), checked for this machine (what

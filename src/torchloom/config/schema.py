@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchloom.input_formats import FORMATS
+from torchloom.inputs.formats import FORMATS
 
 
 def choices(*allowed: str) -> dict:
@@ -16,7 +16,7 @@ class DataConfig:
     path: str = ""  # a file, directory, glob or URI, a Delta table, iceberg://catalog/ns.table; "": embedded BBC News
     format: str = field(default="auto", metadata=choices("auto", *FORMATS))
     # a table's version to read: a Delta version, an Iceberg snapshot id, or an ISO timestamp (the version then
-    # current); "": the version current when prepare starts, pinned for the whole read (etl/tables.py)
+    # current); "": the version current when prepare starts, pinned for the whole read (inputs/tables.py)
     version: str = ""
     # Iceberg catalogs by name (iceberg://NAME/...): pyiceberg's properties, over its own config
     # (~/.pyiceberg.yaml, PYICEBERG_CATALOG__NAME__*), e.g. {local = {uri = "sqlite:///c.db", warehouse = "..."}}
@@ -24,7 +24,7 @@ class DataConfig:
     text_column: str = "text"
     label_column: str = "label"
     # the encoding CSV, JSON lines and folder files are read in: "auto" (UTF-8, UTF-16 with a BOM, else
-    # cp1252 or latin-1, per file: text_encoding.py), a Python codec name for every file, or "strict" (UTF-8
+    # cp1252 or latin-1, per file: inputs/encoding.py), a Python codec name for every file, or "strict" (UTF-8
     # only; other rows are set aside as invalid_utf8)
     encoding: str = "auto"
     # The user's own split, kept: a column of train/val/test values, or separate files for val and test
@@ -48,7 +48,7 @@ class PrepareConfig:
     max_length: int = field(default=128, metadata={"min": 8, "auto": True})
     # how a longer text is cut: "head" (its start), "head_tail" (a quarter from the start, the rest from
     # the end) or "chunks" (every window of it, scored as the mean of their logits); recorded in the
-    # exported model, so every inference path cuts the same way (truncation.py).
+    # exported model, so every inference path cuts the same way (text/truncation.py).
     # head_tail by measurement on long documents (docs/benchmarks.md, "max_length auto, chunks, and epochs")
     truncation: str = field(default="head_tail", metadata=choices("head", "head_tail", "chunks"))
     stride: int = field(default=0, metadata={"min": 0})  # chunks: tokens from a window's start to the next's; 0: 3/4
@@ -58,7 +58,7 @@ class PrepareConfig:
     # a val/test text also in train: "report" counts it (manifest, summary); "drop" sets it aside as leaked
     leakage: str = field(default="report", metadata=choices("report", "drop"))
     # who reads a data.path on an object store on a Spark cluster: "spark" (its own s3a/gs connector),
-    # "pyarrow" (the tasks stream the objects with pyarrow: etl/store_read.py), "auto" (spark when this Spark
+    # "pyarrow" (the tasks stream the objects with pyarrow: inputs/store_read.py), "auto" (spark when this Spark
     # has a file system for the URI's scheme, else pyarrow)
     input_reader: str = field(default="auto", metadata=choices("auto", "spark", "pyarrow"))
 

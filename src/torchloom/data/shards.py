@@ -220,7 +220,7 @@ class RangeReader:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
         with lock:  # one open per shard; other shards open meanwhile
             if shard not in self._opened:
-                from torchloom import storage
+                from torchloom.store import storage
 
                 handle = storage.open_input(self._uris[shard])
                 self._opened[shard] = (handle, pq.ParquetFile(handle).metadata)

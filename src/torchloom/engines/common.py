@@ -2,7 +2,7 @@
 failure that a restarted worker and the driver both make.
 
 Whatever started them, workers talk to the driver only through files in the run directory (shared
-storage on a cluster), so the engines behave the same. rundir.py names the files; the worker side
+storage on a cluster), so the engines behave the same. runs/rundir.py names the files; the worker side
 (engines/worker.py) writes them and the driver side (engines/driver.py) reads them:
   hooks.json                 written by the driver before a launch: reporters the workers must add
                              (e.g. an Optuna pruner), as {"reporters": [{"class": "module:Name", "args": {...}}]}
@@ -22,8 +22,8 @@ import dataclasses
 
 from torchloom.errors import UserError
 from torchloom.jsonio import read_json
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 
 
 class TrainingFailed(Exception):
@@ -88,8 +88,7 @@ def lost_ranks(files: RunFiles, launch_id: str, start: int) -> list[dict]:
     rd = files.rd
     paths = rd.placements(launch_id, start)
     files.refresh(*paths, quiet=True, wait=False)  # a store that does not answer now: judge by what this host has
-    # the meaning differs: hosts that share no directory share no file times, so the beats written in the files
-    remote = files.on_store
+    remote = files.on_store  # the meaning differs: hosts sharing no directory share no file times (beats in the files)
     placed = []
     for p in paths:
         try:

@@ -29,8 +29,8 @@ from torchloom.engines.common import (
 from torchloom.engines.progress import LogTailer, ProgressMonitor
 from torchloom.errors import UserError, message_line
 from torchloom.jsonio import read_json
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 
 

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.reporter import Reporter
 
 ENV = "TORCHLOOM_FAULT"

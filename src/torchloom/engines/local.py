@@ -16,7 +16,7 @@ from torchloom.config import Config, to_dict
 from torchloom.engines.driver import Attempt, AttemptFailed, LauncherStopped, attempts
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from torchloom.poller import Poller
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 
 
 def fmt_time(seconds: float) -> str:

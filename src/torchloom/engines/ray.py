@@ -28,8 +28,8 @@ from torchloom.machine import usable_cores
 from torchloom.model.env import model_env
 from torchloom.private import private_dir
 from torchloom.ray_instance import start_local_ray
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 

@@ -25,8 +25,8 @@ from torchloom.etl.session import conf_value, get_spark, is_local_master
 from torchloom.jsonio import write_json
 from torchloom.machine import gpu_names
 from torchloom.poller import Poller
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.result import TrainResult
 
 

@@ -19,7 +19,7 @@ from torchloom.config import build, to_dict
 from torchloom.engines.common import NotRestarted, Preempted, RestartLimit, is_peer_loss
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, first_line, one_line
-from torchloom.rundir import RunDir
+from torchloom.runs.rundir import RunDir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,8 @@ from torchloom.errors import UserError
 from torchloom.jsonio import read_json, write_json
 from torchloom.model.env import model_env
 from torchloom.redaction import TUNE_STORAGE_ENV
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train import preemption
 from torchloom.train.reporter import Reporter, combine
 from torchloom.train.result import TrainResult

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 # The one cleaning shared with predict/serve, so a served text is cleaned exactly like a trained one.
-from torchloom.text_encoding import AUTO, STRICT, UTF8, Undecodable, local_path, undecodable_line
-from torchloom.text_encoding import decode as encoding_decode
-from torchloom.textclean import clean_text
+from torchloom.inputs.encoding import AUTO, RAW, STRICT, UTF8, Undecodable, local_path, undecodable_line
+from torchloom.inputs.encoding import decode as encoding_decode
+from torchloom.text.clean import clean_text
 
 # Every reason a row can be rejected for; manifest.counts["rows_rejected"] always lists all of them.
 # conflicting_labels and leaked are found by dedup, class_too_small and label_not_in_train when the split
@@ -17,9 +17,7 @@ REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short",
 
 # raw is the input text only where cleaning changed it (null where it equals text): it is kept for
 # the rejected rows' output, and leaving out the copies halves what the dedup shuffle and cache hold.
-# An input's `codec` for a row whose text is its file's bytes, not yet decoded (Spark's text source: a folder)
-RAW = ""
-# codec: the encoding a row was decoded from where text_encoding.py chose it and it is not UTF-8 (null: UTF-8,
+# codec: the encoding a row was decoded from where inputs/encoding.py chose it and it is not UTF-8 (null: UTF-8,
 # typed Parquet strings, or data.encoding strict); prepare counts these rows (manifest counts.decoded).
 CLEANED_SCHEMA = "raw string, text string, label string, source string, reason string, codec string"
 # with the user's own split: `given`, the split each row came with (train, val or test; null: unknown)
@@ -96,7 +94,7 @@ def _decoded(column, fffd_is_error: bool = True) -> tuple[list, list[bool]]:
 
 def _codecs(batch, encoding: str, texts: list, valid: list[bool]) -> list:
     """Each row's codec where not UTF-8 (else None), from the `codec` column: a row a reader decoded with
-    text_encoding.py is valid (a U+FFFD in it is a character); a row of a file the text source passed on
+    inputs/encoding.py is valid (a U+FFFD in it is a character); a row of a file the text source passed on
     undecoded (RAW: a folder's files) is decoded here (texts and valid updated), under a forced codec
     other than UTF-8 whatever its bytes, under auto or utf-8 where they are not valid UTF-8."""
     import codecs as codec_registry
@@ -122,7 +120,7 @@ def _codecs(batch, encoding: str, texts: list, valid: list[bool]) -> list:
         try:
             texts[i], codec = encoding_decode(binary[i].as_py(), encoding)
         except Undecodable as e:
-            from torchloom.etl.store_tasks import MARK
+            from torchloom.inputs.store_tasks import MARK
 
             raise RuntimeError(MARK + undecodable_line(local_path(sources[i].as_py() or "?"), encoding, e)) from None
         valid[i], out[i] = True, None if codec == UTF8 else codec

@@ -4,8 +4,8 @@ data.val_path / data.test_path). etl/prepare.py runs the job."""
 
 from __future__ import annotations
 
-from torchloom.etl.inputs import resolve_format
-from torchloom.etl.read import read_input
+from torchloom.inputs.locate import resolve_format
+from torchloom.inputs.read import read_input
 
 # split column values, lower-cased and trimmed, and the split each means
 GIVEN_SPLITS = {"train": "train", "training": "train", "val": "val", "valid": "val", "validation": "val",

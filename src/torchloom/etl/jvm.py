@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import sys
 import threading
 
 from torchloom.config.schema import PrepareConfig
-from torchloom.errors import UserError, message_line
-from torchloom.java_errors import without_packages
+from torchloom.errors import UserError
+from torchloom.java_errors import java_reason, short
 
 # Lines the JVM prints that say nothing about the user's job (Spark 4 loads an incubator module; MLlib
 # looks for a native BLAS).
 FOREIGN_LINES = (b"WARNING: Using incubator modules",
                  b"netlib-blas: JNI_OnLoad")  # MLlib falls back to Java BLAS without libblas: no harm
 HELD_MOST = 200  # lines held while the JVM starts; a start that says more is not failing quietly
-REASON_CHARS = 150  # of the JVM's reason in an error line: the input and the fix must fit beside it
 # What the JVM or spark-class prints after the reason of a failed start, saying nothing more.
 _NOISE = ("Error: A fatal exception has occurred", "Error: Could not create the Java Virtual Machine",
           "CMD: bad array subscript")
@@ -147,15 +145,6 @@ def java_missing() -> str | None:
     return f"java: not found (JAVA_HOME is unset and no java is on PATH), and Spark needs it; {fix} and set JAVA_HOME"
 
 
-def short(line: str) -> str:
-    """A Java error line without package names, thread prefix or SQLSTATE, at most REASON_CHARS."""
-    line = re.sub(r"^Exception in thread \"[^\"]*\" ", "", line.strip())
-    line = re.sub(r"^\S*spark-class: line \d+: ", "", line)
-    line = without_packages(line)
-    line = re.sub(r"\s*SQLSTATE: \w+\.?$", "", line)
-    return line if len(line) <= REASON_CHARS else line[:REASON_CHARS - 3] + "..."
-
-
 def jvm_reason(lines: list[str]) -> str:
     """The line of a JVM that exited at start which says why (not a stack frame, not the closing words)."""
     for line in lines:
@@ -164,19 +153,6 @@ def jvm_reason(lines: list[str]) -> str:
                 and not line.startswith(("\t", " ")):
             return short(text)
     return ""
-
-
-def java_reason(e: BaseException) -> str:
-    """The Java exception behind a Py4JJavaError (or pyspark's own copy of one) as one short line."""
-    from py4j.protocol import Py4JError
-
-    java = getattr(e, "java_exception", None)
-    if java is not None:
-        try:
-            return short(message_line(java.toString()))
-        except Py4JError:  # the gateway went away: the Python side's message says the same
-            pass
-    return short(message_line(str(e)))
 
 
 def conf_input(cfg: PrepareConfig, reason: str) -> str:

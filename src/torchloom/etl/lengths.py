@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torchloom.config.schema import PrepareConfig
 from torchloom.etl.tokenize import tokenizer_info
-from torchloom.truncation import default_stride
+from torchloom.text.truncation import default_stride
 
 LENGTH_SAMPLE = 2000
 AUTO_LENGTHS = (128, 256, 512)

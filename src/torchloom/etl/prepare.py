@@ -17,16 +17,16 @@ from torchloom.config.schema import Config
 from torchloom.errors import UserError
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches, look_alike
 from torchloom.etl.given_splits import TYPED, given_source, leaked_by_split, spread, with_given
-from torchloom.etl.inputs import check_inputs, pin_tables, resolve_format, utf8_files
 from torchloom.etl.lengths import choose_length, model_positions
-from torchloom.etl.read import read_input, reader_of
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
 from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, rank_bucket, rank_hash
-from torchloom.etl.tables import record as table_record
 from torchloom.etl.tokenize import read_tokenizer_json
 from torchloom.etl.write_splits import make_tmp, publish, write_rejected, write_splits
-from torchloom.ledger import check_replaceable, deletable, holding, seal
+from torchloom.inputs.locate import check_inputs, pin_tables, resolve_format, utf8_files
+from torchloom.inputs.read import read_input, who_reads
+from torchloom.inputs.tables import record as table_record
 from torchloom.manifest import Manifest, Split
+from torchloom.runs.ledger import check_replaceable, deletable, holding, seal
 
 Progress = Callable[[str], object]
 
@@ -94,7 +94,7 @@ def prepare(cfg: Config, out_dir: str, spark=None, progress: Progress | None = N
                 p.rmdir()
             except OSError:
                 break
-        from torchloom.etl.store_read import input_error
+        from torchloom.inputs.store_read import input_error
         from torchloom.java_errors import unreadable_input
 
         if isinstance(e, Exception) and not isinstance(e, UserError):
@@ -134,7 +134,7 @@ class _Job:
     say: Progress
     store: str | None = None  # the executors write through this URI (a cluster that does not see `tmp`)
     names: dict[str, str] = field(default_factory=dict)  # local copy -> the input's URI (lines, the manifest)
-    tables: dict = field(default_factory=dict)  # path -> its table (etl/tables.py), pinned at one version
+    tables: dict = field(default_factory=dict)  # path -> its table (inputs/tables.py), pinned at one version
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -207,7 +207,7 @@ def _read_and_count(job: _Job):
     cfg, p, say = job.cfg, job.cfg.prepare, job.say
     t = time.perf_counter()
     through = " by the tasks with pyarrow (prepare.input_reader)" \
-        if reader_of(job.spark, job.data_path, p.input_reader) == "pyarrow" else ""
+        if who_reads(job.data_path, p.input_reader, spark=job.spark) == "pyarrow" else ""
     say(f"reading {job.shown} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
     raw = spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader,

@@ -16,7 +16,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from torchloom import storage
+from torchloom.store import storage
 
 WRITTEN_SCHEMA = "file string, rows long"
 

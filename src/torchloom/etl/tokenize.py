@@ -6,8 +6,8 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from torchloom import truncation
 from torchloom.errors import UserError
+from torchloom.text import truncation
 
 # chunk: the window's place in its text (prepare.truncation chunks); 0 for every other strategy
 TOKENIZED_SCHEMA = ("text string, label string, label_id int, input_ids array<int>, length int, chunk int,"
@@ -60,7 +60,7 @@ def encode_ids(tok, texts: list[str], max_length: int) -> list[list[int]]:
     25% less tokenizing time.
     """
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    prefixes = [truncation.prefix(t, max_length) for t in texts]  # the shortcut truncation.py describes
+    prefixes = [truncation.prefix(t, max_length) for t in texts]  # the shortcut text/truncation.py describes
     encodings = encode(prefixes, add_special_tokens=True)
     ids = [e.ids for e in encodings]
     specials = tok.post_processor.num_special_tokens_to_add(False) if tok.post_processor else 0

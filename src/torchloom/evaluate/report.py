@@ -17,7 +17,7 @@ import numpy as np
 
 from torchloom.jsonio import read_jsonl as read_metrics_jsonl
 from torchloom.jsonio import write_atomic as _atomic_write
-from torchloom.rundir import RunDir
+from torchloom.runs.rundir import RunDir
 
 # Keys of report.json that `extra` may not override.
 RESERVED_KEYS = ("split", "label_names", "metrics", "files", "baseline", "verdict")

@@ -28,7 +28,7 @@ def check_image(k: K8sConfig) -> None:
 
 def check_on_store(uri: str, what: str) -> None:
     """Pods share no disk: what they read and write must be on an object store, named without credentials."""
-    from torchloom import storage
+    from torchloom.store import storage
 
     if not is_uri(uri):
         raise UserError(f"{what} {uri}: a path on this machine, which the pods do not see (they share no disk); put"

@@ -13,15 +13,15 @@ import numpy as np
 from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import column_named, default_separator, separator_in, spreadsheet_hint, text_column_hint
+from torchloom.inputs.encoding import file_codec, read_note
+from torchloom.inputs.formats import column_named, default_separator, separator_in, spreadsheet_hint, text_column_hint
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
 from torchloom.model.traced import TracedForward
 from torchloom.scoring import LOSS_EPS, mix, text_scores
-from torchloom.text_encoding import file_codec, read_note
-from torchloom.textclean import clean_text
-from torchloom.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
+from torchloom.text.clean import clean_text
+from torchloom.text.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
 MAX_LENGTH_CAP = 512
 RUNTIMES = ("torch", "onnx")
@@ -366,7 +366,7 @@ def pad_batch(features: list[dict[str, list[int]]], tokenizer, length: int = 0) 
 
 def read_texts(path: str, say: Callable[[str], object] | None = None, column: str = "text") -> list[str]:
     """Texts from a .txt (one per line, blank lines skipped), .jsonl (field `column`) or .csv (column `column`),
-    in the encoding prepare's data.encoding auto would read the file in (text_encoding.py); `say` is told
+    in the encoding prepare's data.encoding auto would read the file in (inputs/encoding.py); `say` is told
     which, where it is not UTF-8."""
     p = Path(path)
     suffix = p.suffix.lower()

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from torchloom.errors import UserError
-from torchloom.outputs import check_output, clear_output, record_output
+from torchloom.runs.outputs import check_output, clear_output, record_output
 
 
 def model_names(given: list[str]) -> list[tuple[str, str]]:

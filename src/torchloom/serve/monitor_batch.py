@@ -19,7 +19,7 @@ import numpy as np
 
 from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
-from torchloom.outputs import check_output, clear_output, record_output
+from torchloom.runs.outputs import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
 MEANING = {
@@ -90,7 +90,7 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
 
 def _columns(names: list[str], text_column: str, labels_column: str | None, input_path: str
              ) -> tuple[str, str | None]:
-    from torchloom.input_formats import column_named, text_column_hint
+    from torchloom.inputs.formats import column_named, text_column_hint
 
     found = column_named(names, text_column)
     if found is None:

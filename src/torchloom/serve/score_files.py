@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import (
+from torchloom.inputs.encoding import file_codec, read_note
+from torchloom.inputs.formats import (
     SUFFIX_FORMATS,
     column_named,
     default_separator,
@@ -27,8 +28,7 @@ from torchloom.input_formats import (
     spreadsheet_hint,
     text_column_hint,
 )
-from torchloom.outputs import check_output, record_output
-from torchloom.text_encoding import file_codec, read_note
+from torchloom.runs.outputs import check_output, record_output
 from torchloom.uri import has_scheme, is_uri
 
 PREDICTION_COLUMNS = ("label", "score", "probabilities")
@@ -180,7 +180,7 @@ def _open_text_file(path: Path, fmt: str):
     import pyarrow.csv as pacsv
     import pyarrow.json as pajson
 
-    codec = file_codec(str(path))  # as prepare's data.encoding auto reads it (text_encoding.py)
+    codec = file_codec(str(path))  # as prepare's data.encoding auto reads it (inputs/encoding.py)
     note = read_note(f"--input {path}", codec)
     if note:
         print(f"predict: {note}", file=sys.stderr, flush=True)

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError, first_line
-from torchloom.input_formats import SUFFIX_FORMATS, column_named, default_separator, separator_in
-from torchloom.outputs import record_output
+from torchloom.inputs.encoding import decoded_as, file_codec, head_text, read_note
+from torchloom.inputs.formats import SUFFIX_FORMATS, column_named, default_separator, separator_in
+from torchloom.runs.outputs import record_output
 from torchloom.serve.score_files import (
     _check_paths,
     _check_schema,
@@ -25,7 +26,6 @@ from torchloom.serve.score_files import (
     input_format,
     predict_record_batch,
 )
-from torchloom.text_encoding import decoded_as, file_codec, head_text, read_note
 from torchloom.uri import has_scheme, is_uri
 
 # One model per (executor) Python process, kept across tasks: Spark reuses its Python workers.
@@ -69,12 +69,12 @@ def _predict_partition(batches: Iterable[Any], model_dir: str, text_column: str,
             yield predict_record_batch(model, batch, text_column)
 
 
-# Java's names for the codecs text_encoding.py may choose; a file with stray bytes reads as UTF-8 (Spark puts U+FFFD)
+# Java's names for the codecs inputs/encoding.py may choose; a file with stray bytes reads as UTF-8 (Spark puts U+FFFD)
 JAVA_CHARSETS = {"utf-8-sig": "UTF-8", "utf-8-replaced": "UTF-8", "cp1252": "windows-1252",
                  "latin-1": "ISO-8859-1", "utf-16": "UTF-16"}
 
 
-CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked, as prepare's (etl/inputs.py)
+CHARSET_CHECK_BYTES = 8 << 30  # a larger local input is read as UTF-8 unchecked, as prepare's (inputs/locate.py)
 
 
 def _local_inputs(path: str, fmt: str) -> list[Path] | None:

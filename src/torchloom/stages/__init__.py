@@ -7,7 +7,7 @@
     evaluate.py  evaluate_stage: the exported model scored, the report written
     run.py       run_all (the `run` command): all of them into one run directory, then a summary
 
-Each stage takes the command's Run (run.py: the config, the run's files, the tracker, a SparkSession), built once
+Each stage takes the command's Run (runs/run.py: the config, the run's files, the tracker, a SparkSession), built once
 by the CLI (preflight.open_run); a stage called from Python with a Config opens one (as_run). The checks before
 a stage are preflight.py's, what a stage prints is console.py's. Here: what every stage shares.
 """
@@ -22,7 +22,7 @@ from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.preflight import check_foreign_config, open_run
-from torchloom.run import Run
+from torchloom.runs.run import Run
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ def as_run(given: Run | Config) -> Run:
 
 def recorded(stage: Callable[..., T]) -> Callable[..., T]:
     """A stage over a run (a Run, or a Config opened as one): what it writes there goes into the run's ledger
-    (ledger.py), whoever calls it (the command line, tune's trials, a notebook); a stage inside another stage's
+    (runs/ledger.py), whoever calls it (the command line, tune's trials, a notebook); a stage inside another stage's
     call records once, at the outermost."""
 
     @functools.wraps(stage)

@@ -1,5 +1,5 @@
 """The baseline stage: the classical baseline fitted on the train split and scored on the others
-(etl/baseline.py) into baseline.json, and the stored one when it is still this run's."""
+(baseline/__init__.py) into baseline.json, and the stored one when it is still this run's."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
 from torchloom.jsonio import read_json, write_json
-from torchloom.ledger import deletable
-from torchloom.run import Run
+from torchloom.runs.ledger import deletable
+from torchloom.runs.run import Run
 from torchloom.stages import recorded
 
 
@@ -21,14 +21,14 @@ def baseline_splits(cfg: Config) -> list[str]:
 
 @recorded
 def baseline_stage(run: Run) -> dict | None:
-    """Fit the classical baseline on the train split, C chosen on val, and score the others (etl/baseline.py)
+    """Fit the classical baseline on the train split, C chosen on val, and score the others (baseline/__init__.py)
     into baseline.json; None when eval.baseline is off. The driver path (scikit-learn) needs no Spark; the
     Spark path uses `spark`, or starts a session and stops it."""
     cfg, rd, files, tracker, spark = run.cfg, run.rd, run.files, run.tracker, run.spark
     if not cfg.eval.baseline:
         return None
+    from torchloom import baseline
     from torchloom import manifest as manifest_mod
-    from torchloom.etl import baseline
 
     files.ensure(rd.data)
     deletable(files.tree(), "output.dir", cfg.inputs(), under="baseline")  # its arrays are replaced below

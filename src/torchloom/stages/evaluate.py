@@ -9,8 +9,8 @@ from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.evaluate.onnx_gate import onnx_gate
 from torchloom.jsonio import read_json
-from torchloom.run import Run
-from torchloom.rundir import RunDir
+from torchloom.runs.run import Run
+from torchloom.runs.rundir import RunDir
 from torchloom.stages import recorded
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 

@@ -8,9 +8,9 @@ import time
 from torchloom.config import Config
 from torchloom.console import combine_line, say
 from torchloom.jsonio import read_json
-from torchloom.ledger import deletable
-from torchloom.run import Run
-from torchloom.runfiles import RunFiles
+from torchloom.runs.ledger import deletable
+from torchloom.runs.run import Run
+from torchloom.runs.runfiles import RunFiles
 from torchloom.stages import recorded
 
 

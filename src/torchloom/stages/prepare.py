@@ -11,30 +11,31 @@ from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
 from torchloom.etl.session import runs_on_this_machine, stop_spark
-from torchloom.ledger import deletable
 from torchloom.preflight import check_input, check_untrained
-from torchloom.run import Run
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.ledger import deletable
+from torchloom.runs.run import Run
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.stages import recorded, save_config
 from torchloom.stages.baseline import baseline_stage
-from torchloom.uri import is_uri, redact
+from torchloom.uri import redact
 
 
 def local_input(cfg: Config, rd: RunDir) -> Config:
     """Data on a store, read by the embedded local Spark: streamed to this host's working copy first (that
     Spark has no Hadoop S3 connector, and none is on PyPI). A Spark cluster reads its own s3a:// or gs://
-    paths with the connector it has, or its tasks stream them (etl/store_read.py), as the local Spark does
+    paths with the connector it has, or its tasks stream them (inputs/store_read.py), as the local Spark does
     with prepare.input_reader pyarrow (no local copy). A Delta table on a store is read where it is, by the tasks
-    (etl/tables.py), at one version: a copy would be of every version's files."""
-    if not runs_on_this_machine(cfg.prepare.spark_master) or cfg.prepare.input_reader == "pyarrow":
-        return cfg
-    from torchloom.etl.inputs import is_table, stage_input
+    (inputs/tables.py), at one version: a copy would be of every version's files. inputs/read.who_reads decides."""
+    from torchloom.inputs.locate import is_table, stage_input
+    from torchloom.inputs.read import who_reads
 
     paths = {}
+    local = runs_on_this_machine(cfg.prepare.spark_master)
     for key in ("path", "val_path", "test_path"):
         value = getattr(cfg.data, key)
-        if is_uri(value) and not is_table(cfg.data, value):
+        if value and who_reads(value, cfg.prepare.input_reader, table=is_table(cfg.data, value),
+                               local_spark=local) == "copy":
             say(f"prepare: reading {redact(value)} from the store")
             paths[key] = stage_input(value, rd.staged_inputs / key, f"data.{key}")
     return replace(cfg, data=replace(cfg.data, **paths)) if paths else cfg
@@ -99,7 +100,7 @@ def _say_version_change(before: dict, after: dict) -> None:
     if "version" not in after or before.get("version") in (None, after["version"]) \
             or (before.get("path"), before.get("format")) != (after.get("path"), after.get("format")):
         return
-    from torchloom.etl.tables import describe
+    from torchloom.inputs.tables import describe
 
     later = after["version"] > before["version"] if after.get("format") == "delta" \
         else after.get("committed", "") > before.get("committed", "")

@@ -12,7 +12,7 @@ from torchloom.etl.session import stop_spark
 from torchloom.jsonio import write_json
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_input, check_writable
-from torchloom.run import Run
+from torchloom.runs.run import Run
 from torchloom.stages import recorded
 from torchloom.stages.baseline import baseline_stage, stored_baseline
 from torchloom.stages.evaluate import evaluate_stage
@@ -41,7 +41,7 @@ def run_all(run: Run) -> dict:
 
 def _fresh(run: Run) -> None:
     """A fresh run: where the run lives (the directory, or the store's prefix, its lease aside: this driver's own,
-    lease.py) holds anything, it is refused without --overwrite, and with it what torchloom wrote there is
+    runs/lease.py) holds anything, it is refused without --overwrite, and with it what torchloom wrote there is
     replaced; a store's staging copy on this host is emptied too (RunFiles.drop_copy)."""
     cfg, files = run.cfg, run.files
     if files.holds_anything():

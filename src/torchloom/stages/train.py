@@ -12,9 +12,9 @@ from torchloom.errors import UserError
 from torchloom.jsonio import write_atomic, write_json
 from torchloom.manifest import read as read_manifest
 from torchloom.preflight import check_trainable
-from torchloom.run import Run
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.run import Run
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 from torchloom.stages import recorded, save_config
 from torchloom.train.result import TrainResult
 

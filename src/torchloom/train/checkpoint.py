@@ -39,8 +39,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
 from torchloom.jsonio import sha256_file, write_atomic
-from torchloom.rundir import STEP_DIR, step_name
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import STEP_DIR, step_name
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.distributed import Dist, broadcast_from_main
 
 SHARDED_DIR = "sharded"

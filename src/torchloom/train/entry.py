@@ -7,7 +7,7 @@ import socket
 
 from torchloom.config import Config, from_dict
 from torchloom.machine import usable_cores
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train.distributed import Dist, setup, teardown
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult

@@ -32,7 +32,7 @@ from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
 from torchloom.model.packing import packed_logits
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 from torchloom.train import optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
 from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum, any_rank

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from torchloom.config import Config
-from torchloom.rundir import StudyDir
+from torchloom.runs.rundir import StudyDir
 
 
 def say(msg: str) -> None:

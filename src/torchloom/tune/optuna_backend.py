@@ -17,7 +17,7 @@ from torchloom.config import Config
 from torchloom.config.schema import TuneConfig
 from torchloom.errors import UserError, first_line
 from torchloom.redaction import redact_text
-from torchloom.rundir import StudyDir
+from torchloom.runs.rundir import StudyDir
 from torchloom.tune import trial as trial_mod
 from torchloom.tune.common import mode_of, say, study_name
 from torchloom.tune.pruning import PruningReporter, hook_storage, make_pruner, make_storage

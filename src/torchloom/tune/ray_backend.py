@@ -18,7 +18,7 @@ from torchloom.config import Config, from_dict, to_dict
 from torchloom.engines.common import replace_engine
 from torchloom.errors import first_line
 from torchloom.machine import usable_cores
-from torchloom.rundir import RunDir, StudyDir
+from torchloom.runs.rundir import RunDir, StudyDir
 from torchloom.tune import trial as trial_mod
 from torchloom.tune.common import mode_of, say
 from torchloom.tune.space import Param

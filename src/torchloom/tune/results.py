@@ -15,7 +15,7 @@ from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.jsonio import read_json, write_atomic, write_json
 from torchloom.manifest import read as read_manifest
-from torchloom.rundir import RunDir, StudyDir
+from torchloom.runs.rundir import RunDir, StudyDir
 from torchloom.stages.evaluate import evaluate_stage
 from torchloom.stages.export import export_stage
 from torchloom.tune import space as space_mod

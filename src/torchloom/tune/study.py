@@ -30,11 +30,11 @@ from torchloom import tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
 from torchloom.jsonio import read_json, write_json
-from torchloom.ledger import NOT_CONTENT, check_replaceable, replace_local
-from torchloom.run import Run
-from torchloom.rundir import StudyDir
-from torchloom.runfiles import RunFiles
-from torchloom.runrecord import STUDY_FORMAT
+from torchloom.runs.ledger import NOT_CONTENT, check_replaceable, replace_local
+from torchloom.runs.run import Run
+from torchloom.runs.rundir import StudyDir
+from torchloom.runs.runfiles import RunFiles
+from torchloom.runs.runrecord import STUDY_FORMAT
 from torchloom.stages import recorded
 from torchloom.stages.prepare import prepare_with_baseline
 from torchloom.tune import space as space_mod

@@ -11,7 +11,7 @@ from torchloom import tracking
 from torchloom.config import Config
 from torchloom.errors import first_line
 from torchloom.jsonio import read_json, write_json
-from torchloom.rundir import RunDir, StudyDir
+from torchloom.runs.rundir import RunDir, StudyDir
 from torchloom.stages.train import train_stage
 from torchloom.train import checkpoint
 from torchloom.train.result import TrainResult

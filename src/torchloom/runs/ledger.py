@@ -30,13 +30,13 @@ from pathlib import Path
 from typing import Protocol
 
 from torchloom.jsonio import write_atomic
-from torchloom.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE
-from torchloom.runrecord import TEMP_NAME, holds_cwd, is_own_file, parse_record
+from torchloom.runs.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE
+from torchloom.runs.runrecord import TEMP_NAME, holds_cwd, is_own_file, parse_record
 from torchloom.uri import has_scheme
 
 LEDGER_FILE = "torchloom-ledger.json"
 FORMAT = "torchloom-ledger/1"
-# Not a run's content: the ledger itself, and a store run's lease (its driver's, removed at the end: lease.py).
+# Not a run's content: the ledger itself, and a store run's lease (its driver's, removed at the end: runs/lease.py).
 NOT_CONTENT = frozenset({LEDGER_FILE, LEASE_FILE})
 
 Stat = tuple[int, int | None]  # (size, modification time in ns; None where a store lists none)
@@ -240,7 +240,7 @@ def begin(tree: Tree) -> Stock:
         if isinstance(tree, LocalTree):
             made = [p for p in (tree.root.absolute(), *tree.root.absolute().parents) if not p.exists()]
         if ledger is not None or started:
-            # a killed command is settled in `ours`; on a store the lease says no other driver runs (lease.py)
+            # a killed command is settled in `ours`; on a store the lease says no other driver runs (runs/lease.py)
             others = [o for o in (ledger.open if ledger else []) if not tree.exclusive and o.alive()]
             tree.write(LEDGER_FILE, Ledger(ours, [*others, Open(os.getpid(), socket.gethostname(), foreign)]).dumps())
         return Stock(inventory, foreign, started, made)

@@ -1,4 +1,4 @@
-"""What a Spark task does with its share of an input's objects on a store (etl/store_read.py plans it): stream
+"""What a Spark task does with its share of an input's objects on a store (inputs/store_read.py plans it): stream
 each object's text (decompressed, decoded by text_encoding's rule), cut CSV into records where Spark's multiLine
 reader would, read Parquet row group by row group, and name the object in any error it raises."""
 
@@ -8,13 +8,13 @@ import contextlib
 import io
 import os
 
-from torchloom import storage
 from torchloom.errors import UserError
-from torchloom.store_errors import reason
-from torchloom.text_encoding import STRICT, Undecodable, detect, name, skip, undecodable_line
+from torchloom.inputs.encoding import STRICT, Undecodable, detect, name, skip, undecodable_line
+from torchloom.store import storage
+from torchloom.store.errors import reason
 
 SOURCE = "__torchloom_source"  # the column with each row's object URI
-CODEC = "__torchloom_codec"  # the encoding text_encoding.py read each row's file in (null: data.encoding strict)
+CODEC = "__torchloom_codec"  # the encoding inputs/encoding.py read each row's file in (null: data.encoding strict)
 SPOOL_BYTES = 64 << 20  # an object is held in memory up to this size (beyond: local disk) while its encoding is decided
 MARK = "torchloom-input-error: "  # begins the message of a task's failure to read an object (input_error)
 CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
@@ -77,7 +77,7 @@ def same_header(names: list[str], expected: list[str], shown: str, first: str) -
 def text_stream(uri: str, encoding: str = STRICT):
     """An object on the store as text: decompressed by its extension, line endings kept; read READ_BYTES per
     request (each read of a store's file is a request, and the text layer asks for 8 KB at a time). Decoded as
-    text_encoding.py decides from all its bytes (held meanwhile in memory, or on local disk past SPOOL_BYTES),
+    inputs/encoding.py decides from all its bytes (held meanwhile in memory, or on local disk past SPOOL_BYTES),
     the codec's name in the stream's `codec`; with strict as Spark decodes: UTF-8, a BOM dropped, bytes that
     are not UTF-8 as U+FFFD, `codec` None."""
     import tempfile

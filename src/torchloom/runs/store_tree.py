@@ -3,14 +3,15 @@ through the store client. RunFiles.tree hands it to the ledger for a run on a st
 
 from __future__ import annotations
 
-from torchloom import ledger, storage
+from torchloom.runs import ledger
+from torchloom.store import storage
 from torchloom.uri import redact
 
 
 class StoreTree:
     """A run's prefix on a store as the ledger sees it (ledger.Tree)."""
 
-    exclusive = True  # the driver that writes it holds its lease (lease.py)
+    exclusive = True  # the driver that writes it holds its lease (runs/lease.py)
 
     def __init__(self, remote: str):
         self.remote = remote

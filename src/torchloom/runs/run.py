@@ -16,8 +16,8 @@ import dataclasses
 from typing import Any
 
 from torchloom.config import Config
-from torchloom.rundir import RunDir
-from torchloom.runfiles import RunFiles
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import time
 import uuid
 
 from torchloom.errors import UserError, first_line
-from torchloom.runfiles import RunFiles
+from torchloom.runs.runfiles import RunFiles
 
 FORMAT = "torchloom-lease/1"
 LEASE_ENV = "TORCHLOOM_LEASE_S"
@@ -155,7 +155,7 @@ def hold(run, command: str):
     """The lease of a command that writes `run` (run.Run) on a store, after the store's pre-flight write check (one
     line within seconds for a wrong endpoint, asked once per run); nothing for a local run (the meaning differs:
     a local directory has no lease, its driver is the one process writing it) or a command that only reads."""
-    if command not in WRITERS or not run.files.on_store:
+    if command not in WRITERS or not run.files.on_store:  # the meaning differs: a local run has no lease
         return contextlib.nullcontext()
     run.once("writable", lambda: run.files.check_writable("output.dir"))
     return Lease(run.files, command)

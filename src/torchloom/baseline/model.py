@@ -1,6 +1,6 @@
-"""What both paths of the classical baseline share (etl/baseline.py): the features, the grid of C, the
+"""What both paths of the classical baseline share (baseline/__init__.py): the features, the grid of C, the
 fitted result's shape, the choice of C on val. The driver path (baseline_driver.py) and the Spark path
-(baseline_spark.py) import this; etl/baseline.py picks one of them."""
+(baseline_spark.py) import this; baseline/__init__.py picks one of them."""
 
 from __future__ import annotations
 
@@ -64,11 +64,11 @@ def has_val(manifest: Manifest) -> bool:
 
 
 def open_parquet(uri: str):
-    """A Parquet file at a local path or on a store (s3://, s3a://, gs://, hdfs://: storage.py's client)."""
+    """A Parquet file at a local path or on a store (s3://, s3a://, gs://, hdfs://: store/storage.py's client)."""
     import pyarrow.parquet as pq
 
     if has_scheme(uri):
-        from torchloom import storage
+        from torchloom.store import storage
 
         return pq.ParquetFile(storage.open_input(uri))
     return pq.ParquetFile(uri)

@@ -1,6 +1,6 @@
 """What a run owns, and how torchloom knows a directory is its own: the run's record (`torchloom-run.json`,
 its identity), and the content markers of runs made before records (what --overwrite deletes is the run's ledger's:
-ledger.py). The same rules for a local directory and a prefix on a store (RunFiles reads the store's side).
+runs/ledger.py). The same rules for a local directory and a prefix on a store (RunFiles reads the store's side).
 
 Nothing heavy is imported here: every layer may use it.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.jsonio import write_json
-from torchloom.rundir import CONFIG_FILE, MANIFEST_FILE, RUN_RECORD, STUDY_FILE, top_names
+from torchloom.runs.rundir import CONFIG_FILE, MANIFEST_FILE, RUN_RECORD, STUDY_FILE, top_names
 
 # The keys manifest.py's Manifest writes (its fields but `root`; tests/test_overwrite.py holds them equal).
 MANIFEST_KEYS = frozenset({"counts", "fingerprint", "format_version", "inputs", "labels", "splits", "timings",

@@ -24,7 +24,7 @@ jsonio.write_atomic; URIs are uri.py's).
                                                      (a second start is a restart; who was lost)
       ray/                  ray engine               Ray Train's own storage
       trial.json trial_result.json   tune                 a trial's parameters, and how it ended
-      lease.json            driver (a run on a store)  which driver writes the run now, until when (lease.py)
+      lease.json            driver (a run on a store)  which driver writes the run now, until when (runs/lease.py)
 
 Nothing heavy is imported here: every layer may use it.
 """
@@ -80,7 +80,7 @@ def staging_dir(uri: str) -> Path:
 
 class RunDir:
     """Named paths of one run directory (it need not exist yet). Every path below is local; RunFiles
-    (runfiles.py) moves them to and from a store, and is the only reader of `remote`.
+    (runs/runfiles.py) moves them to and from a store, and is the only reader of `remote`.
 
     The names for where a run lives, each with one meaning:
       root      this host's directory of the run: the run itself, or for a run on a store this host's working
@@ -124,7 +124,7 @@ class RunDir:
 
     # -- what the stages write ------------------------------------------------------------------
     record = _In(RUN_RECORD)
-    lease = _In(LEASE_FILE)  # a run on a store: the driver that writes it now (lease.py)
+    lease = _In(LEASE_FILE)  # a run on a store: the driver that writes it now (runs/lease.py)
     config = _In(CONFIG_FILE)
     data = _In("data")
     manifest = _In("data", MANIFEST_FILE)
@@ -141,7 +141,7 @@ class RunDir:
     misclassified = _In("misclassified.jsonl")
     plots = _In("plots")
     summary = _In("summary.json")
-    baseline = _In("baseline.json")  # the classical baseline's scores on the prepared splits (etl/baseline.py)
+    baseline = _In("baseline.json")  # the classical baseline's scores on the prepared splits (baseline/__init__.py)
     baseline_model = _In("baseline")  # its fitted arrays (lexical.py), where the driver fitted it
 
     # -- the driver <-> worker protocol ---------------------------------------------------------

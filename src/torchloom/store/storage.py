@@ -1,11 +1,11 @@
 """Object storage: the client for a storage URI (s3://, gs://, abfs://, hdfs://, file+store://).
 
-What lives on a store and when it moves is RunFiles' (runfiles.py) for a run's files; this module is the client
-below it, and the one the input readers (etl/store_read.py) and the model fetch (model_cache.py: predict, serve) use
+What lives on a store and when it moves is RunFiles' (runs/runfiles.py) for a run's files; this module is the client
+below it, and the one the input readers (inputs/store_read.py) and the model fetch (model_cache.py: predict, serve) use
 for URIs a user gave.
 
 The client is pyarrow.fs, in every pyarrow wheel: no Hadoop jars, no extra package. Its S3, GCS and Azure clients
-take credentials and endpoints from the places each cloud's own tools read (store_clients.py: AWS_* and
+take credentials and endpoints from the places each cloud's own tools read (store/clients.py: AWS_* and
 AWS_ENDPOINT_URL; Application Default Credentials and STORAGE_EMULATOR_HOST; AZURE_STORAGE_CONNECTION_STRING or
 AZURE_STORAGE_ACCOUNT/KEY/SAS_TOKEN or DefaultAzureCredential); nothing of them is written anywhere by torchloom.
 `s3a://` (Spark's name) is read as `s3://`, `gcs://` as `gs://`, `abfss://` and `az://` as `abfs://`.
@@ -28,10 +28,10 @@ import os
 import threading
 from pathlib import Path
 
-from torchloom import store_clients
 from torchloom.errors import UserError
-from torchloom.store_clients import LOCAL_STORE, SCHEMES
-from torchloom.store_errors import CHECK_RETRY_S, NoBucket, attempts, reason, what_to_check
+from torchloom.store import clients as store_clients
+from torchloom.store.clients import LOCAL_STORE, SCHEMES
+from torchloom.store.errors import CHECK_RETRY_S, NoBucket, attempts, reason, what_to_check
 from torchloom.uri import URI, redact
 
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
@@ -58,7 +58,7 @@ def join(uri: str, *parts: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def _filesystem(canonical_root: str, account: str | None = None, suffix: str | None = None):
-    """The client of one store (store_clients.py: configured from the places each cloud's own tools read)."""
+    """The client of one store (store/clients.py: configured from the places each cloud's own tools read)."""
     from pyarrow import fs as pafs
 
     kind = canonical_root.split("://", 1)[0]

@@ -1,6 +1,6 @@
 """The pyarrow client of each kind of object store, configured from the places that cloud's own tools read.
 
-storage.py asks here for the pyarrow file system of a URI's store; nothing here is written anywhere, and no
+store/storage.py asks here for the pyarrow file system of a URI's store; nothing here is written anywhere, and no
 error line carries a key (the one-line errors name the variables, never their values).
 
 - s3://   pyarrow's S3 client reads AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, a profile,
@@ -23,7 +23,7 @@ The emulators' limits (docs/engines.md, "On a cloud cluster"): pyarrow's Azure c
 (DFS) endpoint whether the account has a hierarchical namespace before its first write, listing or delete; Azurite
 has no DFS endpoint, so a path-style BlobEndpoint (an emulator's, `http://host:port/account`) is given to both
 of pyarrow's clients, and Azurite's answer there (404) reads as a flat namespace. Azurite also refuses API
-versions newer than it knows, which pyarrow's Azure SDK may send: `reason` in store_errors.py says so in one line.
+versions newer than it knows, which pyarrow's Azure SDK may send: `reason` in store/errors.py says so in one line.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ LOCAL_STORE = "file+store"
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gs", "gcs": "gs", "abfs": "abfs", "abfss": "abfs", "az": "abfs",
            "hdfs": "hdfs", "viewfs": "viewfs", LOCAL_STORE: LOCAL_STORE}
 
-# What each error line tells a user to check, by the scheme storage.py canonicalised the URI to.
+# What each error line tells a user to check, by the scheme store/storage.py canonicalised the URI to.
 CREDENTIALS = {
     "s3": "the credentials (AWS_ACCESS_KEY_ID / a profile / an instance role) and AWS_ENDPOINT_URL",
     "gs": "the credentials (GOOGLE_APPLICATION_CREDENTIALS / gcloud auth application-default login / the VM's"

@@ -10,7 +10,7 @@ SUFFIX_FORMATS = {
     ".parquet": "parquet", ".pq": "parquet",
 }
 # Versioned tables: a Delta Lake table (a directory or store prefix holding DELTA_LOG/), an Apache Iceberg table
-# named by its catalog (ICEBERG_SCHEME catalog/namespace.table); read at one version (data.version): etl/tables.py
+# named by its catalog (ICEBERG_SCHEME catalog/namespace.table); read at one version (data.version): inputs/tables.py
 TABLE_FORMATS = ("delta", "iceberg")
 FORMATS = ("csv", "jsonl", "parquet", "folder", *TABLE_FORMATS)  # what data.format may say, besides auto
 DELTA_LOG = "_delta_log"

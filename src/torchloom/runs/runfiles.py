@@ -1,6 +1,6 @@
 """The owner of a run's files, wherever the run lives: the code that trains never asks where they are.
 
-RunDir (rundir.py) names the paths of a run; RunFiles moves them. A run in a local directory (or one every host
+RunDir (runs/rundir.py) names the paths of a run; RunFiles moves them. A run in a local directory (or one every host
 mounts at the same path) has nothing to move: every verb returns at once. A run on a store (`output.dir`
 s3://..., gs://..., abfs://..., hdfs://..., or `file+store:///path`, a directory used as a store) lives there, and
 each host works in a staging copy (RunDir.root); these verbs are the fixed points where files cross:
@@ -14,22 +14,22 @@ each host works in a staging copy (RunDir.root); these verbs are the fixed point
     read(path) / write(path, data)   the file where the run lives (the store's object, not this copy's)
     delete(path)               here and on the store
     listing(path)              {name: size} of what the store holds under a path ({} for a local run)
-    stored_steps / pull_checkpoints        the store's complete checkpoints (runfiles_checkpoints.py)
+    stored_steps / pull_checkpoints        the store's complete checkpoints (runs/runfiles_checkpoints.py)
     streamed(manifest)         prepared data whose shards are read from the store (ranged reads)
     sync_copy / new_identity   the copy counts only while its record equals the store's (rundir.RUN_RECORD)
     drop_copy                  a fresh run on a store: this host's copy emptied
     adopt / pushing            a run worked on in this host's copy (a tune study): the store's taken, and pushed
                                as it goes and at the end
     uploader / publish_part    rank 0's checkpoint uploads in the background, a rank's own part of a checkpoint
-                               (runfiles_checkpoints.py); None / nothing on a local run
-    check_own / replace        the own-prefix rule, and --overwrite (ledger.py: what torchloom wrote) on the store
-    tree / recording           the run as the ledger sees it (the store's objects for a run on one: store_tree.py),
-                               and a command's stock-taking of what it wrote there
+                               (runs/runfiles_checkpoints.py); None / nothing on a local run
+    holds / check_own / replace / tree / recording   what the run holds where it lives, the own-prefix rule,
+                               --overwrite (ledger.py: what torchloom wrote) and the ledger's view of the run
+                               (runfiles_prefix.py)
 
 quiet=True: a failure is one warning line instead of an error (the driver judges the store by what it then sees);
 wait=False: no retrying (the caller asks again within seconds anyway), and a quiet failure is not even a warning.
 
-storage.py is the object-store client below this module; nothing outside RunFiles moves a run's files with it.
+store/storage.py is the object-store client below this module; nothing outside RunFiles moves a run's files with it.
 """
 
 from __future__ import annotations
@@ -43,15 +43,15 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from torchloom import ledger, storage
-from torchloom.errors import UserError, first_line
+from torchloom.errors import first_line
 from torchloom.jsonio import write_atomic
-from torchloom.ledger import replace_local
-from torchloom.rundir import CONFIG_FILE, RUN_RECORD, RunDir
-from torchloom.runfiles_checkpoints import CheckpointFiles
-from torchloom.runrecord import is_own, is_own_file, parse_record, write_record
-from torchloom.store_errors import retrying_for, what_to_check
-from torchloom.store_tree import StoreTree
+from torchloom.runs import ledger
+from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles_checkpoints import CheckpointFiles
+from torchloom.runs.runfiles_prefix import PrefixFiles, check_local_dir
+from torchloom.runs.runrecord import write_record
+from torchloom.store import storage
+from torchloom.store.errors import retrying_for, what_to_check
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")
@@ -59,7 +59,7 @@ COMPLETE_LAST = ("meta.json", "manifest.json")
 SUMMARIES = ("manifest.json", "torchloom.json")
 
 
-class RunFiles(CheckpointFiles):
+class RunFiles(CheckpointFiles, PrefixFiles):
     """A run's files (see the module's docstring). Cheap to make, and picklable: a worker makes its own."""
 
     def __init__(self, rd: RunDir | str | os.PathLike):
@@ -382,97 +382,3 @@ class RunFiles(CheckpointFiles):
         from dataclasses import replace
 
         return replace(manifest, root=self.uri(self.rd.data))
-
-    # -- whose prefix it is, and --overwrite ------------------------------------------------------------
-    def _objects(self) -> tuple[dict[str, int], Callable[[str], bytes | None]]:
-        """The run's objects but its lease (lease.py: a driver holds it before it looks whether the prefix is empty
-        or torchloom's, and --overwrite leaves it to its owner) and its ledger, and a reader of them (is_own's)."""
-        assert self._remote is not None
-        remote = self._remote
-        listing = {rel: size for rel, size in storage.list_files(remote).items() if rel not in ledger.NOT_CONTENT}
-
-        def read(rel: str) -> bytes | None:
-            try:
-                return storage.read_bytes(storage.join(remote, rel)) if rel in listing else None
-            except FileNotFoundError:
-                return None
-
-        return listing, read
-
-    def holds(self, path: str | Path) -> bool:
-        """The run holds a file, or anything under a directory, at `path` where it lives (the store's objects for a
-        run on one, never this copy's)."""
-        if self._remote is not None:
-            return bool(self.listing(path)) or self.read(path) is not None
-        path = Path(path)
-        return path.is_file() or (path.is_dir() and any(path.iterdir()))
-
-    def holds_anything(self) -> bool:
-        """The store holds objects of this run (its lease aside); a local run: its directory is not empty."""
-        if self._remote is None:
-            return not ledger.is_empty(ledger.LocalTree(self.rd.root))
-        return bool(self._objects()[0])
-
-    def check_own(self, key: str = "output.dir") -> None:
-        """Before a stage writes into a run: it holds no config.toml of someone else's (a Hugo site's), and on a
-        store the prefix is empty or torchloom's (its record, or a marker of torchloom's content); one line
-        otherwise. Read from the store for a run on one, never from this host's copy."""
-        if self._remote is None:
-            config = self.read(self.rd.config)
-            if config is not None and not is_own_file(CONFIG_FILE, config):
-                raise UserError(f"{key} {self.rd.where}: holds a config.toml that torchloom did not write; it is left"
-                                " alone; pass another --output.dir")
-            return
-        listing, read = self._objects()
-        if not listing:
-            return
-        config = read(CONFIG_FILE)
-        if config is not None and not is_own_file(CONFIG_FILE, config):
-            raise UserError(f"{key} {self.rd.where}: holds a config.toml that torchloom did not write; it is left"
-                            " alone; pass another --output.dir")
-        if parse_record(read(RUN_RECORD)) is None and not is_own(read):
-            some = ", ".join(sorted(listing)[:3])
-            raise UserError(f"{key} {self.rd.where}: holds {len(listing)} objects that torchloom did not write"
-                            f" ({some}); they are left alone; pass another --output.dir")
-
-    def tree(self) -> ledger.Tree:
-        """The run as its ledger sees it: the directory, or the store's objects for a run on one."""
-        return StoreTree(self._remote) if self._remote is not None else ledger.LocalTree(self.rd.root)
-
-    def recording(self):
-        """Around a command that writes into the run: what it wrote is listed in the run's ledger (ledger.py)."""
-        return ledger.recording(self.tree())
-
-    def replace(self, key: str = "output.dir", inputs: list[str] = (), under: str | Path | None = None) -> None:
-        """--overwrite: delete the files the run's ledger lists as torchloom left them (ledger.deletable), all or
-        nothing; a bucket's root, or a directory or prefix holding anything torchloom did not write or any input of
-        the command, is refused in one line before anything is deleted. under: only this directory of the run (its
-        data). A run on a store: the store's objects (this host's copy is then emptied by sync_copy)."""
-        rel = Path(under).relative_to(self.rd.root).as_posix() if under is not None else ""
-        if self._remote is None:
-            if not rel:
-                replace_local(self.rd.root, key, inputs)
-            else:
-                ledger.replace(self.tree(), key, inputs, under=rel)
-            return
-        fs, path = storage.resolve(self._remote)
-        if not rel and "/" not in path.strip("/") and self._objects()[0]:
-            raise UserError(f"{key} {self.rd.where}: not replaced: it is a bucket's root, which --overwrite never"
-                            f" empties; give the run a prefix of its own, e.g. {self.rd.where}/runs/NAME")
-        ledger.replace(self.tree(), key, inputs, under=rel)
-
-
-def check_local_dir(path: Path, key: str = "output.dir") -> None:
-    """A local directory that cannot be made or written (a file on its path, a directory this user may not
-    write) is one line, and nothing is created to find out."""
-    fix = f"pass another --{key}"
-    if path.exists() and not path.is_dir():
-        raise UserError(f"{key} {path}: is a file, not a directory; {fix}")
-    nearest = path
-    while not nearest.exists() and nearest.parent != nearest:  # a path under a file does not exist either
-        nearest = nearest.parent
-    if not nearest.is_dir():
-        raise UserError(f"{key} {path}: cannot be created, {nearest} is a file, not a directory; {fix}")
-    if not os.access(nearest, os.W_OK | os.X_OK):
-        made = "written" if nearest == path else f"created, {nearest} is not writable"
-        raise UserError(f"{key} {path}: cannot be {made} for this user; {fix} or make it writable")

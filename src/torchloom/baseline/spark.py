@@ -1,4 +1,4 @@
-"""The baseline on Spark: etl/baseline.py's model, the features in Spark SQL and the classifier in MLlib.
+"""The baseline on Spark: baseline/__init__.py's model, the features in Spark SQL and the classifier in MLlib.
 
 MLlib's own text stages differ from scikit-learn's standard baseline (its IDF lacks the + 1 of the smoothed
 idf, and nothing in it takes the log of a term count), so the features are built in Spark SQL with the
@@ -6,25 +6,25 @@ same formulas as scikit-learn's TfidfVectorizer: the terms in at least MIN_DF tr
 MAX_FEATURES most frequent, weight (1 + ln tf) * (ln((1 + n) / (1 + df)) + 1), unit length. No Python runs
 on the executors but that reading. MLlib averages the loss over rows where scikit-learn sums it, so C becomes
 regParam = 1 / (C * rows). Shards on a store this Spark has no Hadoop connector for (a run on s3:// from a
-standalone cluster) are read by the tasks with pyarrow (etl/store_read.py).
+standalone cluster) are read by the tasks with pyarrow (inputs/store_read.py).
 """
 
 from __future__ import annotations
 
 import time
 
-from torchloom.etl import baseline_model as baseline
+from torchloom.baseline import model as baseline
 from torchloom.manifest import Manifest
 
 
 def read_split(spark, manifest: Manifest, split: str):
     """The split's texts and labels, one row per text (with truncation chunks, its first window's row)."""
-    from torchloom.etl.read import reader_of
+    from torchloom.inputs.read import who_reads
 
     paths = [manifest.shard_uri(s) for s in manifest.split(split).shards]
     chunks = manifest.tokenizer.get("truncation") == "chunks"
-    if paths and reader_of(spark, paths[0]) == "pyarrow":  # shards on a store this Spark has no connector for
-        from torchloom.etl.store_read import parquet_frame
+    if paths and who_reads(paths[0], spark=spark) == "pyarrow":  # shards on a store this Spark has no connector for
+        from torchloom.inputs.store_read import parquet_frame
 
         df = parquet_frame(spark, paths, ["text", "label_id", *(["chunk"] if chunks else [])])
     else:

@@ -1,6 +1,6 @@
 """The store's checkpoints, as RunFiles moves them: which complete ones the store holds, bringing them into this
 host's copy, a rank's own files of a checkpoint published, and rank 0's uploads in the background (a part of
-RunFiles, runfiles.py, by job).
+RunFiles, runs/runfiles.py, by job).
 
 CheckpointUploader: checkpoints to the store in the background, while training goes on (a run on a store). Rank 0
 writes each checkpoint to local disk as always (train/checkpoint.py), then hands the directory to
@@ -22,9 +22,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from torchloom import storage
 from torchloom.jsonio import write_atomic
-from torchloom.rundir import STEP_DIR
+from torchloom.runs.rundir import STEP_DIR
+from torchloom.store import storage
 
 
 class CheckpointFiles:

@@ -23,8 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from torchloom.errors import UserError
-from torchloom.etl.baseline_model import (  # the baseline's public face: what callers read from here
+from torchloom.baseline.model import (  # the baseline's public face: what callers read from here
     C_GRID,
     DEFAULT_C,
     MAX_FEATURES,
@@ -34,6 +33,7 @@ from torchloom.etl.baseline_model import (  # the baseline's public face: what c
     has_val,
     train_texts,
 )
+from torchloom.errors import UserError
 from torchloom.manifest import Manifest
 
 __all__ = ["C_GRID", "DEFAULT_C", "DESCRIPTION", "ENGINES", "ENGINE_NAMES", "MAX_FEATURES", "MIN_DF", "NAME",
@@ -65,7 +65,7 @@ def engine_for(manifest: Manifest, requested: str = "auto") -> str:
 def text_bytes(manifest: Manifest, split: str) -> int:
     """The split's text column, uncompressed, from the Parquet footers alone (with truncation chunks each
     window's row repeats its text: an overestimate, which errs towards Spark)."""
-    from torchloom.etl.baseline_model import open_parquet
+    from torchloom.baseline.model import open_parquet
 
     total = 0
     for shard in manifest.split(split).shards:
@@ -112,13 +112,13 @@ def fit_and_score(spark, manifest: Manifest, splits: list[str], engine: str = "a
     started = time.perf_counter()
     wanted = scored_splits(manifest, splits)
     if engine_for(manifest, engine) == "driver":
-        from torchloom.etl import baseline_driver
+        from torchloom.baseline import driver as baseline_driver
 
         fitted = baseline_driver.fit(manifest, wanted)
     else:
         if spark is None:
             raise ValueError("the Spark baseline needs a SparkSession")
-        from torchloom.etl import baseline_spark
+        from torchloom.baseline import spark as baseline_spark
 
         fitted = baseline_spark.fit(spark, manifest, wanted)
     return {

@@ -1,8 +1,8 @@
 """Which encoding a file's bytes are read in (data.encoding): the one decision every reader of prepare makes.
 
 Spark's text source (folder inputs) hands the bytes over undecoded, and the CSV/JSON lines readers either
-read files the driver found to be UTF-8 or hand the bytes of the others over whole (etl/read.py), and the
-object store reader streams them (etl/store_read.py): each then calls `detect` or `decode` here, so a file
+read files the driver found to be UTF-8 or hand the bytes of the others over whole (inputs/read.py), and the
+object store reader streams them (inputs/store_read.py): each then calls `detect` or `decode` here, so a file
 is read in the same encoding on the local Spark, a cluster's executors or from a store. `predict --input`
 reads its files by the same rule (model/predict.py, serve/score_files.py), so a file prepare reads is one
 predict reads. Pure Python, no imports beyond the standard library: it runs inside Spark's Python workers.
@@ -29,6 +29,9 @@ UTF8 = "utf-8"
 # Bytes cp1252 leaves undefined: a file holding one is latin-1 (which maps them to C1 controls).
 CP1252_UNDEFINED = (b"\x81", b"\x8d", b"\x8f", b"\x90", b"\x9d")
 REPLACED = "utf-8-replaced"  # a codec of our own: UTF-8 whose bytes that are not UTF-8 decode as U+FFFD
+
+# An input's `codec` for a row whose text is its file's bytes, not yet decoded (Spark's text source: a folder)
+RAW = ""
 
 
 def _search(codec: str) -> codecs.CodecInfo | None:

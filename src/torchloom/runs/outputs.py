@@ -1,6 +1,6 @@
 """The ledger of a command's output file or directory (`predict --output`, `monitor --report`, `predict --model A
 --model B --report`): torchloom replaces an earlier output only where its ledger lists every file in it as it is
-now, and never one that holds an input of the command. The ledger's format and rules are ledger.py's."""
+now, and never one that holds an input of the command. The ledger's format and rules are runs/ledger.py's."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from torchloom.jsonio import write_atomic
-from torchloom.ledger import LEDGER_FILE, Ledger, LocalTree, parse, under_any
-from torchloom.runrecord import holds_cwd
+from torchloom.runs.ledger import LEDGER_FILE, Ledger, LocalTree, parse, under_any
+from torchloom.runs.runrecord import holds_cwd
 
 # Its ledger: inside a directory (Spark's and pyarrow's readers skip names that start with `_`), beside a file.
 OUTPUT_LEDGER = "_torchloom-ledger.json"

@@ -1,5 +1,5 @@
 """Readers per input format; each gives one DataFrame with columns text, label (strings, may be null), source.
-What the input is (its format, whether it exists, its UTF-8 files) is etl/inputs.py's."""
+What the input is (its format, whether it exists, its UTF-8 files) is inputs/locate.py's."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
-from torchloom.etl.clean import RAW
-from torchloom.etl.inputs import UTF8_CHECK_BUDGET, check_exists, is_local, local_files, pyarrow_opens, utf8_files
-from torchloom.input_formats import (
+from torchloom.inputs.encoding import RAW
+from torchloom.inputs.formats import (
     COMPRESSED_SUFFIXES,
     FORMATS,
     OTHER_SEPARATORS,
@@ -20,6 +19,7 @@ from torchloom.input_formats import (
     default_separator,
     separator_in,
 )
+from torchloom.inputs.locate import UTF8_CHECK_BUDGET, check_exists, is_local, local_files, pyarrow_opens, utf8_files
 from torchloom.java_errors import unreadable_input
 
 
@@ -59,11 +59,11 @@ def _quoted(name: str) -> str:
 
 
 def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path", sniff: str | None = None):
-    """text, label, source[, given] and codec (the encoding a reader chose with text_encoding.py, else null).
+    """text, label, source[, given] and codec (the encoding a reader chose with inputs/encoding.py, else null).
     sniff: the separator a CSV was read at, to be told (_OtherSeparator) where its header shows another."""
     from pyspark.sql import functions as F
 
-    from torchloom.etl.store_read import CODEC
+    from torchloom.inputs.store_read import CODEC
 
     text, label = (column_named(df.columns, c) for c in (cfg.text_column, cfg.label_column))
     missing = [c for c, found in ((cfg.text_column, text), (cfg.label_column, label)) if found is None]
@@ -98,17 +98,17 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
 
 def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto", table=None, say=None):
     """Read `path` as `fmt` into columns text, label, source: with Spark's own readers, or for a URI on an
-    object store with etl/store_read.py (reader "pyarrow", or "auto" when Spark has no file system for the
+    object store with inputs/store_read.py (reader "pyarrow", or "auto" when Spark has no file system for the
     URI's scheme: a cluster without that Hadoop connector). A local path is always Spark's. A Delta or Iceberg
-    table: `table`, pinned at its version (etl/tables.py), read by the tasks. A CSV whose header shows fields
+    table: `table`, pinned at its version (inputs/tables.py), read by the tasks. A CSV whose header shows fields
     separated by ";", tabs or "|" is read at that separator (`say` tells the user)."""
     from py4j.protocol import Py4JJavaError
 
     if fmt in TABLE_FORMATS:
-        from torchloom.etl import store_read, tables
+        from torchloom.inputs import store_read, tables
         return _select(tables.read(spark, cfg, table), cfg, table.shown, source=store_read.SOURCE)
     check_exists(path)
-    if reader_of(spark, path, reader) == "pyarrow":
+    if who_reads(path, reader, spark=spark) == "pyarrow":
         return _with_separator(lambda sep: _read_from_store(spark, cfg, path, fmt, sep), path, say)
     try:
         return _with_separator(lambda sep: _read(spark, cfg, path, fmt, sep), path, say)
@@ -116,13 +116,26 @@ def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto"
         raise unreadable(path, e) from None
 
 
-def reader_of(spark, path: str, reader: str = "auto") -> str:
-    """Who reads `path`: "spark", or "pyarrow" (etl/store_read.py) for a URI with reader "pyarrow", or with
-    "auto" when this Spark has no file system for its scheme."""
-    if is_local(path) or reader == "spark":
+def who_reads(path: str, reader: str = "auto", *, table: bool = False, local_spark: bool = False,
+              spark=None) -> str:
+    """Who reads an input (or prepared shards), decided here alone (reader: prepare.input_reader):
+      "tasks"    a Delta or Iceberg table (`table`): Spark's tasks, at its pinned version (inputs/tables.py);
+      "spark"    Spark's own readers: a local path, or a URI with reader "spark" on a cluster;
+      "pyarrow"  Spark's tasks stream a store's objects (inputs/store_read.py): reader "pyarrow", or "auto" where
+                 this Spark has no file system for the URI's scheme (a cluster without that Hadoop connector);
+      "copy"     a store's URI read by the embedded local Spark (`local_spark`), which has no Hadoop connector for it
+                 (none is on PyPI): staged to this host first (inputs/locate.stage_input), then read as a local path.
+    `spark`: the session asked whether it has the scheme's file system (reader "auto" on a cluster)."""
+    if table:
+        return "tasks"
+    if is_local(path):
         return "spark"
     if reader == "pyarrow":
         return "pyarrow"
+    if local_spark:
+        return "copy"
+    if reader == "spark":
+        return "spark"
     return "pyarrow" if pyarrow_opens(path) and not spark_reads(spark, path) else "spark"
 
 
@@ -141,8 +154,8 @@ def spark_reads(spark, path: str) -> bool:
 
 
 def _read_from_store(spark, cfg: DataConfig, path: str, fmt: str, sep: str | None = None):
-    from torchloom import storage
-    from torchloom.etl import store_read
+    from torchloom.inputs import store_read
+    from torchloom.store import storage
 
     storage.scheme(path)  # one line for a scheme pyarrow does not open
     if fmt == "folder" and cfg.split_column:
@@ -162,8 +175,7 @@ def _folder_has_no_split(cfg: DataConfig, path: str) -> UserError:
 
 def unreadable(path: str, e: BaseException) -> UserError:
     """A Java error from reading `path` as one line: the exception's class and message, and the fix."""
-    from torchloom.etl.jvm import java_reason, short
-    from torchloom.java_errors import java_chain
+    from torchloom.java_errors import java_chain, java_reason, short
 
     failed = unreadable_input(f"data.path {path}", e)  # a task's "error while reading file F", and why
     if failed:
@@ -185,9 +197,9 @@ def unreadable(path: str, e: BaseException) -> UserError:
 def _read_text_table(spark, cfg: DataConfig, path: str, fmt: str, sep: str | None = None):
     """A CSV or JSON lines input: Spark's own reader for files in UTF-8 (or not checked: see utf8_files),
     and the local files that are not (or all of them, with a codec other than UTF-8 forced) read whole
-    and decoded as text_encoding.py decides (store_read.decoded_frame). sep: None for the one the name implies,
+    and decoded as inputs/encoding.py decides (store_read.decoded_frame). sep: None for the one the name implies,
     told to the caller (_OtherSeparator) where the header shows another."""
-    from torchloom.etl import store_read
+    from torchloom.inputs import store_read
 
     sniff = default_separator(path) if fmt == "csv" and sep is None else None
     sep = sep or default_separator(path)
@@ -208,8 +220,8 @@ def _same_local_headers(path: str, sep: str) -> None:
     its labels as texts. A URI's files: the store reader checks each object (store_read.csv_task)."""
     import io
 
-    from torchloom.etl import store_tasks
-    from torchloom.text_encoding import head_text
+    from torchloom.inputs import store_tasks
+    from torchloom.inputs.encoding import head_text
 
     if not is_local(path):
         return
@@ -246,7 +258,7 @@ def _by_encoding(path: str, encoding: str) -> tuple[list[str], list[str]]:
     UTF-8 (a URI: none, as for local inputs too large to check)."""
     import codecs
 
-    from torchloom.text_encoding import AUTO, STRICT
+    from torchloom.inputs.encoding import AUTO, STRICT
 
     if encoding == STRICT:
         return [], []

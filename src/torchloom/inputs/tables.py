@@ -4,7 +4,7 @@ Pinned on the driver before Spark starts (`pin`): the version data.version names
 snapshot id, or the version current at an ISO timestamp), else the version current then, so that commits made
 while prepare runs are not read. A pinned version is a plan: the data files live at that version, with what
 deletes rows from them (Delta's deletion vectors, Iceberg's delete files); the Spark tasks read their share of
-it (etl/table_tasks.py) and the rows take the path of every other input from read._select on (clean, dedup,
+it (inputs/table_tasks.py) and the rows take the path of every other input from read._select on (clean, dedup,
 split, tokenize). A Delta file is cut into byte ranges as Spark cuts a Parquet file (a row group belongs to the
 range its first byte is in), so a table of a few big files still spreads over every core.
 """
@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, first_line, install_hint
-from torchloom.input_formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
+from torchloom.inputs.formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
 from torchloom.uri import has_scheme, redact
 
 SPLIT_BYTES = 128 << 20  # Spark's spark.sql.files.maxPartitionBytes
@@ -197,7 +197,7 @@ def _commit_ms(uri: str, version: int) -> int | None:
     name = f"{uri.rstrip('/')}/{DELTA_LOG}/{version:020d}.json"
     try:
         if has_scheme(uri):
-            from torchloom import storage
+            from torchloom.store import storage
 
             text = storage.read_bytes(name).decode("utf-8")
         else:
@@ -333,8 +333,8 @@ def read(spark, data: DataConfig, table: Table):
     store_read.SOURCE (the data file of each row)."""
     import pyarrow as pa
 
-    from torchloom.etl import table_tasks
-    from torchloom.etl.store_read import SOURCE, _quoted
+    from torchloom.inputs import table_tasks
+    from torchloom.inputs.store_read import SOURCE, _quoted
 
     wanted = [c for c in dict.fromkeys((data.text_column, data.label_column, data.split_column)) if c]
     schema = pa.schema([pa.field(c, _spark_type(table.columns[c])) for c in wanted]
@@ -372,7 +372,7 @@ def _tasks(spark, tasks: list) -> int:
 
 
 def _parallelism(spark) -> int:
-    from torchloom.etl.store_read import _parallelism
+    from torchloom.inputs.store_read import _parallelism
 
     return _parallelism(spark)
 

@@ -1,6 +1,6 @@
 """The baseline with scikit-learn on the driver: the prepared splits read with pyarrow, no Spark.
 
-The model is etl/baseline.py's: TfidfVectorizer (word 1-2-grams, min_df 2, at most 300,000 terms,
+The model is baseline/__init__.py's: TfidfVectorizer (word 1-2-grams, min_df 2, at most 300,000 terms,
 sublinear tf, smoothed idf, L2 unit length) and a LogisticRegression (Newton-CG) per C of the grid.
 """
 
@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from torchloom.etl import baseline_model as baseline
-from torchloom.etl.baseline_model import open_parquet
+from torchloom.baseline import model as baseline
+from torchloom.baseline.model import open_parquet
 from torchloom.lexical import Lexical
 from torchloom.manifest import Manifest
 

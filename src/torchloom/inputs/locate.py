@@ -1,6 +1,6 @@
 """Where an input is and what it is, before anything reads it: its format (from its name, a directory's files, or
 a table's log), whether it exists and can be reached, which of its files are UTF-8, a table's version pinned, a
-store's input staged for a local reader. etl/read.py reads it."""
+store's input staged for a local reader. inputs/read.py reads it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError
-from torchloom.input_formats import (
+from torchloom.inputs.formats import (
     COMPRESSED_SUFFIXES,
     DELTA_LOG,
     FORMATS,
@@ -95,8 +95,8 @@ def _store_format(path: str) -> str | None:
     (None when it is not a URI pyarrow opens, or nothing there tells)."""
     if not pyarrow_opens(path):
         return None
-    from torchloom import storage
-    from torchloom.etl.store_read import hidden
+    from torchloom.inputs.store_read import hidden
+    from torchloom.store import storage
 
     seen: Counter[str] = Counter()
     txt_in_subdir = False
@@ -144,9 +144,9 @@ def is_table(cfg: DataConfig, path: str) -> bool:
 
 
 def pin_tables(cfg: DataConfig, data_path: str, fmt: str | None = None, local_only: bool = False) -> dict:
-    """{path: etl.tables.Table} of the inputs (data_path: data.path or the embedded corpus's; val_path, test_path)
+    """{path: inputs.tables.Table} of the inputs (data_path: data.path or the embedded corpus's; val_path, test_path)
     that are tables, each pinned at its version (tables.pin_inputs); local_only: no store listed."""
-    from torchloom.etl import tables
+    from torchloom.inputs import tables
 
     inputs = {key: (path, fmt if key == "data.path" and fmt else resolve_format(cfg, path))
               for key, path in (("data.path", data_path), ("data.val_path", cfg.val_path),
@@ -208,8 +208,8 @@ def local_files(path: str) -> list[str]:
 
 
 def pyarrow_opens(path: str) -> bool:
-    """A store URI whose scheme storage.py knows (s3://, s3a://, gs://, abfs://, hdfs://, ...)."""
-    from torchloom import storage
+    """A store URI whose scheme store/storage.py knows (s3://, s3a://, gs://, abfs://, hdfs://, ...)."""
+    from torchloom.store import storage
 
     try:
         storage.scheme(path)
@@ -221,7 +221,7 @@ def pyarrow_opens(path: str) -> bool:
 def check_reachable(uri: str, key: str) -> None:
     """Before any stage: the data at `uri` is on the store and these credentials may read it (one line otherwise).
     An Iceberg table's catalog is asked when prepare pins its version."""
-    from torchloom import storage
+    from torchloom.store import storage
 
     if is_iceberg(uri):
         return
@@ -233,7 +233,7 @@ def stage_input(path: str, into: Path, key: str) -> str:
     or every object under the prefix, streamed to local disk under `into`; returns the local path to read.
     The same listing gives the same copy, so a re-run downloads only what changed (by size and modification
     time: an object edited in place at the same size is downloaded again)."""
-    from torchloom import storage
+    from torchloom.store import storage
 
     storage.check_readable(path, key)
     listing = storage.list_files(path)

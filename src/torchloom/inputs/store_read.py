@@ -2,7 +2,7 @@
 
 Spark reads `s3a://` or `gs://` only with the connector jars of that file system, which are not on PyPI and
 which a plain standalone cluster (or a Ray head's local Spark) lacks. Here the driver lists the objects with
-pyarrow (storage.py), and each task streams its share of them from the store itself, with pyarrow as well:
+pyarrow (store/storage.py), and each task streams its share of them from the store itself, with pyarrow as well:
 
 - CSV: the task splits the text into records where Spark's multiLine reader does (a line break outside a
   quoted field; the header record of each file skipped) and Spark parses each record with `from_csv`, the
@@ -25,9 +25,10 @@ import json
 import os
 from functools import partial
 
-from torchloom import storage
 from torchloom.errors import UserError
-from torchloom.etl.store_tasks import (
+from torchloom.inputs.encoding import STRICT, Undecodable, decode, local_path, undecodable_line
+from torchloom.inputs.formats import FORMATS, column_named
+from torchloom.inputs.store_tasks import (
     CODEC,
     MARK,
     SOURCE,
@@ -41,8 +42,7 @@ from torchloom.etl.store_tasks import (
     reading,
     text_stream,
 )
-from torchloom.input_formats import FORMATS, column_named
-from torchloom.text_encoding import STRICT, Undecodable, decode, local_path, undecodable_line
+from torchloom.store import storage
 
 UNREAD_CODECS = (".snappy", ".lz4", ".deflate")
 BYTES_PER_TASK = 128 << 20
@@ -131,7 +131,7 @@ def _parse_json(records, wanted: list[str]):
 
 def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
     """CSV or JSON lines files that Spark's UTF-8 reader must not read (read._by_encoding): each read whole
-    by Spark's text source (which leaves the bytes undecoded), decoded in the tasks as text_encoding.py
+    by Spark's text source (which leaves the bytes undecoded), decoded in the tasks as inputs/encoding.py
     decides, split into records and parsed as `read` parses a store's objects. Each file is one row of the
     text source, so one file must fit a task's memory (and 2 GB); the driver fetches one to learn the
     columns."""

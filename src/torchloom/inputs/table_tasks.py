@@ -1,12 +1,12 @@
 """In the Spark tasks: a pinned table version's data files read with pyarrow (Delta) or pyiceberg (Iceberg), only
-their live rows, in the columns prepare asks for (etl/tables.py plans what each task reads)."""
+their live rows, in the columns prepare asks for (inputs/tables.py plans what each task reads)."""
 
 from __future__ import annotations
 
 import zlib
 
-from torchloom import storage
-from torchloom.etl.store_tasks import SOURCE, reading
+from torchloom.inputs.store_tasks import SOURCE, reading
+from torchloom.store import storage
 from torchloom.uri import has_scheme
 
 
@@ -16,7 +16,7 @@ def _ids(batches):
 
 
 def _open(uri: str):
-    """A data file: a local path (or file://), else an object on a store (storage.py's client)."""
+    """A data file: a local path (or file://), else an object on a store (store/storage.py's client)."""
     import pyarrow as pa
 
     if not has_scheme(uri):

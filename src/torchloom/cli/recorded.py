@@ -22,9 +22,9 @@ from pathlib import Path
 
 from torchloom.config import Config, from_dict
 from torchloom.errors import UserError
-from torchloom.rundir import CONFIG_FILE
-from torchloom.runfiles import RunFiles
-from torchloom.runrecord import is_own_file
+from torchloom.runs.rundir import CONFIG_FILE
+from torchloom.runs.runfiles import RunFiles
+from torchloom.runs.runrecord import is_own_file
 
 STAGES = ("train", "export", "evaluate", "run")  # `run` only with --resume: a fresh one prepares and trains anew
 

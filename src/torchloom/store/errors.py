@@ -1,4 +1,4 @@
-"""What a store's failure means and how long an operation asks again: the one-line errors of storage.py (no key in
+"""What a store's failure means and how long an operation asks again: the one-line errors of store/storage.py (no key in
 them: an error's URL may carry a SAS token's sig=...), and the bounded retry of transient errors.
 
 A store that does not answer for a moment (a reset connection, a timeout, HTTP 5xx, SlowDown) is asked again
@@ -16,10 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from torchloom import store_clients
 from torchloom.errors import UserError
 from torchloom.redaction import redact_text
-from torchloom.store_clients import SCHEMES
+from torchloom.store import clients as store_clients
+from torchloom.store.clients import SCHEMES
 from torchloom.uri import URI, redact
 
 
