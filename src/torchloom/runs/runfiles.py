@@ -350,13 +350,13 @@ class RunFiles(CheckpointFiles, PrefixFiles):
         if self._remote is not None and path.exists():
             shutil.rmtree(path)
 
-    def push_anew(self, path: str | Path, inputs: list[str] = ()) -> None:
-        """A directory made anew in this copy (prepared data) replaces the store's: the store's earlier objects under
-        it (only what torchloom wrote: replace) go first, then it goes up (its manifest last). A local run's
-        directory is the new one already."""
+    def push_anew(self, path: str | Path, overwrite: bool, inputs: list[str] = ()) -> None:
+        """A directory made anew in this copy (prepared data) goes up to the store (its manifest last); overwrite:
+        it replaces the store's, whose earlier objects under it (only what torchloom wrote: replace) go first. A
+        local run's directory is the new one already."""
         if self._remote is None:
             return
-        if self.listing(path):
+        if overwrite:
             self.replace(inputs=inputs, under=path)
         self.push(path)
 
