@@ -63,7 +63,8 @@ def prepare_stage(run: Run) -> dict:
             # Nothing later needs the session we started: its JVM would keep memory and wake-ups
             # away from the training workers.
             stop_spark()
-    files.push_anew(rd.data, cfg.output.overwrite, cfg.inputs())  # manifest.json last: the prepared data counts once it is there
+    # manifest.json last: the prepared data counts once it is there
+    files.push_anew(rd.data, cfg.output.overwrite, cfg.inputs())
     files.new_identity()  # after the data: a host that saw the new record finds the new data
     save_config(run)
     splits = ", ".join(f"{k} {v.documents or v.rows}" + (f" ({v.rows} chunks)" if v.documents else "")
