@@ -338,8 +338,8 @@ def test_a_train_whose_launch_fails_before_any_worker_starts_leaves_the_run_as_i
         train.train_stage(cfg, quiet=True)
     assert {name: (run / name).read_bytes() for name in before} == before  # the history and the record of it
 
-    def started_then_failed(cfg, rd, *args):
-        (rd.logs / "placement-x-rank0-start0.json").write_text("{}")  # a rank recorded its start
+    def started_then_failed(run, quiet):
+        (run.rd.logs / "placement-x-rank0-start0.json").write_text("{}")  # a rank recorded its start
         raise RuntimeError("rank 0 failed")
 
     monkeypatch.setattr(train, "launch", started_then_failed)

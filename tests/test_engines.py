@@ -293,15 +293,16 @@ def test_an_attempt_spark_aborted_for_a_lost_executor_is_named_by_spark_s_reason
     # rank: the re-run line and the final error give Spark's reason, not "Py4JJavaError"
     from torchloom.engines.driver import rerun_or_raise
     from torchloom.runs.rundir import RunDir
+    from torchloom.runs.runfiles import RunFiles
 
     class Py4JJavaError(Exception):
         pass
 
     rd = RunDir(tmp_path / "run")
-    rerun_or_raise(rd, "launch", 0, 2, Py4JJavaError(SPARK_ABORT), "Spark (spark://a:7077)")
+    rerun_or_raise(RunFiles(rd), "launch", 0, 2, Py4JJavaError(SPARK_ABORT), "Spark (spark://a:7077)")
     said = capsys.readouterr().err
     assert ("attempt 1 of 2 failed (Spark lost executor 2: worker lost: Not receiving heartbeat for 15 seconds);"
             " re-running the workers") in said, said
     with pytest.raises(TrainingFailed, match=r"^training on Spark \(spark://a:7077\) failed: Spark lost executor 2:"
                                              r" worker lost: Not receiving heartbeat for 15 seconds$"):
-        rerun_or_raise(rd, "launch", 1, 2, Py4JJavaError(SPARK_ABORT), "Spark (spark://a:7077)")
+        rerun_or_raise(RunFiles(rd), "launch", 1, 2, Py4JJavaError(SPARK_ABORT), "Spark (spark://a:7077)")

@@ -21,6 +21,7 @@ from torchloom.inputs.formats import (
 )
 from torchloom.inputs.locate import UTF8_CHECK_BUDGET, check_exists, is_local, local_files, pyarrow_opens, utf8_files
 from torchloom.java_errors import unreadable_input
+from torchloom.uri import is_uri
 
 
 class _OtherSeparator(Exception):
@@ -132,9 +133,9 @@ def who_reads(path: str, reader: str = "auto", *, table: bool = False, local_spa
         return "spark"
     if reader == "pyarrow":
         return "pyarrow"
-    if local_spark:
+    if local_spark and is_uri(path):
         return "copy"
-    if reader == "spark":
+    if reader == "spark" or local_spark:  # a scheme that names no store: Spark says it has no file system for it
         return "spark"
     return "pyarrow" if pyarrow_opens(path) and not spark_reads(spark, path) else "spark"
 
