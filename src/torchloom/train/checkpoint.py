@@ -126,7 +126,7 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
     sharded: every rank writes its part of the model and optimizer (torch.distributed.checkpoint).
     files: the run's files; on a store (hosts share no directory) each rank but 0 writes its own files
     on its host and uploads them itself before the barrier after which rank 0 completes the checkpoint
-    (rank 0's files go up in the background, meta.json last: train/upload.py).
+    (rank 0's files go up in the background, meta.json last: RunFiles.uploader).
     """
     root = Path(root)
     final = root / step_name(step)
