@@ -70,7 +70,7 @@ class Trainer(Checkpointing):
                 print(f"warning: {self.precision.warning}", flush=True)
         self.files, self.rd = files, files.rd
         self.reporter = reporter or Reporter()
-        # A run on a store: rank 0 uploads each checkpoint in the background (RunFiles.uploader: runs/runfiles_checkpoints.py).
+        # A run on a store: rank 0 uploads each checkpoint in the background (RunFiles.uploader).
         self.uploader = self.files.uploader(self.log) if d.is_main else None
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
