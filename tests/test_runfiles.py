@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from torchloom.errors import UserError
 from torchloom.runs.rundir import RunDir
 from torchloom.runs.runfiles import RunFiles
 from torchloom.runs.runrecord import TEMP_NAME
@@ -179,3 +180,24 @@ def test_a_study_on_a_store_goes_up_as_it_goes(tmp_path, monkeypatch):
     push_finished(RunFiles(sd), sd, pushed)
     assert (store / "trials" / "t0" / "metrics.jsonl").read_text() == "{}\n"
     assert not list(sd.root.glob(".optuna.db.*"))
+
+
+def test_a_fresh_start_on_a_store_empties_only_this_hosts_copy_and_never_an_input(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    files = RunFiles(f"file+store://{tmp_path}/store/run")
+    copy = files.rd.root
+    (copy / "data").mkdir(parents=True)
+    (copy / "data" / "old.parquet").write_text("an earlier run's")
+    (copy / "reviews.csv").write_text("text,label\n")  # an input someone put in the cache
+    with pytest.raises(UserError, match=r"holds an input of the command .*reviews\.csv.*move that input out"):
+        files.drop_copy(inputs=[str(copy / "reviews.csv")])
+    assert (copy / "reviews.csv").is_file() and (copy / "data" / "old.parquet").is_file()  # nothing deleted
+    files.drop_copy(copy / "data", inputs=[str(copy / "reviews.csv")])  # the input is not under data/
+    assert not (copy / "data").exists() and (copy / "reviews.csv").is_file()
+    with pytest.raises(ValueError):
+        files.drop_copy(tmp_path)  # nothing outside this host's copy
+    assert tmp_path.is_dir()
+    local = RunFiles(tmp_path / "local-run")
+    (tmp_path / "local-run").mkdir()
+    local.drop_copy()  # a local run's directory is the run itself
+    assert (tmp_path / "local-run").is_dir()

@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from torchloom.errors import first_line
+from torchloom.errors import UserError, first_line
 from torchloom.jsonio import write_atomic
 from torchloom.runs import ledger
 from torchloom.runs.rundir import RunDir
@@ -52,6 +52,7 @@ from torchloom.runs.runfiles_prefix import PrefixFiles, check_local_dir
 from torchloom.runs.runrecord import write_record
 from torchloom.store import storage
 from torchloom.store.errors import retrying_for, what_to_check
+from torchloom.uri import has_scheme
 
 # The file that says a directory is complete, uploaded after every other file of it.
 COMPLETE_LAST = ("meta.json", "manifest.json")
@@ -342,13 +343,21 @@ class RunFiles(CheckpointFiles, PrefixFiles):
             self.push(self.rd.root)
             pushed()
 
-    def drop_copy(self, path: str | Path | None = None) -> None:
+    def drop_copy(self, path: str | Path | None = None, inputs: list[str] = ()) -> None:
         """A run on a store begun afresh: this host's staging copy (of `path`: a directory of the run, else all of
-        it) is emptied, its files an earlier run's (the store's side is replaced by then, or refused). A local
-        run's directory is the run itself: nothing happens (what replaces it there is the ledger's business)."""
-        path = Path(path) if path is not None else self.rd.root
-        if self._remote is not None and path.exists():
-            shutil.rmtree(path)
+        it) is emptied, its files an earlier run's (the store's side is replaced by then, or refused). Only the
+        copy in torchloom's private cache, never an input of the command (`inputs`: one there is refused in one
+        line, nothing deleted). A local run's directory is the run itself: nothing happens (what replaces it there
+        is the ledger's business)."""
+        path = Path(path).resolve() if path is not None else self.rd.root.resolve()
+        if self._remote is None or not path.exists():
+            return
+        path.relative_to(self.rd.root.resolve())  # a directory of this host's copy, nothing else
+        held = [i for i in inputs if i and not has_scheme(i) and ledger.under_any(os.path.realpath(i), [str(path)])]
+        if held:
+            raise UserError(f"output.dir {self.rd.where}: not started afresh: this host's copy of it at {path} holds"
+                            f" an input of the command ({held[0]}); move that input out of torchloom's cache")
+        shutil.rmtree(path)
 
     def push_anew(self, path: str | Path, overwrite: bool, inputs: list[str] = ()) -> None:
         """A directory made anew in this copy (prepared data) goes up to the store (its manifest last); overwrite:

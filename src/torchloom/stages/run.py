@@ -49,7 +49,7 @@ def _fresh(run: Run) -> None:
             raise UserError(f"output.dir {files.rd.where}: exists and is not empty; pass --output.overwrite true or"
                             " another --output.dir")
         files.replace(inputs=cfg.inputs())
-    files.drop_copy()
+    files.drop_copy(inputs=cfg.inputs())
 
 
 def _run_all(run: Run, reuse: bool) -> dict:
