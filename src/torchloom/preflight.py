@@ -70,7 +70,7 @@ def check_stores(cfg: Config, run: Run | None = None) -> None:
 def check_writable(run: Run) -> None:
     """The run's store answers and these credentials may write and delete there, or its local directory can be
     made and written (once per run)."""
-    run.once("writable", lambda: run.files.check_writable("output.dir"))
+    run.check_writable()
 
 
 def for_this_machine(run: Run) -> Config:
@@ -110,7 +110,7 @@ def check_foreign_config(run: Run) -> None:
     """Never write over a config.toml torchloom did not write (a Hugo site's, say), nor into a store's prefix
     that holds objects of someone else's: refused before any stage, from the store itself for a run on one.
     Once per run (each stage that saves the config asks again)."""
-    run.once("own", run.files.check_own)
+    run.check_own()
 
 
 def check_untrained(run: Run) -> None:

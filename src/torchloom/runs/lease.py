@@ -157,5 +157,5 @@ def hold(run, command: str):
     a local directory has no lease, its driver is the one process writing it) or a command that only reads."""
     if command not in WRITERS or not run.files.on_store:  # the meaning differs: a local run has no lease
         return contextlib.nullcontext()
-    run.once("writable", lambda: run.files.check_writable("output.dir"))
+    run.check_writable()
     return Lease(run.files, command)

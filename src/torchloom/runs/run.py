@@ -40,6 +40,15 @@ class Run:
             raise ValueError(f"a Run of {self.cfg.output.dir} given the config of {cfg.output.dir}")
         return dataclasses.replace(self, **changes)
 
+    def check_writable(self) -> None:
+        """The run's store answers and these credentials may write and delete there, or its local directory can be
+        made and written (RunFiles.check_writable), once per run."""
+        self.once("writable", lambda: self.files.check_writable("output.dir"))
+
+    def check_own(self) -> None:
+        """The run's place holds nothing of someone else's (RunFiles.check_own), once per run."""
+        self.once("own", self.files.check_own)
+
     def once(self, check: str, answer) -> None:
         """answer() the first time this run asks `check`; a failed check raises and is asked again."""
         if check not in self.checked:

@@ -48,7 +48,7 @@ def prepare_stage(run: Run) -> dict:
     cfg, rd, files, tracker, spark = run.cfg, run.rd, run.files, run.tracker, run.spark
     started = time.perf_counter()
     before = _recorded_inputs(files)
-    _stage_data(cfg, files)
+    _stage_data(run)
     try:
         # a Spark cluster's executors do not see this host's working copy: they write through the store
         through = None if runs_on_this_machine(cfg.prepare.spark_master) else files.stored(rd.data)
@@ -110,19 +110,19 @@ def _say_version_change(before: dict, after: dict) -> None:
         f" {describe(before)} this run's data was prepared from (replaced)")
 
 
-def _stage_data(cfg: Config, files: RunFiles) -> None:
+def _stage_data(run: Run) -> None:
     """prepare into a run on a store: the store says whether prepared data is there (never this host's copy,
     which may be of another run); the copy's data directory is cleared for the new data. A local run's data
     directory is etl/prepare.py's to check and replace (listing: {}, drop_copy: nothing)."""
-    rd = files.rd
-    files.check_own()  # before anything is written or deleted: the prefix is empty or torchloom's
+    cfg, files, rd = run.cfg, run.files, run.rd
+    run.check_own()  # before anything is written or deleted: the prefix is empty or torchloom's (once per run)
     if files.listing(rd.data):
         if not cfg.output.overwrite:
             raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true"
                             " to replace it")
         deletable(files.tree(), "output.dir", cfg.inputs(), under="data")  # refused now, not after the work
     files.sync_copy()
-    files.drop_copy(rd.data)
+    files.drop_copy(rd.data, cfg.inputs())
 
 
 @recorded
