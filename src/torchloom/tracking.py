@@ -81,7 +81,7 @@ def metric_items(record: dict) -> dict[str, float]:
     return out
 
 
-def _quiet_mlflow() -> None:
+def quiet_mlflow() -> None:
     import logging
 
     for name in ("mlflow", "alembic", "mlflow.store.db.utils"):
@@ -263,7 +263,7 @@ class Tracker(NullTracker):
 
 def _prepared_uri(uri: str) -> str:
     """The store's URI, resolved; MLflow quietened; a SQLite store's folder made."""
-    _quiet_mlflow()
+    quiet_mlflow()
     uri = resolve_uri(uri)
     if redact_text(uri) != uri:  # MLflow's own "View run at" line would show the password
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"

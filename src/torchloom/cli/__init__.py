@@ -42,7 +42,7 @@ COMMAND_KEYS = {
     "prepare": ["data", "prepare", "model.path", "output", "tracking"],
     "train": ["train", "engine", "model", "prepare.spark_master", "prepare.spark_conf", "eval.batch_size",
               "eval.precision", "output", "tracking"],
-    "export": ["train.select", "model.path", "export", "output.dir"],
+    "export": ["train.select", "model.path", "export", "output.dir", "tracking"],
     "evaluate": ["eval", "prepare.spark_master", "prepare.spark_conf", "output.dir", "tracking"],
     "tune": ["tune", "data", "prepare", "model", "train", "eval", "engine", "output", "tracking"],
     "config": ["data", "prepare", "model", "train", "eval", "export", "engine", "output", "tracking", "tune", "k8s"],
@@ -102,6 +102,11 @@ def parser() -> argparse.ArgumentParser:
         if name in ("run", "export"):
             sp.add_argument("--format", choices=("hf", "onnx", "onnx-int8"), default=None,
                             help="same as --export.format: onnx / onnx-int8 add a gated ONNX model beside the HF one")
+            sp.add_argument("--register", metavar="NAME", default=None,
+                            help="same as --export.register: the model becomes a new version of NAME in MLflow's"
+                                 " registry (serve it as models:/NAME@ALIAS or models:/NAME/VERSION)")
+            sp.add_argument("--alias", metavar="ALIAS", default=None,
+                            help="same as --export.alias: the alias the new version takes (e.g. champion)")
         if name in ("run", "train"):
             sp.add_argument("--resume", nargs="?", const="latest", default=None, metavar="CHECKPOINT",
                             help="resume from the latest checkpoint, or from CHECKPOINT")
@@ -120,6 +125,10 @@ def build_config(args: argparse.Namespace, rest: list[str]):
         extra += ["--train.resume", args.resume]
     if getattr(args, "format", None):
         extra += ["--export.format", args.format]
+    if getattr(args, "register", None) is not None:
+        extra += ["--export.register", args.register]
+    if getattr(args, "alias", None) is not None:
+        extra += ["--export.alias", args.alias]
     return build(args.config, extra), given_keys(args.config, extra)
 
 
@@ -167,7 +176,13 @@ def run_stage(command: str, run) -> int:
         with tracking.start(run.cfg, "train") as tracker:
             train.train_stage(run.but(tracker=tracker))
     elif command == "export":
-        export.export_stage(run)
+        if run.cfg.export.register:  # a version in the registry belongs to an MLflow run: this export's
+            from torchloom import tracking
+
+            with tracking.start(run.cfg, "export") as tracker:
+                export.export_stage(run.but(tracker=tracker))
+        else:
+            export.export_stage(run)
     elif command == "evaluate":
         evaluate.evaluate_stage(run)
     elif command == "run":

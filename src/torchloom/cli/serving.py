@@ -13,9 +13,22 @@ from torchloom.errors import UserError
 from torchloom.serve.arguments import OldName
 
 
+def add_tracking_uri(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--tracking-uri", default=None, metavar="URI",
+                    help="the MLflow registry of a models:/NAME@ALIAS model (default $MLFLOW_TRACKING_URI, else"
+                         " ./mlflow.db)")
+
+
+def use_tracking_uri(args: argparse.Namespace) -> None:
+    """--tracking-uri where a models:/ URI is looked up (registry.fetch reads it as MLflow does)."""
+    if getattr(args, "tracking_uri", None):
+        os.environ["MLFLOW_TRACKING_URI"] = args.tracking_uri
+
+
 def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--model", required=True,
-                    help="an exported model dir (its monitor/profile.json is written at export)")
+                    help="an exported model dir (its monitor/profile.json is written at export), or a registered"
+                         " model: models:/NAME@ALIAS")
     sp.add_argument("--input", required=True,
                     help="the new texts: a CSV, JSON lines or .txt file, as predict reads it")
     sp.add_argument("--text-column", default="text", help="the column or field with the texts (default text)")
@@ -39,8 +52,8 @@ def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
                     help="log the report to MLflow: a run of kind monitor with each signal's distance and threshold,"
                          " the estimated (and real) accuracy, the verdict, and report.md, monitor.json and plots/")
     sp.add_argument("--tracking-uri", default="", metavar="URI",
-                    help="with --track: the MLflow store, as tracking.uri (default $MLFLOW_TRACKING_URI, else"
-                         " sqlite:///mlflow.db here)")
+                    help="with --track, and a models:/ --model: the MLflow store, as tracking.uri (default"
+                         " $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     sp.add_argument("--experiment", default="torchloom", help="with --track: the MLflow experiment (default"
                                                                " torchloom)")
 
@@ -74,6 +87,7 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
     from torchloom.model.export import check_exported
     from torchloom.serve.monitor_batch import DRIFT_EXIT, monitor_file
 
+    use_tracking_uri(args)
     model = local_model(args.model, "--model")
     check_exported(model)
     device = args.device
@@ -104,7 +118,9 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
 def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
     sp.usage = ('torchloom predict --model DIR "text" ... | --input FILE\n'
                 "       torchloom predict MODEL_DIR --input PATH --output PATH [--score-with local|spark]")
-    sp.add_argument("--model", action="append", help="an exported model dir (e.g. runs/bbc-minilm/model); or give it"
+    add_tracking_uri(sp)
+    sp.add_argument("--model", action="append", help="an exported model dir (e.g. runs/bbc-minilm/model) or a"
+                    " registered model (models:/NAME@ALIAS); or give it"
                     " as the first argument. Twice (`--model v1=DIR --model v2=DIR --input FILE`): compare the two"
                     " on the file (agreement, class shares; with --labels accuracy, per-class F1 and McNemar's test)")
     sp.add_argument("--labels", metavar="COLUMN", help="with two models: the column of true labels")
@@ -134,16 +150,23 @@ def _is_model_dir(path: str) -> bool:
     from torchloom.model.export import is_exported
     from torchloom.uri import is_uri
 
-    return is_uri(path) or is_exported(path) or is_exported(Path(path) / "model")  # a run directory too
+    return (is_uri(path) or path.startswith("models:/") or is_exported(path)
+            or is_exported(Path(path) / "model"))  # a run directory too
 
 
 def local_model(model: str, what: str) -> str:
-    """An exported model on a store (s3://bucket/run/model): downloaded once into torchloom's private cache,
-    keyed by its objects and checked by their hashes (model_cache.fetch_model); a local directory as it is. A run
-    directory given for its model (runs/x, s3://bucket/runs/x): its exported model/, said in one line."""
+    """A registered model (models:/NAME@ALIAS, models:/NAME/VERSION: registry.fetch, from the registry at
+    --tracking-uri or $MLFLOW_TRACKING_URI). An exported model on a store (s3://bucket/run/model): downloaded once
+    into torchloom's private cache, keyed by its objects and checked by their hashes (model_cache.fetch_model). A
+    local directory as it is. A run directory given for its model (runs/x, s3://bucket/runs/x): its exported
+    model/, said in one line."""
     from torchloom.model.export import is_exported
     from torchloom.uri import is_uri
 
+    if model.startswith("models:/"):  # a registered model: registry.py
+        from torchloom.registry import fetch
+
+        return str(fetch(model, what))
     if not is_uri(model):
         if not is_exported(model) and is_exported(Path(model) / "model"):
             print(f"torchloom: {what} {model}: a run directory; using its exported model, {Path(model) / 'model'}",
@@ -161,6 +184,7 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
     if unknown:
         raise UserError(f"predict: unexpected arguments {' '.join(unknown)}; see torchloom predict --help")
     texts = list(args.texts) + [r for r in rest if not r.startswith("-")]
+    use_tracking_uri(args)
     if args.model and len(args.model) > 1:
         return compare_models(args, texts)
     model = args.model[0] if args.model else None
@@ -304,6 +328,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
 
     if rest:
         raise UserError(f"serve: unexpected arguments {' '.join(rest)}; see torchloom serve --help")
+    use_tracking_uri(args)
     models = serve_models(args)
     settings = ServeSettings(
         model_dir=next(iter(models.values())) if models else args.model_dir, host=args.host, port=args.port,

@@ -103,6 +103,7 @@ def validate(cfg: Config) -> Config:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":
         raise UserError("config train.precision: fp16 needs a GPU; use bf16 or fp32 with engine.device = cpu")
+    _check_registry(cfg.export.register, cfg.export.alias)
     from torchloom.notify import check_url
 
     problem = check_url(cfg.tracking.notify_url)
@@ -234,6 +235,22 @@ def elastic_micro_batch(global_batch: int, world_size: int, micro_batch: int, li
         return micro_batch
     share = global_batch // world_size
     return max(b for b in range(1, limit + 1) if share % b == 0)
+
+
+def _check_registry(name: str, alias: str) -> None:
+    """export.register and export.alias as MLflow's registry takes them, checked before any work."""
+    import re
+
+    if alias and not name:
+        raise UserError(f"config export.alias {alias!r}: an alias names a version of a registered model; give the"
+                        " model's name too (--register NAME --alias ALIAS)")
+    if name and (len(name) > 256 or "/" in name or ":" in name or "@" in name or name != name.strip()):
+        raise UserError(f"config export.register {name!r}: not a model name the registry takes; use letters, digits,"
+                        " '.', '_' or '-', without '/', ':' or '@'")
+    if alias and (not re.fullmatch(r"[A-Za-z0-9_\-]{1,255}", alias) or alias.lower() == "latest"
+                  or re.fullmatch(r"[vV]\d+", alias)):
+        raise UserError(f"config export.alias {alias!r}: use letters, digits, '_' or '-' (not 'latest' nor v<digits>,"
+                        " which MLflow reserves), e.g. champion")
 
 
 def validate_strategy(cfg: Config) -> None:

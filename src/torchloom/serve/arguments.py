@@ -23,7 +23,11 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 
     sp.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
-                    help="an exported model dir (e.g. runs/bbc-minilm/model); or several models as --model flags")
+                    help="an exported model dir (e.g. runs/bbc-minilm/model) or a registered model"
+                         " (models:/NAME@ALIAS, looked up at --tracking-uri); or several models as --model flags")
+    sp.add_argument("--tracking-uri", default=None, metavar="URI",
+                    help="the MLflow registry of a models:/NAME@ALIAS model (default $MLFLOW_TRACKING_URI, else"
+                         " ./mlflow.db)")
     add_fleet_arguments(sp)
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")

@@ -62,10 +62,29 @@ def export_stage(run: Run) -> dict:
         say(f"export: warning: no monitoring profile ({first_line(e)}); `torchloom monitor` needs one: export again")
         profile = None
     files.push(rd.model)
-    if tracker is not None and tracker.enabled and cfg.tracking.log_model:
+    registered = None
+    if cfg.export.register:  # logs the model to the run, then registers it: one line if the registry says no
+        registered = _register(run, out, m, meta)
+    elif tracker is not None and tracker.enabled and cfg.tracking.log_model:
         tracker.log_model(out)
     return {"seconds": round(time.perf_counter() - started, 2), "checkpoint": str(ckpt), "model_dir": out,
-            "onnx": onnx_info, "profile": profile}
+            "onnx": onnx_info, "profile": profile, "registered": registered}
+
+
+def _register(run: Run, out: str, m, meta: dict) -> dict:
+    """The exported model as a new version of export.register in MLflow's registry (registry.py), tagged with where
+    it came from: the run, the data (its fingerprint, and a table's version) and the validation metrics."""
+    from torchloom import registry
+    from torchloom.tracking import NullTracker
+
+    cfg = run.cfg
+    tags = {"torchloom.output_dir": run.rd.where, "torchloom.data_fingerprint": m.fingerprint,
+            **{f"torchloom.data_{k}": v for k, v in m.inputs.items() if k in ("path", "format", "version")},
+            **{f"val_{k}": v for k, v in (meta.get("eval") or {}).items() if isinstance(v, int | float)}}
+    done = registry.register(run.tracker or NullTracker(), out, cfg.export.register, cfg.export.alias, tags)
+    say(f"export: registered as version {done['version']} of {done['name']}"
+        + (f", alias {done['alias']}" if done["alias"] else "") + f": serve it with torchloom serve {done['uri']}")
+    return done
 
 
 def _profile(model_dir: str, m, cfg: Config) -> dict | None:

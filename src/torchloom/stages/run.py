@@ -64,8 +64,14 @@ def _run_all(run: Run, reuse: bool) -> dict:
 
         local.stop_fork_server()  # ~300 MB of the workers' imports, idle from here on
     timings["train_s"] = result.wall_s
-    timings["export_s"] = export_stage(run)["seconds"]
+    exported = export_stage(run)
+    timings["export_s"] = exported["seconds"]
     ev = evaluate_stage(run, extra={"timings": timings, "train": result.to_dict()}, announce=False)
+    if exported.get("registered"):  # the registered version learns its test metrics too
+        from torchloom.registry import tag_version
+
+        tag_version(tracker, exported["registered"]["name"], exported["registered"]["version"],
+                    {f"test_{k}": v for k, v in ev["metrics"].items() if k in ("accuracy", "macro_f1", "n")})
     timings["evaluate_s"] = ev["seconds"]
     timings["total_s"] = round(time.perf_counter() - started, 2)
     # the first step ended this long after the run started: everything before training, then the launch's part

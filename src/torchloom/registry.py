@@ -1,0 +1,154 @@
+"""Models by name: MLflow's model registry.
+
+- `torchloom export --register NAME [--alias champion]` (export.register, export.alias): the exported model, logged
+  to the run's MLflow run as a pyfunc model, becomes a new version of NAME, tagged with the run's directory, the
+  data's fingerprint and version and the validation metrics (a `torchloom run` adds the test metrics); the alias
+  moves to it.
+- `models:/NAME@alias` or `models:/NAME/VERSION`, given to predict, serve or monitor where a model directory goes:
+  the version's model is downloaded once into torchloom's private cache (keyed by the registry, the name, the
+  version and its run) and loaded from there. The registry is the tracking store: --tracking-uri, else
+  $MLFLOW_TRACKING_URI, else ./mlflow.db, as tracking.uri.
+A model that is not registered, an unknown alias or version, or a registry that does not answer: one line each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from torchloom.errors import UserError, first_line, install_hint
+from torchloom.redaction import redact_text
+
+PREFIX = "models:/"
+
+
+def register(tracker, model_dir: Path, name: str, alias: str, tags: dict) -> dict:
+    """`model_dir` logged to the tracker's run and registered as a new version of `name` (created when new), with
+    `tags`; `alias` set on it. {name, version, alias, uri}; a registry that refuses is one line."""
+    if not tracker.enabled:
+        raise UserError(f"export.register {name}: registering a model needs MLflow tracking; leave tracking.enabled"
+                        f" true ({install_hint('track')} where MLflow is missing)")
+    from torchloom.mlflow_model import log_model
+
+    client, where = tracker.client, tracker.shown_uri
+    try:
+        log_model(tracker, Path(model_dir))
+        try:
+            client.create_registered_model(name, description="registered by torchloom export")
+        except Exception as e:  # noqa: BLE001 - an existing model takes a new version
+            if getattr(e, "error_code", "") != "RESOURCE_ALREADY_EXISTS":
+                raise
+        version = client.create_model_version(name, source=f"runs:/{tracker.run_id}/model", run_id=tracker.run_id,
+                                              tags={k: str(v) for k, v in tags.items()})
+        if alias:
+            client.set_registered_model_alias(name, alias, version.version)
+    except Exception as e:  # noqa: BLE001 - one line, whatever the store says
+        raise UserError(f"export.register {name}: the registry at {where} did not take the model"
+                        f" ({redact_text(first_line(e))[:200]}); the exported model is in {model_dir}") from None
+    return {"name": name, "version": str(version.version), "alias": alias,
+            "uri": f"{PREFIX}{name}@{alias}" if alias else f"{PREFIX}{name}/{version.version}"}
+
+
+def tag_version(tracker, name: str, version: str, tags: dict) -> None:
+    """More tags on a registered version (the test metrics, once evaluate has them); a failure is a warning."""
+    for k, v in tags.items():
+        tracker._guard(f"the registered version's tag {k}", tracker.client.set_model_version_tag, name, version, k,
+                       str(v))
+
+
+def parse(uri: str) -> tuple[str, str, str]:
+    """models:/NAME@alias -> (NAME, "alias", alias); models:/NAME/3 -> (NAME, "version", "3")."""
+    rest = uri[len(PREFIX):].strip("/")
+    if "@" in rest:
+        name, _, alias = rest.rpartition("@")
+        if name and alias:
+            return name, "alias", alias
+    else:
+        name, _, version = rest.rpartition("/")
+        if name and version.isdigit():
+            return name, "version", version
+    raise UserError(f"{uri}: not a registered model's URI; use models:/NAME@ALIAS or models:/NAME/VERSION")
+
+
+def fetch(uri: str, what: str) -> Path:
+    """A registered model's exported directory, downloaded once into the private cache (the cache is keyed by the
+    registry, the name, the version and its run, so a moved alias fetches its new version)."""
+    try:
+        from mlflow import MlflowClient
+    except ImportError:
+        raise UserError(f"{what} {uri}: loading a registered model needs MLflow; {install_hint('track')}") from None
+    from torchloom.runs.rundir import cache_root
+    from torchloom.tracking import quiet_mlflow, resolve_uri
+
+    quiet_mlflow()
+    name, kind, ref = parse(uri)
+    store = resolve_uri("")
+    # a registry that does not answer is said at once, not after MLflow's default minutes of retries
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    version = _version(client, uri, what, store, name, kind, ref)
+    key = hashlib.sha256(f"{redact_text(store)}\n{name}\n{version.version}\n{version.run_id}".encode()).hexdigest()[:20]
+    target = cache_root() / "registry" / key
+    if not version.run_id:
+        raise UserError(f"{what} {uri}: version {version.version} of {name} names no MLflow run; torchloom loads the"
+                        " versions `torchloom export --register` made (load others with mlflow.pyfunc)")
+    if not (target / ".torchloom-complete").is_file():
+        tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            client.download_artifacts(version.run_id, "model", str(tmp))
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise UserError(f"{what} {uri}: version {version.version} of {name}: its model could not be downloaded"
+                            f" from {redact_text(store)} ({redact_text(first_line(e))[:200]})") from None
+        (tmp / ".torchloom-complete").write_text(f"{name} {version.version} {version.run_id}\n")
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    model = _model_dir(target, uri, what)
+    print(f"torchloom: {what} {uri}: version {version.version} of {name} (run {version.run_id}), from"
+          f" {redact_text(store)}", file=sys.stderr, flush=True)
+    return model
+
+
+def _version(client, uri: str, what: str, store: str, name: str, kind: str, ref: str):
+    where = redact_text(store)
+    try:
+        if kind == "alias":
+            return client.get_model_version_by_alias(name, ref)
+        return client.get_model_version(name, ref)
+    except Exception as e:  # noqa: BLE001 - each way it fails, one line
+        code = getattr(e, "error_code", "")
+        if code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            try:
+                model = client.get_registered_model(name)
+            except Exception:  # noqa: BLE001
+                raise UserError(f"{what} {uri}: no model {name!r} is registered at {where}; register one with"
+                                f" torchloom export --register {name}, or set --tracking-uri to its registry") from None
+            aliases = sorted(getattr(model, "aliases", {}) or {})
+            if kind == "alias":
+                known = f"its aliases: {', '.join(aliases)}" if aliases else "it has no alias"
+                raise UserError(f"{what} {uri}: model {name!r} has no alias {ref!r} ({known}); set one with torchloom"
+                                f" export --register {name} --alias {ref}") from None
+            raise UserError(f"{what} {uri}: model {name!r} has no version {ref}; see its versions in MLflow, or use"
+                            f" models:/{name}@ALIAS") from None
+        raise UserError(f"{what} {uri}: the registry at {where} does not answer ({redact_text(first_line(e))[:160]});"
+                        " start it, or set --tracking-uri (or MLFLOW_TRACKING_URI) to the right one") from None
+
+
+def _model_dir(root: Path, uri: str, what: str) -> Path:
+    """The exported Hugging Face directory inside a downloaded pyfunc model (its `model_dir` artifact)."""
+    import yaml
+
+    mlmodel = root / "model" / "MLmodel"
+    try:
+        flavors = yaml.safe_load(mlmodel.read_text())["flavors"]["python_function"]
+        path = root / "model" / flavors["artifacts"]["model_dir"]["path"]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        raise UserError(f"{what} {uri}: the registered model is not one torchloom logged (no model_dir artifact in"
+                        " its MLmodel); load it with mlflow.pyfunc instead") from None
+    return path

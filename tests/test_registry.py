@@ -1,0 +1,107 @@
+"""Models by name (registry.py) against a real MLflow store (SQLite here; the MLflow server with PostgreSQL behind it
+is tests/cluster/test_shared_db.py's): a tiny exported model registered with an alias, loaded by predict in another
+process with an empty cache, and each way a registered name fails as one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.net import free_port
+
+pytest.importorskip("mlflow")
+
+LABELS = ["money", "music", "sport"]
+
+
+def torchloom(*args: str, cache: Path, uri: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache)}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return subprocess.run([sys.executable, "-m", "torchloom", *args, *(["--tracking-uri", uri] if uri else [])],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def registered(tmp_path_factory):
+    """(store URI, exported model dir, the registration) of a tiny model registered as `topics` with alias champion,
+    by registry.register through a torchloom Tracker, as export does."""
+    import torch
+
+    from torchloom.config import build
+    from torchloom.model.build import build_classifier
+    from torchloom.model.export import export_model
+    from torchloom.model.tiny import write_tiny_model
+    from torchloom.registry import register
+    from torchloom.tracking import Tracker
+
+    tmp = tmp_path_factory.mktemp("registry")
+    base = write_tiny_model(tmp / "tiny")
+    torch.manual_seed(0)
+    model_dir = export_model(build_classifier(base, LABELS).eval(), base, LABELS, str(tmp / "model"),
+                             extra_info={"max_length": 32})
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    cfg = build(None, ["--tracking.uri", uri, "--output.dir", str(tmp / "run")])
+    with Tracker.start(cfg, "export", params=False) as tracker:
+        first = register(tracker, Path(model_dir), "topics", "", {"val_accuracy": 0.5})
+        done = register(tracker, Path(model_dir), "topics", "champion", {"val_accuracy": 0.75})
+    assert (first["version"], done["version"]) == ("1", "2")
+    return uri, model_dir, done
+
+
+def test_a_registered_model_is_predicted_by_alias_in_another_process_with_an_empty_cache(registered, tmp_path):
+    from mlflow import MlflowClient
+
+    uri, model_dir, done = registered
+    assert done["uri"] == "models:/topics@champion"
+    version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("topics", "champion")
+    assert str(version.version) == "2" and version.tags["val_accuracy"] == "0.75"
+    cache = tmp_path / "cache"
+    proc = torchloom("predict", "--model", "models:/topics@champion", "bank shares profit", cache=cache, uri=uri)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "version 2 of topics" in proc.stderr
+    line = json.loads(proc.stdout.splitlines()[0])
+    assert line["label"] in LABELS
+    # the same scores as the exported directory itself, and the model was fetched into the private cache
+    from torchloom.model.predict import Predictor
+
+    direct = Predictor(model_dir, device="cpu").predict(["bank shares profit"])[0]
+    assert direct["probabilities"] == pytest.approx(line["probabilities"], abs=1e-6)
+    assert [p for p in (cache / "registry").rglob("config.json")]
+    by_version = torchloom("predict", "--model", "models:/topics/1", "match goal", cache=cache, uri=uri)
+    assert by_version.returncode == 0 and "version 1 of topics" in by_version.stderr, by_version.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model, needle", [
+    ("models:/nothing@champion", "no model 'nothing' is registered at"),
+    ("models:/topics@staging", "has no alias 'staging' (its aliases: champion)"),
+    ("models:/topics/9", "has no version 9"),
+    ("models:/topics", "not a registered model's URI"),
+])
+def test_a_registered_name_that_does_not_resolve_is_one_line(registered, tmp_path, model, needle):
+    uri, _, _ = registered
+    proc = torchloom("predict", "--model", model, "text", cache=tmp_path / "cache", uri=uri)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torchloom: error:") and needle in lines[0], proc.stderr
+
+
+def test_a_registry_that_does_not_answer_is_one_line_at_once(tmp_path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    proc = torchloom("serve", "models:/topics@champion", cache=tmp_path / "cache", uri=dead, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"the registry at {dead} does not answer" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--alias", "champion"], "an alias names a version of a registered model"),
+    (["--register", "a/b"], "not a model name the registry takes"),
+    (["--register", "topics", "--alias", "latest"], "which MLflow reserves"),
+])
+def test_register_and_alias_are_checked_before_any_work(tmp_path, args, needle):
+    proc = torchloom("export", "--output.dir", str(tmp_path / "run"), *args, cache=tmp_path / "cache")
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
