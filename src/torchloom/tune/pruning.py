@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 
-from torchloom.errors import UserError
 from torchloom.redaction import TUNE_STORAGE_ENV, redact_text
 from torchloom.train.reporter import Reporter
+from torchloom.tune.storage import make_storage
 
 
 def hook_storage(url: str) -> str:
@@ -23,28 +22,6 @@ def hook_storage(url: str) -> str:
         return url
     os.environ[TUNE_STORAGE_ENV] = url
     return f"env:{TUNE_STORAGE_ENV}"
-
-
-def make_storage(url: str):
-    import optuna
-
-    if url.startswith("env:"):
-        url = os.environ.get(url[len("env:"):], "")
-        if not url:
-            raise UserError(f"tune.storage: the worker has no ${TUNE_STORAGE_ENV}; the engine did not forward the"
-                            " driver's environment; set it on the workers or use a storage URL without a password")
-
-    # A process that dies mid-trial stops its heartbeat: after the grace period the trial is marked
-    # failed and queued again with the same parameters, so an interrupted study resumes.
-    with warnings.catch_warnings():  # Optuna 4.9 calls the retry callback deprecated and its heartbeat experimental
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        heartbeat = {"heartbeat_interval": 30, "grace_period": 120,
-                     "failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
-        if url.startswith("sqlite"):
-            # Several processes share the file: wait for the lock rather than fail on "database is locked".
-            return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 120}}, **heartbeat)
-        return optuna.storages.RDBStorage(url, **heartbeat)
 
 
 def make_pruner(scheduler: str, grace_period: int, reduction_factor: int):

@@ -173,7 +173,12 @@ def _report(cfg: Config, sd: StudyDir, params: list[Param], tracker, backend: st
     mode = mode_of(cfg)
     metric = cfg.tune.metric
     rows = collect(cfg, sd, params)
+    if backend == "optuna":  # a study shared through a database: the trials of the other hosts too
+        from torchloom.tune.optuna_backend import trials_elsewhere
+
+        rows = sorted(rows + trials_elsewhere(cfg, params, {r["trial"] for r in rows}), key=lambda r: r["started"])
     best = pick_best(rows, metric, mode)
+    own = pick_best([r for r in rows if not r.get("elsewhere")], metric, mode)  # the best this host can export
     write_csv(rows, params, metric, sd.results_csv)
     if rows:
         plot(rows, params, metric, mode, sd.results_png)
@@ -187,6 +192,17 @@ def _report(cfg: Config, sd: StudyDir, params: list[Param], tracker, backend: st
         write_json(sd.marker, {**read_json(sd.marker), **summary})
         raise UserError(f"tune: no trial in {sd.where} reported validation {metric}; see the trials' logs in"
                         f" {sd.trials}")
+    if own is None:
+        write_json(sd.marker, {**read_json(sd.marker), **summary, "best_trial": best["trial"]})
+        print(f"\ntorchloom tune finished: {len(rows)} trials; the best, {best['trial']} (validation {metric}"
+              f" {best[metric]:.4f}), and every scored one ran on other hosts ({best['run_dir']}): its model is"
+              " exported by the `torchloom tune` of that host", flush=True)
+        return summary
+    if own is not best:
+        print(f"tune: the study's best trial, {best['trial']} (validation {metric} {best[metric]:.4f}), ran on"
+              f" another host ({best['run_dir']}), which exports it; this host exports its own best, {own['trial']}",
+              file=sys.stderr, flush=True)
+        best = own
     ev = export_best(cfg, sd, best, tracker)
     summary.update({
         "best_trial": best["trial"], "best_value": best[metric],

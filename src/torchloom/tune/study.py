@@ -230,6 +230,10 @@ def run(study: Run) -> dict:
     cfg = study.cfg
     params = space_mod.parse(cfg)  # a bad space fails here, before anything starts
     backend = choose_backend(cfg)
+    if backend == "optuna":
+        from torchloom.tune.storage import check
+
+        check(cfg.tune.storage)  # a shared database answers, before anything is prepared or run
     mode = mode_of(cfg)
     # a study on a store: its trials run in this host's copy, which first takes the store's study; --overwrite
     # replaces the store's own objects of it (RunFiles.adopt)

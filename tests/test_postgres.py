@@ -1,0 +1,127 @@
+"""A tune study in a real PostgreSQL server (support/postgres.py: Debian's, a throwaway cluster on a free port of
+127.0.0.1): the server restarted mid-study, a wrong password, an unknown database, a missing driver, a password
+from the environment. The study across hosts is tests/cluster/test_shared_db.py's.
+
+The studies here start from data prepared beforehand (the study reuses it, as one whose prepare ran before), so
+no Spark starts: what is tested is the study's database."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from support.postgres import Postgres
+
+optuna = pytest.importorskip("optuna")
+pytest.importorskip("psycopg")
+pytestmark = pytest.mark.heavy(6)  # see tests/support/schedule.py
+
+SPACE = '{"train.lr" = "loguniform(1e-4, 1e-2)", "train.warmup_ratio" = "uniform(0, 0.2)"}'
+
+
+@pytest.fixture(scope="module")
+def pg(tmp_path_factory):
+    with Postgres(tmp_path_factory.mktemp("pg")) as server:
+        yield server
+
+
+def study_args(out: Path, tiny: str, storage: str, trials: int) -> list[str]:
+    return ["--data.path", str(out.parent / "unused.csv"), "--model.path", tiny, "--output.dir", str(out),
+            "--train.precision", "fp32", "--train.batch_size", "8", "--train.epochs", "1", "--engine.workers", "1",
+            "--engine.threads_per_worker", "1", "--eval.baseline", "false", "--tracking.enabled", "false",
+            "--tune.backend", "optuna", "--tune.trials", str(trials), "--tune.storage", storage,
+            "--tune.space", SPACE]
+
+
+def prepared_study(out: Path, args: list[str]) -> None:
+    """A study directory whose data is prepared (synthetic rows, 3 labels), as the study keys it."""
+    from torchloom.config import build
+    from torchloom.data.synthetic import write_synthetic_dataset
+    from torchloom.runs.rundir import StudyDir
+    from torchloom.tune.study import absolute_paths, prepare_key
+
+    (out.parent / "unused.csv").write_text("text,label\n")
+    sd = StudyDir(out)
+    write_synthetic_dataset(sd.data, rows={"train": 48, "val": 12, "test": 12})
+    sd.prepare_key.write_text(prepare_key(absolute_paths(build(None, args))))
+
+
+def tune(args: list[str], env: dict | None = None, timeout: float = 600, pre: str = "") -> subprocess.Popen:
+    code = f"import sys; {pre}from torchloom.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.Popen([sys.executable, "-c", code, "tune", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+def test_a_study_goes_on_through_a_database_restart_and_counts_each_trial_once(pg, tmp_path, tiny_model_dir):
+    # the password from the environment (libpq's PGPASSWORD), not the URL
+    url = pg.url("restart").replace(f":{pg.password}@", "@")
+    out = tmp_path / "study"
+    args = study_args(out, tiny_model_dir, url, trials=3)
+    prepared_study(out, args)
+    proc = tune(args, env={"PGPASSWORD": pg.password})
+    storage = optuna.storages.RDBStorage(pg.url("restart", driver="psycopg"))
+
+    def finished() -> int:
+        try:
+            study = optuna.load_study(study_name="study", storage=storage)
+        except Exception:  # noqa: BLE001 - not created yet
+            return 0
+        return sum(t.state.is_finished() for t in study.trials)
+
+    deadline = time.monotonic() + 300
+    while finished() < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    storage.engine.dispose()
+    pg.restart(down_s=4)  # every connection cut, 4 s of refused connections
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    study = optuna.load_study(study_name="study", storage=optuna.storages.RDBStorage(pg.url("restart", "psycopg")))
+    states = [t.state.name for t in study.trials]
+    assert states.count("COMPLETE") + states.count("PRUNED") == 3 and "RUNNING" not in states, states
+    assert {t.number for t in study.trials} == {0, 1, 2}, (states, stderr[-6000:])
+    assert sorted(p.name for p in (out / "trials").iterdir()) == ["trial-000", "trial-001", "trial-002"]
+    assert stderr.count("does not answer") <= 1 and pg.password not in stdout + stderr
+    assert "torchloom tune finished: 3 trials" in stdout
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("password", "the server refused the credentials"),
+    ("database", "the database does not exist on the server"),
+])
+def test_a_wrong_password_or_database_is_one_line_before_any_trial(pg, tmp_path, tiny_model_dir, case, needle):
+    pg.url("exists")
+    url = pg.url("exists", password="wrong-secret") if case == "password" else \
+        pg.url("exists").replace("/exists", "/missing")
+    out = tmp_path / "study"
+    args = study_args(out, tiny_model_dir, url, trials=2)
+    prepared_study(out, args)
+    proc = tune(args)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("torchloom: error: tune.storage postgresql://***@"), stderr
+    assert needle in lines[0] and "wrong-secret" not in stderr and pg.password not in stderr
+    assert not (out / "trials").exists()
+
+
+def test_a_missing_driver_names_the_extra(pg, tmp_path, tiny_model_dir):
+    out = tmp_path / "study"
+    args = study_args(out, tiny_model_dir, pg.url("driver"), trials=2)
+    prepared_study(out, args)
+    proc = tune(args, pre="sys.modules.update(psycopg=None, psycopg2=None); ")
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "its database driver is not installed (psycopg" in stderr and "torchloom[postgres]" in stderr, stderr
+
+
+def test_a_worker_url_gets_psycopg_where_psycopg2_is_missing():
+    from torchloom.tune.storage import with_driver
+
+    assert with_driver("postgresql://u:p@h:5432/db") == "postgresql+psycopg://u:p@h:5432/db"
+    assert with_driver("postgresql+psycopg2://h/db") == "postgresql+psycopg2://h/db"  # a driver given is kept
+    assert with_driver("sqlite:///x.db") == "sqlite:///x.db"
