@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.postgres import Postgres
+from support.runs import prepared_study
 
 optuna = pytest.importorskip("optuna")
 pytest.importorskip("psycopg")
@@ -30,24 +31,12 @@ def pg(tmp_path_factory):
 
 
 def study_args(out: Path, tiny: str, storage: str, trials: int) -> list[str]:
+    (out.parent / "unused.csv").write_text("text,label\n")
     return ["--data.path", str(out.parent / "unused.csv"), "--model.path", tiny, "--output.dir", str(out),
             "--train.precision", "fp32", "--train.batch_size", "8", "--train.epochs", "1", "--engine.workers", "1",
             "--engine.threads_per_worker", "1", "--eval.baseline", "false", "--tracking.enabled", "false",
             "--tune.backend", "optuna", "--tune.trials", str(trials), "--tune.storage", storage,
             "--tune.space", SPACE]
-
-
-def prepared_study(out: Path, args: list[str]) -> None:
-    """A study directory whose data is prepared (synthetic rows, 3 labels), as the study keys it."""
-    from torchloom.config import build
-    from torchloom.data.synthetic import write_synthetic_dataset
-    from torchloom.runs.rundir import StudyDir
-    from torchloom.tune.study import absolute_paths, prepare_key
-
-    (out.parent / "unused.csv").write_text("text,label\n")
-    sd = StudyDir(out)
-    write_synthetic_dataset(sd.data, rows={"train": 48, "val": 12, "test": 12})
-    sd.prepare_key.write_text(prepare_key(absolute_paths(build(None, args))))
 
 
 def tune(args: list[str], env: dict | None = None, timeout: float = 600, pre: str = "") -> subprocess.Popen:

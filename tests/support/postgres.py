@@ -74,6 +74,8 @@ class Postgres:
         secret.unlink()
         if done.returncode:
             pytest.fail(f"initdb failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+        with open(self.data / "pg_hba.conf", "a") as hba:  # the hosts of its own subnet (a namespace cluster's) too
+            hba.write("host all all samenet scram-sha-256\n")
         self.start()
         return self
 
