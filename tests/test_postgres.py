@@ -19,7 +19,6 @@ from support.runs import prepared_study
 
 optuna = pytest.importorskip("optuna")
 pytest.importorskip("psycopg")
-pytestmark = pytest.mark.heavy(6)  # see tests/support/schedule.py
 
 SPACE = '{"train.lr" = "loguniform(1e-4, 1e-2)", "train.warmup_ratio" = "uniform(0, 0.2)"}'
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from support.debian import ensure
+from support.debian import install
 from support.net import free_port
 
 USER = "torchloom"
@@ -30,8 +30,8 @@ def binaries() -> Path:
     def found() -> list[str]:
         return sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[4]))
 
-    if not found():
-        ensure("psql", "postgresql")  # the server, its programs and the `postgres` system user
+    if not found():  # the server, its programs and the `postgres` system user
+        install("postgresql", lambda: bool(found()), "PostgreSQL's initdb")
     paths = found()
     assert paths, "Debian's postgresql installed, yet no /usr/lib/postgresql/*/bin/initdb"
     return Path(paths[-1]).parent
