@@ -19,15 +19,19 @@ class OldName(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
-    from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
-
+def add_model_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
                     help="an exported model dir (e.g. runs/bbc-minilm/model) or a registered model"
                          " (models:/NAME@ALIAS, looked up at --tracking-uri); or several models as --model flags")
     sp.add_argument("--tracking-uri", default=None, metavar="URI",
                     help="the MLflow registry of a models:/NAME@ALIAS model (default $MLFLOW_TRACKING_URI, else"
                          " ./mlflow.db)")
+
+
+def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
+    from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
+
+    add_model_arguments(sp)
     add_fleet_arguments(sp)
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     sp.add_argument("--port", type=int, default=8000, help="default 8000; 0 picks a free port")
