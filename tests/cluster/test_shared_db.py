@@ -178,3 +178,39 @@ def test_a_model_registered_on_one_host_is_served_by_name_on_another_with_an_emp
         json.loads((trial / "model" / "config.json").read_text())["id2label"].values())
     assert "models:/topics@champion: version 1 of topics" in text
     assert any((root / "cache-b" / "registry").rglob("config.json"))  # fetched into b's own cache
+
+
+def test_a_trial_whose_host_died_is_failed_and_run_again_by_a_host_still_alive(site):
+    # a starts the study's first trial and dies (every process of the host killed); b, started after, runs the other
+    # two; a's trial, silent for 4 heartbeats (2 s each here), is failed by b and run again there with the same
+    # parameters (as soon as b starts its next trial, or while b waits for the trials running elsewhere): the study
+    # ends with 3 finished trials, all on b, and a's failed one
+    hosts, root, env = site["hosts"], site["root"], site["env"]
+    a, b = hosts["a"], hosts["b"]
+    storage = site["pg"].url("lost")
+    logs = {name: root / f"lost-{name}.log" for name in ("a", "b")}
+    procs = {}
+    for name in ("a", "b"):
+        args = [*study_args(site, name), "--tune.trials", "3", "--tune.storage", storage, "--tune.heartbeat_s", "2",
+                "--tracking.enabled", "false"]
+        args[args.index("--output.dir") + 1] = str(root / f"study-{name}" / "lost")
+        prepared_study(root / f"study-{name}" / "lost", args)
+        if name == "b":
+            a.kill_all()
+        procs[name] = hosts[name].popen([sys.executable, "-m", "torchloom", "tune", *args], log=logs[name],
+                                        env={**env, "TORCHLOOM_CACHE": str(root / f"cache-{name}")})
+        if name == "a":
+            wait_until("a's first trial", lambda: "started: lr=" in logs["a"].read_text(errors="replace"), 120,
+                       logs["a"], procs["a"])
+    procs["b"].wait(timeout=300)
+    text = logs["b"].read_text(errors="replace")
+    assert procs["b"].returncode == 0, text[-4000:]
+    assert f"failed on {a.name}" in text  # b's report shows a's lost trial
+    seen = hosts["db"].run([sys.executable, "-c", INSPECT, site["pg"].url("lost", driver="psycopg"), site["mlflow"]],
+                           env=env, timeout=120)
+    trials = json.loads(seen.stdout)["trials"]
+    lost = [t for t in trials if t["attrs"].get("host") == a.name]
+    finished = [t for t in trials if t["state"] in ("COMPLETE", "PRUNED")]
+    assert len(lost) == 1 and lost[0]["state"] == "FAIL", trials
+    assert len(finished) == 3 and {t["attrs"]["host"] for t in finished} == {b.name}, trials
+    assert lost[0]["params"] in [t["params"] for t in finished]  # run again with the same parameters

@@ -106,6 +106,7 @@ MEANINGS: dict[str, str] = {
     'tune.grace_period': 'evaluations a trial gets before it can be stopped (set `train.eval_every` for several per epoch)',
     'tune.reduction_factor': 'keep the best 1/reduction_factor at each rung',
     'tune.storage': 'optuna: "" = `sqlite:///<output.dir>/optuna.db`; any database URL (`postgresql://...`) to share a study between machines',
+    'tune.heartbeat_s': "optuna backend: how often the process running a trial records that it is alive in the study's storage; a trial silent for 4 times this (its host died) is marked failed by another process of the study and run again once with the same parameters (see [tuning.md](tuning.md#one-study-on-many-machines-postgresql))",
     'tune.study_name': '"" = the output directory\'s name',
     'tune.seed': "the sampler's seed",
     'k8s.image': 'the container image the pods run, with torchloom installed (the same version as here) and `torchrun` on its PATH; required by `torchloom k8s` (`--image`)',

@@ -195,6 +195,8 @@ class TuneConfig:
     grace_period: int = field(default=1, metadata={"min": 1})  # evaluations before a trial can be stopped
     reduction_factor: int = field(default=2, metadata={"min": 2})
     storage: str = ""  # optuna: "" is sqlite:///<output.dir>/optuna.db; or any database URL (postgresql://...)
+    # optuna: how often a running trial says it is alive; silent for 4 times this, it is failed and run again
+    heartbeat_s: float = field(default=30.0, metadata={"min": 1.0})
     study_name: str = ""  # "": the output dir's name
     seed: int = 42
 

@@ -45,7 +45,8 @@ def open_study(url: str, name: str, direction: str, tune_cfg: TuneConfig, sd: St
             with open(sd.lock("storage"), "w") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 return optuna.create_study(
-                    study_name=name, storage=make_storage(url), load_if_exists=True, direction=direction,
+                    study_name=name, storage=make_storage(url, tune_cfg.heartbeat_s), load_if_exists=True,
+                    direction=direction,
                     sampler=sampler(tune_cfg), pruner=make_pruner(tune_cfg.scheduler, tune_cfg.grace_period,
                                                                   tune_cfg.reduction_factor))
         except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError,
@@ -130,21 +131,50 @@ def run(cfg: Config, sd: StudyDir, params: list[Param], parent_run_id: str | Non
         # Failed trials do not count, but a study whose trials keep failing must end too.
         return len(counted(trials)) >= tune_cfg.trials or len(trials) >= 2 * tune_cfg.trials
 
-    if enough(study):
+    if enough(study) and not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
         say(f"the study already holds {len(study.trials)} trials (tune.trials {tune_cfg.trials})")
         return
+    fill(study, objective, enough, tune_cfg)
+
+
+def fill(study, objective, enough, tune_cfg: TuneConfig) -> None:
+    """Run trials until the study holds tune.trials, then wait for those other processes still run: one whose
+    host died (silent for 4 heartbeats) is failed and run again here with the same parameters, so the processes
+    still alive finish the study whoever was lost; the report then sees every trial finished."""
+    import time
+
+    import optuna
+
+    from torchloom.engines.common import TrainingFailed
+
+    started, said = time.monotonic(), False
+
+    def left() -> float | None:
+        return tune_cfg.time_budget_s - (time.monotonic() - started) if tune_cfg.time_budget_s else None
 
     def stop_when_full(st: optuna.Study, trial) -> None:
         if enough(st) or trial.user_attrs.get("surplus"):  # the rest is other processes' to run
             st.stop()
 
-    # A trial that fails in training is recorded as failed and the study goes on; a user error (bad
-    # data, bad config) would fail every trial the same way, so it ends the study.
-    from torchloom.engines.common import TrainingFailed
-
-    with quiet_surplus():
-        study.optimize(objective, timeout=tune_cfg.time_budget_s or None, callbacks=[stop_when_full],
-                       catch=(TrainingFailed, RuntimeError, Surplus), gc_after_trial=True)
+    while left() is None or left() > 0:
+        if not enough(study):
+            # A trial that fails in training is recorded as failed and the study goes on; a user error (bad data, bad
+            # config) would fail every trial the same way, so it ends the study.
+            with quiet_surplus():
+                study.optimize(objective, timeout=left(), callbacks=[stop_when_full],
+                               catch=(TrainingFailed, RuntimeError, Surplus), gc_after_trial=True)
+        states = [t.state for t in study.get_trials(deepcopy=False)]
+        running = states.count(optuna.trial.TrialState.RUNNING)
+        if optuna.trial.TrialState.WAITING in states or (not running and not enough(study)):
+            continue  # a trial queued again (its host was lost), or room left by a failed one: run it here
+        if not running:
+            return
+        if not said:
+            say(f"waiting for {running} trial{'s' if running > 1 else ''} running elsewhere; one whose process stops"
+                f" answering for {4 * tune_cfg.heartbeat_s:.0f} s is run again here")
+            said = True
+        optuna.storages.fail_stale_trials(study)
+        time.sleep(min(tune_cfg.heartbeat_s, 10.0))
 
 
 @contextlib.contextmanager

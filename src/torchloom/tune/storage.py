@@ -8,8 +8,8 @@ shares (PostgreSQL, MySQL), on one machine or many.
 - A server that stops answering mid-study (a restart, a failover) is waited for: every call of the storage is
   retried for up to OUTAGE_S with one warning line, so no trial is lost or recorded twice; a wrong password or
   an unknown database is one line at once, before any trial starts.
-- Heartbeats: a process that dies mid-trial stops its trial's heartbeat; after the grace period another process
-  marks the trial failed and queues it again with the same parameters.
+- Heartbeats (tune.heartbeat_s): a process that dies mid-trial stops its trial's heartbeat; 4 heartbeats later
+  another process of the study marks the trial failed and runs it again with the same parameters (once).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torchloom.errors import UserError, first_line
 from torchloom.redaction import TUNE_STORAGE_ENV, redact_text
 
 OUTAGE_S = 120.0  # how long a study waits for its database server to answer again
-HEARTBEAT_S, GRACE_S = 30, 120  # Optuna's heartbeat interval and the silence after which a trial is stale
+HEARTBEAT_S = 30.0  # tune.heartbeat_s's default: Optuna's heartbeat interval; 4 times it silent, a trial is stale
 DRIVERS = {"postgresql": ("psycopg2", "psycopg", "postgres"), "mysql": ("MySQLdb", "pymysql", "")}
 
 
@@ -52,15 +52,16 @@ def resolved(url: str) -> str:
     return with_driver(url)
 
 
-def make_storage(url: str):
-    """Optuna's RDBStorage of `url` with heartbeats, its calls retried through a database outage (not SQLite's)."""
+def make_storage(url: str, heartbeat_s: float = HEARTBEAT_S):
+    """Optuna's RDBStorage of `url` with heartbeats every `heartbeat_s` (a trial silent for 4 times that is stale),
+    its calls retried through a database outage (not SQLite's)."""
     import optuna
 
     url = resolved(url)
     with warnings.catch_warnings():  # Optuna 4.9 calls the retry callback deprecated and its heartbeat experimental
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        heartbeat = {"heartbeat_interval": HEARTBEAT_S, "grace_period": GRACE_S,
+        heartbeat = {"heartbeat_interval": max(1, round(heartbeat_s)), "grace_period": max(4, round(4 * heartbeat_s)),
                      "failed_trial_callback": optuna.storages.RetryFailedTrialCallback(max_retry=1)}
         if url.startswith("sqlite"):
             # Several processes share the file: wait for the lock rather than fail on "database is locked".
