@@ -104,7 +104,8 @@ def test_a_missing_driver_names_the_extra(pg, tmp_path, tiny_model_dir):
     proc = tune(args, pre="sys.modules.update(psycopg=None, psycopg2=None); ")
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 2, stderr[-3000:]
-    assert "its database driver is not installed (psycopg" in stderr and "torchloom[postgres]" in stderr, stderr
+    assert "its database driver is not installed (psycopg" in stderr, stderr
+    assert "pip install 'psycopg[binary]>=3.1' (torchloom's postgres extra)" in stderr, stderr
 
 
 def test_a_worker_url_gets_psycopg_where_psycopg2_is_missing():

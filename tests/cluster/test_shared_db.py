@@ -42,7 +42,7 @@ INSPECT = """
 import json, sys
 import optuna
 from mlflow import MlflowClient
-study = optuna.load_study(study_name="study", storage=sys.argv[1])
+study = optuna.load_study(study_name=sys.argv[3], storage=sys.argv[1])
 client = MlflowClient(tracking_uri=sys.argv[2])
 exp = client.get_experiment_by_name("torchloom")
 runs = client.search_runs([exp.experiment_id], max_results=1000) if exp else []
@@ -122,7 +122,7 @@ def study(site):
         proc.wait(timeout=600)
     said = {name: (procs[name].returncode, logs[name].read_text(errors="replace")) for name in procs}
     seen = hosts["db"].run([sys.executable, "-c", INSPECT, site["pg"].url("optuna", driver="psycopg"),
-                            site["mlflow"]], env=site["env"], timeout=120)
+                            site["mlflow"], "study"], env=site["env"], timeout=120)
     assert seen.returncode == 0, seen.stderr[-3000:]
     return said, json.loads(seen.stdout)
 
@@ -206,8 +206,9 @@ def test_a_trial_whose_host_died_is_failed_and_run_again_by_a_host_still_alive(s
     text = logs["b"].read_text(errors="replace")
     assert procs["b"].returncode == 0, text[-4000:]
     assert f"failed on {a.name}" in text  # b's report shows a's lost trial
-    seen = hosts["db"].run([sys.executable, "-c", INSPECT, site["pg"].url("lost", driver="psycopg"), site["mlflow"]],
-                           env=env, timeout=120)
+    seen = hosts["db"].run([sys.executable, "-c", INSPECT, site["pg"].url("lost", driver="psycopg"), site["mlflow"],
+                            "lost"], env=env, timeout=120)
+    assert seen.returncode == 0, seen.stderr[-3000:]
     trials = json.loads(seen.stdout)["trials"]
     lost = [t for t in trials if t["attrs"].get("host") == a.name]
     finished = [t for t in trials if t["state"] in ("COMPLETE", "PRUNED")]

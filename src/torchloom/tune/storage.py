@@ -1,7 +1,7 @@
 """The Optuna study's database: the study's own SQLite file, or a server every `torchloom tune` process of a study
 shares (PostgreSQL, MySQL), on one machine or many.
 
-- `postgresql://` without a driver means psycopg (3), the `torchloom[postgres]` extra, where psycopg2 is not
+- `postgresql://` without a driver means psycopg (3), pyproject's `postgres` extra, where psycopg2 is not
   installed (SQLAlchemy's own default is psycopg2); a missing driver is one line naming the extra.
 - Credentials come from the URL, or where the driver finds them without one: PGPASSWORD, PGPASSFILE or
   ~/.pgpass for PostgreSQL. No line torchloom writes shows a password.
@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 
-from torchloom.errors import UserError, first_line
+from torchloom.errors import UserError, first_line, install_hint, message_line
 from torchloom.redaction import TUNE_STORAGE_ENV, redact_text
 
 OUTAGE_S = 120.0  # how long a study waits for its database server to answer again
@@ -157,15 +157,16 @@ def open_error(url: str, e: BaseException) -> UserError:
             cause = cause.__cause__ or cause.__context__
         name = getattr(cause, "name", None) or "the database's Python driver"
         extra = next((d[2] for s, d in DRIVERS.items() if url.startswith(s) and d[2]), "")
-        how = f"pip install 'torchloom[{extra}]' (or pip install 'psycopg[binary]')" if extra else f"pip install {name}"
+        how = f"{install_hint(extra)} (torchloom's {extra} extra)" if extra else f"pip install {name}"
         return UserError(f"tune.storage {shown}: its database driver is not installed ({name}); {how}, or leave"
                          " tune.storage empty for the study's own SQLite file")
     said = refusal(e)
     if said:
         return UserError(f"tune.storage {shown}: {said}; fix the URL, PGPASSWORD or ~/.pgpass, or leave tune.storage"
                          " empty for the study's own SQLite file")
-    return UserError(f"tune.storage {shown}: cannot open the study database ({redact_text(first_line(e))[:160]});"
-                     " check that it runs and the URL, or leave tune.storage empty for a SQLite file")
+    said = message_line(redact_text(getattr(e, "orig", None) or e)).removeprefix("connection failed: ")
+    return UserError(f"tune.storage {shown}: cannot open the study database ({said[:140]}); check that it runs and"
+                     " the URL, or leave tune.storage empty for a SQLite file")
 
 
 def check(url: str) -> None:
