@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 from support.net import free_port
+from support.served import export_tiny
 
 pytest.importorskip("mlflow")
 
 LABELS = ["money", "music", "sport"]
+TEXTS = ["bank shares profit market price", "guitar band song album concert", "match goal team"]
 
 
 def torchloom(*args: str, cache: Path, uri: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -29,20 +31,13 @@ def torchloom(*args: str, cache: Path, uri: str | None = None, timeout: int = 30
 def registered(tmp_path_factory):
     """(store URI, exported model dir, the registration) of a tiny model registered as `topics` with alias champion,
     by registry.register through a torchloom Tracker, as export does."""
-    import torch
-
     from torchloom.config import build
-    from torchloom.model.build import build_classifier
-    from torchloom.model.export import export_model
     from torchloom.model.tiny import write_tiny_model
     from torchloom.registry import register
     from torchloom.tracking import Tracker
 
     tmp = tmp_path_factory.mktemp("registry")
-    base = write_tiny_model(tmp / "tiny")
-    torch.manual_seed(0)
-    model_dir = export_model(build_classifier(base, LABELS).eval(), base, LABELS, str(tmp / "model"),
-                             extra_info={"max_length": 32})
+    model_dir = export_tiny(write_tiny_model(tmp / "tiny"), tmp / "model", LABELS, TEXTS)
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
     cfg = build(None, ["--tracking.uri", uri, "--output.dir", str(tmp / "run")])
     with Tracker.start(cfg, "export", params=False) as tracker:
