@@ -23,10 +23,15 @@ from support.net import free_port
 
 from torchloom.k8s import job
 from torchloom.k8s.command import main
+from torchloom.k8s.manifests import MIN_KUBERNETES
 
 kv = pytest.importorskip("kubernetes_validate", reason="needs the dev extra: kubernetes-validate")
 
-VERSIONS = ("1.31.0", "1.35.0")  # podFailurePolicy is GA from 1.31; 1.35: a current one
+# every Kubernetes the manifests are for: from the stated minimum (manifests.MIN_KUBERNETES) to the newest whose
+# schemas kubernetes-validate ships
+VERSIONS = tuple(sorted({v for v in kv.utils.all_versions()
+                         if tuple(map(int, v.split(".")[:2])) >= tuple(map(int, MIN_KUBERNETES.split(".")))},
+                        key=lambda v: tuple(map(int, v.split(".")))))
 TRAIN = ["train", "--image", "registry.example/torchloom:0.1", "--nodes", "2", "--gpus-per-node", "8",
          "--output.dir", "s3://bucket/runs/tickets", "--secret", "store-credentials", "--cpu", "16", "--memory",
          "128Gi", "--node-selector", "cloud.google.com/gke-accelerator=nvidia-h100-80gb",
@@ -151,6 +156,78 @@ def test_the_pods_shell_exits_75_on_sigterm_and_torchruns_code_otherwise(capsys,
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == (75 if sigterm else 3)
     assert "--rdzv-id uid-" in (tmp_path / "argv").read_text()
+
+
+@pytest.mark.parametrize("index, host", [("0", "true"), ("1", "false")])
+def test_pod_0_is_told_it_hosts_the_rendezvous(capsys, tmp_path, index, host):
+    (c,) = manifests(capsys, *TRAIN)["Job"]["spec"]["template"]["spec"]["containers"]
+    env = {**os.environ, "PATH": f"{stub_torchrun(tmp_path, 0)}:{os.environ['PATH']}", job.UID_ENV: "uid-0",
+           "JOB_COMPLETION_INDEX": index}  # set by the Indexed Job in each pod
+    assert subprocess.run(c["command"], env=env, timeout=20).returncode == 0
+    assert f"--rdzv-conf is_host={host} --rdzv-id uid-0" in (tmp_path / "argv").read_text()
+
+
+def pods(objs: dict) -> list[dict]:
+    return [objs[kind]["spec"]["template"] for kind in ("Job", "Deployment") if kind in objs]
+
+
+@pytest.mark.parametrize("argv", [TRAIN, SERVE])
+def test_the_pods_are_hardened_by_default(capsys, argv):
+    objs = manifests(capsys, *argv)
+    (template,) = pods(objs)
+    pod = template["spec"]
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    (c,) = pod["containers"]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
+                                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+    # what torchloom writes goes to volumes: the cache, /tmp (also $HOME), and a training pod's /dev/shm
+    mounts = {v["mountPath"]: v["name"] for v in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert {"/var/cache/torchloom", "/tmp"} <= set(mounts) and all("emptyDir" in volumes[n] for n in mounts.values())
+    assert {"name": "HOME", "value": "/tmp"} in c["env"]
+
+
+@pytest.mark.parametrize("argv", [TRAIN, SERVE])
+def test_a_platform_teams_options_reach_every_object_and_pod(capsys, argv):
+    objs = manifests(capsys, *argv, "--service-account", "trainer-identity", "--image-pull-secret", "regcred,mirror",
+                     "--label", "kueue.x-k8s.io/queue-name=gpu-queue", "--label", "team=nlp",
+                     "--annotation", "example.com/owner=ml platform", "--priority-class", "batch-high",
+                     "--scheduler", "volcano", "--k8s.active_deadline_s", "86400",
+                     "--k8s.ttl_after_finished_s", "3600", "--k8s.run_as_user", "2000")
+    for obj in objs.values():
+        assert obj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+        assert obj["metadata"]["annotations"] == {"example.com/owner": "ml platform"}
+    (template,) = pods(objs)
+    assert template["metadata"]["labels"]["team"] == "nlp"
+    pod = template["spec"]
+    assert pod["serviceAccountName"] == "trainer-identity" and pod["automountServiceAccountToken"] is True
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    assert (pod["priorityClassName"], pod["schedulerName"]) == ("batch-high", "volcano")
+    assert pod["securityContext"]["runAsUser"] == 2000
+    if "Job" in objs:
+        assert objs["Job"]["spec"]["activeDeadlineSeconds"] == 86400
+        assert objs["Job"]["spec"]["ttlSecondsAfterFinished"] == 3600
+    # the selectors still match: the user's labels are beside torchloom's, never instead of them
+    selector = (objs.get("Deployment") or {}).get("spec", {}).get("selector", {}).get("matchLabels", {})
+    assert selector.items() <= template["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--namespace", "My NS: $(x)"], "k8s.namespace 'My NS: $(x)': not a name Kubernetes takes"),
+    (["--label", "team=a b"], "a label's value is at most 63"),
+    (["--label=-bad=x"], "k8s.labels '-bad': not a key Kubernetes takes"),
+    (["--label", "app.kubernetes.io/name=x"], "torchloom sets the app.kubernetes.io/ labels itself"),
+    (["--annotation", "Example.com/x=1"], "k8s.annotations 'Example.com/x': not a key"),
+    (["--image-pull-secret", "reg cred"], "k8s.image_pull_secrets 'reg cred'"),
+    (["--service-account", "Trainer"], "k8s.service_account 'Trainer'"),
+])
+def test_names_labels_and_keys_are_checked_as_kubernetes_would(capsys, tmp_path, args, says):
+    out = tmp_path / "out"
+    code, stdout, err = run_main(capsys, *SERVE, *args, "--out", str(out))
+    assert code == 2 and stdout == "" and not out.exists()
+    assert err.count("\n") == 1 and says in err, err
 
 
 @pytest.mark.parametrize("args, says", [

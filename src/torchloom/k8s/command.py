@@ -22,7 +22,10 @@ torchloom train. The run must be prepared on the store first (torchloom prepare 
 # torchloom k8s's own flags, each one config key
 FLAGS = {"--image": "image", "--namespace": "namespace", "--name": "name", "--nodes": "nodes",
          "--gpus-per-node": "gpus", "--cpu": "cpu", "--memory": "memory", "--secret": "env_from",
-         "--replicas": "replicas"}
+         "--replicas": "replicas", "--service-account": "service_account", "--image-pull-secret": "image_pull_secrets",
+         "--priority-class": "priority_class", "--scheduler": "scheduler"}
+# repeatable KEY=VALUE flags, each an entry of one dict key
+PAIRS = {"--node-selector": "node_selector", "--label": "labels", "--annotation": "annotations"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,8 +41,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="serve: the server's port in the pod (default 8000)")
     for flag, key in FLAGS.items():
         p.add_argument(flag, dest=f"k8s_{key}", metavar=key.upper(), help=f"same as --k8s.{key}")
-    p.add_argument("--node-selector", action="append", default=[], metavar="KEY=VALUE",
-                   help="a node label the pods need (repeat for more)")
+    for flag, key in PAIRS.items():
+        what = {"node_selector": "a node label the pods need", "labels": "a label on every object and pod",
+                "annotations": "an annotation on every object and pod"}[key]
+        p.add_argument(flag, dest=f"pairs_{key}", action="append", default=[], metavar="KEY=VALUE",
+                       help=f"{what} (repeat for more; --k8s.{key})")
     p.add_argument("--toleration", action="append", default=[], metavar="KEY[=VALUE]:EFFECT",
                    help="a taint the pods tolerate (repeat for more); EFFECT NoSchedule, PreferNoSchedule, NoExecute")
     return p
@@ -54,11 +60,12 @@ def build_config(args: argparse.Namespace, rest: list[str]):
         if value is not None:
             extra += [f"--k8s.{key}", value]
     cfg = build(args.config, extra)
-    for item in args.node_selector:
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise UserError(f"--node-selector {item}: write KEY=VALUE")
-        cfg.k8s.node_selector[key] = value
+    for flag, name in PAIRS.items():
+        for item in getattr(args, f"pairs_{name}"):
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                raise UserError(f"{flag} {item}: write KEY=VALUE")
+            getattr(cfg.k8s, name)[key] = value
     for item in args.toleration:
         key_value, colon, effect = item.rpartition(":") if ":" in item else (item, "", "")
         key, eq, value = key_value.partition("=")

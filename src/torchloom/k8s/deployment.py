@@ -113,18 +113,19 @@ def container(k: K8sConfig, command: list[str], port: int) -> dict:
             "ports": [{"name": "http", "containerPort": port}],
             **({"resources": m.resources(k)} if m.resources(k) else {}),
             **probes(),
-            "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},
-            "volumeMounts": [cache_mount]}
+            "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_S}}},  # Kubernetes 1.30 (m.MIN_KUBERNETES)
+            **m.container_security(),
+            "volumeMounts": [cache_mount, *m.writable_volumes()[1]]}
 
 
 def deployment(name: str, k: K8sConfig, command: list[str], port: int) -> dict:
     cache, _ = m.cache_volume()
-    pod = {"terminationGracePeriodSeconds": termination_grace(), **m.placement(k),
-           "containers": [container(k, command, port)], "volumes": [cache]}
+    pod = {"terminationGracePeriodSeconds": termination_grace(), **m.placement(k), **m.pod_extras(k),
+           "containers": [container(k, command, port)], "volumes": [cache, *m.writable_volumes()[0]]}
     spec = {"replicas": k.replicas, "selector": {"matchLabels": m.labels(name, "serve")},
             # a new pod is ready before an old one goes: no moment without a server
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {"metadata": {"labels": m.labels(name, "serve")}, "spec": pod}}
+            "template": {"metadata": m.template_metadata(name, k, "serve"), "spec": pod}}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": m.metadata(name, k, "serve"), "spec": spec}
 
 

@@ -5,7 +5,9 @@ Each pod runs the command of docs/engines.md ("torchrun"), the one a user types 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint <job>-0.<job>:29400 \\
       --rdzv-id <the Job's uid> --max-restarts R -m torchloom.engines.torchrun --output.dir s3://... ...
 
-pod 0's stable name (`<job>-0`, in the Service's subdomain) hosts the c10d rendezvous. The rendezvous id is the
+pod 0's stable name (`<job>-0`, in the Service's subdomain) hosts the c10d rendezvous, and pod 0 is told so
+(`--rdzv-conf is_host=true` from its JOB_COMPLETION_INDEX): torch would otherwise decide by resolving its own
+name, which may not be published yet. The rendezvous id is the
 Job's uid, which a pod that replaces another keeps: its ranks count the earlier starts on the store and resume from
 the latest checkpoint (engines/worker.py), and a Job made again for the same run starts its count afresh.
 
@@ -125,9 +127,10 @@ def config_flags(cfg: Config) -> list[str]:
 
 
 def torchrun_argv(name: str, cfg: Config, nproc: int, world: int) -> tuple[list[str], list[str]]:
-    """torchrun's arguments before and after the rendezvous id (the Job's uid, from the environment)."""
+    """torchrun's arguments before the rendezvous's is_host (pod 0's, from its index) and after the rendezvous id
+    (the Job's uid, from the environment)."""
     before = ["torchrun", "--nnodes", str(cfg.k8s.nodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"{name}-0.{name}:{RDZV_PORT}", "--rdzv-id"]
+              "--rdzv-endpoint", f"{name}-0.{name}:{RDZV_PORT}", "--rdzv-conf"]
     after = ["--max-restarts", str(cfg.engine.max_restarts), "-m", "torchloom.engines.torchrun",
              "--output.dir", cfg.output.dir, "--engine.workers", str(world), *config_flags(cfg)]
     return before, after
@@ -140,7 +143,9 @@ def pod_command(name: str, cfg: Config, nproc: int, world: int) -> list[str]:
         "# SIGTERM (preemption, eviction): torchrun passes it on to the ranks, which checkpoint and exit 75;",
         "# torchrun itself exits 1 on it, so the pod says 75 (preempted: the Job replaces it, not counted)",
         f"trap 'kill -TERM \"$pid\" 2>/dev/null; wait \"$pid\"; exit {EXIT_PREEMPTED}' TERM",
-        f"{shlex.join(before)} \"${UID_ENV}\" {shlex.join(after)} &",
+        "# pod 0 hosts the rendezvous: told so, not left to find its own name in DNS (which may not be published yet)",
+        'is_host=false; [ "$JOB_COMPLETION_INDEX" = 0 ] && is_host=true',
+        f"{shlex.join(before)} \"is_host=$is_host\" --rdzv-id \"${UID_ENV}\" {shlex.join(after)} &",
         "pid=$!",
         'wait "$pid"',
     ])
@@ -172,7 +177,9 @@ def indexed_job(name: str, cfg: Config, command: list[str], grace: int) -> dict:
         "backoffLimit": cfg.engine.max_restarts * k.nodes,
         "podFailurePolicy": failure_policy(),
         "podReplacementPolicy": "Failed",  # a replacement starts once the pod it replaces is gone: one <job>-0
-        "template": {"metadata": {"labels": m.labels(name, "train")}, "spec": pod_spec(name, cfg, command, grace)},
+        **({"activeDeadlineSeconds": k.active_deadline_s} if k.active_deadline_s else {}),
+        **({"ttlSecondsAfterFinished": k.ttl_after_finished_s} if k.ttl_after_finished_s else {}),
+        "template": {"metadata": m.template_metadata(name, k, "train"), "spec": pod_spec(name, cfg, command, grace)},
     }
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": m.metadata(name, k, "train"), "spec": spec}
 
@@ -184,13 +191,15 @@ def pod_spec(name: str, cfg: Config, command: list[str], grace: int) -> dict:
            *m.base_env(),
            {"name": UID_ENV, "valueFrom": {"fieldRef": {
                "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}}]
+    writable, writable_mounts = m.writable_volumes()
     container = {"name": CONTAINER, "image": k.image, "command": command, "env": env,
                  **({"envFrom": m.env_from(k)} if k.env_from else {}),
                  "ports": [{"name": "rdzv", "containerPort": RDZV_PORT}],
                  **({"resources": m.resources(k)} if m.resources(k) else {}),
-                 "volumeMounts": [cache_mount, {"name": "dshm", "mountPath": "/dev/shm"}]}
+                 **m.container_security(),
+                 "volumeMounts": [cache_mount, {"name": "dshm", "mountPath": "/dev/shm"}, *writable_mounts]}
     return {"restartPolicy": "Never",  # the Job replaces a failed pod; podFailurePolicy needs Never
-            "subdomain": name, "terminationGracePeriodSeconds": grace, **m.placement(k),
+            "subdomain": name, "terminationGracePeriodSeconds": grace, **m.placement(k), **m.pod_extras(k),
             "containers": [container],
             # NCCL and the data loader's workers share memory through /dev/shm: 64 MB by default in a container
-            "volumes": [cache, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]}
+            "volumes": [cache, {"name": "dshm", "emptyDir": {"medium": "Memory"}}, *writable]}

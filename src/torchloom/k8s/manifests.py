@@ -12,6 +12,13 @@ from torchloom.uri import is_uri, redact
 
 # RFC 1035 labels: a Service's name must be one, and the Job's pods take `<name>-<index>` as their host name.
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# RFC 1123 labels (a namespace) and subdomains (a service account's, a Secret's, a PriorityClass's name)
+RFC1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# a label's or an annotation's key is [prefix/]name; a label's value is a name or empty
+QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+MIN_KUBERNETES = "1.30"  # the oldest Kubernetes the manifests are valid for (preStop sleep; tests/test_k8s.py)
+WRITABLE = {"tmp": "/tmp"}  # emptyDirs beside the cache: the root filesystem is read-only
 # A Kubernetes quantity as users write them: 8, 0.5, 7500m, 64Gi, 1e3.
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei|[eE][0-9]+)?$")
 EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -21,6 +28,8 @@ API_KEY_ENV = "TORCHLOOM_API_KEY"  # serve/settings.py reads it
 
 
 def check_image(k: K8sConfig) -> None:
+    """The image, and every name the manifests will carry (check_names): one line before anything is written."""
+    check_names(k)
     if not k.image.strip():
         raise UserError("k8s.image: the pods need a container image with torchloom installed (the same version) and"
                         " torchrun on its PATH; pass --image REPO:TAG")
@@ -64,7 +73,90 @@ def labels(name: str, component: str) -> dict[str, str]:
 
 
 def metadata(name: str, k: K8sConfig, component: str) -> dict:
-    return {"name": name, "namespace": k.namespace, "labels": labels(name, component)}
+    """An object's metadata: its name, namespace, torchloom's labels and the user's (k8s.labels, k8s.annotations)."""
+    return {"name": name, "namespace": k.namespace, "labels": {**user_labels(k), **labels(name, component)},
+            **({"annotations": {str(a): str(v) for a, v in k.annotations.items()}} if k.annotations else {})}
+
+
+def template_metadata(name: str, k: K8sConfig, component: str) -> dict:
+    """A pod template's metadata: the labels the selector matches, and the user's labels and annotations."""
+    meta = metadata(name, k, component)
+    return {key: meta[key] for key in ("labels", "annotations") if key in meta}
+
+
+def user_labels(k: K8sConfig) -> dict[str, str]:
+    return {str(key): str(value) for key, value in k.labels.items()}
+
+
+def check_names(k: K8sConfig) -> None:
+    """The names the manifests carry, checked as the API server would, each a one-line refusal."""
+    def fail(key: str, value: str, rule: str) -> None:
+        raise UserError(f"k8s.{key} {value!r}: not a name Kubernetes takes; {rule}")
+
+    lower = "lowercase letters, digits and '-', starting and ending with a letter or digit"
+    if not RFC1123_LABEL.match(k.namespace) or len(k.namespace) > 63:
+        fail("namespace", k.namespace, f"use at most 63 {lower}")
+    for key in ("service_account", "priority_class"):
+        value = getattr(k, key)
+        if value and (not SUBDOMAIN.match(value) or len(value) > 253):
+            fail(key, value, f"use at most 253 {lower} (and '.')")
+    for secret in pull_secrets(k):
+        if not SUBDOMAIN.match(secret) or len(secret) > 253:
+            fail("image_pull_secrets", secret, f"each a Secret's name: {lower} (and '.'), comma-separated")
+    if k.scheduler and (not SUBDOMAIN.match(k.scheduler) or len(k.scheduler) > 253):
+        fail("scheduler", k.scheduler, f"use at most 253 {lower} (and '.')")
+    for key, value in k.labels.items():
+        check_key("labels", str(key))
+        if str(value) and (not QUALIFIED_NAME.match(str(value)) or len(str(value)) > 63):
+            fail("labels", f"{key}={value}", "a label's value is at most 63 letters, digits, '-', '_' and '.',"
+                 " starting and ending with a letter or digit, or empty")
+        if str(key).startswith("app.kubernetes.io/"):
+            fail("labels", str(key), "torchloom sets the app.kubernetes.io/ labels itself; use another key")
+    for key in k.annotations:
+        check_key("annotations", str(key))
+
+
+def check_key(what: str, key: str) -> None:
+    """A label's or an annotation's key: [prefix/]name, the prefix a DNS subdomain, the name at most 63 characters."""
+    prefix, slash, name = key.rpartition("/")
+    if (slash and (not SUBDOMAIN.match(prefix) or len(prefix) > 253)) or not QUALIFIED_NAME.match(name) \
+            or len(name) > 63:
+        raise UserError(f"k8s.{what} {key!r}: not a key Kubernetes takes; write [prefix/]name: the name at most 63"
+                        " letters, digits, '-', '_' and '.', starting and ending with a letter or digit; the prefix"
+                        " a DNS subdomain (example.com)")
+
+
+def pull_secrets(k: K8sConfig) -> list[str]:
+    return [s.strip() for s in k.image_pull_secrets.split(",") if s.strip()]
+
+
+def pod_extras(k: K8sConfig) -> dict:
+    """What every pod spec takes from [k8s] beyond placement: identity, registry, priority, scheduler, and a
+    restrictive securityContext (never root unless k8s.run_as_user is 0, a RuntimeDefault seccomp profile). No
+    API token in a pod unless a service account was given: torchloom never calls the API from a pod."""
+    uid = k.run_as_user
+    security = {"runAsNonRoot": uid != 0, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+    return {**({"serviceAccountName": k.service_account} if k.service_account else {}),
+            "automountServiceAccountToken": bool(k.service_account),
+            **({"imagePullSecrets": [{"name": s} for s in pull_secrets(k)]} if pull_secrets(k) else {}),
+            **({"priorityClassName": k.priority_class} if k.priority_class else {}),
+            **({"schedulerName": k.scheduler} if k.scheduler else {}),
+            "securityContext": security}
+
+
+def container_security() -> dict:
+    """No privilege, no escalation, no capability, a read-only root filesystem (the cache, /tmp and /dev/shm are
+    the writable volumes)."""
+    return {"securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+                                "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}}
+
+
+def writable_volumes() -> tuple[list[dict], list[dict]]:
+    """The emptyDirs beside the cache that a read-only root filesystem needs (Python, torch and matplotlib write
+    under /tmp and $HOME, which is /tmp in the pods)."""
+    return ([{"name": name, "emptyDir": {}} for name in WRITABLE],
+            [{"name": name, "mountPath": path} for name, path in WRITABLE.items()])
 
 
 def resources(k: K8sConfig) -> dict:
@@ -108,6 +200,7 @@ def env_from(k: K8sConfig) -> list[dict]:
 def base_env() -> list[dict]:
     return [{"name": "HF_HUB_OFFLINE", "value": "1"},  # models come from the image or the store, never the hub
             {"name": "TORCHLOOM_CACHE", "value": CACHE_DIR},
+            {"name": "HOME", "value": WRITABLE["tmp"]},  # a read-only root filesystem: caches under $HOME go here
             {"name": "PYTHONUNBUFFERED", "value": "1"}]  # lines reach `kubectl logs` as they are printed
 
 
