@@ -177,9 +177,10 @@ def test_the_pods_are_hardened_by_default(capsys, argv):
     (template,) = pods(objs)
     pod = template["spec"]
     assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
-    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                                      "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}}
     (c,) = pod["containers"]
+    assert c["imagePullPolicy"] == "Always"
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "privileged": False,
                                     "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
     # what torchloom writes goes to volumes: the cache, /tmp (also $HOME), and a training pod's /dev/shm
@@ -202,7 +203,8 @@ def test_a_platform_teams_options_reach_every_object_and_pod(capsys, argv):
     (template,) = pods(objs)
     assert template["metadata"]["labels"]["team"] == "nlp"
     pod = template["spec"]
-    assert pod["serviceAccountName"] == "trainer-identity" and pod["automountServiceAccountToken"] is True
+    # workload identity brings its own projected token: the API's is never mounted
+    assert pod["serviceAccountName"] == "trainer-identity" and pod["automountServiceAccountToken"] is False
     assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
     assert (pod["priorityClassName"], pod["schedulerName"]) == ("batch-high", "volcano")
     assert pod["securityContext"]["runAsUser"] == 2000

@@ -238,8 +238,18 @@ def test_bad_tables_versions_catalogs_and_columns_are_one_line(tmp_path, delta_t
     fails("iceberg://lake/docs.nope", "iceberg", "no table docs.nope", catalogs={"lake": settings})
     fails("iceberg://lake/docs.news", "iceberg", "no column 'body'", "columns found: text, label, note",
           text_column="body", catalogs={"lake": settings})
-    fails("iceberg://lake/docs.news", "iceberg", "does not answer", "sqlite:////nonexistent/c.db",
-          catalogs={"lake": {"uri": "sqlite:////nonexistent/c.db"}})
+    fails("iceberg://lake/docs.news", "iceberg", "data.path iceberg://lake/docs.news: the Iceberg catalog 'lake'",
+          "does not answer", "sqlite:////nonexistent/c.db", catalogs={"lake": {"uri": "sqlite:////nonexistent/c.db"}})
+    # the catalog answers, but the metadata file it names is gone: said so, not "does not answer"
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    moved = {"uri": f"sqlite:///{tmp_path}/moved.db", "warehouse": f"file://{tmp_path}/moved"}
+    SqlCatalog("moved", **moved).create_namespace("docs")
+    SqlCatalog("moved", **moved).create_table("docs.gone", schema=first_rows().schema).append(first_rows())
+    for metadata in (tmp_path / "moved").rglob("*.metadata.json"):
+        metadata.unlink()
+    fails("iceberg://moved/docs.gone", "iceberg", "data.path iceberg://moved/docs.gone", "answers, but the table's"
+          " metadata file it names is not there", catalogs={"moved": moved})
     fails("iceberg://rest/docs.news", "iceberg", "does not answer", "127.0.0.1:9",
           catalogs={"rest": {"type": "rest", "uri": "http://127.0.0.1:9"}})
     fails("iceberg://lake/news", "iceberg", "iceberg://CATALOG/NAMESPACE.TABLE")
@@ -253,6 +263,20 @@ def test_bad_tables_versions_catalogs_and_columns_are_one_line(tmp_path, delta_t
     data.version, data.format = "", "csv"
     with pytest.raises(UserError, match="iceberg://CATALOG"):
         resolve_format(data, "iceberg://lake/docs.news")
+
+
+def test_a_tables_columns_are_matched_without_case_as_a_csvs(spark, tiny_model_dir, tmp_path, delta_table,
+                                                            iceberg_table):
+    # a config written for a CSV's "Text" and "Label" reads a table's text and label, as Spark and the CSV do
+    path, versions = delta_table
+    settings, snapshots = iceberg_table
+    newest = list(snapshots.values())[-1]
+    for source, extra, rows in ((path, {}, versions[3]),
+                                ("iceberg://lake/docs.news", {"catalogs": {"lake": settings}}, newest)):
+        out = tmp_path / ("delta" if source == path else "iceberg")
+        prepare(cfg_for(source, tiny_model_dir, text_column="Text", label_column="LABEL", **extra), str(out),
+                spark=spark)
+        assert prepared(out) == rows
 
 
 def test_without_the_tables_extra_a_table_says_what_to_install(monkeypatch, delta_table):

@@ -120,7 +120,7 @@ MEANINGS: dict[str, str] = {
     'k8s.tolerations': 'taints the pods tolerate: key -> `Effect` (any value) or `value:Effect`, e.g. `{"nvidia.com/gpu" = "NoSchedule"}`; an empty effect tolerates every effect (`--toleration KEY[=VALUE]:EFFECT`)',
     'k8s.env_from': 'the Secret whose keys become the pods\' environment (`envFrom`): the store\'s credentials (`AWS_ACCESS_KEY_ID`, ...) and for serve `TORCHLOOM_API_KEY`; never written into a manifest; "" = none, credentials from the pods\' service account (`--secret`)',
     'k8s.replicas': 'serve: pods of the Deployment (`--replicas`)',
-    'k8s.service_account': 'the pods\' service account (`serviceAccountName`), e.g. one bound to a cloud identity for the store (workload identity, IRSA); "" = none, and then no API token is mounted in the pods (`automountServiceAccountToken: false`) (`--service-account`)',
+    'k8s.service_account': 'the pods\' service account (`serviceAccountName`), e.g. one bound to a cloud identity for the store (workload identity, IRSA); "" = the namespace\'s default; no pod mounts the Kubernetes API\'s token (`automountServiceAccountToken: false`): workload identity brings its own (`--service-account`)',
     'k8s.image_pull_secrets': 'the Secrets of a private registry the image comes from, comma-separated (`imagePullSecrets`) (`--image-pull-secret`)',
     'k8s.labels': 'labels on every object and pod, e.g. a Kueue queue `{"kueue.x-k8s.io/queue-name" = "gpu-queue"}`; keys and values checked as Kubernetes would (`--label KEY=VALUE`)',
     'k8s.annotations': 'annotations on every object and pod, e.g. `{"scheduling.k8s.io/group-name" = "..."}` (`--annotation KEY=VALUE`)',
@@ -128,5 +128,5 @@ MEANINGS: dict[str, str] = {
     'k8s.scheduler': 'the pods\' scheduler (`schedulerName`), e.g. `volcano` for gang scheduling; "" = the cluster\'s default (`--scheduler`)',
     'k8s.active_deadline_s': 'train: the Job\'s `activeDeadlineSeconds`, after which Kubernetes ends it whatever its state; 0 = none',
     'k8s.ttl_after_finished_s': 'train: a finished Job (and its pods, their logs) is deleted this long after it ends (`ttlSecondsAfterFinished`); 0 = kept until deleted',
-    'k8s.run_as_user': 'the user and group id the containers run as (`runAsUser`, `runAsGroup`, `fsGroup`), never root by default: the image must let this user read its files; 0 = root (`runAsNonRoot` off), not advised',
+    'k8s.run_as_user': 'the user and group id the containers run as (`runAsUser`, `runAsGroup`, `fsGroup`), never root by default, and a high id (checkov\'s CKV_K8S_40): the image must let this user read its files; 0 = root (`runAsNonRoot` off), not advised',
 }

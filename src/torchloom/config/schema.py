@@ -217,7 +217,7 @@ class K8sConfig:
     # (credentials from the pods' service account). Not named "secret": redaction.py would mask the name.
     env_from: str = ""
     replicas: int = field(default=1, metadata={"min": 1})  # serve: pods of the Deployment
-    service_account: str = ""  # the pods' service account (workload identity); "": none, and no API token mounted
+    service_account: str = ""  # the pods' service account (workload identity); "": the namespace's default
     image_pull_secrets: str = ""  # Secrets of a private registry, comma-separated
     labels: dict = field(default_factory=dict)  # on every object and pod (a Kueue queue: kueue.x-k8s.io/queue-name)
     annotations: dict = field(default_factory=dict)  # on every object and pod
@@ -225,7 +225,7 @@ class K8sConfig:
     scheduler: str = ""  # the pods' scheduler (volcano, ...); "": the cluster's default
     active_deadline_s: int = field(default=0, metadata={"min": 0})  # train: the Job's deadline; 0: none
     ttl_after_finished_s: int = field(default=0, metadata={"min": 0})  # train: a finished Job deleted after; 0: kept
-    run_as_user: int = field(default=1000, metadata={"min": 0})  # the pods' user (and group); 0: root, not advised
+    run_as_user: int = field(default=10001, metadata={"min": 0})  # the pods' user (and group); 0: root, not advised
 
 
 @dataclass

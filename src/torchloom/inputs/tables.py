@@ -81,12 +81,19 @@ def _need(module: str, what: str, path: str, key: str):
                         ) from None
 
 
+def actual(columns, name: str) -> str | None:
+    """The table's column that `name` names: itself, else the one that differs only in case (formats.column_named)."""
+    from torchloom.inputs.formats import column_named
+
+    return column_named(list(columns), name)
+
+
 def pin(data: DataConfig, path: str, fmt: str, key: str = "data.path", version: str | None = None) -> Table:
     """The table at `path` at `version` (data.version when None), with its plan. One line for a path that is
     not a table, a version it does not have, a catalog that does not answer, a table without the columns."""
     spec = version_spec(data.version if version is None else version)
     table = _delta(path, spec, key) if fmt == "delta" else _iceberg(data, path, spec, key)
-    missing = [c for c in (data.text_column, data.label_column) if c not in table.columns]
+    missing = [c for c in (data.text_column, data.label_column) if actual(table.columns, c) is None]
     if missing:
         which = " and ".join(f"{c!r}" for c in missing)
         names = list(table.columns)
@@ -96,7 +103,7 @@ def pin(data: DataConfig, path: str, fmt: str, key: str = "data.path", version: 
         shown = ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
         raise UserError(f"{key} {table.shown}: no column {which} at {table.describe()}; columns found:"
                         f" {shown or 'none'}; {column_fix(names, keys)}")
-    if data.split_column and data.split_column not in table.columns:
+    if data.split_column and actual(table.columns, data.split_column) is None:
         raise UserError(f"data.split_column {data.split_column!r}: no such column in {table.shown} at"
                         f" {table.describe()}; columns found: {', '.join(table.columns)}")
     return table
@@ -277,22 +284,36 @@ def _iceberg(data: DataConfig, path: str, spec, key: str) -> Table:
     name, ident = iceberg_name(path)
     settings = {k: str(v) for k, v in (data.catalogs.get(name) or {}).items()}
     # S3 as for every other input: an S3-compatible store's endpoint and the region from the standard variables
-    for key, variables in (("s3.endpoint", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
-                           ("s3.region", ("AWS_REGION", "AWS_DEFAULT_REGION"))):
+    for setting, variables in (("s3.endpoint", ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")),
+                               ("s3.region", ("AWS_REGION", "AWS_DEFAULT_REGION"))):
         value = next((os.environ[v] for v in variables if os.environ.get(v)), None)
-        if value and key not in settings:
-            settings[key] = value
+        if value and setting not in settings:
+            settings[setting] = value
     try:
         catalog = load_catalog(name, **settings)
         table = catalog.load_table(ident)
     except (NoSuchTableError, NoSuchNamespaceError):
         raise UserError(f"{key} {path}: no table {ident} in the Iceberg catalog {name!r}; check the name") from None
-    except Exception as e:  # not configured, not answering, refusing
+    except Exception as e:  # not configured, not answering, refusing; or a metadata file that is gone
+        if _missing_file(e):
+            raise UserError(f"{key} {path}: the Iceberg catalog {name!r} answers, but the table's metadata file it"
+                            f" names is not there ({first_line(e)[:200]}); the table's files were moved or deleted,"
+                            " or the catalog points at an old location: register the table again") from None
         where = settings.get("uri") or os.environ.get(f"PYICEBERG_CATALOG__{name.upper()}__URI", "")
         raise UserError(f"{key} {path}: the Iceberg catalog {name!r}{' at ' + redact(where) if where else ''} does"
                         f" not answer ({first_line(e)[:300]}); check data.catalogs.{name} (uri, warehouse) or"
                         " pyiceberg's own config") from None
     return _iceberg_snapshot(data, table, path, spec)
+
+
+def _missing_file(e: BaseException) -> bool:
+    """A file the reader was told of and did not find (a local one, or a store's object)."""
+    while e is not None:
+        if isinstance(e, FileNotFoundError) or any(s in str(e) for s in ("No such file", "NoSuchKey", "Not Found",
+                                                                           "does not exist")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _iceberg_snapshot(data: DataConfig, table, path: str, spec) -> Table:
@@ -317,8 +338,8 @@ def _iceberg_snapshot(data: DataConfig, table, path: str, spec) -> Table:
         else table.schema()
     arrow = schema.as_arrow()
     columns = {f.name: f.type for f in arrow}
-    wanted = tuple(c for c in dict.fromkeys((data.text_column, data.label_column, data.split_column))
-                   if c and c in columns)
+    wanted = tuple(dict.fromkeys(actual(columns, c) for c in (data.text_column, data.label_column, data.split_column)
+                                 if c and actual(columns, c)))
     scan = table.scan(snapshot_id=snapshot.snapshot_id, selected_fields=wanted or ("*",))
     plan = _IcebergPlan(table.metadata, table.io, scan.projection(), list(scan.plan_files()))
     return Table("iceberg", path, snapshot.snapshot_id, _iso(snapshot.timestamp_ms), current.snapshot_id,
@@ -336,7 +357,10 @@ def read(spark, data: DataConfig, table: Table):
     from torchloom.inputs import table_tasks
     from torchloom.inputs.store_read import SOURCE, _quoted
 
-    wanted = [c for c in dict.fromkeys((data.text_column, data.label_column, data.split_column)) if c]
+    # the table's own names: a column given in another case is the table's one column of that name, as Spark and
+    # the CSV and Parquet readers take it (the DataFrame's columns resolve the config's names without case)
+    wanted = [actual(table.columns, c) or c for c in dict.fromkeys((data.text_column, data.label_column,
+                                                                     data.split_column)) if c]
     schema = pa.schema([pa.field(c, _spark_type(table.columns[c])) for c in wanted]
                        + [pa.field(SOURCE, pa.string())])
     from pyspark.sql.pandas.types import from_arrow_schema

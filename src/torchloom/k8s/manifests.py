@@ -133,12 +133,14 @@ def pull_secrets(k: K8sConfig) -> list[str]:
 def pod_extras(k: K8sConfig) -> dict:
     """What every pod spec takes from [k8s] beyond placement: identity, registry, priority, scheduler, and a
     restrictive securityContext (never root unless k8s.run_as_user is 0, a RuntimeDefault seccomp profile). No
-    API token in a pod unless a service account was given: torchloom never calls the API from a pod."""
+    Kubernetes API token in any pod."""
     uid = k.run_as_user
     security = {"runAsNonRoot": uid != 0, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid,
                 "seccompProfile": {"type": "RuntimeDefault"}}
     return {**({"serviceAccountName": k.service_account} if k.service_account else {}),
-            "automountServiceAccountToken": bool(k.service_account),
+            # never the API's token: workload identity (GKE's metadata server, EKS's and AKS's webhooks) brings its
+            # own projected token for the store, and torchloom calls no Kubernetes API from a pod
+            "automountServiceAccountToken": False,
             **({"imagePullSecrets": [{"name": s} for s in pull_secrets(k)]} if pull_secrets(k) else {}),
             **({"priorityClassName": k.priority_class} if k.priority_class else {}),
             **({"schedulerName": k.scheduler} if k.scheduler else {}),
@@ -147,8 +149,9 @@ def pod_extras(k: K8sConfig) -> dict:
 
 def container_security() -> dict:
     """No privilege, no escalation, no capability, a read-only root filesystem (the cache, /tmp and /dev/shm are
-    the writable volumes)."""
-    return {"securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
+    the writable volumes); the image pulled with the registry's credentials checked each time (its layers stay
+    cached: only a digest is compared)."""
+    return {"imagePullPolicy": "Always", "securityContext": {"allowPrivilegeEscalation": False, "privileged": False,
                                 "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}}
 
 
