@@ -118,7 +118,10 @@ def test_the_pods_run_torchruns_own_command_with_the_config_of_torchloom_train(c
 
 
 def test_a_preempted_pod_is_not_counted_against_backoff(capsys):
+    from torchloom.engines import torchrun
     from torchloom.train import preemption
+
+    assert job.PREEMPTED_MARKER_ENV == torchrun.PREEMPTED_MARKER_ENV
 
     jb = manifests(capsys, *TRAIN)["Job"]
     rules = jb["spec"]["podFailurePolicy"]["rules"]
@@ -156,6 +159,23 @@ def test_the_pods_shell_exits_75_on_sigterm_and_torchruns_code_otherwise(capsys,
         proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == (75 if sigterm else 3)
     assert "--rdzv-id uid-" in (tmp_path / "argv").read_text()
+
+
+@pytest.mark.parametrize("marked, code", [(True, 75), (False, 1)])
+def test_a_pod_whose_ranks_ended_preempted_exits_75_when_torchrun_then_fails(capsys, tmp_path, marked, code):
+    # pod 0 preempted takes the rendezvous with it: the other pods' ranks end preempted (75, a peer's notice), then
+    # their torchrun fails (1); the pod says 75, not counted. Without the ranks' mark, torchrun's 1 stands.
+    (c,) = manifests(capsys, *TRAIN)["Job"]["spec"]["template"]["spec"]["containers"]
+    marker = tmp_path / "preempted"
+    script = script_of(c).replace(job.PREEMPTED_MARKER, str(marker))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "torchrun"
+    stub.write_text("#!/bin/sh\n" + (f'touch "${job.PREEMPTED_MARKER_ENV}"\n' if marked else "") + "exit 1\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", job.UID_ENV: "uid-0"}
+    marker.write_text("")  # an earlier pod's mark is not this one's: the script clears it first
+    assert subprocess.run(["sh", "-c", script], env=env, timeout=20).returncode == code
 
 
 @pytest.mark.parametrize("index, host", [("0", "true"), ("1", "false")])

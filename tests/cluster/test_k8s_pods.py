@@ -49,13 +49,23 @@ def the_job(capsys, model: str) -> dict:
 
 
 def pod_env(container: dict, env: dict, index: int, cache: Path) -> dict:
-    """What Kubernetes gives the container: the manifest's values, the Job's uid (the downward API), the index."""
+    """What Kubernetes gives the container: the manifest's values, the Job's uid (the downward API), the index; the
+    pod's own cache and /tmp (emptyDirs: a new pod's are empty)."""
     values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-    return {**env, **values, "TORCHLOOM_CACHE": str(cache), "TORCHLOOM_JOB_UID": "3f2c-job-uid",
-            "JOB_COMPLETION_INDEX": str(index), "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    (cache / "tmp").mkdir(parents=True, exist_ok=True)
+    return {**env, **values, "TORCHLOOM_CACHE": str(cache), "TMPDIR": str(cache / "tmp"), "HOME": str(cache / "tmp"),
+            "TORCHLOOM_JOB_UID": "3f2c-job-uid", "JOB_COMPLETION_INDEX": str(index),
+            "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
 
 
-def test_the_jobs_pods_resume_from_the_store_after_one_is_preempted(capsys, tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("preempted", [1, 0])
+def test_the_jobs_pods_resume_from_the_store_after_one_is_preempted(capsys, tmp_path, tiny_model_dir, preempted):
+    # SIGTERM to pod `preempted` at a random moment after the step-5 checkpoint. Pod 1: it exits 75, pod 0's torchrun
+    # (the rendezvous's host) starts its ranks again and they wait for pod 1's replacement. Pod 0: the rendezvous goes
+    # with it, and pod 1's torchrun fails once its ranks ended preempted: pod 1 exits 75 too (not counted), and the
+    # Job replaces both. Either way every pod exits 0 or 75, never a failure, and the run finishes from the store.
+    import random
+
     from torchloom.data.synthetic import write_synthetic_dataset
 
     job = the_job(capsys, tiny_model_dir)
@@ -76,25 +86,33 @@ def test_the_jobs_pods_resume_from_the_store_after_one_is_preempted(capsys, tmp_
                            timeout=60)).returncode:
             assert time.monotonic() < deadline, up.stderr[-2000:]
             time.sleep(0.5)
-        caches = [tmp_path / "cache-p0", tmp_path / "cache-p1"]
         logs = [tmp_path / "p0.log", tmp_path / "p1.log"]
         slow = {"TORCHLOOM_FAULT": f"host={pods[1].name},step=1,kind=slow,sleep=0.3"}  # time to send the SIGTERM
-        procs = [p.popen(container["command"], log=logs[i], env={**pod_env(container, env, i, caches[i]), **slow})
-                 for i, p in enumerate(pods)]
-        wait_for("the step-5 checkpoint", lambda: any(any(c.rglob("step-5/meta.json")) for c in caches), 240, logs)
-        procs[1].send_signal(15)  # SIGTERM to the pod's first process, as Kubernetes sends it
-        assert procs[1].wait(timeout=60) == 75, logs[1].read_text(errors="replace")[-3000:]
-        first = logs[1].read_text(errors="replace")
-        again = tmp_path / "p1-again.log"  # the pod the Job starts in its place: same index, empty cache
-        procs[1] = pods[1].popen(container["command"], log=again,
-                                 env=pod_env(container, env, 1, tmp_path / "cache-p1-again"))
+        # each pod's own /tmp (an emptyDir): the preempted mark lives there
+        procs = [p.popen(container["command"], log=logs[i], env={**pod_env(container, env, i, tmp_path / f"c{i}"),
+                                                                  **slow}) for i, p in enumerate(pods)]
+        wait_for("the step-5 checkpoint", lambda: any(any((tmp_path / f"c{i}").rglob("step-5/meta.json"))
+                                                      for i in (0, 1)), 240, logs)
+        time.sleep(random.uniform(0, 1.0))
+        procs[preempted].send_signal(15)  # SIGTERM to the pod's first process, as Kubernetes sends it
+        assert procs[preempted].wait(timeout=60) == 75, logs[preempted].read_text(errors="replace")[-3000:]
+        replaced = [preempted]
+        if preempted == 0:  # the other pod's ranks ended preempted and its torchrun lost the rendezvous
+            assert procs[1].wait(timeout=120) == 75, logs[1].read_text(errors="replace")[-3000:]
+            replaced = [0, 1]
+        first = "".join(p.read_text(errors="replace") for p in logs)
+        again = {i: tmp_path / f"p{i}-again.log" for i in replaced}
+        for i in replaced:  # the pods the Job starts in their place: same index, empty cache and /tmp
+            procs[i] = pods[i].popen(container["command"], log=again[i],
+                                     env=pod_env(container, env, i, tmp_path / f"c{i}-again"))
         for p in procs:
             p.wait(timeout=240)
-        text = logs[0].read_text(errors="replace") + again.read_text(errors="replace")
+        text = "".join(p.read_text(errors="replace") for p in [*again.values(), *(logs[i] for i in (0, 1)
+                                                                                   if i not in replaced)])
         assert [p.returncode for p in procs] == [0, 0], text[-4000:]
         on_store = s.run([sys.executable, "-c", LIST, f"{RUN}/checkpoints"], env=env, timeout=60).stdout.split()
     said = [x for x in (first + text).splitlines() if "torchloom: train: preempted at step" in x]
     assert said and "notice: SIGTERM" in said[0], (first + text)[-3000:]
     stopped_at = int(said[0].split("preempted at step ")[1].split()[0])
     assert f"step-{stopped_at}/meta.json" in on_store and "step-13/meta.json" in on_store
-    assert "after a preemption: resuming from the latest checkpoint in s3://" in text, text[-3000:]
+    assert "resuming from the latest checkpoint in s3://" in text, text[-3000:]

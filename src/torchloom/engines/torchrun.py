@@ -11,6 +11,7 @@ the nodes' restart counts (which key the store) can differ.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -20,6 +21,10 @@ from torchloom.engines.common import NotRestarted, Preempted, RestartLimit, is_p
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, first_line, one_line
 from torchloom.runs.rundir import RunDir
+
+# A file the launcher's wrapper names (k8s/job.py's pod script): made when this node's ranks end preempted, so
+# that a torchrun which then fails (the rendezvous went with a preempted pod 0) is told apart from a failure.
+PREEMPTED_MARKER_ENV = "TORCHLOOM_PREEMPTED_MARKER"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchloom: warning: {warning}", file=sys.stderr, flush=True)
     # torchrun gives every launch a run id (TORCHELASTIC_RUN_ID); restarts keep it.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
+    marker = os.environ.get(PREEMPTED_MARKER_ENV)
+    if marker:  # this attempt's outcome, not an earlier one's
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(marker)
     try:
         result = run_worker(to_dict(cfg), RunDir(cfg.output.dir).location, launch_id)
         if result.preemptions:
@@ -51,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"torchloom: train: preempted at step {p['step']} (notice: {p['notice']}); torchrun starts"
                       " the workers again if its --max-restarts allows, else run again with --train.resume latest",
                       file=sys.stderr, flush=True)
+            if marker:  # for the launcher's wrapper: this node's ranks ended preempted (a peer's notice, or its own)
+                with open(marker, "a"):
+                    pass
             return Preempted.exit_code
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
         print(f"torchloom: error: {one_line(e)}", file=sys.stderr, flush=True)
