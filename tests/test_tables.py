@@ -339,3 +339,26 @@ def test_tables_on_the_s3_test_server(tmp_path):
         table = tables.pin(data, "iceberg://store/docs.news", "iceberg")
         got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
         assert pairs(got) == pairs(written.scan(selected_fields=("text", "label")).to_arrow()) and len(got) == 59
+
+
+def test_a_delta_table_on_azurite_reads_the_variables_of_every_abfs_input(tmp_path):
+    """AZURE_STORAGE_CONNECTION_STRING (Azurite's account, its endpoint on a free port), as for files: delta-rs is
+    given them (it reads only its own names, and no emulator's endpoint); the tasks read the rows."""
+    from deltalake import DeltaTable, write_deltalake
+    from support.clouds import azurite_server
+
+    from torchloom.inputs import table_tasks
+
+    with azurite_server(tmp_path, "lake"):
+        uri = "abfs://lake/tables/docs"
+        where, options = tables.delta_location(uri)
+        assert options["azure_storage_endpoint"].startswith("http://127.0.0.1:")
+        write_deltalake(where, first_rows(), storage_options=options)
+        DeltaTable(where, storage_options=options).delete("text LIKE '%number 2%'")
+        table = tables.pin(Config().data, uri, "delta")
+        ranges = tables.byte_ranges(table.plan.files, 2)
+        got = run_tasks(table_tasks.delta_task, len(ranges), plan=table.plan, ranges=ranges,
+                        physical={"text": "text", "label": "label"})
+        assert table.version == 1 and len(got) == 38
+        assert pairs(got) == pairs(DeltaTable(where, storage_options=options).to_pyarrow_table(
+            columns=["text", "label"]))
