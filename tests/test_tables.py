@@ -362,3 +362,18 @@ def test_a_delta_table_on_azurite_reads_the_variables_of_every_abfs_input(tmp_pa
         assert table.version == 1 and len(got) == 38
         assert pairs(got) == pairs(DeltaTable(where, storage_options=options).to_pyarrow_table(
             columns=["text", "label"]))
+
+
+def test_a_delta_data_file_that_is_gone_is_one_line(spark, tiny_model_dir, tmp_path):
+    """A data file the log names and the store no longer has (vacuumed, deleted by hand): one line naming it."""
+    from deltalake import write_deltalake
+
+    path = tmp_path / "gone"
+    write_deltalake(str(path), first_rows())
+    (victim,) = path.glob("*.parquet")
+    victim.unlink()
+    with pytest.raises(UserError) as e:
+        prepare(cfg_for(path, tiny_model_dir), str(tmp_path / "out"), spark=spark)
+    line = str(e.value)
+    assert "\n" not in line and "Traceback" not in line and f"{victim.name} is gone (vacuumed" in line, line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.parquet"))

@@ -21,11 +21,21 @@ CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd"}
 READ_BYTES = 8 << 20  # per request to the store when streaming an object's text
 
 
+def is_gone(e: BaseException) -> bool:
+    """A file or object that is not there (a local file's errno 2, a store's NoSuchKey or 404)."""
+    text = str(e)
+    return isinstance(e, FileNotFoundError) or "[errno 2]" in text.lower() or "NoSuchKey" in text \
+        or "No such file or directory" in text
+
+
 def cannot_read(uri: str, e: BaseException) -> str:
     if isinstance(e, UserError):
         return str(e)
     if isinstance(e, Undecodable):
         return undecodable_line(storage.redact(uri), e.codec, e)
+    if is_gone(e):  # named by a listing or a table's log, and not there when read: the file, whole, and why
+        return (f"data.path: {storage.redact(uri)} is gone (vacuumed, deleted by hand, or changed while read);"
+                " read a table version whose files are all there (data.version), repair the table, or read again")
     return (f"data.path {storage.redact(uri)}: cannot be read ({reason(e)}); check that the object is"
             " whole and what its name says (a .gz is gzip, a .parquet Parquet), and that every host has the"
             " store's credentials")
