@@ -49,7 +49,7 @@ def test_a_study_goes_on_through_a_database_restart_and_counts_each_trial_once(p
     # the password from the environment (libpq's PGPASSWORD), not the URL
     url = pg.url("restart").replace(f":{pg.password}@", "@")
     out = tmp_path / "study"
-    args = study_args(out, tiny_model_dir, url, trials=3)
+    args = study_args(out, tiny_model_dir, url, trials=2)
     prepared_study(out, args)
     proc = tune(args, env={"PGPASSWORD": pg.password})
     storage = optuna.storages.RDBStorage(pg.url("restart", driver="psycopg"))
@@ -70,11 +70,11 @@ def test_a_study_goes_on_through_a_database_restart_and_counts_each_trial_once(p
     assert proc.returncode == 0, stderr[-4000:]
     study = optuna.load_study(study_name="study", storage=optuna.storages.RDBStorage(pg.url("restart", "psycopg")))
     states = [t.state.name for t in study.trials]
-    assert states.count("COMPLETE") + states.count("PRUNED") == 3 and "RUNNING" not in states, states
-    assert {t.number for t in study.trials} == {0, 1, 2}, (states, stderr[-6000:])
-    assert sorted(p.name for p in (out / "trials").iterdir()) == ["trial-000", "trial-001", "trial-002"]
+    assert states.count("COMPLETE") + states.count("PRUNED") == 2 and "RUNNING" not in states, states
+    assert {t.number for t in study.trials} == {0, 1}, (states, stderr[-6000:])  # none failed, none run twice
+    assert sorted(p.name for p in (out / "trials").iterdir()) == ["trial-000", "trial-001"]
     assert stderr.count("does not answer") <= 1 and pg.password not in stdout + stderr
-    assert "torchloom tune finished: 3 trials" in stdout
+    assert "torchloom tune finished: 2 trials" in stdout
 
 
 @pytest.mark.parametrize("case, needle", [

@@ -157,16 +157,16 @@ def fill(study, objective, enough, tune_cfg: TuneConfig) -> None:
             st.stop()
 
     while left() is None or left() > 0:
-        if not enough(study):
-            # A trial that fails in training is recorded as failed and the study goes on; a user error (bad data, bad
-            # config) would fail every trial the same way, so it ends the study.
+        states = [t.state for t in study.get_trials(deepcopy=False)]
+        # a trial queued again (its host was lost: it counts already), or room left (a failed trial): run it here.
+        # A trial that fails in training is recorded as failed and the study goes on; a user error (bad data, bad
+        # config) would fail every trial the same way, so it ends the study.
+        if optuna.trial.TrialState.WAITING in states or not enough(study):
             with quiet_surplus():
                 study.optimize(objective, timeout=left(), callbacks=[stop_when_full],
                                catch=(TrainingFailed, RuntimeError, Surplus), gc_after_trial=True)
-        states = [t.state for t in study.get_trials(deepcopy=False)]
+            continue
         running = states.count(optuna.trial.TrialState.RUNNING)
-        if optuna.trial.TrialState.WAITING in states or (not running and not enough(study)):
-            continue  # a trial queued again (its host was lost), or room left by a failed one: run it here
         if not running:
             return
         if not said:
