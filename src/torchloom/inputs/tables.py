@@ -131,8 +131,8 @@ def pin_inputs(data: DataConfig, inputs: dict[str, tuple[str, str]]) -> dict[str
 def delta_location(path: str) -> tuple[str, dict[str, str]]:
     """The table's URI as delta-rs opens it, and its storage options: S3's credentials come from the standard
     variables, which delta-rs reads itself (an http:// endpoint, AWS_ENDPOINT_URL, needs saying so); Azure's from
-    the variables torchloom's other abfs:// inputs read (azure_options). gs:// as delta-rs reads it: its Google
-    client speaks GCS's XML API, which an emulator (STORAGE_EMULATOR_HOST) may not serve."""
+    the variables torchloom's other abfs:// inputs read (store/clients.delta_azure_options). gs:// as delta-rs
+    reads it: its Google client speaks GCS's XML API, which an emulator (STORAGE_EMULATOR_HOST) may not serve."""
     parsed = urlparse(path)
     scheme = parsed.scheme.lower()
     if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
@@ -150,32 +150,10 @@ def delta_location(path: str) -> tuple[str, dict[str, str]]:
         if not (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
             options["AWS_REGION"] = "us-east-1"
     elif scheme in ("abfs", "abfss", "az"):
-        options = azure_options(path)
+        from torchloom.store.clients import delta_azure_options
+
+        options = delta_azure_options(path, redact(path))
     return path.rstrip("/"), options
-
-
-def azure_options(path: str) -> dict[str, str]:
-    """delta-rs's options for an abfs:// table from the variables every other abfs:// input reads
-    (store/clients.azure_options: AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with a key or a SAS
-    token): delta-rs reads only its own names otherwise, and an emulator's endpoint not at all."""
-    from torchloom.store.clients import azure_options as pyarrow_options
-    from torchloom.store.clients import azure_path
-
-    parts = azure_path(redact(path), path.split("://", 1)[1])
-    given = pyarrow_options(parts.account, parts.suffix)
-    options = {"azure_storage_account_name": given["account_name"]}
-    if "account_key" in given:
-        options["azure_storage_account_key"] = given["account_key"]
-    elif "sas_token" in given:
-        options["azure_storage_sas_key"] = given["sas_token"]
-    scheme, authority = given.get("blob_storage_scheme"), given.get("blob_storage_authority")
-    if authority:  # an emulator's host:port (path-style: the account in the path), or another cloud's suffix
-        host = authority if not authority.startswith(".") else given["account_name"] + authority
-        path_style = not authority.startswith(".")
-        options["azure_storage_endpoint"] = f"{scheme}://{host}" + (f"/{given['account_name']}" if path_style else "")
-        if scheme == "http":
-            options["allow_http"] = "true"
-    return options
 
 
 @dataclass

@@ -235,3 +235,24 @@ def azure(account: str | None, suffix: str | None):
     from pyarrow import fs as pafs
 
     return pafs.AzureFileSystem(**azure_options(account, suffix))
+
+
+def delta_azure_options(path: str, shown: str) -> dict[str, str]:
+    """delta-rs's options for an abfs:// table from the variables every other abfs:// input reads
+    (azure_options: AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT with a key or a SAS token): delta-rs
+    reads only its own names otherwise, and an emulator's endpoint not at all. `shown`: the URI as a line names it."""
+    parts = azure_path(shown, path.split("://", 1)[1])
+    given = azure_options(parts.account, parts.suffix)
+    options = {"azure_storage_account_name": given["account_name"]}
+    if "account_key" in given:
+        options["azure_storage_account_key"] = given["account_key"]
+    elif "sas_token" in given:
+        options["azure_storage_sas_key"] = given["sas_token"]
+    scheme, authority = given.get("blob_storage_scheme"), given.get("blob_storage_authority")
+    if authority:  # an emulator's host:port (path-style: the account in the path), or another cloud's suffix
+        host = authority if not authority.startswith(".") else given["account_name"] + authority
+        path_style = not authority.startswith(".")
+        options["azure_storage_endpoint"] = f"{scheme}://{host}" + (f"/{given['account_name']}" if path_style else "")
+        if scheme == "http":
+            options["allow_http"] = "true"
+    return options
