@@ -182,8 +182,9 @@ def test_a_model_registered_on_one_host_is_served_by_name_on_another_with_an_emp
 
 def test_a_trial_whose_host_died_is_failed_and_run_again_by_a_host_still_alive(site):
     # a starts the study's first trial and dies (every process of the host killed); b, started after, runs the other
-    # one, then waits for a's; a's trial, silent for 4 heartbeats (2 s each here), is failed by b and run again there
-    # with the same parameters: the study ends with 2 finished trials, both on b, and a's failed one
+    # one; a's trial, silent for 4 heartbeats (2 s each here), is failed by b (when b starts a trial, or while b waits
+    # for the trials running elsewhere: which one depends on how long b's trial takes) and run again there with the
+    # same parameters: the study ends with 2 finished trials, both on b, and a's failed one
     hosts, root, env = site["hosts"], site["root"], site["env"]
     a, b = hosts["a"], hosts["b"]
     storage = site["pg"].url("lost")
@@ -205,7 +206,6 @@ def test_a_trial_whose_host_died_is_failed_and_run_again_by_a_host_still_alive(s
     text = logs["b"].read_text(errors="replace")
     assert procs["b"].returncode == 0, text[-4000:]
     assert f"failed on {a.name}" in text  # b's report shows a's lost trial
-    assert "waiting for 1 trial running elsewhere" in text  # b's study was full but for a's trial: b waited for it
     seen = hosts["db"].run([sys.executable, "-c", INSPECT, site["pg"].url("lost", driver="psycopg"), site["mlflow"],
                             "lost"], env=env, timeout=120)
     assert seen.returncode == 0, seen.stderr[-3000:]
