@@ -121,7 +121,7 @@ def test_a_preempted_pod_is_not_counted_against_backoff(capsys):
     from torchloom.engines import torchrun
     from torchloom.train import preemption
 
-    assert job.PREEMPTED_MARKER_ENV == torchrun.PREEMPTED_MARKER_ENV
+    assert (job.PREEMPTED_MARKER_ENV, job.PREEMPTED_MARK) == (torchrun.PREEMPTED_MARKER_ENV, torchrun.PREEMPTED_MARK)
 
     jb = manifests(capsys, *TRAIN)["Job"]
     rules = jb["spec"]["podFailurePolicy"]["rules"]
@@ -171,11 +171,33 @@ def test_a_pod_whose_ranks_ended_preempted_exits_75_when_torchrun_then_fails(cap
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stub = bin_dir / "torchrun"
-    stub.write_text("#!/bin/sh\n" + (f'touch "${job.PREEMPTED_MARKER_ENV}"\n' if marked else "") + "exit 1\n")
+    stub.write_text("#!/bin/sh\n" + (f'printf "{job.PREEMPTED_MARK}" > "${job.PREEMPTED_MARKER_ENV}"\n' if marked
+                                     else "") + "exit 1\n")
     stub.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", job.UID_ENV: "uid-0"}
-    marker.write_text("")  # an earlier pod's mark is not this one's: the script clears it first
+    marker.write_text(job.PREEMPTED_MARK)  # an earlier attempt's mark is not this one's: the script clears it first
     assert subprocess.run(["sh", "-c", script], env=env, timeout=20).returncode == code
+
+
+def test_a_file_at_the_marks_path_that_is_not_torchloom_s_is_neither_deleted_nor_counted(capsys, tmp_path):
+    from torchloom.engines import torchrun
+
+    (c,) = manifests(capsys, *TRAIN)["Job"]["spec"]["template"]["spec"]["containers"]
+    marker = tmp_path / "preempted"
+    marker.write_text("someone's notes")
+    script = script_of(c).replace(job.PREEMPTED_MARKER, str(marker))
+    stub = tmp_path / "bin" / "torchrun"
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\nexit 1\n")
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stub.parent}:{os.environ['PATH']}", job.UID_ENV: "uid-0"}
+    assert subprocess.run(["sh", "-c", script], env=env, timeout=20).returncode == 1  # a failure, counted
+    assert marker.read_text() == "someone's notes"
+    torchrun.clear_mark(str(marker))  # nor by a rank at its start: it clears only torchloom's own mark
+    assert marker.read_text() == "someone's notes"
+    marker.write_text(torchrun.PREEMPTED_MARK)
+    torchrun.clear_mark(str(marker))
+    assert not marker.exists()
 
 
 @pytest.mark.parametrize("index, host", [("0", "true"), ("1", "false")])

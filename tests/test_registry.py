@@ -112,3 +112,28 @@ def test_a_registry_that_does_not_answer_is_one_line_at_once(tmp_path, capsys):
 def test_register_and_alias_are_checked_before_any_work(tmp_path, capsys, args, needle):
     proc = torchloom(capsys, "export", "--output.dir", str(tmp_path / "run"), *args, cache=tmp_path / "cache")
     assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_the_cache_deletes_only_its_own_entries(tmp_path, monkeypatch):
+    """model_cache.fill_once, the fetch of a registered (or stored) model: a fill that fails leaves nothing, an entry
+    is replaced only under <cache>/<kind>/<hex key>, and a key that is not hex is refused (it could name a path)."""
+    from torchloom.model_cache import fill_once
+
+    monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "cache"))
+    beside = tmp_path / "cache" / "registry" / "notes.txt"
+    beside.parent.mkdir(parents=True)
+    beside.write_text("a user's file")
+
+    def broken(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "half").write_text("x")
+        raise OSError("the download broke")
+
+    with pytest.raises(OSError):
+        fill_once("registry", "ab12", lambda entry: False, broken)
+    assert sorted(p.name for p in beside.parent.iterdir()) == [".ab12.lock", "notes.txt"]
+    made = fill_once("registry", "ab12", lambda entry: (entry / "ok").is_file(),
+                     lambda tmp: (tmp.mkdir(), (tmp / "ok").write_text("1")))
+    assert made == beside.parent / "ab12" and beside.read_text() == "a user's file"
+    with pytest.raises(ValueError):
+        fill_once("registry", "../../x", lambda entry: False, lambda tmp: None)

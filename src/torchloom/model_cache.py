@@ -40,19 +40,39 @@ def fetch_dir(uri: str, what: str) -> Path:
                         " directory, e.g. s3://bucket/run/model)")
     listing = {rel: size for rel, (size, _) in objects.items()}
     key = hashlib.sha256(repr(sorted(objects.items())).encode() + redact(uri).encode()).hexdigest()[:20]
-    target = cache_root() / "models" / key
-    stamp = target / ".torchloom-digests"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One fetch per host at a time (Spark's executors on one host ask together); the others wait, then
-    # find the copy whole.
-    with open(target.with_name(f".{key}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if stamp.is_file() and stamp.read_text() == _digests(target, listing):
-            return target
-        tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def fill(tmp: Path) -> None:
         storage.pull_tree(uri, tmp, only_if_changed=False)
         (tmp / ".torchloom-digests").write_text(_digests(tmp, listing))
+
+    def whole(target: Path) -> bool:
+        stamp = target / ".torchloom-digests"
+        return stamp.is_file() and stamp.read_text() == _digests(target, listing)
+
+    return fill_once("models", key, whole, fill)
+
+
+def fill_once(kind: str, key: str, whole, fill) -> Path:
+    """The cache entry <cache>/<kind>/<key>: as it is where `whole(entry)` says so, else made anew by `fill(tmp)` in
+    a temporary directory beside it and put in its place. One fill per host at a time (Spark's executors on one
+    host ask together); the others wait, then find it whole. It deletes only in torchloom's private cache: its
+    own temporary directory, and the entry it replaces (a hex key under <cache>/<kind>/), never anything else."""
+    root = cache_root() / kind
+    if not key or not all(ch in "0123456789abcdef" for ch in key):
+        raise ValueError(f"a cache key is hex digits, not {key!r}")
+    target = root / key
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if whole(target):
+            return target
+        tmp = root / f".{key}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            fill(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
     return target

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -80,7 +79,7 @@ def fetch(uri: str, what: str) -> Path:
         from mlflow import MlflowClient
     except ImportError:
         raise UserError(f"{what} {uri}: loading a registered model needs MLflow; {install_hint('track')}") from None
-    from torchloom.runs.rundir import cache_root
+    from torchloom.model_cache import fill_once
     from torchloom.tracking import quiet_mlflow, resolve_uri
 
     quiet_mlflow()
@@ -92,23 +91,20 @@ def fetch(uri: str, what: str) -> Path:
     client = MlflowClient(tracking_uri=store, registry_uri=store)
     version = _version(client, uri, what, store, name, kind, ref)
     key = hashlib.sha256(f"{redact_text(store)}\n{name}\n{version.version}\n{version.run_id}".encode()).hexdigest()[:20]
-    target = cache_root() / "registry" / key
     if not version.run_id:
         raise UserError(f"{what} {uri}: version {version.version} of {name} names no MLflow run; torchloom loads the"
                         " versions `torchloom export --register` made (load others with mlflow.pyfunc)")
-    if not (target / ".torchloom-complete").is_file():
-        tmp = target.with_name(f".{key}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def fill(tmp: Path) -> None:
         tmp.mkdir(parents=True)
         try:
             client.download_artifacts(version.run_id, "model", str(tmp))
         except Exception as e:  # noqa: BLE001
-            shutil.rmtree(tmp, ignore_errors=True)
             raise UserError(f"{what} {uri}: version {version.version} of {name}: its model could not be downloaded"
                             f" from {redact_text(store)} ({redact_text(first_line(e))[:200]})") from None
         (tmp / ".torchloom-complete").write_text(f"{name} {version.version} {version.run_id}\n")
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)
+
+    target = fill_once("registry", key, lambda entry: (entry / ".torchloom-complete").is_file(), fill)
     model = _model_dir(target, uri, what)
     print(f"torchloom: {what} {uri}: version {version.version} of {name} (run {version.run_id}), from"
           f" {redact_text(store)}", file=sys.stderr, flush=True)

@@ -25,6 +25,7 @@ from torchloom.runs.rundir import RunDir
 # A file the launcher's wrapper names (k8s/job.py's pod script): made when this node's ranks end preempted, so
 # that a torchrun which then fails (the rendezvous went with a preempted pod 0) is told apart from a failure.
 PREEMPTED_MARKER_ENV = "TORCHLOOM_PREEMPTED_MARKER"
+PREEMPTED_MARK = "torchloom: preempted"  # the file's content: only a file that says it is deleted or counted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID", "torchrun")
     marker = os.environ.get(PREEMPTED_MARKER_ENV)
     if marker:  # this attempt's outcome, not an earlier one's
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(marker)
+        clear_mark(marker)
     try:
         result = run_worker(to_dict(cfg), RunDir(cfg.output.dir).location, launch_id)
         if result.preemptions:
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                       " the workers again if its --max-restarts allows, else run again with --train.resume latest",
                       file=sys.stderr, flush=True)
             if marker:  # for the launcher's wrapper: this node's ranks ended preempted (a peer's notice, or its own)
-                with open(marker, "a"):
-                    pass
+                with contextlib.suppress(FileExistsError), open(marker, "x", encoding="utf-8") as f:
+                    f.write(PREEMPTED_MARK)
             return Preempted.exit_code
     except UserError as e:  # one line, not a traceback; torchrun reports the exit code
         print(f"torchloom: error: {one_line(e)}", file=sys.stderr, flush=True)
@@ -79,6 +79,16 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 1
     return 0
+
+
+def clear_mark(marker: str) -> None:
+    """An earlier attempt's mark deleted; a file there that is not torchloom's mark is left as it is."""
+    ours = False
+    with contextlib.suppress(OSError), open(marker, encoding="utf-8", errors="replace") as f:
+        ours = f.read() == PREEMPTED_MARK
+    if ours:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(marker)
 
 
 def rendezvous_warning(env) -> str:

@@ -42,6 +42,7 @@ UID_ENV = "TORCHLOOM_JOB_UID"
 # engines/torchrun.PREEMPTED_MARKER_ENV (tests/test_k8s.py holds them equal), and the file in the pod's /tmp
 PREEMPTED_MARKER_ENV = "TORCHLOOM_PREEMPTED_MARKER"
 PREEMPTED_MARKER = '"${TMPDIR:-/tmp}/torchloom-preempted"'
+PREEMPTED_MARK = "torchloom: preempted"  # engines/torchrun.PREEMPTED_MARK: the file's content
 # The config a pod's ranks read, as flags: what `torchloom train` reads, less what the pods do not run (Spark,
 # MLflow: the torchrun entry has no driver) and what the Job itself sets (engine.workers from its pods).
 POD_KEYS = ("train", "engine", "model", "eval.batch_size", "eval.precision")
@@ -148,13 +149,15 @@ def pod_command(name: str, cfg: Config, nproc: int, world: int) -> list[str]:
         f"trap 'kill -TERM \"$pid\" 2>/dev/null; wait \"$pid\"; exit {EXIT_PREEMPTED}' TERM",
         "# pod 0 hosts the rendezvous: told so, not left to find its own name in DNS (which may not be published yet)",
         'is_host=false; [ "$JOB_COMPLETION_INDEX" = 0 ] && is_host=true',
-        f"export {PREEMPTED_MARKER_ENV}={PREEMPTED_MARKER}; rm -f {PREEMPTED_MARKER}",
+        f"export {PREEMPTED_MARKER_ENV}={PREEMPTED_MARKER}",
+        f"mark='{PREEMPTED_MARK}'; marked() {{ [ \"$(cat {PREEMPTED_MARKER} 2>/dev/null)\" = \"$mark\" ]; }}",
+        f"marked && rm -f {PREEMPTED_MARKER}  # an earlier attempt's mark: torchloom's, never another file",
         f"{shlex.join(before)} \"is_host=$is_host\" --rdzv-id \"${UID_ENV}\" {shlex.join(after)} &",
         "pid=$!",
         'wait "$pid"; code=$?',
         "# this pod's ranks ended preempted by a peer's notice and torchrun then failed (pod 0 went, and the",
         "# rendezvous with it): preempted too, replaced without counting; the new pods resume from the checkpoint",
-        f'[ "$code" != 0 ] && [ -e {PREEMPTED_MARKER} ] && exit {EXIT_PREEMPTED}',
+        f'[ "$code" != 0 ] && marked && exit {EXIT_PREEMPTED}',
         'exit "$code"',
     ])
     return ["sh", "-c", script + "\n"]
