@@ -109,7 +109,8 @@ def test_the_pods_run_torchruns_own_command_with_the_config_of_torchloom_train(c
     assert argv[0] == "torchrun"
     a = get_args_parser().parse_args(argv[1:])
     assert (a.nnodes, a.nproc_per_node, a.rdzv_backend) == ("2", "8", "c10d")
-    assert a.rdzv_endpoint == "tickets-0.tickets:29400" and a.rdzv_id == "JOB-UID" and a.max_restarts == 3
+    assert a.rdzv_endpoint == "tickets-0.tickets:29400" and a.rdzv_id == "JOB-UID"
+    assert a.max_restarts == 0  # the Job replaces the pods: a survivor spends no restart of its own
     assert a.module and a.training_script == "torchloom.engines.torchrun"
     worker = build(None, a.training_script_args)  # what engines/torchrun.py builds from them
     assert worker.output.dir == "s3://bucket/runs/tickets" and worker.engine.workers == 16

@@ -3,7 +3,7 @@
 Each pod runs the command of docs/engines.md ("torchrun"), the one a user types on each node by hand:
 
     torchrun --nnodes N --nproc-per-node G --rdzv-backend c10d --rdzv-endpoint <job>-0.<job>:29400 \\
-      --rdzv-id <the Job's uid> --max-restarts R -m torchloom.engines.torchrun --output.dir s3://... ...
+      --rdzv-id <the Job's uid> --max-restarts 0 -m torchloom.engines.torchrun --output.dir s3://... ...
 
 pod 0's stable name (`<job>-0`, in the Service's subdomain) hosts the c10d rendezvous, and pod 0 is told so
 (`--rdzv-conf is_host=true` from its JOB_COMPLETION_INDEX): torch would otherwise decide by resolving its own
@@ -18,6 +18,12 @@ an exception). So torchrun runs under a shell whose only job is that exit code: 
 to torchrun, waits for it, and exits 75, torchloom's code for "preempted, run again" (EX_TEMPFAIL). The Job's
 podFailurePolicy ignores that exit code and Kubernetes' own DisruptionTarget condition (a pod preempted,
 evicted, or lost with its node), so a preempted pod is replaced without counting against backoffLimit.
+
+Restarts are the Job's, not torchrun's (`--max-restarts 0` in the pods): a peer's preemption ends every pod's ranks
+preempted (a checkpoint of the step they agreed on, and the mark), so every pod exits 75 and is replaced, none
+counted, and no survivor spends a restart of its own; any other failure ends the pods it reaches with torchrun's
+code, counted against backoffLimit (engine.max_restarts rounds of nodes), and the replacements resume from the
+latest checkpoint.
 """
 
 from __future__ import annotations
@@ -135,7 +141,8 @@ def torchrun_argv(name: str, cfg: Config, nproc: int, world: int) -> tuple[list[
     (the Job's uid, from the environment)."""
     before = ["torchrun", "--nnodes", str(cfg.k8s.nodes), "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"{name}-0.{name}:{RDZV_PORT}", "--rdzv-conf"]
-    after = ["--max-restarts", str(cfg.engine.max_restarts), "-m", "torchloom.engines.torchrun",
+    # torchrun restarts nothing in place: the Job replaces the pods (a preemption not counted, a failure counted)
+    after = ["--max-restarts", "0", "-m", "torchloom.engines.torchrun",
              "--output.dir", cfg.output.dir, "--engine.workers", str(world), *config_flags(cfg)]
     return before, after
 
