@@ -1,0 +1,192 @@
+"""Multi-label scoring: sigmoid probabilities, thresholds chosen on validation, tags predicted, and the metrics of
+a tagger. numpy and the standard library only, like scoring.py beside it (every scoring path stands on both).
+
+Tag sets arrive as int64 masks (text/tags.py: bit i for the manifest's label i) or as boolean [N, K] arrays
+(`multi_hot`).
+
+**Thresholds, honestly.** A threshold tuned per label on a small validation split fits that split's noise, so the
+rule (docs/evaluation.md) is:
+1. one global threshold, the one of GRID with the best micro-F1 on validation (ties: the one nearest 0.5);
+2. a label with at least `min_support` positive validation rows (MIN_SUPPORT by default) gets its own threshold,
+   the one of GRID with that label's best F1, kept only where it beats the global threshold on that label by at
+   least MIN_GAIN F1; every other label uses the global one;
+3. `at_least_one`: a text whose tags are all under their thresholds gets its most probable tag (on when every
+   training row had a tag), applied while choosing the thresholds too.
+`top_k` instead: the k most probable tags of every text, no threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+GRID = tuple(round(0.05 * i, 2) for i in range(1, 20))  # 0.05 .. 0.95
+MIN_SUPPORT = 30  # positive validation rows before a label gets a threshold of its own
+MIN_GAIN = 0.01  # the F1 on validation a label's own threshold must gain over the global one
+
+
+def multi_hot(masks: np.ndarray, k: int) -> np.ndarray:
+    """int64 tag masks -> bool [N, k]."""
+    masks = np.asarray(masks, np.int64)
+    return ((masks[:, None] >> np.arange(k, dtype=np.int64)[None, :]) & 1).astype(bool)
+
+
+def to_masks(hot: np.ndarray) -> np.ndarray:
+    """bool [N, k] -> int64 tag masks."""
+    hot = np.asarray(hot, bool)
+    return (hot.astype(np.int64) << np.arange(hot.shape[1], dtype=np.int64)[None, :]).sum(axis=1)
+
+
+@dataclass
+class Thresholds:
+    default: float = 0.5
+    per_label: dict[int, float] = field(default_factory=dict)  # label index -> its own threshold
+    at_least_one: bool = False
+    top_k: int = 0  # > 0: the k most probable tags instead of thresholds
+
+    def array(self, k: int) -> np.ndarray:
+        out = np.full(k, self.default, np.float32)
+        for i, t in self.per_label.items():
+            out[int(i)] = t
+        return out
+
+    def record(self, labels: Sequence[str]) -> dict:
+        """As stored with the model (JSON): thresholds by label name."""
+        return {"default": self.default, "per_label": {labels[int(i)]: t for i, t in sorted(self.per_label.items())},
+                "at_least_one": self.at_least_one, "top_k": self.top_k}
+
+    @classmethod
+    def from_record(cls, record: dict, labels: Sequence[str]) -> Thresholds:
+        index = {label: i for i, label in enumerate(labels)}
+        return cls(float(record.get("default", 0.5)),
+                   {index[name]: float(t) for name, t in (record.get("per_label") or {}).items() if name in index},
+                   bool(record.get("at_least_one", False)), int(record.get("top_k", 0)))
+
+
+def predict(probs: np.ndarray, thresholds: Thresholds) -> np.ndarray:
+    """bool [N, K]: the tags each text gets."""
+    probs = np.asarray(probs, np.float32)
+    n, k = probs.shape
+    if thresholds.top_k > 0:
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :min(thresholds.top_k, k)]
+        hot = np.zeros((n, k), bool)
+        np.put_along_axis(hot, top, True, axis=1)
+        return hot
+    hot = probs >= thresholds.array(k)[None, :]
+    if thresholds.at_least_one and n and k:
+        empty = ~hot.any(axis=1)
+        hot[empty, probs[empty].argmax(axis=1)] = True
+    return hot
+
+
+def _f1(tp, fp, fn) -> np.ndarray:
+    tp, fp, fn = (np.asarray(x, np.float64) for x in (tp, fp, fn))
+    denominator = 2 * tp + fp + fn
+    return np.divide(2 * tp, denominator, out=np.zeros_like(denominator), where=denominator > 0)
+
+
+def _counts(pred: np.ndarray, truth: np.ndarray):
+    tp = (pred & truth).sum(axis=0)
+    return tp, (pred & ~truth).sum(axis=0), (~pred & truth).sum(axis=0)
+
+
+def _best(scores: Sequence[float]) -> int:
+    """The index of GRID with the best score; ties go to the threshold nearest 0.5."""
+    best = max(scores)
+    return min((i for i, s in enumerate(scores) if s >= best - 1e-12), key=lambda i: abs(GRID[i] - 0.5))
+
+
+def choose_thresholds(probs: np.ndarray, truth: np.ndarray, min_support: int = MIN_SUPPORT,
+                      at_least_one: bool = False) -> Thresholds:
+    """The thresholds of the rule above, chosen on validation `probs` [N, K] against `truth` (bool [N, K])."""
+    probs, truth = np.asarray(probs, np.float32), np.asarray(truth, bool)
+    micro = []
+    for t in GRID:
+        tp, fp, fn = _counts(predict(probs, Thresholds(t, at_least_one=at_least_one)), truth)
+        micro.append(float(_f1(tp.sum(), fp.sum(), fn.sum())))
+    chosen = Thresholds(GRID[_best(micro)], at_least_one=at_least_one)
+    base = _f1(*_counts(predict(probs, chosen), truth))
+    support = truth.sum(axis=0)
+    for j in np.flatnonzero(support >= max(1, min_support)):
+        scores = [float(_f1(*(c[j] for c in _counts(probs >= t, truth)))) for t in GRID]
+        i = _best(scores)
+        if scores[i] >= base[j] + MIN_GAIN and GRID[i] != chosen.default:
+            chosen.per_label[int(j)] = GRID[i]
+    if chosen.per_label:  # at_least_one may move a text's tags: keep the per-label thresholds only if they help
+        with_own = float(_f1(*(c.sum() for c in _counts(predict(probs, chosen), truth))))
+        if with_own < max(micro) - 1e-12:
+            chosen.per_label = {}
+    return chosen
+
+
+def tag_metrics(pred: np.ndarray, truth: np.ndarray, labels: Sequence[str]) -> dict:
+    """A tagger's metrics on one split: micro/macro/samples precision, recall and F1, Hamming loss, subset
+    accuracy, label cardinality (true and predicted), and per label precision, recall, F1 and support.
+
+    Macro averages over the labels with support in this split (a label the split lacks has no recall to
+    average); a text with no true and no predicted tag counts as a perfect sample (samples-F1 1)."""
+    pred, truth = np.asarray(pred, bool), np.asarray(truth, bool)
+    n, k = truth.shape
+    tp, fp, fn = _counts(pred, truth)
+    support = truth.sum(axis=0)
+    precision = np.divide(tp, tp + fp, out=np.zeros(k), where=(tp + fp) > 0)
+    recall = np.divide(tp, support, out=np.zeros(k), where=support > 0)
+    f1 = _f1(tp, fp, fn)
+    present = support > 0
+    row_tp, row_pred, row_true = (pred & truth).sum(1), pred.sum(1), truth.sum(1)
+    both_empty = (row_pred + row_true) == 0
+    samples_f1 = np.where(both_empty, 1.0, np.divide(2 * row_tp, row_pred + row_true, out=np.zeros(n),
+                                                      where=~both_empty))
+    samples_p = np.where(row_pred > 0, np.divide(row_tp, np.maximum(row_pred, 1)), both_empty.astype(float))
+    samples_r = np.where(row_true > 0, np.divide(row_tp, np.maximum(row_true, 1)), both_empty.astype(float))
+    micro_p = float(tp.sum() / (tp.sum() + fp.sum())) if (tp.sum() + fp.sum()) else 0.0
+    micro_r = float(tp.sum() / support.sum()) if support.sum() else 0.0
+
+    def mean(values) -> float:
+        return float(np.mean(values)) if len(values) else 0.0
+
+    return {
+        "rows": int(n), "labels": int(k),
+        "micro_precision": micro_p, "micro_recall": micro_r, "micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())),
+        "macro_precision": mean(precision[present]), "macro_recall": mean(recall[present]),
+        "macro_f1": mean(f1[present]),
+        "weighted_f1": float((f1 * support).sum() / support.sum()) if support.sum() else 0.0,
+        "samples_precision": mean(samples_p), "samples_recall": mean(samples_r), "samples_f1": mean(samples_f1),
+        "hamming_loss": float((pred != truth).mean()) if n and k else 0.0,
+        "subset_accuracy": mean((pred == truth).all(axis=1)),
+        "cardinality_true": mean(row_true), "cardinality_predicted": mean(row_pred),
+        "per_label": {labels[j]: {"precision": float(precision[j]), "recall": float(recall[j]), "f1": float(f1[j]),
+                                  "support": int(support[j]), "predicted": int(pred[:, j].sum())}
+                      for j in range(k)},
+    }
+
+
+def cooccurrence(hot: np.ndarray) -> np.ndarray:
+    """[K, K] counts of texts holding both tags (the diagonal: each tag's count)."""
+    hot = np.asarray(hot, np.int64)
+    return hot.T @ hot
+
+
+LOSS_EPS = 1e-7
+
+
+def evaluation(probs: np.ndarray, masks: np.ndarray, labels: Sequence[str], thresholds: Thresholds | None = None
+               ) -> dict:
+    """A multi-label split's metrics under the keys every report, summary and tracker reads of a single-label
+    one (scoring.classification_metrics): `accuracy` is the subset accuracy (every tag right), `macro_f1` the tags'
+    macro-F1, `loss` the mean binary cross-entropy, `per_class` per tag; with tag_metrics' own beside them, the
+    thresholds used (0.5 when none are given) and task multi_label."""
+    probs = np.asarray(probs, np.float64)
+    if not len(probs):
+        raise ValueError("no rows to evaluate: the split is empty")
+    thresholds = thresholds or Thresholds(0.5)
+    truth = multi_hot(masks, len(labels))
+    pred = predict(probs, thresholds)
+    m = tag_metrics(pred, truth, labels)
+    clipped = np.clip(probs, LOSS_EPS, 1 - LOSS_EPS)
+    loss = float(-(truth * np.log(clipped) + (~truth) * np.log(1 - clipped)).mean())
+    return {"task": "multi_label", "n": m["rows"], "label_names": list(labels), "accuracy": m["subset_accuracy"],
+            "macro_f1": m["macro_f1"], "loss": loss, "per_class": m.pop("per_label"),
+            "thresholds": thresholds.record(labels), **m}

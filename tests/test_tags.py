@@ -1,0 +1,149 @@
+"""Multi-label groundwork (issue 62): a row's tags read as users write them (text/tags.py), a tag set as one int64,
+bad tag columns as one line; thresholds chosen on validation by the documented rule and a tagger's metrics
+(tag_scoring.py), the metrics checked against scikit-learn's on random tag sets. Pure functions: about 2 s."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchloom import tag_scoring as ts
+from torchloom.errors import UserError
+from torchloom.text import tags
+
+
+def test_tags_are_read_from_lists_json_lists_and_delimited_strings_cleaned_and_once():
+    assert tags.parse(["sport", " Money ", "sport", "", None]) == ["sport", "Money"]
+    assert tags.parse('["sport", "money"]') == ["sport", "money"]
+    assert tags.parse("sport | money|", delimiter="|") == ["sport", "money"]
+    assert tags.parse("sport|money") == ["sport|money"]  # no delimiter given: one tag
+    assert tags.parse("[]") == [] and tags.parse([]) == [] and tags.parse(None) is None
+    assert tags.parse([3, 7]) == ["3", "7"]  # ids as tags: their names
+    with pytest.raises(ValueError, match="not float"):
+        tags.parse([0.5])
+    with pytest.raises(ValueError, match="not list"):
+        tags.parse([["nested"]])
+    assert tags.canonical(["b", "a", "b"]) == ("a", "b")
+
+
+def test_a_tag_set_is_one_int64_and_back():
+    labels = [f"t{i}" for i in range(tags.MAX_TAGS)]
+    index = {label: i for i, label in enumerate(labels)}
+    for chosen in (["t0"], ["t62", "t0", "t5"], [], labels):
+        mask = tags.encode(chosen, index)
+        assert 0 <= mask < 2 ** 63 and tags.decode(mask, labels) == sorted(chosen, key=index.get)
+    assert tags.decode(-100, labels) == []  # a filler row's id holds no tags
+    hot = ts.multi_hot(np.array([tags.encode(["t1", "t62"], index), 0, -100]), tags.MAX_TAGS)
+    assert hot[0].sum() == 2 and hot[0, 1] and hot[0, 62] and not hot[1].any()
+    assert ts.to_masks(hot[:2]).tolist() == [tags.encode(["t1", "t62"], index), 0]
+    tags.check_count(labels, "data.label_column label")
+    with pytest.raises(UserError, match=r"^data.label_column label: 64 distinct tags; .* at most 63: keep the most"):
+        tags.check_count([*labels, "one more"], "data.label_column label")
+
+
+def test_prepare_reads_labels_as_tag_sets_by_task_and_delimiter():
+    assert tags.mode_for("auto", "") == "auto" and tags.mode_for("auto", "|") == "multi"
+    assert tags.mode_for("multi_label", "") == "multi" and tags.mode_for("single_label", "") == "single"
+    with pytest.raises(UserError, match=r"^data.task 'tags': not a task; use one of auto, single_label, multi_label$"):
+        tags.mode_for("tags", "")
+    s = tags.SET
+    assert tags.label_value('["b", "a", "b"]', "auto") == f"{s}a{s}b" == tags.label_value(["a", "b"], "auto")
+    assert tags.label_value(" sport ", "auto") == "sport"  # not a list: one label, cleaned
+    assert tags.label_value("[]", "auto") == s and tags.label_value(None, "auto") is None
+    assert tags.label_value("b|a", "multi", "|") == f"{s}a{s}b" and tags.label_value("a", "multi") == f"{s}a"
+    assert tags.label_value('["a"]', "single") == '["a"]'
+    assert tags.of_label(f"{s}a{s}b") == ["a", "b"] and tags.of_label(s) == [] and tags.of_label("x") == ["x"]
+    assert tags.shown(f"{s}a{s}b") == '["a", "b"]'
+    assert tags.label_value("tab\x1fin a tag", "multi") == f"{s}tab in a tag"  # the separator never in a tag
+
+    where = "news.csv"
+    assert tags.decide(["a", "b", None], "auto", "", where) == "single_label"
+    assert tags.decide([f"{s}a{s}b", f"{s}c", s], "auto", "", where) == "multi_label"
+    assert tags.decide([f"{s}a", f"{s}c"], "multi_label", "", where) == "multi_label"  # one tag a row, said so
+    bad = [(([f"{s}a{s}b", "c"], "auto", ""), "data.label_column of news.csv: some labels are lists of tags"
+                                               ' (["a", "b"]) and others single labels (\'c\')'),
+           (([f"{s}a,b", f"{s}c"], "multi_label", "|"), "data.label_delimiter '|': occurs in none of news.csv's"
+                                                         ' labels (e.g. ["a,b"])')]
+    for (labels, task, delimiter), message in bad:
+        with pytest.raises(UserError) as e:
+            tags.decide(labels, task, delimiter, where)
+        assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def random_tags(rng, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Truth tag sets (some texts untagged) and noisy probabilities that rank them above the rest."""
+    truth = rng.random((n, k)) < np.linspace(0.05, 0.5, k)[None, :]
+    probs = np.clip(np.where(truth, 0.65, 0.3) + rng.normal(0, 0.2, (n, k)), 0, 1).astype(np.float32)
+    return probs, truth
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_metrics_are_scikit_learns(seed):
+    metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(seed)
+    probs, truth = random_tags(rng, 300, 7)
+    truth[:, 6] = False  # a label the split lacks: out of the macro average
+    pred = ts.predict(probs, ts.Thresholds(0.5))
+    got = ts.tag_metrics(pred, truth, [f"t{i}" for i in range(7)])
+    present = list(range(6))
+    for average in ("micro", "macro"):
+        labels = present if average == "macro" else None
+        assert got[f"{average}_f1"] == pytest.approx(metrics.f1_score(truth, pred, average=average, labels=labels,
+                                                                      zero_division=0))
+        assert got[f"{average}_precision"] == pytest.approx(metrics.precision_score(
+            truth, pred, average=average, labels=labels, zero_division=0))
+        assert got[f"{average}_recall"] == pytest.approx(metrics.recall_score(truth, pred, average=average,
+                                                                              labels=labels, zero_division=0))
+    assert got["weighted_f1"] == pytest.approx(metrics.f1_score(truth, pred, average="weighted", zero_division=0))
+    assert got["samples_f1"] == pytest.approx(metrics.f1_score(truth, pred, average="samples", zero_division=1.0))
+    assert got["hamming_loss"] == pytest.approx(metrics.hamming_loss(truth, pred))
+    assert got["subset_accuracy"] == pytest.approx(metrics.accuracy_score(truth, pred))
+    assert got["per_label"]["t6"]["support"] == 0 and got["per_label"]["t0"]["support"] == truth[:, 0].sum()
+    assert got["cardinality_true"] == pytest.approx(truth.sum(1).mean())
+
+
+def test_thresholds_global_by_default_per_label_only_with_support_and_a_gain():
+    rng = np.random.default_rng(5)
+    n = 400
+    truth = np.zeros((n, 3), bool)
+    truth[:, 0] = rng.random(n) < 0.4  # common: probabilities shifted low, so a lower threshold of its own pays
+    truth[:, 1] = rng.random(n) < 0.3
+    truth[:20, 2] = True  # rare: 20 positives, under MIN_SUPPORT
+    probs = np.where(truth, 0.6, 0.2) + rng.normal(0, 0.08, (n, 3))
+    probs[:, 0] -= 0.3
+    probs[:20, 2] -= 0.35
+    chosen = ts.choose_thresholds(np.clip(probs, 0, 1), truth)
+    assert 0 in chosen.per_label and chosen.per_label[0] < chosen.default  # its own, well supported
+    assert 2 not in chosen.per_label  # too little support: the global threshold
+    assert set(chosen.per_label) <= {0, 1}
+    assert chosen.default in ts.GRID
+    f1_own = ts.tag_metrics(ts.predict(probs, chosen), truth, ["a", "b", "c"])["micro_f1"]
+    f1_half = ts.tag_metrics(ts.predict(probs, ts.Thresholds(0.5)), truth, ["a", "b", "c"])["micro_f1"]
+    assert f1_own > f1_half
+    none = ts.choose_thresholds(np.clip(probs, 0, 1), truth, min_support=10_000)
+    assert none.per_label == {}
+    record = chosen.record(["a", "b", "c"])
+    assert ts.Thresholds.from_record(record, ["a", "b", "c"]) == chosen
+
+
+def test_top_k_and_at_least_one():
+    probs = np.array([[0.1, 0.2, 0.3], [0.9, 0.8, 0.1]], np.float32)
+    assert ts.predict(probs, ts.Thresholds(0.5)).tolist() == [[False, False, False], [True, True, False]]
+    assert ts.predict(probs, ts.Thresholds(0.5, at_least_one=True))[0].tolist() == [False, False, True]
+    assert ts.predict(probs, ts.Thresholds(top_k=1)).tolist() == [[False, False, True], [True, False, False]]
+    co = ts.cooccurrence(np.array([[1, 1, 0], [1, 0, 0]], bool))
+    assert co.tolist() == [[2, 1, 0], [1, 1, 0], [0, 0, 0]]
+
+
+def test_the_multi_label_modules_stand_on_the_floor():
+    """tag_scoring: numpy and the standard library; text/tags: the standard library and the floor (errors, text)."""
+    for module, allowed in ((ts, {"numpy"}), (tags, {"torchloom"})):
+        tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
+        imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        assert imported - set(sys.stdlib_module_names) == allowed, (module.__name__, imported)
