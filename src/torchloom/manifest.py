@@ -54,12 +54,20 @@ class Manifest:
     inputs: dict[str, Any] = field(default_factory=dict)
     counts: dict[str, Any] = field(default_factory=dict)  # rows_read, rows_rejected{reason}, duplicates_removed
     timings: dict[str, float] = field(default_factory=dict)
+    # "multi_label": labels are tags, a row's label_id the int64 of its tag set (text/tags.py), and `tags` holds
+    # the tags' support per split, the label cardinality and the split's strata (etl/tag_split.py)
+    task: str = "single_label"
+    tags: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     root: str = ""  # where the manifest was read from (not written)
 
     @property
     def num_labels(self) -> int:
         return len(self.labels)
+
+    @property
+    def multi_label(self) -> bool:
+        return self.task == "multi_label"
 
     def shard_uri(self, shard: Shard) -> str:
         if has_scheme(shard.path) or os.path.isabs(shard.path):

@@ -23,6 +23,11 @@ class DataConfig:
     catalogs: dict = field(default_factory=dict)
     text_column: str = "text"
     label_column: str = "label"
+    # one label per text, or a set of tags (text/tags.py): "auto" reads a column of lists (JSON or Parquet lists,
+    # a CSV cell holding a JSON list) as tags, and any delimiter given; "multi_label" reads every value as tags
+    task: str = field(default="auto", metadata=choices("auto", "single_label", "multi_label"))
+    label_delimiter: str = ""  # multi-label: the character(s) that split a string of tags ("|": "sport|money")
+    keep_untagged: bool = False  # multi-label: a row with no tag is kept (a text none apply to), else set aside
     # the encoding CSV, JSON lines and folder files are read in: "auto" (UTF-8, UTF-16 with a BOM, else
     # cp1252 or latin-1, per file: inputs/encoding.py), a Python codec name for every file, or "strict" (UTF-8
     # only; other rows are set aside as invalid_utf8)

@@ -7,13 +7,16 @@ from collections.abc import Iterator
 # The one cleaning shared with predict/serve, so a served text is cleaned exactly like a trained one.
 from torchloom.inputs.encoding import AUTO, RAW, STRICT, UTF8, Undecodable, local_path, undecodable_line
 from torchloom.inputs.encoding import decode as encoding_decode
+from torchloom.text import tags as tag_rules
 from torchloom.text.clean import clean_text
 
 # Every reason a row can be rejected for; manifest.counts["rows_rejected"] always lists all of them.
 # conflicting_labels and leaked are found by dedup, class_too_small and label_not_in_train when the split
 # is planned (etl/split.py, etl/prepare.py); unknown_split marks a split column value that is none of ours
-REASONS = ("null_text", "empty_text", "null_label", "invalid_utf8", "too_short", "too_long", "unknown_split",
-           "conflicting_labels", "class_too_small", "label_not_in_train", "leaked")
+# no_tags and invalid_tags: a multi-label row with an empty tag list (unless data.keep_untagged), a label that cannot
+# be tags (a nested list, a number inside a list).
+REASONS = ("null_text", "empty_text", "null_label", "no_tags", "invalid_tags", "invalid_utf8", "too_short", "too_long",
+           "unknown_split", "conflicting_labels", "class_too_small", "label_not_in_train", "leaked")
 
 # raw is the input text only where cleaning changed it (null where it equals text): it is kept for
 # the rejected rows' output, and leaving out the copies halves what the dedup shuffle and cache hold.
@@ -27,6 +30,19 @@ def clean_label(label: str | None) -> str | None:
     if label is None:
         return None
     return clean_text(label) or None  # an empty label is as good as none
+
+
+def tag_label(value: str | None, mode: str, delimiter: str, keep_untagged: bool) -> tuple[str | None, str | None]:
+    """(prepare's label, a rejection reason or None) for a raw label value; mode: text/tags.mode_for's."""
+    if mode == "single":
+        return clean_label(value), None
+    try:
+        label = tag_rules.label_value(value, mode, delimiter)
+    except ValueError:
+        return None, "invalid_tags"
+    if label == tag_rules.SET and not keep_untagged:
+        return label, "no_tags"
+    return label, None
 
 
 def look_alike(labels: list[str]) -> list[list[str]]:
@@ -128,19 +144,20 @@ def _codecs(batch, encoding: str, texts: list, valid: list[bool]) -> list:
 
 
 def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] = frozenset(),
-                  fffd_is_error: bool = True, encoding: str = STRICT):
+                  fffd_is_error: bool = True, encoding: str = STRICT,
+                  tags: tuple[str, str, bool] = ("single", "", False)):
     """A mapInArrow function: (text, label, source[, given][, codec]) -> CLEANED_SCHEMA[_GIVEN].
 
     utf8_sources: local files known to be valid UTF-8 (read.utf8_files); a U+FFFD in their rows is a
     character, not a decoding error. fffd_is_error False: no U+FFFD is (Parquet, whose strings are
     checked byte by byte instead). encoding: data.encoding; an input `codec` column says how each row
-    was decoded (see _codecs).
+    was decoded (see _codecs). tags: (mode, delimiter, keep_untagged) for tag_label.
     """
 
     def run(batches: Iterator) -> Iterator:
         import pyarrow as pa
 
-        labels_seen: dict[str | None, str | None] = {}  # a handful of distinct labels: clean each once
+        labels_seen: dict[str | None, tuple] = {}  # a handful of distinct labels: clean each once
         trusted: dict[str, bool] = {}
         for batch in batches:
             raws, valid = _decoded(batch.column("text").cast(pa.string()), fffd_is_error)
@@ -157,12 +174,13 @@ def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] =
                 text = clean_text(raw) if raw is not None else None
                 changed.append(raw if raw != text else None)
                 if label_value in labels_seen:
-                    label = labels_seen[label_value]
+                    label, tag_reason = labels_seen[label_value]
                 else:
-                    label = labels_seen[label_value] = clean_label(label_value)
+                    label, tag_reason = labels_seen[label_value] = tag_label(label_value, *tags)
                 texts.append(text)
                 clean_labels.append(label)
-                reasons.append(reason_for(raw, ok, text, label, min_chars, max_chars))
+                reasons.append(tag_reason if tag_reason and raw is not None and text
+                               else reason_for(raw, ok, text, label, min_chars, max_chars))
             arrays = [pa.array(changed, pa.string()), pa.array(texts, pa.string()),
                       pa.array(clean_labels, pa.string()), batch.column("source"), pa.array(reasons, pa.string()),
                       pa.array(codecs, pa.string())]

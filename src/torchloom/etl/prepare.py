@@ -15,6 +15,7 @@ from typing import Any
 from torchloom import embedded
 from torchloom.config.schema import Config
 from torchloom.errors import UserError
+from torchloom.etl import tag_split
 from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, clean_batches, look_alike
 from torchloom.etl.given_splits import TYPED, given_source, leaked_by_split, spread, with_given
 from torchloom.etl.lengths import choose_length, model_positions
@@ -27,6 +28,7 @@ from torchloom.inputs.read import read_input, who_reads
 from torchloom.inputs.tables import record as table_record
 from torchloom.manifest import Manifest, Split
 from torchloom.runs.ledger import check_replaceable, deletable, holding, seal
+from torchloom.text.tags import check_count, decide, mode_for, of_label
 
 Progress = Callable[[str], object]
 
@@ -136,6 +138,7 @@ class _Job:
     names: dict[str, str] = field(default_factory=dict)  # local copy -> the input's URI (lines, the manifest)
     tables: dict = field(default_factory=dict)  # path -> its table (inputs/tables.py), pinned at one version
     timings: dict[str, float] = field(default_factory=dict)
+    strata: dict[str, str] | None = None  # multi-label: tag set -> its stratum (etl/tag_split.py); None: single
 
     @property
     def user_split(self) -> bool:
@@ -174,15 +177,19 @@ def _prepare(job: _Job, start: float) -> Manifest:
     cached = None
     try:
         cached, counts = _read_and_count(job)
-        marked, plans = _set_aside(job, cached, counts)
+        marked, plans = _set_aside(job, _tagged(job, cached, counts), counts)
+        labels = tag_split.labels_of(job.strata, {plan.label for plan in plans}) if job.strata is not None else None
+        if labels is not None:
+            check_count(labels, f"data.path {job.shown}")
         t = time.perf_counter()
-        write_rejected(marked, job.tmp / "rejected", counts.rows_rejected, job.store)
+        write_rejected(tag_split.shown_tags(marked) if labels is not None else marked, job.tmp / "rejected",
+                       counts.rows_rejected, job.store)
         job.timings["write_rejected"] = time.perf_counter() - t
         t = time.perf_counter()
         info = _choose_length(job, marked, counts, plans)
         splits = write_splits(job.spark, marked, plans, cfg.prepare, info, job.tokenizer_json, job.tmp,
                               rows=counts.rows_kept, sizes=counts.buckets,
-                              given=counts.given if job.user_split else None, store=job.store)
+                              given=counts.given if job.user_split else None, store=job.store, tags=labels)
         job.timings["tokenize_write"] = time.perf_counter() - t
         rate = counts.rows_kept / max(job.timings["tokenize_write"], 1e-9)
         say(f"tokenized and wrote {counts.rows_kept} rows in {job.timings['tokenize_write']:.1f}s ({rate:.0f} rows/s): "
@@ -195,7 +202,27 @@ def _prepare(job: _Job, start: float) -> Manifest:
         if cached is not None:
             cached.unpersist()
     job.timings["total"] = time.perf_counter() - start
-    return _manifest(job, counts, plans, info, splits)
+    manifest = _manifest(job, counts, plans, info, splits)
+    if labels is not None:
+        manifest.labels, manifest.task = labels, "multi_label"
+        manifest.tags = tag_split.record(job.tmp, splits, labels, cfg.data.keep_untagged)
+        for name, split in splits.items():  # rows per tag; the strata's rows stay in the tags record
+            manifest.tags.setdefault("strata", {})[name], split.per_class = split.per_class, \
+                manifest.tags["per_split"][name]
+        say(tag_split.summary(manifest.tags, labels))
+    return manifest
+
+
+def _tagged(job: _Job, marked, counts: _Counts):
+    """Multi-label rows (text/tags.decide on the labels read) planned on their strata; other rows as read."""
+    labels = {*counts.per_label, *(label for _, label in counts.given)}
+    if decide(labels, job.cfg.data.task, job.cfg.data.label_delimiter, job.shown) != "multi_label":
+        return marked
+    job.strata = tag_split.strata(counts)
+    tag_split.restratify(counts, job.strata)
+    job.say(f"multi-label: {len({t for lb in labels for t in of_label(lb)})} tags in {len(labels)} distinct tag"
+            " sets; the split is stratified on each row's rarest tag")
+    return tag_split.with_strata(marked, job.strata)
 
 
 def _read_and_count(job: _Job):
@@ -219,7 +246,9 @@ def _read_and_count(job: _Job):
     utf8 = frozenset().union(*(utf8_files(path) for path, _ in inputs))
     cleaned = raw.mapInArrow(clean_batches(p.min_chars, p.max_chars, utf8,
                                            fffd_is_error=any(f not in TYPED for _, f in inputs),
-                                           encoding=cfg.data.encoding),
+                                           encoding=cfg.data.encoding,
+                                           tags=(mode_for(cfg.data.task, cfg.data.label_delimiter),
+                                                 cfg.data.label_delimiter, cfg.data.keep_untagged)),
                              CLEANED_SCHEMA_GIVEN if job.user_split else CLEANED_SCHEMA)
     if job.user_split:
         cleaned = cleaned.withColumn("reason", F.coalesce(F.col("reason"),
@@ -339,7 +368,7 @@ def _say_kept(job: _Job, counts: _Counts, plans, carve_val: float) -> None:
                     "kept and counted; --prepare.leakage drop sets them aside")
             job.say(f"leakage: {counts.leaked['test']} test and {counts.leaked['val']} val texts also appear in train"
                     f" ({what})")
-    job.say(f"kept {counts.rows_kept} rows in {len(plans)} classes: "
+    job.say(f"kept {counts.rows_kept} rows in {len(plans)} {'strata (rarest tag)' if job.strata else 'classes'}: "
             + ", ".join(f"{plan.label} {plan.rows}" for plan in plans))
     alike = look_alike([plan.label for plan in plans])
     if alike:

@@ -129,7 +129,7 @@ def bucket_sizes(kept, seed: int) -> dict[tuple[str, int], int]:
 
 
 def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[str, int], int] | None = None,
-                  partitions: int | None = None):
+                  partitions: int | None = None, keep: tuple[str, ...] = ()):
     """Add label_id and split to the kept rows; membership depends only on seed, text and label.
 
     Within each label, rows are ordered by a seeded hash of the cleaned text (the text itself breaks
@@ -141,7 +141,8 @@ def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[st
     per (label, bucket), counted by the caller's statistics job or here) plus its place inside the
     bucket: the same ranks, from windows spread over every task. With `partitions`, the rows come
     out in that many partitions, hashed on (label, bucket): the window's own shuffle, so a caller
-    that wants a given number of output partitions needs no second one.
+    that wants a given number of output partitions needs no second one. keep: more columns carried along (a
+    multi-label row's tag set: etl/tag_split.py).
     """
     from pyspark.sql import Window
     from pyspark.sql import functions as F
@@ -154,7 +155,7 @@ def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[st
     label_map = F.create_map(*[F.lit(x) for p in plans for x in (p.label, ids[p.label])])
     h = rank_hash(seed)
     keyed = (
-        kept.select("text", "label")
+        kept.select("text", "label", *keep)
         .withColumn("label_id", label_map[F.col("label")].cast("int"))
         .withColumn("h", h)
         .withColumn("bucket", rank_bucket(F.col("h")))
@@ -171,7 +172,7 @@ def assign_splits(kept, plans: list[ClassSplit], seed: int, sizes: dict[tuple[st
     return (
         keyed.join(F.broadcast(table), ["label_id", "bucket"])
         .withColumn("split", split)
-        .select("text", "label", "label_id", "split")
+        .select("text", "label", "label_id", "split", *keep)
     )
 
 

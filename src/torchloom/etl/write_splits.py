@@ -16,6 +16,7 @@ from torchloom.errors import UserError
 from torchloom.etl.clean import REASONS
 from torchloom.etl.session import default_partitions
 from torchloom.etl.split import KEPT, assign_splits
+from torchloom.etl.tag_split import with_masks
 from torchloom.etl.tokenize import TOKENIZED_SCHEMA, tokenize_batches
 from torchloom.manifest import SPLITS, Shard, Split
 
@@ -80,7 +81,7 @@ def write_rejected(marked, out: Path, rows: int, store: str | None = None) -> No
 
 def write_splits(spark, marked, plans, p: PrepareConfig, info: dict, tokenizer_json: str, tmp: Path, *,
                  rows: int, sizes: dict[tuple[str, int], int], given: dict[tuple[str, str], int] | None,
-                 store: str | None = None) -> dict[str, Split]:
+                 store: str | None = None, tags: list[str] | None = None) -> dict[str, Split]:
     """Split + tokenize + write the kept rows of `marked` into tmp/train, val and test: one job.
 
     The split's window shuffle makes the `parts` partitions (one shard per split each); inside a partition
@@ -90,21 +91,27 @@ def write_splits(spark, marked, plans, p: PrepareConfig, info: dict, tokenizer_j
 
     rows: the kept rows; sizes: the train rows the plans carve, per (label, split-rank bucket); given: the kept
     rows per (split, label) that the input gives as val or test (None: the input gives no split); info: the
-    tokenizer's record (lengths.choose_length); store: see prepare.
+    tokenizer's record (lengths.choose_length); store: see prepare; tags: a multi-label run's labels (the plans
+    are then its strata, and label_id each row's tag set: etl/tag_split.py).
     """
     from pyspark.sql import functions as F
 
     # shards per split: 2 x cores, or one per SHARD_ROWS kept rows when that is more
     wide = p.partitions or max(default_partitions(p), math.ceil(rows / SHARD_ROWS))
     parts = max(1, min(wide, math.ceil(rows / p.rows_per_group)))
-    assigned = _assigned(marked.filter(F.col("status") == KEPT), plans, p.seed, sizes, given, parts)
+    keep = ("tags",) if tags is not None else ()
+    assigned = _assigned(marked.filter(F.col("status") == KEPT), plans, p.seed, sizes, given, parts, keep)
+    schema = TOKENIZED_SCHEMA
+    if tags is not None:
+        assigned = with_masks(assigned, tags)
+        schema = TOKENIZED_SCHEMA.replace("label_id int", "label_id long")
     order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
     spark_out = tmp / "_spark"
     shipped = _broadcast(spark, tokenizer_json)
     try:
         tokenized = assigned.sortWithinPartitions(order, "text").mapInArrow(
             tokenize_batches(shipped, info["hash"], info["max_length"], p.truncation, info.get("stride", 0),
-                             p.max_chunks), TOKENIZED_SCHEMA
+                             p.max_chunks), schema
         )
         _write(spark, tokenized, spark_out, p.rows_per_group, store)
     finally:
@@ -122,21 +129,22 @@ def write_splits(spark, marked, plans, p: PrepareConfig, info: dict, tokenizer_j
     return splits
 
 
-def _assigned(kept, plans, seed: int, sizes: dict, given: dict | None, parts: int):
+def _assigned(kept, plans, seed: int, sizes: dict, given: dict | None, parts: int, keep: tuple[str, ...] = ()):
     """The kept rows with their split and label id, over `parts` partitions: the plans carve the train rows
     (all of them when the input gives no split; else the user's val/test rows keep their split and train
     rows are carved only for a missing val)."""
     from pyspark.sql import functions as F
 
     if given is None:
-        return assign_splits(kept, plans, seed, sizes=sizes, partitions=parts)
+        return assign_splits(kept, plans, seed, sizes=sizes, partitions=parts, keep=keep)
     labels = [plan.label for plan in plans]
-    assigned = assign_splits(kept.filter(F.col("given") == "train"), plans, seed, sizes=sizes, partitions=parts)
+    assigned = assign_splits(kept.filter(F.col("given") == "train"), plans, seed, sizes=sizes, partitions=parts,
+                             keep=keep)
     label_map = F.create_map(*[F.lit(x) for i, label in enumerate(labels) for x in (label, i)])
     return assigned.unionByName(
         kept.filter(F.col("given") != "train")
         .select("text", "label", label_map[F.col("label")].cast("int").alias("label_id"),
-                F.col("given").alias("split")))
+                F.col("given").alias("split"), *keep))
 
 
 def _write(spark, tokenized, out: Path, rows_per_group: int, store: str | None) -> None:

@@ -83,7 +83,7 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
                         f" {column_fix(names, keys)}")
     columns = [
         F.col(_quoted(text)).cast("string").alias("text"),
-        F.col(_quoted(label)).cast("string").alias("label"),
+        _label(df, cfg, label, path).alias("label"),
         F.col(source).alias("source"),
         (F.col(CODEC) if CODEC in df.columns else F.lit(None).cast("string")).alias("codec"),
     ]
@@ -95,6 +95,21 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
                             f" {_some(names)}")
         columns.append(F.col(_quoted(given)).cast("string").alias("given"))
     return df.select(*columns)
+
+
+def _label(df, cfg: DataConfig, label: str, path: str):
+    """The label column as a string: a list column (Parquet, JSON) as its JSON text, which text/tags.py reads as
+    tags; a number where tags were asked for is one line."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import ArrayType, NumericType
+
+    kind = df.schema[label].dataType
+    if isinstance(kind, ArrayType):
+        return F.to_json(F.col(_quoted(label)))
+    if isinstance(kind, NumericType) and (cfg.task == "multi_label" or cfg.label_delimiter):
+        raise UserError(f"data.label_column {label!r} of {path}: holds numbers ({kind.simpleString()}) where tags"
+                        " belong; give the tags' names (a list, or a string with data.label_delimiter)")
+    return F.col(_quoted(label)).cast("string")
 
 
 def read_input(spark, cfg: DataConfig, path: str, fmt: str, reader: str = "auto", table=None, say=None):
