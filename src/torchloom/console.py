@@ -85,7 +85,10 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     timings = summary["timings"]
     stage_times = ", ".join(f"{k[:-2]} {v:.0f}s" for k, v in timings.items() if k != "total_s")
     lines = [f"\ntorchloom run finished in {timings['total_s']:.0f} s ({stage_times})",
-             f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}",
+             f"  {split} accuracy {summary['accuracy']:.4f}   macro-F1 {summary['macro_f1']:.4f}"
+             if "micro_f1" not in summary else  # a multi-label run: its accuracy is every tag of a text right
+             f"  {split} micro-F1 {summary['micro_f1']:.4f}   macro-F1 {summary['macro_f1']:.4f}   subset accuracy"
+             f" {summary['accuracy']:.4f}",
              f"  precision {summary['precision']} ({summary['precision_reason']}); {summary['workers']} workers",
              f"  trained {summary['training']}",
              *([f"  speed   {summary['speed']}"] if summary.get("speed") else []),

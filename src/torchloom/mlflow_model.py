@@ -42,6 +42,8 @@ class TextClassifier(PythonModel):
         rows = []
         for pred in self.predictor.predict(texts):
             row = {"label": pred["label"], "score": pred["score"]}
+            if "labels" in pred:  # a multi-label model: its tags over their thresholds
+                row["labels"] = pred["labels"]
             row.update({f"p_{k}": v for k, v in pred["probabilities"].items()})
             rows.append(row)
         return pd.DataFrame(rows)

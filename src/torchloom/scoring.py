@@ -38,6 +38,11 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    """Element-wise logistic in float64 (a multi-label head: each tag's probability on its own)."""
+    return 1.0 / (1.0 + np.exp(-np.clip(np.asarray(logits, dtype=np.float64), -60.0, 60.0)))
+
+
 def mean_by_text(logits: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(mean logits per text in float64, each text's first position in `docs`).
 
@@ -49,18 +54,19 @@ def mean_by_text(logits: np.ndarray, docs: np.ndarray) -> tuple[np.ndarray, np.n
     return sums / np.bincount(inverse.reshape(-1), minlength=len(found))[:, None], first
 
 
-def text_scores(logits: np.ndarray, docs: np.ndarray | None = None) -> TextScores:
-    """Each text's score from its windows' logits [N, C]: the softmax of their mean.
+def text_scores(logits: np.ndarray, docs: np.ndarray | None = None, multi_label: bool = False) -> TextScores:
+    """Each text's score from its windows' logits [N, C]: the softmax of their mean (multi_label: the sigmoid).
 
     docs: the text each row is a window of; None: every row is a text of its own."""
     logits = np.asarray(logits)
+    squash = sigmoid if multi_label else softmax
     if docs is None:
         mean = logits.astype(np.float64)
-        return TextScores(softmax(mean), mean, np.arange(len(logits)))
+        return TextScores(squash(mean), mean, np.arange(len(logits)))
     if len(docs) != len(logits):
         raise ValueError(f"docs has {len(docs)} entries for {len(logits)} rows of logits")
     mean, first = mean_by_text(logits, docs)
-    return TextScores(softmax(mean), mean, first)
+    return TextScores(squash(mean), mean, first)
 
 
 def classification_metrics(

@@ -39,10 +39,11 @@ def to_documents(manifest: Manifest, split: str, logits: np.ndarray, labels: np.
     """(probabilities in float32, labels, row indices) per text: scoring.text_scores of its rows' logits
     (index: a chunked text's first window's row). The rows may come in any order (several ranks' shares)."""
     docs = chunk_documents(manifest, split)
+    multi = manifest.multi_label
     if docs is None or not len(logits):
-        return text_scores(logits).probs.astype(np.float32), labels, index
+        return text_scores(logits, multi_label=multi).probs.astype(np.float32), labels, index
     doc = docs[index]
-    scores = text_scores(logits, doc)
+    scores = text_scores(logits, doc, multi_label=multi)
     starts = np.nonzero(np.r_[True, docs[1:] != docs[:-1]])[0]  # each text's first row
     return scores.probs.astype(np.float32), labels[scores.first], starts[doc[scores.first]]
 

@@ -6,7 +6,6 @@ Plots use matplotlib's Agg canvas directly (no pyplot), so nothing global is cha
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -15,6 +14,10 @@ from typing import Any
 
 import numpy as np
 
+from torchloom.evaluate.render import cell as _cell
+from torchloom.evaluate.render import figure as _figure
+from torchloom.evaluate.render import fmt as _fmt
+from torchloom.evaluate.render import png as _png
 from torchloom.jsonio import read_jsonl as read_metrics_jsonl
 from torchloom.jsonio import write_atomic as _atomic_write
 from torchloom.runs.rundir import RunDir
@@ -60,10 +63,7 @@ def write_report(
     ).encode("utf-8"))
     written["misclassified"] = str(rd.misclassified)
 
-    _atomic_write(plots / "confusion.png", plot_confusion(metrics["confusion_matrix"], label_names))
-    written["confusion_plot"] = str(plots / "confusion.png")
-    _atomic_write(plots / "calibration.png", plot_calibration(metrics["reliability"], metrics["ece"]))
-    written["calibration_plot"] = str(plots / "calibration.png")
+    written.update(_metric_plots(plots, metrics, label_names))
     history = read_metrics_jsonl(metrics_jsonl_path or rd.metrics)
     loss_png = plot_loss(history)
     if loss_png is not None:
@@ -86,6 +86,20 @@ def write_report(
     return written
 
 
+def _metric_plots(plots: Path, metrics: dict[str, Any], label_names: list[str]) -> dict[str, str]:
+    """The confusion matrix and the reliability diagram; a multi-label run's own (evaluate/tags.py) instead."""
+    if metrics.get("task") == "multi_label":
+        from torchloom.evaluate.tags import plots as tag_plots
+
+        pngs = {name.replace(".png", "_plot"): (name, png) for name, png in tag_plots(metrics, label_names).items()}
+    else:
+        pngs = {"confusion_plot": ("confusion.png", plot_confusion(metrics["confusion_matrix"], label_names)),
+                "calibration_plot": ("calibration.png", plot_calibration(metrics["reliability"], metrics["ece"]))}
+    for name, png in pngs.values():
+        _atomic_write(plots / name, png)
+    return {kind: str(plots / name) for kind, (name, _) in pngs.items()}
+
+
 def render_markdown(
     metrics: dict[str, Any],
     *,
@@ -99,13 +113,20 @@ def render_markdown(
 ) -> str:
     """The human-readable report; `files` maps kinds to paths relative to the report."""
     lines = [f"# Evaluation on the `{split}` split", ""]
-    lines += _metrics_table(metrics)
+    multi = metrics.get("task") == "multi_label"
+    if multi:
+        from torchloom.evaluate.tags import sections
+
+        lines += sections(metrics, label_names, files)
+    else:
+        lines += _metrics_table(metrics)
     if baseline is not None:
         lines += _baseline_section(metrics, split, baseline, verdict)
     lines += _extra_sections(extra)
-    lines += _per_class_section(metrics, label_names)
-    lines += _confusion_section(metrics, label_names, files)
-    lines += _calibration_section(metrics, files)
+    if not multi:
+        lines += _per_class_section(metrics, label_names)
+        lines += _confusion_section(metrics, label_names, files)
+        lines += _calibration_section(metrics, files)
     if "loss_plot" in files:
         lines += ["## Training", "", f"![loss curve]({files['loss_plot']})", ""]
     lines += _misclassified_section(misclassified, files)
@@ -295,24 +316,6 @@ def plot_loss(history: list[dict[str, Any]]) -> bytes | None:
     return _png(fig)
 
 
-def _figure(width: float, height: float, rows: int = 1, height_ratios: tuple[int, ...] | None = None):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    if rows == 1:
-        return fig, fig.add_subplot()
-    axes = fig.subplots(rows, 1, sharex=True, gridspec_kw={"height_ratios": height_ratios})
-    return fig, axes
-
-
-def _png(fig) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=110)
-    return buffer.getvalue()
-
-
 def _has(row: dict[str, Any], *keys: str) -> bool:
     return all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in keys)
 
@@ -332,17 +335,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     return value
-
-
-def _fmt(value: Any) -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "n/a"
-    if isinstance(value, float):
-        # Small values such as learning rates keep their significant digits.
-        return f"{value:.4f}" if value == 0 or abs(value) >= 1e-3 else f"{value:.3g}"
-    return str(value)
-
-
-def _cell(value: Any) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")

@@ -48,6 +48,12 @@ def evaluate_model_dir(cfg: Config, model_dir: str, manifest) -> tuple[dict, lis
     from torchloom.evaluate.mix import shipped_probabilities
 
     probs, labels, index = score_split(cfg, model_dir, manifest)
+    if manifest.multi_label:
+        from torchloom.evaluate import tags
+        from torchloom.model.export import read_export_info
+
+        return tags.evaluate(probs, labels, index, manifest, cfg.eval.split,
+                             read_export_info(model_dir).get("thresholds"), cfg.eval.misclassified_limit)
     probs, alone = shipped_probabilities(model_dir, manifest, cfg.eval.split, probs, index)
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)
     if alone is not None:

@@ -22,10 +22,12 @@ def check_model_dir(path: str) -> str:
 ATTENTION_DROPOUT_KEYS = ("attention_probs_dropout_prob", "attention_dropout", "attn_pdrop")
 
 
-def build_classifier(path: str, labels: list[str], attention_dropout: float = -1.0):
+def build_classifier(path: str, labels: list[str], attention_dropout: float = -1.0, multi_label: bool = False):
     """The model at `path` with a fresh classification head for `labels` (index = label id).
 
-    attention_dropout >= 0 replaces the model's dropout on attention probabilities; -1 keeps it.
+    attention_dropout >= 0 replaces the model's dropout on attention probabilities; -1 keeps it. multi_label:
+    the config says problem_type multi_label_classification, so whoever loads the exported model with
+    from_pretrained gets a sigmoid per tag (and Transformers' own loss, binary cross-entropy).
     """
     use_model_env()
     import transformers
@@ -40,6 +42,7 @@ def build_classifier(path: str, labels: list[str], attention_dropout: float = -1
         id2label=dict(enumerate(labels)),
         label2id={label: i for i, label in enumerate(labels)},
         local_files_only=True,
+        **({"problem_type": "multi_label_classification"} if multi_label else {}),
     )
     if attention_dropout >= 0:
         for key in ATTENTION_DROPOUT_KEYS:

@@ -20,6 +20,8 @@ from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
 from torchloom.model.traced import TracedForward
 from torchloom.scoring import LOSS_EPS, mix, text_scores
+from torchloom.tag_scoring import Thresholds
+from torchloom.tag_scoring import predict as predict_tags
 from torchloom.text.clean import clean_text
 from torchloom.text.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
@@ -56,9 +58,18 @@ def repair_note(texts: list[str]) -> str | None:
             " argument that is not UTF-8); each such character was replaced with U+FFFD")
 
 
+def tagging(info: dict, config, labels: list[str]) -> tuple[bool, Thresholds | None]:
+    """Whether the model is multi-label (torchloom.json's task, or a config that says so), and the thresholds its
+    tags are predicted over (chosen on val at export; 0.5 where none were stored)."""
+    multi = info.get("task") == "multi_label" or getattr(config, "problem_type", None) == "multi_label_classification"
+    return multi, Thresholds.from_record(info.get("thresholds") or {}, labels) if multi else None
+
+
 class Predictor:
     """A loaded model and tokenizer; `predict` returns label, score and all class probabilities per text."""
 
+    multi_label = False  # a sigmoid per tag, and `labels` in each prediction (tagging)
+    thresholds: Thresholds | None = None
     lexical: Lexical | None = None  # the baseline mixed into the shipped probabilities (torchloom.json "combine")
     weight: float = 1.0  # the transformer's weight in that mix
     # Each forward is padded to a multiple of this many tokens (at most max_length), so that forwards come in few
@@ -127,6 +138,7 @@ class Predictor:
         self.forward_tokens = max(0, int(forward_tokens))
         self.info = info
         self.lexical, self.weight = shipped_baseline(path, info)
+        self.multi_label, self.thresholds = tagging(info, config, self.labels)
 
     def predict(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
                 ) -> list[dict[str, Any]]:
@@ -282,18 +294,22 @@ class Predictor:
                     logits[batch_ids], pooled = self.forward(batch, True)
                     sketched[batch_ids] = pooled.numpy() @ sketch
         # a text's score: the softmax of its windows' mean logits (one window: its own), as everywhere
-        scores = text_scores(logits.numpy(), np.asarray(owner))
+        scores = text_scores(logits.numpy(), np.asarray(owner), multi_label=self.multi_label)
         if len(scores.first) != len(per_text):
             raise ValueError("predict_encoded: every text needs at least one window of model inputs")
         probs, means = scores.probs, scores.logits
         if self.lexical is not None:  # the shipped mix; its log-probabilities stand for the logits
             probs = mix(probs, np.stack([item.lexical for item in per_text]), self.weight)
             means = np.log(np.clip(probs, LOSS_EPS, 1.0))
+        tagged = predict_tags(probs, self.thresholds).tolist() if self.multi_label else None
         results = []
-        for row, mean in zip(probs.astype(np.float32).tolist(), means.astype(np.float32).tolist()):
+        for i, (row, mean) in enumerate(zip(probs.astype(np.float32).tolist(), means.astype(np.float32).tolist())):
             best = max(range(len(row)), key=row.__getitem__)
             results.append({"label": self.labels[best], "score": row[best],
                             "probabilities": dict(zip(self.labels, row))})
+            if tagged is not None:  # the tags over their thresholds, the most probable first
+                on = sorted((j for j, hit in enumerate(tagged[i]) if hit), key=lambda j: -row[j])
+                results[-1]["labels"] = [self.labels[j] for j in on]
             if with_logits:
                 results[-1]["logits"] = dict(zip(self.labels, mean))
         if with_signals:

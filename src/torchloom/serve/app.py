@@ -73,7 +73,10 @@ def request_schema(max_texts: int, max_chars: int) -> dict:
 class Prediction(BaseModel):
     label: str
     score: float = Field(description="probability of `label`")
-    probabilities: dict[str, float] = Field(description="probability of every label")
+    probabilities: dict[str, float] = Field(description="probability of every label (a multi-label model: each"
+                                                        " tag's own sigmoid, not summing to 1)")
+    labels: list[str] | None = Field(None, description="a multi-label model's tags for the text: those at or over"
+                                                       " their thresholds, the most probable first")
 
 
 class ModelInfo(BaseModel):
@@ -242,7 +245,7 @@ async def answer_predict(request: Request, backend: Backend, max_texts: int, max
     return Response(body.encode("utf-8"), media_type="application/json", headers=headers)
 
 
-SHOWN = ("id", "label", "score", "probabilities")
+SHOWN = ("id", "label", "score", "probabilities", "labels")
 
 
 class FastPredict:

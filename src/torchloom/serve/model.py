@@ -72,6 +72,7 @@ class ServedModel:
             self.precision = "int8" if self.predictor.onnx_file.name.endswith(".int8.onnx") else "fp32"
         self.predictor.length_bucket = length_bucket
         self.labels = list(self.predictor.labels)
+        self.multi_label = self.predictor.multi_label  # its predictions name their tags (`labels`) too
         self.max_length = self.predictor.max_length
         self.identity = model_identity(model_dir, self.predictor.info, self.labels)
         self.model_dir = model_dir

@@ -104,11 +104,13 @@ def _check_schema(names: list[str], text_is_string: bool, text_column: str, inpu
 # --- the Arrow part shared by both engines ---------------------------------------------------------------
 
 
-def prediction_fields():
+def prediction_fields(tags: bool = False):
+    """The columns predictions add; tags: a multi-label model's, with `labels` (its tags over their thresholds)."""
     import pyarrow as pa
 
     return [pa.field("label", pa.string()), pa.field("score", pa.float64()),
-            pa.field("probabilities", pa.map_(pa.string(), pa.float64()))]
+            pa.field("probabilities", pa.map_(pa.string(), pa.float64())),
+            *([pa.field("labels", pa.list_(pa.string()))] if tags else [])]
 
 
 def predict_record_batch(model, batch, text_column: str):
@@ -120,20 +122,22 @@ def predict_record_batch(model, batch, text_column: str):
     predictions: list[dict[str, Any] | None] = [None] * len(texts)
     for i, prediction in zip(present, model.predict([texts[i] for i in present])):
         predictions[i] = prediction
-    label_f, score_f, probs_f = prediction_fields()
+    tags = bool(getattr(model, "multi_label", False))
+    label_f, score_f, probs_f, *tags_f = prediction_fields(tags)
     columns = [
         pa.array([p and p["label"] for p in predictions], label_f.type),
         pa.array([p and p["score"] for p in predictions], score_f.type),
         pa.array([p and list(p["probabilities"].items()) for p in predictions], probs_f.type),
+        *([pa.array([p and p["labels"] for p in predictions], tags_f[0].type)] if tags else []),
     ]
     return pa.RecordBatch.from_arrays([*batch.columns, *columns],
-                                      schema=_with_predictions(batch.schema))
+                                      schema=_with_predictions(batch.schema, tags))
 
 
-def _with_predictions(schema):
+def _with_predictions(schema, tags: bool = False):
     import pyarrow as pa
 
-    return pa.schema([*schema, *prediction_fields()])
+    return pa.schema([*schema, *prediction_fields(tags)])
 
 
 # --- local engine ----------------------------------------------------------------------------------------
@@ -247,11 +251,14 @@ def predict_local(model_dir: str, input_path: str, output_path: str, text_column
     out = Path(output_path)
     tmp = _writable_tmp(out)
     model = ServedModel(model_dir, device=device, batch_size=batch_size, threads=usable_cores(), runtime=runtime)
+    if model.multi_label and "labels" in schema.names:
+        raise UserError(f"--input {input_path}: has a column 'labels', which a multi-label model's predictions add;"
+                        " rename that column in the input")
 
     started = last_report = time.perf_counter()
     rows = 0
     try:
-        with pq.ParquetWriter(tmp, _with_predictions(schema)) as writer:
+        with pq.ParquetWriter(tmp, _with_predictions(schema, model.multi_label)) as writer:
             for batch in batches:
                 if batch.num_rows:
                     writer.write_batch(predict_record_batch(model, batch, text_column))

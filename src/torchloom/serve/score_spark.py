@@ -157,11 +157,14 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     model_uri: where `model_dir` (the driver's checked copy) came from on a store; the executors then fetch
     the model from there into their own hosts' caches (hosts that share no directory with the driver's)."""
     from pyspark.errors import AnalysisException
-    from pyspark.sql.types import DoubleType, MapType, StringType, StructField, StructType
+    from pyspark.sql.types import ArrayType, DoubleType, MapType, StringType, StructField, StructType
 
     from torchloom.model.export import check_exported
 
     check_exported(model_dir)
+    from torchloom.model.export import read_export_info
+
+    tagged = read_export_info(model_dir).get("task") == "multi_label"  # its predictions add `labels`
     if runtime == "onnx":
         from torchloom.model.onnx import onnx_file
 
@@ -179,9 +182,13 @@ def predict_spark(spark, model_dir: str, input_path: str, output_path: str, text
     fields = {f.name: f.dataType for f in df.schema.fields}
     text_column = column_named(list(fields), text_column) or text_column  # "Text" for text
     _check_schema(list(fields), isinstance(fields.get(text_column), StringType), text_column, input_path)
+    if tagged and "labels" in fields:
+        raise UserError(f"--input {input_path}: has a column 'labels', which a multi-label model's predictions add;"
+                        " rename that column in the input")
     out_schema = StructType([*df.schema.fields, StructField("label", StringType()),
                              StructField("score", DoubleType()),
-                             StructField("probabilities", MapType(StringType(), DoubleType()))])
+                             StructField("probabilities", MapType(StringType(), DoubleType())),
+                             *([StructField("labels", ArrayType(StringType()))] if tagged else [])])
     predict = partial(_predict_partition, model_dir=model_dir, text_column=text_column, device=device,
                       batch_size=batch_size, runtime=runtime)
     with warnings.catch_warnings():  # mapInArrow warns of pandas 3 on every call; nothing here uses pandas

@@ -54,8 +54,10 @@ def evaluate_stage(run: Run, extra: dict | None = None, announce: bool = True) -
         tracker.log_artifact(rd.report_json)
         tracker.log_artifact(rd.plots, "plots")
     against = f" (baseline {cmp['accuracy']:.4f}, {cmp['macro_f1']:.4f})" if cmp else ""
-    say(f"evaluate ({cfg.eval.split}, {metrics['n']} rows): accuracy {metrics['accuracy']:.4f},"
-        f" macro-F1 {metrics['macro_f1']:.4f}{against}; report {rd.home(rd.report_md)}")
+    scores = (f"micro-F1 {metrics['micro_f1']:.4f}, macro-F1 {metrics['macro_f1']:.4f}, subset accuracy"
+              f" {metrics['accuracy']:.4f}" if metrics.get("task") == "multi_label" else
+              f"accuracy {metrics['accuracy']:.4f}, macro-F1 {metrics['macro_f1']:.4f}")
+    say(f"evaluate ({cfg.eval.split}, {metrics['n']} rows): {scores}{against}; report {rd.home(rd.report_md)}")
     if line and announce:
         say(line)
     return {"seconds": seconds, "metrics": metrics, "baseline": cmp, "verdict": line}

@@ -32,10 +32,11 @@ def export_stage(run: Run) -> dict:
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)
     src = model_path(cfg.model.path)
-    model = build_classifier(src, m.labels)
+    model = build_classifier(src, m.labels, multi_label=m.multi_label)
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
-    combine = choose_combine(cfg, files, model, m)
+    tagged = _thresholds(cfg, model, m) if m.multi_label else None
+    combine = choose_combine(cfg, files, model, m) if tagged is None else None
     shipped = combine is not None and combine["weight"] < 1.0
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
@@ -43,10 +44,13 @@ def export_stage(run: Run) -> dict:
         "max_length": m.tokenizer.get("max_length"), "truncation": m.tokenizer.get("truncation", "head"),
         **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
         **({"combine": combine} if combine else {}),
+        **({"task": "multi_label", "thresholds": tagged[0]} if tagged else {}),
     }, extra_dirs={"baseline": rd.baseline_model} if shipped else None)
     say(f"export: {ckpt.name} -> {rd.home(out)}")
     if combine:
         say(f"export: {combine_line(combine)}")
+    if tagged:
+        say(f"export: {tagged[1]}")
     onnx_info = None
     if cfg.export.format != "hf":
         from torchloom.data.texts import gate_rows
@@ -112,6 +116,17 @@ def _profile(model_dir: str, m, cfg: Config) -> dict | None:
     say(f"export: monitoring profile of {len(texts)} texts (val {splits['val']}, test {splits['test']}) in"
         f" {time.perf_counter() - started:.1f} s: what `torchloom monitor` and the server compare traffic with")
     return {"texts": len(texts), "splits": splits}
+
+
+def _thresholds(cfg: Config, model, m) -> tuple[dict, str]:
+    """A multi-label model's thresholds, chosen on the val split (evaluate/tags.py), and the line saying so."""
+    import numpy as np
+
+    from torchloom.evaluate import tags
+    from torchloom.evaluate.run import split_probabilities
+
+    probs, masks, _ = split_probabilities(cfg, model, m, "val") if m.split("val").rows else (np.zeros((0, 1)),) * 3
+    return tags.choose(probs, masks, m)
 
 
 def choose_combine(cfg: Config, files: RunFiles, model, m) -> dict | None:

@@ -79,6 +79,7 @@ def _run_all(run: Run, reuse: bool) -> dict:
                                           - timings["evaluate_s"] + result.first_step_s, 2)
     summary = {
         "run_dir": rd.where, "accuracy": ev["metrics"]["accuracy"], "macro_f1": ev["metrics"]["macro_f1"],
+        **({"micro_f1": ev["metrics"]["micro_f1"]} if "micro_f1" in ev["metrics"] else {}),
         "timings": timings, "model_dir": rd.home(rd.model), "report": rd.home(rd.report_md),
         "precision": result.precision, "precision_reason": result.precision_reason,
         "workers": cfg.engine.workers, "startup": {**startup, **result.startup},

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from torchloom import tag_scoring
 from torchloom.data.loader import eval_batches, rank_range
 from torchloom.data.packing import pack_batch
 from torchloom.data.texts import to_documents
@@ -60,4 +61,6 @@ def evaluate(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, ba
     logits, labels, index = predict_split(d, model, manifest, split, batch_size, precision, par, packing)
     parts = all_gather_objects(d, (logits, labels, index))
     probs, labels, _ = to_documents(manifest, split, *(np.concatenate([part[i] for part in parts]) for i in range(3)))
+    if manifest.multi_label:  # at 0.5: the thresholds are chosen once training is done (evaluate/run.py)
+        return tag_scoring.evaluation(probs, labels, manifest.labels)
     return classification_metrics(probs, labels, manifest.labels)

@@ -28,6 +28,7 @@ from torchloom.config import Config, batch_multiple, budget, micro_batch_size
 from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
+from torchloom.errors import UserError
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
@@ -41,7 +42,7 @@ from torchloom.train.parallelize import COMPILE_PAD, compiled_graphs, paralleliz
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
 from torchloom.train.resume import Checkpointing
-from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything
+from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything, tag_loss
 
 WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds after their first batch
 # A shuffle window spans shuffle_buffer / batch_size global batches (data/loader.py); with a large global
@@ -80,9 +81,13 @@ class Trainer(Checkpointing):
             self.tc = budget.resolve(replace(cfg, train=self.tc), self.manifest.num_labels,
                                      self.manifest.split("train").rows, self.manifest.tokenizer.get("max_length")
                                      or 128, batch_multiple(self.tc, d.world_size))[0].train
+        if self.manifest.multi_label and self.tc.strategy == "pipeline":
+            raise UserError("train.strategy pipeline: not for a multi-label run yet (its last stage computes"
+                            " cross-entropy); use ddp or fsdp")
         seed_everything(self.tc.seed)
         t = time.perf_counter()
-        self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout)
+        self.model = build_classifier(model_path(cfg.model.path), self.manifest.labels, cfg.model.attention_dropout,
+                                      multi_label=self.manifest.multi_label)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off
         self.clock = StepClock(d.device, flops_shape(self.model))  # the whole model's shape, before it is spread
         self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
@@ -253,7 +258,10 @@ class Trainer(Checkpointing):
                     attention_mask=batch["attention_mask"].to(d.device, non_blocking=True),
                 ).logits
         labels = batch["labels"].to(d.device, non_blocking=True)
-        summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
+        if self.manifest.multi_label:
+            summed = tag_loss(logits.float(), labels, self.loss_weights)
+        else:
+            summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
         loss = summed * loss_scale
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         return summed

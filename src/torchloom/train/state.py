@@ -36,12 +36,31 @@ def seed_everything(seed: int) -> None:
 
 
 def class_weights(manifest: Manifest, mode: str, device: torch.device) -> torch.Tensor | None:
+    """The loss's weights: per class for a single-label run; a multi-label run's positive weights per tag
+    (negatives / positives of its train rows: a rare tag's few positives weigh as much as its many negatives)."""
     if mode == "none":
         return None
     counts = manifest.split("train").per_class
+    if manifest.multi_label:
+        split = manifest.split("train")
+        texts = split.documents or split.rows
+        n = np.array([max(1, counts.get(label, 0)) for label in manifest.labels], dtype=np.float64)
+        return torch.tensor(np.maximum(texts - n, 1.0) / n, dtype=torch.float32, device=device)
     n = np.array([max(1, counts.get(label, 0)) for label in manifest.labels], dtype=np.float64)
     # "balanced" as in scikit-learn: n_samples / (n_classes * n_c).
     return torch.tensor(n.sum() / (len(n) * n), dtype=torch.float32, device=device)
+
+
+def tag_loss(logits: torch.Tensor, masks: torch.Tensor, pos_weight: torch.Tensor | None) -> torch.Tensor:
+    """A multi-label batch's summed loss: each row's mean binary cross-entropy over the tags, summed over the rows
+    (a filler row's negative id left out), as cross-entropy is summed for a single-label batch."""
+    import torch.nn.functional as F
+
+    valid = masks >= 0
+    bits = torch.arange(logits.shape[1], device=masks.device, dtype=torch.int64)
+    targets = ((masks[valid].unsqueeze(1) >> bits) & 1).to(logits.dtype)
+    per_tag = F.binary_cross_entropy_with_logits(logits[valid], targets, pos_weight=pos_weight, reduction="none")
+    return per_tag.mean(dim=1).sum()
 
 
 def better(metric: str, new: float, best: float | None) -> bool:

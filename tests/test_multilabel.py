@@ -1,0 +1,144 @@
+"""Multi-label runs end to end (issue 62): a JSON lines file whose labels are lists of tags, with the defaults
+(data.task auto), through `torchloom run` in this process (the shared SparkSession, a tiny random model): prepare
+reads the tags and stratifies the split on each row's rarest tag, training runs a sigmoid head with binary
+cross-entropy, export chooses the thresholds on val, evaluate reports the tagger's metrics, and predict, file
+scoring and the REST server answer with the tags over their thresholds. Bad tag columns are one line with
+nothing written. About 60 s on 2 cores (one run, one server)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from torchloom import cli
+from torchloom.manifest import read as read_manifest
+
+pytest.importorskip("pyspark")
+
+WORDS = {"sport": "match goal team league", "money": "bank market shares profit", "film": "movie actor cinema scene",
+         "tech": "software chip computer network", "food": "recipe cook kitchen taste"}
+UNTAGGED = 3
+
+
+def tagged_rows(n: int, seed: int = 0) -> list[dict]:
+    """Texts whose words give their tags away: one to three tags a text, and a few texts with none."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        chosen = rng.sample(list(WORDS), rng.choice([1, 1, 2, 2, 3]))
+        text = " ".join(rng.choice(WORDS[t].split()) for t in chosen for _ in range(3)) + f" row {i}"
+        rows.append({"text": text, "tags": chosen})
+    return rows + [{"text": f"nothing here at all {i}", "tags": []} for i in range(UNTAGGED)]
+
+
+def write_jsonl(path: Path, rows: list[dict], column: str = "tags") -> Path:
+    path.write_text("".join(json.dumps({"text": r["text"], column: r["tags"]}) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tagged_run(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
+    tmp = tmp_path_factory.mktemp("multilabel")
+    rows = tagged_rows(360)
+    data = write_jsonl(tmp / "tags.jsonl", rows)
+    out = tmp / "run"
+    code = cli.main(["run", "--data.path", str(data), "--data.label_column", "tags", "--model.path", tiny_model_dir,
+                     "--output.dir", str(out), "--engine.workers", "1", "--train.epochs", "6", "--train.lr", "3e-3",
+                     "--train.batch_size", "16", "--tracking.enabled", "false", "--eval.baseline", "false"])
+    assert code == 0
+    return out, rows
+
+
+def test_prepare_reads_tag_lists_and_keeps_every_tag_in_every_split(tagged_run):
+    out, rows = tagged_run
+    m = read_manifest(out)
+    assert m.task == "multi_label" and m.labels == sorted(WORDS)
+    assert m.counts["rows_rejected"]["no_tags"] == UNTAGGED  # set aside with a reason, counted
+    for name in ("train", "val", "test"):  # stratified on the rarest tag: every tag in every split
+        assert all(n > 0 for n in m.tags["per_split"][name].values()), (name, m.tags)
+        assert m.splits[name].per_class == m.tags["per_split"][name]
+    assert 1.5 < m.tags["cardinality"]["train"] < 2.2
+    truth = {r["text"]: sorted(r["tags"]) for r in rows}
+    table = pq.read_table(m.shard_uri(m.splits["train"].shards[0]), columns=["text", "label_id"])
+    for text, mask in zip(table.column("text").to_pylist(), table.column("label_id").to_pylist(), strict=True):
+        assert [t for i, t in enumerate(m.labels) if mask >> i & 1] == truth[text]
+
+
+def test_the_tagger_is_exported_with_thresholds_chosen_on_val_and_reported(tagged_run):
+    out, _ = tagged_run
+    info = json.loads((out / "model" / "torchloom.json").read_text())
+    assert info["task"] == "multi_label" and info["thresholds"]["at_least_one"] is True
+    assert 0.05 <= info["thresholds"]["default"] <= 0.95
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["problem_type"] == "multi_label_classification"  # from_pretrained users get sigmoid
+    report = json.loads((out / "report.json").read_text())
+    metrics = report["metrics"]
+    assert metrics["task"] == "multi_label" and set(metrics["per_class"]) == set(WORDS)
+    for key in ("micro_f1", "macro_f1", "samples_f1", "hamming_loss", "subset_accuracy"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["micro_f1"] > 0.5, metrics  # the words give the tags away
+    assert {"thresholds_plot", "cooccurrence_plot"} <= set(report["files"])
+    assert "## Per tag" in (out / "report.md").read_text()
+    wrong = [json.loads(line) for line in (out / "misclassified.jsonl").read_text().splitlines()]
+    assert all(isinstance(w["true"], list) and isinstance(w["predicted"], list) for w in wrong)
+
+
+def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tagged_run, tmp_path):
+    from support.served import Server
+
+    from torchloom.model.predict import Predictor
+    from torchloom.serve.score_files import predict_local
+
+    out, _ = tagged_run
+    texts = ["bank shares profit goal team league", "recipe cook kitchen"]
+    got = Predictor(str(out / "model")).predict(texts)
+    for p in got:
+        probs = p["probabilities"]
+        assert abs(sum(probs.values()) - 1.0) > 1e-3 or len(p["labels"]) > 1  # sigmoids, not a softmax
+        assert p["labels"] and p["labels"][0] == p["label"]  # the most probable first; at least one
+        assert sorted(p["labels"], key=lambda t: -probs[t]) == p["labels"]
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    predict_local(str(out / "model"), str(inputs), str(tmp_path / "out.parquet"))
+    scored = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert [r["labels"] for r in scored] == [p["labels"] for p in got]
+    server = Server(str(out / "model"), "--device", "cpu", log_dir=tmp_path)
+    try:
+        r = server.client.post("/v1/predict", json={"texts": texts})
+        assert r.status_code == 200, r.text
+        assert [p["labels"] for p in r.json()["predictions"]] == [p["labels"] for p in got]
+    finally:
+        assert server.terminate() == 0, server.stderr()[-3000:]
+
+
+@pytest.mark.parametrize(("rows", "flags", "message"), [
+    ([{"text": "a b c", "tags": ["x"]}, {"text": "d e f", "tags": "y"}] * 20, [],
+     "some labels are lists of tags"),
+    ([{"text": f"a b {i}", "tags": "x,y" if i % 2 else "z"} for i in range(40)], ["--data.label_delimiter", "|"],
+     "data.label_delimiter '|': occurs in none of"),
+])
+def test_bad_tag_columns_are_one_line_and_nothing_is_written(spark, tiny_model_dir, tmp_path, capsys, rows, flags,
+                                                              message):
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
+    out = tmp_path / "run"
+    code = cli.main(["prepare", "--data.path", str(data), "--data.label_column", "tags", "--model.path",
+                     tiny_model_dir, "--output.dir", str(out), *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (out / "data").exists() or not any((out / "data").iterdir())
+
+
+def test_a_number_column_asked_to_hold_tags_is_one_line(spark, tiny_model_dir, tmp_path, capsys):
+    import pyarrow as pa
+
+    data = tmp_path / "numbers.parquet"
+    pq.write_table(pa.table({"text": [f"a b {i}" for i in range(30)], "label": np.arange(30) % 3}), data)
+    code = cli.main(["prepare", "--data.path", str(data), "--data.task", "multi_label", "--model.path",
+                     tiny_model_dir, "--output.dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds numbers (bigint) where tags belong" in err and "Traceback" not in err, err
