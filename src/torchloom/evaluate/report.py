@@ -17,6 +17,7 @@ import numpy as np
 from torchloom.evaluate.render import cell as _cell
 from torchloom.evaluate.render import figure as _figure
 from torchloom.evaluate.render import fmt as _fmt
+from torchloom.evaluate.render import heatmap
 from torchloom.evaluate.render import png as _png
 from torchloom.jsonio import read_jsonl as read_metrics_jsonl
 from torchloom.jsonio import write_atomic as _atomic_write
@@ -239,12 +240,7 @@ def plot_confusion(confusion: list[list[int]], label_names: list[str]) -> bytes:
     row_totals = counts.sum(axis=1, keepdims=True)
     share = np.divide(counts, row_totals, out=np.zeros(counts.shape), where=row_totals > 0)
     k = len(label_names)
-    size = min(max(4.5, 0.7 * k + 2.5), 24.0)
-    fig, ax = _figure(size, size * 0.85)
-    image = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the true class")
-    ax.set_xticks(range(k), labels=label_names, rotation=45 if k > 3 else 0, ha="right" if k > 3 else "center")
-    ax.set_yticks(range(k), labels=label_names)
+    fig, ax = heatmap(share, label_names, "share of the true class")
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(f"Confusion matrix ({int(counts.sum())} rows)")

@@ -10,7 +10,7 @@ import numpy as np
 
 from torchloom import tag_scoring as ts
 from torchloom.data.texts import texts_at
-from torchloom.evaluate.render import cell, figure, fmt, png
+from torchloom.evaluate.render import cell, figure, fmt, heatmap, png
 from torchloom.manifest import Manifest
 
 
@@ -93,12 +93,7 @@ def plots(metrics: dict[str, Any], labels: list[str]) -> dict[str, bytes]:
     out = {"thresholds.png": png(fig)}
     co = np.asarray(metrics["cooccurrence"], np.float64)
     share = np.divide(co, np.diag(co)[:, None], out=np.zeros_like(co), where=np.diag(co)[:, None] > 0)
-    size = min(max(4.5, 0.6 * k + 2.5), 24.0)
-    fig, ax = figure(size, size * 0.85)
-    image = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
-    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="share of the row tag's texts")
-    ax.set_xticks(range(k), labels=labels, rotation=45 if k > 3 else 0, ha="right" if k > 3 else "center")
-    ax.set_yticks(range(k), labels=labels)
+    fig, ax = heatmap(share, labels, "share of the row tag's texts")
     ax.set_title("Tag co-occurrence (true tags)")
     out["cooccurrence.png"] = png(fig)
     return out
