@@ -112,6 +112,7 @@ def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeyp
         "null_text": 1, "empty_text": 1, "null_label": 1, "invalid_utf8": 1,
         "too_short": 1, "too_long": 1, "conflicting_labels": 2, "class_too_small": 2,
         "unknown_split": 0, "label_not_in_train": 0, "leaked": 0,  # reasons of the user's own split
+        "no_tags": 0, "invalid_tags": 0,  # a multi-label run's
     }
     assert m.counts["duplicates_removed"] == 2
     assert m.counts["rows_kept"] == 37 - 10 - 2 == 25

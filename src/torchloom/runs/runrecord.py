@@ -17,8 +17,8 @@ from torchloom.jsonio import write_json
 from torchloom.runs.rundir import CONFIG_FILE, MANIFEST_FILE, RUN_RECORD, STUDY_FILE, top_names
 
 # The keys manifest.py's Manifest writes (its fields but `root`; tests/test_overwrite.py holds them equal).
-MANIFEST_KEYS = frozenset({"counts", "fingerprint", "format_version", "inputs", "labels", "splits", "timings",
-                           "tokenizer"})
+MANIFEST_KEYS = frozenset({"counts", "fingerprint", "format_version", "inputs", "labels", "splits", "tags", "task",
+                           "timings", "tokenizer"})
 # What may make a directory torchloom's own, so that --overwrite may replace it: a run's config, prepared data's
 # manifest, a study's marker. A name alone proves nothing (a Hugo site has a config.toml, a web app a
 # manifest.json, a Lightning project checkpoints/): each counts only when its content is torchloom's (is_own_file).
