@@ -39,6 +39,26 @@ def test_the_baseline_s_arrays_score_as_scikit_learn_and_survive_a_round_trip(cl
     assert sorted(p.name for p in (tmp_path / "baseline").iterdir()) == ["terms.json", "weights.safetensors"]
 
 
+def test_the_one_vs_rest_baseline_s_arrays_score_each_tag_as_scikit_learn(tmp_path):
+    from sklearn.linear_model import LogisticRegression
+
+    rng = random.Random(7)
+    train = texts(rng, 300)
+    hot = np.array([[("alpha" in t) ^ (i % 7 == 0), "beta" in t, False, True] for i, t in enumerate(train)])
+    vec = baseline_driver.vectorizer()
+    x = vec.fit_transform(train)
+    coef, intercept = baseline_driver.tag_fitter(x, hot)(10.0)  # a tag no text holds, and one every text holds
+    lexical = Lexical([f"tag {j}" for j in range(4)], list(range(4)), baseline_driver._terms(vec), vec.idf_, coef,
+                      intercept, task="multi_label")
+    held_out = texts(rng, 80)
+    got = Lexical.load(lexical.save(tmp_path / "baseline")).probabilities(held_out)
+    for j in (0, 1):  # each tag's own regression, as scikit-learn fits and scores it
+        alone = LogisticRegression(C=10.0, solver="newton-cg", tol=1e-6, max_iter=1000).fit(x, hot[:, j])
+        np.testing.assert_allclose(got[:, j], alone.predict_proba(vec.transform(held_out))[:, 1], rtol=0, atol=1e-6)
+    assert (got[:, 2] < 1e-9).all() and (got[:, 3] > 1 - 1e-9).all()
+    assert not np.allclose(got.sum(axis=1), 1.0)  # each tag on its own: no softmax
+
+
 def test_a_class_the_baseline_never_saw_gets_no_probability():
     lexical = Lexical(["a", "b", "c"], [0, 2], ["word"], np.ones(1), np.array([[2.0]]), np.zeros(1))
     probs = lexical.probabilities(["word word", ""])

@@ -49,7 +49,7 @@ def tagged_run(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp / "run"
     code = cli.main(["run", "--data.path", str(data), "--data.label_column", "tags", "--model.path", tiny_model_dir,
                      "--output.dir", str(out), "--engine.workers", "1", "--train.epochs", "6", "--train.lr", "3e-3",
-                     "--train.batch_size", "16", "--tracking.enabled", "false", "--eval.baseline", "false"])
+                     "--train.batch_size", "16", "--tracking.enabled", "false"])
     assert code == 0
     return out, rows
 
@@ -86,6 +86,26 @@ def test_the_tagger_is_exported_with_thresholds_chosen_on_val_and_reported(tagge
     assert "## Per tag" in (out / "report.md").read_text()
     wrong = [json.loads(line) for line in (out / "misclassified.jsonl").read_text().splitlines()]
     assert all(isinstance(w["true"], list) and isinstance(w["predicted"], list) for w in wrong)
+
+
+def test_the_one_vs_rest_baseline_is_fitted_and_the_shipped_mix_is_never_worse_on_val(tagged_run):
+    out, _ = tagged_run
+    baseline = json.loads((out / "baseline.json").read_text())
+    assert baseline["task"] == "multi_label" and baseline["name"] == "TF-IDF + one-vs-rest logistic regression"
+    assert baseline["splits"]["test"]["micro_f1"] > 0.8, baseline["splits"]  # the words give the tags away
+    assert [g["C"] for g in baseline["grid"]] == [1.0, 10.0, 100.0, 1000.0]
+    info = json.loads((out / "model" / "torchloom.json").read_text())
+    combine = info["combine"]
+    val = combine["val_micro_f1"]
+    assert combine["metric"] == "micro_f1" and val["shipped"] >= max(val["transformer"], val["baseline"]) - 1e-9
+    assert combine["weight"] == 1.0 or (out / "model" / "baseline" / "terms.json").is_file()
+    report = json.loads((out / "report.json").read_text())
+    cmp = report["baseline"]
+    assert cmp["metric"] == "micro_f1" and cmp["micro_f1"] == baseline["splits"]["test"]["micro_f1"]
+    if combine["weight"] < 1.0:  # the shipped mix, and the transformer alone beside it
+        assert report["metrics"]["transformer"]["micro_f1"] == cmp["transformer_micro_f1"]
+        assert cmp["shipped"]["micro_f1"] == report["metrics"]["micro_f1"]
+    assert "| model | micro F1 | subset accuracy | macro F1 |" in (out / "report.md").read_text()
 
 
 def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tagged_run, tmp_path):

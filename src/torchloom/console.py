@@ -34,10 +34,12 @@ def precision_line(cfg: Config) -> str:
 
 
 def combine_line(combine: dict) -> str:
-    """What export says of the mix: the weight and why, from the val accuracies it was chosen on."""
-    val = combine["val_accuracy"]
-    scores = (f"val accuracy: transformer {val['transformer']:.4f}, baseline {val['baseline']:.4f},"
-              f" shipped {val['shipped']:.4f} on {combine['texts']} texts")
+    """What export says of the mix: the weight and why, from the val scores it was chosen on (accuracy; a
+    multi-label model's micro-F1)."""
+    metric = combine.get("metric", "accuracy")
+    val = combine[f"val_{metric}"]
+    scores = (f"val {'micro-F1' if metric == 'micro_f1' else metric}: transformer {val['transformer']:.4f}, baseline"
+              f" {val['baseline']:.4f}, shipped {val['shipped']:.4f} on {combine['texts']} texts")
     if combine["weight"] >= 1.0:
         return f"ships the transformer alone (the mix with the baseline did not beat it on val; {scores})"
     if combine["weight"] <= 0.0:
@@ -80,6 +82,13 @@ def speed_line(result: TrainResult) -> str:
     return line + (f"; time: {split}" if split else "")
 
 
+def _primary(cmp: dict, who: str = "") -> str:
+    """The comparison's first score: accuracy, or a multi-label run's micro-F1 (named)."""
+    if cmp.get("metric") == "micro_f1":
+        return f"micro-F1 {cmp[who + 'micro_f1']:.4f}"
+    return f"{cmp[who + 'accuracy']:.4f}"
+
+
 def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     """What `torchloom run` prints at the end."""
     timings = summary["timings"]
@@ -97,10 +106,12 @@ def summary_text(summary: dict, split: str, rd: RunDir, tracker) -> str:
     if shipped:  # three rows: what ships (above), the transformer alone, the baseline
         lines[1] += (f"   (shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"
                      " baseline, the weight chosen on val)")
-        lines.append(f"  transformer {cmp['transformer_accuracy']:.4f}   macro-F1 {cmp['transformer_macro_f1']:.4f}")
+        lines.append(f"  transformer {_primary(cmp, 'transformer_')}   macro-F1 {cmp['transformer_macro_f1']:.4f}")
     if cmp:
-        lines.append(f"  baseline {cmp['accuracy']:.4f}   macro-F1 {cmp['macro_f1']:.4f}   ({cmp['name']};"
-                     f" the transformer {cmp['accuracy_gain'] * 100:+.1f} points of accuracy)")
+        key = cmp.get("metric", "accuracy")
+        lines.append(f"  baseline {_primary(cmp)}   macro-F1 {cmp['macro_f1']:.4f}   ({cmp['name']};"
+                     f" the transformer {cmp[f'{key}_gain'] * 100:+.1f} points of"
+                     f" {'micro-F1' if key == 'micro_f1' else 'accuracy'})")
     if summary.get("verdict"):
         lines.append(f"  note    {summary['verdict']}")
     if summary.get("data", {}).get("path"):

@@ -11,7 +11,9 @@ exported model that ships the mix):
 
 The rules are scikit-learn's TfidfVectorizer(lowercase, token_pattern TOKEN_PATTERN, ngram_range (1, 2),
 sublinear_tf, smooth idf, norm l2) and LogisticRegression.predict_proba (the softmax of the decision function;
-with two classes, the logistic of its one column). tests/test_mix.py holds the two equal to 1e-9.
+with two classes, the logistic of its one column). A multi-label baseline (task "multi_label", terms.json) is one
+logistic regression per tag: coef [K, F] and intercept [K], each tag's probability the logistic of its own
+column. tests/test_mix.py holds them equal to scikit-learn's to 1e-9.
 
 numpy only (safetensors' numpy half, when reading or writing), nothing from torchloom: every layer may use it.
 """
@@ -34,11 +36,13 @@ WEIGHTS_FILE = "weights.safetensors"
 
 
 class Lexical:
-    """A fitted TF-IDF + logistic regression; `probabilities(texts)` gives [N, len(labels)] float64."""
+    """A fitted TF-IDF + logistic regression; `probabilities(texts)` gives [N, len(labels)] float64. task
+    "multi_label": one regression per tag (classes: every label, in order), each probability on its own."""
 
     def __init__(self, labels: list[str], classes: list[int], terms: list[str], idf: np.ndarray,
-                 coef: np.ndarray, intercept: np.ndarray) -> None:
+                 coef: np.ndarray, intercept: np.ndarray, task: str = "single_label") -> None:
         self.labels, self.classes = list(labels), np.asarray(classes, dtype=np.int64)
+        self.task = task
         self.index = {term: i for i, term in enumerate(terms)}
         self.idf = np.asarray(idf, dtype=np.float64)
         self.coef = np.asarray(coef, dtype=np.float64)
@@ -70,6 +74,10 @@ class Lexical:
     def probabilities(self, texts: list[str]) -> np.ndarray:
         """Each text's class probabilities, columns in `labels` order (a class the baseline never saw: 0)."""
         d = self.decision(texts)
+        if self.task == "multi_label":
+            probs = np.zeros((len(texts), len(self.labels)), np.float64)
+            probs[:, self.classes] = 1.0 / (1.0 + np.exp(-np.clip(d, -60.0, 60.0)))
+            return probs
         if d.shape[1] == 1:  # two classes: one column, the logistic of it is the second class's
             p1 = 1.0 / (1.0 + np.exp(-d[:, 0]))
             seen = np.stack([1.0 - p1, p1], axis=1)
@@ -88,7 +96,8 @@ class Lexical:
         directory.mkdir(parents=True, exist_ok=True)
         terms = sorted(self.index, key=self.index.__getitem__)
         (directory / TERMS_FILE).write_text(json.dumps(
-            {"format": FORMAT, "labels": self.labels, "classes": self.classes.tolist(), "terms": terms},
+            {"format": FORMAT, "labels": self.labels, "classes": self.classes.tolist(), "terms": terms,
+             "task": self.task},
             ensure_ascii=False), encoding="utf-8")
         # contiguous: scikit-learn's coef_ may be column-major, and safetensors writes the buffer as it lies
         save_file({k: np.ascontiguousarray(v) for k, v in (("idf", self.idf), ("coef", self.coef),
@@ -106,7 +115,7 @@ class Lexical:
             raise ValueError(f"{directory / TERMS_FILE}: not a {FORMAT} baseline")
         arrays = load_file(str(directory / WEIGHTS_FILE))
         return cls(meta["labels"], meta["classes"], meta["terms"], arrays["idf"], arrays["coef"],
-                   arrays["intercept"])
+                   arrays["intercept"], meta.get("task", "single_label"))
 
     @staticmethod
     def exists(directory: str | Path) -> bool:

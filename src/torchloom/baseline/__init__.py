@@ -13,6 +13,9 @@ Two paths fit the same model (tests/test_baseline.py holds them to the same pred
   fit and the scoring are jobs on the executors and only confusion counts come back (baseline_spark.py).
 `eval.baseline_engine` (auto, driver, spark) picks one; auto goes by the train split's size.
 
+A multi-label run's baseline is one-vs-rest (a binary logistic regression per tag on the same features, C chosen
+by val micro-F1, the thresholds by the transformer's rule on val); the driver path fits it, the Spark path not yet.
+
 Neither scikit-learn nor MLlib offers more for text than sparse linear models on bag-of-words features: no
 contextual model, no fine-tuning of a pretrained network, no GPU; that is what the transformer is for.
 The baseline is there to say whether the transformer earned its cost on this data.
@@ -37,12 +40,15 @@ from torchloom.errors import UserError
 from torchloom.manifest import Manifest
 
 __all__ = ["C_GRID", "DEFAULT_C", "DESCRIPTION", "ENGINES", "ENGINE_NAMES", "MAX_FEATURES", "MIN_DF", "NAME",
-           "Fitted", "choose_c", "engine_for", "fit_and_score", "has_val", "scores", "summary_line",
-           "train_texts"]
+           "TAGS_NAME", "Fitted", "choose_c", "engine_for", "fit_and_score", "has_val", "name_of", "scores",
+           "summary_line", "train_texts"]
 
 NAME = "TF-IDF + logistic regression"
 DESCRIPTION = ("word 1-2-grams (in 2+ train texts, at most 300,000), sublinear TF-IDF, unit length; multinomial"
                " logistic regression, C chosen on val")
+TAGS_NAME = "TF-IDF + one-vs-rest logistic regression"
+TAGS_DESCRIPTION = ("word 1-2-grams (in 2+ train texts, at most 300,000), sublinear TF-IDF, unit length; a logistic"
+                    " regression per tag, C chosen by val micro-F1, thresholds chosen on val")
 ENGINES = ("auto", "driver", "spark")
 ENGINE_NAMES = {"driver": "scikit-learn on the driver", "spark": "Spark MLlib"}
 # auto: scikit-learn on the driver up to here, Spark beyond. One process's memory and time grow with the
@@ -55,6 +61,11 @@ def engine_for(manifest: Manifest, requested: str = "auto") -> str:
     """driver or spark: the requested one, or (auto) driver while the train split is within the driver's line."""
     if requested not in ENGINES:
         raise UserError(f"eval.baseline_engine {requested!r}: not one of {', '.join(ENGINES)}")
+    if manifest.multi_label:
+        if requested == "spark":
+            raise UserError("eval.baseline_engine spark: the multi-label (one-vs-rest) baseline runs on the driver"
+                            " only yet; use --eval.baseline_engine auto or driver")
+        return "driver"
     if requested != "auto":
         return requested
     if train_texts(manifest) > DRIVER_MAX_TEXTS:
@@ -73,6 +84,10 @@ def text_bytes(manifest: Manifest, split: str) -> int:
         column = meta.schema.names.index("text")
         total += sum(meta.row_group(i).column(column).total_uncompressed_size for i in range(meta.num_row_groups))
     return total
+
+
+def name_of(manifest: Manifest) -> str:
+    return TAGS_NAME if manifest.multi_label else NAME
 
 
 def scores(confusion: list[list[int]]) -> dict[str, Any]:
@@ -94,9 +109,13 @@ def scores(confusion: list[list[int]]) -> dict[str, Any]:
 def summary_line(result: dict[str, Any]) -> str:
     """The line the baseline stage prints: its scores, the chosen C and where it came from, the time."""
     scored = ", ".join(f"{k} accuracy {v['accuracy']:.4f}" for k, v in result["splits"].items())
+    if result.get("task") == "multi_label":
+        scored = ", ".join(f"{k} micro-F1 {v['micro_f1']:.4f} (macro {v['macro_f1']:.4f})"
+                           for k, v in result["splits"].items())
+    key = "val_micro_f1" if result.get("task") == "multi_label" else "val_accuracy"
     if result["grid"]:
-        grid = ", ".join(f"{g['C']:g}: {g['val_accuracy']:.4f}" for g in result["grid"])
-        chosen = f"C={result['C']:g} chosen on val (val accuracy by C: {grid})"
+        grid = ", ".join(f"{g['C']:g}: {g[key]:.4f}" for g in result["grid"])
+        chosen = f"C={result['C']:g} chosen on val (val {'micro-F1' if 'micro' in key else 'accuracy'} by C: {grid})"
     else:
         chosen = f"C={result['C']:g}, the default: no val rows to choose on"
     return f"{scored}; {chosen}; {result['num_features']} features ({result['seconds']:.0f} s)"
@@ -122,11 +141,14 @@ def fit_and_score(spark, manifest: Manifest, splits: list[str], engine: str = "a
 
         fitted = baseline_spark.fit(spark, manifest, wanted)
     return {
-        "name": NAME, "description": DESCRIPTION, "fingerprint": manifest.fingerprint,
+        "name": name_of(manifest), "fingerprint": manifest.fingerprint,
+        "description": TAGS_DESCRIPTION if manifest.multi_label else DESCRIPTION,
         "engine": fitted.engine, "C": fitted.c,
         "C_from": "val" if fitted.grid else f"default (no val rows to choose on; grid {list(C_GRID)})",
         "grid": fitted.grid, "train_rows": train_texts(manifest), "num_features": fitted.num_features,
         "fit_s": round(fitted.fit_s, 2), "seconds": round(time.perf_counter() - started, 2),
-        "splits": {split: scores(m) for split, m in fitted.confusion.items()},
+        "splits": fitted.metrics or {split: scores(m) for split, m in fitted.confusion.items()},
+        **({"task": "multi_label", "thresholds": next(iter(fitted.metrics.values()))["thresholds"]}
+           if fitted.metrics else {}),
         "lexical": fitted.lexical,  # not JSON: the caller saves it as files (lexical.Lexical.save) and drops it
     }

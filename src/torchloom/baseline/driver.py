@@ -1,7 +1,9 @@
 """The baseline with scikit-learn on the driver: the prepared splits read with pyarrow, no Spark.
 
 The model is baseline/__init__.py's: TfidfVectorizer (word 1-2-grams, min_df 2, at most 300,000 terms,
-sublinear tf, smoothed idf, L2 unit length) and a LogisticRegression (Newton-CG) per C of the grid.
+sublinear tf, smoothed idf, L2 unit length) and a LogisticRegression (Newton-CG) per C of the grid. A multi-label
+run's (label_id: the text's tag mask) is one-vs-rest: a binary LogisticRegression per tag on the same features,
+C chosen by val micro-F1, the thresholds chosen on val by the transformer's rule (tag_scoring.choose_thresholds).
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def fit(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
 
 
 def _fit(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
+    if manifest.multi_label:
+        return _fit_tags(manifest, splits)
     started = time.perf_counter()
     texts, labels = read_split(manifest, "train")
     vec = vectorizer()
@@ -97,7 +101,76 @@ def _fit(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
 
 def as_lexical(vec, model, labels: list[str]) -> Lexical:
     """The fitted vectorizer and classifier as plain arrays, for the shipped mix (lexical.py scores them)."""
+    return Lexical(labels, model.classes_.tolist(), _terms(vec), vec.idf_, model.coef_, model.intercept_)
+
+
+def _terms(vec) -> list[str]:
     terms = [""] * len(vec.vocabulary_)
     for term, column in vec.vocabulary_.items():
         terms[column] = term
-    return Lexical(labels, model.classes_.tolist(), terms, vec.idf_, model.coef_, model.intercept_)
+    return terms
+
+
+# -- multi-label: one logistic regression per tag ---------------------------------------------------------------
+CONSTANT_LOGIT = 30.0  # a tag all or none of the train texts hold: its probability that, whatever the text
+
+
+def tag_fitter(x, hot: np.ndarray):
+    """fit(C) -> (coef [K, F], intercept [K]): one binary regression per tag, each warm-started along the grid."""
+    models = [classifier(baseline.C_GRID[0], warm_start=True) for _ in range(hot.shape[1])]
+
+    def fit(c: float) -> tuple[np.ndarray, np.ndarray]:
+        coef, intercept = np.zeros((hot.shape[1], x.shape[1])), np.zeros(hot.shape[1])
+        for j, model in enumerate(models):
+            positives = int(hot[:, j].sum())
+            if 0 < positives < len(hot):
+                model.set_params(C=c).fit(x, hot[:, j])
+                coef[j], intercept[j] = model.coef_[0], model.intercept_[0]
+            else:
+                intercept[j] = CONSTANT_LOGIT if positives else -CONSTANT_LOGIT
+        return coef, intercept
+
+    return fit
+
+
+def tag_probabilities(model: tuple[np.ndarray, np.ndarray], x) -> np.ndarray:
+    coef, intercept = model
+    return 1.0 / (1.0 + np.exp(-np.clip(np.asarray(x @ coef.T) + intercept[None, :], -60.0, 60.0)))
+
+
+def _fit_tags(manifest: Manifest, splits: list[str]) -> baseline.Fitted:
+    from torchloom import tag_scoring as ts
+
+    started, labels = time.perf_counter(), manifest.labels
+    at_least_one = not manifest.tags.get("keep_untagged", False)
+    texts, masks = read_split(manifest, "train")
+    vec = vectorizer()
+    x_train = vec.fit_transform(texts)
+    features = {}
+    for split in dict.fromkeys(["val", *splits]):
+        if split == "train":
+            features[split] = (x_train, masks)
+        elif split != "val" or baseline.has_val(manifest):
+            texts, split_masks = read_split(manifest, split)
+            features[split] = (vec.transform(texts), split_masks)
+
+    def chosen(model) -> ts.Thresholds:
+        x_val, val_masks = features["val"]
+        return ts.choose_thresholds(tag_probabilities(model, x_val), ts.multi_hot(val_masks, len(labels)),
+                                    at_least_one=at_least_one)
+
+    def val_micro_f1(model) -> float:
+        x_val, val_masks = features["val"]
+        probs = tag_probabilities(model, x_val)
+        return ts.tag_metrics(ts.predict(probs, chosen(model)), ts.multi_hot(val_masks, len(labels)),
+                              labels)["micro_f1"]
+
+    c, model, grid = baseline.choose_c(tag_fitter(x_train, ts.multi_hot(masks, len(labels))),
+                                       val_micro_f1 if "val" in features else None, key="val_micro_f1")
+    thresholds = chosen(model) if "val" in features else ts.Thresholds(0.5, at_least_one=at_least_one)
+    metrics = {s: ts.evaluation(tag_probabilities(model, features[s][0]), features[s][1], labels, thresholds)
+               for s in splits}
+    return baseline.Fitted(engine="driver", c=c, grid=grid, num_features=x_train.shape[1],
+                           fit_s=time.perf_counter() - started, metrics=metrics,
+                           lexical=Lexical(labels, list(range(len(labels))), _terms(vec), vec.idf_, model[0],
+                                           model[1], task="multi_label"))

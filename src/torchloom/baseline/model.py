@@ -27,8 +27,9 @@ TOL = 1e-6
 
 @dataclass
 class Fitted:
-    """What either path hands back: the chosen C, each C's val accuracy, and the chosen model's confusion
-    matrix (rows true, columns predicted) per scored split."""
+    """What either path hands back: the chosen C, each C's val score, and the chosen model's confusion
+    matrix (rows true, columns predicted) per scored split; a multi-label fit, its metrics per scored split
+    (tag_scoring.evaluation's, with the thresholds it chose on val) in place of the confusion matrices."""
 
     engine: str
     c: float
@@ -37,6 +38,7 @@ class Fitted:
     confusion: dict[str, list[list[int]]] = field(default_factory=dict)
     fit_s: float = 0.0
     lexical: Any = None  # the chosen model as plain arrays (lexical.Lexical), where its path can give them
+    metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # multi-label: per scored split
 
 
 def train_texts(manifest: Manifest) -> int:
@@ -44,16 +46,18 @@ def train_texts(manifest: Manifest) -> int:
     return split.documents or split.rows
 
 
-def choose_c(fit: Callable[[float], Any], val_accuracy: Callable[[Any], float] | None) -> tuple[float, Any, list]:
-    """Fit each C of C_GRID and keep the one with the best val accuracy (the smaller C on a tie); without
-    val rows (val_accuracy None) fit DEFAULT_C alone. Returns (C, its model, [{C, val_accuracy}])."""
+def choose_c(fit: Callable[[float], Any], val_accuracy: Callable[[Any], float] | None, key: str = "val_accuracy"
+             ) -> tuple[float, Any, list]:
+    """Fit each C of C_GRID and keep the one with the best val score (accuracy; a multi-label fit's micro-F1, `key`
+    val_micro_f1), the smaller C on a tie; without val rows (val_accuracy None) fit DEFAULT_C alone. Returns
+    (C, its model, [{C, key}])."""
     if val_accuracy is None:
         return DEFAULT_C, fit(DEFAULT_C), []
     best, grid = None, []
     for c in C_GRID:
         model = fit(c)
         accuracy = val_accuracy(model)
-        grid.append({"C": c, "val_accuracy": accuracy})
+        grid.append({"C": c, key: accuracy})
         if best is None or accuracy > best[2]:
             best = (c, model, accuracy)
     return best[0], best[1], grid

@@ -50,9 +50,14 @@ def comparison(metrics: dict[str, Any], baseline: dict[str, Any], split: str) ->
         "accuracy_gain": transformer["accuracy"] - scores["accuracy"],
         "macro_f1_gain": transformer["macro_f1"] - scores["macro_f1"],
     }
+    if "micro_f1" in scores:  # a multi-label run: micro-F1 says who is ahead (accuracy is every tag right)
+        out.update({"metric": "micro_f1", "micro_f1": scores["micro_f1"],
+                    "transformer_micro_f1": transformer["micro_f1"],
+                    "micro_f1_gain": transformer["micro_f1"] - scores["micro_f1"]})
     if "transformer" in metrics:
         out["shipped"] = {"accuracy": metrics["accuracy"], "macro_f1": metrics["macro_f1"],
-                          "weight": metrics.get("mix_weight")}
+                          "weight": metrics.get("mix_weight"),
+                          **({"micro_f1": metrics["micro_f1"]} if "micro_f1" in metrics else {})}
     return out
 
 
@@ -84,13 +89,16 @@ def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -
 
 
 def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | None) -> str | None:
-    """One line when the transformer's accuracy is not above the baseline's; None when it is."""
-    if cmp["accuracy_gain"] > 0:
+    """One line when the transformer's accuracy (a multi-label run's micro-F1) is not above the baseline's; None
+    when it is."""
+    key = cmp.get("metric", "accuracy")
+    name = "micro-F1" if key == "micro_f1" else key
+    if cmp[f"{key}_gain"] > 0:
         return None
-    how = "ties with" if cmp["accuracy_gain"] == 0 else "trails"
+    how = "ties with" if cmp[f"{key}_gain"] == 0 else "trails"
     shipped = cmp.get("shipped")
-    mixed = (f"; so the model shipped mixes them ({shipped['weight']:.2f} x the transformer), accuracy"
-             f" {shipped['accuracy']:.4f}" if shipped else "")
-    return (f"the transformer {how} the {cmp['name']} baseline on {cmp['split']} (accuracy"
-            f" {cmp['accuracy'] + cmp['accuracy_gain']:.4f} against {cmp['accuracy']:.4f}){mixed}; likely cause:"
+    mixed = (f"; so the model shipped mixes them ({shipped['weight']:.2f} x the transformer), {name}"
+             f" {shipped[key]:.4f}" if shipped else "")
+    return (f"the transformer {how} the {cmp['name']} baseline on {cmp['split']} ({name}"
+            f" {cmp[key] + cmp[f'{key}_gain']:.4f} against {cmp[key]:.4f}){mixed}; likely cause:"
             f" {likely_cause(manifest, cmp['split'], train)}")

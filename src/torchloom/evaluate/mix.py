@@ -56,12 +56,46 @@ def choose_combine(combine: str, scored, manifest: Manifest, baseline_dir: Path)
 
 def shipped_weight(combine: str, best: float, by_weight: dict[float, dict[str, float]], texts: int) -> float:
     """The weight export ships: `best` (choose_weight's on val), but for auto the transformer alone where the mix
-    is not clearly better there (MIN_GAIN_TEXTS) and the transformer does not trail the baseline."""
+    is not clearly better there (MIN_GAIN_TEXTS of `texts`: a multi-label mix's micro-F1 counts true tags) and the
+    transformer does not trail the baseline."""
     alone, baseline = by_weight[1.0]["accuracy"], by_weight[0.0]["accuracy"]
     gained = round((by_weight[best]["accuracy"] - alone) * texts)
     if combine == "auto" and gained < MIN_GAIN_TEXTS and alone >= baseline:
         return 1.0  # nothing more to serve for a gain that one text of val could make
     return best
+
+
+def choose_tag_combine(combine: str, probs: np.ndarray, masks: np.ndarray, index: np.ndarray, manifest: Manifest,
+                       baseline_dir: Path) -> tuple[dict[str, Any] | None, np.ndarray]:
+    """A multi-label model's choose_combine: (torchloom.json's "combine" or None, the shipped val probabilities).
+    Each weight of MIX_GRID is scored by val micro-F1 with thresholds chosen for that mix by the rule the shipped
+    model's are (tag_scoring.choose_thresholds); auto ships a mix that gains MIN_GAIN_TEXTS true tags' worth of
+    micro-F1 over the transformer alone, or any where the baseline beats the transformer on val."""
+    if combine == "off" or not Lexical.exists(baseline_dir) or not len(probs):
+        return None, probs
+    from torchloom import tag_scoring as ts
+    from torchloom.scoring import MIX_GRID
+
+    lexical = Lexical.load(baseline_dir).probabilities(split_texts(manifest, "val", index))
+    truth = ts.multi_hot(masks, len(manifest.labels))
+    at_least_one = not manifest.tags.get("keep_untagged", False)
+    grid, alone = [], None
+    for w in MIX_GRID:
+        p = mix(probs, lexical, w)
+        chosen = ts.choose_thresholds(p, truth, at_least_one=at_least_one)
+        alone = chosen if w == 1.0 else alone
+        m = ts.tag_metrics(ts.predict(p, chosen), truth, manifest.labels)
+        grid.append({"weight": w, "micro_f1": m["micro_f1"], "macro_f1": m["macro_f1"]})
+    best = max(grid, key=lambda r: (r["micro_f1"], r["weight"]))["weight"]
+    by_weight = {row["weight"]: {**row, "accuracy": row["micro_f1"]} for row in grid}
+    weight = shipped_weight(combine, best, by_weight, int(truth.sum()))
+    record = {"weight": weight, "baseline": "baseline", "chosen_on": "val", "texts": int(len(probs)),
+              "metric": "micro_f1",
+              "val_micro_f1": {"transformer": by_weight[1.0]["micro_f1"], "baseline": by_weight[0.0]["micro_f1"],
+                               "shipped": by_weight[weight]["micro_f1"]},
+              "transformer_thresholds": alone.record(manifest.labels),  # its own, for the comparison in evaluate
+              "grid": [{k: round(v, 6) for k, v in row.items()} for row in grid]}
+    return record, mix(probs, lexical, weight)
 
 
 def shipped_probabilities(model_dir: str, manifest: Manifest, split: str, probs: np.ndarray, index: np.ndarray

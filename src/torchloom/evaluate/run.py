@@ -46,22 +46,27 @@ def evaluate_model_dir(cfg: Config, model_dir: str, manifest) -> tuple[dict, lis
     """The shipped model's metrics on eval.split of the prepared data `manifest` (with the mix, "transformer" holds
     the transformer's alone)."""
     from torchloom.evaluate.mix import shipped_probabilities
+    from torchloom.model.export import read_export_info
 
     probs, labels, index = score_split(cfg, model_dir, manifest)
+    probs, alone = shipped_probabilities(model_dir, manifest, cfg.eval.split, probs, index)
+    info = read_export_info(model_dir)
     if manifest.multi_label:
         from torchloom.evaluate import tags
-        from torchloom.model.export import read_export_info
 
-        return tags.evaluate(probs, labels, index, manifest, cfg.eval.split,
-                             read_export_info(model_dir).get("thresholds"), cfg.eval.misclassified_limit)
-    probs, alone = shipped_probabilities(model_dir, manifest, cfg.eval.split, probs, index)
+        metrics, mistakes = tags.evaluate(probs, labels, index, manifest, cfg.eval.split, info.get("thresholds"),
+                                          cfg.eval.misclassified_limit)
+        if alone is not None:  # the transformer alone, at the thresholds chosen for it alone on val
+            own = info["combine"].get("transformer_thresholds") or info.get("thresholds")
+            transformer, _ = tags.evaluate(alone, labels, index, manifest, cfg.eval.split, own, 0)
+            metrics["transformer"] = {k: transformer[k] for k in ("accuracy", "macro_f1", "micro_f1")}
+            metrics["mix_weight"] = float(info["combine"]["weight"])
+        return metrics, mistakes
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)
     if alone is not None:
-        from torchloom.model.export import read_export_info
-
         transformer = classification_metrics(alone, labels, manifest.labels)
         metrics["transformer"] = {k: transformer[k] for k in ("accuracy", "macro_f1")}
-        metrics["mix_weight"] = float(read_export_info(model_dir)["combine"]["weight"])
+        metrics["mix_weight"] = float(info["combine"]["weight"])
     pred = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
     wrong = np.nonzero(pred != labels)[0]
     # Most confident mistakes first: those are the ones worth reading.

@@ -33,17 +33,13 @@ def baseline_stage(run: Run) -> dict | None:
     files.ensure(rd.data)
     deletable(files.tree(), "output.dir", cfg.inputs(), under="baseline")  # its arrays are replaced below
     m = manifest_mod.read(rd.data)
-    if m.multi_label:
-        say("baseline: none for a multi-label run yet (TF-IDF + one-vs-rest logistic regression is planned); the"
-            " model ships alone")
-        return None
     how, started = "the baseline", False
     try:
         engine = baseline.engine_for(m, cfg.eval.baseline_engine)
         how = baseline.ENGINE_NAMES[engine]
         if engine == "spark" and not runs_on_this_machine(cfg.prepare.spark_master):
             m = files.streamed(m)  # a cluster's executors read the shards from the store, not our copy
-        say(f"baseline: {baseline.NAME} ({how}) on the train split's {baseline.train_texts(m)} texts")
+        say(f"baseline: {baseline.name_of(m)} ({how}) on the train split's {baseline.train_texts(m)} texts")
         if spark is None and engine == "spark":
             from torchloom.etl.session import get_spark
 
@@ -70,7 +66,7 @@ def baseline_stage(run: Run) -> dict | None:
     say(f"baseline: {baseline.summary_line(result)}")
     if tracker is not None:
         tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in result["splits"].items()
-                             for metric in ("accuracy", "macro_f1")})
+                             for metric in ("accuracy", "macro_f1", "micro_f1") if metric in v})
     return result
 
 

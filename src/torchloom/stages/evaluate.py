@@ -53,7 +53,7 @@ def evaluate_stage(run: Run, extra: dict | None = None, announce: bool = True) -
         tracker.log_artifact(rd.report_md)
         tracker.log_artifact(rd.report_json)
         tracker.log_artifact(rd.plots, "plots")
-    against = f" (baseline {cmp['accuracy']:.4f}, {cmp['macro_f1']:.4f})" if cmp else ""
+    against = f" (baseline {cmp[cmp.get('metric', 'accuracy')]:.4f}, {cmp['macro_f1']:.4f})" if cmp else ""
     scores = (f"micro-F1 {metrics['micro_f1']:.4f}, macro-F1 {metrics['macro_f1']:.4f}, subset accuracy"
               f" {metrics['accuracy']:.4f}" if metrics.get("task") == "multi_label" else
               f"accuracy {metrics['accuracy']:.4f}, macro-F1 {metrics['macro_f1']:.4f}")

@@ -35,8 +35,7 @@ def export_stage(run: Run) -> dict:
     model = build_classifier(src, m.labels, multi_label=m.multi_label)
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
-    tagged = _thresholds(cfg, model, m) if m.multi_label else None
-    combine = choose_combine(cfg, files, model, m) if tagged is None else None
+    combine, tagged = _tagging(cfg, files, model, m) if m.multi_label else (choose_combine(cfg, files, model, m), None)
     shipped = combine is not None and combine["weight"] < 1.0
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
@@ -121,31 +120,39 @@ def _profile(model_dir: str, m, cfg: Config) -> dict | None:
     return {"texts": len(texts), "splits": splits}
 
 
-def _thresholds(cfg: Config, model, m) -> tuple[dict, str]:
-    """A multi-label model's thresholds, chosen on the val split (evaluate/tags.py), and the line saying so."""
+def _tagging(cfg: Config, files: RunFiles, model, m) -> tuple[dict | None, tuple[dict, str]]:
+    """A multi-label model's mix with the baseline (export.combine, chosen by val micro-F1: evaluate/mix.py) and its
+    thresholds, chosen on the val split for what it ships (evaluate/tags.py), with the line saying so."""
     import numpy as np
 
     from torchloom.evaluate import tags
+    from torchloom.evaluate.mix import choose_tag_combine
     from torchloom.evaluate.run import split_probabilities
 
-    probs, masks, _ = split_probabilities(cfg, model, m, "val") if m.split("val").rows else (np.zeros((0, 1)),) * 3
-    return tags.choose(probs, masks, m)
+    probs, masks, index = split_probabilities(cfg, model, m, "val") if m.split("val").rows else (np.zeros((0, 1)),) * 3
+    combine = None
+    if cfg.export.combine != "off" and _baseline_fitted(files, m):
+        combine, probs = choose_tag_combine(cfg.export.combine, probs, masks, index, m, files.rd.baseline_model)
+    return combine, tags.choose(probs, masks, m)
+
+
+def _baseline_fitted(files: RunFiles, m) -> bool:
+    """Whether the run's baseline (and its arrays, where its path gives them) was fitted on these prepared rows."""
+    rd = files.rd
+    files.ensure(rd.baseline, rd.baseline_model)
+    try:
+        return read_json(rd.baseline).get("fingerprint") == m.fingerprint
+    except (OSError, ValueError):
+        return False
 
 
 def choose_combine(cfg: Config, files: RunFiles, model, m) -> dict | None:
     """export.combine: the transformer's weight in the shipped mix with the baseline, chosen on val (evaluate/mix.py);
     None without a baseline fitted on these prepared rows by the driver."""
-    if cfg.export.combine == "off":
-        return None
-    rd = files.rd
-    files.ensure(rd.baseline, rd.baseline_model)
-    try:
-        fitted_on = read_json(rd.baseline).get("fingerprint")
-    except (OSError, ValueError):
-        fitted_on = None
-    if fitted_on != m.fingerprint:  # no baseline, or one of other rows: the transformer alone
+    if cfg.export.combine == "off" or not _baseline_fitted(files, m):  # no baseline, or one of other rows: alone
         return None
     from torchloom.evaluate.mix import choose_combine as choose
     from torchloom.evaluate.run import split_probabilities
 
-    return choose(cfg.export.combine, lambda: split_probabilities(cfg, model, m, "val"), m, rd.baseline_model)
+    return choose(cfg.export.combine, lambda: split_probabilities(cfg, model, m, "val"), m,
+                  files.rd.baseline_model)

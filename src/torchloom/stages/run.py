@@ -96,7 +96,8 @@ def _run_all(run: Run, reuse: bool) -> dict:
     cmp = ev.get("baseline")
     if cmp:
         summary["baseline"] = {k: cmp[k] for k in ("name", "accuracy", "macro_f1", "accuracy_gain", "macro_f1_gain",
-                                                   "transformer_accuracy", "transformer_macro_f1")}
+                                                   "transformer_accuracy", "transformer_macro_f1", "metric",
+                                                   "micro_f1", "micro_f1_gain", "transformer_micro_f1") if k in cmp}
         if cmp.get("shipped"):
             summary["shipped"] = cmp["shipped"]
         summary["verdict"] = ev.get("verdict")
