@@ -162,3 +162,35 @@ def test_a_number_column_asked_to_hold_tags_is_one_line(spark, tiny_model_dir, t
                      tiny_model_dir, "--output.dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert code == 2 and "holds numbers (bigint) where tags belong" in err and "Traceback" not in err, err
+
+
+def test_one_flag_column_per_tag_is_a_multi_label_run(spark, tiny_model_dir, tmp_path, capsys):
+    import pyarrow as pa
+
+    rng = random.Random(3)
+    n = 90
+    flags = {t: [rng.random() < 0.4 for _ in range(n)] for t in ("sport", "money", "film")}
+    texts = [" ".join(WORDS[t].split()[0] for t in flags if flags[t][i]) + f" text {i}" for i in range(n)]
+    table = pa.table({"body": texts, "sport": [int(v) for v in flags["sport"]], "money": flags["money"],
+                      "film": [("1" if v else "0") for v in flags["film"]]})
+    table = table.set_column(3, "film", pa.array([*table.column("film").to_pylist()[:-1], "maybe"]))
+    pq.write_table(table, tmp_path / "flags.parquet")
+    out = tmp_path / "run"
+    code = cli.main(["prepare", "--data.path", str(tmp_path / "flags.parquet"), "--data.text_column", "body",
+                     "--data.label_columns", "sport, money,film", "--model.path", tiny_model_dir, "--output.dir",
+                     str(out)])
+    assert code == 0
+    m = read_manifest(out)
+    assert m.task == "multi_label" and m.labels == ["film", "money", "sport"]
+    assert m.inputs["label_columns"] == ["sport", "money", "film"]
+    none = sum(not any(flags[t][i] for t in flags) for i in range(n - 1))
+    rejected = m.counts["rows_rejected"]
+    assert rejected["invalid_tags"] == 1 and rejected["no_tags"] == none, rejected  # "maybe" is no flag
+    kept = {t: sum(flags[t][:n - 1]) for t in flags}
+    assert {t: sum(split.per_class[t] for split in m.splits.values()) for t in kept} == kept
+    code = cli.main(["prepare", "--data.path", str(tmp_path / "flags.parquet"), "--data.text_column", "body",
+                     "--data.label_columns", "sport,nope", "--model.path", tiny_model_dir, "--output.dir",
+                     str(tmp_path / "other")])
+    err = capsys.readouterr().err
+    assert code == 2 and "no column 'nope'" in err and "--data.label_columns" in err and "Traceback" not in err, err
+    assert not (tmp_path / "other" / "data").exists()

@@ -28,6 +28,13 @@ class DataConfig:
     task: str = field(default="auto", metadata=choices("auto", "single_label", "multi_label"))
     label_delimiter: str = ""  # multi-label: the character(s) that split a string of tags ("|": "sport|money")
     keep_untagged: bool = False  # multi-label: a row with no tag is kept (a text none apply to), else set aside
+    # multi-label: one 0/1 column per tag, comma-separated names, read in place of label_column (inputs/read.py)
+    label_columns: str = ""
+
+    def label_sources(self) -> list[str]:
+        """The input columns a row's label is read from: label_columns' names, else label_column."""
+        named = [c.strip() for c in self.label_columns.split(",") if c.strip()]
+        return list(dict.fromkeys(named)) or [self.label_column]
     # the encoding CSV, JSON lines and folder files are read in: "auto" (UTF-8, UTF-16 with a BOM, else
     # cp1252 or latin-1, per file: inputs/encoding.py), a Python codec name for every file, or "strict" (UTF-8
     # only; other rows are set aside as invalid_utf8)

@@ -411,6 +411,7 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
         labels=labels, splits=splits, tokenizer=info, fingerprint=fingerprint,
         inputs={"path": job.shown, "format": job.fmt, "text_column": cfg.data.text_column,
                 "label_column": cfg.data.label_column,
+                **({"label_columns": cfg.data.label_sources()} if cfg.data.label_columns else {}),
                 **table_record(job.tables, {"data.path": job.data_path, "data.val_path": cfg.data.val_path,
                                             "data.test_path": cfg.data.test_path}),
                 **({"split_column": cfg.data.split_column, "val_path": job.name(cfg.data.val_path),

@@ -62,10 +62,11 @@ def _quoted(name: str) -> str:
 def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path", sniff: str | None = None):
     """text, label, source[, given] and codec (the encoding a reader chose with inputs/encoding.py, else null).
     sniff: the separator a CSV was read at, to be told (_OtherSeparator) where its header shows another."""
-    from pyspark.sql import functions as F
 
     from torchloom.inputs.store_read import CODEC
 
+    if cfg.label_columns:
+        return _select_flags(df, cfg, path, source, sniff)
     text, label = (column_named(df.columns, c) for c in (cfg.text_column, cfg.label_column))
     missing = [c for c, found in ((cfg.text_column, text), (cfg.label_column, label)) if found is None]
     if missing:
@@ -81,9 +82,17 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
                                                    ("data.label_column", "label", label)) if found is None}
         raise UserError(f"data.path {path}: no column {which}; columns found: {_some(names)};"
                         f" {column_fix(names, keys)}")
+    return _columns(df, cfg, path, source, text, _label(df, cfg, label, path))
+
+
+def _columns(df, cfg: DataConfig, path: str, source: str, text: str, label):
+    from pyspark.sql import functions as F
+
+    from torchloom.inputs.store_read import CODEC
+
     columns = [
         F.col(_quoted(text)).cast("string").alias("text"),
-        _label(df, cfg, label, path).alias("label"),
+        label.alias("label"),
         F.col(source).alias("source"),
         (F.col(CODEC) if CODEC in df.columns else F.lit(None).cast("string")).alias("codec"),
     ]
@@ -95,6 +104,44 @@ def _select(df, cfg: DataConfig, path: str, source: str = "_metadata.file_path",
                             f" {_some(names)}")
         columns.append(F.col(_quoted(given)).cast("string").alias("given"))
     return df.select(*columns)
+
+
+# data.label_columns: the values that set a tag and those that do not (lower-cased, as text; null: not set)
+FLAG_ON = ("1", "1.0", "true")
+FLAG_OFF = ("0", "0.0", "false", "")
+
+
+def _select_flags(df, cfg: DataConfig, path: str, source: str, sniff: str | None):
+    """_select for data.label_columns: the label is the JSON list of the columns a row sets (text/tags.py reads it as
+    tags); a value that is no flag becomes a nested list, which cleaning sets aside as invalid_tags."""
+    import json
+
+    from pyspark.sql import functions as F
+
+    from torchloom.inputs.store_read import CODEC
+
+    if cfg.task == "single_label":
+        raise UserError("data.label_columns: one column per tag makes a multi-label run; leave data.task auto (or"
+                        " multi_label), or give one column with data.label_column")
+    names = [c for c in df.columns if c not in ("_corrupt_record", source, CODEC)]
+    wanted = [cfg.text_column, *cfg.label_sources()]
+    found = {c: column_named(df.columns, c) for c in wanted}
+    missing = [c for c in wanted if found[c] is None]
+    if missing:
+        other = separator_in(names, sniff) if sniff else None
+        if other:
+            raise _OtherSeparator(other)
+        which = ", ".join(f"{c!r}" for c in missing)
+        key = "data.text_column" if missing == [cfg.text_column] else "data.label_columns"
+        raise UserError(f"data.path {path}: no column {which}; columns found: {_some(names)}; check --{key}")
+    parts = []
+    for given in cfg.label_sources():
+        value = F.lower(F.trim(F.col(_quoted(found[given])).cast("string")))
+        parts.append(F.when(value.isNull() | value.isin(*FLAG_OFF), F.lit(None))
+                     .when(value.isin(*FLAG_ON), F.lit(json.dumps(given, ensure_ascii=False)))
+                     .otherwise(F.lit(json.dumps([given], ensure_ascii=False))))  # a nested list: invalid_tags
+    label = F.concat(F.lit("["), F.concat_ws(", ", *parts), F.lit("]"))
+    return _columns(df, cfg, path, source, found[cfg.text_column], label)
 
 
 def _label(df, cfg: DataConfig, label: str, path: str):

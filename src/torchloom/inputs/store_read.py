@@ -79,7 +79,7 @@ def read(spark, cfg, path: str, fmt: str, sep: str = ","):
             raise UserError(f"data.path {storage.redact(uri)}: compressed as {os.path.splitext(uri)[1]}, which this"
                             " reader does not decompress; use gzip, bz2 or zstd, or an uncompressed file")
     uris = [u for u, _ in objects]
-    wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
+    wanted = [c for c in dict.fromkeys((cfg.text_column, *cfg.label_sources(), cfg.split_column)) if c]
     tasks = min(len(uris), max(_parallelism(spark), sum(s for _, s in objects) // BYTES_PER_TASK + 1))
     ids = spark.range(0, len(uris), 1, numPartitions=tasks)
     encoding = getattr(cfg, "encoding", STRICT)
@@ -146,7 +146,7 @@ def decoded_frame(spark, cfg, files: list[str], fmt: str, sep: str):
     first = io.StringIO(_decode(bytes(one[0].raw), cfg.encoding, local_path(one[0][SOURCE]))[0], newline="")
     if fmt == "csv":
         return _parse_csv(records, csv_header(first, local_path(one[0][SOURCE]), sep), sep)
-    wanted = [c for c in dict.fromkeys((cfg.text_column, cfg.label_column, cfg.split_column)) if c]
+    wanted = [c for c in dict.fromkeys((cfg.text_column, *cfg.label_sources(), cfg.split_column)) if c]
     found = json_columns(first)
     wanted = [column_named(sorted(found), c) or c for c in wanted]
     if found and not set(wanted) <= found:

@@ -94,12 +94,13 @@ def pin(data: DataConfig, path: str, fmt: str, key: str = "data.path", version: 
     not a table, a version it does not have, a catalog that does not answer, a table without the columns."""
     spec = version_spec(data.version if version is None else version)
     table = _delta(path, spec, key) if fmt == "delta" else _iceberg(data, path, spec, key)
-    missing = [c for c in (data.text_column, data.label_column) if actual(table.columns, c) is None]
+    missing = [c for c in (data.text_column, *data.label_sources()) if actual(table.columns, c) is None]
     if missing:
         which = " and ".join(f"{c!r}" for c in missing)
         names = list(table.columns)
+        label_key = "data.label_columns" if data.label_columns else "data.label_column"
         keys = {key: kind for key, kind, column in (("data.text_column", "text", data.text_column),
-                                                    ("data.label_column", "label", data.label_column))
+                                                    *((label_key, "label", c) for c in data.label_sources()))
                 if column in missing}
         shown = ", ".join(names[:8]) + (f" (and {len(names) - 8} more)" if len(names) > 8 else "")
         raise UserError(f"{key} {table.shown}: no column {which} at {table.describe()}; columns found:"
@@ -349,8 +350,8 @@ def _iceberg_snapshot(data: DataConfig, table, path: str, spec) -> Table:
         else table.schema()
     arrow = schema.as_arrow()
     columns = {f.name: f.type for f in arrow}
-    wanted = tuple(dict.fromkeys(actual(columns, c) for c in (data.text_column, data.label_column, data.split_column)
-                                 if c and actual(columns, c)))
+    wanted = tuple(dict.fromkeys(actual(columns, c) for c in (data.text_column, *data.label_sources(),
+                                                              data.split_column) if c and actual(columns, c)))
     scan = table.scan(snapshot_id=snapshot.snapshot_id, selected_fields=wanted or ("*",))
     plan = _IcebergPlan(table.metadata, table.io, scan.projection(), list(scan.plan_files()))
     return Table("iceberg", path, snapshot.snapshot_id, _iso(snapshot.timestamp_ms), current.snapshot_id,
@@ -370,7 +371,7 @@ def read(spark, data: DataConfig, table: Table):
 
     # the table's own names: a column given in another case is the table's one column of that name, as Spark and
     # the CSV and Parquet readers take it (the DataFrame's columns resolve the config's names without case)
-    wanted = [actual(table.columns, c) or c for c in dict.fromkeys((data.text_column, data.label_column,
+    wanted = [actual(table.columns, c) or c for c in dict.fromkeys((data.text_column, *data.label_sources(),
                                                                      data.split_column)) if c]
     schema = pa.schema([pa.field(c, _spark_type(table.columns[c])) for c in wanted]
                        + [pa.field(SOURCE, pa.string())])
