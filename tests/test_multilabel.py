@@ -136,6 +136,18 @@ def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tag
         assert server.terminate() == 0, server.stderr()[-3000:]
 
 
+def test_export_top_k_predicts_each_text_s_k_most_probable_tags(tagged_run, tiny_model_dir):
+    from torchloom.model.predict import Predictor
+
+    out, _ = tagged_run  # the last of this module's tests on the run: it exports the model again
+    code = cli.main(["export", "--output.dir", str(out), "--model.path", tiny_model_dir, "--export.top_k", "2",
+                     "--tracking.enabled", "false"])
+    assert code == 0
+    assert json.loads((out / "model" / "torchloom.json").read_text())["thresholds"]["top_k"] == 2
+    for p in Predictor(str(out / "model")).predict(["bank shares", "recipe cook kitchen goal team", "nothing"]):
+        assert p["labels"] == sorted(p["probabilities"], key=lambda t: -p["probabilities"][t])[:2]
+
+
 @pytest.mark.parametrize(("rows", "flags", "message"), [
     ([{"text": "a b c", "tags": ["x"]}, {"text": "d e f", "tags": "y"}] * 20, [],
      "some labels are lists of tags"),

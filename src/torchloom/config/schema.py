@@ -151,6 +151,7 @@ class ExportConfig:
     gate_rows: int = field(default=2000, metadata={"min": 1})  # held-out rows the gate scores, at most
     # auto: the mix with the baseline where it beats the transformer alone on val (evaluate/mix.py)
     combine: str = field(default="auto", metadata=choices("auto", "off", "on"))
+    top_k: int = field(default=0, metadata={"min": 0})  # multi-label: the k most probable tags; 0: thresholds
     register: str = ""  # a model name in MLflow's registry: the exported model becomes its new version (registry.py)
     alias: str = ""  # with register: the alias the new version takes (champion, challenger, ...)
 

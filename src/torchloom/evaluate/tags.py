@@ -14,11 +14,21 @@ from torchloom.evaluate.render import cell, figure, fmt, heatmap, png
 from torchloom.manifest import Manifest
 
 
-def choose(probs: np.ndarray, masks: np.ndarray, manifest: Manifest) -> tuple[dict, str]:
+def choose(probs: np.ndarray, masks: np.ndarray, manifest: Manifest, top_k: int = 0) -> tuple[dict, str]:
     """torchloom.json's `thresholds` from the val split's probabilities, and export's line about them. A text with
-    no tag over its thresholds gets its most probable one when every kept row has a tag (data.keep_untagged off)."""
+    no tag over its thresholds gets its most probable one when every kept row has a tag (data.keep_untagged off).
+    top_k (export.top_k): the k most probable tags of every text instead, no threshold."""
     labels = manifest.labels
     at_least_one = not manifest.tags.get("keep_untagged", False)
+    if top_k:
+        chosen = ts.Thresholds(0.5, top_k=top_k)
+        line = f"the {top_k} most probable tags of each text (export.top_k)"
+        if len(probs):
+            truth = ts.multi_hot(masks, len(labels))
+            by_rule = ts.choose_thresholds(probs, truth, at_least_one=at_least_one)
+            f1, rule = (ts.tag_metrics(ts.predict(probs, t), truth, labels)["micro_f1"] for t in (chosen, by_rule))
+            line += f"; val micro-F1 {f1:.4f} (thresholds chosen on val would give {rule:.4f})"
+        return chosen.record(labels), line
     if not len(probs):
         chosen = ts.Thresholds(0.5, at_least_one=at_least_one)
         return chosen.record(labels), "thresholds: 0.5 for every tag (no val rows to choose them on)"

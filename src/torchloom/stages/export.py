@@ -133,7 +133,7 @@ def _tagging(cfg: Config, files: RunFiles, model, m) -> tuple[dict | None, tuple
     combine = None
     if cfg.export.combine != "off" and _baseline_fitted(files, m):
         combine, probs = choose_tag_combine(cfg.export.combine, probs, masks, index, m, files.rd.baseline_model)
-    return combine, tags.choose(probs, masks, m)
+    return combine, tags.choose(probs, masks, m, cfg.export.top_k)
 
 
 def _baseline_fitted(files: RunFiles, m) -> bool:
