@@ -20,8 +20,10 @@ from torchloom.manifest import read as read_manifest
 
 pytest.importorskip("pyspark")
 
-WORDS = {"sport": "match goal team league", "money": "bank market shares profit", "film": "movie actor cinema scene",
-         "tech": "software chip computer network", "food": "recipe cook kitchen taste"}
+# tags as paths (data.label_path_delimiter "/"): five leaves under three parents
+WORDS = {"news/sport": "match goal team league", "news/money": "bank market shares profit",
+         "arts/film": "movie actor cinema scene", "arts/tech": "software chip computer network",
+         "home/food": "recipe cook kitchen taste"}
 UNTAGGED = 3
 
 
@@ -32,7 +34,7 @@ def tagged_rows(n: int, seed: int = 0) -> list[dict]:
     for i in range(n):
         chosen = rng.sample(list(WORDS), rng.choice([1, 1, 2, 2, 3]))
         text = " ".join(rng.choice(WORDS[t].split()) for t in chosen for _ in range(3)) + f" row {i}"
-        rows.append({"text": text, "tags": chosen})
+        rows.append({"text": text, "tags": [t.replace("/", " / ") if i % 4 == 0 else t for t in chosen]})
     return rows + [{"text": f"nothing here at all {i}", "tags": []} for i in range(UNTAGGED)]
 
 
@@ -49,7 +51,7 @@ def tagged_run(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp / "run"
     code = cli.main(["run", "--data.path", str(data), "--data.label_column", "tags", "--model.path", tiny_model_dir,
                      "--output.dir", str(out), "--engine.workers", "1", "--train.epochs", "6", "--train.lr", "3e-3",
-                     "--train.batch_size", "16", "--tracking.enabled", "false"])
+                     "--train.batch_size", "16", "--tracking.enabled", "false", "--data.label_path_delimiter", "/"])
     assert code == 0
     return out, rows
 
@@ -63,7 +65,7 @@ def test_prepare_reads_tag_lists_and_keeps_every_tag_in_every_split(tagged_run):
         assert all(n > 0 for n in m.tags["per_split"][name].values()), (name, m.tags)
         assert m.splits[name].per_class == m.tags["per_split"][name]
     assert 1.5 < m.tags["cardinality"]["train"] < 2.2
-    truth = {r["text"]: sorted(r["tags"]) for r in rows}
+    truth = {r["text"]: sorted(t.replace(" / ", "/") for t in r["tags"]) for r in rows}  # paths normalised
     table = pq.read_table(m.shard_uri(m.splits["train"].shards[0]), columns=["text", "label_id"])
     for text, mask in zip(table.column("text").to_pylist(), table.column("label_id").to_pylist(), strict=True):
         assert [t for i, t in enumerate(m.labels) if mask >> i & 1] == truth[text]
@@ -83,7 +85,10 @@ def test_the_tagger_is_exported_with_thresholds_chosen_on_val_and_reported(tagge
         assert 0.0 <= metrics[key] <= 1.0
     assert metrics["micro_f1"] > 0.5, metrics  # the words give the tags away
     assert {"thresholds_plot", "cooccurrence_plot"} <= set(report["files"])
-    assert "## Per tag" in (out / "report.md").read_text()
+    assert "## Per tag" in (out / "report.md").read_text() and "## Per level" in (out / "report.md").read_text()
+    top, leaves = metrics["levels"]  # the parents derived from the predicted leaves, scored too
+    assert (top["level"], top["labels"], leaves["labels"]) == (1, 3, 5) and leaves["micro_f1"] == metrics["micro_f1"]
+    assert top["micro_f1"] >= leaves["micro_f1"] - 0.05 and metrics["level1_macro_f1"] == top["macro_f1"]
     wrong = [json.loads(line) for line in (out / "misclassified.jsonl").read_text().splitlines()]
     assert all(isinstance(w["true"], list) and isinstance(w["predicted"], list) for w in wrong)
 
@@ -122,6 +127,7 @@ def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tag
         assert abs(sum(probs.values()) - 1.0) > 1e-3 or len(p["labels"]) > 1  # sigmoids, not a softmax
         assert p["labels"] and p["labels"][0] == p["label"]  # the most probable first; at least one
         assert sorted(p["labels"], key=lambda t: -probs[t]) == p["labels"]
+        assert p["parents"] == list(dict.fromkeys(t.split("/")[0] for t in p["labels"]))
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     predict_local(str(out / "model"), str(inputs), str(tmp_path / "out.parquet"))
@@ -131,7 +137,8 @@ def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tag
     try:
         r = server.client.post("/v1/predict", json={"texts": texts})
         assert r.status_code == 200, r.text
-        assert [p["labels"] for p in r.json()["predictions"]] == [p["labels"] for p in got]
+        assert [(p["labels"], p["parents"]) for p in r.json()["predictions"]] == [(p["labels"], p["parents"])
+                                                                                  for p in got]
     finally:
         assert server.terminate() == 0, server.stderr()[-3000:]
 
@@ -182,7 +189,7 @@ def test_one_flag_column_per_tag_is_a_multi_label_run(spark, tiny_model_dir, tmp
     rng = random.Random(3)
     n = 90
     flags = {t: [rng.random() < 0.4 for _ in range(n)] for t in ("sport", "money", "film")}
-    texts = [" ".join(WORDS[t].split()[0] for t in flags if flags[t][i]) + f" text {i}" for i in range(n)]
+    texts = [" ".join(t for t in flags if flags[t][i]) + f" text {i}" for i in range(n)]
     table = pa.table({"body": texts, "sport": [int(v) for v in flags["sport"]], "money": flags["money"],
                       "film": [("1" if v else "0") for v in flags["film"]]})
     table = table.set_column(3, "film", pa.array([*table.column("film").to_pylist()[:-1], "maybe"]))

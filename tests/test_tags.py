@@ -140,10 +140,37 @@ def test_top_k_and_at_least_one():
 
 
 def test_the_multi_label_modules_stand_on_the_floor():
-    """tag_scoring: numpy and the standard library; text/tags: the standard library and the floor (errors, text)."""
-    for module, allowed in ((ts, {"numpy"}), (tags, {"torchloom"})):
+    """tag_scoring: numpy and the standard library; text/tags: the standard library and the floor (errors, text);
+    text/hierarchy: the standard library alone."""
+    from torchloom.text import hierarchy
+
+    for module, allowed in ((ts, {"numpy"}), (tags, {"torchloom"}), (hierarchy, set())):
         tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
         imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
         imported |= {node.module.split(".")[0] for node in ast.walk(tree)
                      if isinstance(node, ast.ImportFrom) and node.module}
         assert imported - set(sys.stdlib_module_names) == allowed, (module.__name__, imported)
+
+
+def test_hierarchical_labels_normalise_derive_parents_and_score_every_level():
+    from torchloom.etl.clean import tag_label
+    from torchloom.evaluate import levels
+    from torchloom.text import hierarchy
+
+    assert tag_label(" Tops / Knits/ ", "single", "", False, "/") == ("Tops/Knits", None)
+    assert tag_label("/", "single", "", False, "/") == (None, None)  # no part left: a null label
+    label, reason = tag_label('["a / b", "c"]', "auto", "", False, "/")
+    assert reason is None and tags.of_label(label) == ["a/b", "c"]
+    assert hierarchy.ancestors("a/b/c", "/") == ["a", "a/b"] and hierarchy.at_depth("a", 2, "/") == "a"
+    probs = {"a/x": 0.5, "a/y": 0.2, "ab/z": 0.3}  # "ab" is no child of "a"
+    assert hierarchy.path(probs, "a/x", "/") == [{"label": "a", "score": pytest.approx(0.7)},
+                                                   {"label": "a/x", "score": 0.5}]
+    assert hierarchy.describe({"labels": ["a/x", "ab/z", "a/y"], "probabilities": probs}, "/")["parents"] == ["a", "ab"]
+    names = ["a/x", "a/y", "b/z"]
+    p = np.array([[0.6, 0.3, 0.1], [0.2, 0.7, 0.1], [0.5, 0.1, 0.4], [0.1, 0.1, 0.8]])
+    truth = np.array([0, 0, 2, 2])  # leaves right 2 of 4; the parent right 3 of 4 (a/y is still under a)
+    top, leaf = levels.single_label(p, truth, names, "/")
+    assert (top["labels"], top["accuracy"], leaf["accuracy"]) == (2, 0.75, 0.5)
+    masks = np.array([0b001, 0b100, 0b011])
+    top, leaf = levels.multi_label(p[:3], masks, names, "/", ts.Thresholds(0.45))
+    assert top["labels"] == 2 and top["micro_f1"] == pytest.approx(4 / 6) and leaf["labels"] == 3

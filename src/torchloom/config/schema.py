@@ -28,6 +28,7 @@ class DataConfig:
     task: str = field(default="auto", metadata=choices("auto", "single_label", "multi_label"))
     label_delimiter: str = ""  # multi-label: the character(s) that split a string of tags ("|": "sport|money")
     keep_untagged: bool = False  # multi-label: a row with no tag is kept (a text none apply to), else set aside
+    label_path_delimiter: str = ""  # hierarchical labels ("/": "Tops/Knits"): text/hierarchy.py
     # multi-label: one 0/1 column per tag, comma-separated names, read in place of label_column (inputs/read.py)
     label_columns: str = ""
 

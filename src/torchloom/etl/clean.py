@@ -7,6 +7,7 @@ from collections.abc import Iterator
 # The one cleaning shared with predict/serve, so a served text is cleaned exactly like a trained one.
 from torchloom.inputs.encoding import AUTO, RAW, STRICT, UTF8, Undecodable, local_path, undecodable_line
 from torchloom.inputs.encoding import decode as encoding_decode
+from torchloom.text import hierarchy
 from torchloom.text import tags as tag_rules
 from torchloom.text.clean import clean_text
 
@@ -32,14 +33,22 @@ def clean_label(label: str | None) -> str | None:
     return clean_text(label) or None  # an empty label is as good as none
 
 
-def tag_label(value: str | None, mode: str, delimiter: str, keep_untagged: bool) -> tuple[str | None, str | None]:
-    """(prepare's label, a rejection reason or None) for a raw label value; mode: text/tags.mode_for's."""
+def tag_label(value: str | None, mode: str, delimiter: str, keep_untagged: bool, path_delimiter: str = ""
+              ) -> tuple[str | None, str | None]:
+    """(prepare's label, a rejection reason or None) for a raw label value; mode: text/tags.mode_for's.
+    path_delimiter (hierarchical labels): each label and tag normalised as a path (text/hierarchy.py)."""
     if mode == "single":
-        return clean_label(value), None
+        label = clean_label(value)
+        return (hierarchy.normalize(label, path_delimiter) or None if label and path_delimiter else label), None
     try:
         label = tag_rules.label_value(value, mode, delimiter)
     except ValueError:
         return None, "invalid_tags"
+    if label is not None and path_delimiter and tag_rules.is_set(label):
+        label = tag_rules.as_label(t for t in (hierarchy.normalize(t, path_delimiter)
+                                               for t in tag_rules.of_label(label)) if t)
+    elif label is not None and path_delimiter:
+        label = hierarchy.normalize(label, path_delimiter) or None
     if label == tag_rules.SET and not keep_untagged:
         return label, "no_tags"
     return label, None
@@ -151,7 +160,7 @@ def clean_batches(min_chars: int, max_chars: int, utf8_sources: frozenset[str] =
     utf8_sources: local files known to be valid UTF-8 (read.utf8_files); a U+FFFD in their rows is a
     character, not a decoding error. fffd_is_error False: no U+FFFD is (Parquet, whose strings are
     checked byte by byte instead). encoding: data.encoding; an input `codec` column says how each row
-    was decoded (see _codecs). tags: (mode, delimiter, keep_untagged) for tag_label.
+    was decoded (see _codecs). tags: (mode, delimiter, keep_untagged, path_delimiter) for tag_label.
     """
 
     def run(batches: Iterator) -> Iterator:

@@ -248,7 +248,8 @@ def _read_and_count(job: _Job):
                                            fffd_is_error=any(f not in TYPED for _, f in inputs),
                                            encoding=cfg.data.encoding,
                                            tags=(mode_for(cfg.data.task, cfg.data.label_delimiter),
-                                                 cfg.data.label_delimiter, cfg.data.keep_untagged)),
+                                                 cfg.data.label_delimiter, cfg.data.keep_untagged,
+                                                 cfg.data.label_path_delimiter)),
                              CLEANED_SCHEMA_GIVEN if job.user_split else CLEANED_SCHEMA)
     if job.user_split:
         cleaned = cleaned.withColumn("reason", F.coalesce(F.col("reason"),
@@ -412,6 +413,7 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
         inputs={"path": job.shown, "format": job.fmt, "text_column": cfg.data.text_column,
                 "label_column": cfg.data.label_column,
                 **({"label_columns": cfg.data.label_sources()} if cfg.data.label_columns else {}),
+                **({"label_path_delimiter": cfg.data.label_path_delimiter} if cfg.data.label_path_delimiter else {}),
                 **table_record(job.tables, {"data.path": job.data_path, "data.val_path": cfg.data.val_path,
                                             "data.test_path": cfg.data.test_path}),
                 **({"split_column": cfg.data.split_column, "val_path": job.name(cfg.data.val_path),

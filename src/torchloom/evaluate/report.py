@@ -121,6 +121,10 @@ def render_markdown(
         lines += sections(metrics, label_names, files)
     else:
         lines += _metrics_table(metrics)
+    if metrics.get("levels"):
+        from torchloom.evaluate.levels import section
+
+        lines += section(metrics["levels"], metrics.get("label_path_delimiter", "/"))
     if baseline is not None:
         lines += _baseline_section(metrics, split, baseline, verdict)
     lines += _extra_sections(extra)

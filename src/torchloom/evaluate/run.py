@@ -56,6 +56,13 @@ def evaluate_model_dir(cfg: Config, model_dir: str, manifest) -> tuple[dict, lis
 
         metrics, mistakes = tags.evaluate(probs, labels, index, manifest, cfg.eval.split, info.get("thresholds"),
                                           cfg.eval.misclassified_limit)
+        if info.get("label_path_delimiter"):
+            from torchloom import tag_scoring as ts
+            from torchloom.evaluate import levels
+
+            levels.record(metrics, info["label_path_delimiter"], levels.multi_label(
+                probs, labels, manifest.labels, info["label_path_delimiter"],
+                ts.Thresholds.from_record(info.get("thresholds") or {}, manifest.labels)))
         if alone is not None:  # the transformer alone, at the thresholds chosen for it alone on val
             own = info["combine"].get("transformer_thresholds") or info.get("thresholds")
             transformer, _ = tags.evaluate(alone, labels, index, manifest, cfg.eval.split, own, 0)
@@ -67,6 +74,11 @@ def evaluate_model_dir(cfg: Config, model_dir: str, manifest) -> tuple[dict, lis
         transformer = classification_metrics(alone, labels, manifest.labels)
         metrics["transformer"] = {k: transformer[k] for k in ("accuracy", "macro_f1")}
         metrics["mix_weight"] = float(info["combine"]["weight"])
+    if info.get("label_path_delimiter"):
+        from torchloom.evaluate import levels
+
+        levels.record(metrics, info["label_path_delimiter"],
+                      levels.single_label(probs, labels, manifest.labels, info["label_path_delimiter"]))
     pred = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
     wrong = np.nonzero(pred != labels)[0]
     # Most confident mistakes first: those are the ones worth reading.

@@ -23,6 +23,7 @@ from torchloom.scoring import LOSS_EPS, mix, text_scores
 from torchloom.tag_scoring import Thresholds
 from torchloom.tag_scoring import predict as predict_tags
 from torchloom.text.clean import clean_text
+from torchloom.text.hierarchy import describe
 from torchloom.text.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
 MAX_LENGTH_CAP = 512
@@ -139,6 +140,7 @@ class Predictor:
         self.info = info
         self.lexical, self.weight = shipped_baseline(path, info)
         self.multi_label, self.thresholds = tagging(info, config, self.labels)
+        self.path_delimiter = str(info.get("label_path_delimiter") or "")  # hierarchical labels: text/hierarchy.py
 
     def predict(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
                 ) -> list[dict[str, Any]]:
@@ -312,6 +314,7 @@ class Predictor:
                 results[-1]["labels"] = [self.labels[j] for j in on]
             if with_logits:
                 results[-1]["logits"] = dict(zip(self.labels, mean))
+        results = [describe(r, self.path_delimiter) for r in results] if self.path_delimiter else results  # parents
         if with_signals:
             for result, item in zip(results, per_text):
                 result["tokens"], result["unknown"] = item.tokens, item.unknown

@@ -70,6 +70,11 @@ def request_schema(max_texts: int, max_chars: int) -> dict:
     return schema
 
 
+class PathStep(BaseModel):
+    label: str
+    score: float
+
+
 class Prediction(BaseModel):
     label: str
     score: float = Field(description="probability of `label`")
@@ -77,6 +82,10 @@ class Prediction(BaseModel):
                                                         " tag's own sigmoid, not summing to 1)")
     labels: list[str] | None = Field(None, description="a multi-label model's tags for the text: those at or over"
                                                        " their thresholds, the most probable first")
+    path: list[PathStep] | None = Field(None, description="hierarchical labels (data.label_path_delimiter): the"
+                                        " predicted leaf's parents, the top first, then the leaf; a parent's score"
+                                        " is the sum of its leaves' probabilities")
+    parents: list[str] | None = Field(None, description="a hierarchical multi-label model's parents of its tags")
 
 
 class ModelInfo(BaseModel):
@@ -245,7 +254,7 @@ async def answer_predict(request: Request, backend: Backend, max_texts: int, max
     return Response(body.encode("utf-8"), media_type="application/json", headers=headers)
 
 
-SHOWN = ("id", "label", "score", "probabilities", "labels")
+SHOWN = ("id", "label", "score", "probabilities", "labels", "path", "parents")
 
 
 class FastPredict:

@@ -44,6 +44,7 @@ def export_stage(run: Run) -> dict:
         **{k: m.tokenizer[k] for k in ("stride", "max_chunks") if k in m.tokenizer},
         **({"combine": combine} if combine else {}),
         **({"task": "multi_label", "thresholds": tagged[0]} if tagged else {}),
+        **{k: v for k, v in m.inputs.items() if k == "label_path_delimiter"},  # hierarchical: text/hierarchy.py
     }, extra_dirs={"baseline": rd.baseline_model} if shipped else None)
     say(f"export: {ckpt.name} -> {rd.home(out)}")
     if combine:
