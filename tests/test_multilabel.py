@@ -46,7 +46,7 @@ def write_jsonl(path: Path, rows: list[dict], column: str = "tags") -> Path:
 @pytest.fixture(scope="module")
 def tagged_run(tiny_model_dir, tmp_path_factory) -> tuple[Path, list[dict]]:
     tmp = tmp_path_factory.mktemp("multilabel")
-    rows = tagged_rows(360)
+    rows = tagged_rows(600)  # val and test: the 100 texts a monitoring profile needs
     data = write_jsonl(tmp / "tags.jsonl", rows)
     out = tmp / "run"
     code = cli.main(["run", "--data.path", str(data), "--data.label_column", "tags", "--model.path", tiny_model_dir,
@@ -141,6 +141,24 @@ def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tag
                                                                                   for p in got]
     finally:
         assert server.terminate() == 0, server.stderr()[-3000:]
+
+
+def test_a_tagger_is_monitored_by_its_top_tag_and_its_tags_a_text(tagged_run, tmp_path):
+    from torchloom.serve.monitor_batch import monitor_file
+
+    out, rows = tagged_run
+    profile = json.loads((out / "model" / "monitor" / "profile.json").read_text())
+    assert profile["task"] == "multi_label" and profile["texts"] >= 100
+    assert len(profile["reference"]["tags"]) == profile["texts"] and 0 < profile["accuracy"] <= 1
+    window = tmp_path / "window.jsonl"  # texts of one tag alone: its share jumps, fewer tags a text
+    window.write_text("".join(json.dumps({"text": r["text"], "tags": r["tags"]}) + "\n" for r in rows
+                              if [t.replace(" / ", "/") for t in r["tags"]] == ["home/food"]))
+    result = monitor_file(str(out / "model"), str(window), str(tmp_path / "report"), labels_column="tags",
+                          say=lambda _: None)
+    shares, per = result["tag_shares"], result["tags_per_text"]
+    assert shares["home/food"]["window"] > shares["home/food"]["reference"] and per["window"] < per["reference"]
+    assert result["labelled"] > 0 and 0 <= result["accuracy"] <= 1 and "classes" in result["drifted"]
+    assert "Tags a text:" in (tmp_path / "report" / "report.md").read_text()
 
 
 def test_export_top_k_predicts_each_text_s_k_most_probable_tags(tagged_run, tiny_model_dir):

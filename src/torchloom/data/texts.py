@@ -91,17 +91,24 @@ def gate_rows(m: Manifest, limit: int) -> GateRows:
 
 
 def labelled_texts(manifest: Manifest, split: str, limit: int) -> tuple[list[str], list[str]]:
-    """(texts, labels) of a split's first `limit` texts, in file order: a chunked text once, by its first window."""
+    """(texts, labels) of a split's first `limit` texts, in file order: a chunked text once, by its first window. A
+    multi-label run's label is the text's tag set as prepare's label column writes one (text/tags.as_label)."""
+    from torchloom.text import tags
+
     texts: list[str] = []
     labels: list[str] = []
     if split not in manifest.splits:
         return texts, labels
+    column = "label_id" if manifest.multi_label else "label"
     for shard in manifest.split(split).shards:
         pf = pq.ParquetFile(manifest.shard_uri(shard))
         chunked = "chunk" in pf.schema_arrow.names  # shards written before chunks have a row per text
-        table = pf.read(columns=["text", "label", *(["chunk"] if chunked else [])])
+        table = pf.read(columns=["text", column, *(["chunk"] if chunked else [])])
         first = np.asarray(table.column("chunk")) == 0 if chunked else np.ones(table.num_rows, bool)
-        for text, label, keep in zip(table.column("text").to_pylist(), table.column("label").to_pylist(), first):
+        values = table.column(column).to_pylist()
+        if manifest.multi_label:
+            values = [tags.as_label(tags.decode(int(mask), manifest.labels)) for mask in values]
+        for text, label, keep in zip(table.column("text").to_pylist(), values, first):
             if keep and len(texts) < limit:
                 texts.append(text)
                 labels.append(label)

@@ -4,7 +4,9 @@
 It holds, for up to PROFILE_TEXTS texts of the validation split (then test) that the exported model scored as a
 server would (the same cleaning, truncation and shipped mix: Predictor), each text's signals (drift.SIGNALS:
 predicted class, confidence, tokens before truncation, share of unknown tokens) and whether the prediction was
-right, from which a monitor draws its thresholds and its accuracy estimate (drift.py).
+right, from which a monitor draws its thresholds and its accuracy estimate (drift.py). A multi-label model's
+(task multi_label): its top tag is the predicted class and its probability the confidence, right when the text holds
+that tag (the accuracy a monitor estimates is the top tag's precision), and each text's tags are kept beside them.
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ def text_signals(labels: list[str], answers: list[dict[str, Any]], kernel: Kerne
                  unknown=np.array([a["unknown"] for a in answers], np.float64), features=features)
 
 
+def right(predicted: str, truth: str) -> bool:
+    """Whether a prediction's label is right: the true label, or (a tagger's top tag) one of the text's tags."""
+    from torchloom.text.tags import is_set, of_label
+
+    return predicted in of_label(truth) if is_set(truth) else predicted == truth
+
+
 def projection(hidden: int, seed: int = 0) -> np.ndarray:
     """The fixed random projection of a pooled representation to SKETCH_DIMS dimensions (Johnson-Lindenstrauss:
     distances kept to within a few tens of percent, which a two-sample test needs, at a few % of the size)."""
@@ -79,7 +88,7 @@ def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], sp
     answers = predictor.predict(texts, with_signals=True)
     signals = text_signals(predictor.labels, answers)
     sketches = np.stack([a["sketch"] for a in answers]) if answers and all("sketch" in a for a in answers) else None
-    correct = [a["label"] == y for a, y in zip(answers, labels)]
+    correct = [right(a["label"], y) for a, y in zip(answers, labels)]
     profile = {
         "format": FORMAT, "labels": predictor.labels, "texts": len(texts), "splits": splits,
         "max_length": predictor.max_length, "false_alarm": FALSE_ALARM,
@@ -89,6 +98,10 @@ def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], sp
                       "length": signals.length.tolist(), "unknown": [round(float(u), 6) for u in signals.unknown],
                       "correct": [bool(c) for c in correct]},
     }
+    if predictor.multi_label:  # a tagger: its top tag is `predicted`; each text's tags over their thresholds too
+        index = {label: i for i, label in enumerate(predictor.labels)}
+        profile["task"] = "multi_label"
+        profile["reference"]["tags"] = [[index[t] for t in a["labels"]] for a in answers]
     tmp = model_dir / f".{PROFILE_DIR}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -195,12 +195,47 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
                                  "reference": round(float(np.mean(reference.predicted == i)), 4)}
                          for i, label in enumerate(profile["labels"])},
     }
+    if profile.get("task") == "multi_label":
+        result.update(tag_counts(profile, answers))
     if labelled:
         pairs = [(a["label"], y) for a, y in zip(answers, drawn.labels) if y is not None and y != ""]
         if pairs:
-            result["accuracy"] = round(float(np.mean([a == y for a, y in pairs])), 4)
+            result["accuracy"] = round(float(np.mean([correct(a, y, profile) for a, y in pairs])), 4)
             result["labelled"] = len(pairs)
     return result, window, reference
+
+
+def correct(predicted: str, given, profile: dict) -> bool:
+    """A given label's verdict on a prediction; a tagger's top tag is right when the given tags hold it."""
+    from torchloom.model.profile import right
+    from torchloom.text import tags
+
+    if profile.get("task") != "multi_label":
+        return predicted == given
+    try:
+        return right(predicted, tags.as_label(tags.parse(given) or []))
+    except ValueError:  # a label that is no tags: not this tag
+        return False
+
+
+def tag_counts(profile: dict, answers: list[dict]) -> dict[str, Any]:
+    """A tagger's window beside its reference: tags a text, and each tag's share of the texts that get it."""
+    labels, reference = profile["labels"], profile["reference"].get("tags") or []
+    window = [a.get("labels") or [] for a in answers]
+    index = {label: i for i, label in enumerate(labels)}
+
+    def shares(rows: list[list[int]]) -> np.ndarray:
+        counts = np.zeros(len(labels))
+        for row in rows:
+            counts[list(row)] += 1
+        return counts / max(1, len(rows))
+
+    here, there = shares([[index[t] for t in row] for row in window]), shares(reference)
+    return {"tags_per_text": {"window": round(float(np.mean([len(r) for r in window])), 4),
+                              "reference": round(float(np.mean([len(r) for r in reference])), 4) if reference
+                              else None},
+            "tag_shares": {label: {"window": round(float(here[i]), 4), "reference": round(float(there[i]), 4)}
+                           for i, label in enumerate(labels)}}
 
 
 def _write(out: Path, result: dict, window: Texts, reference: Texts, labels: list[str], inputs: list[str]) -> None:
@@ -224,13 +259,24 @@ def report_text(r: dict) -> str:
     for name, s in r["signals"].items():
         lines.append(f"| {name} | {s['distance']:.4f} | {s['threshold']:.4f} | {'yes' if s['drift'] else 'no'}"
                      f" | {MEANING[name]} |")
-    lines += ["", f"Estimated accuracy (from confidence, no labels): **{est['value']:.3f}** (95 % interval"
+    tagger = "tag_shares" in r
+    what = "top-tag precision (the share of texts whose most probable tag is theirs)" if tagger else "accuracy"
+    lines += ["", f"Estimated {what} (from confidence, no labels): **{est['value']:.3f}** (95 % interval"
               f" {est['low']:.3f} to {est['high']:.3f}); on the reference it was {est['reference']}."
               + (f" Caveat: {est['caveat']}." if est.get("caveat") else "")]
     if "accuracy" in r:
-        lines.append(f"Accuracy with the given labels: **{r['accuracy']:.3f}** ({r['labelled']} labelled texts).")
-    lines += ["", "| class | share here | share in the reference |", "|---|---|---|"]
-    lines += [f"| {label} | {s['window']:.3f} | {s['reference']:.3f} |" for label, s in r["class_shares"].items()]
+        lines.append(f"{'Top-tag precision' if tagger else 'Accuracy'} with the given labels: **{r['accuracy']:.3f}**"
+                     f" ({r['labelled']} labelled texts).")
+    if tagger:
+        per = r["tags_per_text"]
+        lines += ["", f"Tags a text: {per['window']:.2f} here, {per['reference']} in the reference.", "",
+                  "| tag | share of texts tagged here | in the reference | top tag here | top tag in the reference |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {label} | {s['window']:.3f} | {s['reference']:.3f} | {r['class_shares'][label]['window']:.3f}"
+                  f" | {r['class_shares'][label]['reference']:.3f} |" for label, s in r["tag_shares"].items()]
+    else:
+        lines += ["", "| class | share here | share in the reference |", "|---|---|---|"]
+        lines += [f"| {label} | {s['window']:.3f} | {s['reference']:.3f} |" for label, s in r["class_shares"].items()]
     lines += ["", "![signals](plots/signals.png)", ""]
     return "\n".join(lines)
 

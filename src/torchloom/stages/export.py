@@ -97,9 +97,6 @@ def _profile(model_dir: str, m, cfg: Config) -> dict | None:
     from torchloom.data.texts import labelled_texts
     from torchloom.model.profile import MIN_PROFILE_TEXTS, PROFILE_TEXTS, write_profile
 
-    if m.multi_label:  # its signals count tags per text: not yet (docs/evaluation.md, "Multi-label runs")
-        say("export: no monitoring profile: not yet for a multi-label model (`torchloom monitor` needs one)")
-        return None
     texts: list[str] = []
     labels: list[str] = []
     splits = {}
