@@ -121,7 +121,8 @@ def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setu
     assert not list((rd / "logs").glob("placement-*-start1.json"))
 
 
-@pytest.mark.parametrize("engine", ["spark", "ray"])
+# Ray's under -m soak (CI time): Ray resumes from a checkpoint in the killed-worker and SIGTERM tests above and below
+@pytest.mark.parametrize("engine", ["spark", pytest.param("ray", marks=pytest.mark.soak)])
 def test_resume_on_another_engine_from_the_local_engines_checkpoint(engine, setup):
     # the local engine wrote step-5; this engine resumes from it and ends at the local run's weights
     ckpt = setup["ref"] / "checkpoints" / "step-5"

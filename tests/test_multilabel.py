@@ -139,6 +139,9 @@ def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tag
         assert r.status_code == 200, r.text
         assert [(p["labels"], p["parents"]) for p in r.json()["predictions"]] == [(p["labels"], p["parents"])
                                                                                   for p in got]
+        tei = server.client.post("/predict", json={"inputs": texts[0]})  # TEI's route: each tag's sigmoid too
+        assert tei.status_code == 200, tei.text
+        assert {s["label"]: s["score"] for s in tei.json()} == pytest.approx(got[0]["probabilities"], abs=1e-5)
     finally:
         assert server.terminate() == 0, server.stderr()[-3000:]
 

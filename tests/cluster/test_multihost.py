@@ -224,7 +224,7 @@ def ray_cluster_driver(setup, tmp_path: Path, rd: Path, fault: str, *extra: str)
                 shutil.rmtree(t, ignore_errors=True)
 
 
-@pytest.mark.soak  # in CI: Ray losing a host (tests/cluster/test_store.py), min_workers' shrink (the drain test)
+# CI's Ray host loss (~100 s); the store's (tests/cluster/test_store.py, ~240 s) runs under -m soak
 def test_ray_with_min_workers_goes_on_on_the_survivor_after_losing_a_host(setup, tmp_path):
     # Two nodes, two workers, engine.min_workers 1. Rank 1 stops answering at step 8 (after the step-5
     # checkpoint); then its whole host goes: every process SIGKILLed, the link down. torchloom re-runs

@@ -37,8 +37,7 @@ SORT_CHUNK = 4096
 # are not all padded to the longest. On CUDA the batch runs whole: a GPU wants large forwards.
 CPU_FORWARD_TOKENS = 1024
 INPUT_SUFFIXES = (".txt", ".jsonl", ".csv")
-# A str can hold lone surrogates (U+D800-U+DFFF) that no Unicode text can: JSON's "\ud800", or the bytes of a
-# non-UTF-8 argument (Python decodes argv with surrogateescape). A tokenizer cannot encode them, nor stdout print.
+# Lone surrogates (U+D800-U+DFFF; JSON's "\ud800", a non-UTF-8 argv) no tokenizer encodes nor stdout prints.
 _SURROGATE = re.compile("[\ud800-\udfff]")
 REPLACEMENT_CHARACTER = "\ufffd"
 
@@ -71,6 +70,7 @@ class Predictor:
 
     multi_label = False  # a sigmoid per tag, and `labels` in each prediction (tagging)
     thresholds: Thresholds | None = None
+    path_delimiter = ""  # hierarchical labels: each prediction's parents too (text/hierarchy.py)
     lexical: Lexical | None = None  # the baseline mixed into the shipped probabilities (torchloom.json "combine")
     weight: float = 1.0  # the transformer's weight in that mix
     # Each forward is padded to a multiple of this many tokens (at most max_length), so that forwards come in few
@@ -140,7 +140,7 @@ class Predictor:
         self.info = info
         self.lexical, self.weight = shipped_baseline(path, info)
         self.multi_label, self.thresholds = tagging(info, config, self.labels)
-        self.path_delimiter = str(info.get("label_path_delimiter") or "")  # hierarchical labels: text/hierarchy.py
+        self.path_delimiter = str(info.get("label_path_delimiter") or "")
 
     def predict(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
                 ) -> list[dict[str, Any]]:
@@ -314,7 +314,7 @@ class Predictor:
                 results[-1]["labels"] = [self.labels[j] for j in on]
             if with_logits:
                 results[-1]["logits"] = dict(zip(self.labels, mean))
-        results = [describe(r, self.path_delimiter) for r in results] if self.path_delimiter else results  # parents
+        results = [describe(r, self.path_delimiter) for r in results] if self.path_delimiter else results
         if with_signals:
             for result, item in zip(results, per_text):
                 result["tokens"], result["unknown"] = item.tokens, item.unknown
