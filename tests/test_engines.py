@@ -104,7 +104,8 @@ def test_killed_worker_is_survived_and_weights_equal_the_local_engine(engine, se
     assert_rank_logs(rd)
 
 
-@pytest.mark.parametrize("engine", ["spark", "ray"])
+# Spark's under -m soak (CI time): the rule is the launchers' one (the local engine's: tests/test_train.py; Ray's)
+@pytest.mark.parametrize("engine", [pytest.param("spark", marks=pytest.mark.soak), "ray"])
 def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setup, fault):
     # Restarts are for lost processes: an error of a rank's own would happen again, so the job fails
     # at once, whatever engine.max_restarts allows.

@@ -169,11 +169,16 @@ def test_export_top_k_predicts_each_text_s_k_most_probable_tags(tagged_run, tiny
 
     out, _ = tagged_run  # the last of this module's tests on the run: it exports the model again
     code = cli.main(["export", "--output.dir", str(out), "--model.path", tiny_model_dir, "--export.top_k", "2",
-                     "--tracking.enabled", "false"])
+                     "--export.format", "onnx", "--tracking.enabled", "false"])
     assert code == 0
-    assert json.loads((out / "model" / "torchloom.json").read_text())["thresholds"]["top_k"] == 2
-    for p in Predictor(str(out / "model")).predict(["bank shares", "recipe cook kitchen goal team", "nothing"]):
+    info = json.loads((out / "model" / "torchloom.json").read_text())
+    assert info["thresholds"]["top_k"] == 2 and (out / "model" / info["onnx"]["file"]).is_file()  # its gate passed
+    texts = ["bank shares", "recipe cook kitchen goal team", "nothing"]
+    got = Predictor(str(out / "model")).predict(texts)
+    for p in got:
         assert p["labels"] == sorted(p["probabilities"], key=lambda t: -p["probabilities"][t])[:2]
+    onnx = Predictor(str(out / "model"), runtime="onnx").predict(texts)  # the ONNX graph's logits, sigmoids too
+    assert [p["labels"] for p in onnx] == [p["labels"] for p in got]
 
 
 @pytest.mark.parametrize(("rows", "flags", "message"), [
