@@ -19,19 +19,17 @@ def _projection(labels: list[str], level: int, delimiter: str) -> tuple[list[str
 
 
 def single_label(probs: np.ndarray, truth: np.ndarray, labels: list[str], delimiter: str) -> list[dict[str, Any]]:
-    """Accuracy and macro-F1 (over the names that occur in the labels or the predictions) per level."""
+    """Accuracy and macro-F1 per level, by scoring.classification_metrics (the leaves' arithmetic) on the parent of
+    each predicted leaf."""
+    from torchloom.scoring import classification_metrics
+
     pred = probs.argmax(axis=1) if len(probs) else np.zeros(0, np.int64)
     out = []
     for level in range(1, hierarchy.levels(labels, delimiter) + 1):
         names, index = _projection(labels, level, delimiter)
-        t, p = index[np.asarray(truth, np.int64)], index[pred]
-        f1s = []
-        for k in range(len(names)):
-            tp, support, predicted = int(((t == k) & (p == k)).sum()), int((t == k).sum()), int((p == k).sum())
-            if support + predicted:
-                f1s.append(2 * tp / (support + predicted))
-        out.append({"level": level, "labels": len(names), "accuracy": float(np.mean(t == p)) if len(t) else 0.0,
-                    "macro_f1": float(np.mean(f1s)) if f1s else 0.0})
+        chosen = np.eye(len(names))[index[pred]]  # the predicted parent, as certain: one path, never a vote
+        m = classification_metrics(chosen, index[np.asarray(truth, np.int64)], names)
+        out.append({"level": level, "labels": len(names), "accuracy": m["accuracy"], "macro_f1": m["macro_f1"]})
     return out
 
 
