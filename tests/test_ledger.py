@@ -86,7 +86,8 @@ def scenario(seed: int, place: Local) -> tuple[dict[str, bytes], list[str], bool
     """A random tree at `place`: torchloom's earlier output (with a ledger, from before ledgers, or none), users'
     files under a run's names, and inputs inside it. Returns (the user's files, the inputs, whether every file is
     torchloom's as it left it and no input is among them: then --overwrite must delete them all)."""
-    from torchloom.runs.ledger import LEDGER_FILE, recording
+    from torchloom.runs.ledger import LEDGER_FILE
+    from torchloom.runs.recording import recording
 
     rng = random.Random(seed)
     base = rng.choice(["ledger", "ledger", "legacy", "none"])
@@ -173,33 +174,6 @@ def test_the_deletion_oracle_on_random_store_prefixes(s3, tmp_path, monkeypatch)
     assert {("replaced", True), ("refused", False)} <= seen
 
 
-def test_a_command_killed_before_its_end_is_settled_by_the_next(tmp_path):
-    """Its files count as torchloom's (it was open in the ledger); a file that was there before it began does not."""
-    import json
-
-    from torchloom.errors import UserError
-    from torchloom.runs.ledger import LEDGER_FILE, LocalTree, begin, replace
-
-    run = tmp_path / "run"
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    begin(LocalTree(run))  # a new directory: the command is open in its ledger at once
-    ledger = json.loads((run / LEDGER_FILE).read_text())
-    ledger["open"][0]["pid"] = int(gone.stdout)  # ...and then killed (SIGKILL: no end)
-    (run / LEDGER_FILE).write_text(json.dumps(ledger))
-    (run / "checkpoints" / "step-4").mkdir(parents=True)
-    (run / "checkpoints" / "step-4" / "model.safetensors").write_bytes(b"half-written")
-    (run / "config.toml").write_bytes(real_config())
-    assert replace(LocalTree(run), "output.dir") == ["checkpoints/step-4/model.safetensors", "config.toml"]
-    assert not (run / "checkpoints").exists() and run.is_dir()
-    # a user's file that was there when a command began is the user's, whatever happens to the command after
-    (run / "notes.md").write_text("mine")
-    begin(LocalTree(run))
-    (run / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(UserError, match="it holds notes.md, which torchloom did not write"):
-        replace(LocalTree(run), "output.dir")
-    assert (run / "notes.md").read_text() == "mine" and (run / "metrics.jsonl").exists()
-
-
 def test_a_refused_command_leaves_no_ledger_behind(tmp_path, tiny_model_dir):
     """A user's directory that torchloom refuses gets nothing written into it; a new directory that a failing
     command made is removed again."""
@@ -260,7 +234,7 @@ def test_prepare_overwrite_on_a_store_checks_before_it_deletes_or_writes(s3, tmp
     assert place.snapshot() == before
     # prepared data on the store (a run not trained yet) whose data/ holds an object of someone else's: refused
     # before the work
-    from torchloom.runs.ledger import recording
+    from torchloom.runs.recording import recording
 
     run = Store(f"s3://{BUCKET}/run-with-foreign-data")
     with recording(run.tree()):
@@ -312,7 +286,8 @@ def test_predict_overwrite_replaces_only_earlier_predictions(tmp_path):
 
 def test_the_ledger_is_not_taken_for_content(tmp_path):
     """A run holding only its ledger is empty to every check ('exists and is not empty', a tune study's)."""
-    from torchloom.runs.ledger import LocalTree, begin, end, is_empty
+    from torchloom.runs.ledger import LocalTree, is_empty
+    from torchloom.runs.recording import begin, end
     from torchloom.runs.runfiles import RunFiles
 
     run = tmp_path / "run"

@@ -124,21 +124,10 @@ def check_untrained(run: Run) -> None:
 
 
 def check_fresh(cfg: Config, files: RunFiles) -> None:
-    """A fresh training removes the earlier one's checkpoints (train/checkpoint.clear_earlier): only with
-    --overwrite, and only when they are all torchloom's (the run's ledger), else one line before anything starts."""
-    from torchloom.runs.ledger import deletable
+    """A fresh training over an earlier one's checkpoints: only with --overwrite (train/resume.check_fresh)."""
+    from torchloom.train.resume import check_fresh as check
 
-    rd = files.rd
-    steps = files.stored_steps()
-    if not steps:
-        return
-    if not cfg.output.overwrite:
-        shown = ", ".join(map(str, sorted(steps)[-3:]))
-        more = "..." if len(steps) > 3 else ""
-        raise UserError(f"output.dir {rd.where}: holds {len(steps)} checkpoint(s) of an earlier training (steps"
-                        f" {more}{shown}), which a fresh training would delete; pass --resume to go on from the"
-                        " latest, or --overwrite to train afresh")
-    deletable(files.tree(), "output.dir", cfg.inputs(), under="checkpoints")
+    check(files, cfg.train.resume, cfg.output.overwrite, cfg.inputs())
 
 
 def check_trainable(run: Run) -> int | None:

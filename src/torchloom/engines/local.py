@@ -14,6 +14,7 @@ from pathlib import Path
 
 from torchloom.config import Config, to_dict
 from torchloom.engines.driver import Attempt, AttemptFailed, LauncherStopped, attempts
+from torchloom.engines.lifeline import DRIVER_ENV, driver_token, worker_lifeline
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError
 from torchloom.runs.runfiles import RunFiles
@@ -23,6 +24,7 @@ from torchloom.train.result import TrainResult
 def _entry(cfg_dict: dict, run_dir: str, launch_id: str, launched_at: float) -> TrainResult:
     # torchloom re-launches the workers after a lost process; run_worker sees the restart and resumes
     # from the latest complete checkpoint instead of starting over.
+    worker_lifeline()  # a driver killed with SIGKILL takes its workers with it (engines/lifeline.py)
     result = run_worker(cfg_dict, run_dir, launch_id, launched_at=launched_at)
     if result.preemptions:
         leave_soon()
@@ -115,8 +117,8 @@ def worker_start(cfg: Config) -> Iterator[str]:
         yield "spawn"
         return
     # torch elastic's own settings of the launcher (TORCHELASTIC_SIGNALS_TO_HANDLE, set by the first launch):
-    # the workers get theirs from the launch
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    # the workers get theirs from the launch; the driver's token names this process, whichever thread launches
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_") and k != DRIVER_ENV}
     with _server_lock:
         if _server["env"] not in (None, env) and not _server["launches"]:  # else a launch runs from it: spawn
             _stop_server()
@@ -176,6 +178,7 @@ def train(cfg: Config, run: RunFiles | str | Path, quiet: bool = False) -> Train
     log_dir = rd.worker_logs
     log_dir.mkdir(parents=True, exist_ok=True)
     os.environ.update(worker_env())  # the workers start with this environment (worker_start)
+    os.environ[DRIVER_ENV] = driver_token()  # ...and die with this process (engines/lifeline.py)
 
     def launch_once(attempt: Attempt) -> None:
         try:

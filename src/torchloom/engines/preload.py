@@ -5,8 +5,10 @@ per worker spends ~8 CPU s on these imports, per worker and per restart. Importi
 whole job: it touches no device, and the only threads the imports start (OpenBLAS's pool, pyarrow's
 jemalloc background thread) are ones their libraries make safe to fork."""
 
+from torchloom.engines.lifeline import fork_server_lifeline
 from torchloom.model.env import use_model_env
 
+fork_server_lifeline()  # SIGKILL to this server when its driver ends (engines/lifeline.py)
 use_model_env()  # the variables transformers reads when it is imported (the driver has set them too)
 
 import pyarrow.parquet  # noqa: E402, F401

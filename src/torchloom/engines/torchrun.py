@@ -21,6 +21,7 @@ from torchloom.engines.common import NotRestarted, Preempted, RestartLimit, is_p
 from torchloom.engines.worker import run_worker, worker_env
 from torchloom.errors import UserError, first_line, one_line
 from torchloom.runs.rundir import RunDir
+from torchloom.runs.runfiles import RunFiles
 
 # A file the launcher's wrapper names (k8s/job.py's pod script): made when this node's ranks end preempted, so
 # that a torchrun which then fails (the rendezvous went with a preempted pod 0) is told apart from a failure.
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     if marker:  # this attempt's outcome, not an earlier one's
         clear_mark(marker)
     try:
-        result = run_worker(to_dict(cfg), RunDir(cfg.output.dir).location, launch_id)
+        result = _train(cfg, launch_id)
         if result.preemptions:
             # Not done: exit 75 so that torchrun starts the workers again, with the hosts that are left or
             # a replacement, and they go on from this step's checkpoint (torchrun counts it in its own
@@ -79,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return 1
     return 0
+
+
+def _train(cfg, launch_id: str):
+    """This rank's training; rank 0 records what the training writes in the run's ledger (runs/ledger.py), as
+    `torchloom train` does, so that a later --overwrite knows the checkpoints as torchloom's (a fresh start over an
+    earlier training's checkpoints is refused in run_worker, as on every engine)."""
+    files = RunFiles(RunDir(cfg.output.dir))
+    recording = files.recording() if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+    with recording:
+        return run_worker(to_dict(cfg), files.rd.location, launch_id)
 
 
 def clear_mark(marker: str) -> None:

@@ -278,6 +278,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     RunFiles itself, whose staging copy is where the driver's host keeps it.
     attempt: the driver's attempt number, given where the driver may pass on a notice (rd.notice_file)."""
     from torchloom.train.entry import run as train
+    from torchloom.train.resume import check_fresh
 
     files = RunFiles(RunDir(run_dir))  # this rank's one owner of the run's files
     rd = files.rd
@@ -288,6 +289,8 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     try:
         cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": rd.location}}
         starts = record_start(files, launch_id, rank)
+        if not starts:  # this launch's first start (a restart resumes): never over an earlier training unasked
+            check_fresh(files, cfg_dict["train"]["resume"], cfg_dict["output"]["overwrite"])
         placement = rd.placement_file(launch_id, rank, starts)
         note_stop_signal(placement, rank, float(cfg_dict["train"]["preemption_grace_s"]))
         if cfg_dict["train"].get("preemption_url") and int(os.environ.get("LOCAL_RANK", "0")) == 0:

@@ -23,7 +23,7 @@ def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.nda
     and its position is its first window's."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
     return split_probabilities(cfg, model, manifest, cfg.eval.split)
 
 

@@ -15,6 +15,9 @@ def check_model_dir(path: str) -> str:
             f"model.path {path}: not a Hugging Face model directory (no config.json);"
             " pass a local directory that from_pretrained loads"
         )
+    from torchloom.model.export import refuse_pickled_weights
+
+    refuse_pickled_weights(p, "model.path")
     return str(p)
 
 
@@ -48,7 +51,8 @@ def build_classifier(path: str, labels: list[str], attention_dropout: float = -1
         for key in ATTENTION_DROPOUT_KEYS:
             if hasattr(config, key):
                 setattr(config, key, attention_dropout)
-    return AutoModelForSequenceClassification.from_pretrained(path, config=config, local_files_only=True)
+    return AutoModelForSequenceClassification.from_pretrained(path, config=config, local_files_only=True,
+                                                              use_safetensors=True)
 
 
 def load_tokenizer(path: str):

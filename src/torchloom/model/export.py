@@ -43,12 +43,30 @@ def check_weights(model_dir: str | Path) -> None:
     a full disk) is one line here, before a server binds or a job starts. Reads the headers only."""
     from safetensors import SafetensorError, safe_open
 
+    refuse_pickled_weights(model_dir, "model dir")
     for weights in sorted(Path(model_dir).glob("*.safetensors")):
         try:
             with safe_open(str(weights), framework="numpy"):
                 pass
         except (SafetensorError, OSError) as e:
             raise weights_error(weights, e) from None
+
+
+PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.pickle")
+
+
+def refuse_pickled_weights(model_dir: str | Path, key: str) -> None:
+    """A model whose weights are not safetensors (pytorch_model.bin and kin are pickles: loading one runs whatever
+    code it holds) is refused in one line; torchloom loads safetensors only (use_safetensors=True everywhere)."""
+    root = Path(model_dir)
+    if any(root.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for pattern in PICKLED for p in root.glob(pattern))
+    if pickled:
+        raise UserError(f"{key} {model_dir}: its weights are in {pickled[0]}, a pickle (loading one can run code);"
+                        " torchloom loads safetensors only: convert it where you trust it"
+                        " (AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)) or export"
+                        " the model again")
 
 
 def weights_error(weights: str | Path, e: BaseException) -> UserError:

@@ -142,7 +142,8 @@ def _torch_model(model_dir: Path, attention: str | None = None):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     kwargs = {"attn_implementation": attention} if attention else {}
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True, **kwargs).eval()
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True, use_safetensors=True,
+                                                               **kwargs).eval()
 
     class Logits(torch.nn.Module):  # the graph's one output, named: logits
         def __init__(self, inner):

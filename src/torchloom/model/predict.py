@@ -104,8 +104,8 @@ class Predictor:
         self.model = self.session = None
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            if runtime == "torch":
-                self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True)
+            if runtime == "torch":  # safetensors only: a pickle's weights are refused (check_exported)
+                self.model = AutoModelForSequenceClassification.from_pretrained(path, use_safetensors=True)
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError, KeyError) as e:
             raise UserError(f"model dir {model_dir}: cannot load the model or tokenizer ({first_line(e)});"

@@ -1,45 +1,78 @@
 """The ledger: every file torchloom wrote into a run, a study or prepared data, at the size and modification time
-it left it (`torchloom-ledger.json` at the top). `--overwrite` deletes what the ledger lists and is still as
+it left it (`torchloom-ledger.json` at the top). `--overwrite` deletes what the ledger vouches for and is still as
 torchloom left it, nothing else: a user's file under a name a run uses (`data/reviews.csv`, a base model in
 `model/`) is not listed, so it is never deleted, and a replacement that would have to is refused in one line.
 
-How files get listed: each command that writes into a run takes stock when it starts (`begin`: every file there
-that the ledger does not list as it is now is someone else's) and again when it ends (`end`: every other file
-there is torchloom's, written by this command). `begin` opens the command in the ledger with that stock, so a
-command killed before its end (SIGKILL, a lost host) is settled the same way by the next one.
+A file is torchloom's only by a record made when it was written; nothing is inferred from whether a command is
+running or was killed:
+- A command that writes into a tree opens itself in the ledger before it writes anything (runs/recording.py): its
+  pid and host, the names it may write (its claims: the names a run uses, `rundir.top_names`), and every file that
+  was there and not torchloom's (its foreign files). While it runs it touches a beat file of its own
+  (`.torchloom-beat.<pid>.<host>`) every BEAT_S seconds.
+- At its end it lists what it wrote: the files under its claims that were not someone else's when it began. A
+  file that was someone else's stays theirs, changed or not (a torchloom name written whole, `config.toml`, aside);
+  a file under a name no run uses (`NOTES.md`, `mine/labels.csv`) is never torchloom's.
+- A command killed before its end (SIGKILL, the OOM killer, a lost host) vouches, for the next command, for what it
+  could have written: files under its claims, not someone else's, modified no later than its last beat plus
+  SLACK_NS. Anything written after that is not torchloom's by record: it stays where it is, and the next
+  `--overwrite` names it and deletes nothing. An entry is dead when its process is gone on this host, or its beat
+  is older than EXPIRE_S (another host's, on a shared file system), or, on a store, when it is not the lease
+  holder's (runs/lease.py: one driver per prefix).
 
 Runs made before ledgers: only content-verified markers count (a run record, a config.toml and a manifest that
 torchloom's readers accept, the shards a manifest lists, a checkpoint's files that its meta.json lists at their
 sizes, a study marker), never a bare name.
 
-The same rules for a local directory (LocalTree) and a prefix on a store (store_tree.StoreTree). Nothing heavy is
-imported here: every layer may use it.
+The same rules for a local directory (local_tree.LocalTree) and a prefix on a store (store_tree.StoreTree). Nothing
+heavy is imported here: every layer may use it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import socket
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from torchloom.jsonio import write_atomic
-from torchloom.runs.rundir import CONFIG_FILE, LEASE_FILE, MANIFEST_FILE, RUN_RECORD, STEP_DIR, STUDY_FILE
-from torchloom.runs.runrecord import TEMP_NAME, holds_cwd, is_own_file, parse_record
+from torchloom.runs.ledger_markers import verified
+from torchloom.runs.local_tree import LocalTree, Stat
+from torchloom.runs.rundir import CONFIG_FILE, LEASE_FILE, RUN_RECORD, top_names
+from torchloom.runs.runrecord import TEMP_NAME, holds_cwd
 from torchloom.uri import has_scheme
 
+__all__ = ["LEDGER_FILE", "NOT_CONTENT", "Ledger", "LocalTree", "Open", "Stat", "Tree", "content", "deletable",
+           "known", "parse", "replace", "settle", "under_any"]
+
 LEDGER_FILE = "torchloom-ledger.json"
-FORMAT = "torchloom-ledger/1"
+FORMAT = "torchloom-ledger/2"
+OLD_FORMAT = "torchloom-ledger/1"  # open entries without claims or beats: they vouch for nothing after their end
 # Not a run's content: the ledger itself, and a store run's lease (its driver's, removed at the end: runs/lease.py).
 NOT_CONTENT = frozenset({LEDGER_FILE, LEASE_FILE})
+BEAT = re.compile(r"^\.torchloom-beat\.(\d+)\.([0-9a-f]{12})$")
 
-Stat = tuple[int, int | None]  # (size, modification time in ns; None where a store lists none)
+def _beat_s() -> float:
+    try:
+        return min(max(float(os.environ.get("TORCHLOOM_LEDGER_BEAT_S", "") or 2.0), 0.05), 30.0)
+    except ValueError:
+        return 2.0
+
+
+BEAT_S = _beat_s()  # how often an open command touches its beat file (TORCHLOOM_LEDGER_BEAT_S: the tests' faster)
+EXPIRE_S = max(120.0, 30 * BEAT_S)  # a beat older than this: the command is dead (a lost host, a stopped process)
+# A killed command wrote nothing later than its last beat plus this: a beat missed, and a store's 1 s times.
+SLACK_NS = int((2 * BEAT_S + 1) * 1e9)
+
+# The names a command writes (its claims): every name at the top of a run or study, their sqlite side files, and
+# torchloom's temporary names beside them (`.model.tmp-123`, `.config.toml.123.4.tmp`).
+RUN_NAMES = frozenset(top_names()) | {RUN_RECORD, CONFIG_FILE}
+_NAMES = "|".join(sorted(map(re.escape, RUN_NAMES)))
+_BESIDE = re.compile(rf"^\.(?:{_NAMES})[.-]|^(?:{_NAMES})-(?:journal|wal|shm)$")
+ALL = "*"  # a claim: every name a run uses
 
 
 class Tree(Protocol):
@@ -51,21 +84,93 @@ class Tree(Protocol):
     def inventory(self) -> dict[str, Stat]: ...  # every file under it by its path relative to it, posix
     def read(self, rel: str) -> bytes | None: ...
     def write(self, rel: str, data: bytes) -> None: ...
+    def touch(self, rel: str) -> None: ...  # its modification time moved to now (written if missing)
     def delete(self, rels: list[str]) -> None: ...  # these files, then the directories they leave empty
     def locate(self, rel: str) -> str: ...  # the absolute path or URI of a file in it (to compare with inputs)
     def exists(self) -> bool: ...
 
 
+def beat_name(pid: int, host: str) -> str:
+    return f".torchloom-beat.{pid}.{hashlib.sha256(host.encode()).hexdigest()[:12]}"
+
+
+def is_content(rel: str) -> bool:
+    return rel not in NOT_CONTENT and not BEAT.match(rel)
+
+
+class _Skipped:
+    """What a copy of a run never takes from the store or sends to it: the ledger, the lease and beats (`in`)."""
+
+    def __contains__(self, rel: object) -> bool:
+        return isinstance(rel, str) and not is_content(rel)
+
+
+SKIPPED = _Skipped()
+
+
+def process_start(pid: int) -> int | None:
+    """When a process started (Linux: clock ticks since boot), so that a pid used again is not taken for it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def claimed(claims: tuple[str, ...], rel: str) -> bool:
+    """Is `rel` under a command's claims (a name, `dir/`, or ALL: every name a run uses)?"""
+    first = rel.split("/", 1)[0]
+    for claim in claims:
+        if claim == ALL:
+            if first in RUN_NAMES or TEMP_NAME.match(first) or _BESIDE.match(first):
+                return True
+        elif rel == claim or (claim.endswith("/") and rel.startswith(claim)):
+            return True
+    return False
+
+
+def written_whole(rel: str) -> bool:
+    """A name at the top that torchloom writes whole (config.toml, report.md): a file there that was someone else's
+    when the command began and changed since is the command's (it replaced it)."""
+    return "/" not in rel and rel in RUN_NAMES and "." in rel
+
+
 @dataclass
 class Open:
-    """A command between its begin and its end: who runs it, and the files that were not torchloom's then."""
+    """A command between its begin and its end: who runs it, what it may write, and what was not torchloom's then."""
 
     pid: int
     host: str
     foreign: dict[str, Stat]
+    claims: tuple[str, ...] = (ALL,)
+    started: int | None = None  # process_start(pid): a pid used again by another process is not this command
+    old: bool = False  # opened by a version that kept no beat
 
-    def alive(self) -> bool:
-        """Still running, as far as this host can tell (a command of another host is taken to be)."""
+    @property
+    def beat(self) -> str:
+        return beat_name(self.pid, self.host)
+
+    def same(self, other: Open) -> bool:
+        return (self.pid, self.host, self.started) == (other.pid, other.host, other.started)
+
+    def writes(self, rel: str, st: Stat) -> bool:
+        """Could this command have written `rel` as it is now: under its claims, and not someone else's."""
+        if not claimed(self.claims, rel):
+            return False
+        was = self.foreign.get(rel)
+        return was is None or (was != st and written_whole(rel))
+
+    def alive(self, beats: dict[str, Stat], exclusive: bool, now_ns: int | None = None) -> bool:
+        """Still running: this process; else, never on a tree one driver holds (a store's lease), and only while
+        its beat is fresh and (on this host) its process is there."""
+        if self.same(me()):
+            return True
+        if exclusive or self.old:
+            return False
+        beat = beats.get(self.beat)
+        now_ns = time.time_ns() if now_ns is None else now_ns
+        if beat is None or beat[1] is None or now_ns - beat[1] > EXPIRE_S * 1e9:
+            return False
         if self.host != socket.gethostname():
             return True
         try:
@@ -73,8 +178,18 @@ class Open:
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
-        return True
+            pass
+        return self.started is None or process_start(self.pid) in (None, self.started)
+
+    def last_record(self, beats: dict[str, Stat]) -> int | None:
+        """The latest modification time (ns) a file this (killed) command wrote can have, or None: unknown."""
+        beat = beats.get(self.beat)
+        return None if self.old or beat is None or beat[1] is None else beat[1] + SLACK_NS
+
+
+def me(claims: tuple[str, ...] = (ALL,), foreign: dict[str, Stat] | None = None) -> Open:
+    """This process as an open command."""
+    return Open(os.getpid(), socket.gethostname(), foreign or {}, claims, process_start(os.getpid()))
 
 
 @dataclass
@@ -87,7 +202,8 @@ class Ledger:
             return {rel: list(st) for rel, st in sorted(stats.items())}
 
         data = {"format": FORMAT, "files": listed(self.files),
-                "open": [{"pid": o.pid, "host": o.host, "foreign": listed(o.foreign)} for o in self.open]}
+                "open": [{"pid": o.pid, "host": o.host, "started": o.started, "claims": list(o.claims),
+                          "foreign": listed(o.foreign)} for o in self.open if not o.old]}
         return json.dumps(data, separators=(",", ":")).encode()
 
 
@@ -103,209 +219,116 @@ def _stats(raw) -> dict[str, Stat] | None:
     return out
 
 
+def _entry(o, old: bool) -> Open | None:
+    foreign = _stats(o.get("foreign")) if isinstance(o, dict) else None
+    if foreign is None or not isinstance(o.get("pid"), int) or not isinstance(o.get("host"), str):
+        return None
+    claims = o.get("claims", [ALL])
+    started = o.get("started")
+    if not (isinstance(claims, list) and all(isinstance(c, str) for c in claims)) or not (
+            started is None or isinstance(started, int)):
+        return None
+    return Open(o["pid"], o["host"], foreign, tuple(claims), started, old)
+
+
 def parse(content: bytes | None) -> Ledger | None:
-    """A ledger as Ledger.dumps wrote it, or None (missing, damaged, someone else's file)."""
+    """A ledger as Ledger.dumps wrote it (or the version before beats), or None (missing, damaged, someone else's)."""
     try:
         data = json.loads(content) if content is not None else None
     except ValueError:
         return None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("open", []), list):
+    if not isinstance(data, dict) or data.get("format") not in (FORMAT, OLD_FORMAT) or not isinstance(
+            data.get("open", []), list):
         return None
     files = _stats(data.get("files"))
-    opened = []
-    for o in data.get("open", []):
-        foreign = _stats(o.get("foreign")) if isinstance(o, dict) else None
-        if foreign is None or not isinstance(o.get("pid"), int) or not isinstance(o.get("host"), str):
-            return None
-        opened.append(Open(o["pid"], o["host"], foreign))
-    return Ledger(files, opened) if files is not None else None
+    opened = [_entry(o, data["format"] == OLD_FORMAT) for o in data.get("open", [])]
+    if files is None or None in opened:
+        return None
+    return Ledger(files, opened)
+
+
+def snapshot(tree: Tree) -> tuple[dict[str, Stat], dict[str, Stat]]:
+    """(every file of the tree but the ledger, a lease and beats; the beat files), from one listing."""
+    everything = tree.inventory()
+    return ({rel: st for rel, st in everything.items() if is_content(rel)},
+            {rel: st for rel, st in everything.items() if BEAT.match(rel)})
 
 
 def content(tree: Tree) -> dict[str, Stat]:
-    """Every file of the tree but the ledger and a lease."""
-    return {rel: st for rel, st in tree.inventory().items() if rel not in NOT_CONTENT}
+    """Every file of the tree but the ledger, a lease and the open commands' beats."""
+    return snapshot(tree)[0]
 
 
-def settled(ledger: Ledger, inventory: dict[str, Stat]) -> dict[str, Stat]:
-    """What the ledger vouches for now: while commands are open (or were killed), every file there but those that
-    were someone else's when one of them began and are unchanged since; else what it lists, as it lists it."""
-    if not ledger.open:
-        return {rel: st for rel, st in ledger.files.items() if inventory.get(rel) == st}
-    return {rel: st for rel, st in inventory.items() if not any(o.foreign.get(rel) == st for o in ledger.open)}
-
-
-def verified(inventory: dict[str, Stat], read) -> dict[str, Stat]:
-    """A run made before ledgers: the files its content-verified markers vouch for (module docstring)."""
-    ours: set[str] = set()
-    for rel in inventory:
-        name = rel.rsplit("/", 1)[-1]
-        # a temporary or lock file of torchloom's own pattern (a study's .running.lock), the record, a config or
-        # study marker that torchloom's readers accept
-        if (TEMP_NAME.match(name) or (rel == RUN_RECORD and parse_record(read(rel)) is not None)
-                or (rel in (CONFIG_FILE, STUDY_FILE) and is_own_file(rel, read(rel) or b""))):
-            ours.add(rel)
-        elif name == MANIFEST_FILE and rel in (MANIFEST_FILE, f"data/{MANIFEST_FILE}"):
-            ours |= _manifest_files(rel, read(rel) or b"", inventory)
-        elif name == "meta.json" and _is_checkpoint(rel):
-            ours |= _checkpoint_files(rel, read(rel) or b"", inventory)
-    return {rel: inventory[rel] for rel in ours}
-
-
-def _manifest_files(rel: str, raw: bytes, inventory: dict[str, Stat]) -> set[str]:
-    if not is_own_file(rel, raw):
-        return set()
-    base = rel.rsplit("/", 1)[0] + "/" if "/" in rel else ""
-    shards = {f"{base}{s.get('path')}" for split in json.loads(raw)["splits"].values()
-              for s in split["shards"] if isinstance(s, dict) and isinstance(s.get("path"), str)}
-    return {rel} | (shards & inventory.keys())
-
-
-def _is_checkpoint(rel: str) -> bool:
-    parts = rel.split("/")
-    return len(parts) == 3 and parts[0] == "checkpoints" and STEP_DIR.match(parts[1]) is not None
-
-
-def _checkpoint_files(rel: str, raw: bytes, inventory: dict[str, Stat]) -> set[str]:
-    try:
-        files = json.loads(raw).get("files")
-    except (ValueError, AttributeError):
-        return set()
-    if not isinstance(files, dict) or not files:
-        return set()
-    base = rel.rsplit("/", 1)[0]
-    listed = {f"{base}/{name}": want.get("size") for name, want in files.items() if isinstance(want, dict)}
-    if any(inventory.get(path, (None,))[0] != size for path, size in listed.items()):
-        return set()  # not as its meta.json says: not vouched for
-    return {rel, *listed}
-
-
-def known(tree: Tree, inventory: dict[str, Stat]) -> tuple[dict[str, Stat], Ledger | None]:
-    """The files the tree's ledger (or, before ledgers, its markers) vouches for as they are now, and its ledger."""
-    ledger = parse(tree.read(LEDGER_FILE))
-    if ledger is None:
-        return verified(inventory, tree.read), None
-    return settled(ledger, inventory), ledger
-
-
-# -- a command's stock-taking ----------------------------------------------------------------------------------
-_open: dict[str, int] = {}  # the trees a command of this process is recording, and how deeply nested
-_open_lock = threading.Lock()
-
-
-@contextmanager
-def recording(tree: Tree) -> Iterator[None]:
-    """Around a command that writes into `tree`: what it wrote is listed in the ledger when it ends, whether it
-    ends well or not. Nested uses on one tree (`run`'s stages) record once, at the outermost."""
-    key = tree.where
-    with _open_lock:
-        depth = _open.get(key, 0)
-        _open[key] = depth + 1
-    try:
-        if depth:
-            yield
-            return
-        stock = begin(tree)
-        try:
-            yield
-        finally:
-            end(tree, stock)
-    finally:
-        with _open_lock:
-            _open[key] -= 1
-            if not _open[key]:
-                del _open[key]
+def vouched(ledger: Ledger, inventory: dict[str, Stat], beats: dict[str, Stat],
+            exclusive: bool) -> tuple[dict[str, Stat], dict[str, Open]]:
+    """(what the ledger vouches for now: what it lists, as it lists it, and what its open commands could have written
+    (a killed one's up to its last record); the files a killed command's record does not cover, by that command)."""
+    ours = {rel: st for rel, st in ledger.files.items() if inventory.get(rel) == st}
+    late: dict[str, Open] = {}
+    now_ns = time.time_ns()
+    for o in ledger.open:
+        live = o.alive(beats, exclusive, now_ns)
+        bound = None if live else o.last_record(beats)
+        for rel, st in inventory.items():
+            if rel in ours or not o.writes(rel, st):
+                continue
+            if not live and (bound is None or st[1] is None or st[1] > bound):
+                late.setdefault(rel, o)  # written after its last record (or its record is of no time)
+                continue
+            ours[rel] = st
+    return ours, {rel: o for rel, o in late.items() if rel not in ours}
 
 
 @dataclass
-class Stock:
-    """What a command found when it began (begin), for its end."""
+class Known:
+    """What a tree's ledger (or, before ledgers, its markers) vouches for as it is now."""
 
-    before: dict[str, Stat] = field(default_factory=dict)  # every file there
-    foreign: dict[str, Stat] = field(default_factory=dict)  # those of them that were not torchloom's as they were
-    started: bool = False  # the ledger was begun by this command (the tree was new or empty)
-    made: list[Path] = field(default_factory=list)  # the local directories its begin made, innermost first
-    taken: bool = True  # False: the tree could not be read then (a store that did not answer)
-
-
-def begin(tree: Tree) -> Stock:
-    """Take stock, and open this command in the ledger at once (a command killed before its end is settled by the
-    next): in a tree that has a ledger, or a new or empty one; nothing is written into a tree that holds files but
-    no ledger (it may be someone else's, and the command may yet refuse it)."""
-    try:
-        inventory = content(tree)
-        ours, ledger = known(tree, inventory)
-        foreign = {rel: st for rel, st in inventory.items() if ours.get(rel) != st}
-        started = ledger is None and not inventory
-        made = []
-        if isinstance(tree, LocalTree):
-            made = [p for p in (tree.root.absolute(), *tree.root.absolute().parents) if not p.exists()]
-        if ledger is not None or started:
-            # a killed command is settled in `ours`; on a store the lease says no other driver runs (runs/lease.py)
-            others = [o for o in (ledger.open if ledger else []) if not tree.exclusive and o.alive()]
-            tree.write(LEDGER_FILE, Ledger(ours, [*others, Open(os.getpid(), socket.gethostname(), foreign)]).dumps())
-        return Stock(inventory, foreign, started, made)
-    except Exception:  # a store that does not answer: the stage's own check says so, in one line
-        return Stock(taken=False)
+    ours: dict[str, Stat]
+    ledger: Ledger | None
+    late: dict[str, Open] = field(default_factory=dict)  # files past a killed command's last record, by command
+    beats: dict[str, Stat] = field(default_factory=dict)
 
 
-def end(tree: Tree, stock: Stock) -> None:
-    """List what this command wrote: every file there but those that were someone else's at its begin (or another
-    open command's), unchanged. Nothing is left where the command wrote nothing (a refusal leaves a user's directory
-    as it was; a ledger this command began in an empty tree goes again)."""
-    if not stock.taken:
-        return
-    try:
-        if not tree.exists():
-            return
-        inventory = content(tree)
-        ledger = parse(tree.read(LEDGER_FILE))
-        if inventory == stock.before and (stock.started or ledger is None):
-            if stock.started and ledger is not None and len(ledger.open) <= 1:
-                tree.delete([LEDGER_FILE])
-                for made in stock.made:  # innermost first; only where nothing else came meanwhile
-                    try:
-                        made.rmdir()
-                    except OSError:
-                        break
-            return
-        me = Open(os.getpid(), socket.gethostname(), stock.foreign)
-        others = [o for o in (ledger.open if ledger else []) if o != me]
-        files = {rel: st for rel, st in inventory.items()
-                 if not any(o.foreign.get(rel) == st for o in [*others, me])}
-        tree.write(LEDGER_FILE, Ledger(files, others).dumps())
-    except Exception as e:
-        _warn(tree, e)
+def known(tree: Tree, inventory: dict[str, Stat], beats: dict[str, Stat] | None = None) -> Known:
+    ledger = parse(tree.read(LEDGER_FILE))
+    if ledger is None:
+        return Known(verified(inventory, tree.read), None)
+    beats = beats if beats is not None else snapshot(tree)[1]
+    ours, late = vouched(ledger, inventory, beats, tree.exclusive)
+    return Known(ours, ledger, late, beats)
 
 
-def is_empty(tree: Tree) -> bool:
-    """Holds no file but a ledger (and a store run's lease)."""
-    return not content(tree)
+def killed_line(where: str, late: dict[str, Open], beats: dict[str, Stat]) -> str:
+    """'3 files written after the last record of a command killed at about 14:02:31 (pid 123 on h) are not
+    torchloom's by record: left in place (a, b, c)'."""
+    o = next(iter(late.values()))
+    beat = beats.get(o.beat)
+    when = time.strftime("%H:%M:%S", time.localtime(beat[1] / 1e9)) if beat and beat[1] else "an unknown time"
+    names = sorted(late)
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (f"{where}: {len(names)} file(s) written after the last record of a command killed at about {when}"
+            f" (pid {o.pid} on {o.host}) are not torchloom's by record: left in place ({', '.join(names[:3])}{more})")
 
 
-def _warn(tree: Tree, e: Exception) -> None:
-    from torchloom.errors import first_line
-
-    print(f"torchloom: warning: {tree.where}: could not update {LEDGER_FILE} ({first_line(e)}); --overwrite will"
-          " not delete what this command wrote there", file=sys.stderr, flush=True)
-
-
-# -- what --overwrite may delete -------------------------------------------------------------------------------
+# -- what --overwrite may delete: the one deletion path of a run's files ---------------------------------------
 def under_any(location: str, inputs: list[str]) -> bool:
     return any(location == i or location.startswith(i.rstrip("/") + "/") for i in inputs)
 
 
 def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> list[str]:
     """The files under `under` (the whole tree by default) that --overwrite deletes: every one, or a one-line
-    refusal naming what torchloom did not write (or changed since), and any input of the command among them."""
+    refusal naming what torchloom did not write (or changed since, or wrote after its last record before a kill),
+    and any input of the command among them."""
     from torchloom.errors import UserError
 
-    inventory = content(tree)
+    inventory, beats = snapshot(tree)
     prefix = f"{under.strip('/')}/" if under else ""
     inventory = {rel: st for rel, st in inventory.items() if rel.startswith(prefix)}
     if not inventory:
         return []
-    ours, ledger = known(tree, inventory)
-    if ledger is None and not ours:
+    found = known(tree, inventory, beats)
+    ours = found.ours
+    if found.ledger is None and not ours:
         raise UserError(f"{key} {tree.where}: not replaced: it is neither empty nor a torchloom run, prepared data or"
                         " study (no config.toml, manifest.json or study.json that torchloom wrote); pass another"
                         " --output.dir")
@@ -314,17 +337,22 @@ def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> 
     foreign = sorted(rel for rel, st in inventory.items() if ours.get(rel) != st and rel not in kept_inputs)
     if not kept_inputs and not foreign:
         return sorted(inventory)
+    where = f"{tree.where}/{prefix.rstrip('/')}" if prefix else tree.where
+    late = {rel: o for rel, o in found.late.items() if rel in foreign}
+    if late and not kept_inputs and len(late) == len(foreign):
+        raise UserError(f"{key} {killed_line(where, late, found.beats)}; not replaced, nothing deleted: look at them,"
+                        " move them away, then run again, or pass another --output.dir")
     named = [f"{rel} (an input)" for rel in kept_inputs] + foreign
     more = f" and {len(named) - 3} more" if len(named) > 3 else ""
-    why = "torchloom did not write (or changed since)" if ledger is not None else (
+    why = "torchloom did not write (or changed since)" if found.ledger is not None else (
         "no marker of torchloom's vouches for (a run from before ledgers)")
-    where = f"{tree.where}/{prefix.rstrip('/')}" if prefix else tree.where
     raise UserError(f"{key} {where}: not replaced, nothing deleted: it holds {', '.join(named[:3])}{more}, which"
                     f" {why}; move them away or pass another --output.dir")
 
 
 def replace(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> list[str]:
-    """--overwrite: delete what `deletable` allows (all of it or nothing); the tree's root stays. Returns them."""
+    """Delete what `deletable` allows (all of it or nothing); the tree's root stays. Returns them. Every deletion
+    of a run's files goes through here (--overwrite, a fresh training's checkpoints, a run's staged data)."""
     rels = deletable(tree, key, inputs, under)
     if rels:
         tree.delete(rels)
@@ -334,14 +362,19 @@ def replace(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> li
 
 def settle(tree: Tree) -> None:
     """Write the ledger as it stands now: what it vouches for that is still there, and the commands still open
-    (a killed one is settled: what it wrote is listed; a file that comes later is nobody's but its owner's)."""
+    (a killed one is settled: what its record covers is listed; a file that came later is nobody's but its
+    owner's)."""
     ledger = parse(tree.read(LEDGER_FILE))
     if ledger is None:
         return
-    ours = settled(ledger, content(tree))
-    me = (os.getpid(), socket.gethostname())
-    still = [o for o in ledger.open if (o.pid, o.host) == me or (not tree.exclusive and o.alive())]
+    inventory, beats = snapshot(tree)
+    ours, _ = vouched(ledger, inventory, beats, tree.exclusive)
+    now_ns = time.time_ns()
+    still = [o for o in ledger.open if o.alive(beats, tree.exclusive, now_ns)]
     tree.write(LEDGER_FILE, Ledger(ours, still).dumps())
+    gone = [o.beat for o in ledger.open if o not in still and o.beat in beats]
+    if gone:
+        tree.delete(gone)
 
 
 def check_replaceable(path: str | Path, key: str = "output.dir", inputs: list[str] = ()) -> list[str]:
@@ -364,10 +397,8 @@ def check_replaceable(path: str | Path, key: str = "output.dir", inputs: list[st
 def replace_local(path: str | Path, key: str = "output.dir", inputs: list[str] = ()) -> None:
     """--overwrite of a local directory: delete what check_replaceable allows (all of it or nothing); the
     directory stays."""
-    rels = check_replaceable(path, key, inputs)
-    if rels:
-        LocalTree(path).delete(rels)
-        settle(LocalTree(path))
+    if check_replaceable(path, key, inputs):
+        replace(LocalTree(path), key, inputs)
 
 
 def holding(path: str | Path) -> tuple[Tree, str]:
@@ -387,57 +418,6 @@ def seal(path: str | Path) -> None:
     tree.write(LEDGER_FILE, Ledger(content(tree)).dumps())
 
 
-# -- a local directory -----------------------------------------------------------------------------------------
-class LocalTree:
-    """A local directory as a Tree (symbolic links are entries of their own: never followed, never deleted
-    through)."""
-
-    exclusive = False  # several `tune` processes may share a study
-
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.where = str(root)
-
-    def exists(self) -> bool:
-        return self.root.is_dir()
-
-    def inventory(self) -> dict[str, Stat]:
-        out: dict[str, Stat] = {}
-        if not self.root.is_dir():
-            return out
-        for folder, dirs, names in os.walk(self.root):
-            here = Path(folder)
-            for name in names + [d for d in dirs if (here / d).is_symlink()]:
-                path = here / name
-                try:
-                    st = path.lstat()
-                except FileNotFoundError:
-                    continue
-                out[path.relative_to(self.root).as_posix()] = (st.st_size, st.st_mtime_ns)
-        return out
-
-    def read(self, rel: str) -> bytes | None:
-        path = self.root / rel
-        try:
-            return path.read_bytes() if path.is_file() else None
-        except OSError:
-            return None
-
-    def write(self, rel: str, data: bytes) -> None:
-        (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.root / rel, data)
-
-    def locate(self, rel: str) -> str:
-        return os.path.realpath(self.root / rel)
-
-    def delete(self, rels: list[str]) -> None:
-        parents = set()
-        for rel in rels:
-            (self.root / rel).unlink(missing_ok=True)
-            parents.update(Path(rel).parents)
-        for parent in sorted(parents, key=lambda p: len(p.parts), reverse=True):
-            if parent.parts:  # never the root
-                try:
-                    (self.root / parent).rmdir()  # only when empty: a user's file keeps its directory
-                except OSError:
-                    pass
+def is_empty(tree: Tree) -> bool:
+    """Holds no file but a ledger (and a store run's lease, and beats)."""
+    return not content(tree)

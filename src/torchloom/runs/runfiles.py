@@ -115,8 +115,8 @@ class RunFiles(CheckpointFiles, PrefixFiles):
         with self._guard("upload", paths, quiet, wait):
             for p in map(Path, paths):
                 if p.is_dir():  # never the run's ledger: the store's is the driver's (ledger.py), a copy's is stale
-                    skip = ledger.NOT_CONTENT if p.resolve() == self.rd.root.resolve() else ()
-                    sent += storage.push_tree(p, self.uri(p), last=COMPLETE_LAST, skip=tuple(skip))
+                    skip = ledger.SKIPPED if p.resolve() == self.rd.root.resolve() else ()
+                    sent += storage.push_tree(p, self.uri(p), last=COMPLETE_LAST, skip=skip)
                 elif p.is_file():
                     storage.upload(p, self.uri(p))
                     sent += p.stat().st_size
@@ -136,7 +136,7 @@ class RunFiles(CheckpointFiles, PrefixFiles):
             for p in map(Path, paths):
                 uri = self.uri(p)
                 if storage.list_files(uri):  # never the run's ledger or lease: the store's, the driver's
-                    storage.pull_tree(uri, p, skip=tuple(ledger.NOT_CONTENT) if p.resolve() == self.rd.root.resolve()
+                    storage.pull_tree(uri, p, skip=ledger.SKIPPED if p.resolve() == self.rd.root.resolve()
                                       else ())
                 else:
                     with contextlib.suppress(FileNotFoundError):

@@ -5,12 +5,14 @@ job)."""
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 from torchloom.errors import UserError
 from torchloom.runs import ledger
 from torchloom.runs.ledger import replace_local
+from torchloom.runs.recording import recording
 from torchloom.runs.rundir import CONFIG_FILE, RUN_RECORD
 from torchloom.runs.runrecord import is_own, is_own_file, parse_record
 from torchloom.runs.store_tree import StoreTree
@@ -25,7 +27,7 @@ class PrefixFiles:
         or torchloom's, and --overwrite leaves it to its owner) and its ledger, and a reader of them (is_own's)."""
         assert self._remote is not None
         remote = self._remote
-        listing = {rel: size for rel, size in storage.list_files(remote).items() if rel not in ledger.NOT_CONTENT}
+        listing = {rel: size for rel, size in storage.list_files(remote).items() if ledger.is_content(rel)}
 
         def read(rel: str) -> bytes | None:
             try:
@@ -77,7 +79,18 @@ class PrefixFiles:
 
     def recording(self):
         """Around a command that writes into the run: what it wrote is listed in the run's ledger (runs/ledger.py)."""
-        return ledger.recording(self.tree())
+        return recording(self.tree())
+
+    def remove_recorded(self, path: str | Path, key: str = "output.dir") -> list[str]:
+        """Delete a directory of the run where it lives by the run's ledger (ledger.replace: only what torchloom
+        wrote, as it left it, all of it or nothing in one line); a run on a store: this host's copy of it too (in
+        torchloom's private cache). Returns what was deleted."""
+        path = Path(path)
+        rel = path.resolve().relative_to(self.rd.root).as_posix()
+        removed = ledger.replace(self.tree(), key, under=rel)
+        if self._remote is not None and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
 
     def replace(self, key: str = "output.dir", inputs: list[str] = (), under: str | Path | None = None) -> None:
         """--overwrite: delete the files the run's ledger lists as torchloom left them (ledger.deletable), all or

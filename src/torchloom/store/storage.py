@@ -26,6 +26,7 @@ import contextlib
 import functools
 import os
 import threading
+from collections.abc import Container
 from pathlib import Path
 
 from torchloom.errors import UserError
@@ -286,7 +287,7 @@ def download(uri: str, local: str | Path) -> Path:
     return local
 
 
-def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> int:
+def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = (), skip: Container[str] = ()) -> int:
     """Upload every file under local_dir to uri/<same relative path>, the names in `last` after all the
     others (the file whose presence says the directory is complete), none of the relative paths in `skip`.
     Returns the bytes uploaded."""
@@ -302,7 +303,7 @@ def push_tree(local_dir: str | Path, uri: str, last: tuple[str, ...] = (), skip:
 
 
 def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True, by_time: bool = False,
-              skip: tuple[str, ...] = ()) -> int:
+              skip: Container[str] = ()) -> int:
     """Download every object under uri into local_dir (those whose local copy has the same size are kept
     when only_if_changed), none of the relative paths in `skip`. by_time: a copy made by this function is kept only
     while the object also has the modification time it had then (a same-size edit is downloaded again; a store

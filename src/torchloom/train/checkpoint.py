@@ -39,6 +39,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from torchloom.errors import UserError
 from torchloom.jsonio import sha256_file, write_atomic
+from torchloom.runs.ledger_markers import remove_written
 from torchloom.runs.rundir import STEP_DIR, step_name
 from torchloom.runs.runfiles import RunFiles
 from torchloom.train.distributed import Dist, broadcast_from_main
@@ -172,7 +173,7 @@ def clear_earlier(files: RunFiles) -> None:
     that neither `export` nor a later --resume takes one of them for this training's."""
     rd = files.rd
     found = sorted({*(step for step, _ in list_checkpoints(rd.checkpoints)), *files.stored_steps()})
-    files.delete(rd.checkpoints)
+    files.remove_recorded(rd.checkpoints)  # only what the run's ledger vouches for: all of it, or one line
     if found:
         print(f"torchloom: a fresh training (no --resume): the {len(found)} checkpoint(s) of the earlier training in"
               f" {rd.home(rd.checkpoints)} (steps {', '.join(map(str, found))}) are removed", flush=True)
@@ -183,7 +184,7 @@ def prune(root: Path, keep_last: int, keep: set[int]) -> None:
     recent = {s for s, _ in found[-keep_last:]}
     for s, p in found:
         if s not in recent and s not in keep:
-            shutil.rmtree(p, ignore_errors=True)
+            remove_written(p)  # by its meta.json: a file of someone else's there stays
             _stamp(p).unlink(missing_ok=True)
 
 

@@ -18,6 +18,27 @@ from torchloom.train import checkpoint
 from torchloom.train.state import TrainState
 
 
+def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = ()) -> None:
+    """Before a training starts on any entry (the CLI's driver, the torchrun entry a pod runs): a fresh one (no
+    train.resume) removes the earlier training's checkpoints, so only with --overwrite, and only when they are all
+    torchloom's by the run's ledger; else one line before anything is written."""
+    from torchloom.errors import UserError
+    from torchloom.runs.ledger import deletable
+
+    if resume:
+        return
+    steps = files.stored_steps()
+    if not steps:
+        return
+    if not overwrite:
+        shown = ", ".join(map(str, sorted(steps)[-3:]))
+        more = "..." if len(steps) > 3 else ""
+        raise UserError(f"output.dir {files.rd.where}: holds {len(steps)} checkpoint(s) of an earlier training (steps"
+                        f" {more}{shown}), which a fresh training would delete; pass --train.resume latest to go on"
+                        " from the latest, or --output.overwrite true to train afresh")
+    deletable(files.tree(), "output.dir", inputs, under="checkpoints")
+
+
 def starting_point(files, d, resume: str) -> Path | None:
     """The checkpoint a training starts from (train.resume: "latest", a path, or "" for a fresh start), held by this
     host's copy of the run (`files`: the run's owner; a run on a store: one download per host, the ranks beside it
@@ -29,6 +50,10 @@ def starting_point(files, d, resume: str) -> Path | None:
         d.io_barrier()
     path = checkpoint.resolve_once(d, resume, files.rd.checkpoints)
     if path is None and d.is_main:
+        if resume == "latest":
+            where = files.rd.home(files.rd.checkpoints)
+            print(f"torchloom: train: train.resume latest: no complete checkpoint in {where} to resume from;"
+                  " training from step 0", flush=True)
         files.rd.reset_metrics(None, keep_driver=True)
         if not resume:
             checkpoint.clear_earlier(files)

@@ -30,7 +30,7 @@ from torchloom import tracking
 from torchloom.config import Config, to_dict
 from torchloom.errors import UserError, install_hint, missing_extra
 from torchloom.jsonio import read_json, write_json
-from torchloom.runs.ledger import NOT_CONTENT, check_replaceable, replace_local
+from torchloom.runs.ledger import check_replaceable, is_content, replace_local
 from torchloom.runs.run import Run
 from torchloom.runs.rundir import StudyDir
 from torchloom.runs.runfiles import RunFiles
@@ -134,7 +134,7 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
             replace_local(sd.root, inputs=cfg.inputs())
     resuming = True
     if not marker.is_file():
-        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and p.name not in NOT_CONTENT} \
+        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and is_content(p.name)} \
             if sd.root.exists() else set()
         if names and marker.name not in names and sd.data.name not in names:
             raise UserError(f"output.dir {sd.where}: exists and is not a tune study;"
