@@ -43,6 +43,9 @@ def template(tmp_path_factory, topics_csv, tiny_model_dir):
 
     root = tmp_path_factory.mktemp("oracle")
     out = root / "template"
+    lines = Path(topics_csv).read_text().splitlines()
+    Path(topics_csv).with_name("texts.csv").write_text("\n".join(["text", *(line.rsplit(",", 1)[0] for line in
+                                                                           lines[1:])]) + "\n")
     code = cli.main(["run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir, "--output.dir", str(out),
                      "--tracking.enabled", "false", "--train.epochs", "2", "--train.checkpoint_every", "2"])
     assert code == 0
@@ -67,7 +70,8 @@ def command(name: str, out: str, data: str, model: str, rng: random.Random, then
                 *(flags or (["--resume"] if not then else []))]
     if name in ("export", "evaluate"):
         return [name, "--output.dir", out, "--tracking.enabled", "false"]
-    return ["predict", "--model", f"{out}/model", "--input", data, "--output", f"{out}-predictions.jsonl",
+    texts = str(Path(data).with_name("texts.csv"))  # the data's texts alone (its label column would clash)
+    return ["predict", "--model", f"{out}/model", "--input", texts, "--output", f"{out}-predictions.jsonl",
             *(["--overwrite"] if then and rng.random() < 0.5 else [])]
 
 
@@ -182,7 +186,7 @@ def one_round(seed: int, place: Place, template: Path, data: Path, model: str, w
     plan = plan or {}
     if not place.on_store:
         shutil.copytree(template, place.where, copy_function=shutil.copy2)
-    inputs_before = {"data": digest_tree(data), "model": digest_tree(Path(model))}
+    inputs_before = {"data": digest_tree(data.parent), "model": digest_tree(Path(model))}
     users: dict[str, bytes] = {}
     for _ in range(0 if plan.get("quiet") else rng.randint(0, 2)):  # before the killed command
         user_edit(place, users, rng, "before", anywhere=True)
@@ -224,12 +228,13 @@ def one_round(seed: int, place: Place, template: Path, data: Path, model: str, w
     after, stats_after = place.snapshot(), place.stats()
     for rel, content in users.items():
         assert after.get(rel) == content, (seed, killed, nxt, rel, done.stderr[-2000:])
-    assert {"data": digest_tree(data), "model": digest_tree(Path(model))} == inputs_before, (seed, killed, nxt)
+    assert {"data": digest_tree(data.parent), "model": digest_tree(Path(model))} == inputs_before, (seed, killed, nxt)
     assert "Traceback" not in done.stderr, (seed, killed, nxt, done.stderr[-3000:])
     refused = done.returncode == 2 and "nothing deleted" in done.stderr
     if refused:  # nothing deleted; the ledger may have settled the killed command's entry (and its beat file)
         def content(tree: dict) -> dict:
-            return {rel: v for rel, v in tree.items() if rel != "torchloom-ledger.json" and ".torchloom-beat" not in rel}
+            return {rel: v for rel, v in tree.items()
+                    if rel != "torchloom-ledger.json" and ".torchloom-beat" not in rel}
 
         assert content(after) == content(before), (seed, killed, nxt)
         return "refused"
@@ -287,3 +292,102 @@ def test_the_fault_oracle_on_the_store(s3, template, topics_csv, tiny_model_dir,
     seen = rounds([21], lambda s: Place(f"s3://{BUCKET}/oracle/run{s}"), template, Path(topics_csv),
                   tiny_model_dir, tmp_path, env)
     assert seen, seen
+
+
+# -- the audit's cases, as a user types them --------------------------------------------------------------------
+
+def test_run_killed_after_its_first_checkpoint_then_overwrite_keeps_the_user_s_files(topics_csv, tiny_model_dir,
+                                                                                      tmp_path):
+    """`torchloom run` SIGKILLed once its first checkpoint is there: no process of it is alive 10 s later; the user
+    then adds NOTES.md and mine/labels-v2.csv; `torchloom run --overwrite` refuses in one line and keeps both."""
+    from support.owned import one_error
+
+    out = tmp_path / "run"
+    token = uuid.uuid4().hex
+    env = {**os.environ, **ENV, "TORCHLOOM_CACHE": str(tmp_path / "cache")}
+    argv = ["run", "--data.path", str(topics_csv), "--model.path", tiny_model_dir, "--output.dir", str(out),
+            "--tracking.enabled", "false", "--train.epochs", "3", "--train.checkpoint_every", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "torchloom", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**env, "TORCHLOOM_ORACLE": token})
+    deadline = time.monotonic() + 240
+    while not list(out.glob("checkpoints/step-*/meta.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before its first checkpoint"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while alive_with(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive_with(token)
+    time.sleep(LATER_S)
+    (out / "NOTES.md").write_text("my notes\n")
+    (out / "mine").mkdir()
+    (out / "mine" / "labels-v2.csv").write_text("text,label\nx,y\n")
+    error = one_error(subprocess.run([sys.executable, "-m", "torchloom", *argv, "--overwrite"], capture_output=True,
+                                     text=True, env=env, timeout=300))
+    assert "not replaced, nothing deleted" in error and "NOTES.md" in error and "mine/labels-v2.csv" in error, error
+    assert (out / "NOTES.md").read_text() == "my notes\n"
+    assert (out / "mine" / "labels-v2.csv").read_text() == "text,label\nx,y\n"
+    assert list(out.glob("checkpoints/step-*/meta.json"))  # nothing of torchloom's deleted either (all or nothing)
+
+
+def test_the_torchrun_entry_refuses_a_fresh_start_over_checkpoints_and_records_what_it_trains(template, tmp_path,
+                                                                                              tiny_model_dir):
+    """What `torchloom k8s train` pods run: over an earlier training's checkpoints without --train.resume, one line
+    and every checkpoint kept; with --train.resume latest it goes on, and what it wrote is in the run's ledger."""
+    from torchloom.runs.ledger import LocalTree, deletable
+
+    run = tmp_path / "run"
+    shutil.copytree(template, run, copy_function=shutil.copy2)
+    before = {p.relative_to(run).as_posix(): p.read_bytes() for p in (run / "checkpoints").rglob("*") if p.is_file()}
+    env = {**os.environ, **ENV}
+
+    def torchrun(*extra: str, rdzv_id: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", rdzv_id,
+                               "-m", "torchloom.engines.torchrun", "--output.dir", str(run), "--train.epochs", "3",
+                               "--model.path", tiny_model_dir, "--tracking.enabled", "false", *extra],
+                              capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+
+    refused = torchrun(rdzv_id="job-a")
+    assert refused.returncode != 0
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("torchloom: error:")]
+    assert errors and "checkpoint(s) of an earlier training" in errors[0], refused.stderr[-3000:]
+    assert "--train.resume latest" in errors[0]  # (the traceback after it is torchrun's own ChildFailedError)
+    assert {p.relative_to(run).as_posix(): p.read_bytes() for p in (run / "checkpoints").rglob("*")
+            if p.is_file()} == before
+    resumed = torchrun("--train.resume", "latest", rdzv_id="job-b")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert deletable(LocalTree(run), "output.dir")  # every file there is torchloom's by the ledger, the new too
+    ledger = json.loads((run / "torchloom-ledger.json").read_text())
+    assert not ledger["open"] and any(rel.startswith("checkpoints/step-") for rel in ledger["files"])
+
+
+def test_resume_latest_with_no_checkpoint_says_so(tmp_path, topics_csv, tiny_model_dir):
+    from torchloom import cli
+
+    out = tmp_path / "run"
+    assert cli.main(["prepare", "--data.path", str(topics_csv), "--model.path", tiny_model_dir, "--output.dir",
+                     str(out), "--tracking.enabled", "false", "--eval.baseline", "false"]) == 0
+    assert not (out / "checkpoints").exists()
+    proc = subprocess.run([sys.executable, "-m", "torchloom", "train", "--output.dir", str(out), "--train.epochs",
+                           "1", "--resume", "--tracking.enabled", "false"], capture_output=True, text=True,
+                          env={**os.environ, **ENV}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = proc.stdout + proc.stderr
+    assert "train.resume latest: no complete checkpoint in" in said and "training from step 0" in said, said[-3000:]
+
+
+def test_a_model_with_pickled_weights_is_refused_in_one_line(template, tmp_path):
+    """pytorch_model.bin is a pickle: loading one can run code. torchloom loads safetensors only."""
+    import torch
+    from safetensors.torch import load_file
+    from support.owned import one_error
+
+    model = tmp_path / "model"
+    shutil.copytree(template / "model", model)
+    torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    error = one_error(subprocess.run([sys.executable, "-m", "torchloom", "predict", "--model", str(model), "hello"],
+                                     capture_output=True, text=True, env={**os.environ, **ENV}, timeout=120))
+    assert "pytorch_model.bin, a pickle" in error and "safetensors only" in error, error

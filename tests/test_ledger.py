@@ -3,10 +3,12 @@ it or nothing, and never an input of the command; locally and on a real S3 serve
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,6 +174,82 @@ def test_the_deletion_oracle_on_random_store_prefixes(s3, tmp_path, monkeypatch)
             continue
         seen.add((check_oracle(place, users, inputs, clean), clean))
     assert {("replaced", True), ("refused", False)} <= seen
+
+
+KILLED = """
+import os, signal, sys, time
+from pathlib import Path
+from torchloom.runs.ledger import LocalTree
+from torchloom.runs.recording import recording
+run = Path(sys.argv[1])
+with recording(LocalTree(run)):
+    (run / "checkpoints" / "step-4").mkdir(parents=True)
+    (run / "checkpoints" / "step-4" / "model.safetensors").write_bytes(b"half-written")
+    (run / "config.toml").write_bytes(Path(sys.argv[2]).read_bytes())
+    (run / "mine").mkdir()
+    (run / "mine" / "during.txt").write_text("the user's, while it ran")
+    time.sleep(0.6)  # a beat or two
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def killed_command(run: Path, tmp_path: Path) -> None:
+    """A command that records into `run`, writes, and is SIGKILLed (no end): a real process, really killed."""
+    config = tmp_path / "config.toml"
+    config.write_bytes(real_config())
+    proc = subprocess.run([sys.executable, "-c", KILLED, str(run), str(config)],
+                          env={**os.environ, "TORCHLOOM_LEDGER_BEAT_S": "0.2"}, timeout=120)
+    assert proc.returncode == -9
+
+
+def test_a_killed_command_vouches_only_for_what_its_record_covers(tmp_path, monkeypatch):
+    """What it wrote before its last beat is torchloom's (replaced whole); a file under no run name never is; a file
+    that came after its last record stays, named in one line, and nothing is deleted."""
+    from torchloom.errors import UserError
+    from torchloom.runs import ledger
+    from torchloom.runs.ledger import LocalTree, replace
+
+    monkeypatch.setattr(ledger, "SLACK_NS", int(1.4e9))  # the killed command's beat (0.2 s), 2 of them and 1 s
+    run = tmp_path / "run"
+    killed_command(run, tmp_path)
+    time.sleep(1.5)
+    (run / "model").mkdir()
+    (run / "model" / "NOTES.md").write_text("the user's, after the kill")  # under a run's name, but later
+    with pytest.raises(UserError, match=r"1 file\(s\) written after the last record of a command killed at about"
+                                        r" .* are not torchloom's by record: left in place \(model/NOTES.md\)"):
+        replace(LocalTree(run), "output.dir")
+    (run / "model" / "NOTES.md").unlink()
+    (run / "model").rmdir()
+    with pytest.raises(UserError, match="it holds mine/during.txt, which torchloom did not write"):
+        replace(LocalTree(run), "output.dir")
+    (run / "mine" / "during.txt").unlink()
+    assert replace(LocalTree(run), "output.dir") == ["checkpoints/step-4/model.safetensors", "config.toml"]
+    assert sorted(p.name for p in run.iterdir()) == ["mine", "torchloom-ledger.json"]  # the killed entry settled
+    assert json.loads((run / "torchloom-ledger.json").read_text())["open"] == []
+
+
+def test_another_host_s_entry_expires_with_its_beat(tmp_path):
+    """A command of another host (a shared file system) vouches for files while its beat is fresh, and for nothing
+    that came after its beat stopped (a lost host): a user's file added later is the user's for ever."""
+    from torchloom.errors import UserError
+    from torchloom.runs.ledger import EXPIRE_S, Ledger, LocalTree, Open, beat_name, replace
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "report.md").write_text("written by the other host's command")
+    other = Open(4242, "another-host", {}, ("*",), 1)
+    (run / "torchloom-ledger.json").write_bytes(Ledger({}, [other]).dumps())
+    beat = run / beat_name(4242, "another-host")
+    beat.write_bytes(b"")
+    assert not Open(4242, "another-host", {}).alive({}, False)  # no beat: not running
+    stale = time.time() - EXPIRE_S - 60
+    os.utime(beat, (stale, stale))
+    (run / "report.md").write_text("the user's, long after that host was lost")
+    with pytest.raises(UserError, match="report.md"):
+        replace(LocalTree(run), "output.dir")
+    assert (run / "report.md").read_text() == "the user's, long after that host was lost"
+    os.utime(beat)  # while it beats, the other host's command is running, and what it writes is its
+    assert replace(LocalTree(run), "output.dir") == ["report.md"]
 
 
 def test_a_refused_command_leaves_no_ledger_behind(tmp_path, tiny_model_dir):

@@ -339,10 +339,12 @@ def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> 
         return sorted(inventory)
     where = f"{tree.where}/{prefix.rstrip('/')}" if prefix else tree.where
     late = {rel: o for rel, o in found.late.items() if rel in foreign}
-    if late and not kept_inputs and len(late) == len(foreign):
-        raise UserError(f"{key} {killed_line(where, late, found.beats)}; not replaced, nothing deleted: look at them,"
-                        " move them away, then run again, or pass another --output.dir")
-    named = [f"{rel} (an input)" for rel in kept_inputs] + foreign
+    named = [f"{rel} (an input)" for rel in kept_inputs] + [rel for rel in foreign if rel not in late]
+    if late:
+        also = f"; it also holds {', '.join(named[:3])}{' and more' if len(named) > 3 else ''}, which torchloom" \
+               " did not write" if named else ""
+        raise UserError(f"{key} {killed_line(where, late, found.beats)}{also}; not replaced, nothing deleted: look"
+                        " at them, move them away, then run again, or pass another --output.dir")
     more = f" and {len(named) - 3} more" if len(named) > 3 else ""
     why = "torchloom did not write (or changed since)" if found.ledger is not None else (
         "no marker of torchloom's vouches for (a run from before ledgers)")
