@@ -153,3 +153,31 @@ def test_a_tune_with_an_unreachable_study_database_says_so_without_its_password(
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("torchloom: error: tune.storage postgresql://***@127.0.0.1:1/optuna:"), last
     assert not _files_holding(tmp_path / "study", [SECRETS["storage"]])
+
+
+@pytest.mark.parametrize("text, masked", [
+    ("postgresql://alice:Zq3/xK9+mW2=@127.0.0.1:5432/optuna", "postgresql://***@127.0.0.1:5432/optuna"),
+    ("s3://KEY:ab/cd@bkt/m", "s3://***@bkt/m"),
+    ("failed: 'postgresql://u:x\"y'z@h/db' refused", "failed: 'postgresql://***@h/db' refused"),
+    ("see postgresql://a:p@ss@h:1/db now", "see postgresql://***@h:1/db now"),
+    ("s3://bucket/data/user@example.com/f.csv", "s3://bucket/data/user@example.com/f.csv"),  # an @ in the path
+    ("http://127.0.0.1:8000/ mail admin@example.com", "http://127.0.0.1:8000/ mail admin@example.com"),
+    ("abfs://runs@acct.dfs.core.windows.net/x", "abfs://runs@acct.dfs.core.windows.net/x"),  # a container
+])
+def test_userinfo_is_found_as_url_parsers_find_it(text, masked):
+    """The password runs to the `@` before the host, whatever it holds but whitespace (a base64 one's `/+=`)."""
+    assert redact_text(text) == masked
+
+
+def test_a_password_seen_in_a_config_is_masked_by_value_in_every_file_and_line(tmp_path, capsys):
+    from torchloom.config import build
+    from torchloom.jsonio import write_atomic
+    from torchloom.redaction import MaskingStream
+
+    build(None, ["--tune.storage", "postgresql://bob:Gh7/kk+Qw3=x@db:5432/optuna"])
+    write_atomic(tmp_path / "f.txt", "the server said: password Gh7/kk+Qw3=x is wrong (Gh7%2Fkk%2BQw3%3Dx)")
+    assert (tmp_path / "f.txt").read_text() == "the server said: password *** is wrong (***)"
+    MaskingStream(sys.stderr).write("a library printed Gh7/kk+Qw3=x\n")
+    assert "Gh7/kk+Qw3=x" not in capsys.readouterr().err
+    build(None, ["--tune.storage", "postgresql://bob:password@db:5432/optuna"])  # letters alone: by the URL rule
+    assert redact_text("password too short") == "password too short"

@@ -88,7 +88,11 @@ def fetch(uri: str, what: str) -> Path:
     # a registry that does not answer is said at once, not after MLflow's default minutes of retries
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    try:
+        client = MlflowClient(tracking_uri=store, registry_uri=store)
+    except ValueError as e:  # a URL its parser refuses (a `[` in a password not percent-encoded)
+        raise UserError(f"{what} {uri}: the tracking URI {redact_text(store)} is not a URL MLflow reads"
+                        f" ({redact_text(e)}); percent-encode what its password holds (e.g. [ as %5B)") from None
     version = _version(client, uri, what, store, name, kind, ref)
     key = hashlib.sha256(f"{redact_text(store)}\n{name}\n{version.version}\n{version.run_id}".encode()).hexdigest()[:20]
     if not version.run_id:

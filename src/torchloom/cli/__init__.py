@@ -10,6 +10,7 @@ import sys
 from torchloom import __version__
 from torchloom.cli.serving import add_monitor_arguments, add_predict_arguments, cmd_monitor, cmd_predict, cmd_serve
 from torchloom.errors import UserError, one_line
+from torchloom.redaction import mask_streams, remember
 from torchloom.serve.arguments import add_serve_arguments
 
 COMMANDS = {
@@ -196,6 +197,8 @@ def run_stage(command: str, run) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    mask_streams()  # a password this process sees in a URL is never printed (redaction.remember)
+    remember(argv)
     if argv and argv[0] == "plan":
         # pure arithmetic with its own options: no config, no torch, starts in a blink
         from torchloom.plan.command import main as plan_main

@@ -11,7 +11,7 @@ from typing import Any
 from torchloom.config.budget import known_batch
 from torchloom.config.schema import Config, TrainConfig
 from torchloom.errors import UserError
-from torchloom.redaction import redact_config
+from torchloom.redaction import redact_config, remember
 
 
 def sections(cfg: Config) -> dict[str, Any]:
@@ -315,11 +315,17 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
 def build(config_file: str | None = None, overrides: list[str] | None = None, base: Config | None = None) -> Config:
     """Defaults (or `base`), then the TOML file, then the command-line overrides; validated."""
     cfg = base if base is not None else Config()
+    # a password in a URL given here is masked by value from now on, in every line and file (redaction.remember),
+    # before anything can fail and say the value
+    remember([*(overrides or []), *(o.split("=", 1)[-1] for o in overrides or [])])
     if config_file:
         load_toml(cfg, config_file)
+        remember(to_dict(cfg))
     for section, key, value in parse_overrides(overrides or []):
         apply(cfg, section, key, value, "cli")
-    return validate(cfg)
+    cfg = validate(cfg)
+    remember(to_dict(cfg))
+    return cfg
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
@@ -331,7 +337,9 @@ def from_dict(data: dict[str, Any]) -> Config:
     for section, table in data.items():
         for key, value in table.items():
             apply(cfg, section, key, value, "saved config")
-    return validate(cfg)
+    cfg = validate(cfg)
+    remember(to_dict(cfg))
+    return cfg
 
 
 def to_toml(cfg: Config) -> str:

@@ -35,7 +35,7 @@ from torchloom.engines.common import (
 from torchloom.errors import UserError
 from torchloom.jsonio import read_json, write_json
 from torchloom.model.env import model_env
-from torchloom.redaction import TUNE_STORAGE_ENV
+from torchloom.redaction import TUNE_STORAGE_ENV, mask_streams, remember
 from torchloom.runs.rundir import RunDir
 from torchloom.runs.runfiles import RunFiles
 from torchloom.train import preemption
@@ -280,6 +280,8 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     from torchloom.train.entry import run as train
     from torchloom.train.resume import check_fresh
 
+    remember([cfg_dict, os.environ.get(TUNE_STORAGE_ENV, "")])  # never printed or written (redaction.py)
+    mask_streams()
     files = RunFiles(RunDir(run_dir))  # this rank's one owner of the run's files
     rd = files.rd
     rank = env_rank()

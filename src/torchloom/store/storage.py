@@ -33,7 +33,7 @@ from torchloom.errors import UserError
 from torchloom.store import clients as store_clients
 from torchloom.store.clients import LOCAL_STORE, SCHEMES
 from torchloom.store.errors import CHECK_RETRY_S, NoBucket, attempts, reason, what_to_check
-from torchloom.uri import URI, redact
+from torchloom.uri import URI, has_credentials, redact
 
 CHUNK = 8 << 20  # bytes per read or write when streaming a file between the store and local disk
 # Streams are opened with compression=None: objects hold the bytes of the files, as they are. pyarrow's default
@@ -75,6 +75,9 @@ def resolve(uri: str):
     """(pyarrow filesystem, path inside it) for a store URI."""
     kind = scheme(uri)
     rest = URI.sub("", uri, count=1)
+    if has_credentials(uri):  # it would travel into every record, manifest and line that names the place
+        raise UserError(f"{redact(uri)}: credentials in a store URI are not used; give {what_to_check(uri)} in the"
+                        " environment and drop the user:password@ part")
     if kind == LOCAL_STORE:
         if not rest.startswith("/"):
             raise UserError(f"{redact(uri)}: a {LOCAL_STORE}:// URI names an absolute directory; use"
