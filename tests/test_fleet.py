@@ -25,6 +25,8 @@ WORDS = {"sport": "match goal team win league", "money": "bank shares profit mar
 TEXTS = [*WORDS.values(), "short", "a much longer text " * 10]
 API_KEY = "fleet-key-0123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN_KEY = "fleet-admin-4567"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,8 @@ def check_split_sticky_and_shadow(s: Server, shares: dict[str, float], shadow: s
 @pytest.fixture(scope="module")
 def server(models, tmp_path_factory):
     s = Server("", "--model", f"A={models['A']}", "--model", f"B={models['B']}", "--model", f"C={models['C']}",
-               "--traffic", "A=70,B=30", "--shadow", "C", "--api-key", API_KEY, "--device", "cpu",
+               "--traffic", "A=70,B=30", "--shadow", "C", "--api-key", API_KEY, "--admin-key", ADMIN_KEY,
+               "--device", "cpu",
                log_dir=tmp_path_factory.mktemp("fleet-log"))
     s.client.headers.update(AUTH)
     yield s
@@ -125,7 +128,8 @@ def test_feedback_scores_the_models_and_refuses_unknown_repeated_and_foreign_lab
 
 
 def test_the_verdict_names_the_worse_model_only_once_enough_labels_came_and_never_an_equal_one(server):
-    r = server.client.put("/v1/admin/traffic", json={"traffic": {"A": 100, "B": 0, "C": 0}, "shadows": ["B", "C"]})
+    r = server.client.put("/v1/admin/traffic", json={"traffic": {"A": 100, "B": 0, "C": 0}, "shadows": ["B", "C"]},
+                          headers=ADMIN)
     assert r.status_code == 200, r.text
     sent = texts(400, seed=1)
     shadowed = {name: counted(server, name, "shadow") for name in ("B", "C")}
@@ -159,25 +163,37 @@ def test_admin_changes_need_the_key_and_refuse_bad_splits_unknown_models_and_for
     for headers in ({}, {"Authorization": "Bearer wrong-key-000"}):
         r = bare.put("/v1/admin/traffic", json={"traffic": {"A": 100}}, headers=headers)
         assert r.status_code == 401, r.text
+    r = bare.put("/v1/admin/traffic", json={"traffic": {"A": 100}}, headers=AUTH)  # the predict key: not here
+    assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", r.text
+    assert bare.post("/v1/predict", json={"texts": ["x"]}, headers=ADMIN).status_code == 401  # nor the other way
+    pickled = Path(models["A"]).parent.parent / "pickled" / "model"
+    shutil.copytree(models["A"], pickled)
+    import torch
+    from safetensors.torch import load_file
+
+    torch.save(load_file(pickled / "model.safetensors"), pickled / "pytorch_model.bin")
+    (pickled / "model.safetensors").unlink()
     for method, path, body, status in [
             ("PUT", "/v1/admin/traffic", {"traffic": {"A": 50, "B": 40}}, 422),  # 90, not 100
             ("PUT", "/v1/admin/traffic", {"traffic": {"A": 50, "Z": 50}}, 422),
             ("PUT", "/v1/admin/traffic", {"traffic": {"A": 50, "C": 50}, "shadows": ["C"]}, 422),
             ("POST", "/v1/admin/promote", {"model": "Z"}, 404),
             ("PUT", "/v1/admin/models/D", {"path": models["other"]}, 422),  # other labels
-            ("PUT", "/v1/admin/models/D", {"path": "/nonexistent/model"}, 422)]:
-        r = server.client.request(method, path, json=body)
+            ("PUT", "/v1/admin/models/D", {"path": "/nonexistent/model"}, 422),
+            ("PUT", "/v1/admin/models/D", {"path": str(pickled)}, 422),  # a pickle's weights: never loaded
+            ("PUT", "/v1/admin/models/%D0%BC%D0%BE%D0%B4%D0%B5%D0%BB%D1%8C", {"path": models["A"]}, 422)]:  # модель
+        r = server.client.request(method, path, json=body, headers=ADMIN)
         assert r.status_code == status, (path, body, r.text)
         assert "\n" not in r.json()["error"]["message"]
     # promote, then load a new version of A in place: warmed up first, then it answers A's traffic
-    assert server.client.post("/v1/admin/promote", json={"model": "C"}).json()["traffic"]["C"] == 100
+    assert server.client.post("/v1/admin/promote", json={"model": "C"}, headers=ADMIN).json()["traffic"]["C"] == 100
     assert set(routed(server, 20)) == {"C"}
-    r = server.client.put("/v1/admin/traffic", json={"traffic": {"A": 100}, "shadows": []})
+    r = server.client.put("/v1/admin/traffic", json={"traffic": {"A": 100}, "shadows": []}, headers=ADMIN)
     version = r.json()["models"]["A"]["version"]
     again = Path(models["A"]).parent.parent / "a2" / "model"
     shutil.copytree(models["A"], again)
     (again / "torchloom.json").write_text((again / "torchloom.json").read_text().replace("{", '{"version": "v2", ', 1))
-    r = server.client.put("/v1/admin/models/A", json={"path": str(again)})
+    r = server.client.put("/v1/admin/models/A", json={"path": str(again)}, headers=ADMIN)
     assert r.status_code == 200 and r.json()["models"]["A"]["version"] == "v2" != version, r.text
     assert server.client.post("/v1/predict", json={"texts": ["x"]}).json()["model"]["version"] == "v2"
     wait_for(lambda: "released a " in server.stderr())
@@ -193,12 +209,18 @@ def test_a_server_without_a_key_has_no_admin_and_bad_splits_fail_in_one_line(mod
                          (["--shadow", "Z"], "no model is named 'Z'")]:
         error = one_error(torchloom("serve", "--model", f"A={models['A']}", "--model", f"B={models['B']}", *flags))
         assert words in error, error
+    error = one_error(torchloom("serve", "--model", f"модель={models['A']}", "--port", "0"))
+    assert "a model's name is up to 64 letters, digits" in error, error
+    error = one_error(torchloom("serve", models["A"], "--api-key", "same-key-123", "--admin-key", "same-key-123"))
+    assert "--admin-key: must differ from --api-key" in error, error
+    error = one_error(torchloom("serve", models["A"], "--api-key", "ключ-0123456"))
+    assert "--api-key: use at least 8 printable ASCII characters" in error, error
     error = one_error(torchloom("serve", "--model", f"A={models['A']}", "--model", f"B={models['other']}",
                                 "--port", "0"))
     assert "labels" in error and "differ" in error, error
     s = Server(models["A"], "--device", "cpu", log_dir=tmp_path)
     try:
-        r = s.client.put("/v1/admin/traffic", json={"traffic": {"A": 100}})
+        r = s.client.put("/v1/admin/traffic", json={"traffic": {"A": 100}}, headers=ADMIN)
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled", r.text
         p = s.client.post("/v1/predict", json={"texts": ["match"]}).json()  # one model: feedback works too
         assert s.client.post("/v1/feedback", json={"id": p["predictions"][0]["id"], "label": "sport"}).status_code \
@@ -230,7 +252,8 @@ def test_requests_sent_while_a_model_is_replaced_are_all_answered_by_the_old_ver
     the swap are answered by the old version (released only once its queue is empty), none fails."""
     import threading
 
-    s = Server("", "--model", f"A={models['A']}", "--api-key", API_KEY, "--device", "cpu", "--max-wait-ms", "300",
+    s = Server("", "--model", f"A={models['A']}", "--api-key", API_KEY, "--admin-key", ADMIN_KEY, "--device", "cpu",
+               "--max-wait-ms", "300",
                "--fixed-wait", "--no-tune", log_dir=tmp_path)
     try:
         s.client.headers.update(AUTH)
@@ -250,7 +273,7 @@ def test_requests_sent_while_a_model_is_replaced_are_all_answered_by_the_old_ver
         askers = [threading.Thread(target=keep_asking) for _ in range(4)]
         for t in askers:
             t.start()
-        r = s.client.put("/v1/admin/models/A", json={"path": str(again)})
+        r = s.client.put("/v1/admin/models/A", json={"path": str(again)}, headers=ADMIN)
         wait_for(lambda: any(v == "v2" for _, v in answers))  # the askers' requests after the swap: the new version's
         done.set()
         for t in askers:

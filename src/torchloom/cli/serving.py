@@ -301,6 +301,7 @@ def serve_models(args: argparse.Namespace) -> dict[str, str] | None:
     for one MODEL_DIR, which is checked and made local in args."""
     from torchloom.model.export import check_exported
     from torchloom.serve.compare_batch import model_names
+    from torchloom.serve.settings import check_model_name
 
     if args.models and args.model_dir:
         raise UserError(f"serve: MODEL_DIR {args.model_dir} and --model flags; give one model as MODEL_DIR or"
@@ -316,8 +317,7 @@ def serve_models(args: argparse.Namespace) -> dict[str, str] | None:
         if name in models:
             raise UserError(f"--model {name}=...: two models of one name; name them apart (--model v1=DIR --model"
                             " v2=DIR)")
-        if not name or "," in name or len(name) > 64:
-            raise UserError(f"--model {name}=...: use a name of up to 64 characters without a comma")
+        check_model_name(name, "--model")
         models[name] = local_model(path, f"--model {name}")
         check_exported(models[name])
     return models
@@ -337,7 +337,8 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         max_batch_tokens=args.max_batch_tokens, length_bucket=args.length_bucket,
         fixed_wait=args.fixed_wait, tune=args.tune,
         max_texts_per_request=args.max_texts_per_request, max_text_chars=args.max_text_chars,
-        api_key=args.api_key, device=args.device, precision=args.precision, runtime=args.runtime,
+        api_key=args.api_key, admin_key=args.admin_key, model_roots=args.model_roots,
+        device=args.device, precision=args.precision, runtime=args.runtime,
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
         require_api_key=args.require_api_key, monitor=args.monitor, monitor_window=args.monitor_window,
         monitor_window_s=args.monitor_window_s, false_alarm=args.false_alarm, models=models, traffic=args.traffic,

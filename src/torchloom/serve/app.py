@@ -360,9 +360,11 @@ def body_limit_for(max_texts: int, max_chars: int, max_body_bytes: int) -> int:
 
 def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | None = None,
                engine: str = "local", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_connections: int | None = None) -> FastAPI:
+               max_connections: int | None = None, admin_key: str | None = None,
+               model_roots: list[str] = ()) -> FastAPI:
     """The FastAPI app for `backend`, one router per API; its lifespan starts and stops the backend.
-    max_connections: requests served at once, past it 503 (connections.RequestCap); None: no cap (Ray's)."""
+    max_connections: requests served at once, past it 503 (connections.RequestCap); None: no cap (Ray's).
+    admin_key: the admin route's own key (None: the route refuses every call); model_roots: where it may load."""
     identity = backend.identity
     body_limit = body_limit_for(max_texts, max_chars, max_body_bytes)
 
@@ -397,6 +399,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
         from torchloom.serve.fleet_api import admin_key_check, admin_router, feedback_router
 
         app.include_router(feedback_router(backend), **guarded)
-        app.include_router(admin_router(backend), dependencies=[Depends(admin_key_check(api_key))],
+        app.include_router(admin_router(backend, list(model_roots)),
+                           dependencies=[Depends(admin_key_check(admin_key, api_key))],
                            responses={401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}})
     return app

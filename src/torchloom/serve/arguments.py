@@ -56,7 +56,13 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                     help="texts waiting for the model; past this requests get 429 (default 1024)")
     sp.add_argument("--max-texts-per-request", type=int, default=256)
     sp.add_argument("--max-text-chars", type=int, default=20_000)
-    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (or set TORCHLOOM_API_KEY)")
+    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (predict, feedback; or set"
+                                      " TORCHLOOM_API_KEY)")
+    sp.add_argument("--admin-key", help="the key of /v1/admin (load, traffic, shadow, promote; or set"
+                                        " TORCHLOOM_ADMIN_KEY): without it the admin route refuses every call, and"
+                                        " the --api-key is refused there")
+    sp.add_argument("--model-root", dest="model_roots", action="append", default=[], metavar="DIR_OR_URI",
+                    help="where /v1/admin may load models from (repeatable; default: anywhere this server reads)")
     sp.add_argument("--require-api-key", action="store_true",
                     help="refuse to start without an API key (default: start, with a warning when --host is not"
                          " loopback)")

@@ -1,24 +1,28 @@
 """The HTTP side of several models behind one endpoint (serve/fleet.py): POST /v1/feedback and the admin route,
-/v1/admin, behind the API key (docs/serving.md, "A/B and shadow"). Bodies are parsed by hand, for one-line errors;
+/v1/admin, feedback behind the API key and the admin route behind its own (--admin-key; docs/serving.md, "A/B and
+shadow"). Bodies are parsed by hand, for one-line errors;
 their schemas document them in /openapi.json."""
 
 from __future__ import annotations
 
+import hmac
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 
+from torchloom.errors import UserError
 from torchloom.serve.api_common import (
     ApiError,
     BearerToken,
     ErrorResponse,
-    api_key_check,
     json_type,
     load_json,
     read_body,
 )
+from torchloom.serve.settings import ADMIN_KEY_ENV, check_model_name
 
 
 class FeedbackRequest(BaseModel):
@@ -85,15 +89,22 @@ def feedback_router(backend) -> APIRouter:
 ADMIN_BODY = 64 * 1024
 
 
-def admin_key_check(api_key: str | None):
-    """The admin route's guard: the API key, and no admin at all on a server started without one."""
-    check = api_key_check(api_key)
+def admin_key_check(admin_key: str | None, api_key: str | None = None):
+    """The admin route's guard: its own key (--admin-key), and no admin at all on a server started without one;
+    the predict key is refused there (403: that client may predict and send feedback, not load models)."""
 
     async def check_admin(credentials: BearerToken) -> None:
-        if api_key is None:
-            raise ApiError(403, "admin_disabled", "the admin route needs an API key; start the server with --api-key"
-                                                  " KEY (or TORCHLOOM_API_KEY)")
-        await check(credentials)
+        if admin_key is None:
+            raise ApiError(403, "admin_disabled", "the admin route needs its own key; start the server with"
+                                                  f" --admin-key KEY (or {ADMIN_KEY_ENV})")
+        token = credentials.credentials.encode() if credentials else b""
+        if hmac.compare_digest(token, admin_key.encode()):
+            return
+        if api_key is not None and hmac.compare_digest(token, api_key.encode()):
+            raise ApiError(403, "forbidden", "this key may predict and send feedback, not use /v1/admin; send the"
+                                             " admin key")
+        raise ApiError(401, "unauthorized", "missing or wrong admin key; send the header 'Authorization: Bearer"
+                                            " <admin key>'", headers={"WWW-Authenticate": "Bearer"})
 
     return check_admin
 
@@ -105,7 +116,25 @@ async def admin_body(request: Request, example: str) -> dict[str, Any]:
     return payload
 
 
-def admin_router(fleet) -> APIRouter:
+def check_model_root(path: str, roots: list[str]) -> None:
+    """An admin load from one of the server's --model-root directories or store prefixes (none given: anywhere
+    the server can read); one line otherwise."""
+    if not roots:
+        return
+    from torchloom.uri import has_scheme
+
+    def under(root: str) -> bool:
+        if has_scheme(root) or has_scheme(path):
+            return path.rstrip("/") == root.rstrip("/") or path.startswith(root.rstrip("/") + "/")
+        here, top = os.path.realpath(path), os.path.realpath(root)
+        return here == top or here.startswith(top.rstrip(os.sep) + os.sep)
+
+    if not any(under(root) for root in roots):
+        raise UserError(f"path {path}: not under a --model-root of this server ({', '.join(roots)}); load models"
+                        " from there, or start the server with another --model-root")
+
+
+def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
     """/v1/admin: the split, the shadows, promotion and loading a model, changed without a restart (fleet.py)."""
     from torchloom.serve.split import make_plan
 
@@ -146,8 +175,11 @@ def admin_router(fleet) -> APIRouter:
         if not isinstance(path, str) or not path:
             raise ApiError(422, "invalid_request", '"path" is missing or not a string; send JSON like {"path":'
                                                    ' "runs/x/model"}')
-        if not name or "=" in name or "," in name or len(name) > 64:
-            raise ApiError(422, "invalid_request", f"model name {name!r}: use up to 64 characters without = or ,")
+        try:
+            check_model_name(name, "model name")
+            check_model_root(path, model_roots)
+        except UserError as e:
+            raise ApiError(422, "invalid_request", str(e)) from None
         return JSONResponse(await fleet.put_model(name, path, who(request)))
 
     return api

@@ -235,11 +235,12 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float, gpus_per_
         def __init__(self, settings_dict: dict[str, Any]) -> None:
             replica_grpc_on_loopback()
             settings_dict = dict(settings_dict)
-            key_file = settings_dict.pop("api_key_file", None)
+            key_files = {k: settings_dict.pop(f"{k}_file", None) for k in SECRET_FIELDS}
             replica_settings = ServeSettings(**settings_dict)
-            if key_file:  # the key never travels in these init args (replica_fields)
-                with open(key_file, encoding="utf-8") as f:
-                    replica_settings.api_key = f.read()
+            for field_name, key_file in key_files.items():  # the keys never travel in these init args (replica_fields)
+                if key_file:
+                    with open(key_file, encoding="utf-8") as f:
+                        setattr(replica_settings, field_name, f.read())
             self.settings = replica_settings
             self.backend = replica_fleet(replica_settings, max(1, int(cpus_per_replica)))
 
@@ -248,7 +249,7 @@ def build_deployment(settings: ServeSettings, cpus_per_replica: float, gpus_per_
 
             s = self.settings
             return create_app(self.backend, s.texts_per_request, s.max_text_chars, s.api_key, "ray",
-                              max_body_bytes=s.max_body_bytes)
+                              max_body_bytes=s.max_body_bytes, admin_key=s.admin_key, model_roots=s.model_roots)
 
     return TorchloomDeployment
 
@@ -317,16 +318,21 @@ def start_ray(temp_dir: str) -> None:
                     fix="retry when it has room, or serve without Ray (--serve-with local)")
 
 
+SECRET_FIELDS = ("api_key", "admin_key")
+
+
 def replica_fields(settings: ServeSettings, temp_dir: str) -> dict[str, Any]:
-    """The settings the replicas are built with, which Ray keeps in its GCS: the API key is not among them.
-    It goes to a file of mode 0600 in the instance's private temp dir, and the fields name that file."""
-    fields = {k: v for k, v in vars(settings).items() if k != "api_key"}
-    if settings.api_key is not None:
-        path = os.path.join(temp_dir, "api_key")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(settings.api_key)
-        fields["api_key_file"] = path
+    """The settings the replicas are built with, which Ray keeps in its GCS: the keys are not among them. Each
+    goes to a file of mode 0600 in the instance's private temp dir, and the fields name that file."""
+    fields = {k: v for k, v in vars(settings).items() if k not in SECRET_FIELDS}
+    for name in SECRET_FIELDS:
+        key = getattr(settings, name)
+        if key is not None:
+            path = os.path.join(temp_dir, name)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(key)
+            fields[f"{name}_file"] = path
     return fields
 
 

@@ -240,7 +240,8 @@ def run_local(settings: ServeSettings) -> int:
         sock.close()
         raise
     app = create_app(fleet, settings.texts_per_request, settings.max_text_chars, settings.api_key, "local",
-                     max_body_bytes=settings.max_body_bytes, max_connections=settings.max_connections)
+                     max_body_bytes=settings.max_body_bytes, max_connections=settings.max_connections,
+                     admin_key=settings.admin_key, model_roots=settings.model_roots)
     model = fleet.members[fleet.order[0]].backend.model
     names = "" if settings.models is None else f"models {', '.join(fleet.order)}: {fleet.plan.line()}; "
     identity = model.identity

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
@@ -12,6 +13,15 @@ from torchloom.errors import UserError
 ENGINES = ("local", "ray")
 RUNTIMES = ("torch", "onnx")
 API_KEY_ENV = "TORCHLOOM_API_KEY"
+ADMIN_KEY_ENV = "TORCHLOOM_ADMIN_KEY"
+MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # a served model's name: it goes into headers, labels, paths
+
+
+def check_model_name(name: str, where: str) -> None:
+    """A model's name of letters, digits and `._-` (up to 64), else one line naming it."""
+    if not MODEL_NAME.match(name or ""):
+        raise UserError(f"{where} {name!r}: a model's name is up to 64 letters, digits, '.', '_' or '-' (it goes into"
+                        " response headers, metric labels and logs); rename it, e.g. v2 or reviews-2026")
 DEFAULT_MAX_BODY_BYTES = 4_000_000  # 4 MB: about 200 texts of 20,000 ASCII characters
 DEFAULT_MAX_CONNECTIONS = 128  # requests served at once (headers in, answer not out); bodies held <= this x 4 MB
 DEFAULT_READ_TIMEOUT_S = 10.0  # a request (headers and body) must arrive whole within this of its first byte
@@ -33,7 +43,9 @@ class ServeSettings:
     max_queue: int = 1024  # texts accepted and waiting; more -> 429
     max_texts_per_request: int = 256
     max_text_chars: int = 20_000
-    api_key: str | None = None  # bearer token for /v1/*; also read from TORCHLOOM_API_KEY
+    api_key: str | None = None  # bearer token for /v1/* (predict, feedback); also read from TORCHLOOM_API_KEY
+    admin_key: str | None = None  # bearer token for /v1/admin (no admin route without it); TORCHLOOM_ADMIN_KEY
+    model_roots: list[str] = field(default_factory=list)  # --model-root: where the admin route may load models from
     device: str = "auto"
     precision: str = "auto"
     runtime: str = "torch"  # or onnx: the exported model.onnx / model.int8.onnx on ONNX Runtime
@@ -57,6 +69,8 @@ class ServeSettings:
     def __post_init__(self) -> None:
         if self.api_key is None:
             self.api_key = os.environ.get(API_KEY_ENV) or None
+        if self.admin_key is None:
+            self.admin_key = os.environ.get(ADMIN_KEY_ENV) or None
 
     @property
     def texts_per_request(self) -> int:
@@ -92,8 +106,12 @@ class ServeSettings:
                                            " 0.05)"),
             (self.models is not None or (self.traffic is None and not self.shadow),
              "--traffic and --shadow name models: give them with --model NAME=DIR (one flag per model)"),
-            (self.api_key is None or (self.api_key.strip() == self.api_key and len(self.api_key) >= 8),
-             "--api-key: use at least 8 characters without surrounding spaces"),
+            (_good_key(self.api_key), "--api-key: use at least 8 printable ASCII characters, no surrounding spaces"
+                                       " (a header carries it)"),
+            (_good_key(self.admin_key), "--admin-key: use at least 8 printable ASCII characters, no surrounding"
+                                         " spaces (a header carries it)"),
+            (self.admin_key is None or self.admin_key != self.api_key,
+             "--admin-key: must differ from --api-key (a client that may predict must not load models)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -101,6 +119,8 @@ class ServeSettings:
         if self.serve_with == "local" and self.replicas != 1:
             raise UserError(f"--replicas {self.replicas}: only --serve-with ray runs replicas; the local engine"
                             " uses one model per process (start more processes behind a load balancer)")
+        for name in self.models or {}:
+            check_model_name(name, "--model")
         if self.models is not None:
             from torchloom.serve.split import make_plan
 
@@ -118,6 +138,10 @@ class ServeSettings:
         return (f"torchloom serve: warning: --host {self.host} is reachable beyond this machine and no API key is set,"
                 f" so anyone who reaches it can call /v1/*; set --api-key KEY or {API_KEY_ENV} (--require-api-key"
                 " refuses to start without one)")
+
+
+def _good_key(key: str | None) -> bool:
+    return key is None or (key.strip() == key and len(key) >= 8 and key.isascii() and key.isprintable())
 
 
 def is_loopback(host: str) -> bool:

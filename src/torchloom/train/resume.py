@@ -29,6 +29,8 @@ def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = ()) -> 
         return
     steps = files.stored_steps()
     if not steps:
+        if files.holds(files.rd.checkpoints):  # a killed training's unfinished ones: removed only by record
+            deletable(files.tree(), "output.dir", inputs, under="checkpoints")
         return
     if not overwrite:
         shown = ", ".join(map(str, sorted(steps)[-3:]))
