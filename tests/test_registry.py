@@ -137,3 +137,15 @@ def test_the_cache_deletes_only_its_own_entries(tmp_path, monkeypatch):
     assert made == beside.parent / "ab12" and beside.read_text() == "a user's file"
     with pytest.raises(ValueError):
         fill_once("registry", "../../x", lambda entry: False, lambda tmp: None)
+
+
+@pytest.mark.parametrize("named", ["../../elsewhere", "/etc"])
+def test_a_registered_model_naming_a_directory_outside_its_download_is_refused(tmp_path, named):
+    from torchloom.errors import UserError
+    from torchloom.registry import _model_dir
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "MLmodel").write_text(
+        f"flavors:\n  python_function:\n    artifacts:\n      model_dir:\n        path: {named}\n")
+    with pytest.raises(UserError, match="names a model directory outside the downloaded model"):
+        _model_dir(tmp_path, "models:/reviews/1", "MODEL_DIR")

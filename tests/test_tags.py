@@ -174,3 +174,12 @@ def test_hierarchical_labels_normalise_derive_parents_and_score_every_level():
     masks = np.array([0b001, 0b100, 0b011])
     top, leaf = levels.multi_label(p[:3], masks, names, "/", ts.Thresholds(0.45))
     assert top["labels"] == 2 and top["micro_f1"] == pytest.approx(4 / 6) and leaf["labels"] == 3
+
+
+@pytest.mark.parametrize("tags_by, levels_by", [("/", "/"), ("/", "//"), ("::", ":")])
+def test_a_tag_delimiter_that_holds_the_path_delimiter_or_is_held_by_it_is_refused(tags_by, levels_by):
+    from torchloom.config import build
+
+    with pytest.raises(UserError, match="one holds the other, so a path's levels would be read as separate tags"):
+        build(None, ["--data.label_delimiter", tags_by, "--data.label_path_delimiter", levels_by])
+    build(None, ["--data.label_delimiter", "|", "--data.label_path_delimiter", "/"])  # apart: fine

@@ -151,4 +151,9 @@ def _model_dir(root: Path, uri: str, what: str) -> Path:
     except (OSError, KeyError, TypeError, yaml.YAMLError):
         raise UserError(f"{what} {uri}: the registered model is not one torchloom logged (no model_dir artifact in"
                         " its MLmodel); load it with mlflow.pyfunc instead") from None
+    inside = (root / "model").resolve()
+    if not path.resolve().is_relative_to(inside):  # `../..` or an absolute path: a directory outside the download
+        raise UserError(f"{what} {uri}: its MLmodel names a model directory outside the downloaded model"
+                        f" ({flavors['artifacts']['model_dir']['path']!r}); it is not one torchloom logged; register"
+                        " the model again with torchloom export --register")
     return path

@@ -99,6 +99,11 @@ def validate(cfg: Config) -> Config:
     if cfg.data.split_column and (cfg.data.val_path or cfg.data.test_path):
         raise UserError("config data.split_column and data.val_path / data.test_path: the split comes from one or"
                         " the other; set only one")
+    tags, levels = cfg.data.label_delimiter, cfg.data.label_path_delimiter
+    if tags and levels and (tags in levels or levels in tags):
+        raise UserError(f"config data.label_delimiter {tags!r} and data.label_path_delimiter {levels!r}: one holds the"
+                        " other, so a path's levels would be read as separate tags; give them different characters"
+                        " (e.g. label_delimiter \"|\" and label_path_delimiter \"/\")")
     if cfg.prepare.max_chars and cfg.prepare.max_chars < cfg.prepare.min_chars:
         raise UserError("config prepare.max_chars must be 0 (no limit) or >= prepare.min_chars")
     if cfg.train.precision == "fp16" and cfg.engine.device == "cpu":

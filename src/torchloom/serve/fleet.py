@@ -333,6 +333,7 @@ class Fleet:
         if self.load is None:
             raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas);"
                                                  " redeploy instead")
+        path = path.removeprefix("file://") if path.startswith("file:///") else path  # a local path as a URL
         if is_uri(path):  # a model on a store: fetched once into this host's cache, for either engine
             from torchloom.model_cache import fetch_model
 

@@ -177,7 +177,7 @@ def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
                                                    ' "runs/x/model"}')
         try:
             check_model_name(name, "model name")
-            check_model_root(path, model_roots)
+            check_model_root(path.removeprefix("file://") if path.startswith("file:///") else path, model_roots)
         except UserError as e:
             raise ApiError(422, "invalid_request", str(e)) from None
         return JSONResponse(await fleet.put_model(name, path, who(request)))
