@@ -85,6 +85,9 @@ def fetch(uri: str, what: str) -> Path:
     quiet_mlflow()
     name, kind, ref = parse(uri)
     store = resolve_uri("")
+    if store.startswith("sqlite:///") and not Path(store[len("sqlite:///"):]).is_file():  # a read creates nothing
+        raise UserError(f"{what} {uri}: no registry at {store} (no such file); set --tracking-uri (or"
+                        " MLFLOW_TRACKING_URI) to the registry the model was registered in")
     # a registry that does not answer is said at once, not after MLflow's default minutes of retries
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
