@@ -391,3 +391,39 @@ def test_a_model_with_pickled_weights_is_refused_in_one_line(template, tmp_path)
     error = one_error(subprocess.run([sys.executable, "-m", "torchloom", "predict", "--model", str(model), "hello"],
                                      capture_output=True, text=True, env={**os.environ, **ENV}, timeout=120))
     assert "pytorch_model.bin, a pickle" in error and "safetensors only" in error, error
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("engine", ["spark", "ray"])
+def test_a_driver_killed_mid_training_leaves_no_process_on_spark_or_ray(engine, template, tmp_path):
+    """Spark's and Ray's tasks are their clusters' to stop: a driver killed with SIGKILL takes its local Spark
+    application (its JVM ends with its stdin) and its Ray instance (Ray's processes share the driver's fate)."""
+    run = tmp_path / "run"
+    shutil.copytree(template, run, copy_function=shutil.copy2)
+    token = uuid.uuid4().hex
+    argv = ["train", "--output.dir", str(run), "--engine.name", engine, "--train.epochs", "40", "--overwrite",
+            "--tracking.enabled", "false"]
+    proc = subprocess.Popen([sys.executable, "-m", "torchloom", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **ENV, "TORCHLOOM_ORACLE": token})
+    seen = []
+    for line in proc.stdout:  # kill once the ranks are training
+        seen.append(line)
+        if " step " in line or len(seen) > 400:
+            break
+    assert proc.poll() is None, "".join(seen[-20:])
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    infrastructure = (b"DashboardAgent", b"RuntimeEnvAgent", b"raylet", b"gcs_server", b"dashboard", b"log_monitor",
+                      b"monitor.py")
+
+    def training() -> list[str]:  # what could still write into the run: anything but Ray's own daemons
+        return [p for p in alive_with(token) if not any(name.decode() in p for name in infrastructure)]
+
+    deadline = time.monotonic() + 10
+    while training() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not training(), training()
+    deadline = time.monotonic() + 60  # Ray's daemons notice their driver's end on their own clock
+    while alive_with(token) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive_with(token), alive_with(token)
