@@ -13,7 +13,7 @@ import tempfile
 import pytest
 from support import spark_jvm
 
-pytest_plugins = ["support.schedule"]
+pytest_plugins = ["support.schedule", "support.durations"]
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # The same answers on every CI machine: where the CPU runs bf16 natively (AMX, AVX512-BF16) `precision auto`

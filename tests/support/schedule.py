@@ -12,9 +12,10 @@ module fixtures are built once), and two groups, each marked in the test modules
   tests of those modules stay in their module's unit (a module fixture that both use is built on both
   workers). A test marked both is "cluster"'s.
 
-Those two groups are the longest, so they go first, "cluster" then "ray"; then the modules marked
-`pytest.mark.heavy(n)`, the heaviest, by n (1 first; equal n in collection order); then the rest, in
-collection order. The markers are registered in pyproject.toml.
+Those two groups are the longest, so they go first, "cluster" then "ray"; then the modules by the time their tests
+took when it was last recorded (tests/durations.json, support/durations.py), longest first; a module with no record
+yet: where `pytest.mark.heavy(n)` marks it, before the recorded ones by n (1 first), else as one of DEFAULT_S; equal
+times in collection order. The markers are registered in pyproject.toml.
 
 The suite keeps 2 cores busy with two workers (their summed test time is ~97% of twice the wall time): a third
 worker (or the two cluster modules at once on a fourth) ran at a load of 8-15 and starved time-bound steps
@@ -39,6 +40,8 @@ import tempfile
 
 import pytest
 
+from support.durations import unit_seconds
+
 GROUPS = ("cluster", "ray")  # the units across modules, the longest: first, in this order
 _UNITS = "torchloom_units_dir"  # the key of the units' directory in the workers' input
 _UNITS_DIR = pytest.StashKey[str]()
@@ -52,16 +55,22 @@ def unit_of(item: pytest.Item) -> str:
     return item.nodeid.partition("::")[0]
 
 
-def _rank(item: pytest.Item) -> tuple[int, float]:
-    """Where a test starts: the groups in GROUPS' order, then the heavy modules by n (a bare `heavy` after the
-    numbered ones), then the rest."""
+DEFAULT_S = 20.0  # a module with no recorded time and no heavy mark: about this long
+_RECORDED = unit_seconds()
+
+
+def _rank(item: pytest.Item) -> tuple[int, float, float]:
+    """Where a test starts: the groups in GROUPS' order, then the modules by recorded time, longest first (the
+    module docstring)."""
     unit = unit_of(item)
     if unit in GROUPS:
-        return GROUPS.index(unit), 0
+        return GROUPS.index(unit), 0.0, 0.0
+    if unit in _RECORDED:
+        return len(GROUPS), -_RECORDED[unit], 0.0
     heavy = item.get_closest_marker("heavy")
     if heavy is not None:
-        return len(GROUPS), heavy.args[0] if heavy.args else float("inf")
-    return len(GROUPS) + 1, 0
+        return len(GROUPS), -float("inf"), heavy.args[0] if heavy.args else float("inf")
+    return len(GROUPS), -DEFAULT_S, 0.0
 
 
 @pytest.hookimpl(trylast=True)  # after the deselection by -m and -k: the tests that run
@@ -91,7 +100,7 @@ def pytest_configure_node(node) -> None:
     node.workerinput[_UNITS] = config.stash[_UNITS_DIR]
 
 
-def _read_units(config: pytest.Config) -> dict[str, str]:
+def read_units(config: pytest.Config) -> dict[str, str]:
     units: dict[str, str] = {}
     for path in sorted(glob.glob(os.path.join(config.stash.get(_UNITS_DIR, ""), "*.json"))):
         with open(path) as f:
@@ -111,7 +120,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             if nodeid not in self.units:
-                self.units = _read_units(config)  # the workers wrote them before they reported their collection
+                self.units = read_units(config)  # the workers wrote them before they reported their collection
             if nodeid not in self.units:
                 raise RuntimeError(f"no xdist unit for {nodeid}: the workers write them into "
                                    f"{config.stash.get(_UNITS_DIR, '(no directory)')} (tests/support/schedule.py)")
