@@ -461,3 +461,19 @@ def test_the_serve_pods_command_fetches_the_model_and_answers_its_probes(capsys,
                 proc.wait()
             log.close()
         assert "stopped on SIGTERM after draining" in (tmp_path / "server.log").read_text()
+
+
+def test_out_replaces_only_manifests_torchloom_wrote(capsys, tmp_path):
+    """--out DIR again: its own files are replaced; a same-named file of someone else's is refused, nothing written."""
+    out = tmp_path / "out"
+    code, _, err = run_main(capsys, *TRAIN, "--out", str(out))
+    assert code == 0, err
+    written = sorted(out.iterdir())
+    code, _, err = run_main(capsys, *TRAIN, "--out", str(out))  # again: replaced
+    assert code == 0 and sorted(out.iterdir()) == written, err
+    mine = written[0]
+    mine.write_text("apiVersion: v1\nkind: ConfigMap  # mine\n")
+    before = {p.name: p.read_text() for p in written}
+    code, _, err = run_main(capsys, *TRAIN, "--out", str(out))
+    assert code == 2 and f"{mine.name} is there and torchloom k8s did not write it; nothing written" in err, err
+    assert {p.name: p.read_text() for p in written} == before

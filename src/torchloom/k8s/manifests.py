@@ -230,15 +230,31 @@ def to_yaml(objects: list[dict]) -> str:
     return "".join("---\n" + yaml.dump(o, Dumper=Dumper, sort_keys=False, width=120) for o in objects)
 
 
+HEADER = "# written by torchloom k8s; kubectl apply -f this directory (a file without this line is left alone)\n"
+
+
 def write_files(objects: list[dict], out_dir: str) -> list[Path]:
-    """One file per object, `<name>-<kind>.yaml`, in `out_dir` (`kubectl apply -f DIR` takes them all)."""
+    """One file per object, `<name>-<kind>.yaml`, in `out_dir` (`kubectl apply -f DIR` takes them all); a file of
+    that name that torchloom did not write (no HEADER) is refused in one line before anything is written."""
+    from torchloom.jsonio import write_atomic
+
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out_dir}: a file, not a directory; name a directory to write the manifests into")
+    paths = [out / f"{o['metadata']['name']}-{o['kind'].lower()}.yaml" for o in objects]
+    for path in paths:
+        if path.is_symlink() or (path.exists() and not _ours(path)):
+            raise UserError(f"--out {out_dir}: {path.name} is there and torchloom k8s did not write it; nothing"
+                            " written; move it away or pass another --out")
     out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for o in objects:
-        path = out / f"{o['metadata']['name']}-{o['kind'].lower()}.yaml"
-        path.write_text(to_yaml([o]), encoding="utf-8")
-        paths.append(path)
+    for o, path in zip(objects, paths):
+        write_atomic(path, HEADER + to_yaml([o]))
     return paths
+
+
+def _ours(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline() == HEADER
+    except OSError:
+        return False
