@@ -79,3 +79,30 @@ def test_a_store_run_s_copy_behind_a_symbolic_link_is_one_path(tmp_path, monkeyp
     assert rd.home(rd.data.resolve() / "manifest.json") == "s3://bucket/runs/x/data/manifest.json"
     assert RunFiles(rd).uri(tmp_path / "link" / rd.root.relative_to(tmp_path / "real") / "model") \
         == "s3://bucket/runs/x/model"
+
+
+def test_metrics_and_config_are_never_written_through_a_link(tmp_path):
+    """A metrics.jsonl that is a symbolic link, or a hard link into a snapshot, and a config.toml that is a link:
+    the run gets files of its own; what they pointed at is unchanged."""
+    import os
+
+    from torchloom.config import build, save
+    from torchloom.runs.rundir import RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.root.mkdir()
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    elsewhere.write_text('{"mine": 1}\n')
+    rd.metrics.symlink_to(elsewhere)
+    rd.append_metrics({"step": 1})
+    assert elsewhere.read_text() == '{"mine": 1}\n' and not rd.metrics.is_symlink()
+    assert rd.metrics.read_text() == '{"mine": 1}\n{"step": 1}\n'
+    snapshot = tmp_path / "snapshot.jsonl"
+    os.link(rd.metrics, snapshot)
+    rd.append_metrics({"step": 2})
+    assert snapshot.read_text() == '{"mine": 1}\n{"step": 1}\n'
+    theirs = tmp_path / "theirs.toml"
+    theirs.write_text("# someone's\n")
+    rd.config.symlink_to(theirs)
+    save(build(None, ["--output.dir", str(rd.root)]), rd.config)
+    assert theirs.read_text() == "# someone's\n" and not rd.config.is_symlink()

@@ -33,6 +33,21 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
+def append_text(path: str | Path, text: str) -> None:
+    """Append to a file of the run's own: one that is a symbolic link, or a hard link shared with another name (a
+    snapshot made with `cp -al`), is first made a file of its own (its content copied), so the append never
+    writes into what the link points at."""
+    path = Path(path)
+    try:
+        st = path.lstat()
+        if os.path.islink(path) or st.st_nlink > 1:
+            write_atomic(path, path.read_bytes() if path.exists() else b"")
+    except FileNotFoundError:
+        pass
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
 def sha256_file(path: str | Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

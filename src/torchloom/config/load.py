@@ -355,7 +355,10 @@ def to_toml(cfg: Config) -> str:
 
 
 def save(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(to_toml(cfg), encoding="utf-8")
+    """Written whole (a link at the path is replaced, never written through)."""
+    from torchloom.jsonio import write_atomic
+
+    write_atomic(path, to_toml(cfg))
 
 
 def load_saved(path: str | Path) -> Config:

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from torchloom.jsonio import read_json, read_jsonl, write_atomic, write_json
+from torchloom.jsonio import append_text, read_json, read_jsonl, write_atomic, write_json
 from torchloom.uri import is_uri, redact
 
 MANIFEST_FILE = "manifest.json"  # in a prepared data dir: what it holds (manifest.py)
@@ -233,8 +233,7 @@ class RunDir:
     def append_metrics(self, record: dict) -> None:
         """One line at the end of metrics.jsonl (the driver's; rank 0 appends its own while training)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.metrics, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_text(self.metrics, json.dumps(record) + "\n")
 
     def metric_records(self, kind: str | None = None) -> list[dict]:
         """The lines of metrics.jsonl (of one kind: train or eval)."""

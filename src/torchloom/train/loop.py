@@ -29,6 +29,7 @@ from torchloom.data.buckets import use_length_buckets
 from torchloom.data.loader import ShardedLoader
 from torchloom.embedded import model_path
 from torchloom.errors import UserError
+from torchloom.jsonio import append_text
 from torchloom.manifest import read as read_manifest
 from torchloom.model.build import build_classifier
 from torchloom.model.device import autocast, choose_precision, grad_scaler
@@ -300,8 +301,7 @@ class Trainer(Checkpointing):
 
     def log(self, record: dict) -> None:
         if self.d.is_main:
-            with open(self.rd.metrics, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            append_text(self.rd.metrics, json.dumps(record) + "\n")  # never through a link (jsonio.append_text)
             self.reporter.log(record)  # rank 0 only; MLflow reads the file instead (tracking.MetricsForwarder)
 
     def progress(self, **fields) -> None:
