@@ -361,3 +361,13 @@ def test_answers_without_a_sketch_stop_the_representation_never_a_request(monito
     monitor.observe([{"label": "sport", "score": 0.9, "tokens": 8, "unknown": 0.0} for _ in range(60)])
     report = monitor.evaluate()
     assert monitor.kernel is None and "representation" not in report["signals"] and report["texts"] == 100
+
+
+def test_a_dangling_link_as_the_report_is_refused_before_the_work(monitored_model, tmp_path):
+    from torchloom.errors import UserError
+    from torchloom.serve.monitor_batch import monitor_file
+
+    out = tmp_path / "report"
+    out.symlink_to(tmp_path / "gone")
+    with pytest.raises(UserError, match="a symbolic link to nothing"):
+        monitor_file(monitored_model, str(tmp_path / "no-such-input.csv"), str(out))  # before the input is read

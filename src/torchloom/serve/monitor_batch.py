@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -142,6 +143,9 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     if not 0 < rate < 1:
         raise UserError(f"--false-alarm {false_alarm}: a chance, between 0 and 1 (e.g. 0.01)")
     out = Path(output)
+    if out.is_symlink() and not out.exists():  # said now, not after the work
+        raise UserError(f"--output {output}: a symbolic link to nothing ({os.readlink(out)}); remove it or pass"
+                        " another --output")
     if out.exists() and not overwrite:
         raise UserError(f"--output {output}: already exists; remove it or pass --overwrite")
     if overwrite:
