@@ -149,3 +149,10 @@ def test_a_registered_model_naming_a_directory_outside_its_download_is_refused(t
         f"flavors:\n  python_function:\n    artifacts:\n      model_dir:\n        path: {named}\n")
     with pytest.raises(UserError, match="names a model directory outside the downloaded model"):
         _model_dir(tmp_path, "models:/reviews/1", "MODEL_DIR")
+
+
+def test_a_read_by_name_where_no_registry_is_creates_no_database(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    done = torchloom(capsys, "predict", "--model", "models:/reviews@champion", "a text", cache=tmp_path / "cache")
+    assert done.returncode == 2 and "no registry at sqlite:///" in done.stderr, done.stderr
+    assert not (tmp_path / "mlflow.db").exists()
