@@ -344,3 +344,18 @@ def test_clean_text_equals_its_definition_on_every_code_point():
     for _ in range(20_000):
         s = "".join(rng.choice(pool) for _ in range(rng.randint(0, 12)))
         assert clean_text(s) == _clean_text_by_definition(s), repr(s)
+
+
+def test_an_export_replaces_model_only_as_the_ledger_vouched_for_it_right_before_the_swap(tmp_path):
+    """A file put into model/ between the stage's check and the swap (a user's notes) is never deleted: refused."""
+    from torchloom.errors import UserError
+    from torchloom.model.export import _check_unchanged
+
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    vouched = {"config.json": ((out / "config.json").stat().st_size, (out / "config.json").stat().st_mtime_ns)}
+    _check_unchanged(out, vouched)  # as it was checked: fine
+    (out / "NOTES.md").write_text("mine")
+    with pytest.raises(UserError, match="NOTES.md came or changed there while exporting"):
+        _check_unchanged(out, vouched)

@@ -71,7 +71,7 @@ def remember(value: Any) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             remember(v)
-    elif isinstance(value, str) and "://" in value:
+    elif isinstance(value, str):
         for password in passwords(value):
             forms = {password, unquote(password), quote(unquote(password), safe=""), quote(password, safe="")}
             with _remembered_lock:

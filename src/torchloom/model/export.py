@@ -101,6 +101,17 @@ def strip_wrapper_prefixes(state_dict: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _check_unchanged(out: Path, replaceable: dict[str, tuple] | None) -> None:
+    if replaceable is None:
+        return
+    found = {p.relative_to(out).as_posix(): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in out.rglob("*")
+             if p.is_file() or p.is_symlink()}
+    changed = sorted(rel for rel, st in found.items() if replaceable.get(rel) != st)
+    if changed:
+        raise UserError(f"model dir {out}: {', '.join(changed[:3])} came or changed there while exporting, and"
+                        " torchloom did not write it; nothing replaced; move it away and export again")
+
+
 def export_model(
     model,
     tokenizer_dir: str,
@@ -109,12 +120,15 @@ def export_model(
     extra_info: dict[str, Any] | None = None,
     state_dict: dict[str, Any] | None = None,
     extra_dirs: dict[str, Path] | None = None,
+    replaceable: dict[str, tuple] | None = None,
 ) -> str:
     """Write `model` (wrappers removed) with the tokenizer from `tokenizer_dir` to `out_dir`; returns out_dir.
 
     labels: class names by id. extra_info: merged into torchloom.json (e.g. data_fingerprint, metrics,
     max_length). state_dict: a full state dict to save instead of the model's own (FSDP gathers one).
     extra_dirs: {name: directory} copied in as they are (the baseline's arrays of the shipped mix).
+    replaceable: {path under out_dir: (size, mtime ns)} of the earlier export's files the run's ledger vouched for
+    (stages/export.py): checked once more right before the swap, so a file put there meanwhile is never deleted.
     The new directory is complete before it replaces an existing `out_dir`.
     """
     model = unwrap_model(model)
@@ -134,6 +148,7 @@ def export_model(
             shutil.copytree(directory, tmp / name)
         # Two renames: the old export stays whole until the new one is in place.
         if out.exists():
+            _check_unchanged(out, replaceable)
             os.replace(out, old)
         os.replace(tmp, out)
     finally:

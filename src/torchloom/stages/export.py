@@ -8,7 +8,7 @@ import time
 from torchloom.config import Config
 from torchloom.console import combine_line, say
 from torchloom.jsonio import read_json
-from torchloom.runs.ledger import deletable
+from torchloom.runs.ledger import LocalTree, deletable
 from torchloom.runs.run import Run
 from torchloom.runs.runfiles import RunFiles
 from torchloom.stages import recorded
@@ -26,8 +26,11 @@ def export_stage(run: Run) -> dict:
     cfg, rd, files, tracker = run.cfg, run.rd, run.files, run.tracker
     started = time.perf_counter()
     files.ensure(rd.data)
-    # the export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused)
-    deletable(files.tree(), "output.dir", cfg.inputs(), under="model")
+    # the export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused),
+    # and as it is now (checked again right before the swap)
+    vouched = set(deletable(files.tree(), "output.dir", cfg.inputs(), under="model"))
+    replaceable = None if files.on_store else {  # a store run's model/ is this host's copy (the cache's)
+        rel: st for rel, st in LocalTree(rd.model).inventory().items() if f"model/{rel}" in vouched}
     files.pull_checkpoints()
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)
@@ -45,7 +48,7 @@ def export_stage(run: Run) -> dict:
         **({"combine": combine} if combine else {}),
         **({"task": "multi_label", "thresholds": tagged[0]} if tagged else {}),
         **{k: v for k, v in m.inputs.items() if k == "label_path_delimiter"},  # hierarchical: text/hierarchy.py
-    }, extra_dirs={"baseline": rd.baseline_model} if shipped else None)
+    }, extra_dirs={"baseline": rd.baseline_model} if shipped else None, replaceable=replaceable)
     say(f"export: {ckpt.name} -> {rd.home(out)}")
     if combine:
         say(f"export: {combine_line(combine)}")
