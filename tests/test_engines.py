@@ -104,8 +104,7 @@ def test_killed_worker_is_survived_and_weights_equal_the_local_engine(engine, se
     assert_rank_logs(rd)
 
 
-# Spark's under -m soak (CI time): the rule is the launchers' one (the local engine's: tests/test_train.py; Ray's)
-@pytest.mark.parametrize("engine", [pytest.param("spark", marks=pytest.mark.soak), "ray"])
+@pytest.mark.parametrize("engine", ["spark", "ray"])
 def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setup, fault):
     # Restarts are for lost processes: an error of a rank's own would happen again, so the job fails
     # at once, whatever engine.max_restarts allows.
@@ -122,8 +121,7 @@ def test_an_exception_in_one_rank_is_the_error_and_is_not_restarted(engine, setu
     assert not list((rd / "logs").glob("placement-*-start1.json"))
 
 
-# Ray's under -m soak (CI time): Ray resumes from a checkpoint in the killed-worker and SIGTERM tests above and below
-@pytest.mark.parametrize("engine", ["spark", pytest.param("ray", marks=pytest.mark.soak)])
+@pytest.mark.parametrize("engine", ["spark", "ray"])
 def test_resume_on_another_engine_from_the_local_engines_checkpoint(engine, setup):
     # the local engine wrote step-5; this engine resumes from it and ends at the local run's weights
     ckpt = setup["ref"] / "checkpoints" / "step-5"

@@ -196,8 +196,7 @@ def test_study_dir_opened_by_many_at_once_is_one_study_and_a_foreign_dir_is_refu
 
 
 # -- Optuna: one study in sqlite, driven by two processes at once --------------------------------
-# Under -m soak (CI time): the local stand-in of tests/cluster/test_shared_db.py, two hosts filling one study
-@pytest.mark.soak
+# the local stand-in of tests/cluster/test_shared_db.py, two hosts filling one study
 def test_optuna_study_in_sqlite_shared_by_two_concurrent_processes(tmp_path, tiny, topics_csv):
     optuna = pytest.importorskip("optuna")
     out = tmp_path / "study"

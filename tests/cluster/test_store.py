@@ -1,4 +1,4 @@
-"""Hosts that share nothing but an S3 store (issue 28): Ray (head + 3 nodes; under -m soak), Spark standalone (3
+"""Hosts that share nothing but an S3 store (issue 28): Ray (head + 3 nodes), Spark standalone (3
 worker hosts) and torchrun (2 nodes, one of them lost and replaced), the run on s3:// served by a real S3 server
 (moto's) on a host of its own. No host sees another's files: each has a private cache (its staging copy of
 the run), the others' are hidden, and so are the input CSV and the reference run. Each engine's job
@@ -179,9 +179,6 @@ def lose_rank0_host_midway(a, workers: list, argv: list[str], env: dict, caches:
     return lost, text, from_store(s, env, caches, f"{run}/logs", tmp_path / "logs")
 
 
-# Under -m soak (CI time, ~240 s): CI loses a Ray host in tests/cluster/test_multihost.py (min_workers), and this
-# module's Spark and torchrun jobs run on the store through a host's loss
-@pytest.mark.soak
 def test_ray_on_the_store_prepares_survives_the_loss_of_the_checkpointing_host_and_exports_the_local_model(
         setup, tmp_path):
     # Head on a (no CPUs), nodes on b, c and d (one worker slot each) for two workers, no shared directory.
