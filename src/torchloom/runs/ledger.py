@@ -16,8 +16,8 @@ running or was killed:
   could have written: files under its claims, not someone else's, modified no later than its last beat plus
   SLACK_NS. Anything written after that is not torchloom's by record: it stays where it is, and the next
   `--overwrite` names it and deletes nothing. An entry is dead when its process is gone on this host, or its beat
-  is older than EXPIRE_S (another host's, on a shared file system), or, on a store, when it is not the lease
-  holder's (runs/lease.py: one driver per prefix).
+  is older than EXPIRE_S (another host's, on a shared file system), or, on a store (one driver per prefix: its
+  lease, runs/lease.py), once it has stopped beating for a few seconds.
 
 Runs made before ledgers: only content-verified markers count (a run record, a config.toml and a manifest that
 torchloom's readers accept, the shards a manifest lists, a checkpoint's files that its meta.json lists at their
@@ -161,17 +161,20 @@ class Open:
         return was is None or (was != st and written_whole(rel))
 
     def alive(self, beats: dict[str, Stat], exclusive: bool, now_ns: int | None = None) -> bool:
-        """Still running: this process; else, never on a tree one driver holds (a store's lease), and only while
-        its beat is fresh and (on this host) its process is there."""
+        """Still running: this process; else only while its beat is fresh and (on this host, off a store) its
+        process is there."""
         if self.same(me()):
             return True
-        if exclusive or self.old:
+        if self.old:
             return False
         beat = beats.get(self.beat)
         now_ns = time.time_ns() if now_ns is None else now_ns
-        if beat is None or beat[1] is None or now_ns - beat[1] > EXPIRE_S * 1e9:
+        # on a store one driver writes (its lease): its entry counts while it is beating right now (its workers
+        # see it so), and a killed driver's is dead within seconds; elsewhere a beat expires after EXPIRE_S
+        fresh_s = 3 * BEAT_S + 2 if exclusive else EXPIRE_S
+        if beat is None or beat[1] is None or now_ns - beat[1] > fresh_s * 1e9:
             return False
-        if self.host != socket.gethostname():
+        if self.host != socket.gethostname() or exclusive:
             return True
         try:
             os.kill(self.pid, 0)
