@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.postgres import Postgres
+from support.postgres import Postgres, optuna_study_args
 from support.runs import prepared_study
 
 optuna = pytest.importorskip("optuna")
@@ -30,12 +30,7 @@ def pg(tmp_path_factory):
 
 
 def study_args(out: Path, tiny: str, storage: str, trials: int) -> list[str]:
-    (out.parent / "unused.csv").write_text("text,label\n")
-    return ["--data.path", str(out.parent / "unused.csv"), "--model.path", tiny, "--output.dir", str(out),
-            "--train.precision", "fp32", "--train.batch_size", "8", "--train.epochs", "1", "--engine.workers", "1",
-            "--engine.threads_per_worker", "1", "--eval.baseline", "false", "--tracking.enabled", "false",
-            "--tune.backend", "optuna", "--tune.trials", str(trials), "--tune.storage", storage,
-            "--tune.space", SPACE]
+    return optuna_study_args(out, tiny, storage, trials, SPACE)
 
 
 def tune(args: list[str], env: dict | None = None, timeout: float = 600, pre: str = "") -> subprocess.Popen:

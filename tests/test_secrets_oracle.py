@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import pytest
 from support.owned import BUCKET, CREDENTIALS
-from support.postgres import Postgres
+from support.postgres import Postgres, optuna_study_args
 from support.runs import prepared_study
 
 pytest.importorskip("optuna")
@@ -55,13 +55,8 @@ def servers(tmp_path_factory):
         yield pg, s3_port
 
 
-def study_args(out: Path, tiny: str, storage: str, trials: int = 1) -> list[str]:
-    (out.parent / "unused.csv").write_text("text,label\n")
-    return ["--data.path", str(out.parent / "unused.csv"), "--model.path", tiny, "--output.dir", str(out),
-            "--train.precision", "fp32", "--train.batch_size", "8", "--train.epochs", "1", "--engine.workers", "1",
-            "--engine.threads_per_worker", "1", "--eval.baseline", "false", "--tracking.enabled", "false",
-            "--tune.backend", "optuna", "--tune.trials", str(trials), "--tune.storage", storage,
-            "--tune.space", SPACE]
+def study_args(out: Path, tiny: str, storage: str) -> list[str]:
+    return optuna_study_args(out, tiny, storage, 1, SPACE)
 
 
 def commands(pw: str, pg, here: Path, tiny: str, topics_csv) -> list[list[str]]:

@@ -117,3 +117,14 @@ class Postgres:
                              autocommit=True) as conn, conn.cursor() as cur:
             cur.execute(statement)
             return str(cur.fetchall()) if cur.description else ""
+
+
+def optuna_study_args(out: Path, tiny: str, storage: str, trials: int, space: str) -> list[str]:
+    """`torchloom tune` arguments for a small Optuna study of the tiny model in `storage` (prepared_study prepares
+    its data, so no Spark starts)."""
+    (out.parent / "unused.csv").write_text("text,label\n")
+    return ["--data.path", str(out.parent / "unused.csv"), "--model.path", tiny, "--output.dir", str(out),
+            "--train.precision", "fp32", "--train.batch_size", "8", "--train.epochs", "1", "--engine.workers", "1",
+            "--engine.threads_per_worker", "1", "--eval.baseline", "false", "--tracking.enabled", "false",
+            "--tune.backend", "optuna", "--tune.trials", str(trials), "--tune.storage", storage,
+            "--tune.space", space]
