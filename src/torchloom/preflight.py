@@ -127,7 +127,7 @@ def check_fresh(cfg: Config, files: RunFiles) -> None:
     """A fresh training over an earlier one's checkpoints: only with --overwrite (train/resume.check_fresh)."""
     from torchloom.train.resume import check_fresh as check
 
-    check(files, cfg.train.resume, cfg.output.overwrite, cfg.inputs())
+    check(files, cfg.train.resume, cfg.output.overwrite, cfg.inputs(), flags=("--resume", "--overwrite"))
 
 
 def check_trainable(run: Run) -> int | None:

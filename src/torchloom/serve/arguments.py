@@ -28,6 +28,20 @@ def add_model_arguments(sp: argparse.ArgumentParser) -> None:
                          " ./mlflow.db)")
 
 
+def add_access_arguments(sp: argparse.ArgumentParser) -> None:
+    """Who may call what: the API key (predict, feedback), the admin key and where admin loads may come from."""
+    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (predict, feedback; or set"
+                                      " TORCHLOOM_API_KEY)")
+    sp.add_argument("--admin-key", help="the key of /v1/admin (load, traffic, shadow, promote; or set"
+                                        " TORCHLOOM_ADMIN_KEY): without it the admin route refuses every call, and"
+                                        " the --api-key is refused there")
+    sp.add_argument("--model-root", dest="model_roots", action="append", default=[], metavar="DIR_OR_URI",
+                    help="where /v1/admin may load models from (repeatable; default: anywhere this server reads)")
+    sp.add_argument("--require-api-key", action="store_true",
+                    help="refuse to start without an API key (default: start, with a warning when --host is not"
+                         " loopback)")
+
+
 def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     from torchloom.serve.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S
 
@@ -56,16 +70,7 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                     help="texts waiting for the model; past this requests get 429 (default 1024)")
     sp.add_argument("--max-texts-per-request", type=int, default=256)
     sp.add_argument("--max-text-chars", type=int, default=20_000)
-    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/* (predict, feedback; or set"
-                                      " TORCHLOOM_API_KEY)")
-    sp.add_argument("--admin-key", help="the key of /v1/admin (load, traffic, shadow, promote; or set"
-                                        " TORCHLOOM_ADMIN_KEY): without it the admin route refuses every call, and"
-                                        " the --api-key is refused there")
-    sp.add_argument("--model-root", dest="model_roots", action="append", default=[], metavar="DIR_OR_URI",
-                    help="where /v1/admin may load models from (repeatable; default: anywhere this server reads)")
-    sp.add_argument("--require-api-key", action="store_true",
-                    help="refuse to start without an API key (default: start, with a warning when --host is not"
-                         " loopback)")
+    add_access_arguments(sp)
     sp.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                     help=f"largest request body in bytes; past it 413, refused before it is read whole (default"
                          f" {DEFAULT_MAX_BODY_BYTES}; less where --max-texts-per-request x --max-text-chars allow"

@@ -14,6 +14,15 @@ from torchloom.runs.runfiles import RunFiles
 from torchloom.stages import recorded
 
 
+def _replaceable(run: Run) -> dict | None:
+    """The export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused),
+    and as it is now (export_model checks again right before the swap). {path in model/: stat}."""
+    files = run.files
+    vouched = set(deletable(files.tree(), "output.dir", run.cfg.inputs(), under="model"))
+    return None if files.on_store else {  # a store run's model/ is this host's copy (the cache's)
+        rel: st for rel, st in LocalTree(run.rd.model).inventory().items() if f"model/{rel}" in vouched}
+
+
 @recorded
 def export_stage(run: Run) -> dict:
     from torchloom import __version__
@@ -26,11 +35,7 @@ def export_stage(run: Run) -> dict:
     cfg, rd, files, tracker = run.cfg, run.rd, run.files, run.tracker
     started = time.perf_counter()
     files.ensure(rd.data)
-    # the export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused),
-    # and as it is now (checked again right before the swap)
-    vouched = set(deletable(files.tree(), "output.dir", cfg.inputs(), under="model"))
-    replaceable = None if files.on_store else {  # a store run's model/ is this host's copy (the cache's)
-        rel: st for rel, st in LocalTree(rd.model).inventory().items() if f"model/{rel}" in vouched}
+    replaceable = _replaceable(run)
     files.pull_checkpoints()
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)

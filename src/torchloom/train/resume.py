@@ -18,10 +18,12 @@ from torchloom.train import checkpoint
 from torchloom.train.state import TrainState
 
 
-def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = ()) -> None:
+def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = (),
+                flags: tuple[str, str] = ("--train.resume latest", "--output.overwrite true")) -> None:
     """Before a training starts on any entry (the CLI's driver, the torchrun entry a pod runs): a fresh one (no
     train.resume) removes the earlier training's checkpoints, so only with --overwrite, and only when they are all
-    torchloom's by the run's ledger; else one line before anything is written."""
+    torchloom's by the run's ledger; else one line before anything is written (`flags`: how the caller's user
+    says resume and overwrite)."""
     from torchloom.errors import UserError
     from torchloom.runs.ledger import deletable
 
@@ -36,8 +38,8 @@ def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = ()) -> 
         shown = ", ".join(map(str, sorted(steps)[-3:]))
         more = "..." if len(steps) > 3 else ""
         raise UserError(f"output.dir {files.rd.where}: holds {len(steps)} checkpoint(s) of an earlier training (steps"
-                        f" {more}{shown}), which a fresh training would delete; pass --train.resume latest to go on"
-                        " from the latest, or --output.overwrite true to train afresh")
+                        f" {more}{shown}), which a fresh training would delete; pass {flags[0]} to go on from the"
+                        f" latest, or {flags[1]} to train afresh")
     deletable(files.tree(), "output.dir", inputs, under="checkpoints")
 
 

@@ -14,6 +14,7 @@ shares (PostgreSQL, MySQL), on one machine or many.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -81,6 +82,8 @@ def is_outage(e: BaseException) -> bool:
     cause: BaseException | None = e
     while isinstance(cause, StorageInternalError) and (cause.__cause__ or cause.__context__):
         cause = cause.__cause__ or cause.__context__
+    if isinstance(cause, sqlalchemy.exc.PendingRollbackError):  # a session a restart broke mid-transaction
+        return True
     if not isinstance(cause, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
         return False
     return not refusal(cause)
@@ -103,6 +106,7 @@ class Outage:
     def __init__(self, url: str):
         self.url, self.since = url, None
         self.lock = threading.Lock()
+        self.reset = None  # through_outages: the storage's session dropped before a retry (it may hold a broken one)
 
     def call(self, fn, *args, **kwargs):
         while True:
@@ -120,6 +124,9 @@ class Outage:
                     waited = time.monotonic() - self.since
                 if waited > OUTAGE_S:
                     raise
+                if self.reset is not None:
+                    with contextlib.suppress(Exception):
+                        self.reset()
                 time.sleep(min(5.0, 0.5 + waited / 4))
                 continue
             if self.since is not None:
@@ -132,9 +139,9 @@ class Outage:
 
 
 def through_outages(storage, outage: Outage):
-    """`storage` whose every public call goes through `outage`. Retried calls are those Optuna makes in a
-    transaction of their own: one that failed left nothing behind, so a retry records a trial, a value or a state
-    once."""
+    """`storage` whose every public call (and its trials' read) goes through `outage`. Retried calls are those
+    Optuna makes in a transaction of their own: one that failed left nothing behind, so a retry records a trial, a
+    value or a state once."""
 
     def retrying(fn):
         @functools.wraps(fn)
@@ -142,8 +149,12 @@ def through_outages(storage, outage: Outage):
             return outage.call(fn, *args, **kwargs)
         return call
 
+    session = getattr(storage, "scoped_session", None)
+    outage.reset = getattr(session, "remove", None)
+    # ...and `_get_trials`, a read that Optuna's cache (_CachedStorage) calls on its backend directly
     for name in dir(type(storage)):
-        if not name.startswith("_") and callable(getattr(type(storage), name, None)) and name != "remove_session":
+        if (not name.startswith("_") or name == "_get_trials") and callable(getattr(type(storage), name, None)) \
+                and name != "remove_session":
             setattr(storage, name, retrying(getattr(storage, name)))
     return storage
 
