@@ -82,11 +82,21 @@ def is_outage(e: BaseException) -> bool:
     cause: BaseException | None = e
     while isinstance(cause, StorageInternalError) and (cause.__cause__ or cause.__context__):
         cause = cause.__cause__ or cause.__context__
-    if isinstance(cause, sqlalchemy.exc.PendingRollbackError):  # a session a restart broke mid-transaction
-        return True
     if not isinstance(cause, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
         return False
     return not refusal(cause)
+
+
+def broken_session(e: BaseException) -> bool:
+    """A session that a server restart left in a failed transaction (SQLAlchemy's PendingRollbackError): the server
+    answers; the session must be dropped before the call is made again (nothing was sent with it)."""
+    import sqlalchemy.exc
+
+    for _ in range(20):  # the chain of causes, bounded
+        if e is None or isinstance(e, sqlalchemy.exc.PendingRollbackError):
+            break
+        e = e.__cause__ or e.__context__
+    return isinstance(e, sqlalchemy.exc.PendingRollbackError)
 
 
 def refusal(e: BaseException) -> str | None:
@@ -109,10 +119,16 @@ class Outage:
         self.reset = None  # through_outages: the storage's session dropped before a retry (it may hold a broken one)
 
     def call(self, fn, *args, **kwargs):
+        broken = 0
         while True:
             try:
                 result = fn(*args, **kwargs)
             except Exception as e:
+                if broken_session(e) and self.reset is not None and broken < 3:
+                    broken += 1
+                    with contextlib.suppress(Exception):
+                        self.reset()
+                    continue  # the server answers: no outage to wait for or to say
                 if not is_outage(e):
                     raise
                 with self.lock:
