@@ -6,11 +6,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from support.command import torchloom
 from support.engine_reference import COMMON, LAST, assert_same_weights, reference
 
 from torchloom.errors import UserError
@@ -44,10 +44,9 @@ def flip_a_byte(path: Path) -> None:
 
 
 def train(rd: Path, setup, *extra: str, expect: int = 0) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHLOOM_")}
-    proc = subprocess.run([sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path",
-                           setup["model"], "--tracking.enabled", "false", *COMMON, *extra],
-                          capture_output=True, text=True, timeout=300, env={**env, "HF_HUB_OFFLINE": "1"})
+    unset = {k: None for k in os.environ if k.startswith("TORCHLOOM_")}
+    proc = torchloom("train", "--output.dir", str(rd), "--model.path", setup["model"], "--tracking.enabled", "false",
+                     *COMMON, *extra, timeout=300, env=unset)
     assert proc.returncode == expect, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc

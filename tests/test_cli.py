@@ -12,17 +12,13 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from support.command import torchloom
 
 from torchloom.model.tiny import write_tiny_model
 
 pytestmark = pytest.mark.heavy(1)  # see tests/support/schedule.py
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def torchloom(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**ENV, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -547,13 +543,18 @@ def _paths(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*")}
 
 
+# The mistakes a JVM's launch answers (its heap, its java): in a process of their own, whose JVM starts then (in
+# this one pyspark keeps the JVM that started first).
+JVM_LAUNCH = {"spark_conf_the_jvm_refuses", "java_home_without_java", "no_java_on_path"}
+
+
 @pytest.mark.parametrize("case", MISTAKES)
 def test_common_mistakes_are_one_line_with_exit_2_and_write_nothing(case, tmp_path, request):
     if case == "unreachable_spark_connect_server":
         pytest.importorskip("grpc")
     args, env, needle = MISTAKES[case](tmp_path, request)
     before = _paths(tmp_path)
-    proc = torchloom(*args, env=env, timeout=240)
+    proc = torchloom(*args, env=env, timeout=240, process=case in JVM_LAUNCH)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -609,8 +610,7 @@ def test_every_config_key_has_one_meaning_and_docs_config_md_says_the_same():
 
 def test_help_lists_the_config_keys_of_the_command_with_defaults():
     def help_of(command: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "torchloom", command, "--help"], capture_output=True,
-                              text=True, timeout=60)
+        proc = torchloom(command, "--help", timeout=60)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 

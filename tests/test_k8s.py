@@ -397,8 +397,9 @@ def test_the_k8s_command_loads_no_torch_and_helps():
             " if m in sys.modules), file=sys.stderr); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr.strip() == "[]", proc.stderr
-    helped = subprocess.run([sys.executable, "-m", "torchloom", "k8s", "--help"], capture_output=True, text=True,
-                            timeout=60)
+    from support.command import torchloom
+
+    helped = torchloom("k8s", "--help", timeout=60)
     assert helped.returncode == 0 and "--gpus-per-node" in helped.stdout
 
 

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.command import torchloom
 
 from torchloom.errors import UserError
 from torchloom.runs.rundir import RunDir
@@ -73,12 +71,6 @@ def test_a_store_uri_for_a_directory_is_absolute(tmp_path):
 
     with pytest.raises(UserError, match=r"file\+store:///abs/path"):
         storage.resolve("file+store://relative/dir")
-
-
-def torchloom(*args: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TORCHLOOM_CACHE": str(cache), "TORCHLOOM_CPU_BF16": "0"}
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True, timeout=600,
-                          env=env)
 
 
 def digests(root: Path) -> dict[str, str]:

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from support.command import torchloom
 from support.net import free_port
 
 from torchloom.model.tiny import write_tiny_model
@@ -117,13 +118,12 @@ def test_no_secret_reaches_a_file_a_param_or_a_line(tmp_path, mlflow_server, top
     port, store = mlflow_server
     tiny = write_tiny_model(tmp_path / "tiny")
     rd = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchloom", "run", "--data.path", str(topics_csv), "--model.path", tiny,
-         "--output.dir", str(rd), "--prepare.spark_master", "local[2]", "--train.epochs", "1",
-         "--engine.workers", "1", "--tracking.uri", f"http://alice:{SECRETS['tracking']}@127.0.0.1:{port}",
-         "--tune.storage", f"postgresql://bob:{SECRETS['storage']}@127.0.0.1:1/optuna",
-         "--prepare.spark_conf", f'{{"spark.hadoop.fs.s3a.secret.key" = "{SECRETS["spark"]}"}}'],
-        capture_output=True, text=True, timeout=600, env=ENV)
+    proc = torchloom(
+        "run", "--data.path", str(topics_csv), "--model.path", tiny,
+        "--output.dir", str(rd), "--prepare.spark_master", "local[2]", "--train.epochs", "1",
+        "--engine.workers", "1", "--tracking.uri", f"http://alice:{SECRETS['tracking']}@127.0.0.1:{port}",
+        "--tune.storage", f"postgresql://bob:{SECRETS['storage']}@127.0.0.1:1/optuna",
+        "--prepare.spark_conf", f'{{"spark.hadoop.fs.s3a.secret.key" = "{SECRETS["spark"]}"}}', timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     needles = list(SECRETS.values())
     assert not [line for line in (proc.stdout + proc.stderr).splitlines() if any(n in line for n in needles)]
@@ -142,11 +142,10 @@ def test_no_secret_reaches_a_file_a_param_or_a_line(tmp_path, mlflow_server, top
 def test_a_tune_with_an_unreachable_study_database_says_so_without_its_password(tmp_path, topics_csv):
     pytest.importorskip("optuna")
     tiny = write_tiny_model(tmp_path / "tiny")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchloom", "tune", "--data.path", str(topics_csv), "--model.path", tiny,
-         "--output.dir", str(tmp_path / "study"), "--tune.backend", "optuna", "--tracking.enabled", "false",
-         "--tune.storage", f"postgresql://bob:{SECRETS['storage']}@127.0.0.1:1/optuna"],
-        capture_output=True, text=True, timeout=300, env=ENV)
+    proc = torchloom(
+        "tune", "--data.path", str(topics_csv), "--model.path", tiny,
+        "--output.dir", str(tmp_path / "study"), "--tune.backend", "optuna", "--tracking.enabled", "false",
+        "--tune.storage", f"postgresql://bob:{SECRETS['storage']}@127.0.0.1:1/optuna", timeout=300)
     assert proc.returncode != 0
     assert SECRETS["storage"] not in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr[-2000:]

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.command import torchloom
 from support.net import free_port
 from support.served import ENV, Server, export_tiny, sample_value, wait_for
 
@@ -428,8 +429,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_0(model_dir, tmp_path
 @needs_http
 def test_serve_user_errors_are_one_line(tmp_path, model_dir):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "torchloom", "serve", *args], capture_output=True, text=True,
-                              env=ENV, timeout=120)
+        return torchloom("serve", *args, timeout=120)
 
     proc = run(str(tmp_path / "nope"))
     assert proc.returncode == 2 and "no config.json" in proc.stderr and len(proc.stderr.splitlines()) == 1
@@ -853,8 +853,7 @@ def test_predict_cli_batch_form_with_the_model_as_first_argument(inputs, model_d
 
     root, rows = inputs
     out = tmp_path / "cli.parquet"
-    proc = subprocess.run([sys.executable, "-m", "torchloom", "predict", model_dir, "--input", str(root / "in.csv"),
-                           "--output", str(out)], capture_output=True, text=True, env=ENV, timeout=300)
+    proc = torchloom("predict", model_dir, "--input", str(root / "in.csv"), "--output", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{len(rows)} rows" in proc.stdout
     check_output(pq.read_table(out), rows, reference)
@@ -887,8 +886,7 @@ def test_predict_cli_repairs_a_non_utf8_argument_and_refuses_a_bad_jsonl_in_one_
     stderr = proc.stderr.decode().splitlines()
     assert len(stderr) == 1 and "predict: warning: 2 text(s) (0, 1, counted from 0)" in stderr[0], stderr
     texts.write_text('{"text": "a", "n": ' + "9" * 5000 + "}\n")
-    proc = subprocess.run([sys.executable, "-m", "torchloom", "predict", model_dir, "--input", str(texts)],
-                          capture_output=True, text=True, env=ENV, timeout=300)
+    proc = torchloom("predict", model_dir, "--input", str(texts), timeout=300)
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 1, proc.stderr[-3000:]
     assert "line 1: not valid JSON" in proc.stderr and "4300" in proc.stderr, proc.stderr
 

@@ -351,8 +351,10 @@ def test_loopback_without_a_key_does_not_warn(server):
 @needs_http
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0"])
 def test_require_api_key_without_one_refuses_to_start_in_one_line(model_dir, host):  # noqa: F811
-    proc = subprocess.run([sys.executable, "-m", "torchloom", "serve", model_dir, "--host", host, "--port", "0",
-                           "--require-api-key"], capture_output=True, text=True, env=NO_KEY_ENV, timeout=120)
+    from support.command import torchloom
+
+    proc = torchloom("serve", model_dir, "--host", host, "--port", "0", "--require-api-key", timeout=120,
+                     env={"TORCHLOOM_API_KEY": None})
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "--require-api-key" in proc.stderr and "--api-key" in proc.stderr and "TORCHLOOM_API_KEY" in proc.stderr

@@ -404,7 +404,7 @@ def test_spark_batch_scoring_executors_fetch_the_model_from_the_store_themselves
     try:
         proc = torchloom("predict", "--model", uri("runs/reviews/model"), "--input", str(src), "--output",
                          str(tmp_path / "scored"), "--score-with", "spark", "--spark-master", "local[1]",
-                         cache=tmp_path / "driver-cache")
+                         cache=tmp_path / "driver-cache", process=True)  # a JVM of its own reads SPARK_CONF_DIR
     finally:
         os.environ.pop("SPARK_CONF_DIR")
     assert proc.returncode == 0, proc.stderr[-3000:]

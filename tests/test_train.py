@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support.command import torchloom
 
 from torchloom.config import build
 from torchloom.data.buckets import use_length_buckets
@@ -201,11 +201,8 @@ def test_checkpoints_are_complete_and_pruned(tmp_path, data_dir, models):
 
 def test_batch_size_not_divisible_is_a_one_line_error(tmp_path, data_dir, models):
     rd = new_run(tmp_path, data_dir, "bad")
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
-         "--train.batch_size", "7"],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = torchloom("train", "--output.dir", str(rd), "--model.path", models["dropout"], "--train.batch_size", "7",
+                     timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "train.batch_size 7" in lines[0] and "multiple" in lines[0]
@@ -230,13 +227,9 @@ def test_a_failing_rank_becomes_the_error_with_its_traceback_and_is_not_restarte
 
     rd = new_run(tmp_path, data_dir, "fail")
     with Webhook() as hook:
-        proc = subprocess.run(
-            [sys.executable, "-m", "torchloom", "train", "--output.dir", str(rd), "--model.path", models["dropout"],
-             "--train.batch_size", "8", "--train.precision", "fp32", "--engine.max_restarts", "2"],
-            capture_output=True, text=True, timeout=300,
-            env={**__import__("os").environ, "TORCHLOOM_FAULT": "rank=1,step=3,kind=raise",
-                 "TORCHLOOM_NOTIFY_URL": hook.url},
-        )
+        proc = torchloom("train", "--output.dir", str(rd), "--model.path", models["dropout"], "--train.batch_size",
+                         "8", "--train.precision", "fp32", "--engine.max_restarts", "2", timeout=300,
+                         env={"TORCHLOOM_FAULT": "rank=1,step=3,kind=raise", "TORCHLOOM_NOTIFY_URL": hook.url})
     assert proc.returncode == 1
     assert len(hook.posts) == 1 and hook.posts[0]["content_type"] == "application/json", hook.posts
     message = hook.posts[0]["body"]

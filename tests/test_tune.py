@@ -23,8 +23,11 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def torchloom(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    """The command in this process (support.command), but a Ray study in its own: ray.init's driver state (the
+    instance, its token, its threads) outlives the command in the process that made it."""
+    from support.command import torchloom as run
+
+    return run(*args, timeout=timeout, process="ray" in args)
 
 
 @pytest.fixture(scope="module")

@@ -1,20 +1,15 @@
-"""What the tests of --overwrite and the ledger share: the CLI in a fresh process, its one error line, content that
-torchloom's readers accept, and projects of other tools that use the names a run uses."""
+"""What the tests of --overwrite and the ledger share: the CLI (support.command's runner), its one error line,
+content that torchloom's readers accept, and projects of other tools that use the names a run uses."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
+
+from support.command import torchloom
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def torchloom(*args: str, cwd: Path | None = None, timeout: int = 300, **env: str) -> subprocess.CompletedProcess:
-    """The real CLI in a fresh process (the environment read now: a store fixture may have set AWS_*)."""
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **ENV, **env}, cwd=cwd)
+__all__ = ["torchloom", "one_error", "real_config", "real_manifest", "FOREIGN", "BUCKET", "CREDENTIALS", "ENV"]
 
 
 def one_error(proc: subprocess.CompletedProcess) -> str:

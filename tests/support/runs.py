@@ -1,19 +1,13 @@
-"""Running the torchloom command as a user does, as another host would: its own private cache."""
+"""Running the torchloom command as another host would (support.command's runner with cache=: its own private
+cache), and a tune study whose data is prepared."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+from support.command import torchloom
 
-def torchloom(*args: str, cache: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m torchloom ARGS` with TORCHLOOM_CACHE=cache (a host that has seen only what that cache holds)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "TORCHLOOM_CACHE": str(cache),
-           "TORCHLOOM_CPU_BF16": "0"}
-    return subprocess.run([sys.executable, "-m", "torchloom", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+__all__ = ["torchloom", "prepared_study"]
 
 
 def prepared_study(out: Path, args: list[str]) -> None:
