@@ -1,0 +1,136 @@
+"""The distributed loop on threads (support/threaded.py): the ranks of one process, joined by torch's threaded
+process group, run what every engine's worker runs (train.entry.run). What the loop decides (the collectives every
+rank calls, in order; the batches each rank takes; what a resume continues) is checked here in seconds, over more
+worlds and settings than processes could afford; the engines' own tests (test_train, test_engines, tests/cluster)
+keep what only processes and hosts show: launches, signals, restarts, lost hosts.
+
+The first test ties the tier to the real thing: the same job on threads and on the local engine's processes ends
+at the same weights, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from support.engine_reference import assert_same_weights
+from support.threaded import train_on_threads
+
+from torchloom.config import build
+from torchloom.data.synthetic import write_synthetic_dataset
+from torchloom.model.tiny import write_tiny_model
+
+# 103 rows, global batch 8: 13 steps per epoch (the engines' reference job, support/engine_reference.py)
+COMMON = ["--train.precision", "fp32", "--train.batch_size", "8", "--train.lr", "1e-3", "--engine.threads_per_worker",
+          "1", "--train.epochs", "1", "--train.checkpoint_every", "5", "--train.keep_last", "5", "--engine.device",
+          "cpu", "--tracking.enabled", "false", "--train.budget", "off"]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """{model: a tiny model without dropout, data: 103 prepared rows}."""
+    root = tmp_path_factory.mktemp("collectives")
+    data = root / "data"
+    write_synthetic_dataset(data, rows={"train": 103, "val": 21, "test": 19})
+    return {"root": root, "model": write_tiny_model(root / "tiny", dropout=0.0), "data": data}
+
+
+def new_run(tmp_path: Path, job: dict, name: str) -> Path:
+    rd = tmp_path / name
+    rd.mkdir()
+    shutil.copytree(job["data"], rd / "data")
+    return rd
+
+
+def cfg_for(rd: Path, job: dict, workers: int, *extra: str):
+    return build(None, ["--output.dir", str(rd), "--model.path", job["model"], *COMMON, "--engine.workers",
+                        str(workers), *extra])
+
+
+def on_threads(rd: Path, job: dict, workers: int, *extra: str):
+    run = train_on_threads(cfg_for(rd, job, workers, *extra), str(rd), workers)
+    assert not run.errors, run.errors
+    return run
+
+
+def losses(rd: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
+
+
+def traced_rows(rd: Path) -> dict[int, list[int]]:
+    """Step -> the row ids of its global batch, ranks in order (train.trace_rows)."""
+    steps: dict[int, list[int]] = {}
+    for path in sorted((rd / "logs").glob("rows-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("rows-rank"))):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["rows"])
+    return steps
+
+
+def test_ranks_on_threads_end_at_the_weights_of_the_local_engine_s_processes_bit_for_bit(tmp_path, job):
+    from torchloom.engines import local
+
+    processes = new_run(tmp_path, job, "processes")
+    local.train(cfg_for(processes, job, 2), processes, quiet=True)
+    threads = new_run(tmp_path, job, "threads")
+    run = on_threads(threads, job, 2)
+    assert {r: result.steps for r, result in run.results.items()} == {0: 13, 1: 13}
+    for step in ("step-5", "step-10", "step-13"):
+        assert_same_weights(processes / "checkpoints" / step, threads / "checkpoints" / step)
+    assert losses(threads) == losses(processes)
+    assert sorted(p.name for p in (threads / "checkpoints" / "step-13").iterdir()) == sorted(
+        p.name for p in (processes / "checkpoints" / "step-13").iterdir())
+
+
+# (workers, settings): the loop's branches that call collectives of their own
+WORLDS = {
+    "ddp-2-eval-checkpoint": (2, ["--train.eval_every", "4"]),
+    "ddp-4-grad-accum": (4, ["--train.grad_accum", "2", "--train.eval_every", "3"]),
+    "ddp-3-early-stopping": (3, ["--train.batch_size", "12", "--train.epochs", "3", "--train.eval_every", "2",
+                                 "--train.early_stopping_patience", "1", "--train.lr", "1e-7"]),
+    "fsdp-2": (2, ["--train.strategy", "fsdp", "--train.eval_every", "5"]),
+    "ddp-8-one-row-each": (8, ["--train.checkpoint_every", "7"]),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_rank_calls_the_same_collectives_in_the_same_order(tmp_path, job, world):
+    workers, extra = WORLDS[world]
+    run = on_threads(new_run(tmp_path, job, world), job, workers, *extra)
+    assert sorted(run.calls) == list(range(workers))
+    first = run.calls[0]
+    assert len(first) > 10, first  # the loop's own collectives were seen (the losses, the flags, the checkpoints)
+    for rank, calls in run.calls.items():
+        assert calls == first, (rank, next(i for i, (a, b) in enumerate(zip(calls, first)) if a != b)
+                                if len(calls) == len(first) else (len(calls), len(first)))
+    steps = {result.steps for result in run.results.values()}
+    assert len(steps) == 1, steps  # every rank stopped at the same step
+    if "early-stopping" in world:
+        assert all(result.stopped_early for result in run.results.values())
+        assert steps.pop() < 3 * 9  # 103 rows, global batch 12: 9 steps an epoch, stopped before the third ends
+
+
+def test_a_resume_continues_the_same_global_batches_on_one_two_four_and_eight_ranks(tmp_path, job):
+    trace = ["--train.trace_rows", "true", "--train.log_every", "1", "--train.epochs", "2", "--train.keep_last", "10"]
+    two = new_run(tmp_path, job, "two")
+    on_threads(two, job, 2, *trace)
+    reference_rows, reference_losses = traced_rows(two), losses(two)
+    assert sorted(reference_rows) == list(range(1, 27))
+    assert sorted(i for s in range(1, 14) for i in reference_rows[s]) == list(range(103))  # each row once an epoch
+    ckpt = two / "checkpoints" / "step-5"
+    for workers in (1, 2, 4, 8):
+        rd = new_run(tmp_path, job, f"w{workers}")
+        run = on_threads(rd, job, workers, *trace, "--train.resume", str(ckpt))
+        for result in run.results.values():  # resumed_world_size: said where the world changed
+            assert (result.world_size, result.resumed_world_size, result.resumed_at_step, result.steps) == (
+                workers, None if workers == 2 else 2, 5, 26)
+        rows = traced_rows(rd)
+        assert sorted(rows) == list(range(6, 27))
+        for step, ids in rows.items():
+            assert ids == reference_rows[step], (workers, step)
+        for step, loss in losses(rd).items():
+            assert loss == pytest.approx(reference_losses[step], rel=1e-5), (workers, step)
+        if workers == 2:  # the same world: the same weights, bit for bit
+            assert_same_weights(two / "checkpoints" / "step-26", rd / "checkpoints" / "step-26")
