@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.command import torchloom
 from support.owned import BUCKET, CREDENTIALS
 
 BEAT_S = 0.25  # the commands' beat (TORCHLOOM_LEDGER_BEAT_S): a user's "later" is 2 beats and a second on
@@ -223,8 +224,7 @@ def one_round(seed: int, place: Place, template: Path, data: Path, model: str, w
     if plan.get("next"):
         nxt, argv = plan["next"][0], command(plan["next"][0], place.where, str(data), model, rng, then=False)
     before, stats_before = place.snapshot(), place.stats()
-    done = subprocess.run([sys.executable, "-m", "torchloom", *argv], capture_output=True, text=True, env=env,
-                          cwd=work, timeout=300)
+    done = torchloom(*argv, env=env, cwd=work, timeout=300)  # in this process: the ledger judges by the entry's beat
     after, stats_after = place.snapshot(), place.stats()
     for rel, content in users.items():
         assert after.get(rel) == content, (seed, killed, nxt, rel, done.stderr[-2000:])
@@ -323,8 +323,7 @@ def test_run_killed_after_its_first_checkpoint_then_overwrite_keeps_the_user_s_f
     (out / "NOTES.md").write_text("my notes\n")
     (out / "mine").mkdir()
     (out / "mine" / "labels-v2.csv").write_text("text,label\nx,y\n")
-    error = one_error(subprocess.run([sys.executable, "-m", "torchloom", *argv, "--overwrite"], capture_output=True,
-                                     text=True, env=env, timeout=300))
+    error = one_error(torchloom(*argv, "--overwrite", env=env, timeout=300))
     assert "not replaced, nothing deleted" in error and "NOTES.md" in error and "mine/labels-v2.csv" in error, error
     assert (out / "NOTES.md").read_text() == "my notes\n"
     assert (out / "mine" / "labels-v2.csv").read_text() == "text,label\nx,y\n"
@@ -370,9 +369,8 @@ def test_resume_latest_with_no_checkpoint_says_so(tmp_path, topics_csv, tiny_mod
     assert cli.main(["prepare", "--data.path", str(topics_csv), "--model.path", tiny_model_dir, "--output.dir",
                      str(out), "--tracking.enabled", "false", "--eval.baseline", "false"]) == 0
     assert not (out / "checkpoints").exists()
-    proc = subprocess.run([sys.executable, "-m", "torchloom", "train", "--output.dir", str(out), "--train.epochs",
-                           "1", "--resume", "--tracking.enabled", "false"], capture_output=True, text=True,
-                          env={**os.environ, **ENV}, timeout=300)
+    proc = torchloom("train", "--output.dir", str(out), "--train.epochs", "1", "--resume", "--tracking.enabled",
+                     "false", env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = proc.stdout + proc.stderr
     assert "train.resume latest: no complete checkpoint in" in said and "training from step 0" in said, said[-3000:]
@@ -388,8 +386,7 @@ def test_a_model_with_pickled_weights_is_refused_in_one_line(template, tmp_path)
     shutil.copytree(template / "model", model)
     torch.save(load_file(model / "model.safetensors"), model / "pytorch_model.bin")
     (model / "model.safetensors").unlink()
-    error = one_error(subprocess.run([sys.executable, "-m", "torchloom", "predict", "--model", str(model), "hello"],
-                                     capture_output=True, text=True, env={**os.environ, **ENV}, timeout=120))
+    error = one_error(torchloom("predict", "--model", str(model), "hello", env=ENV, timeout=120))
     assert "pytorch_model.bin, a pickle" in error and "safetensors only" in error, error
 
 

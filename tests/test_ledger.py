@@ -202,16 +202,17 @@ def killed_command(run: Path, tmp_path: Path) -> None:
     assert proc.returncode == -9
 
 
-def test_a_killed_command_vouches_only_for_what_its_record_covers(tmp_path, monkeypatch):
+def test_a_killed_command_vouches_only_for_what_its_record_covers(tmp_path):
     """What it wrote before its last beat is torchloom's (replaced whole); a file under no run name never is; a file
     that came after its last record stays, named in one line, and nothing is deleted."""
     from torchloom.errors import UserError
-    from torchloom.runs import ledger
     from torchloom.runs.ledger import LocalTree, replace
 
-    monkeypatch.setattr(ledger, "SLACK_NS", int(1.4e9))  # the killed command's beat (0.2 s), 2 of them and 1 s
     run = tmp_path / "run"
     killed_command(run, tmp_path)
+    # judged by the beat the killed command kept (0.2 s, its entry says: 2 of them and 1 s of slack), not by this
+    # process's own (2 s, which would take the file below for the command's)
+    assert json.loads((run / "torchloom-ledger.json").read_text())["open"][0]["beat_s"] == 0.2
     time.sleep(1.5)
     (run / "model").mkdir()
     (run / "model" / "NOTES.md").write_text("the user's, after the kill")  # under a run's name, but later
@@ -232,7 +233,7 @@ def test_another_host_s_entry_expires_with_its_beat(tmp_path):
     """A command of another host (a shared file system) vouches for files while its beat is fresh, and for nothing
     that came after its beat stopped (a lost host): a user's file added later is the user's for ever."""
     from torchloom.errors import UserError
-    from torchloom.runs.ledger import EXPIRE_S, Ledger, LocalTree, Open, beat_name, replace
+    from torchloom.runs.ledger import BEAT_S, Ledger, LocalTree, Open, beat_name, expire_s, replace
 
     run = tmp_path / "run"
     run.mkdir()
@@ -242,7 +243,7 @@ def test_another_host_s_entry_expires_with_its_beat(tmp_path):
     beat = run / beat_name(4242, "another-host")
     beat.write_bytes(b"")
     assert not Open(4242, "another-host", {}).alive({}, False)  # no beat: not running
-    stale = time.time() - EXPIRE_S - 60
+    stale = time.time() - expire_s(BEAT_S) - 60
     os.utime(beat, (stale, stale))
     (run / "report.md").write_text("the user's, long after that host was lost")
     with pytest.raises(UserError, match="report.md"):

@@ -8,15 +8,15 @@ running or was killed:
 - A command that writes into a tree opens itself in the ledger before it writes anything (runs/recording.py): its
   pid and host, the names it may write (its claims: the names a run uses, `rundir.top_names`), and every file that
   was there and not torchloom's (its foreign files). While it runs it touches a beat file of its own
-  (`.torchloom-beat.<pid>.<host>`) every BEAT_S seconds.
+  (`.torchloom-beat.<pid>.<host>`) every BEAT_S seconds (its entry records the interval it keeps: beat_s).
 - At its end it lists what it wrote: the files under its claims that were not someone else's when it began. A
   file that was someone else's stays theirs, changed or not (a torchloom name written whole, `config.toml`, aside);
   a file under a name no run uses (`NOTES.md`, `mine/labels.csv`) is never torchloom's.
 - A command killed before its end (SIGKILL, the OOM killer, a lost host) vouches, for the next command, for what it
   could have written: files under its claims, not someone else's, modified no later than its last beat plus
-  SLACK_NS. Anything written after that is not torchloom's by record: it stays where it is, and the next
+  slack_ns(its beat). Anything written after that is not torchloom's by record: it stays where it is, and the next
   `--overwrite` names it and deletes nothing. An entry is dead when its process is gone on this host, or its beat
-  is older than EXPIRE_S (another host's, on a shared file system), or, on a store (one driver per prefix: its
+  is older than expire_s(its beat) (another host's, on a shared file system), or, on a store (one driver per prefix: its
   lease, runs/lease.py), once it has stopped beating for a few seconds.
 
 Runs made before ledgers: only content-verified markers count (a run record, a config.toml and a manifest that
@@ -55,17 +55,26 @@ OLD_FORMAT = "torchloom-ledger/1"  # open entries without claims or beats: they 
 NOT_CONTENT = frozenset({LEDGER_FILE, LEASE_FILE})
 BEAT = re.compile(r"^\.torchloom-beat\.(\d+)\.([0-9a-f]{12})$")
 
-def _beat_s() -> float:
+BEAT_S = 2.0  # how often an open command touches its beat file
+
+
+def beat_s() -> float:
+    """This command's beat interval: BEAT_S, or TORCHLOOM_LEDGER_BEAT_S (the tests' faster), read when it opens. Its
+    entry records it: a reader judges each command by the interval that command kept, not by its own."""
     try:
-        return min(max(float(os.environ.get("TORCHLOOM_LEDGER_BEAT_S", "") or 2.0), 0.05), 30.0)
+        return min(max(float(os.environ.get("TORCHLOOM_LEDGER_BEAT_S", "") or BEAT_S), 0.05), 30.0)
     except ValueError:
-        return 2.0
+        return BEAT_S
 
 
-BEAT_S = _beat_s()  # how often an open command touches its beat file (TORCHLOOM_LEDGER_BEAT_S: the tests' faster)
-EXPIRE_S = max(120.0, 30 * BEAT_S)  # a beat older than this: the command is dead (a lost host, a stopped process)
-# A killed command wrote nothing later than its last beat plus this: a beat missed, and a store's 1 s times.
-SLACK_NS = int((2 * BEAT_S + 1) * 1e9)
+def expire_s(beat: float) -> float:
+    """A beat older than this: the command is dead (a lost host, a stopped process)."""
+    return max(120.0, 30 * beat)
+
+
+def slack_ns(beat: float) -> int:
+    """A killed command wrote nothing later than its last beat plus this: a beat missed, and a store's 1 s times."""
+    return int((2 * beat + 1) * 1e9)
 
 # The names a command writes (its claims): every name at the top of a run or study, their sqlite side files, and
 # torchloom's temporary names beside them (`.model.tmp-123`, `.config.toml.123.4.tmp`).
@@ -145,6 +154,7 @@ class Open:
     claims: tuple[str, ...] = (ALL,)
     started: int | None = None  # process_start(pid): a pid used again by another process is not this command
     old: bool = False  # opened by a version that kept no beat
+    beat_s: float = BEAT_S  # how often it touches its beat file (an entry that does not say: the default)
 
     @property
     def beat(self) -> str:
@@ -170,8 +180,8 @@ class Open:
         beat = beats.get(self.beat)
         now_ns = time.time_ns() if now_ns is None else now_ns
         # on a store one driver writes (its lease): its entry counts while it is beating right now (its workers
-        # see it so), and a killed driver's is dead within seconds; elsewhere a beat expires after EXPIRE_S
-        fresh_s = 3 * BEAT_S + 2 if exclusive else EXPIRE_S
+        # see it so), and a killed driver's is dead within seconds; elsewhere a beat expires after expire_s
+        fresh_s = 3 * self.beat_s + 2 if exclusive else expire_s(self.beat_s)
         if beat is None or beat[1] is None or now_ns - beat[1] > fresh_s * 1e9:
             return False
         if self.host != socket.gethostname() or exclusive:
@@ -187,12 +197,13 @@ class Open:
     def last_record(self, beats: dict[str, Stat]) -> int | None:
         """The latest modification time (ns) a file this (killed) command wrote can have, or None: unknown."""
         beat = beats.get(self.beat)
-        return None if self.old or beat is None or beat[1] is None else beat[1] + SLACK_NS
+        return None if self.old or beat is None or beat[1] is None else beat[1] + slack_ns(self.beat_s)
 
 
 def me(claims: tuple[str, ...] = (ALL,), foreign: dict[str, Stat] | None = None) -> Open:
     """This process as an open command."""
-    return Open(os.getpid(), socket.gethostname(), foreign or {}, claims, process_start(os.getpid()))
+    return Open(os.getpid(), socket.gethostname(), foreign or {}, claims, process_start(os.getpid()),
+                beat_s=beat_s())
 
 
 @dataclass
@@ -206,7 +217,7 @@ class Ledger:
 
         data = {"format": FORMAT, "files": listed(self.files),
                 "open": [{"pid": o.pid, "host": o.host, "started": o.started, "claims": list(o.claims),
-                          "foreign": listed(o.foreign)} for o in self.open if not o.old]}
+                          "beat_s": o.beat_s, "foreign": listed(o.foreign)} for o in self.open if not o.old]}
         return json.dumps(data, separators=(",", ":")).encode()
 
 
@@ -228,10 +239,13 @@ def _entry(o, old: bool) -> Open | None:
         return None
     claims = o.get("claims", [ALL])
     started = o.get("started")
+    beat = o.get("beat_s", BEAT_S)
     if not (isinstance(claims, list) and all(isinstance(c, str) for c in claims)) or not (
             started is None or isinstance(started, int)):
         return None
-    return Open(o["pid"], o["host"], foreign, tuple(claims), started, old)
+    if isinstance(beat, bool) or not isinstance(beat, (int, float)) or not 0.05 <= beat <= 30.0:
+        beat = BEAT_S
+    return Open(o["pid"], o["host"], foreign, tuple(claims), started, old, float(beat))
 
 
 def parse(content: bytes | None) -> Ledger | None:

@@ -3,7 +3,7 @@ it runs, closed with what it wrote when it ends, however it ends. A command kill
 the next one from that record alone.
 
     with recording(tree):            # begin: open in the ledger (pid, host, claims, what was someone else's)
-        ...                          # the beat file touched every ledger.BEAT_S seconds from a thread
+        ...                          # the beat file touched every beat_s seconds (its entry's) from a thread
                                      # end: what it wrote (under its claims, not someone else's) listed
 """
 
@@ -18,7 +18,6 @@ from pathlib import Path
 
 from torchloom.runs.ledger import (
     ALL,
-    BEAT_S,
     LEDGER_FILE,
     Ledger,
     LocalTree,
@@ -50,7 +49,7 @@ def recording(tree: Tree, claims: tuple[str, ...] = (ALL,)) -> Iterator[None]:
             yield
             return
         stock = begin(tree, claims)
-        beat = Beat(tree, stock.me.beat) if stock.entry else None
+        beat = Beat(tree, stock.me.beat, stock.me.beat_s) if stock.entry else None
         try:
             yield
         finally:
@@ -65,17 +64,17 @@ def recording(tree: Tree, claims: tuple[str, ...] = (ALL,)) -> Iterator[None]:
 
 
 class Beat:
-    """The open command's beat file, touched every BEAT_S seconds from a thread until stop(): the record that a
-    killed command's files are judged by (written no later than its last beat, plus a slack)."""
+    """The open command's beat file, touched every `every` seconds (its entry's beat_s) from a thread until stop():
+    the record that a killed command's files are judged by (written no later than its last beat, plus a slack)."""
 
-    def __init__(self, tree: Tree, name: str):
-        self.tree, self.name = tree, name
+    def __init__(self, tree: Tree, name: str, every: float):
+        self.tree, self.name, self.every = tree, name, every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="torchloom-ledger-beat", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        while not self._stop.wait(BEAT_S):
+        while not self._stop.wait(self.every):
             try:
                 self.tree.touch(self.name)
             except Exception:  # a store that does not answer for a moment: the next beat tries again
