@@ -6,12 +6,9 @@ The commands run in this process (main), each with its own cache."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-from support.env import restore
 from support.net import free_port
 from support.served import export_tiny
 
@@ -21,21 +18,12 @@ LABELS = ["money", "music", "sport"]
 TEXTS = ["bank shares profit market price", "guitar band song album concert", "match goal team"]
 
 
-def torchloom(capsys, *args: str, cache: Path, uri: str | None = None) -> SimpleNamespace:
-    """`torchloom ARGS` in this process (the model's imports are loaded once for the module) with its own cache, as a
-    fresh host; the environment it sets (--tracking-uri becomes MLFLOW_TRACKING_URI) restored after."""
-    from torchloom.cli import main
+def torchloom(*args: str, cache: Path, uri: str | None = None):
+    """`torchloom ARGS` (support.command: in this process) with its own cache, as a fresh host, and the registry at
+    `uri` (--tracking-uri, which the command sets as MLFLOW_TRACKING_URI: put back after, with the rest)."""
+    from support.command import torchloom as run
 
-    names = ("TORCHLOOM_CACHE", "MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ["TORCHLOOM_CACHE"] = str(cache)
-    os.environ.pop("MLFLOW_TRACKING_URI", None)
-    try:
-        code = main([*args, *(["--tracking-uri", uri] if uri else [])])
-    finally:
-        restore(saved)
-    out, err = capsys.readouterr()
-    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+    return run(*args, *(["--tracking-uri", uri] if uri else []), cache=cache, env={"MLFLOW_TRACKING_URI": None})
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +46,7 @@ def registered(tmp_path_factory):
     return uri, model_dir, done
 
 
-def test_a_registered_model_is_predicted_by_alias_with_an_empty_cache(registered, tmp_path, capsys):
+def test_a_registered_model_is_predicted_by_alias_with_an_empty_cache(registered, tmp_path):
     from mlflow import MlflowClient
 
     uri, model_dir, done = registered
@@ -66,7 +54,7 @@ def test_a_registered_model_is_predicted_by_alias_with_an_empty_cache(registered
     version = MlflowClient(tracking_uri=uri).get_model_version_by_alias("topics", "champion")
     assert str(version.version) == "2" and version.tags["val_accuracy"] == "0.75"
     cache = tmp_path / "cache"
-    proc = torchloom(capsys, "predict", "--model", "models:/topics@champion", "bank shares profit", cache=cache,
+    proc = torchloom("predict", "--model", "models:/topics@champion", "bank shares profit", cache=cache,
                      uri=uri)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "version 2 of topics" in proc.stderr
@@ -78,7 +66,7 @@ def test_a_registered_model_is_predicted_by_alias_with_an_empty_cache(registered
     direct = Predictor(model_dir, device="cpu").predict(["bank shares profit"])[0]
     assert direct["probabilities"] == pytest.approx(line["probabilities"], abs=1e-6)
     assert [p for p in (cache / "registry").rglob("config.json")]
-    by_version = torchloom(capsys, "predict", "--model", "models:/topics/1", "match goal", cache=cache, uri=uri)
+    by_version = torchloom("predict", "--model", "models:/topics/1", "match goal", cache=cache, uri=uri)
     assert by_version.returncode == 0 and "version 1 of topics" in by_version.stderr, by_version.stderr[-2000:]
 
 
@@ -88,17 +76,17 @@ def test_a_registered_model_is_predicted_by_alias_with_an_empty_cache(registered
     ("models:/topics/9", "has no version 9"),
     ("models:/topics", "not a registered model's URI"),
 ])
-def test_a_registered_name_that_does_not_resolve_is_one_line(registered, tmp_path, capsys, model, needle):
+def test_a_registered_name_that_does_not_resolve_is_one_line(registered, tmp_path, model, needle):
     uri, _, _ = registered
-    proc = torchloom(capsys, "predict", "--model", model, "text", cache=tmp_path / "cache", uri=uri)
+    proc = torchloom("predict", "--model", model, "text", cache=tmp_path / "cache", uri=uri)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("torchloom: error:") and needle in lines[0], proc.stderr
 
 
-def test_a_registry_that_does_not_answer_is_one_line_at_once(tmp_path, capsys):
+def test_a_registry_that_does_not_answer_is_one_line_at_once(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
-    proc = torchloom(capsys, "serve", "models:/topics@champion", cache=tmp_path / "cache", uri=dead)
+    proc = torchloom("serve", "models:/topics@champion", cache=tmp_path / "cache", uri=dead)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"the registry at {dead} does not answer" in lines[0], proc.stderr
@@ -109,8 +97,8 @@ def test_a_registry_that_does_not_answer_is_one_line_at_once(tmp_path, capsys):
     (["--register", "a/b"], "not a model name the registry takes"),
     (["--register", "topics", "--alias", "latest"], "which MLflow reserves"),
 ])
-def test_register_and_alias_are_checked_before_any_work(tmp_path, capsys, args, needle):
-    proc = torchloom(capsys, "export", "--output.dir", str(tmp_path / "run"), *args, cache=tmp_path / "cache")
+def test_register_and_alias_are_checked_before_any_work(tmp_path, args, needle):
+    proc = torchloom("export", "--output.dir", str(tmp_path / "run"), *args, cache=tmp_path / "cache")
     assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
@@ -151,8 +139,8 @@ def test_a_registered_model_naming_a_directory_outside_its_download_is_refused(t
         _model_dir(tmp_path, "models:/reviews/1", "MODEL_DIR")
 
 
-def test_a_read_by_name_where_no_registry_is_creates_no_database(capsys, tmp_path, monkeypatch):
+def test_a_read_by_name_where_no_registry_is_creates_no_database(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    done = torchloom(capsys, "predict", "--model", "models:/reviews@champion", "a text", cache=tmp_path / "cache")
+    done = torchloom("predict", "--model", "models:/reviews@champion", "a text", cache=tmp_path / "cache")
     assert done.returncode == 2 and "no registry at sqlite:///" in done.stderr, done.stderr
     assert not (tmp_path / "mlflow.db").exists()

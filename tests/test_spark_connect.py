@@ -78,11 +78,13 @@ def setup(tmp_path_factory):
 
 
 def torchloom(args: list[str], tmp: Path, expect: int = 0) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k in JVM_ENV or not k.startswith(("SPARK_", "PYSPARK_", "TORCHLOOM_"))}
-    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", TMPDIR=str(tmp))
-    proc = subprocess.run([sys.executable, "-m", "torchloom", *args], env=env, capture_output=True, text=True,
-                          timeout=400)
+    """The command in a process of its own (support.command's process=True): a Spark Connect client, without this
+    process's classic Spark settings (its SPARK_*, PYSPARK_*, TORCHLOOM_* but the suite's JVM options)."""
+    from support.command import torchloom as run
+
+    unset = {k: None for k in os.environ if k not in JVM_ENV and k.startswith(("SPARK_", "PYSPARK_", "TORCHLOOM_"))}
+    proc = run(*args, env={**unset, "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(tmp)}, timeout=400,
+               process=True)
     assert proc.returncode == expect, proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     return proc
