@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from torchloom.drift import SIGNALS, Kernel, Texts, distances, estimated_accuracy, thresholds, verdict
+from torchloom.monitor.drift import SIGNALS, Kernel, Texts, distances, estimated_accuracy, thresholds, verdict
 
 KERNEL = Kernel.draw(np.random.default_rng(0).standard_normal((500, 32)).astype(np.float32))
 

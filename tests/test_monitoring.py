@@ -48,8 +48,8 @@ def shifted(rng: random.Random, n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def monitored_model(tmp_path_factory) -> str:
-    from torchloom.model.profile import write_profile
     from torchloom.model.tiny import write_tiny_model
+    from torchloom.monitor.profile import write_profile
 
     root = tmp_path_factory.mktemp("monitored")
     model = export_tiny(write_tiny_model(root / "base"), root / "shop" / "model", LABELS,
@@ -312,7 +312,7 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
     that monitoring is off and how to turn it on; /v1/monitor and /metrics say "off"."""
     from support.owned import one_error, torchloom
 
-    from torchloom.serve.live_monitor import load_monitor
+    from torchloom.monitor.live import load_monitor
     from torchloom.serve.settings import ServeSettings
 
     older = tmp_path / "older" / "model"
@@ -348,8 +348,8 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
 def test_answers_without_a_sketch_stop_the_representation_never_a_request(monitored_model):
     """A monitor that compares sketches and then gets answers without one (a forward that gave none) goes on with
     the other four signals instead of failing the request."""
-    from torchloom.model.profile import read_profile
-    from torchloom.serve.live_monitor import LiveMonitor
+    from torchloom.monitor.live import LiveMonitor
+    from torchloom.monitor.profile import read_profile
 
     profile = read_profile(monitored_model)
     monitor = LiveMonitor(profile, "m", size=100, kernel=profile["_sketch"]["kernel"])
@@ -365,7 +365,7 @@ def test_answers_without_a_sketch_stop_the_representation_never_a_request(monito
 
 def test_a_dangling_link_as_the_report_is_refused_before_the_work(monitored_model, tmp_path):
     from torchloom.errors import UserError
-    from torchloom.serve.monitor_batch import monitor_file
+    from torchloom.monitor.batch import monitor_file
 
     out = tmp_path / "report"
     out.symlink_to(tmp_path / "gone")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchloom.inputs.formats import FORMATS
+from torchloom.config.engines import ENGINES
+from torchloom.text.formats import FORMATS
 
 
 def choices(*allowed: str) -> dict:
@@ -159,7 +160,7 @@ class ExportConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = field(default="local", metadata=choices("local", "spark", "ray"))
+    name: str = field(default="local", metadata=choices(*ENGINES))  # config/engines.py: a row each
     # auto: one per visible GPU on a GPU machine (local engine, or Ray on its own instance); else 2
     # (see docs/benchmarks.md, "Workers")
     workers: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})

@@ -20,8 +20,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
+from torchloom.model.served import ModelIdentity
 from torchloom.serve.metrics import ServeMetrics
-from torchloom.serve.model import ModelIdentity
 
 T = TypeVar("T")
 KEY_HEADER = "x-torchloom-key"  # a client's routing key: the same key, the same model (serve/fleet.py)

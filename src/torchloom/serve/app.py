@@ -236,8 +236,8 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
 
 
 def monitor_report(backend: Backend) -> dict[str, Any]:
-    """The backend's monitor report (serve/live_monitor.py); "off" for a backend without one."""
-    from torchloom.serve.live_monitor import off_report
+    """The backend's monitor report (monitor/live.py); "off" for a backend without one."""
+    from torchloom.monitor.live import off_report
 
     read = getattr(backend, "monitor_report", None)
     return read() if read is not None else off_report("this backend has no monitor")

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchloom.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
+from torchloom.monitor.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
 from torchloom.serve.api_common import ApiError
 from torchloom.serve.batcher import Overloaded, ShuttingDown
 from torchloom.serve.split import Plan, key_point
@@ -383,7 +383,7 @@ class Fleet:
 
     def monitor_report(self) -> dict[str, Any]:
         """The monitor report of the model most traffic goes to: the one the torchloom_monitor_* gauges show."""
-        from torchloom.serve.live_monitor import off_report
+        from torchloom.monitor.live import off_report
 
         name = max(self.order, key=lambda n: self.plan.traffic.get(n, 0.0))
         report = getattr(self.members[name].backend, "monitor_report", None)

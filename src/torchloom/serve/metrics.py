@@ -75,9 +75,9 @@ class Family:
 
 
 def monitor_families(report: Callable[[], dict]) -> list[Family]:
-    """The monitor's gauges (serve/live_monitor.py), read from its current report when scraped."""
-    from torchloom.drift import SIGNALS
-    from torchloom.serve.live_monitor import STATES
+    """The monitor's gauges (monitor/live.py), read from its current report when scraped."""
+    from torchloom.monitor.drift import SIGNALS
+    from torchloom.monitor.live import STATES
 
     def signal(key: str):
         def read():
@@ -228,7 +228,7 @@ class ServeMetrics:
     def __init__(self, queue_depth: Callable[[], float] = lambda: 0,
                  monitor: Callable[[], dict] | None = None, queue_capacity: float = 0,
                  shared_dir: str | None = None) -> None:
-        """monitor: the monitor's current report (live_monitor.LiveMonitor.current, or its "off" report).
+        """monitor: the monitor's current report (monitor/live.py: LiveMonitor.current, or its "off" report).
         shared_dir: the directory the processes of one server share their values in (prometheus-client's
         multiprocess mode, for Ray Serve's replicas); None: this process's own, rendered by hand (the local
         server: one process, and the cheapest per request)."""

@@ -54,8 +54,8 @@ class RayBackend:
 
     def __init__(self, settings: ServeSettings, threads: int, metrics=None) -> None:
         """metrics: the replica's, where several models share it (serve/fleet.py)."""
+        from torchloom.model.served import ServedModel
         from torchloom.serve.metrics import ServeMetrics
-        from torchloom.serve.model import ServedModel
 
         self.settings = settings
         self.model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
@@ -64,7 +64,7 @@ class RayBackend:
         self.identity = self.model.identity
         self._pending = 0
         self._ready = False
-        from torchloom.serve.live_monitor import load_monitor
+        from torchloom.monitor.live import load_monitor
 
         self.monitor, self.monitor_off, line = load_monitor(settings, self.model.labels, self.identity.name,
                                                                    self.model.predictor)

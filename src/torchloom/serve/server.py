@@ -16,9 +16,9 @@ from typing import Any
 
 from torchloom.errors import UserError, missing_extra
 from torchloom.machine import usable_cores
+from torchloom.model.served import ServedModel
 from torchloom.serve.batcher import MicroBatcher
 from torchloom.serve.metrics import ServeMetrics
-from torchloom.serve.model import ServedModel
 from torchloom.serve.settings import ServeSettings
 
 log = logging.getLogger("torchloom.serve")
@@ -30,7 +30,7 @@ class LocalBackend:
     def __init__(self, model: ServedModel, settings: ServeSettings, metrics: ServeMetrics | None = None,
                  nice: int = 0) -> None:
         """metrics: the server's, where several models share it (serve/fleet.py); nice: the model thread's."""
-        from torchloom.serve.live_monitor import load_monitor
+        from torchloom.monitor.live import load_monitor
 
         self.model = model
         self.identity = model.identity

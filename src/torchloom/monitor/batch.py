@@ -1,9 +1,9 @@
-"""`torchloom monitor`: a file of new texts compared with the model's reference profile (model/profile.py), the
+"""`torchloom monitor`: a file of new texts compared with the model's reference profile (monitor/profile.py), the
 verdict a scheduled job acts on (exit 0: no drift; DRIFT_EXIT: drift), and a report a person reads:
 report.md, monitor.json and plots/ (class shares, confidence, lengths, each signal against its threshold).
 
 The same texts are read as `predict --input` reads them; the same Predictor scores them (cleaning, truncation,
-the shipped mix), so a file like the validation split reads as no drift (drift.py says how the thresholds give
+the shipped mix), so a file like the validation split reads as no drift (monitor/drift.py says how the thresholds give
 that at the chosen false-alarm rate).
 """
 
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
+from torchloom.monitor.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.runs.outputs import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
@@ -66,8 +66,8 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
     """A uniform sample of up to n texts of `input_path`, read as `predict --input ... --output` reads it (CSV,
     JSON lines or Parquet, a file or a directory; a .txt file a text a line): streamed locally, or on Spark
     (`spark`: a session) for inputs too large for one machine to scan quickly. Empty texts are counted, not kept."""
+    from torchloom.inputs import text_files
     from torchloom.model.predict import read_texts
-    from torchloom.serve import score_files
 
     sample = Sampled(n)
     if Path(input_path).suffix.lower() == ".txt" and spark is None:
@@ -76,10 +76,10 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
                             " with a label column")
         sample.add(read_texts(input_path, say=say))
         return sample
-    fmt = score_files.input_format(input_path)
+    fmt = text_files.input_format(input_path)
     if spark is not None:
         return _spark_sample(spark, input_path, fmt, text_column, labels_column, sample)
-    schema, batches = score_files._local_batches(input_path, fmt)
+    schema, batches = text_files.stream_batches(input_path, fmt)
     text_column, labels_column = _columns(schema.names, text_column, labels_column, input_path)
     for batch in batches:
         texts = batch.column(text_column).to_pylist()
@@ -91,7 +91,7 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
 
 def _columns(names: list[str], text_column: str, labels_column: str | None, input_path: str
              ) -> tuple[str, str | None]:
-    from torchloom.inputs.formats import column_named, text_column_hint
+    from torchloom.text.formats import column_named, text_column_hint
 
     found = column_named(names, text_column)
     if found is None:
@@ -108,7 +108,7 @@ def _spark_sample(spark, input_path: str, fmt: str, text_column: str, labels_col
     """Spark counts the rows, keeps about 1.5 n of them at random and the driver n of those, at random."""
     from pyspark.sql import functions as F  # noqa: N812
 
-    from torchloom.serve import score_spark
+    from torchloom.batch import spark as score_spark
 
     df = score_spark.spark_read(spark, input_path, fmt)
     text_column, labels_column = _columns(df.columns, text_column, labels_column, input_path)
@@ -133,7 +133,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
                  overwrite: bool = False, say=print, sample: int = SAMPLE, spark=None) -> dict[str, Any]:
     """Compare `input_path`'s texts (a uniform sample of `sample` where it holds more) with the model's profile;
     write the report to `output`; returns its JSON."""
-    from torchloom.model.profile import REEXPORT, read_profile
+    from torchloom.monitor.profile import REEXPORT, read_profile
 
     profile = read_profile(model_dir)
     if profile is None:
@@ -172,7 +172,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
             ) -> tuple[dict[str, Any], Texts, Texts]:
     """The drawn texts scored by the model and compared with its profile: the report's JSON, and the two sides."""
     from torchloom.model.predict import Predictor
-    from torchloom.model.profile import REEXPORT, kernel_for, reference_texts, text_signals
+    from torchloom.monitor.profile import REEXPORT, kernel_for, reference_texts, text_signals
 
     texts = drawn.texts
     predictor = Predictor(model_dir, device=device)
@@ -211,7 +211,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
 
 def correct(predicted: str, given, profile: dict) -> bool:
     """A given label's verdict on a prediction; a tagger's top tag is right when the given tags hold it."""
-    from torchloom.model.profile import right
+    from torchloom.monitor.profile import right
     from torchloom.text import tags
 
     if profile.get("task") != "multi_label":

@@ -8,7 +8,7 @@ Signals (one value per text, the same function for the reference at export and f
     length      tokens before truncation       two-sample Kolmogorov-Smirnov statistic (of log lengths)
     unknown     the share of unknown tokens    two-sample Kolmogorov-Smirnov statistic
     representation  the model's pooled representation, sketched (a fixed random projection to a few dozen
-                dimensions, model/profile.py)  maximum mean discrepancy with a Gaussian kernel, estimated with
+                dimensions, monitor/profile.py)  maximum mean discrepancy with a Gaussian kernel, estimated with
                 random Fourier features: the distance between the two samples' mean feature vectors (where the
                 profile has a sketch: PyTorch runtimes)
 

@@ -1,5 +1,5 @@
 """A server's own monitor: a sliding window of the texts it answered, compared with the model's reference profile
-(model/profile.py) on every signal (drift.py), with the accuracy the model's confidence promises.
+(monitor/profile.py) on every signal (monitor/drift.py), with the accuracy the model's confidence promises.
 
 The window holds the last `size` texts, and none older than `max_age_s` (0: no age limit). A verdict needs at
 least `min_texts` of them ("warming_up" before). Thresholds depend on how many texts are compared: they are drawn
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import (
+from torchloom.monitor.drift import (
     SIGNALS,
     Kernel,
     Texts,
@@ -46,7 +46,7 @@ class LiveMonitor:
     def __init__(self, profile: dict, model: str, size: int = WINDOW, max_age_s: float = 0.0,
                  false_alarm: float | None = None, min_texts: int = MIN_TEXTS, kernel: Kernel | None = None) -> None:
         """kernel: the profile's, where the server's answers carry sketches (model/profile.kernel_for)."""
-        from torchloom.model.profile import reference_texts
+        from torchloom.monitor.profile import reference_texts
 
         self.profile = profile
         self.model = model
@@ -180,7 +180,7 @@ class LiveMonitor:
 
 
 def ladder(low: int, size: int, reference: int) -> list[int]:
-    """The window sizes thresholds are drawn for: low, doubling, then the top, `size` (drift.py calibrates a
+    """The window sizes thresholds are drawn for: low, doubling, then the top, `size` (monitor/drift.py calibrates a
     window larger than half the reference at that half, so the top is never more)."""
     top = max(low, min(size, reference // 2))
     rungs, r = [], low
@@ -200,7 +200,7 @@ def load_monitor(settings, labels: list[str], name: str, predictor=None
     at start: what it watches, or why monitoring is off and how to turn it on. A damaged profile never stops a
     server: it serves, unmonitored, and says so."""
     from torchloom.errors import UserError
-    from torchloom.model.profile import REEXPORT, kernel_for, read_profile
+    from torchloom.monitor.profile import REEXPORT, kernel_for, read_profile
 
     if not settings.monitor:
         reason = "monitoring off (--no-monitor)"

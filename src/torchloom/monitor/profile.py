@@ -4,7 +4,7 @@
 It holds, for up to PROFILE_TEXTS texts of the validation split (then test) that the exported model scored as a
 server would (the same cleaning, truncation and shipped mix: Predictor), each text's signals (drift.SIGNALS:
 predicted class, confidence, tokens before truncation, share of unknown tokens) and whether the prediction was
-right, from which a monitor draws its thresholds and its accuracy estimate (drift.py). A multi-label model's
+right, from which a monitor draws its thresholds and its accuracy estimate (monitor/drift.py). A multi-label model's
 (task multi_label): its top tag is the predicted class and its probability the confidence, right when the text holds
 that tag (the accuracy a monitor estimates is the top tag's precision), and each text's tags are kept beside them.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import FALSE_ALARM, Kernel, Texts
 from torchloom.errors import UserError, first_line
+from torchloom.monitor.drift import FALSE_ALARM, Kernel, Texts
 
 PROFILE_DIR = "monitor"
 PROFILE_FILE = "profile.json"
