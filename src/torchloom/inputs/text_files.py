@@ -12,7 +12,7 @@ from typing import Any
 
 from torchloom.errors import UserError, first_line
 from torchloom.inputs.encoding import file_codec, read_note
-from torchloom.inputs.formats import SUFFIX_FORMATS, default_separator, separator_in, spreadsheet_hint
+from torchloom.text.formats import SUFFIX_FORMATS, default_separator, separator_in, spreadsheet_hint
 
 CHUNK_ROWS = 4096  # rows read (and predicted, and written) at a time
 

@@ -19,17 +19,19 @@ from typing import Any
 import numpy as np
 
 from torchloom.errors import UserError
-from torchloom.monitor.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
+from torchloom.monitor.drift import (
+    Texts,
+    caveat,
+    describe,
+    distances,
+    estimated_accuracy,
+    signal_names,
+    thresholds,
+    verdict,
+)
 from torchloom.runs.outputs import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
-MEANING = {
-    "classes": "the predicted classes' shares (Jensen-Shannon distance)",
-    "confidence": "the model's confidence, top probability (Jensen-Shannon distance of a 10-bin histogram)",
-    "length": "tokens per text before truncation (Kolmogorov-Smirnov statistic)",
-    "unknown": "share of tokens the tokenizer does not know (Kolmogorov-Smirnov statistic)",
-    "representation": "the model's pooled representation, sketched (maximum mean discrepancy, Gaussian kernel)",
-}
 
 
 SAMPLE = 10_000  # texts compared at most: past a few thousand a window's thresholds call every tiny shift drift
@@ -180,7 +182,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
         raise UserError(f"model dir {model_dir}: its profile is of other labels than the model's; {REEXPORT}")
     kernel = kernel_for(profile, predictor)
     answers = predictor.predict(texts, with_signals=True)
-    window = text_signals(predictor.labels, answers, kernel)
+    window = text_signals(predictor.labels, answers, kernel, predictor.max_length)
     reference = reference_texts(profile, sketched=kernel is not None)
     k = len(profile["labels"])
     found = distances(window, reference, k)
@@ -192,7 +194,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
         "sampled": len(texts) < drawn.total - drawn.empty, "reference_texts": len(reference),
         "false_alarm": rate, "drift": bool(drifted), "drifted": drifted,
         "signals": {name: {"distance": round(found[name], 6), "threshold": round(limits[name], 6),
-                           "drift": name in drifted} for name in SIGNALS if name in found},
+                           "drift": name in drifted} for name in signal_names() if name in found},
         "estimated_accuracy": {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
                                "reference": profile.get("accuracy"), "caveat": caveat(drifted)},
         "class_shares": {label: {"window": round(float(np.mean(window.predicted == i)), 4),
@@ -262,7 +264,7 @@ def report_text(r: dict) -> str:
              "| signal | distance | threshold | drift | what it measures |", "|---|---|---|---|---|"]
     for name, s in r["signals"].items():
         lines.append(f"| {name} | {s['distance']:.4f} | {s['threshold']:.4f} | {'yes' if s['drift'] else 'no'}"
-                     f" | {MEANING[name]} |")
+                     f" | {describe(name)} |")
     tagger = "tag_shares" in r
     what = "top-tag precision (the share of texts whose most probable tag is theirs)" if tagger else "accuracy"
     lines += ["", f"Estimated {what} (from confidence, no labels): **{est['value']:.3f}** (95 % interval"

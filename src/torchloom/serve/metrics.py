@@ -76,13 +76,13 @@ class Family:
 
 def monitor_families(report: Callable[[], dict]) -> list[Family]:
     """The monitor's gauges (monitor/live.py), read from its current report when scraped."""
-    from torchloom.monitor.drift import SIGNALS
+    from torchloom.monitor.drift import signal_names
     from torchloom.monitor.live import STATES
 
     def signal(key: str):
         def read():
             r = report()
-            return [((name,), r["signals"][name][key]) for name in SIGNALS
+            return [((name,), r["signals"][name][key]) for name in signal_names()
                     if name in r.get("signals", {}) and r["signals"][name][key] is not None]
         return read
 
