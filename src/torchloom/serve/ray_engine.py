@@ -80,6 +80,8 @@ class RayBackend:
     def monitor_report(self) -> dict[str, Any]:
         return self.monitor.current() if self.monitor is not None else self.monitor_off
 
+    fleet = None  # one model (api_common.Backend)
+
     @property
     def queued(self) -> int:
         """Texts this model's queue holds now."""
@@ -277,7 +279,7 @@ def replica_fleet(settings: ServeSettings, threads: int):
     keep their state in the replica: with one replica they work as locally; with several, a prediction's id is
     known to its replica alone and a change would reach one replica, so both answer 501."""
     from torchloom.serve.fleet import Fleet
-    from torchloom.serve.metrics import ServeMetrics
+    from torchloom.serve.metrics import ServeMetrics, fleet_families
     from torchloom.serve.split import Plan, make_plan
 
     models = settings.models or {None: settings.model_dir}
@@ -303,7 +305,7 @@ def replica_fleet(settings: ServeSettings, threads: int):
         if m.backend.monitor is not None:
             m.backend.monitor.on_report = metrics.publish_monitor
     holder.append(fleet)
-    metrics.extra = fleet.families()
+    metrics.extra = fleet_families(fleet)
     return fleet
 
 
