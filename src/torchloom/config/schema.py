@@ -51,13 +51,6 @@ class DataConfig:
 @dataclass
 class PrepareConfig:
     spark_master: str = "local[*]"
-
-    @property
-    def spark_here(self) -> bool:
-        """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback (they
-        see this host's files); anything else is a cluster's. Asked here only (a Run's spark_here)."""
-        master = self.spark_master.strip()
-        return master == "local" or master.startswith(("local[", "local-cluster["))
     spark_conf: dict = field(default_factory=dict)  # extra Spark conf, e.g. {"spark.executor.memory" = "4g"}
     min_chars: int = field(default=1, metadata={"min": 0})  # after cleaning; shorter texts are rejected
     max_chars: int = field(default=0, metadata={"min": 0})  # 0: no limit; longer texts are rejected
@@ -82,6 +75,14 @@ class PrepareConfig:
     # "pyarrow" (the tasks stream the objects with pyarrow: inputs/store_read.py), "auto" (spark when this Spark
     # has a file system for the URI's scheme, else pyarrow)
     input_reader: str = field(default="auto", metadata=choices("auto", "spark", "pyarrow"))
+
+
+    @property
+    def spark_here(self) -> bool:
+        """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback (they
+        see this host's files); anything else is a cluster's. Asked here only (a Run's spark_here)."""
+        master = self.spark_master.strip()
+        return master == "local" or master.startswith(("local[", "local-cluster["))
 
 
 @dataclass
