@@ -76,7 +76,6 @@ class PrepareConfig:
     # has a file system for the URI's scheme, else pyarrow)
     input_reader: str = field(default="auto", metadata=choices("auto", "spark", "pyarrow"))
 
-
     @property
     def spark_here(self) -> bool:
         """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback (they
