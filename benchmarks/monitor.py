@@ -56,10 +56,10 @@ def main() -> int:
     args = p.parse_args()
 
     from torchloom.data.texts import labelled_texts
-    from torchloom.drift import distances, estimated_accuracy, thresholds, verdict
     from torchloom.manifest import read
     from torchloom.model.predict import Predictor
-    from torchloom.model.profile import kernel_for, read_profile, reference_texts, text_signals, write_profile
+    from torchloom.monitor.drift import distances, estimated_accuracy, thresholds, verdict
+    from torchloom.monitor.profile import kernel_for, read_profile, reference_texts, text_signals, write_profile
 
     run, work = Path(args.run), Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)

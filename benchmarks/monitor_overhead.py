@@ -34,8 +34,8 @@ C = 64
 
 
 def model_for(name: str, work: Path, texts: list[str]) -> str:
-    from torchloom.model.profile import write_profile
     from torchloom.model.tiny import write_tiny_model
+    from torchloom.monitor.profile import write_profile
 
     base = write_tiny_model(work / "tiny-base") if name == "tiny" else None
     model = export_benchmark_model(work / name / "model", base=base)

@@ -102,8 +102,8 @@ class FixedBackend:
     """torchloom's Backend with the model replaced by a fixed answer: what the app costs without batcher or model."""
 
     def __init__(self) -> None:
+        from torchloom.model.served import ModelIdentity
         from torchloom.serve.metrics import ServeMetrics
-        from torchloom.serve.model import ModelIdentity
 
         self.identity = ModelIdentity("tiny", "2026-11-28T00:00:00+00:00", tuple(LABELS))
         self.metrics, self.ready = ServeMetrics(), True

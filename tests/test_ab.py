@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from torchloom.ab import Outcomes, compare, mcnemar, two_proportions
+from torchloom.monitor.ab import Outcomes, compare, mcnemar, two_proportions
 
 
 def stream(rng, n: int, acc_a: float, acc_b: float, paired: bool, agreement: float = 0.7) -> Outcomes:

@@ -638,8 +638,8 @@ def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(t
     from torchloom.config.schema import DataConfig
     from torchloom.errors import UserError
     from torchloom.inputs.locate import resolve_format
+    from torchloom.inputs.text_files import input_format
     from torchloom.model.predict import read_texts
-    from torchloom.serve.score_files import input_format
 
     book = tmp_path / "reviews.xlsx"
     book.write_bytes(b"PK\x03\x04 a zip, as every workbook")
@@ -655,7 +655,7 @@ def test_a_spreadsheet_or_a_plain_text_file_as_input_says_what_to_give_instead(t
 
 
 def test_a_missing_column_line_fills_in_the_columns_whose_names_say_what_they_hold():
-    from torchloom.inputs.formats import column_fix
+    from torchloom.text.formats import column_fix
 
     both = {"data.text_column": "text", "data.label_column": "label"}
     assert column_fix(["id", "body", "topic"], both) == "set --data.text_column body --data.label_column topic"
@@ -682,7 +682,7 @@ def test_evaluate_scores_what_serve_answers(finished_run):
     from torchloom.evaluate.mix import shipped_probabilities
     from torchloom.evaluate.run import score_split
     from torchloom.manifest import read as read_manifest
-    from torchloom.serve.model import ServedModel
+    from torchloom.model.served import ServedModel
 
     rd = finished_run[0]
     cfg = build(None, ["--output.dir", str(rd), "--engine.device", "cpu"])
@@ -796,8 +796,8 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
     import pyarrow.dataset as ds
     from test_serve import Server, httpx
 
+    from torchloom.batch.spark import predict_spark
     from torchloom.model.predict import Predictor
-    from torchloom.serve.score_spark import predict_spark
 
     rd, fp32_dir = onnx_run[0], onnx_run[1]
     texts = ["match goal team win", "bank market price", "album song band", "a text about nothing much " * 30]
@@ -824,8 +824,7 @@ def test_spark_batch_and_the_rest_server_answer_through_the_onnx_model(onnx_run,
 
 def test_serve_onnx_with_device_auto_runs_on_the_cpu_where_onnxruntime_has_no_cuda(onnx_run, monkeypatch):
     """A GPU host with the CPU build of onnxruntime: auto means what runs there (it used to refuse to start)."""
-    from torchloom.model import onnx
-    from torchloom.serve import model as served
+    from torchloom.model import onnx, served
 
     monkeypatch.setattr(served, "resolve_device", lambda device: "cuda")  # torch sees a GPU
     monkeypatch.setattr(onnx, "has_cuda_provider", lambda: False)
@@ -839,6 +838,7 @@ def test_the_shipped_mix_scores_the_same_on_every_path(onnx_run, tmp_path):
     import numpy as np
     import pyarrow.dataset as ds
 
+    from torchloom.batch.files import predict_local
     from torchloom.config import build
     from torchloom.data.texts import texts_at
     from torchloom.evaluate.mix import shipped_probabilities
@@ -846,8 +846,7 @@ def test_the_shipped_mix_scores_the_same_on_every_path(onnx_run, tmp_path):
     from torchloom.lexical import Lexical
     from torchloom.manifest import read as read_manifest
     from torchloom.model.predict import Predictor
-    from torchloom.serve.model import ServedModel
-    from torchloom.serve.score_files import predict_local
+    from torchloom.model.served import ServedModel
 
     rd, fp32_dir = onnx_run[0], onnx_run[1]
     mixed = tmp_path / "mixed"
@@ -1011,8 +1010,8 @@ def test_monitor_compares_new_texts_with_the_model_s_profile(finished_run, tmp_p
     drift (exit 3), with the report, plots and an accuracy estimate; a model exported without a profile, or with a
     damaged one, is one line."""
     from torchloom.model.predict import read_texts
-    from torchloom.model.profile import write_profile
-    from torchloom.serve.monitor_batch import monitor_file
+    from torchloom.monitor.batch import monitor_file
+    from torchloom.monitor.profile import write_profile
 
     rd, proc = finished_run
     assert "export: no monitoring profile: " in proc.stderr  # 120 rows: too few held-out texts
@@ -1094,7 +1093,7 @@ def test_predict_with_two_models_compares_them_on_a_labelled_file(finished_run, 
     assert "McNemar" in (tmp_path / "cmp" / "report.md").read_text()
     # --overwrite replaces only a report of torchloom's, as it left it; never a user's file, never an input
     from torchloom.errors import UserError
-    from torchloom.serve.compare_batch import compare_file
+    from torchloom.monitor.compare import compare_file
 
     models = [("v1", str(rd / "model")), ("v2", str(worse))]
     report = tmp_path / "cmp"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from torchloom.drift import SIGNALS, Kernel, Texts, distances, estimated_accuracy, thresholds, verdict
+from torchloom.monitor.drift import Kernel, Texts, distances, estimated_accuracy, signal_names, thresholds, verdict
 
 KERNEL = Kernel.draw(np.random.default_rng(0).standard_normal((500, 32)).astype(np.float32))
 
@@ -24,11 +24,25 @@ def texts(rng, n: int, shift: float = 0.0, classes=(0.3, 0.25, 0.2, 0.15, 0.1), 
           sketched: bool = True) -> Texts:
     """Signals like a classifier's: skewed classes, confidence near 1, log-normal lengths, a few unknown tokens,
     and (sketched) the representation's features."""
-    return Texts(predicted=rng.choice(len(classes), n, p=classes),
-                 confidence=np.clip(rng.beta(8 - 6 * shift, 1.5, n), 0, 1),
-                 length=(rng.lognormal(5 + shift, 0.5, n)).astype(int) + 3,
-                 unknown=np.clip(rng.exponential(0.01 + 0.02 * shift, n), 0, 1),
-                 features=KERNEL.features(sketches(rng, n, moved + shift)) if sketched else None)
+    predicted = rng.choice(len(classes), n, p=classes)
+    confidence = np.clip(rng.beta(8 - 6 * shift, 1.5, n), 0, 1)
+    length = (rng.lognormal(5 + shift, 0.5, n)).astype(int) + 3
+    return make(predicted=predicted, confidence=confidence, length=length,
+                unknown=np.clip(rng.exponential(0.01 + 0.02 * shift, n), 0, 1),
+                truncated=(length > MAX_LENGTH).astype(float),
+                features=KERNEL.features(sketches(rng, n, moved + shift)) if sketched else None)
+
+
+MAX_LENGTH = 400  # about 7 % of the texts above longer than the model reads
+
+
+def make(features=None, **columns) -> Texts:
+    return Texts({k: np.asarray(v) for k, v in columns.items()}, features)
+
+
+def but(base: Texts, features=None, **changed) -> Texts:
+    """`base` with some columns changed (and features, else none)."""
+    return make(features, **{**base.values, **changed})
 
 
 @pytest.mark.parametrize("size", [30, 200])
@@ -49,22 +63,26 @@ def test_each_signal_answers_to_its_own_shift():
     limits = thresholds(reference, 200, 5)
     base = texts(rng, 200)
     shifted = {
-        "classes": Texts(np.zeros(200, int), base.confidence, base.length, base.unknown),  # one class only
-        "length": Texts(base.predicted, base.confidence, base.length * 4, base.unknown),  # four times longer
-        "unknown": Texts(base.predicted, base.confidence, base.length, base.unknown + 0.2),  # another language
-        "confidence": Texts(base.predicted, np.clip(base.confidence - 0.3, 0, 1), base.length, base.unknown),
+        "classes": but(base, predicted=np.zeros(200, int)),  # one class only
+        "length": but(base, length=base.length * 4),  # four times longer
+        "unknown": but(base, unknown=base.unknown + 0.2),  # another language
+        "confidence": but(base, confidence=np.clip(base.confidence - 0.3, 0, 1)),
+        "truncated": but(base, truncated=(rng.random(200) < 0.4).astype(float)),  # 40 % cut, not 7 %
         # the same classes, confidence, lengths and tokens: only the representation moved (a new domain)
-        "representation": Texts(base.predicted, base.confidence, base.length, base.unknown,
-                                KERNEL.features(sketches(rng, 200, moved=1.0))),
+        "representation": but(base, KERNEL.features(sketches(rng, 200, moved=1.0))),
     }
     assert verdict(distances(base, reference, 5), limits) == []
     for name, window in shifted.items():
         assert name in verdict(distances(window, reference, 5), limits), name
     assert verdict(distances(shifted["representation"], reference, 5), limits) == ["representation"]
-    assert set(limits) == set(SIGNALS)
-    # without sketches (an ONNX runtime, an older profile): four signals, Bonferroni over four
-    bare = Texts(reference.predicted, reference.confidence, reference.length, reference.unknown)
-    assert set(thresholds(bare, 200, 5)) == set(SIGNALS) - {"representation"} == set(bare.signals)
+    assert set(limits) == set(signal_names())
+    # without sketches (an ONNX runtime, an older profile): the other signals, Bonferroni over them
+    bare = but(reference)
+    assert set(thresholds(bare, 200, 5)) == set(signal_names()) - {"representation"} == set(bare.signals)
+    # a profile from before a signal (no `truncated` column): that signal is not compared, the others are
+    older = Texts({k: v for k, v in reference.values.items() if k != "truncated"}, reference.features)
+    assert "truncated" not in distances(base, older, 5) and "truncated" not in thresholds(older, 200, 5)
+    assert verdict(distances(shifted["length"], older, 5), thresholds(older, 200, 5)) == ["length"]
     assert "representation" not in distances(shifted["representation"], bare, 5)
 
 

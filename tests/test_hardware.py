@@ -259,8 +259,8 @@ def test_ray_serve_replicas_and_spark_scoring_tasks_spread_over_the_gpus_they_ar
     pytest.importorskip("pyspark")
     from pyspark.resource.information import ResourceInformation
 
+    from torchloom.batch.spark import task_device
     from torchloom.serve.ray_engine import replica_gpus
-    from torchloom.serve.score_spark import task_device
 
     assert replica_gpus("auto", replicas=2, gpus=4) == 1.0  # Ray sets each replica's CUDA_VISIBLE_DEVICES
     assert replica_gpus("cuda", replicas=3, gpus=2) == 0.66  # more replicas than GPUs: an equal share each

@@ -96,3 +96,22 @@ def test_the_run_is_built_once_and_its_files_have_one_owner():
     assert not without_reason, without_reason
     long = {name: text.count("\n") for name, text in texts.items() if text.count("\n") > 450}
     assert not long, long
+
+
+def test_engines_are_told_apart_by_their_table_only():
+    """config/engines.py is the one table of engines: nothing else compares engine.name, and every row's launcher
+    module has the train() and the hooks the row names."""
+    import importlib
+    import re
+
+    from torchloom.config.engines import ENGINES
+
+    branch = re.compile(r"engine\.name\s*(==|!=|\bin\b|\bnot in\b)")
+    hits = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "src" / "torchloom").rglob("*.py"))
+            if path.name != "engines.py" or path.parent.name != "config"
+            for n, line in enumerate(path.read_text().splitlines(), 1) if branch.search(line)]
+    assert not hits, hits
+    for engine in ENGINES.values():
+        module = importlib.import_module(f"torchloom.engines.{engine.launcher}")
+        for hook in ("train", engine.check_cluster, engine.after_training):
+            assert hook is None or callable(getattr(module, hook, None)), (engine.name, hook)

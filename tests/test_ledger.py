@@ -333,9 +333,9 @@ def test_predict_overwrite_replaces_only_earlier_predictions(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from torchloom.batch.files import _check_paths
     from torchloom.errors import UserError
     from torchloom.runs.outputs import record_output
-    from torchloom.serve.score_files import _check_paths
 
     shared = tmp_path / "exports"
     shared.mkdir()

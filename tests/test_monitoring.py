@@ -48,8 +48,8 @@ def shifted(rng: random.Random, n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def monitored_model(tmp_path_factory) -> str:
-    from torchloom.model.profile import write_profile
     from torchloom.model.tiny import write_tiny_model
+    from torchloom.monitor.profile import write_profile
 
     root = tmp_path_factory.mktemp("monitored")
     model = export_tiny(write_tiny_model(root / "base"), root / "shop" / "model", LABELS,
@@ -312,7 +312,7 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
     that monitoring is off and how to turn it on; /v1/monitor and /metrics say "off"."""
     from support.owned import one_error, torchloom
 
-    from torchloom.serve.live_monitor import load_monitor
+    from torchloom.monitor.live import load_monitor
     from torchloom.serve.settings import ServeSettings
 
     older = tmp_path / "older" / "model"
@@ -348,8 +348,8 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
 def test_answers_without_a_sketch_stop_the_representation_never_a_request(monitored_model):
     """A monitor that compares sketches and then gets answers without one (a forward that gave none) goes on with
     the other four signals instead of failing the request."""
-    from torchloom.model.profile import read_profile
-    from torchloom.serve.live_monitor import LiveMonitor
+    from torchloom.monitor.live import LiveMonitor
+    from torchloom.monitor.profile import read_profile
 
     profile = read_profile(monitored_model)
     monitor = LiveMonitor(profile, "m", size=100, kernel=profile["_sketch"]["kernel"])
@@ -365,9 +365,60 @@ def test_answers_without_a_sketch_stop_the_representation_never_a_request(monito
 
 def test_a_dangling_link_as_the_report_is_refused_before_the_work(monitored_model, tmp_path):
     from torchloom.errors import UserError
-    from torchloom.serve.monitor_batch import monitor_file
+    from torchloom.monitor.batch import monitor_file
 
     out = tmp_path / "report"
     out.symlink_to(tmp_path / "gone")
     with pytest.raises(UserError, match="a symbolic link to nothing"):
         monitor_file(monitored_model, str(tmp_path / "no-such-input.csv"), str(out))  # before the input is read
+
+
+def test_a_new_signal_is_one_table_row_and_reaches_the_window_the_batch_report_and_the_gauges(monitored_model,
+                                                                                               tmp_path, monkeypatch):
+    """One row added to drift.SIGNALS (the share of texts asking a question, a value a throw-away Predictor
+    subclass puts in its answers), nothing else changed: the profile export writes stores it, the server's live
+    window, the batch monitor's report and its markdown compare it, and the gauges carry it."""
+    import csv
+
+    from torchloom.model import predict
+    from torchloom.monitor import drift
+    from torchloom.monitor.batch import monitor_file
+    from torchloom.monitor.live import LiveMonitor
+    from torchloom.monitor.profile import read_profile, write_profile
+    from torchloom.serve.metrics import monitor_families
+
+    row = drift.Signal("questions", "questions", "ks", "share of texts that ask a question (a test's signal)",
+                       lambda answer, reading: answer["questions"])
+    monkeypatch.setattr(drift, "SIGNALS", [*drift.SIGNALS, row])
+
+    class Asking(predict.Predictor):
+        def predict(self, texts, *args, with_signals=False, **kwargs):
+            answers = super().predict(texts, *args, with_signals=with_signals, **kwargs)
+            for text, answer in zip(texts, answers if with_signals else ()):
+                answer["questions"] = float(text.rstrip().endswith("?"))
+            return answers
+
+    monkeypatch.setattr(predict, "Predictor", Asking)
+    model = tmp_path / "model"
+    shutil.copytree(monitored_model, model)
+    texts, labels = like_validation(random.Random(5), 300)
+    write_profile(model, texts, labels, {"val": 300, "test": 0})  # no question in the reference
+    profile = read_profile(model)
+    assert profile["reference"]["questions"] == [0.0] * 300
+    asked = [t + " ?" for t in like_validation(random.Random(6), 200)[0]]  # the same texts, asked
+
+    monitor = LiveMonitor(profile, "m", size=200)
+    monitor._calibrate()
+    monitor.observe(Asking(str(model)).predict(asked, with_signals=True))
+    report = monitor.evaluate()
+    assert report["signals"]["questions"]["drift"] and "questions" in report["drifted"], report["signals"]
+    assert not report["signals"]["length"]["drift"]  # a question mark is one token more: not a length shift
+    gauges = {f.name: f.read() for f in monitor_families(lambda: report)}
+    assert (("questions",), report["signals"]["questions"]["distance"]) in gauges["torchloom_monitor_distance"]
+
+    data = tmp_path / "asked.csv"
+    with open(data, "w", newline="") as f:
+        csv.writer(f).writerows([["text"], *([t] for t in asked)])
+    batch = monitor_file(str(model), str(data), str(tmp_path / "report"), say=lambda *_: None)
+    assert batch["signals"]["questions"]["drift"] and batch["drift"], batch["signals"]
+    assert "share of texts that ask a question" in (tmp_path / "report" / "report.md").read_text()

@@ -116,8 +116,8 @@ def test_the_one_vs_rest_baseline_is_fitted_and_the_shipped_mix_is_never_worse_o
 def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tagged_run, tmp_path):
     from support.served import Server
 
+    from torchloom.batch.files import predict_local
     from torchloom.model.predict import Predictor
-    from torchloom.serve.score_files import predict_local
 
     out, _ = tagged_run
     texts = ["bank shares profit goal team league", "recipe cook kitchen"]
@@ -147,7 +147,7 @@ def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tag
 
 
 def test_a_tagger_is_monitored_by_its_top_tag_and_its_tags_a_text(tagged_run, tmp_path):
-    from torchloom.serve.monitor_batch import monitor_file
+    from torchloom.monitor.batch import monitor_file
 
     out, rows = tagged_run
     profile = json.loads((out / "model" / "monitor" / "profile.json").read_text())

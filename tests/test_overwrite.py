@@ -62,8 +62,8 @@ def test_tune_overwrite_refuses_while_another_process_runs_the_study(tmp_path, t
 
 
 def test_batch_predict_overwrite_replaces_only_earlier_predictions(tmp_path, monkeypatch):
+    from torchloom.batch.files import _check_paths
     from torchloom.errors import UserError
-    from torchloom.serve.score_files import _check_paths
 
     src = tmp_path / "in.parquet"
     src.write_bytes(b"")

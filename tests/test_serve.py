@@ -763,7 +763,7 @@ def check_output(table, rows, reference):
 def test_local_batch_predict_adds_label_score_probabilities(inputs, model_dir, reference, tmp_path, name):
     import pyarrow.parquet as pq
 
-    from torchloom.serve.score_files import predict_local
+    from torchloom.batch.files import predict_local
 
     root, rows = inputs
     out = tmp_path / "out.parquet"
@@ -778,9 +778,9 @@ def test_batch_predict_reads_files_in_the_encoding_prepare_reads_them_in(spark, 
                                                                          capfd):
     import pyarrow.parquet as pq
 
+    from torchloom.batch.files import predict_local
+    from torchloom.batch.spark import predict_spark
     from torchloom.errors import UserError
-    from torchloom.serve.score_files import predict_local
-    from torchloom.serve.score_spark import predict_spark
 
     texts = ["café au lait, 5 €", "“quoted” reply", "naïve résumé"]
     (tmp_path / "cp.csv").write_bytes(("id;text\n" + "".join(f'{i};"{t}"\n' for i, t in enumerate(texts)))
@@ -824,8 +824,8 @@ def test_batch_predict_reads_files_in_the_encoding_prepare_reads_them_in(spark, 
 
 
 def test_batch_predict_errors_name_the_problem(inputs, model_dir, tmp_path):
+    from torchloom.batch.files import predict_local
     from torchloom.errors import UserError
-    from torchloom.serve.score_files import predict_local
 
     root, _ = inputs
     with pytest.raises(UserError, match="no column 'body'.*--text-column"):
@@ -842,7 +842,7 @@ def _predict_int_column(tmp_path, model_dir):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from torchloom.serve.score_files import predict_local
+    from torchloom.batch.files import predict_local
 
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
     predict_local(model_dir, str(tmp_path / "ints.parquet"), str(tmp_path / "o.parquet"))
@@ -895,7 +895,7 @@ def test_predict_cli_repairs_a_non_utf8_argument_and_refuses_a_bad_jsonl_in_one_
 def test_spark_batch_predict_matches_plain_inference(spark, inputs, model_dir, reference, tmp_path):
     import pyarrow.dataset as ds
 
-    from torchloom.serve.score_spark import predict_spark
+    from torchloom.batch.spark import predict_spark
 
     root, rows = inputs
     out = tmp_path / "spark-out"
@@ -937,7 +937,7 @@ def test_local_batch_predict_memory_stays_flat_as_the_input_grows(model_dir, tmp
                 ids = range(start, start + 1000)
                 w.write_table(pa.table({"text": [f"{i} {TEXTS[i % 3]}" for i in ids],
                                         "payload": [str(i).encode() + payload for i in ids]}))
-        code = ("import resource, sys; from torchloom.serve.score_files import predict_local;"
+        code = ("import resource, sys; from torchloom.batch.files import predict_local;"
                 f" predict_local({model_dir!r}, {str(src)!r}, {str(tmp_path / f'out-{rows}.parquet')!r},"
                 " progress=False); print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=ENV)
@@ -988,7 +988,7 @@ def assert_own_ray_is_private(pid: int, http_port: int, api_key: str) -> None:
 @pytest.mark.ray
 def test_ray_serve_gives_the_same_api_and_predictions(model_dir, reference, tmp_path):
     pytest.importorskip("ray.serve")
-    from torchloom.model.profile import write_profile
+    from torchloom.monitor.profile import write_profile
 
     port = free_port()
     monitored = tmp_path / "shop" / "model"  # with a profile: each replica watches the texts it answers
@@ -1121,7 +1121,7 @@ def minilm_model_dir(tmp_path_factory) -> str:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_cuda_predictions_match_cpu(minilm_model_dir, precision):
     from torchloom.model.predict import Predictor
-    from torchloom.serve.model import ServedModel
+    from torchloom.model.served import ServedModel
 
     model = ServedModel(minilm_model_dir, device="cuda", precision=precision)
     assert model.precision == precision and str(next(model.predictor.model.parameters()).device) == "cuda:0"
@@ -1245,8 +1245,8 @@ def test_monitor_compares_a_uniform_sample_of_a_large_input_read_locally_or_on_s
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from torchloom.model.profile import write_profile
-    from torchloom.serve.monitor_batch import monitor_file
+    from torchloom.monitor.batch import monitor_file
+    from torchloom.monitor.profile import write_profile
 
     model = tmp_path / "model"
     shutil.copytree(model_dir, model)
@@ -1270,7 +1270,7 @@ def test_monitor_compares_a_uniform_sample_of_a_large_input_read_locally_or_on_s
         report = (tmp_path / f"report-{engine}" / "report.md").read_text()
         assert "300 texts (a uniform sample of the input's" in report
     assert results["local"]["empty"] == results["spark"]["empty"] == 30  # every empty text counted, set aside
-    from torchloom.serve.monitor_batch import read_sample
+    from torchloom.monitor.batch import read_sample
 
     sample = read_sample(str(data), "body", "topic", 1000)
     second = sum("part1" in t for t in sample.texts) / len(sample.texts)

@@ -95,13 +95,13 @@ def test_a_chunked_text_scores_the_same_in_evaluate_predict_serve_and_spark_batc
 
     from torchloom.baseline import driver as baseline_driver
     from torchloom.baseline import spark as baseline_spark
+    from torchloom.batch.spark import predict_spark
     from torchloom.data.texts import texts_at
     from torchloom.etl.prepare import prepare
     from torchloom.evaluate.run import score_split
     from torchloom.model.build import build_classifier
     from torchloom.model.export import export_model
     from torchloom.model.predict import Predictor
-    from torchloom.serve.score_spark import predict_spark
 
     cfg = Config()
     cfg.data.path, cfg.model.path = str(long_texts(tmp_path / "long.csv")), tiny_model_dir

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from torchloom import preflight
 from torchloom.config import Config
+from torchloom.config.engines import engine_of
 from torchloom.runs.rundir import RunDir
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ def say(msg: str) -> None:
 def precision_line(cfg: Config) -> str:
     """What train.precision is for the workers: decided here for the local engine (this machine is theirs),
     by each worker on its own device on Spark and Ray (the result says what they chose)."""
-    if cfg.engine.name != "local":
+    if not engine_of(cfg.engine).precision_here:
         return f"precision {cfg.train.precision}" + (" (each worker decides on its device)"
                                                        if cfg.train.precision == "auto" else "")
     from torchloom.model.device import choose_precision

@@ -13,7 +13,6 @@ from __future__ import annotations
 from torchloom import config as config_mod
 from torchloom.config import Config
 from torchloom.errors import UserError
-from torchloom.etl.session import runs_on_this_machine
 from torchloom.runs.run import Run
 from torchloom.runs.rundir import RunDir
 from torchloom.runs.runfiles import RunFiles
@@ -62,7 +61,7 @@ def check_stores(cfg: Config, run: Run | None = None) -> None:
                             " a profile, an instance role),"
                             " never in the URI, which is written to config.toml and logs")
         if is_uri(uri):
-            if key.startswith("data.") and not runs_on_this_machine(cfg.prepare.spark_master):
+            if key.startswith("data.") and not cfg.prepare.spark_here:
                 continue  # a Spark cluster reads it with its own connector and credentials
             check(uri, key)
 

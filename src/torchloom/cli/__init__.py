@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(argv[1:])
     if argv[:2] == ["monitor", "rules"]:  # Prometheus rules and a Grafana dashboard: text, no torch
-        from torchloom.serve.alerting import main as rules_main
+        from torchloom.monitor.alerting import main as rules_main
 
         return rules_main(argv[2:])
     if argv and argv[0] == "k8s":  # manifests from the config: no torch either

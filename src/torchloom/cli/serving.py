@@ -85,7 +85,7 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
     if rest:
         raise UserError(f"monitor: unexpected arguments {' '.join(rest)}; see torchloom monitor --help")
     from torchloom.model.export import check_exported
-    from torchloom.serve.monitor_batch import DRIFT_EXIT, monitor_file
+    from torchloom.monitor.batch import DRIFT_EXIT, monitor_file
 
     use_tracking_uri(args)
     model = local_model(args.model, "--model")
@@ -227,9 +227,9 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def compare_models(args: argparse.Namespace, texts: list[str]) -> int:
-    """`predict --model A --model B --input FILE`: serve/compare_batch.py."""
+    """`predict --model A --model B --input FILE`: monitor/compare.py."""
     from torchloom.model.export import check_exported
-    from torchloom.serve.compare_batch import compare_file, model_names
+    from torchloom.monitor.compare import compare_file, model_names
 
     if len(args.model) != 2:
         raise UserError(f"predict: {len(args.model)} --model flags; compare two models at a time")
@@ -271,7 +271,8 @@ def print_lines(lines) -> int:
 def predict_file(args: argparse.Namespace, model: str, texts: list[str], given: str) -> int:
     """The batch form: --input file(s) to a Parquet --output, on Spark or locally. `model` is a local
     directory; `given` what the user named (a store's URI: Spark's executors fetch the model from there)."""
-    from torchloom.serve import score_files, score_spark
+    from torchloom.batch import files as score_files
+    from torchloom.batch import spark as score_spark
     from torchloom.uri import is_uri
 
     if texts:
@@ -300,7 +301,7 @@ def serve_models(args: argparse.Namespace) -> dict[str, str] | None:
     """`--model NAME=DIR` flags as {name: local dir} (fetched from a store where given a URI), each checked; None
     for one MODEL_DIR, which is checked and made local in args."""
     from torchloom.model.export import check_exported
-    from torchloom.serve.compare_batch import model_names
+    from torchloom.monitor.compare import model_names
     from torchloom.serve.settings import check_model_name
 
     if args.models and args.model_dir:

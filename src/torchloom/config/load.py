@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torchloom.config.budget import known_batch
+from torchloom.config.engines import engine_of, ranks_on_this_machine
 from torchloom.config.schema import Config, TrainConfig
 from torchloom.errors import UserError
 from torchloom.redaction import redact_config, remember
@@ -124,7 +125,7 @@ def validate(cfg: Config) -> Config:
     micro_batch_size(cfg.train, cfg.engine.workers)
     low = cfg.engine.min_workers
     if low:
-        if cfg.engine.name != "ray":
+        if not engine_of(cfg.engine).shrinks:
             raise UserError(f"config engine.min_workers {low}: only the Ray engine shrinks a run by itself; with"
                             f" {cfg.engine.name}, resume with --train.resume latest --engine.workers N")
         if low > cfg.engine.workers:
@@ -182,7 +183,7 @@ def ranks_here(cfg: Config) -> bool:
     """The training ranks run on this machine and see its GPUs: the local engine, or Ray on an instance torchloom
     starts here (no engine.ray_address). Spark's ranks get GPUs only through its resource confs (engines/spark.py),
     and a cluster's are counted by the engine when it launches."""
-    return cfg.engine.name == "local" or (cfg.engine.name == "ray" and not cfg.engine.ray_address.strip())
+    return ranks_on_this_machine(cfg.engine)
 
 
 def largest_divisor(n: int, most: int) -> int:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchloom.inputs.formats import FORMATS
+from torchloom.config.engines import ENGINES
+from torchloom.text.formats import FORMATS
 
 
 def choices(*allowed: str) -> dict:
@@ -74,6 +75,13 @@ class PrepareConfig:
     # "pyarrow" (the tasks stream the objects with pyarrow: inputs/store_read.py), "auto" (spark when this Spark
     # has a file system for the URI's scheme, else pyarrow)
     input_reader: str = field(default="auto", metadata=choices("auto", "spark", "pyarrow"))
+
+    @property
+    def spark_here(self) -> bool:
+        """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback (they
+        see this host's files); anything else is a cluster's. Asked here only (a Run's spark_here)."""
+        master = self.spark_master.strip()
+        return master == "local" or master.startswith(("local[", "local-cluster["))
 
 
 @dataclass
@@ -159,7 +167,7 @@ class ExportConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = field(default="local", metadata=choices("local", "spark", "ray"))
+    name: str = field(default="local", metadata=choices(*ENGINES))  # config/engines.py: a row each
     # auto: one per visible GPU on a GPU machine (local engine, or Ray on its own instance); else 2
     # (see docs/benchmarks.md, "Workers")
     workers: int | str = field(default="auto", metadata={"min": 1, "auto": True, "type": int})

@@ -18,8 +18,10 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
+from torchloom.config import Config, from_dict
 from torchloom.engines import faults
 from torchloom.engines.common import (
     HEARTBEAT_S,
@@ -245,12 +247,12 @@ def preempted_starts(rd: RunDir, launch_id: str, rank: int) -> int:
     return count
 
 
-def restarted(files: RunFiles, cfg_dict: dict, launch_id: str, rank: int, starts: int) -> dict:
+def restarted(files: RunFiles, cfg: Config, launch_id: str, rank: int, starts: int) -> Config:
     """The config of a worker that the engine (torch elastic, Ray, Spark's own stage retry or torchloom's)
     started again after a failure: resuming from the latest checkpoint. Whoever restarts,
     engine.max_restarts bounds how often; and a rank's own error, which would recur, stops it at once."""
     rd = files.rd
-    limit = cfg_dict["engine"]["max_restarts"]
+    limit = cfg.engine.max_restarts
     failed = starts - preempted_starts(rd, launch_id, rank)  # a start after a preemption is not a restart
     if failed > limit:
         raise RestartLimit(f"rank {rank} was restarted {failed} times; engine.max_restarts is {limit}")
@@ -258,13 +260,13 @@ def restarted(files: RunFiles, cfg_dict: dict, launch_id: str, rank: int, starts
     if cause is not None:  # an engine that restarts on any failure (Ray, torchrun): stop at once
         raise NotRestarted(f"not restarted: rank {cause['rank']} failed with {cause['type']}, which would"
                            " happen again; restarts are for lost processes")
-    if not cfg_dict["train"]["resume"]:
-        cfg_dict = {**cfg_dict, "train": {**cfg_dict["train"], "resume": "latest"}}
+    if not cfg.train.resume:
+        cfg = replace(cfg, train=replace(cfg.train, resume="latest"))
     loss = describe_loss(files, launch_id, starts - 1)
     label = f"restart {starts}" if failed else f"start {starts + 1}, after a preemption"
     print(f"{label}: {loss + '; ' if loss else ''}resuming from the latest checkpoint in"
           f" {rd.home(rd.checkpoints)}", flush=True)
-    return cfg_dict
+    return cfg
 
 
 PEER_LOSS_LINGER_S = 1.5
@@ -289,20 +291,21 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     if capture:
         capture_output(files, rank)
     try:
-        cfg_dict = {**cfg_dict, "output": {**cfg_dict["output"], "dir": rd.location}}
+        cfg = from_dict(cfg_dict)  # parsed once, before any key is read: what the driver recorded, checked again
+        cfg = replace(cfg, output=replace(cfg.output, dir=rd.location))
         starts = record_start(files, launch_id, rank)
         if not starts:  # this launch's first start (a restart resumes): never over an earlier training unasked
-            check_fresh(files, cfg_dict["train"]["resume"], cfg_dict["output"]["overwrite"])
+            check_fresh(files, cfg.train.resume, cfg.output.overwrite)
         placement = rd.placement_file(launch_id, rank, starts)
-        note_stop_signal(placement, rank, float(cfg_dict["train"]["preemption_grace_s"]))
-        if cfg_dict["train"].get("preemption_url") and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            preemption.poll_url(cfg_dict["train"]["preemption_url"])
+        note_stop_signal(placement, rank, float(cfg.train.preemption_grace_s))
+        if cfg.train.preemption_url and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            preemption.poll_url(cfg.train.preemption_url)
         if attempt is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             watch_notice_file(files, rd.notice_file(launch_id, attempt))
         start_heartbeat(placement, files, rd.rank_log(rank) if capture else None)
         if starts:
-            cfg_dict = restarted(files, cfg_dict, launch_id, rank, starts)
-        result = train(cfg_dict, files, worker_reporter(files, rank, engine_reporter, launch_id),
+            cfg = restarted(files, cfg, launch_id, rank, starts)
+        result = train(cfg, files, worker_reporter(files, rank, engine_reporter, launch_id),
                        launched_at=launched_at, device=device)
         if result.preemptions:  # this start ended preempted: the next one is not a restart
             update_placement(placement, preempted=True)

@@ -96,12 +96,6 @@ def default_parallelism(spark, fallback: int) -> int:
         return int(conf_value(spark, "spark.default.parallelism", "0") or 0) or fallback
 
 
-def runs_on_this_machine(master: str) -> bool:
-    """local, local[N] and local-cluster[...]: every Spark process on this machine, talking over loopback."""
-    master = master.strip()
-    return master == "local" or master.startswith(("local[", "local-cluster["))
-
-
 def is_local_master(master: str) -> bool:
     """local and local[N]: the tasks run in the driver's JVM (local-cluster has executor JVMs of its own)."""
     master = master.strip()
@@ -168,7 +162,7 @@ def get_spark(cfg: PrepareConfig | None = None):
     # Spark's Python workers would run `python3` from PATH, not this interpreter (see PITFALLS.md).
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    if runs_on_this_machine(cfg.spark_master):
+    if cfg.spark_here:
         # Else Spark binds the machine's external address (see PITFALLS.md). Never for a cluster master:
         # there the driver must advertise an address the executors can reach (its host name's, or the
         # SPARK_LOCAL_IP / spark.driver.host the user sets).
@@ -204,7 +198,7 @@ def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
         "spark.sql.files.openCostInBytes": str(64 * 1024),
         "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log4j}",
     }
-    if runs_on_this_machine(cfg.spark_master) and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
+    if cfg.spark_here and not os.environ.get("PYSPARK_SUBMIT_ARGS"):
         # Spark's own default is a 1 GB heap for the local JVM, which holds the driver and every
         # executor: 10 million rows ran it out of memory while caching the cleaned rows
         # (docs/benchmarks.md, "Scale"). A quarter of the machine, 1 to 8 GB; spark_conf overrides.

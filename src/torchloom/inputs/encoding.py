@@ -4,7 +4,7 @@ Spark's text source (folder inputs) hands the bytes over undecoded, and the CSV/
 read files the driver found to be UTF-8 or hand the bytes of the others over whole (inputs/read.py), and the
 object store reader streams them (inputs/store_read.py): each then calls `detect` or `decode` here, so a file
 is read in the same encoding on the local Spark, a cluster's executors or from a store. `predict --input`
-reads its files by the same rule (model/predict.py, serve/score_files.py), so a file prepare reads is one
+reads its files by the same rule (model/predict.py, batch/files.py), so a file prepare reads is one
 predict reads. Pure Python, no imports beyond the standard library: it runs inside Spark's Python workers.
 
 data.encoding:

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError
-from torchloom.inputs.formats import (
+from torchloom.text.formats import (
     COMPRESSED_SUFFIXES,
     DELTA_LOG,
     FORMATS,

@@ -9,7 +9,9 @@ from urllib.parse import urlparse
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, message_line
 from torchloom.inputs.encoding import RAW
-from torchloom.inputs.formats import (
+from torchloom.inputs.locate import UTF8_CHECK_BUDGET, check_exists, is_local, local_files, pyarrow_opens, utf8_files
+from torchloom.java_errors import unreadable_input
+from torchloom.text.formats import (
     COMPRESSED_SUFFIXES,
     FORMATS,
     OTHER_SEPARATORS,
@@ -19,8 +21,6 @@ from torchloom.inputs.formats import (
     default_separator,
     separator_in,
 )
-from torchloom.inputs.locate import UTF8_CHECK_BUDGET, check_exists, is_local, local_files, pyarrow_opens, utf8_files
-from torchloom.java_errors import unreadable_input
 from torchloom.uri import is_uri
 
 

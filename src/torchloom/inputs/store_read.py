@@ -27,7 +27,6 @@ from functools import partial
 
 from torchloom.errors import UserError
 from torchloom.inputs.encoding import STRICT, Undecodable, decode, local_path, undecodable_line
-from torchloom.inputs.formats import FORMATS, column_named
 from torchloom.inputs.store_tasks import (
     CODEC,
     MARK,
@@ -43,6 +42,7 @@ from torchloom.inputs.store_tasks import (
     text_stream,
 )
 from torchloom.store import storage
+from torchloom.text.formats import FORMATS, column_named
 
 UNREAD_CODECS = (".snappy", ".lz4", ".deflate")
 BYTES_PER_TASK = 128 << 20

@@ -22,8 +22,8 @@ from urllib.parse import unquote, urlparse
 
 from torchloom.config.schema import DataConfig
 from torchloom.errors import UserError, first_line, install_hint
-from torchloom.inputs.formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
 from torchloom.store import clients
+from torchloom.text.formats import DELTA_LOG, ICEBERG_SCHEME, column_fix
 from torchloom.uri import has_scheme, redact
 
 SPLIT_BYTES = 128 << 20  # Spark's spark.sql.files.maxPartitionBytes
@@ -84,7 +84,7 @@ def _need(module: str, what: str, path: str, key: str):
 
 def actual(columns, name: str) -> str | None:
     """The table's column that `name` names: itself, else the one that differs only in case (formats.column_named)."""
-    from torchloom.inputs.formats import column_named
+    from torchloom.text.formats import column_named
 
     return column_named(list(columns), name)
 

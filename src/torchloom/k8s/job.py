@@ -33,6 +33,7 @@ import math
 import shlex
 
 from torchloom.config import Config, to_dict, validate
+from torchloom.config.engines import engine_of
 from torchloom.errors import UserError
 from torchloom.k8s import manifests as m
 from torchloom.redaction import redact_value
@@ -61,7 +62,7 @@ def train_manifests(cfg: Config) -> list[dict]:
     k = cfg.k8s
     m.check_image(k)
     m.check_on_store(cfg.output.dir, "output.dir")
-    if cfg.engine.name != "local":
+    if not engine_of(cfg.engine).k8s_job:
         raise UserError(f"engine.name {cfg.engine.name}: `torchloom k8s train` runs torchrun in the pods; for Ray on"
                         " Kubernetes (KubeRay) or Spark on Kubernetes run `torchloom train` with"
                         " --engine.ray_address or --prepare.spark_master k8s://... (docs/engines.md, On Kubernetes)")

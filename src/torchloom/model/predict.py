@@ -14,7 +14,6 @@ from safetensors import SafetensorError
 
 from torchloom.errors import UserError, first_line
 from torchloom.inputs.encoding import file_codec, read_note
-from torchloom.inputs.formats import column_named, default_separator, separator_in, spreadsheet_hint, text_column_hint
 from torchloom.lexical import Lexical
 from torchloom.model.env import use_model_env
 from torchloom.model.export import check_exported, read_export_info, weights_error
@@ -23,6 +22,7 @@ from torchloom.scoring import LOSS_EPS, mix, text_scores
 from torchloom.tag_scoring import Thresholds
 from torchloom.tag_scoring import predict as predict_tags
 from torchloom.text.clean import clean_text
+from torchloom.text.formats import column_named, default_separator, separator_in, spreadsheet_hint, text_column_hint
 from torchloom.text.hierarchy import describe
 from torchloom.text.truncation import STRATEGIES, cut, default_stride, prefix, prefix_holds, special_layout, windows
 
@@ -78,7 +78,7 @@ class Predictor:
     length_bucket: int = 1
     # The forward as a traced graph where TracedForward.choose chose one (a server, at warm-up); None: eager
     traced: TracedForward | None = None
-    # A monitor's random projection of the pooled representation (hidden x dims, model/profile.py): with it,
+    # A monitor's random projection of the pooled representation (hidden x dims, monitor/profile.py): with it,
     # predict_encoded's signals hold each text's "sketch" (PyTorch runtimes; an ONNX graph gives logits only)
     sketch: np.ndarray | None = None
 
@@ -208,7 +208,7 @@ class Predictor:
                            for k, v in zip(encoded.keys(), values)}
                 out.append(Windows(dict(zip(per_key, parts)) for parts in zip(*per_key.values())))
         unk = self.tokenizer.unk_token_id
-        for item, n in zip(out, lengths if signals else ()):  # what a monitor compares (model/profile.py)
+        for item, n in zip(out, lengths if signals else ()):  # what a monitor compares (monitor/profile.py)
             item.tokens = n
             read = sum(len(f["input_ids"]) for f in item)
             item.unknown = (sum(f["input_ids"].count(unk) for f in item) / read) if read and unk is not None else 0.0
@@ -271,7 +271,7 @@ class Predictor:
                         with_signals: bool = False) -> list[dict[str, Any]]:
         """predict's answers for texts already encoded by encode_windows (one list of model inputs per text).
         with_signals: also "tokens" (before truncation) and "unknown" (the share of unknown tokens the model read),
-        what a monitor compares (model/profile.py)."""
+        what a monitor compares (monitor/profile.py)."""
         import torch
 
         if not per_text:

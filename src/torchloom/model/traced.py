@@ -11,7 +11,7 @@ without a compile step of tens of seconds per shape; the trace is taken in ~0.1 
 eager does: each graph is checked against eager on rows of different lengths (padded and not) before it is
 used, and where it is slower alone than eager (MiniLM under bf16 autocast) or anything fails (an older or
 newer torch without it, a model that does not trace, different logits) the forward stays eager. A server
-chooses once, at warm-up (serve/model.py); one graph per (input names, autocast dtype).
+chooses once, at warm-up (model/served.py); one graph per (input names, autocast dtype).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def best_seconds(run: Any, times: int = 3, warm: int = 3) -> float:
 
 def eager_forward(model: Any, batch: dict[str, Any], pooled: bool = False) -> tuple[Any, Any]:
     """(logits, pooled) of a padded batch, eagerly; pooled: each row's last hidden states averaged over its tokens
-    (the attention mask), the representation a monitor sketches (model/profile.py); None unless asked."""
+    (the attention mask), the representation a monitor sketches (monitor/profile.py); None unless asked."""
     if not pooled:
         return model(**batch).logits, None
     out = model(**batch, output_hidden_states=True)

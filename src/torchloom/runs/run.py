@@ -32,6 +32,11 @@ class Run:
     def rd(self) -> RunDir:
         return self.files.rd
 
+    @property
+    def spark_here(self) -> bool:
+        """prepare's Spark runs on this machine (its processes see this host's files), else on a cluster."""
+        return self.cfg.prepare.spark_here
+
     def but(self, **changes: Any) -> Run:
         """This run with another config (its output.dir unchanged), tracker or session; its files and its checks
         are the same objects."""

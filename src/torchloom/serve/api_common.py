@@ -20,8 +20,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 from starlette.requests import ClientDisconnect
 
+from torchloom.model.served import ModelIdentity
 from torchloom.serve.metrics import ServeMetrics
-from torchloom.serve.model import ModelIdentity
 
 T = TypeVar("T")
 KEY_HEADER = "x-torchloom-key"  # a client's routing key: the same key, the same model (serve/fleet.py)
@@ -42,17 +42,28 @@ _BRACKET_STEP = bytes(1 if b in b"[{" else 255 if b in b"]}" else 0 for b in ran
 
 
 class Backend(Protocol):
+    """What the HTTP app, the fleet and the admin API ask of a backend (one model here or on Ray, or a fleet of
+    them): every power a caller uses is named here, none probed for."""
+
     identity: ModelIdentity
     metrics: ServeMetrics
+    # Several models behind the endpoint (serve/fleet.py: routing keys, feedback, the admin API, the verdict), or
+    # None for one model: the fleet is this backend then, for routes only a fleet serves.
+    fleet: Any
 
     @property
     def ready(self) -> bool: ...
+
+    @property
+    def queued(self) -> int: ...  # texts waiting in its queue now (a replaced model is stopped once it is 0)
 
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
 
     async def predict(self, texts: list[str]) -> list[dict[str, Any]]: ...
+
+    def monitor_report(self) -> dict[str, Any]: ...  # monitor/live.py's report, or its "off" report
 
 
 class ApiError(Exception):
@@ -190,8 +201,8 @@ def json_type(value: Any) -> str:
 def routed_predict(request: Request, backend: Backend, texts: list[str]):
     """backend.predict, with the request's routing key where the backend routes (serve/fleet.py)."""
     key = request.headers.get(KEY_HEADER)
-    if key is not None and hasattr(backend, "route"):
-        return backend.predict(texts, key)
+    if key is not None and backend.fleet is not None:
+        return backend.fleet.predict(texts, key)
     return backend.predict(texts)
 
 
@@ -199,8 +210,8 @@ def answered_by(backend: Backend, predictions: list[dict[str, Any]]) -> tuple[di
     """The model that answered, as the native body shows it, and the response headers that name it (and the
     texts' prediction ids, for POST /v1/feedback)."""
     name = predictions[0].get("model") if predictions else None
-    members = getattr(backend, "members", None)
-    identity = members[name].identity if members and name in members else backend.identity
+    members = backend.fleet.members if backend.fleet is not None else {}
+    identity = members[name].identity if name in members else backend.identity
     model = {"name": identity.name, "version": identity.version}
     headers = {}
     if name is not None:

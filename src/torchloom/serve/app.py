@@ -219,7 +219,7 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
     async def monitor() -> Response:
         report = monitor_report(backend)
         shown = {k: v for k, v in report.items() if k not in ("at", "model")}
-        fleet = backend.report() if hasattr(backend, "report") else {}
+        fleet = backend.fleet.report() if backend.fleet is not None else {}
         return JSONResponse({"model": model_info, **shown, **fleet})
 
     @api.post(
@@ -236,11 +236,8 @@ def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: 
 
 
 def monitor_report(backend: Backend) -> dict[str, Any]:
-    """The backend's monitor report (serve/live_monitor.py); "off" for a backend without one."""
-    from torchloom.serve.live_monitor import off_report
-
-    read = getattr(backend, "monitor_report", None)
-    return read() if read is not None else off_report("this backend has no monitor")
+    """The backend's monitor report (monitor/live.py; its "off" report where it watches nothing)."""
+    return backend.monitor_report()
 
 
 async def answer_predict(request: Request, backend: Backend, max_texts: int, max_chars: int,
@@ -395,7 +392,7 @@ def create_app(backend: Backend, max_texts: int, max_chars: int, api_key: str | 
                                "responses": {401: {"model": ErrorResponse}}}
     app.include_router(native_router(backend, max_texts, max_chars, body_limit), **guarded)
     app.include_router(tei.router(backend, max_texts, max_chars, body_limit), **guarded)
-    if hasattr(backend, "feedback"):
+    if backend.fleet is not None:
         from torchloom.serve.fleet_api import admin_key_check, admin_router, feedback_router
 
         app.include_router(feedback_router(backend), **guarded)

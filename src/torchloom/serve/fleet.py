@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchloom.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
+from torchloom.monitor.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
 from torchloom.serve.api_common import ApiError
 from torchloom.serve.batcher import Overloaded, ShuttingDown
 from torchloom.serve.split import Plan, key_point
@@ -108,8 +108,16 @@ class Fleet:
     # --- the Backend protocol ------------------------------------------------------------------------------
 
     @property
+    def fleet(self) -> Fleet:  # the several models behind the endpoint: this
+        return self
+
+    @property
     def ready(self) -> bool:
         return all(m.backend.ready for m in self.members.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(m.backend.queued for m in self.members.values())
 
     async def start(self) -> None:
         for m in self.members.values():
@@ -295,11 +303,10 @@ class Fleet:
         models = {}
         for name in self.order:
             m = self.members[name]
-            report = getattr(m.backend, "monitor_report", None)
             models[name] = {"name": m.identity.name, "version": m.identity.version,
                             "traffic": self.plan.traffic.get(name, 0.0), "shadow": name in self.plan.shadows,
                             "online_accuracy": self.tallies[name].interval(),
-                            "monitor": _brief(report()) if report is not None else None}
+                            "monitor": _brief(m.backend.monitor_report())}
         comparisons = [{"model": name, "against": control, "state": v.state, "test": v.test, "labels": v.labels,
                         "p_value": v.p_value, "level": v.level, "needed": v.needed, "line": v.line((control, name))}
                        for name, v in verdicts.items()]
@@ -368,11 +375,9 @@ class Fleet:
 
     async def _release(self, old: Member, timeout_s: float = 60.0) -> None:
         """Stop a replaced member once its queue is empty: what it was given, it answers."""
-        depth = getattr(getattr(old.backend, "batcher", None), "queue_depth", 0)
         deadline = time.monotonic() + timeout_s
-        while depth and time.monotonic() < deadline:
+        while old.backend.queued and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-            depth = old.backend.batcher.queue_depth
         await old.backend.stop()
         log.info("released %s %s", old.identity.name, old.identity.version)
 
@@ -383,56 +388,8 @@ class Fleet:
 
     def monitor_report(self) -> dict[str, Any]:
         """The monitor report of the model most traffic goes to: the one the torchloom_monitor_* gauges show."""
-        from torchloom.serve.live_monitor import off_report
-
         name = max(self.order, key=lambda n: self.plan.traffic.get(n, 0.0))
-        report = getattr(self.members[name].backend, "monitor_report", None)
-        return report() if report is not None else off_report("this backend has no monitor")
-
-    def families(self) -> list:
-        """The fleet's metrics (ServeMetrics.extra), read when scraped."""
-        from torchloom.serve.metrics import Family
-
-        def counted(family: str):
-            return lambda: [(k[1:], v) for k, v in sorted(self.counts.items()) if k[0] == family]
-
-        def accuracy():
-            out = []
-            for name in self.order:
-                est = self.tallies[name].interval()
-                if est:
-                    out += [((name, b), est[k]) for b, k in (("estimate", "value"), ("low", "low"), ("high", "high"))]
-            return out
-
-        def verdicts():
-            return [((name, self.order[0], state), float(v.state == state)) for name, v in self.verdicts.items()
-                    for state in ("a_better", "b_better", "not_yet_known")]
-
-        return [
-            Family("torchloom_model_info", "1 per model behind the endpoint, with its name and version.",
-                   ("model", "name", "version"), lambda: [((n, self.members[n].identity.name,
-                                                            self.members[n].identity.version), 1.0)
-                                                          for n in self.order]),
-            Family("torchloom_model_traffic_percent", "Each model's share of the requests (the split).", ("model",),
-                   lambda: [((n,), self.plan.traffic.get(n, 0.0)) for n in self.order]),
-            Family("torchloom_model_shadow", "1 for a shadow: it sees every text, its answers are never returned.",
-                   ("model",), lambda: [((n,), float(n in self.plan.shadows)) for n in self.order]),
-            Family("torchloom_model_texts_total", "Texts each model answered (role=answer) or watched as a shadow"
-                   " (role=shadow).", ("model", "role"), counted("answers"), "counter"),
-            Family("torchloom_shadow_dropped_total", "Texts a shadow did not get to, by reason (its queue full, the"
-                   " server stopping, its model's error).", ("model", "reason"), counted("shadow_dropped"),
-                   "counter"),
-            Family("torchloom_feedback_total", "Labels sent to POST /v1/feedback, by result.", ("result",),
-                   counted("feedback"), "counter"),
-            Family("torchloom_online_accuracy", "Each model's accuracy on the labels fed back, with its 95 %"
-                   " interval.", ("model", "bound"), accuracy),
-            Family("torchloom_online_labels", "Labels fed back for each model's answers.", ("model",),
-                   lambda: [((n,), float(self.tallies[n].labels)) for n in self.order]),
-            Family("torchloom_ab_verdict", "1 for the verdict on each model against the first: a_better (the first"
-                   " is), b_better (this one is), not_yet_known.", ("model", "against", "state"), verdicts),
-            Family("torchloom_admin_changes_total", "Changes made through the admin route, by action.", ("action",),
-                   counted("admin"), "counter"),
-        ]
+        return self.members[name].backend.monitor_report()
 
     def check_labels(self, members: list[Member]) -> None:
         from torchloom.errors import UserError

@@ -78,7 +78,7 @@ def feedback_router(backend) -> APIRouter:
               responses={status: {"model": ErrorResponse} for status in (400, 404, 409, 422)},
               openapi_extra=body_of(FeedbackRequest))
     async def feedback(request: Request) -> Response:
-        if not hasattr(backend, "feedback"):
+        if backend.fleet is None:
             raise ApiError(501, "not_supported", "this server keeps no predictions for feedback")
         prediction_id, label = parse_feedback(await read_body(request, FEEDBACK_BODY))
         return JSONResponse(backend.feedback(prediction_id, label))

@@ -75,14 +75,14 @@ class Family:
 
 
 def monitor_families(report: Callable[[], dict]) -> list[Family]:
-    """The monitor's gauges (serve/live_monitor.py), read from its current report when scraped."""
-    from torchloom.drift import SIGNALS
-    from torchloom.serve.live_monitor import STATES
+    """The monitor's gauges (monitor/live.py), read from its current report when scraped."""
+    from torchloom.monitor.drift import signal_names
+    from torchloom.monitor.live import STATES
 
     def signal(key: str):
         def read():
             r = report()
-            return [((name,), r["signals"][name][key]) for name in SIGNALS
+            return [((name,), r["signals"][name][key]) for name in signal_names()
                     if name in r.get("signals", {}) and r["signals"][name][key] is not None]
         return read
 
@@ -228,7 +228,7 @@ class ServeMetrics:
     def __init__(self, queue_depth: Callable[[], float] = lambda: 0,
                  monitor: Callable[[], dict] | None = None, queue_capacity: float = 0,
                  shared_dir: str | None = None) -> None:
-        """monitor: the monitor's current report (live_monitor.LiveMonitor.current, or its "off" report).
+        """monitor: the monitor's current report (monitor/live.py: LiveMonitor.current, or its "off" report).
         shared_dir: the directory the processes of one server share their values in (prometheus-client's
         multiprocess mode, for Ray Serve's replicas); None: this process's own, rendered by hand (the local
         server: one process, and the cheapest per request)."""
@@ -327,3 +327,48 @@ class ServeMetrics:
         multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
         own = [line for family in self.extra for line in family.render()]
         return generate_latest(registry).decode("utf-8") + ("\n".join(own) + "\n" if own else "")
+
+
+def fleet_families(fleet) -> list[Family]:
+    """A fleet's metrics (serve/fleet.py: ServeMetrics.extra), read when scraped."""
+
+    def counted(family: str):
+        return lambda: [(k[1:], v) for k, v in sorted(fleet.counts.items()) if k[0] == family]
+
+    def accuracy():
+        out = []
+        for name in fleet.order:
+            est = fleet.tallies[name].interval()
+            if est:
+                out += [((name, b), est[k]) for b, k in (("estimate", "value"), ("low", "low"), ("high", "high"))]
+        return out
+
+    def verdicts():
+        return [((name, fleet.order[0], state), float(v.state == state)) for name, v in fleet.verdicts.items()
+                for state in ("a_better", "b_better", "not_yet_known")]
+
+    return [
+        Family("torchloom_model_info", "1 per model behind the endpoint, with its name and version.",
+               ("model", "name", "version"), lambda: [((n, fleet.members[n].identity.name,
+                                                        fleet.members[n].identity.version), 1.0)
+                                                      for n in fleet.order]),
+        Family("torchloom_model_traffic_percent", "Each model's share of the requests (the split).", ("model",),
+               lambda: [((n,), fleet.plan.traffic.get(n, 0.0)) for n in fleet.order]),
+        Family("torchloom_model_shadow", "1 for a shadow: it sees every text, its answers are never returned.",
+               ("model",), lambda: [((n,), float(n in fleet.plan.shadows)) for n in fleet.order]),
+        Family("torchloom_model_texts_total", "Texts each model answered (role=answer) or watched as a shadow"
+               " (role=shadow).", ("model", "role"), counted("answers"), "counter"),
+        Family("torchloom_shadow_dropped_total", "Texts a shadow did not get to, by reason (its queue full, the"
+               " server stopping, its model's error).", ("model", "reason"), counted("shadow_dropped"),
+               "counter"),
+        Family("torchloom_feedback_total", "Labels sent to POST /v1/feedback, by result.", ("result",),
+               counted("feedback"), "counter"),
+        Family("torchloom_online_accuracy", "Each model's accuracy on the labels fed back, with its 95 %"
+               " interval.", ("model", "bound"), accuracy),
+        Family("torchloom_online_labels", "Labels fed back for each model's answers.", ("model",),
+               lambda: [((n,), float(fleet.tallies[n].labels)) for n in fleet.order]),
+        Family("torchloom_ab_verdict", "1 for the verdict on each model against the first: a_better (the first"
+               " is), b_better (this one is), not_yet_known.", ("model", "against", "state"), verdicts),
+        Family("torchloom_admin_changes_total", "Changes made through the admin route, by action.", ("action",),
+               counted("admin"), "counter"),
+    ]

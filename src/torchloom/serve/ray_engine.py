@@ -54,8 +54,8 @@ class RayBackend:
 
     def __init__(self, settings: ServeSettings, threads: int, metrics=None) -> None:
         """metrics: the replica's, where several models share it (serve/fleet.py)."""
+        from torchloom.model.served import ServedModel
         from torchloom.serve.metrics import ServeMetrics
-        from torchloom.serve.model import ServedModel
 
         self.settings = settings
         self.model = ServedModel(settings.model_dir, device=settings.device, precision=settings.precision,
@@ -64,7 +64,7 @@ class RayBackend:
         self.identity = self.model.identity
         self._pending = 0
         self._ready = False
-        from torchloom.serve.live_monitor import load_monitor
+        from torchloom.monitor.live import load_monitor
 
         self.monitor, self.monitor_off, line = load_monitor(settings, self.model.labels, self.identity.name,
                                                                    self.model.predictor)
@@ -79,6 +79,8 @@ class RayBackend:
 
     def monitor_report(self) -> dict[str, Any]:
         return self.monitor.current() if self.monitor is not None else self.monitor_off
+
+    fleet = None  # one model (api_common.Backend)
 
     @property
     def queued(self) -> int:
@@ -277,7 +279,7 @@ def replica_fleet(settings: ServeSettings, threads: int):
     keep their state in the replica: with one replica they work as locally; with several, a prediction's id is
     known to its replica alone and a change would reach one replica, so both answer 501."""
     from torchloom.serve.fleet import Fleet
-    from torchloom.serve.metrics import ServeMetrics
+    from torchloom.serve.metrics import ServeMetrics, fleet_families
     from torchloom.serve.split import Plan, make_plan
 
     models = settings.models or {None: settings.model_dir}
@@ -303,7 +305,7 @@ def replica_fleet(settings: ServeSettings, threads: int):
         if m.backend.monitor is not None:
             m.backend.monitor.on_report = metrics.publish_monitor
     holder.append(fleet)
-    metrics.extra = fleet.families()
+    metrics.extra = fleet_families(fleet)
     return fleet
 
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from torchloom.errors import UserError, missing_extra
 from torchloom.machine import usable_cores
+from torchloom.model.served import ServedModel
 from torchloom.serve.batcher import MicroBatcher
-from torchloom.serve.metrics import ServeMetrics
-from torchloom.serve.model import ServedModel
+from torchloom.serve.metrics import ServeMetrics, fleet_families
 from torchloom.serve.settings import ServeSettings
 
 log = logging.getLogger("torchloom.serve")
@@ -30,7 +30,7 @@ class LocalBackend:
     def __init__(self, model: ServedModel, settings: ServeSettings, metrics: ServeMetrics | None = None,
                  nice: int = 0) -> None:
         """metrics: the server's, where several models share it (serve/fleet.py); nice: the model thread's."""
-        from torchloom.serve.live_monitor import load_monitor
+        from torchloom.monitor.live import load_monitor
 
         self.model = model
         self.identity = model.identity
@@ -91,6 +91,13 @@ class LocalBackend:
     async def stop(self) -> None:
         self._ready = False
         await self.batcher.close()
+
+    fleet = None  # one model (api_common.Backend)
+
+    @property
+    def queued(self) -> int:
+        """Texts this model's queue holds now."""
+        return self.batcher.queue_depth
 
     def room(self) -> int:
         """Texts the queue takes now."""
@@ -195,7 +202,7 @@ def local_fleet(settings: ServeSettings, threads: int):
     models = settings.models or {None: settings.model_dir}
     plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else None
     holder: list[Fleet] = []
-    metrics = ServeMetrics(queue_depth=lambda: sum(m.backend.batcher.queue_depth for m in holder[0].members.values()),
+    metrics = ServeMetrics(queue_depth=lambda: holder[0].queued,
                            monitor=lambda: holder[0].monitor_report(), queue_capacity=settings.max_queue)
     members = [local_member(name, path, settings, threads, metrics,
                             SHADOW_NICE if plan and name in plan.shadows else 0) for name, path in models.items()]
@@ -217,7 +224,7 @@ def local_fleet(settings: ServeSettings, threads: int):
     fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
                   load=load)
     holder.append(fleet)
-    metrics.extra = fleet.families()
+    metrics.extra = fleet_families(fleet)
     return fleet
 
 

@@ -54,7 +54,7 @@ class ServeSettings:
     max_connections: int = DEFAULT_MAX_CONNECTIONS  # connections.RequestCap: past it 503 (local only)
     read_timeout_s: float = DEFAULT_READ_TIMEOUT_S  # connections.timed_protocol: past it 408, closed (local only)
     require_api_key: bool = False  # refuse to start without an API key (else: a warning when not on loopback)
-    monitor: bool = True  # compare recent texts with the model's reference profile (live_monitor.py), if it has one
+    monitor: bool = True  # compare recent texts with the model's reference profile (monitor/live.py), if it has one
     monitor_window: int = 500  # texts in the monitor's window
     monitor_window_s: float = 0.0  # and none older than this (0: no age limit)
     false_alarm: float | None = None  # the chance a window like the reference is called drift (None: the profile's)

@@ -8,7 +8,7 @@ import shutil
 from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
-from torchloom.etl.session import runs_on_this_machine, stop_spark
+from torchloom.etl.session import stop_spark
 from torchloom.jsonio import read_json, write_json
 from torchloom.runs.ledger import deletable
 from torchloom.runs.run import Run
@@ -37,7 +37,7 @@ def baseline_stage(run: Run) -> dict | None:
     try:
         engine = baseline.engine_for(m, cfg.eval.baseline_engine)
         how = baseline.ENGINE_NAMES[engine]
-        if engine == "spark" and not runs_on_this_machine(cfg.prepare.spark_master):
+        if engine == "spark" and not run.spark_here:
             m = files.streamed(m)  # a cluster's executors read the shards from the store, not our copy
         say(f"baseline: {baseline.name_of(m)} ({how}) on the train split's {baseline.train_texts(m)} texts")
         if spark is None and engine == "spark":

@@ -100,10 +100,10 @@ def _register(run: Run, out: str, m, meta: dict) -> dict:
 
 
 def _profile(model_dir: str, m, cfg: Config) -> dict | None:
-    """The served model's reference profile (model/profile.py) from val's texts, then test's: what a monitor
+    """The served model's reference profile (monitor/profile.py) from val's texts, then test's: what a monitor
     compares traffic with. None (said) where the run has no such texts."""
     from torchloom.data.texts import labelled_texts
-    from torchloom.model.profile import MIN_PROFILE_TEXTS, PROFILE_TEXTS, write_profile
+    from torchloom.monitor.profile import MIN_PROFILE_TEXTS, PROFILE_TEXTS, write_profile
 
     texts: list[str] = []
     labels: list[str] = []

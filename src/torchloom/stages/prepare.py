@@ -10,7 +10,7 @@ from dataclasses import replace
 from torchloom.config import Config
 from torchloom.console import say
 from torchloom.errors import UserError
-from torchloom.etl.session import runs_on_this_machine, stop_spark
+from torchloom.etl.session import stop_spark
 from torchloom.preflight import check_input, check_untrained
 from torchloom.runs.ledger import deletable
 from torchloom.runs.run import Run
@@ -31,7 +31,7 @@ def local_input(cfg: Config, rd: RunDir) -> Config:
     from torchloom.inputs.read import who_reads
 
     paths = {}
-    local = runs_on_this_machine(cfg.prepare.spark_master)
+    local = cfg.prepare.spark_here
     for key in ("path", "val_path", "test_path"):
         value = getattr(cfg.data, key)
         if value and who_reads(value, cfg.prepare.input_reader, table=is_table(cfg.data, value),
@@ -51,7 +51,7 @@ def prepare_stage(run: Run) -> dict:
     _stage_data(run)
     try:
         # a Spark cluster's executors do not see this host's working copy: they write through the store
-        through = None if runs_on_this_machine(cfg.prepare.spark_master) else files.stored(rd.data)
+        through = None if run.spark_here else files.stored(rd.data)
         local = local_input(cfg, rd)
         # the inputs read from local copies are named by their URIs
         shown = {getattr(local.data, key): redact(getattr(cfg.data, key))

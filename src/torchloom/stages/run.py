@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from torchloom.config.engines import engine_of
 from torchloom.console import say, speed_line, summary_text, training_line
 from torchloom.errors import UserError
 from torchloom.etl.session import stop_spark
@@ -18,7 +19,7 @@ from torchloom.stages.baseline import baseline_stage, stored_baseline
 from torchloom.stages.evaluate import evaluate_stage
 from torchloom.stages.export import export_stage
 from torchloom.stages.prepare import prepare_stage
-from torchloom.stages.train import train_stage
+from torchloom.stages.train import after_training, train_stage
 
 
 @recorded
@@ -59,10 +60,7 @@ def _run_all(run: Run, reuse: bool) -> dict:
     startup: dict[str, float] = {}  # the driver's phases before the workers launch (the start-up account)
     run = _prepare_and_baseline(run, timings, startup, reuse)
     result = train_stage(run, startup=startup)
-    if cfg.engine.name == "local":
-        from torchloom.engines import local
-
-        local.stop_fork_server()  # ~300 MB of the workers' imports, idle from here on
+    after_training(cfg)  # the local engine's fork server: ~300 MB of the workers' imports, idle from here on
     timings["train_s"] = result.wall_s
     exported = export_stage(run)
     timings["export_s"] = exported["seconds"]
@@ -138,7 +136,7 @@ def _prepare_and_baseline(run: Run, timings: dict, startup: dict, reuse: bool) -
         else:  # a resumed run reuses it: this run's tracker gets its scores once
             tracker.log_metrics({f"baseline_{k}_{metric}": v[metric] for k, v in stored["splits"].items()
                                  for metric in ("accuracy", "macro_f1")})
-    if cfg.engine.name == "spark":
+    if engine_of(cfg.engine).uses_spark:  # the training's ranks are its tasks
         return run
     stop_spark()
     return run.but(spark=None)

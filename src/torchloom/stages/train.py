@@ -7,6 +7,7 @@ import time
 from contextlib import contextmanager, nullcontext
 
 from torchloom.config import Config
+from torchloom.config.engines import Engine, engine_of
 from torchloom.console import precision_line, say, speed_line
 from torchloom.errors import UserError
 from torchloom.jsonio import write_atomic, write_json
@@ -22,17 +23,25 @@ from torchloom.train.result import TrainResult
 def launch(run: Run, quiet: bool) -> TrainResult:
     """Start the workers on the configured engine with the run's files; returns rank 0's result."""
     cfg = run.cfg
-    if cfg.engine.name == "spark":
-        from torchloom.engines import spark as spark_engine
+    engine = engine_of(cfg.engine)
+    train = launcher_function(engine, "train")
+    if engine.uses_spark:  # the session prepare started, or the one it checked the slots of
+        return train(cfg, run.files, quiet=quiet, spark=run.spark)
+    return train(cfg, run.files, quiet=quiet)
 
-        return spark_engine.train(cfg, run.files, quiet=quiet, spark=run.spark)
-    if cfg.engine.name == "ray":
-        from torchloom.engines import ray as ray_engine
 
-        return ray_engine.train(cfg, run.files, quiet=quiet)
-    from torchloom.engines import local
+def launcher_function(engine: Engine, name: str):
+    """A function of the engine's launcher module (engines/<launcher>.py: its train, its hooks), imported now."""
+    import importlib
 
-    return local.train(cfg, run.files, quiet=quiet)
+    return getattr(importlib.import_module(f"torchloom.engines.{engine.launcher}"), name)
+
+
+def after_training(cfg: Config) -> None:
+    """The engine's hook after training (the local engine's fork server stopped), if it has one."""
+    engine = engine_of(cfg.engine)
+    if engine.after_training:
+        launcher_function(engine, engine.after_training)()
 
 
 def how_long(cfg: Config, rd: RunDir, resuming: bool = False) -> Config:
@@ -193,10 +202,9 @@ def train_stage(run: Run, quiet: bool = False, hooks: dict | None = None,
     resume_step = check_trainable(run)
     run = run.but(cfg=how_long(run.cfg, run.rd, resuming=resume_step is not None))
     cfg, rd = run.cfg, run.rd
-    if cfg.engine.name == "spark":  # its barrier slots counted before anything is written
-        from torchloom.engines.spark import check_slots
-
-        run = run.but(spark=check_slots(cfg, run.spark))
+    check_cluster = engine_of(cfg.engine).check_cluster
+    if check_cluster:  # Spark's barrier slots, counted before anything is written
+        run = run.but(spark=launcher_function(engine_of(cfg.engine), check_cluster)(cfg, run.spark))
     tracker = run.tracker or NullTracker()
     if tracker.enabled:
         from torchloom import manifest as manifest_mod

@@ -28,6 +28,7 @@ from pathlib import Path
 from torchloom import config as config_mod
 from torchloom import tracking
 from torchloom.config import Config, to_dict
+from torchloom.config.engines import engine_of
 from torchloom.errors import UserError, install_hint, missing_extra
 from torchloom.jsonio import read_json, write_json
 from torchloom.runs.ledger import check_replaceable, is_content, replace_local
@@ -66,7 +67,7 @@ def choose_backend(cfg: Config) -> str:
             import ray.tune  # noqa: F401
         except ImportError:
             raise missing_extra("ray[tune] and optuna", "ray") from None
-    if cfg.engine.name == "ray" and cfg.tune.backend == "optuna":
+    if cfg.tune.backend == "optuna" and not engine_of(cfg.engine).optuna_trials:
         raise UserError("tune.backend optuna runs trials on engine.name local or spark; with Ray use"
                         " tune.backend ray")
     return cfg.tune.backend

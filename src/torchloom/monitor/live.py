@@ -1,5 +1,5 @@
 """A server's own monitor: a sliding window of the texts it answered, compared with the model's reference profile
-(model/profile.py) on every signal (drift.py), with the accuracy the model's confidence promises.
+(monitor/profile.py) on every signal (monitor/drift.py), with the accuracy the model's confidence promises.
 
 The window holds the last `size` texts, and none older than `max_age_s` (0: no age limit). A verdict needs at
 least `min_texts` of them ("warming_up" before). Thresholds depend on how many texts are compared: they are drawn
@@ -23,13 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import (
-    SIGNALS,
+from torchloom.monitor.drift import (
     Kernel,
+    Reading,
     Texts,
     caveat,
     distances,
     estimated_accuracy,
+    read_rows,
+    signal_names,
     thresholds,
     verdict,
 )
@@ -46,7 +48,7 @@ class LiveMonitor:
     def __init__(self, profile: dict, model: str, size: int = WINDOW, max_age_s: float = 0.0,
                  false_alarm: float | None = None, min_texts: int = MIN_TEXTS, kernel: Kernel | None = None) -> None:
         """kernel: the profile's, where the server's answers carry sketches (model/profile.kernel_for)."""
-        from torchloom.model.profile import reference_texts
+        from torchloom.monitor.profile import reference_texts
 
         self.profile = profile
         self.model = model
@@ -58,8 +60,11 @@ class LiveMonitor:
         self.max_age_s = float(max_age_s)
         self.false_alarm = float(profile.get("false_alarm", 0.01) if false_alarm is None else false_alarm)
         self.min_texts = max(2, min(int(min_texts), self.size))
-        # (time, class, confidence, tokens, unknown) per text, newest last
-        self.window: deque[tuple[float, int, float, int, float]] = deque(maxlen=self.size)
+        # the signals read off each answer, in this order (drift.SIGNALS' rows that read one), and the reading
+        self.rows = [s for s in read_rows() if s.column in self.reference.values]
+        self.reading = Reading({label: i for i, label in enumerate(self.labels)}, profile.get("max_length"))
+        # (time, each row's value) per text, newest last
+        self.window: deque[tuple[float, tuple]] = deque(maxlen=self.size)
         self.sketches: deque[np.ndarray] = deque(maxlen=self.size)  # with a kernel: each text's, as `window`
         self.index = {label: i for i, label in enumerate(self.labels)}
         self.seen = 0
@@ -86,9 +91,9 @@ class LiveMonitor:
     def observe(self, answers: list[dict[str, Any]]) -> None:
         """The answers to one request (Predictor's, with signals)."""
         now = time.time()
-        index, append = self.index, self.window.append
+        rows, reading, append = self.rows, self.reading, self.window.append
         for a in answers:
-            append((now, index[a["label"]], a["score"], a["tokens"], a["unknown"]))
+            append((now, tuple(s.read(a, reading) for s in rows)))
         if self.kernel is not None:
             sketches = [a.get("sketch") for a in answers]
             if any(sketch is None for sketch in sketches):  # a forward that gave none: stop comparing, never fail
@@ -96,7 +101,7 @@ class LiveMonitor:
                 self.kernel, self.reference.features = None, None
                 self.limits = {}
                 self._thread = threading.Thread(target=self._calibrate, daemon=True)
-                self._thread.start()  # thresholds again, over the four signals left
+                self._thread.start()  # thresholds again, over the signals left
                 self.sketches.clear()
             else:
                 self.sketches.extend(sketches)
@@ -124,19 +129,19 @@ class LiveMonitor:
                                   "false_alarm": self.false_alarm, "reference_texts": len(self.reference),
                                   "drift": False, "drifted": []}
         if n >= 2:
-            cols = list(zip(*self.window))
+            values = list(zip(*(v for _, v in self.window)))
             features = self.kernel.features(np.stack(self.sketches)) \
                 if self.kernel is not None and len(self.sketches) == n else None
-            window = Texts(np.fromiter(cols[1], np.int64, n), np.fromiter(cols[2], np.float64, n),
-                           np.fromiter(cols[3], np.int64, n), np.fromiter(cols[4], np.float64, n), features)
-            report["seconds"] = round(now - cols[0][0], 1)
+            window = Texts({s.column: np.fromiter(column, np.int64 if s.integer else np.float64, n)
+                            for s, column in zip(self.rows, values)}, features)
+            report["seconds"] = round(now - self.window[0][0], 1)
             found = distances(window, self.reference, len(self.labels))
             limits = self.limits.get(rung, {}) if rung is not None else {}
             drifted = verdict(found, limits) if limits else []
             estimate, low, high = estimated_accuracy(window.confidence, self.reference, self.correct)
             report["signals"] = {name: {"distance": round(found[name], 6),
                                         "threshold": round(limits[name], 6) if limits else None,
-                                        "drift": name in drifted} for name in SIGNALS if name in found}
+                                        "drift": name in drifted} for name in signal_names() if name in found}
             report["estimated_accuracy"] = {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
                                             "reference": self.profile.get("accuracy")}
             report["class_shares"] = {
@@ -180,7 +185,7 @@ class LiveMonitor:
 
 
 def ladder(low: int, size: int, reference: int) -> list[int]:
-    """The window sizes thresholds are drawn for: low, doubling, then the top, `size` (drift.py calibrates a
+    """The window sizes thresholds are drawn for: low, doubling, then the top, `size` (monitor/drift.py calibrates a
     window larger than half the reference at that half, so the top is never more)."""
     top = max(low, min(size, reference // 2))
     rungs, r = [], low
@@ -200,7 +205,7 @@ def load_monitor(settings, labels: list[str], name: str, predictor=None
     at start: what it watches, or why monitoring is off and how to turn it on. A damaged profile never stops a
     server: it serves, unmonitored, and says so."""
     from torchloom.errors import UserError
-    from torchloom.model.profile import REEXPORT, kernel_for, read_profile
+    from torchloom.monitor.profile import REEXPORT, kernel_for, read_profile
 
     if not settings.monitor:
         reason = "monitoring off (--no-monitor)"

@@ -1,6 +1,6 @@
 """Batch prediction on Spark: `mapInArrow` over the input, the model loaded once per executor Python process and
 reused by every task that process runs; the input read as prepare reads it (its encoding, its headers), the
-output written whole. What both engines share is score_files.py's."""
+output written whole. What both engines share is batch/files.py's."""
 
 from __future__ import annotations
 
@@ -14,18 +14,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from torchloom.errors import UserError, first_line
-from torchloom.inputs.encoding import decoded_as, file_codec, head_text, read_note
-from torchloom.inputs.formats import SUFFIX_FORMATS, column_named, default_separator, separator_in
-from torchloom.runs.outputs import record_output
-from torchloom.serve.score_files import (
+from torchloom.batch.files import (
     _check_paths,
     _check_schema,
-    _data_files,
     _local,
-    input_format,
     predict_record_batch,
 )
+from torchloom.errors import UserError, first_line
+from torchloom.inputs.encoding import decoded_as, file_codec, head_text, read_note
+from torchloom.inputs.text_files import data_files, input_format
+from torchloom.runs.outputs import record_output
+from torchloom.text.formats import SUFFIX_FORMATS, column_named, default_separator, separator_in
 from torchloom.uri import has_scheme, is_uri
 
 # One model per (executor) Python process, kept across tasks: Spark reuses its Python workers.
@@ -38,7 +37,7 @@ def _executor_model(model_dir: str, device: str, batch_size: int, runtime: str =
     if model is None:
         from pyspark import TaskContext
 
-        from torchloom.serve.model import ServedModel
+        from torchloom.model.served import ServedModel
 
         if is_uri(model_dir):  # a model on a store: this executor's host fetches it once into its own cache
             from torchloom.model_cache import fetch_dir
@@ -82,7 +81,7 @@ def _local_inputs(path: str, fmt: str) -> list[Path] | None:
     if is_uri(path):
         return None
     p = Path(path.removeprefix("file:"))
-    return [f for f in _data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
+    return [f for f in data_files(p) if SUFFIX_FORMATS.get(f.suffix.lower()) == fmt] if p.is_dir() else [p]
 
 
 def _spark_charset(path: str, fmt: str) -> str:

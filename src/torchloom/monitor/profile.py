@@ -4,7 +4,7 @@
 It holds, for up to PROFILE_TEXTS texts of the validation split (then test) that the exported model scored as a
 server would (the same cleaning, truncation and shipped mix: Predictor), each text's signals (drift.SIGNALS:
 predicted class, confidence, tokens before truncation, share of unknown tokens) and whether the prediction was
-right, from which a monitor draws its thresholds and its accuracy estimate (drift.py). A multi-label model's
+right, from which a monitor draws its thresholds and its accuracy estimate (monitor/drift.py). A multi-label model's
 (task multi_label): its top tag is the predicted class and its probability the confidence, right when the text holds
 that tag (the accuracy a monitor estimates is the top tag's precision), and each text's tags are kept beside them.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import FALSE_ALARM, Kernel, Texts
 from torchloom.errors import UserError, first_line
+from torchloom.monitor.drift import FALSE_ALARM, Kernel, Reading, Texts
 
 PROFILE_DIR = "monitor"
 PROFILE_FILE = "profile.json"
@@ -32,20 +32,18 @@ MIN_PROFILE_TEXTS = 100  # at least: fewer held-out texts say too little of what
 REEXPORT = "export it again (torchloom export --output.dir RUN) to monitor it"
 
 
-def text_signals(labels: list[str], answers: list[dict[str, Any]], kernel: Kernel | None = None) -> Texts:
-    """The signals of texts from a Predictor's answers for them, given `with_signals` (drift.SIGNALS): the same
+def text_signals(labels: list[str], answers: list[dict[str, Any]], kernel: Kernel | None = None,
+                 max_length: int | None = None) -> Texts:
+    """The signals of texts from a Predictor's answers for them, given `with_signals` (drift.SIGNALS: each row's
+    value read off each answer; `max_length`, the model's, for what depends on it): the same
     numbers a server reads off the inputs it encoded anyway, so that a profile, a batch monitor and a server's
     window all measure alike (length: tokens before truncation, estimated from characters past the start a
     `head` model encodes; unknown: the share of unknown tokens among those the model reads; with a kernel and
     sketches in the answers, the representation's features)."""
-    index = {label: i for i, label in enumerate(labels)}
     features = None
     if kernel is not None and answers and all("sketch" in a for a in answers):
         features = kernel.features(np.stack([a["sketch"] for a in answers]))
-    return Texts(predicted=np.array([index[a["label"]] for a in answers], np.int64),
-                 confidence=np.array([a["score"] for a in answers], np.float64),
-                 length=np.array([a["tokens"] for a in answers], np.int64),
-                 unknown=np.array([a["unknown"] for a in answers], np.float64), features=features)
+    return Texts.read(answers, Reading({label: i for i, label in enumerate(labels)}, max_length), features)
 
 
 def right(predicted: str, truth: str) -> bool:
@@ -86,17 +84,14 @@ def write_profile(model_dir: str | Path, texts: list[str], labels: list[str], sp
     predictor = Predictor(str(model_dir), device=device)
     sketching(predictor)
     answers = predictor.predict(texts, with_signals=True)
-    signals = text_signals(predictor.labels, answers)
+    signals = text_signals(predictor.labels, answers, max_length=predictor.max_length)
     sketches = np.stack([a["sketch"] for a in answers]) if answers and all("sketch" in a for a in answers) else None
     correct = [right(a["label"], y) for a, y in zip(answers, labels)]
     profile = {
         "format": FORMAT, "labels": predictor.labels, "texts": len(texts), "splits": splits,
         "max_length": predictor.max_length, "false_alarm": FALSE_ALARM,
         "accuracy": round(float(np.mean(correct)), 6) if correct else None,
-        "reference": {"predicted": signals.predicted.tolist(),
-                      "confidence": [round(float(c), 6) for c in signals.confidence],
-                      "length": signals.length.tolist(), "unknown": [round(float(u), 6) for u in signals.unknown],
-                      "correct": [bool(c) for c in correct]},
+        "reference": {**signals.columns(), "correct": [bool(c) for c in correct]},
     }
     if predictor.multi_label:  # a tagger: its top tag is `predicted`; each text's tags over their thresholds too
         index = {label: i for i, label in enumerate(predictor.labels)}
@@ -128,8 +123,10 @@ def read_profile(model_dir: str | Path) -> dict | None:
             raise ValueError(f"format {profile.get('format')!r}, not {FORMAT}")
         reference = profile["reference"]
         signals = Texts.of(reference)
-        sizes = {len(signals.predicted), len(signals.confidence), len(signals.length), len(signals.unknown),
-                 len(reference["correct"])}
+        missing = {"predicted", "confidence", "length", "unknown"} - set(signals.values)  # the first four rows'
+        if missing:
+            raise KeyError(", ".join(sorted(missing)))
+        sizes = {*(len(v) for v in signals.values.values()), len(reference["correct"])}
         if len(sizes) != 1 or not len(signals) or not isinstance(profile["labels"], list):
             raise ValueError("its arrays are empty or of different lengths")
         if signals.predicted.min() < 0 or signals.predicted.max() >= len(profile["labels"]):

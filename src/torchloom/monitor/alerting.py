@@ -2,7 +2,7 @@
 unit tests for `promtool test rules`, and a Grafana dashboard, written from the same few numbers.
 
 The alerts (each by job and instance, so several servers behind one Prometheus alert one by one):
-    TorchloomDrift           the monitor's verdict is drift (serve/live_monitor.py: any signal past its threshold)
+    TorchloomDrift           the monitor's verdict is drift (monitor/live.py: any signal past its threshold)
     TorchloomAccuracyLow     even the top of the estimated accuracy's interval is under --accuracy-floor
     TorchloomErrorRate       more than --error-rate of the requests answered 5xx
     TorchloomLatencyHigh     p99 request latency of the predict endpoints over --p99-seconds

@@ -1,5 +1,5 @@
 """Which of two models is better, from the labels that come back (issue 58's verdict): numpy and the standard
-library only, like drift.py.
+library only, like monitor/drift.py.
 
 Two ways two models meet the same labels:
     paired     both answered the same texts (a shadow beside the model that answered): McNemar's exact test on

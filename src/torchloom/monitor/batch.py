@@ -1,9 +1,9 @@
-"""`torchloom monitor`: a file of new texts compared with the model's reference profile (model/profile.py), the
+"""`torchloom monitor`: a file of new texts compared with the model's reference profile (monitor/profile.py), the
 verdict a scheduled job acts on (exit 0: no drift; DRIFT_EXIT: drift), and a report a person reads:
 report.md, monitor.json and plots/ (class shares, confidence, lengths, each signal against its threshold).
 
 The same texts are read as `predict --input` reads them; the same Predictor scores them (cleaning, truncation,
-the shipped mix), so a file like the validation split reads as no drift (drift.py says how the thresholds give
+the shipped mix), so a file like the validation split reads as no drift (monitor/drift.py says how the thresholds give
 that at the chosen false-alarm rate).
 """
 
@@ -18,18 +18,20 @@ from typing import Any
 
 import numpy as np
 
-from torchloom.drift import SIGNALS, Texts, caveat, distances, estimated_accuracy, thresholds, verdict
 from torchloom.errors import UserError
+from torchloom.monitor.drift import (
+    Texts,
+    caveat,
+    describe,
+    distances,
+    estimated_accuracy,
+    signal_names,
+    thresholds,
+    verdict,
+)
 from torchloom.runs.outputs import check_output, clear_output, record_output
 
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
-MEANING = {
-    "classes": "the predicted classes' shares (Jensen-Shannon distance)",
-    "confidence": "the model's confidence, top probability (Jensen-Shannon distance of a 10-bin histogram)",
-    "length": "tokens per text before truncation (Kolmogorov-Smirnov statistic)",
-    "unknown": "share of tokens the tokenizer does not know (Kolmogorov-Smirnov statistic)",
-    "representation": "the model's pooled representation, sketched (maximum mean discrepancy, Gaussian kernel)",
-}
 
 
 SAMPLE = 10_000  # texts compared at most: past a few thousand a window's thresholds call every tiny shift drift
@@ -66,8 +68,8 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
     """A uniform sample of up to n texts of `input_path`, read as `predict --input ... --output` reads it (CSV,
     JSON lines or Parquet, a file or a directory; a .txt file a text a line): streamed locally, or on Spark
     (`spark`: a session) for inputs too large for one machine to scan quickly. Empty texts are counted, not kept."""
+    from torchloom.inputs import text_files
     from torchloom.model.predict import read_texts
-    from torchloom.serve import score_files
 
     sample = Sampled(n)
     if Path(input_path).suffix.lower() == ".txt" and spark is None:
@@ -76,10 +78,10 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
                             " with a label column")
         sample.add(read_texts(input_path, say=say))
         return sample
-    fmt = score_files.input_format(input_path)
+    fmt = text_files.input_format(input_path)
     if spark is not None:
         return _spark_sample(spark, input_path, fmt, text_column, labels_column, sample)
-    schema, batches = score_files._local_batches(input_path, fmt)
+    schema, batches = text_files.stream_batches(input_path, fmt)
     text_column, labels_column = _columns(schema.names, text_column, labels_column, input_path)
     for batch in batches:
         texts = batch.column(text_column).to_pylist()
@@ -91,7 +93,7 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
 
 def _columns(names: list[str], text_column: str, labels_column: str | None, input_path: str
              ) -> tuple[str, str | None]:
-    from torchloom.inputs.formats import column_named, text_column_hint
+    from torchloom.text.formats import column_named, text_column_hint
 
     found = column_named(names, text_column)
     if found is None:
@@ -108,7 +110,7 @@ def _spark_sample(spark, input_path: str, fmt: str, text_column: str, labels_col
     """Spark counts the rows, keeps about 1.5 n of them at random and the driver n of those, at random."""
     from pyspark.sql import functions as F  # noqa: N812
 
-    from torchloom.serve import score_spark
+    from torchloom.batch import spark as score_spark
 
     df = score_spark.spark_read(spark, input_path, fmt)
     text_column, labels_column = _columns(df.columns, text_column, labels_column, input_path)
@@ -133,7 +135,7 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
                  overwrite: bool = False, say=print, sample: int = SAMPLE, spark=None) -> dict[str, Any]:
     """Compare `input_path`'s texts (a uniform sample of `sample` where it holds more) with the model's profile;
     write the report to `output`; returns its JSON."""
-    from torchloom.model.profile import REEXPORT, read_profile
+    from torchloom.monitor.profile import REEXPORT, read_profile
 
     profile = read_profile(model_dir)
     if profile is None:
@@ -172,7 +174,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
             ) -> tuple[dict[str, Any], Texts, Texts]:
     """The drawn texts scored by the model and compared with its profile: the report's JSON, and the two sides."""
     from torchloom.model.predict import Predictor
-    from torchloom.model.profile import REEXPORT, kernel_for, reference_texts, text_signals
+    from torchloom.monitor.profile import REEXPORT, kernel_for, reference_texts, text_signals
 
     texts = drawn.texts
     predictor = Predictor(model_dir, device=device)
@@ -180,7 +182,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
         raise UserError(f"model dir {model_dir}: its profile is of other labels than the model's; {REEXPORT}")
     kernel = kernel_for(profile, predictor)
     answers = predictor.predict(texts, with_signals=True)
-    window = text_signals(predictor.labels, answers, kernel)
+    window = text_signals(predictor.labels, answers, kernel, predictor.max_length)
     reference = reference_texts(profile, sketched=kernel is not None)
     k = len(profile["labels"])
     found = distances(window, reference, k)
@@ -192,7 +194,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
         "sampled": len(texts) < drawn.total - drawn.empty, "reference_texts": len(reference),
         "false_alarm": rate, "drift": bool(drifted), "drifted": drifted,
         "signals": {name: {"distance": round(found[name], 6), "threshold": round(limits[name], 6),
-                           "drift": name in drifted} for name in SIGNALS if name in found},
+                           "drift": name in drifted} for name in signal_names() if name in found},
         "estimated_accuracy": {"value": round(estimate, 4), "low": round(low, 4), "high": round(high, 4),
                                "reference": profile.get("accuracy"), "caveat": caveat(drifted)},
         "class_shares": {label: {"window": round(float(np.mean(window.predicted == i)), 4),
@@ -211,7 +213,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
 
 def correct(predicted: str, given, profile: dict) -> bool:
     """A given label's verdict on a prediction; a tagger's top tag is right when the given tags hold it."""
-    from torchloom.model.profile import right
+    from torchloom.monitor.profile import right
     from torchloom.text import tags
 
     if profile.get("task") != "multi_label":
@@ -262,7 +264,7 @@ def report_text(r: dict) -> str:
              "| signal | distance | threshold | drift | what it measures |", "|---|---|---|---|---|"]
     for name, s in r["signals"].items():
         lines.append(f"| {name} | {s['distance']:.4f} | {s['threshold']:.4f} | {'yes' if s['drift'] else 'no'}"
-                     f" | {MEANING[name]} |")
+                     f" | {describe(name)} |")
     tagger = "tag_shares" in r
     what = "top-tag precision (the share of texts whose most probable tag is theirs)" if tagger else "accuracy"
     lines += ["", f"Estimated {what} (from confidence, no labels): **{est['value']:.3f}** (95 % interval"

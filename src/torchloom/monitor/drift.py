@@ -2,13 +2,16 @@
 profile on each signal, the thresholds that give a chosen false-alarm rate, and the accuracy expected from the
 model's confidence where no labels are there.
 
-Signals (one value per text, the same function for the reference at export and for traffic later):
+Signals (the table SIGNALS, a row each; one value per text, read off the same answer for the reference at export
+and for traffic later):
     classes     the predicted class            Jensen-Shannon distance of the class shares
     confidence  the top probability            Jensen-Shannon distance of a 10-bin histogram on [0, 1]
     length      tokens before truncation       two-sample Kolmogorov-Smirnov statistic (of log lengths)
     unknown     the share of unknown tokens    two-sample Kolmogorov-Smirnov statistic
+    truncated   1 where the text is longer than the model's max_length (cut, or in several windows), else 0:
+                two-sample Kolmogorov-Smirnov statistic (the gap between the two shares)
     representation  the model's pooled representation, sketched (a fixed random projection to a few dozen
-                dimensions, model/profile.py)  maximum mean discrepancy with a Gaussian kernel, estimated with
+                dimensions, monitor/profile.py)  maximum mean discrepancy with a Gaussian kernel, estimated with
                 random Fourier features: the distance between the two samples' mean feature vectors (where the
                 profile has a sketch: PyTorch runtimes)
 
@@ -28,14 +31,14 @@ shift in what the labels mean (not only in the inputs) breaks: compare it with r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-SIGNALS = ("classes", "confidence", "length", "unknown", "representation")
 FEATURES = 64  # random Fourier features of a sketch: the kernel's estimate is within ~1/sqrt(FEATURES) of it
 CONFIDENCE_BINS = 10
-DRAWS = 2000  # resampled windows per threshold: a 0.2 % tail (1 % over 5 signals) rests on 4 of them
+DRAWS = 2000  # resampled windows per threshold: a 0.17 % tail (1 % over 6 signals) rests on 3 of them
 FALSE_ALARM = 0.01  # the default chance that a window like the reference raises the verdict
 
 
@@ -60,32 +63,114 @@ def _ks(a: np.ndarray, b: np.ndarray) -> float:
                                - np.searchsorted(b, grid, side="right") / len(b))))
 
 
+@dataclass(frozen=True)
+class Signal:
+    """One row of the table of signals: what a monitor compares a window of texts with the reference on.
+
+    name: as reports, gauges (the `signal` label) and the page show it; column: its values' key in a profile's
+    reference and in Texts; read: a text's value off a Predictor answer (with signals) given the Reading (the
+    labels' index, the model's max_length); kind: the distance (and so the threshold rule):
+        shares     Jensen-Shannon distance of the class shares (one value per text: a class index)
+        histogram  Jensen-Shannon distance of a 10-bin histogram on [0, 1]
+        ks, ks_log two-sample Kolmogorov-Smirnov statistic (of the values, of log(1 + value)); its threshold is at
+                   least one text's worth of the window plus 3/n of the reference (the rule of three)
+        mmd        maximum mean discrepancy of the sketches' random Fourier features (no column: Texts.features)
+    caveat: drift on it may break the calibration the accuracy estimate assumes; description: one line for people.
+    """
+
+    name: str
+    column: str
+    kind: str
+    description: str
+    read: Callable[[dict, Reading], float] | None = None
+    integer: bool = False
+    caveat: bool = False
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What reading a value off an answer may need: the model's labels (their index) and its max_length."""
+
+    index: dict[str, int]
+    max_length: int | None = None
+
+
+# The table: a new signal is a row here (and, if an answer does not carry what it reads yet, that value in the
+# Predictor's answers with signals). Everything that compares, calibrates, reports or shows signals reads it.
+SIGNALS: list[Signal] = [
+    Signal("classes", "predicted", "shares", "the predicted classes' shares (Jensen-Shannon distance)",
+           lambda a, r: r.index[a["label"]], integer=True),
+    Signal("confidence", "confidence", "histogram",
+           "the model's confidence, top probability (Jensen-Shannon distance of a 10-bin histogram)",
+           lambda a, r: a["score"], caveat=True),
+    Signal("length", "length", "ks_log", "tokens per text before truncation (Kolmogorov-Smirnov statistic)",
+           lambda a, r: a["tokens"], integer=True),
+    Signal("unknown", "unknown", "ks", "share of tokens the tokenizer does not know (Kolmogorov-Smirnov statistic)",
+           lambda a, r: a["unknown"], caveat=True),
+    Signal("truncated", "truncated", "ks",
+           "share of texts longer than the model reads, cut at its max_length (Kolmogorov-Smirnov statistic)",
+           lambda a, r: float(r.max_length is not None and a["tokens"] > r.max_length)),
+    Signal("representation", "features", "mmd",
+           "the model's pooled representation, sketched (maximum mean discrepancy, Gaussian kernel)", caveat=True),
+]
+
+
+def signal_names() -> tuple[str, ...]:
+    return tuple(s.name for s in SIGNALS)
+
+
+def read_rows() -> list[Signal]:
+    """The rows whose value is read off each answer (all but the representation, which comes as a sketch)."""
+    return [s for s in SIGNALS if s.read is not None]
+
+
+def describe(name: str) -> str:
+    return next(s.description for s in SIGNALS if s.name == name)
+
+
 @dataclass
 class Texts:
-    """The signals of some texts, one value per text each (a window, or the reference)."""
+    """The signals of some texts, one value per text each (a window, or the reference): `values` by each row's
+    column; `features` the sketches' random Fourier features (texts x FEATURES, Kernel.features), or None."""
 
-    predicted: np.ndarray  # int
-    confidence: np.ndarray  # float, 0..1
-    length: np.ndarray  # int, tokens before truncation
-    unknown: np.ndarray  # float, 0..1
-    features: np.ndarray | None = None  # texts x FEATURES: each sketch's random Fourier features (Kernel.features)
+    values: dict[str, np.ndarray]
+    features: np.ndarray | None = None
 
     def __len__(self) -> int:
-        return len(self.predicted)
+        return len(next(iter(self.values.values()))) if self.values else 0
+
+    def __getattr__(self, column: str) -> np.ndarray:  # texts.predicted, texts.confidence, ...
+        values = self.__dict__.get("values", {})
+        if column in values:
+            return values[column]
+        raise AttributeError(column)
 
     def take(self, index: np.ndarray) -> Texts:
-        return Texts(self.predicted[index], self.confidence[index], self.length[index], self.unknown[index],
+        return Texts({k: v[index] for k, v in self.values.items()},
                      self.features[index] if self.features is not None else None)
 
     @property
     def signals(self) -> tuple[str, ...]:
-        """The signals these texts carry: all but the representation where there is no sketch."""
-        return SIGNALS if self.features is not None else SIGNALS[:-1]
+        """The signals these texts carry: every row whose column they hold (the representation where sketched)."""
+        return tuple(s.name for s in SIGNALS if (self.features is not None if s.kind == "mmd"
+                                                  else s.column in self.values))
 
     @classmethod
     def of(cls, data: dict) -> Texts:
-        return cls(np.asarray(data["predicted"], np.int64), np.asarray(data["confidence"], np.float64),
-                   np.asarray(data["length"], np.int64), np.asarray(data["unknown"], np.float64))
+        """From a profile's reference (its columns; a column an older profile lacks: that signal is not compared)."""
+        return cls({s.column: np.asarray(data[s.column], np.int64 if s.integer else np.float64)
+                    for s in SIGNALS if s.kind != "mmd" and s.column in data})
+
+    @classmethod
+    def read(cls, answers: list[dict], reading: Reading, features: np.ndarray | None = None) -> Texts:
+        """From a Predictor's answers with signals: each row's value read off each answer."""
+        return cls({s.column: np.array([s.read(a, reading) for a in answers], np.int64 if s.integer else np.float64)
+                    for s in SIGNALS if s.read is not None}, features)
+
+    def columns(self) -> dict[str, list]:
+        """The values as a profile stores them (floats to 6 digits)."""
+        return {k: (v.tolist() if v.dtype.kind == "i" else [round(float(x), 6) for x in v])
+                for k, v in self.values.items()}
 
 
 def confidence_bin(confidence: np.ndarray) -> np.ndarray:
@@ -117,16 +202,23 @@ class Kernel:
 
 def distances(window: Texts, reference: Texts, num_classes: int) -> dict[str, float]:
     """The window's distance to the reference on each signal both carry (Texts.signals)."""
-    found = {
-        "classes": _js(np.bincount(window.predicted, minlength=num_classes).astype(float),
-                       np.bincount(reference.predicted, minlength=num_classes).astype(float)),
-        "confidence": _js(np.bincount(confidence_bin(window.confidence), minlength=CONFIDENCE_BINS).astype(float),
-                          np.bincount(confidence_bin(reference.confidence), minlength=CONFIDENCE_BINS).astype(float)),
-        "length": _ks(np.log1p(window.length), np.log1p(reference.length)),
-        "unknown": _ks(window.unknown, reference.unknown),
-    }
-    if window.features is not None and reference.features is not None:
-        found["representation"] = float(np.linalg.norm(window.features.mean(0) - reference.features.mean(0)))
+    both = set(window.signals) & set(reference.signals)
+    found = {}
+    for s in SIGNALS:
+        if s.name not in both:
+            continue
+        if s.kind == "mmd":
+            found[s.name] = float(np.linalg.norm(window.features.mean(0) - reference.features.mean(0)))
+            continue
+        a, b = window.values[s.column], reference.values[s.column]
+        if s.kind == "shares":
+            found[s.name] = _js(np.bincount(a, minlength=num_classes).astype(float),
+                                np.bincount(b, minlength=num_classes).astype(float))
+        elif s.kind == "histogram":
+            found[s.name] = _js(np.bincount(confidence_bin(a), minlength=CONFIDENCE_BINS).astype(float),
+                                np.bincount(confidence_bin(b), minlength=CONFIDENCE_BINS).astype(float))
+        else:
+            found[s.name] = _ks(np.log1p(a), np.log1p(b)) if s.kind == "ks_log" else _ks(a, b)
     return found
 
 
@@ -140,22 +232,29 @@ def thresholds(reference: Texts, size: int, num_classes: int, false_alarm: float
     inside = np.zeros((draws, n), bool)
     for d in range(draws):
         inside[d, rng.choice(n, m, replace=False)] = True
-    seen = {
-        "classes": _js_rows(inside, reference.predicted, num_classes),
-        "confidence": _js_rows(inside, confidence_bin(reference.confidence), CONFIDENCE_BINS),
-        "length": _ks_rows(inside, np.log1p(reference.length)),
-        "unknown": _ks_rows(inside, reference.unknown),
-    }
-    if reference.features is not None:
-        total = reference.features.sum(0)
-        within = inside.astype(np.float32) @ reference.features
-        seen["representation"] = np.linalg.norm(within / m - (total - within) / (n - m), axis=1)
+    seen = {}
+    for s in SIGNALS:
+        if s.name not in reference.signals:
+            continue
+        if s.kind == "mmd":
+            total = reference.features.sum(0)
+            within = inside.astype(np.float32) @ reference.features
+            seen[s.name] = np.linalg.norm(within / m - (total - within) / (n - m), axis=1)
+            continue
+        values = reference.values[s.column]
+        if s.kind == "shares":
+            seen[s.name] = _js_rows(inside, values, num_classes)
+        elif s.kind == "histogram":
+            seen[s.name] = _js_rows(inside, confidence_bin(values), CONFIDENCE_BINS)
+        else:
+            seen[s.name] = _ks_rows(inside, np.log1p(values) if s.kind == "ks_log" else values)
     q = 1.0 - false_alarm / len(seen)
     limits = {name: float(np.quantile(values, q, method="higher")) for name, values in seen.items()}
     # A signal the reference never varies on (no unknown token in 400 texts) would flag one odd text: a window
     # has to differ by more than one text's worth (the rule of three: the reference's rate may be up to 3/n).
-    for name in ("length", "unknown"):
-        limits[name] = max(limits[name], 1.0 / m + 3.0 / n)
+    for s in SIGNALS:
+        if s.kind in ("ks", "ks_log") and s.name in limits:
+            limits[s.name] = max(limits[s.name], 1.0 / m + 3.0 / n)
     return limits
 
 
@@ -187,7 +286,7 @@ def _ks_rows(inside: np.ndarray, values: np.ndarray) -> np.ndarray:
 
 def verdict(found: dict[str, float], limits: dict[str, float]) -> list[str]:
     """The signals whose distance is past their threshold (drift where any is)."""
-    return [name for name in SIGNALS if name in found and name in limits and found[name] > limits[name]]
+    return [s.name for s in SIGNALS if s.name in found and s.name in limits and found[s.name] > limits[s.name]]
 
 
 def estimated_accuracy(window_confidence: np.ndarray, reference: Texts, correct: np.ndarray
@@ -216,4 +315,4 @@ CAVEAT = ("the texts drifted in what the model sees: the estimate assumes the mo
 
 def caveat(drifted: list[str]) -> str | None:
     """What to say beside an accuracy estimate when the window drifted where calibration may not hold."""
-    return CAVEAT if set(drifted) & {"confidence", "representation", "unknown"} else None
+    return CAVEAT if set(drifted) & {s.name for s in SIGNALS if s.caveat} else None

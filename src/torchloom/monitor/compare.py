@@ -35,9 +35,9 @@ def model_names(given: list[str]) -> list[tuple[str, str]]:
 def compare_file(models: list[tuple[str, str]], input_path: str, report: str, text_column: str = "text",
                  labels_column: str | None = None, sample: int = 100_000, alpha: float = 0.05, device: str = "cpu",
                  overwrite: bool = False, say=print) -> dict[str, Any]:
-    from torchloom.ab import Outcomes, once
     from torchloom.model.predict import Predictor
-    from torchloom.serve.monitor_batch import read_sample
+    from torchloom.monitor.ab import Outcomes, once
+    from torchloom.monitor.batch import read_sample
 
     (name_a, dir_a), (name_b, dir_b) = models
     if name_a == name_b:
