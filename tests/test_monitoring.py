@@ -331,12 +331,12 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
     shutil.copytree(monitored_model, damaged)
     sketch = damaged / "monitor" / "sketch.safetensors"
     sketch.write_bytes(sketch.read_bytes()[:100])  # cut short
-    monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), LABELS, "m")
+    monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), str(damaged), LABELS, "m")
     assert monitor_ is None and off["state"] == "off" and "\n" not in line
     assert line.startswith("warning: monitoring off: model dir ")
     assert "cannot be read (sketch.safetensors is damaged)" in line
     (damaged / "monitor" / "profile.json").write_text('{"format": "torchloom-monitor/2", "labels": []}')
-    monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), LABELS, "m")
+    monitor_, off, line = load_monitor(ServeSettings(model_dir=str(damaged)), str(damaged), LABELS, "m")
     assert monitor_ is None and off["state"] == "off"
     assert line.startswith("warning: monitoring off: model dir ") and "cannot be read" in line and "\n" not in line
     for flags, needle in ((["--monitor-window", "1"], "--monitor-window 1: must be at least 2"),
@@ -422,3 +422,60 @@ def test_a_new_signal_is_one_table_row_and_reaches_the_window_the_batch_report_a
     batch = monitor_file(str(model), str(data), str(tmp_path / "report"), say=lambda *_: None)
     assert batch["signals"]["questions"]["drift"] and batch["drift"], batch["signals"]
     assert "share of texts that ask a question" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_after_a_promotion(monitored_model,
+                                                                                               tmp_path):
+    """Two models behind one server whose profiles differ (v1's from short topic texts, v2's from long texts in
+    other words), each sent texts like its own reference through a routing key: neither drifts, in /v1/monitor's
+    entry of each model and in its top-level report (the model most traffic goes to), before and after v2 is
+    promoted. (Each model of a local fleet was watched against the first one's profile: v2 drifted on its own
+    reference, and the promotion raised the drift under v1's name.)"""
+    from torchloom.monitor.profile import write_profile
+
+    v2 = tmp_path / "v2" / "model"
+    shutil.copytree(monitored_model, v2)
+    long_texts = shifted(random.Random(1), 400)
+    write_profile(v2, long_texts, [LABELS[i % 3] for i in range(400)], {"val": 400, "test": 0})
+    key, admin = "fleet-monitor-key", "fleet-monitor-admin"
+    (tmp_path / "log").mkdir()
+    s = Server("", "--model", f"v1={monitored_model}", "--model", f"v2={v2}", "--traffic", "v1=50,v2=50",
+               "--monitor-window", str(WINDOW), "--api-key", key, "--admin-key", admin, "--device", "cpu",
+               log_dir=tmp_path / "log")
+    try:
+        s.client.headers.update({"Authorization": f"Bearer {key}"})
+        keys = {}
+        for i in range(200):  # a routing key that reaches each model (a key always reaches the same one)
+            r = s.client.post("/v1/predict", json={"texts": ["warm"]}, headers={"X-Torchloom-Key": f"user-{i}"})
+            keys.setdefault(r.headers["X-Torchloom-Model"], f"user-{i}")
+            if len(keys) == 2:
+                break
+
+        def feed(seed: int, names=("v1", "v2")) -> None:
+            own = {"v1": like_validation(random.Random(seed), 2 * WINDOW)[0],
+                   "v2": shifted(random.Random(seed), 2 * WINDOW)}
+            for name in names:
+                for start in range(0, len(own[name]), 25):
+                    r = s.client.post("/v1/predict", json={"texts": own[name][start:start + 25]},
+                                      headers={"X-Torchloom-Key": keys[name]})
+                    assert r.status_code == 200 and r.headers["X-Torchloom-Model"] == name, r.text
+
+        def states() -> dict:
+            report = monitor(s)
+            return {"top": report["state"], **{n: m["monitor"]["state"] for n, m in report["models"].items()}}
+
+        feed(2)
+        deadline = time.monotonic() + 60
+        while "warming_up" in states().values() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert states() == {"top": "no_drift", "v1": "no_drift", "v2": "no_drift"}
+        r = s.client.post("/v1/admin/promote", json={"model": "v2"}, headers={"Authorization": f"Bearer {admin}"})
+        assert r.status_code == 200 and r.json()["traffic"]["v2"] == 100, r.text
+        feed(3, names=("v2",))  # every request is v2's now: its own kind of text
+        report = monitor(s)
+        assert report["models"]["v2"]["traffic"] == 100 and report["models"]["v1"]["traffic"] == 0
+        assert states() == {"top": "no_drift", "v1": "no_drift", "v2": "no_drift"}
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{s.stderr()[-2000:]}") from None
+    finally:
+        s.kill()

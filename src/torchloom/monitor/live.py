@@ -199,11 +199,12 @@ def off_report(reason: str) -> dict[str, Any]:
     return {"state": "off", "reason": reason, "drift": False, "drifted": []}
 
 
-def load_monitor(settings, labels: list[str], name: str, predictor=None
+def load_monitor(settings, model_dir: str, labels: list[str], name: str, predictor=None
                  ) -> tuple[LiveMonitor | None, dict[str, Any], str]:
-    """The server's monitor (None when off), the report it gives while off, and the one line the server prints
-    at start: what it watches, or why monitoring is off and how to turn it on. A damaged profile never stops a
-    server: it serves, unmonitored, and says so."""
+    """The monitor of the model in `model_dir` against its own profile (None when off; each model of a fleet has
+    its own), the report it gives while off, and the one line the server prints at start: what it watches, or why
+    monitoring is off and how to turn it on. A damaged profile never stops a server: it serves, unmonitored, and
+    says so."""
     from torchloom.errors import UserError
     from torchloom.monitor.profile import REEXPORT, kernel_for, read_profile
 
@@ -211,16 +212,16 @@ def load_monitor(settings, labels: list[str], name: str, predictor=None
         reason = "monitoring off (--no-monitor)"
         return None, off_report(reason), reason
     try:
-        profile = read_profile(settings.model_dir)
+        profile = read_profile(model_dir)
     except UserError as e:
         reason = f"monitoring off: {e}"
         return None, off_report(reason), f"warning: {reason}"
     if profile is None:
-        reason = (f"monitoring off: model dir {settings.model_dir} has no monitor/profile.json (exported before"
+        reason = (f"monitoring off: model dir {model_dir} has no monitor/profile.json (exported before"
                   f" torchloom wrote one); {REEXPORT}")
         return None, off_report(reason), reason
     if list(profile["labels"]) != list(labels):
-        reason = f"monitoring off: the profile in {settings.model_dir}/monitor is of other labels; {REEXPORT}"
+        reason = f"monitoring off: the profile in {model_dir}/monitor is of other labels; {REEXPORT}"
         return None, off_report(reason), f"warning: {reason}"
     kernel = kernel_for(profile, predictor) if predictor is not None else None
     monitor = LiveMonitor(profile, name, settings.monitor_window, settings.monitor_window_s, settings.false_alarm,

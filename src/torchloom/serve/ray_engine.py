@@ -66,8 +66,8 @@ class RayBackend:
         self._ready = False
         from torchloom.monitor.live import load_monitor
 
-        self.monitor, self.monitor_off, line = load_monitor(settings, self.model.labels, self.identity.name,
-                                                                   self.model.predictor)
+        self.monitor, self.monitor_off, line = load_monitor(settings, settings.model_dir, self.model.labels,
+                                                             self.identity.name, self.model.predictor)
         self.model.signals = self.monitor is not None
         log.info("%s", line)  # each replica watches the texts it answers
         self.metrics = metrics or ServeMetrics(queue_depth=lambda: self._pending, monitor=self.monitor_report,

@@ -34,8 +34,9 @@ class LocalBackend:
 
         self.model = model
         self.identity = model.identity
-        self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.labels, model.identity.name,
-                                                                          model.predictor)
+        # against this model's own profile: a fleet's models each have theirs
+        self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.model_dir, model.labels,
+                                                                          model.identity.name, model.predictor)
         model.signals = self.monitor is not None
         self.metrics = metrics or ServeMetrics(queue_depth=lambda: self.batcher.queue_depth,
                                                monitor=self.monitor_report, queue_capacity=settings.max_queue)
