@@ -9,12 +9,11 @@ at the same weights, bit for bit."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import pytest
-from support.engine_reference import assert_same_weights
+from support.engine_reference import assert_same_weights, traced_rows, train_losses
 from support.threaded import train_on_threads
 
 from torchloom.config import build
@@ -54,21 +53,6 @@ def on_threads(rd: Path, job: dict, workers: int, *extra: str):
     return run
 
 
-def losses(rd: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
-
-
-def traced_rows(rd: Path) -> dict[int, list[int]]:
-    """Step -> the row ids of its global batch, ranks in order (train.trace_rows)."""
-    steps: dict[int, list[int]] = {}
-    for path in sorted((rd / "logs").glob("rows-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("rows-rank"))):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            steps.setdefault(record["step"], []).extend(record["rows"])
-    return steps
-
-
 def test_ranks_on_threads_end_at_the_weights_of_the_local_engine_s_processes_bit_for_bit(tmp_path, job):
     from torchloom.engines import local
 
@@ -79,7 +63,7 @@ def test_ranks_on_threads_end_at_the_weights_of_the_local_engine_s_processes_bit
     assert {r: result.steps for r, result in run.results.items()} == {0: 13, 1: 13}
     for step in ("step-5", "step-10", "step-13"):
         assert_same_weights(processes / "checkpoints" / step, threads / "checkpoints" / step)
-    assert losses(threads) == losses(processes)
+    assert train_losses(threads) == train_losses(processes)
     assert sorted(p.name for p in (threads / "checkpoints" / "step-13").iterdir()) == sorted(
         p.name for p in (processes / "checkpoints" / "step-13").iterdir())
 
@@ -116,7 +100,7 @@ def test_a_resume_continues_the_same_global_batches_on_one_two_four_and_eight_ra
     trace = ["--train.trace_rows", "true", "--train.log_every", "1", "--train.epochs", "2", "--train.keep_last", "10"]
     two = new_run(tmp_path, job, "two")
     on_threads(two, job, 2, *trace)
-    reference_rows, reference_losses = traced_rows(two), losses(two)
+    reference_rows, reference_losses = traced_rows(two), train_losses(two)
     assert sorted(reference_rows) == list(range(1, 27))
     assert sorted(i for s in range(1, 14) for i in reference_rows[s]) == list(range(103))  # each row once an epoch
     ckpt = two / "checkpoints" / "step-5"
@@ -130,7 +114,7 @@ def test_a_resume_continues_the_same_global_batches_on_one_two_four_and_eight_ra
         assert sorted(rows) == list(range(6, 27))
         for step, ids in rows.items():
             assert ids == reference_rows[step], (workers, step)
-        for step, loss in losses(rd).items():
+        for step, loss in train_losses(rd).items():
             assert loss == pytest.approx(reference_losses[step], rel=1e-5), (workers, step)
         if workers == 2:  # the same world: the same weights, bit for bit
             assert_same_weights(two / "checkpoints" / "step-26", rd / "checkpoints" / "step-26")

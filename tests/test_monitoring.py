@@ -286,9 +286,11 @@ def test_the_status_page_shows_the_monitor_and_answers_a_text_in_chromium(server
         browser.call("Page.navigate", url=server.url + "/")
         browser.until("document.readyState === 'complete'")
         assert browser.js("document.getElementById('model').textContent") == "shop"
-        rows = browser.until("document.querySelectorAll('#signals tbody tr').length === 5 && "
+        from torchloom.monitor.drift import signal_names
+
+        rows = browser.until(f"document.querySelectorAll('#signals tbody tr').length === {len(signal_names())} && "
                              "[...document.querySelectorAll('#signals tbody tr')].map(r => r.dataset.signal)")
-        assert rows == ["classes", "confidence", "length", "unknown", "representation"]
+        assert rows == ["classes", "confidence", "length", "unknown", "truncated", "representation"]  # the table's
         state = browser.js("document.getElementById('state').textContent")
         assert state.startswith(("drift", "no drift")), state
         assert browser.js("document.querySelectorAll('#shares tbody tr').length") == len(LABELS)

@@ -467,6 +467,8 @@ class _FailingBackend:
         self.identity = SimpleNamespace(name="m", version="1", labels=("a", "b"))
         self.metrics = ServeMetrics()
         self.ready = True
+        self.fleet = None  # one model (api_common.Backend)
+        self.queued = 0
         self.error: Exception | None = None
 
     async def start(self) -> None:
@@ -479,6 +481,11 @@ class _FailingBackend:
         if self.error is not None:
             raise self.error
         return [{"label": "a", "score": 0.6, "probabilities": {"a": 0.6, "b": 0.4}} for _ in texts]
+
+    def monitor_report(self) -> dict:
+        from torchloom.monitor.live import off_report
+
+        return off_report("a test's backend watches nothing")
 
 
 @needs_http

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from support.command import torchloom
+from support.engine_reference import traced_rows, train_losses
 
 from torchloom.config import build
 from torchloom.data.buckets import use_length_buckets
@@ -125,21 +126,6 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path, data_dir, models):
     # The metrics log of the resumed run continues where the checkpoint left off.
     steps = [json.loads(line)["step"] for line in (resumed / "metrics.jsonl").read_text().splitlines()]
     assert min(steps) > 10
-
-
-def traced_rows(rd: Path) -> dict[int, list[int]]:
-    """Step -> the row ids of its global batch, ranks in order (train.trace_rows)."""
-    steps: dict[int, list[int]] = {}
-    for path in sorted((rd / "logs").glob("rows-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("rows-rank"))):
-        for line in path.read_text().splitlines():
-            record = json.loads(line)
-            steps.setdefault(record["step"], []).extend(record["rows"])
-    return steps
-
-
-def train_losses(rd: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
 
 
 def test_resume_on_one_and_four_workers_continues_the_same_global_batches(tmp_path, data_dir, models):

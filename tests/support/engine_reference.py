@@ -6,6 +6,7 @@ rank, so every engine (and every set of hosts) must end at these weights bit for
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -45,3 +46,18 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert wa.keys() == wb.keys()
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def traced_rows(rd: Path) -> dict[int, list[int]]:
+    """Step -> the row ids of its global batch, ranks in order (train.trace_rows)."""
+    steps: dict[int, list[int]] = {}
+    for path in sorted((rd / "logs").glob("rows-rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("rows-rank"))):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(record["step"], []).extend(record["rows"])
+    return steps
+
+
+def train_losses(rd: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (rd / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if r["kind"] == "train"}
