@@ -163,17 +163,19 @@ def update_placement(placement: Path, **fields) -> None:
         write_json(placement, {**read_json(placement), **fields}, indent=None)
 
 
-def start_heartbeat(placement: Path, files: RunFiles | None = None, log: Path | None = None) -> None:
+def start_heartbeat(placement: Path, files: RunFiles | None = None, log: Path | None = None):
     """Touch the placement file every HEARTBEAT_S; write the beat's time in it every REMOTE_BEAT_S and publish it
     (a run on a store uploads it: common.lost_ranks reads it there), and publish the rank's `log` when it grew,
     every REMOTE_LOG_S (a host that is lost keeps its lines up to then), quietly: a store that does not answer now
-    is judged by the driver. A local run's publishing moves nothing (its driver reads the files themselves)."""
+    is judged by the driver. A local run's publishing moves nothing (its driver reads the files themselves).
+    Returns stop(): the beats end, and the file is not touched again (a command that records its files in the
+    ledger, as the torchrun entry's rank 0 does in its own process, lists it as it stays)."""
+    stopped = threading.Event()
 
     def beat() -> None:
         pushed = logged = 0.0
         log_size = -1
-        while True:
-            time.sleep(HEARTBEAT_S)
+        while not stopped.wait(HEARTBEAT_S):
             try:
                 os.utime(placement)
                 if files is None:
@@ -192,7 +194,14 @@ def start_heartbeat(placement: Path, files: RunFiles | None = None, log: Path | 
             except Exception:
                 pass
 
-    threading.Thread(target=beat, name="torchloom-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="torchloom-heartbeat", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        stopped.set()
+        thread.join(timeout=10)
+
+    return stop
 
 
 def note_stop_signal(placement: Path, rank: int, grace_s: float) -> None:
@@ -290,6 +299,7 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
     check_visible(files)  # before anything is written: on a host without the shared storage it would land locally
     if capture:
         capture_output(files, rank)
+    stop_beats = None
     try:
         cfg = from_dict(cfg_dict)  # parsed once, before any key is read: what the driver recorded, checked again
         cfg = replace(cfg, output=replace(cfg.output, dir=rd.location))
@@ -302,11 +312,12 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             preemption.poll_url(cfg.train.preemption_url)
         if attempt is not None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             watch_notice_file(files, rd.notice_file(launch_id, attempt))
-        start_heartbeat(placement, files, rd.rank_log(rank) if capture else None)
+        stop_beats = start_heartbeat(placement, files, rd.rank_log(rank) if capture else None)
         if starts:
             cfg = restarted(files, cfg, launch_id, rank, starts)
         result = train(cfg, files, worker_reporter(files, rank, engine_reporter, launch_id),
                        launched_at=launched_at, device=device)
+        stop_beats()  # trained: the placement file is written once more below at most, never touched after
         if result.preemptions:  # this start ended preempted: the next one is not a restart
             update_placement(placement, preempted=True)
             files.push(placement, quiet=True)
@@ -323,6 +334,8 @@ def run_worker(cfg_dict: dict, run_dir: str, launch_id: str, engine_reporter: Re
             time.sleep(PEER_LOSS_LINGER_S)
         raise
     finally:
+        if stop_beats is not None:
+            stop_beats()
         if capture:
             sys.stdout.flush()
             sys.stderr.flush()
