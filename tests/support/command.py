@@ -27,7 +27,7 @@ import warnings
 from pathlib import Path
 
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-SIGNALS = [s for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)]
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def torchloom(*args: str, cache: Path | str | None = None, env: dict | None = None, cwd: Path | str | None = None,

@@ -66,7 +66,6 @@ class LiveMonitor:
         # (time, each row's value) per text, newest last
         self.window: deque[tuple[float, tuple]] = deque(maxlen=self.size)
         self.sketches: deque[np.ndarray] = deque(maxlen=self.size)  # with a kernel: each text's, as `window`
-        self.index = {label: i for i, label in enumerate(self.labels)}
         self.seen = 0
         self._since_verdict = 0
         self.every = max(1, self.size // 10)
