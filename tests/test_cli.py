@@ -259,9 +259,9 @@ def test_a_real_run_s_ledger_lists_every_file_it_wrote(finished_run, tmp_path):
     exported = torchloom("export", "--output.dir", str(run))
     assert exported.returncode == 2 and "it holds model/vocab-notes.txt, which torchloom did not" in exported.stderr
     with pytest.raises(UserError, match="nothing deleted: it holds model/vocab-notes.txt"):
-        RunFiles(run).replace()
+        RunFiles(run).place.replace()
     (run / "model" / "vocab-notes.txt").unlink()
-    RunFiles(run).replace()
+    RunFiles(run).place.replace()
     assert [p.name for p in run.iterdir()] == [LEDGER_FILE]
 
 

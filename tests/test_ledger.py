@@ -58,7 +58,7 @@ class Local:
     def replace(self, inputs: list[str]) -> None:
         from torchloom.runs.runfiles import RunFiles
 
-        RunFiles(self.root).replace(inputs=inputs)
+        RunFiles(self.root).place.replace(inputs=inputs)
 
 
 class Store(Local):
@@ -371,7 +371,7 @@ def test_the_ledger_is_not_taken_for_content(tmp_path):
 
     run = tmp_path / "run"
     stock = begin(LocalTree(run))
-    assert is_empty(LocalTree(run)) and not RunFiles(run).holds_anything()
+    assert is_empty(LocalTree(run)) and not RunFiles(run).place.holds_anything()
     end(LocalTree(run), stock)
     assert not run.exists()  # begun in a new directory, nothing written: nothing left
     os.makedirs(run)

@@ -291,16 +291,16 @@ def test_overwrite_on_a_store_replaces_a_run(s3, tmp_path, monkeypatch):
     prefix = f"s3://{BUCKET}/run"
     put_tree(prefix, {"config.toml": real_config(), "data/manifest.json": real_manifest(),
                       "checkpoints/step-2/w": "ab", "checkpoints/step-2/meta.json": '{"files": {"w": {"size": 2}}}'})
-    RunFiles(prefix).replace()
+    RunFiles(prefix).place.replace()
     assert storage.list_files(prefix) == {}
     put_tree(prefix, {"data/manifest.json": FOREIGN["webapp"]["manifest.json"], "checkpoints/step-2/x": "w"})
     with pytest.raises(UserError, match=r"not replaced: it is neither empty nor a torchloom run"):
-        RunFiles(prefix).replace()
+        RunFiles(prefix).place.replace()
     assert len(storage.list_files(prefix)) == 2
     # a run beside a foreign object: refused, naming it
     put_tree(prefix, {"config.toml": real_config(), "report.pdf": "mine"})
     with pytest.raises(UserError, match=r"not replaced, nothing deleted: it holds .*report.pdf, which no marker"):
-        RunFiles(prefix).replace()
+        RunFiles(prefix).place.replace()
     assert len(storage.list_files(prefix)) == 4
 
 

@@ -10,7 +10,7 @@ from torchloom import cli, preflight
 from torchloom.config import build
 from torchloom.errors import UserError
 from torchloom.runs.run import Run
-from torchloom.runs.runfiles import RunFiles
+from torchloom.runs.runfiles_prefix import Place
 
 
 class Stopped(Exception):
@@ -20,10 +20,10 @@ class Stopped(Exception):
 def counting(monkeypatch) -> dict[str, list[str]]:
     """The checks' calls, by check: the output.dir each one checked."""
     calls: dict[str, list[str]] = {"for_this_machine": [], "check_own": []}
-    machine, own = preflight.for_this_machine, RunFiles.check_own
+    machine, own = preflight.for_this_machine, Place.check_own
     monkeypatch.setattr(preflight, "for_this_machine",
                         lambda run: calls["for_this_machine"].append(run.cfg.output.dir) or machine(run))
-    monkeypatch.setattr(RunFiles, "check_own",
+    monkeypatch.setattr(Place, "check_own",
                         lambda self, *a: calls["check_own"].append(self.rd.location) or own(self, *a))
     return calls
 

@@ -25,7 +25,7 @@ def test_a_local_run_has_nothing_to_move(tmp_path):
     rd.root.mkdir()
     (rd.root / "a.txt").write_text("x")
     assert not files.on_store
-    assert files.push(rd.root / "a.txt") == 0 and files.listing(rd.root) == {} and files.stored_steps() == []
+    assert files.push(rd.root / "a.txt") == 0 and files.listing(rd.root) == {} and files.checkpoints.steps() == []
     files.pull(rd.metrics)
     files.ensure(rd.manifest)
     assert not rd.metrics.exists() and not rd.manifest.exists()

@@ -117,7 +117,7 @@ def test_a_checkpoint_counts_on_the_store_only_once_its_meta_json_is_there(s3, c
             storage.write_bytes(storage.join(run, "checkpoints", f"step-{step}", name), b"x")
     rd = RunDir(run)
     assert rd.root.is_relative_to(cache)
-    assert RunFiles(rd).pull_checkpoints() == [2]
+    assert RunFiles(rd).checkpoints.pull() == [2]
     assert (rd.checkpoint(2) / "meta.json").is_file() and not rd.checkpoint(4).exists()
 
 
@@ -146,21 +146,21 @@ def test_a_resume_downloads_the_newest_intact_checkpoint_alone_and_hashes_it_onc
         return checkpoint.damage(p) is None
 
     rd = host("a")
-    assert RunFiles(rd).pull_checkpoints(intact=intact) == [6, 4, 2]
+    assert RunFiles(rd).checkpoints.pull(intact=intact) == [6, 4, 2]
     assert local_files(rd.checkpoints) >= {"step-6/model.safetensors", "step-4/meta.json", "step-2/meta.json"}
     assert not {"step-4/model.safetensors", "step-2/trainer.pt"} & local_files(rd.checkpoints)  # meta.json alone
     # the driver's check, rank 0's pull and resolve on the same host: the checkpoint is read once
     assert checkpoint.resolve("latest", rd.checkpoints) == rd.checkpoint(6)
-    RunFiles(rd).pull_checkpoints(intact=intact)
+    RunFiles(rd).checkpoints.pull(intact=intact)
     assert checkpoint.resolve("latest", rd.checkpoints) == rd.checkpoint(6)
     assert sorted(hashed) == ["model.safetensors", "trainer.pt"]
     # export (no check: it may take the best of them) makes every one whole
-    RunFiles(rd).pull_checkpoints()
+    RunFiles(rd).checkpoints.pull()
     assert {"step-2/model.safetensors", "step-4/trainer.pt"} <= local_files(rd.checkpoints)
     # the newest damaged on the store (same size, other bytes): a new host takes the next, and says so at resume
     storage.write_bytes(storage.join(run, "checkpoints", "step-6", "model.safetensors"), b"\xff" * 4000)
     rd = host("b")
-    RunFiles(rd).pull_checkpoints(intact=intact)
+    RunFiles(rd).checkpoints.pull(intact=intact)
     assert {"step-6/model.safetensors", "step-4/model.safetensors", "step-2/meta.json"} <= local_files(rd.checkpoints)
     assert "step-2/model.safetensors" not in local_files(rd.checkpoints)
     assert checkpoint.resolve("latest", rd.checkpoints, warn=False) == rd.checkpoint(4)
@@ -195,7 +195,7 @@ def test_a_hosts_copy_counts_only_for_the_run_it_was_made_from(s3, tmp_path, mon
     monkeypatch.setenv("TORCHLOOM_CACHE", str(host_b))
     b = RunDir(run)
     RunFiles(b).ensure(b.manifest)
-    assert RunFiles(b).pull_checkpoints() == [4] and b.manifest.read_bytes() == b'{"run": 1}'
+    assert RunFiles(b).checkpoints.pull() == [4] and b.manifest.read_bytes() == b'{"run": 1}'
     (b.checkpoint(8)).mkdir()  # written here, never uploaded: the other hosts cannot load it
     (b.checkpoint(8) / "meta.json").write_bytes(b'{"run": 1}')
     prepare_and_train_on(host_a, run, 2, monkeypatch)  # host A: prepare again, then a fresh training
@@ -203,11 +203,11 @@ def test_a_hosts_copy_counts_only_for_the_run_it_was_made_from(s3, tmp_path, mon
     b = RunDir(run)
     RunFiles(b).ensure(b.manifest)
     assert b.manifest.read_bytes() == b'{"run": 2}'
-    assert RunFiles(b).pull_checkpoints() == [4] and not b.checkpoint(8).exists()
+    assert RunFiles(b).checkpoints.pull() == [4] and not b.checkpoint(8).exists()
     assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"weights 2"
     # the same record, a checkpoint rewritten on the store (a restart's step-4): compared by its meta.json
     put(run, {"checkpoints/step-4/model.safetensors": b"three", "checkpoints/step-4/meta.json": b'{"run": 3}'})
-    RunFiles(b).pull_checkpoints()
+    RunFiles(b).checkpoints.pull()
     assert (b.checkpoint(4) / "model.safetensors").read_bytes() == b"three"
 
 
@@ -665,9 +665,9 @@ def test_a_lease_keeps_a_second_driver_out_until_it_is_released_or_expires(s3, c
     from torchloom.runs.runrecord import new_record
 
     storage.write_bytes(storage.join(run, "lease.json"), b"{}")
-    RunFiles(run).check_own()
+    RunFiles(run).place.check_own()
     put(run, {"torchloom-run.json": json.dumps(new_record()).encode()})
-    RunFiles(run).replace()
+    RunFiles(run).place.replace()
     assert storage.list_files(run) == {"lease.json": 2}
 
 

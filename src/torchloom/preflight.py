@@ -100,7 +100,7 @@ def check_input(cfg: Config) -> None:
 def check_prepared(run: Run) -> None:
     """`train` on a local output.dir without prepared data: the one line read_manifest gives, before anything
     loads (a run on a store is checked when its working copy is staged)."""
-    if not run.files.holds(run.rd.manifest):  # where the run lives: the store's, never this host's copy
+    if not run.files.place.holds(run.rd.manifest):  # where the run lives: the store's, never this host's copy
         raise UserError(f"{run.rd.home(run.rd.data)}: no prepared data (manifest.json) here; run torchloom prepare"
                         " first")
 
@@ -116,7 +116,7 @@ def check_untrained(run: Run) -> None:
     """prepare --overwrite into a run that was trained: its checkpoints (and model) would belong to data that is
     gone, and a later resume or export would take them; one line before Spark starts, nothing touched."""
     rd = run.rd
-    if run.files.holds(rd.checkpoints):
+    if run.files.place.holds(rd.checkpoints):
         raise UserError(f"output.dir {rd.where}: holds checkpoints trained on the data that prepare would replace;"
                         " start the whole run afresh (torchloom run --overwrite) or prepare into another"
                         " --output.dir")
@@ -140,7 +140,7 @@ def check_trainable(run: Run) -> int | None:
     cfg, files, rd = run.cfg, run.files, run.rd
     files.ensure(rd.manifest)  # the workers stream the shards from the store
     if cfg.train.resume == "latest":  # the newest intact checkpoint alone, hashed once (rank 0 finds it stamped)
-        files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)
+        files.checkpoints.pull(intact=lambda p: checkpoint.damage(p) is None)
     m = manifest_mod.read(rd.data)
     check_model_dir(model_path(cfg.model.path))
     if m.split("train").rows < cfg.engine.workers:

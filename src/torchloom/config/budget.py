@@ -96,8 +96,8 @@ def resolve(cfg, classes: int, train_rows: int, max_length: int = 128, multiple:
     budget_seconds(t.budget)  # a bad value is refused even where nothing is auto
     said = []
     if t.batch_size == "auto":
-        batch, why = (resumed_batch, "the resumed run's") if resumed_batch else \
-            choose_batch(classes, train_rows, max_length, multiple)
+        batch, why = ((resumed_batch, "the resumed run's") if resumed_batch else
+            choose_batch(classes, train_rows, max_length, multiple))
         t = replace(t, batch_size=batch)
         if batch != BATCH or resumed_batch:  # 16 is what every small run had, and the start line shows it
             said.append(f"batch_size auto: {batch} ({why})")

@@ -111,9 +111,9 @@ def worker_start(cfg: Config) -> Iterator[str]:
 
     import torch
 
-    if cfg.engine.start_method == "spawn" or (cfg.engine.device != "cpu" and torch.cuda.is_available()) \
-            or "forkserver" not in multiprocessing.get_all_start_methods() \
-            or not hasattr(forkserver._forkserver, "_stop"):
+    if (cfg.engine.start_method == "spawn" or (cfg.engine.device != "cpu" and torch.cuda.is_available())
+            or "forkserver" not in multiprocessing.get_all_start_methods()
+            or not hasattr(forkserver._forkserver, "_stop")):
         yield "spawn"
         return
     # torch elastic's own settings of the launcher (TORCHELASTIC_SIGNALS_TO_HANDLE, set by the first launch):

@@ -111,8 +111,8 @@ class DecommissionWatch(Poller):
 def wants_gpu(cfg: Config, spark) -> bool:
     if cfg.engine.device == "cpu":
         return False
-    key = "spark.driver.resource.gpu.amount" if is_local_master(conf_value(spark, "spark.master")) else \
-        "spark.task.resource.gpu.amount"
+    key = ("spark.driver.resource.gpu.amount" if is_local_master(conf_value(spark, "spark.master")) else
+        "spark.task.resource.gpu.amount")
     has = float(conf_value(spark, key, "0") or 0) > 0
     local = is_local_master(conf_value(spark, "spark.master"))
     if cfg.engine.device == "auto" and not has and local and (gpus := len(gpu_names())):

@@ -87,7 +87,7 @@ def _train(cfg, launch_id: str):
     `torchloom train` does, so that a later --overwrite knows the checkpoints as torchloom's (a fresh start over an
     earlier training's checkpoints is refused in run_worker, as on every engine)."""
     files = RunFiles(RunDir(cfg.output.dir))
-    recording = files.recording() if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
+    recording = files.place.recording() if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with recording:
         return run_worker(to_dict(cfg), files.rd.location, launch_id)
 

@@ -138,8 +138,8 @@ def java_missing() -> str | None:
     if home:
         if os.access(os.path.join(home, "bin", "java"), os.X_OK):
             return None
-        return f"JAVA_HOME {home}: no bin/java there, and Spark needs Java; point JAVA_HOME at a Java 17 or 21" \
-               " install, or unset it to use the java on PATH"
+        return (f"JAVA_HOME {home}: no bin/java there, and Spark needs Java; point JAVA_HOME at a Java 17 or 21"
+               " install, or unset it to use the java on PATH")
     if shutil.which("java"):
         return None
     return f"java: not found (JAVA_HOME is unset and no java is on PATH), and Spark needs it; {fix} and set JAVA_HOME"
@@ -149,8 +149,8 @@ def jvm_reason(lines: list[str]) -> str:
     """The line of a JVM that exited at start which says why (not a stack frame, not the closing words)."""
     for line in lines:
         text = line.strip()
-        if text and not text.startswith(("at ", "...")) and not text.startswith(_NOISE) \
-                and not line.startswith(("\t", " ")):
+        if (text and not text.startswith(("at ", "...")) and not text.startswith(_NOISE)
+                and not line.startswith(("\t", " "))):
             return short(text)
     return ""
 

@@ -207,8 +207,8 @@ def _prepare(job: _Job, start: float) -> Manifest:
         manifest.labels, manifest.task = labels, "multi_label"
         manifest.tags = tag_split.record(job.tmp, splits, labels, cfg.data.keep_untagged)
         for name, split in splits.items():  # rows per tag; the strata's rows stay in the tags record
-            manifest.tags.setdefault("strata", {})[name], split.per_class = split.per_class, \
-                manifest.tags["per_split"][name]
+            manifest.tags.setdefault("strata", {})[name], split.per_class = (split.per_class,
+                manifest.tags["per_split"][name])
         say(tag_split.summary(manifest.tags, labels))
     return manifest
 
@@ -233,8 +233,8 @@ def _read_and_count(job: _Job):
 
     cfg, p, say = job.cfg, job.cfg.prepare, job.say
     t = time.perf_counter()
-    through = " by the tasks with pyarrow (prepare.input_reader)" \
-        if who_reads(job.data_path, p.input_reader, spark=job.spark) == "pyarrow" else ""
+    through = (" by the tasks with pyarrow (prepare.input_reader)"
+        if who_reads(job.data_path, p.input_reader, spark=job.spark) == "pyarrow" else "")
     say(f"reading {job.shown} ({job.fmt}){through}")
     width = default_parallelism(job.spark, default_partitions(p))
     raw = spread(read_input(job.spark, cfg.data, job.data_path, job.fmt, p.input_reader,

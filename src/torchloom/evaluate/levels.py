@@ -58,8 +58,8 @@ def record(metrics: dict[str, Any], delimiter: str, levels: list[dict[str, Any]]
 def section(levels: list[dict[str, Any]], delimiter: str) -> list[str]:
     """The report's table of every level's scores."""
     multi = "micro_f1" in levels[0]
-    head = "| level | labels | micro F1 | macro F1 | subset accuracy |" if multi else \
-        "| level | labels | accuracy | macro F1 |"
+    head = ("| level | labels | micro F1 | macro F1 | subset accuracy |" if multi else
+        "| level | labels | accuracy | macro F1 |")
     lines = ["## Per level", "", f"Labels are paths (`{delimiter}` between levels): the model predicts the leaves and"
              " a parent is its leaf's prefix. Level 1 is the top.", "", head, "|---" * head.count(" | ") + "|---|"]
     for row in levels:

@@ -36,8 +36,8 @@ def choose(probs: np.ndarray, masks: np.ndarray, manifest: Manifest, top_k: int 
     chosen = ts.choose_thresholds(probs, truth, at_least_one=at_least_one)
     f1 = ts.tag_metrics(ts.predict(probs, chosen), truth, labels)["micro_f1"]
     half = ts.tag_metrics(ts.predict(probs, ts.Thresholds(0.5, at_least_one=at_least_one)), truth, labels)["micro_f1"]
-    own = f"; own thresholds for {len(chosen.per_label)} tags with {ts.MIN_SUPPORT}+ val rows" if chosen.per_label \
-        else ""
+    own = (f"; own thresholds for {len(chosen.per_label)} tags with {ts.MIN_SUPPORT}+ val rows" if chosen.per_label
+        else "")
     return chosen.record(labels), (f"thresholds chosen on val ({len(probs)} texts): {chosen.default:.2f} for every"
                                    f" tag{own}; val micro-F1 {f1:.4f} (at 0.5: {half:.4f})")
 

@@ -24,8 +24,8 @@ READ_BYTES = 8 << 20  # per request to the store when streaming an object's text
 def is_gone(e: BaseException) -> bool:
     """A file or object that is not there (a local file's errno 2, a store's NoSuchKey or 404)."""
     text = str(e)
-    return isinstance(e, FileNotFoundError) or "[errno 2]" in text.lower() or "NoSuchKey" in text \
-        or "No such file or directory" in text
+    return (isinstance(e, FileNotFoundError) or "[errno 2]" in text.lower() or "NoSuchKey" in text
+        or "No such file or directory" in text)
 
 
 def cannot_read(uri: str, e: BaseException) -> str:

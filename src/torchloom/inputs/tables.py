@@ -346,8 +346,8 @@ def _iceberg_snapshot(data: DataConfig, table, path: str, spec) -> Table:
                             f" {first.snapshot_id} of {_iso(first.timestamp_ms)}")
     else:
         snapshot = current
-    schema = table.schemas().get(snapshot.schema_id, table.schema()) if snapshot.schema_id is not None \
-        else table.schema()
+    schema = (table.schemas().get(snapshot.schema_id, table.schema()) if snapshot.schema_id is not None
+        else table.schema())
     arrow = schema.as_arrow()
     columns = {f.name: f.type for f in arrow}
     wanted = tuple(dict.fromkeys(actual(columns, c) for c in (data.text_column, *data.label_sources(),

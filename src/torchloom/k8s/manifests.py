@@ -119,8 +119,8 @@ def check_names(k: K8sConfig) -> None:
 def check_key(what: str, key: str) -> None:
     """A label's or an annotation's key: [prefix/]name, the prefix a DNS subdomain, the name at most 63 characters."""
     prefix, slash, name = key.rpartition("/")
-    if (slash and (not SUBDOMAIN.match(prefix) or len(prefix) > 253)) or not QUALIFIED_NAME.match(name) \
-            or len(name) > 63:
+    if ((slash and (not SUBDOMAIN.match(prefix) or len(prefix) > 253)) or not QUALIFIED_NAME.match(name)
+            or len(name) > 63):
         raise UserError(f"k8s.{what} {key!r}: not a key Kubernetes takes; write [prefix/]name: the name at most 63"
                         " letters, digits, '-', '_' and '.', starting and ending with a letter or digit; the prefix"
                         " a DNS subdomain (example.com)")

@@ -241,8 +241,8 @@ class Predictor:
 
     def _predict_chunk(self, texts: list[str], with_logits: bool = False, with_signals: bool = False
                        ) -> list[dict[str, Any]]:
-        return self.predict_encoded(self.encode_windows(texts, with_signals), with_logits, with_signals) \
-            if texts else []
+        return (self.predict_encoded(self.encode_windows(texts, with_signals), with_logits, with_signals)
+            if texts else [])
 
     def forwards(self, lengths: list[int], ids: list[int]) -> list[list[int]]:
         """`ids` (sorted by `lengths[id]`, ascending) cut into forwards: at most batch_size rows and
@@ -283,8 +283,8 @@ class Predictor:
         order = sorted(range(len(features)), key=lengths.__getitem__)
         logits = torch.zeros(len(features), len(self.labels))
         baseline_alone = self.lexical is not None and self.weight == 0.0  # the export found the baseline best
-        sketch = self.sketch if with_signals and getattr(self, "session", None) is None and not baseline_alone \
-            else None
+        sketch = (self.sketch if with_signals and getattr(self, "session", None) is None and not baseline_alone
+            else None)
         sketched = np.zeros((len(features), sketch.shape[1]), np.float32) if sketch is not None else None
         with torch.inference_mode():
             for batch_ids in [] if baseline_alone else self.forwards(lengths, order):
@@ -418,8 +418,8 @@ def _read_jsonl(p: Path, codec: str, column: str) -> list[str]:
                 row = json.loads(line)
             except (ValueError, RecursionError) as e:  # also an integer past int_max_str_digits, deep nesting
                 reason = e.msg if isinstance(e, json.JSONDecodeError) else first_line(e)
-                raise UserError(f"--input {p} line {number}: not valid JSON ({reason}); one object per line") \
-                    from None
+                raise UserError(f"--input {p} line {number}: not valid JSON ({reason});"
+                                " one object per line") from None
             field = column_named(list(row), column) if isinstance(row, dict) else None  # or "Text"
             if field is None or not isinstance(row[field], str):
                 raise UserError(f"--input {p} line {number}: needs a string field {json.dumps(column)}, e.g."

@@ -142,8 +142,8 @@ def _positional(model: Any, names: tuple[str, ...], pooled: bool = False) -> Any
             self.model = model
 
         def forward(self, *tensors):
-            return eager_forward(self.model, dict(zip(names, tensors)), pooled) if pooled else \
-                self.model(**dict(zip(names, tensors))).logits
+            return (eager_forward(self.model, dict(zip(names, tensors)), pooled) if pooled else
+                self.model(**dict(zip(names, tensors))).logits)
 
     return Positional()
 

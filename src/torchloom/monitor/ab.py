@@ -52,8 +52,8 @@ class Verdict:
     looks: int  # looks passed
 
     def line(self, names: tuple[str, str] = ("A", "B")) -> str:
-        acc = f"accuracy {names[0]} {_pct(self.accuracy_a)}, {names[1]} {_pct(self.accuracy_b)} on {self.labels}" \
-              f" {'paired ' if self.test == 'paired' else ''}labels"
+        acc = (f"accuracy {names[0]} {_pct(self.accuracy_a)}, {names[1]} {_pct(self.accuracy_b)} on {self.labels}"
+              f" {'paired ' if self.test == 'paired' else ''}labels")
         if self.state == "not_yet_known" and not self.needed:
             return f"no difference found ({acc}; p = {self.p_value:.2g}, level {self.level:.2g})"
         if self.state == "not_yet_known":

@@ -85,8 +85,8 @@ def read_sample(input_path: str, text_column: str, labels_column: str | None, n:
     text_column, labels_column = _columns(schema.names, text_column, labels_column, input_path)
     for batch in batches:
         texts = batch.column(text_column).to_pylist()
-        labels = [None if y is None else str(y) for y in batch.column(labels_column).to_pylist()] \
-            if labels_column else None
+        labels = ([None if y is None else str(y) for y in batch.column(labels_column).to_pylist()]
+            if labels_column else None)
         sample.add(texts, labels)
     return sample
 
@@ -123,8 +123,8 @@ def _spark_sample(spark, input_path: str, fmt: str, text_column: str, labels_col
     total, texts = int(counts["rows"]), int(counts["texts"] or 0)
     df = df.where(usable)
     fraction = min(1.0, 1.5 * sample.n / max(1, texts))
-    rows = df.sample(False, fraction, seed=0).orderBy(F.rand(seed=0)).limit(sample.n).collect() \
-        if fraction < 1.0 else df.collect()
+    rows = (df.sample(False, fraction, seed=0).orderBy(F.rand(seed=0)).limit(sample.n).collect()
+        if fraction < 1.0 else df.collect())
     sample.add([r["text"] for r in rows], [r["label"] for r in rows] if labels_column else None)
     sample.total, sample.empty = total, total - texts
     return sample

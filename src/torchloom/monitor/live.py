@@ -129,8 +129,8 @@ class LiveMonitor:
                                   "drift": False, "drifted": []}
         if n >= 2:
             values = list(zip(*(v for _, v in self.window)))
-            features = self.kernel.features(np.stack(self.sketches)) \
-                if self.kernel is not None and len(self.sketches) == n else None
+            features = (self.kernel.features(np.stack(self.sketches))
+                if self.kernel is not None and len(self.sketches) == n else None)
             window = Texts({s.column: np.fromiter(column, np.int64 if s.integer else np.float64, n)
                             for s, column in zip(self.rows, values)}, features)
             report["seconds"] = round(now - self.window[0][0], 1)

@@ -182,9 +182,9 @@ def kernel_for(profile: dict, predictor) -> Kernel | None:
     """Give `predictor` the profile's projection and return its kernel, where both can sketch (a PyTorch runtime,
     the model's hidden size); None otherwise: the representation is then not compared."""
     sketch = profile.get("_sketch")
-    if sketch is None or predictor.model is None \
-            or int(predictor.model.config.hidden_size) != sketch["projection"].shape[0] \
-            or (predictor.lexical is not None and predictor.weight == 0.0):  # the baseline alone: no forward runs
+    if (sketch is None or predictor.model is None
+            or int(predictor.model.config.hidden_size) != sketch["projection"].shape[0]
+            or (predictor.lexical is not None and predictor.weight == 0.0)):  # the baseline alone: no forward runs
         return None
     predictor.sketch = sketch["projection"]
     return sketch["kernel"]

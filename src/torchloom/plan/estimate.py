@@ -159,8 +159,8 @@ def ring(cluster: Cluster, op: str, size: float, group: int, spans_nodes: bool, 
     FSDP units) that each pay the ring's latency, repeated per_step times."""
     if group <= 1:
         return {"op": op, "bytes": 0.0, "seconds": 0.0, "per_step": per_step}
-    factor, hops = (2 * (group - 1) / group, 2 * (group - 1)) if op == "all-reduce" else \
-        ((group - 1) / group, group - 1)
+    factor, hops = ((2 * (group - 1) / group, 2 * (group - 1)) if op == "all-reduce" else
+        ((group - 1) / group, group - 1))
     sent = factor * size
     seconds = sent / cluster.collective_bw(spans_nodes) + calls * hops * cluster.latency(spans_nodes)
     return {"op": op, "bytes": sent * per_step, "seconds": seconds * per_step, "per_step": per_step}
@@ -266,8 +266,8 @@ def data_parallel(job: Job, name: str) -> Strategy:
         st.collectives = [ag, rs]
         ag_each, rs_each = ag["seconds"] / (2 * a), rs["seconds"] / a
         st.step_s = a * (_overlap(job, fwd, ag_each, unit) + _overlap(job, bwd, ag_each + rs_each, unit))
-    st.optimizer_s = psi / (n if stage >= 1 else 1) * OPTIMIZER_TRAFFIC[(job.optimizer, c.device.fused_optimizer)] \
-        / c.mem_bw()
+    st.optimizer_s = (psi / (n if stage >= 1 else 1) * OPTIMIZER_TRAFFIC[(job.optimizer, c.device.fused_optimizer)]
+        / c.mem_bw())
     st.step_s += st.optimizer_s
     st.samples_per_step = b * a * n
     return _finish(job, st)

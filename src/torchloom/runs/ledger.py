@@ -358,8 +358,8 @@ def deletable(tree: Tree, key: str, inputs: list[str] = (), under: str = "") -> 
     late = {rel: o for rel, o in found.late.items() if rel in foreign}
     named = [f"{rel} (an input)" for rel in kept_inputs] + [rel for rel in foreign if rel not in late]
     if late:
-        also = f"; it also holds {', '.join(named[:3])}{' and more' if len(named) > 3 else ''}, which torchloom" \
-               " did not write" if named else ""
+        also = (f"; it also holds {', '.join(named[:3])}{' and more' if len(named) > 3 else ''}, which torchloom"
+               " did not write" if named else "")
         raise UserError(f"{key} {killed_line(where, late, found.beats)}{also}; not replaced, nothing deleted: look"
                         " at them, move them away, then run again, or pass another --output.dir")
     more = f" and {len(named) - 3} more" if len(named) > 3 else ""

@@ -51,8 +51,8 @@ class Run:
         self.once("writable", lambda: self.files.check_writable("output.dir"))
 
     def check_own(self) -> None:
-        """The run's place holds nothing of someone else's (RunFiles.check_own), once per run."""
-        self.once("own", self.files.check_own)
+        """The run's place holds nothing of someone else's (files.place.check_own), once per run."""
+        self.once("own", self.files.place.check_own)
 
     def once(self, check: str, answer) -> None:
         """answer() the first time this run asks `check`; a failed check raises and is asked again."""

@@ -14,17 +14,19 @@ each host works in a staging copy (RunDir.root); these verbs are the fixed point
     read(path) / write(path, data)   the file where the run lives (the store's object, not this copy's)
     delete(path)               here and on the store
     listing(path)              {name: size} of what the store holds under a path ({} for a local run)
-    stored_steps / pull_checkpoints        the store's complete checkpoints (runs/runfiles_checkpoints.py)
+    checkpoints.steps / .pull  the complete checkpoints where the run lives (runs/runfiles_checkpoints.py)
     streamed(manifest)         prepared data whose shards are read from the store (ranged reads)
     sync_copy / new_identity   the copy counts only while its record equals the store's (rundir.RUN_RECORD)
     drop_copy                  a fresh run on a store: this host's copy emptied
     adopt / pushing            a run worked on in this host's copy (a tune study): the store's taken, and pushed
                                as it goes and at the end
-    uploader / publish_part    rank 0's checkpoint uploads in the background, a rank's own part of a checkpoint
-                               (runs/runfiles_checkpoints.py); None / nothing on a local run
-    holds / check_own / replace / tree / recording   what the run holds where it lives, the own-prefix rule,
-                               --overwrite (ledger.py: what torchloom wrote) and the ledger's view of the run
-                               (runfiles_prefix.py)
+    checkpoints.uploader / .publish_part   rank 0's checkpoint uploads in the background, a rank's own part of
+                               a checkpoint; None / nothing on a local run
+    place.holds / .check_own / .replace / .tree / .recording   what the run holds where it lives, the own-prefix
+                               rule, --overwrite (ledger.py: what torchloom wrote) and the ledger's view of the run
+                               (runs/runfiles_prefix.py)
+
+The two parts (`checkpoints`, `place`) are objects of their own that RunFiles holds, each over this run's verbs.
 
 quiet=True: a failure is one warning line instead of an error (the driver judges the store by what it then sees);
 wait=False: no retrying (the caller asks again within seconds anyway), and a quiet failure is not even a warning.
@@ -47,8 +49,8 @@ from torchloom.errors import UserError, first_line
 from torchloom.jsonio import write_atomic
 from torchloom.runs import ledger
 from torchloom.runs.rundir import RunDir
-from torchloom.runs.runfiles_checkpoints import CheckpointFiles
-from torchloom.runs.runfiles_prefix import PrefixFiles, check_local_dir
+from torchloom.runs.runfiles_checkpoints import StoredCheckpoints
+from torchloom.runs.runfiles_prefix import Place, check_local_dir
 from torchloom.runs.runrecord import write_record
 from torchloom.store import storage
 from torchloom.store.errors import retrying_for, what_to_check
@@ -60,12 +62,14 @@ COMPLETE_LAST = ("meta.json", "manifest.json")
 SUMMARIES = ("manifest.json", "torchloom.json")
 
 
-class RunFiles(CheckpointFiles, PrefixFiles):
+class RunFiles:
     """A run's files (see the module's docstring). Cheap to make, and picklable: a worker makes its own."""
 
     def __init__(self, rd: RunDir | str | os.PathLike):
         self.rd = rd if isinstance(rd, RunDir) else RunDir(rd)
         self._remote = self.rd.remote
+        self.checkpoints = StoredCheckpoints(self)  # the complete checkpoints where the run lives, their uploads
+        self.place = Place(self)  # whose the place is: what it holds, the ledger's view, --overwrite
 
     def __repr__(self) -> str:
         return f"RunFiles({self.rd.where!r})"
@@ -313,7 +317,7 @@ class RunFiles(CheckpointFiles, PrefixFiles):
         if self._remote is None:
             return
         if overwrite:
-            self.replace(inputs=inputs)
+            self.place.replace(inputs=inputs)
             return
         self.sync_copy()
         self.pull(self.rd.root)
@@ -366,7 +370,7 @@ class RunFiles(CheckpointFiles, PrefixFiles):
         if self._remote is None:
             return
         if overwrite:
-            self.replace(inputs=inputs, under=path)
+            self.place.replace(inputs=inputs, under=path)
         self.push(path)
 
     def new_identity(self) -> None:

@@ -1,6 +1,6 @@
 """The store's checkpoints, as RunFiles moves them: which complete ones the store holds, bringing them into this
-host's copy, a rank's own files of a checkpoint published, and rank 0's uploads in the background (a part of
-RunFiles, runs/runfiles.py, by job).
+host's copy, a rank's own files of a checkpoint published, and rank 0's uploads in the background
+(`RunFiles.checkpoints`, runs/runfiles.py: a part of the run's owner that holds it, not a mixin of it).
 
 CheckpointUploader: checkpoints to the store in the background, while training goes on (a run on a store). Rank 0
 writes each checkpoint to local disk as always (train/checkpoint.py), then hands the directory to
@@ -27,12 +27,16 @@ from torchloom.runs.rundir import STEP_DIR
 from torchloom.store import storage
 
 
-class CheckpointFiles:
-    """RunFiles' checkpoint verbs (it sets rd, _remote and the verbs used here: listing, sync_copy, uri)."""
+class StoredCheckpoints:
+    """The checkpoints of one run where it lives (`files.checkpoints`): built by its RunFiles, whose verbs (listing,
+    sync_copy, uri, push_as) move them."""
+
+    def __init__(self, files) -> None:
+        self.files, self.rd, self._remote = files, files.rd, files.rd.remote
 
     def uploader(self, log=None) -> CheckpointUploader | None:
         """Rank 0's uploader of each checkpoint in the background; None for a local run (nothing to move)."""
-        return CheckpointUploader(self, log) if self._remote is not None else None
+        return CheckpointUploader(self.files, log) if self._remote is not None else None
 
     def publish_part(self, written: Path, final: Path, mine: Callable[[Path], bool]) -> None:
         """A rank other than 0 wrote its part of a checkpoint (`mine`: its RNG state, its shards) into `written`:
@@ -42,7 +46,7 @@ class CheckpointFiles:
             return
         for p in sorted(written.rglob("*")):
             if p.is_file() and mine(p.relative_to(written)):
-                self.push_as(p, final / p.relative_to(written))
+                self.files.push_as(p, final / p.relative_to(written))
 
     def drop_part(self, written: Path) -> None:
         """After every rank's part is on the store: this (non-zero) rank's local copy of it goes (rank 0's copy is
@@ -50,7 +54,7 @@ class CheckpointFiles:
         if self._remote is not None:
             shutil.rmtree(written, ignore_errors=True)
 
-    def stored_steps(self) -> list[int]:
+    def steps(self) -> list[int]:
         """The steps of the complete checkpoints (those with meta.json) the run holds where it lives, newest first:
         the store's for a run on one, the directory's for a local run."""
         if self._remote is None:
@@ -58,13 +62,13 @@ class CheckpointFiles:
             return sorted((int(m.group(1)) for p in (root.iterdir() if root.is_dir() else ())
                            if (m := STEP_DIR.match(p.name)) and (p / "meta.json").is_file()), reverse=True)
         steps = set()
-        for rel in self.listing(self.rd.checkpoints):
+        for rel in self.files.listing(self.rd.checkpoints):
             name, _, rest = rel.partition("/")
             if rest == "meta.json" and (m := STEP_DIR.match(name)):
                 steps.add(int(m.group(1)))
         return sorted(steps, reverse=True)
 
-    def pull_checkpoints(self, intact: Callable[[Path], bool] | None = None) -> list[int]:
+    def pull(self, intact: Callable[[Path], bool] | None = None) -> list[int]:
         """Bring the store's complete checkpoints into the copy, newest first, each downloaded beside and renamed
         into place; returns their steps, newest first. A local copy counts only while its meta.json (which holds
         every file's sha256) equals the store's and its files are there at their sizes; a complete local
@@ -77,8 +81,8 @@ class CheckpointFiles:
         whole."""
         if self._remote is None:
             return []
-        self.sync_copy()
-        steps = self.stored_steps()
+        self.files.sync_copy()
+        steps = self.steps()
         if self.rd.checkpoints.is_dir():
             for local in self.rd.checkpoints.iterdir():
                 m = STEP_DIR.match(local.name)
@@ -87,7 +91,7 @@ class CheckpointFiles:
         found = False
         for step in steps:
             local = self.rd.checkpoint(step)
-            meta = storage.read_bytes(self.uri(local / "meta.json"))
+            meta = storage.read_bytes(self.files.uri(local / "meta.json"))
             if found:
                 if not ((local / "meta.json").is_file() and (local / "meta.json").read_bytes() == meta):
                     shutil.rmtree(local, ignore_errors=True)
@@ -97,7 +101,7 @@ class CheckpointFiles:
             if not _holds(local, meta):
                 tmp = local.with_name(f".{local.name}.{os.getpid()}.pull")
                 shutil.rmtree(tmp, ignore_errors=True)
-                storage.pull_tree(self.uri(local), tmp, only_if_changed=False)
+                storage.pull_tree(self.files.uri(local), tmp, only_if_changed=False)
                 shutil.rmtree(local, ignore_errors=True)
                 os.replace(tmp, local)
             found = intact is not None and intact(local)
@@ -106,7 +110,7 @@ class CheckpointFiles:
 
 def _holds(local: Path, meta: bytes) -> bool:
     """Does this host's checkpoint directory hold the store's (the same meta.json, every file it records there at
-    its size)? A copy of meta.json alone (pull_checkpoints) does not."""
+    its size)? A copy of meta.json alone (StoredCheckpoints.pull) does not."""
     if not (local / "meta.json").is_file() or (local / "meta.json").read_bytes() != meta:
         return False
     try:
@@ -118,7 +122,7 @@ def _holds(local: Path, meta: bytes) -> bool:
 
 
 class CheckpointUploader:
-    def __init__(self, files: CheckpointFiles, log=None):
+    def __init__(self, files, log=None):  # files: the run's RunFiles (push, listing, delete)
         self.files, self.rd = files, files.rd
         self.log = log or (lambda record: None)  # a metrics.jsonl line per finished upload
         self._thread: threading.Thread | None = None

@@ -1,6 +1,6 @@
 """Whose the run's place is, as RunFiles sees it: what the run holds where it lives, the own-prefix rule, the ledger's
-view of the run, --overwrite, and whether a local directory can be written (a part of RunFiles, runfiles.py, by
-job)."""
+view of the run, --overwrite (`RunFiles.place`, runs/runfiles.py: a part of the run's owner that holds it, not a
+mixin of it), and whether a local directory can be written."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ from torchloom.runs.store_tree import StoreTree
 from torchloom.store import storage
 
 
-class PrefixFiles:
-    """RunFiles' verbs of whose place it is (it sets rd, _remote and the verbs used here: listing, read)."""
+class Place:
+    """Whose one run's place is (`files.place`): built by its RunFiles, whose verbs (listing, read) look."""
+
+    def __init__(self, files) -> None:
+        self.files, self.rd, self._remote = files, files.rd, files.rd.remote
 
     def _objects(self) -> tuple[dict[str, int], Callable[[str], bytes | None]]:
         """The run's objects but its lease (runs/lease.py: a driver holds it before it looks whether the prefix is empty
@@ -41,7 +44,7 @@ class PrefixFiles:
         """The run holds a file, or anything under a directory, at `path` where it lives (the store's objects for a
         run on one, never this copy's)."""
         if self._remote is not None:
-            return bool(self.listing(path)) or self.read(path) is not None
+            return bool(self.files.listing(path)) or self.files.read(path) is not None
         path = Path(path)
         return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
@@ -56,7 +59,7 @@ class PrefixFiles:
         store the prefix is empty or torchloom's (its record, or a marker of torchloom's content); one line
         otherwise. Read from the store for a run on one, never from this host's copy."""
         if self._remote is None:
-            config = self.read(self.rd.config)
+            config = self.files.read(self.rd.config)
             if config is not None and not is_own_file(CONFIG_FILE, config):
                 raise UserError(f"{key} {self.rd.where}: holds a config.toml that torchloom did not write; it is left"
                                 " alone; pass another --output.dir")

@@ -1,5 +1,5 @@
 """A run's prefix on a store as the ledger sees it (ledger.Tree): its objects listed, read, written and deleted
-through the store client. RunFiles.tree hands it to the ledger for a run on a store."""
+through the store client. RunFiles.place.tree hands it to the ledger for a run on a store."""
 
 from __future__ import annotations
 

@@ -263,8 +263,8 @@ class FastPredict:
 
     def __init__(self, app, backend: Backend, max_texts: int, max_chars: int, body_limit: int,
                  api_key: str | None) -> None:
-        self.app, self.backend, self.limits, self.check = app, backend, (max_texts, max_chars, body_limit), \
-            api_key_check(api_key)
+        self.app, self.backend, self.limits, self.check = (app, backend, (max_texts, max_chars, body_limit),
+            api_key_check(api_key))
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] != "/v1/predict" or scope["method"] != "POST":

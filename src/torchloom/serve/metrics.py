@@ -92,8 +92,8 @@ def monitor_families(report: Callable[[], dict]) -> list[Family]:
 
     def accuracy():
         est = report().get("estimated_accuracy")
-        return [((bound,), est[key]) for bound, key in (("estimate", "value"), ("low", "low"), ("high", "high"))] \
-            if est else []
+        return ([((bound,), est[key]) for bound, key in (("estimate", "value"), ("low", "low"), ("high", "high"))]
+            if est else [])
 
     def shares():
         r = report()

@@ -288,8 +288,8 @@ def replica_fleet(settings: ServeSettings, threads: int):
                            monitor=lambda: holder[0].monitor_report(),
                            queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
     members = [ray_member(name, path, settings, threads, metrics) for name, path in models.items()]
-    plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else \
-        Plan({members[0].name: 100.0})
+    plan = (make_plan(list(models), settings.traffic, settings.shadow) if settings.models else
+        Plan({members[0].name: 100.0}))
 
     async def load(name: str, path: str):
         member = await asyncio.to_thread(ray_member, name, path, settings, threads, metrics)

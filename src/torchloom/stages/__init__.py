@@ -41,7 +41,7 @@ def recorded(stage: Callable[..., T]) -> Callable[..., T]:
     def call(given: Run | Config, *args, tracker=None, spark=None, **kwargs) -> T:
         run = as_run(given)  # tracker=, spark=: a Python caller's, for this call
         run = run.but(tracker=tracker or run.tracker, spark=spark or run.spark)
-        with run.files.recording():
+        with run.files.place.recording():
             return stage(run, *args, **kwargs)
 
     return call
@@ -54,7 +54,7 @@ def save_config(run: Run) -> None:
     try:
         rd.root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"output.dir {rd.where}: cannot be created ({e.strerror}); pass another --output.dir") \
-            from None
+        raise UserError(f"output.dir {rd.where}: cannot be created ({e.strerror});"
+                        " pass another --output.dir") from None
     config_mod.save(cfg, rd.config)
     run.files.push(rd.config)

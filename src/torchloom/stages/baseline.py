@@ -31,7 +31,7 @@ def baseline_stage(run: Run) -> dict | None:
     from torchloom import manifest as manifest_mod
 
     files.ensure(rd.data)
-    deletable(files.tree(), "output.dir", cfg.inputs(), under="baseline")  # its arrays are replaced below
+    deletable(files.place.tree(), "output.dir", cfg.inputs(), under="baseline")  # its arrays are replaced below
     m = manifest_mod.read(rd.data)
     how, started = "the baseline", False
     try:

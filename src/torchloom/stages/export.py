@@ -18,7 +18,7 @@ def _replaceable(run: Run) -> dict | None:
     """The export replaces model/ whole: only when all of it is torchloom's (a base model kept there is refused),
     and as it is now (export_model checks again right before the swap). {path in model/: stat}."""
     files = run.files
-    vouched = set(deletable(files.tree(), "output.dir", run.cfg.inputs(), under="model"))
+    vouched = set(deletable(files.place.tree(), "output.dir", run.cfg.inputs(), under="model"))
     return None if files.on_store else {  # a store run's model/ is this host's copy (the cache's)
         rel: st for rel, st in LocalTree(run.rd.model).inventory().items() if f"model/{rel}" in vouched}
 
@@ -36,7 +36,7 @@ def export_stage(run: Run) -> dict:
     started = time.perf_counter()
     files.ensure(rd.data)
     replaceable = _replaceable(run)
-    files.pull_checkpoints()
+    files.checkpoints.pull()
     ckpt = checkpoint.select(rd.checkpoints, cfg.train.select)
     m = manifest_mod.read(rd.data)
     src = model_path(cfg.model.path)

@@ -98,13 +98,13 @@ def _recorded_inputs(files: RunFiles) -> dict:
 
 def _say_version_change(before: dict, after: dict) -> None:
     """One line when a table input was read at another version than the data it replaced."""
-    if "version" not in after or before.get("version") in (None, after["version"]) \
-            or (before.get("path"), before.get("format")) != (after.get("path"), after.get("format")):
+    if ("version" not in after or before.get("version") in (None, after["version"])
+            or (before.get("path"), before.get("format")) != (after.get("path"), after.get("format"))):
         return
     from torchloom.inputs.tables import describe
 
-    later = after["version"] > before["version"] if after.get("format") == "delta" \
-        else after.get("committed", "") > before.get("committed", "")
+    later = (after["version"] > before["version"] if after.get("format") == "delta"
+        else after.get("committed", "") > before.get("committed", ""))
     newer = "a newer" if later else "another"
     say(f"prepare: {after['path']} read at {describe(after)}, {newer} version than the"
         f" {describe(before)} this run's data was prepared from (replaced)")
@@ -120,7 +120,7 @@ def _stage_data(run: Run) -> None:
         if not cfg.output.overwrite:
             raise UserError(f"output {rd.home(rd.data)}: already exists and is not empty; pass --output.overwrite true"
                             " to replace it")
-        deletable(files.tree(), "output.dir", cfg.inputs(), under="data")  # refused now, not after the work
+        deletable(files.place.tree(), "output.dir", cfg.inputs(), under="data")  # refused now, not after the work
     files.sync_copy()
     files.drop_copy(rd.data, cfg.inputs())
 

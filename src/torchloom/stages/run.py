@@ -26,7 +26,7 @@ from torchloom.stages.train import after_training, train_stage
 def run_all(run: Run) -> dict:
     """prepare -> train -> export -> evaluate into one run dir, then a summary."""
     cfg, rd, files = run.cfg, run.rd, run.files
-    reuse = bool(cfg.train.resume) and files.holds(rd.manifest)  # a resume reuses the prepared data (the store's)
+    reuse = bool(cfg.train.resume) and files.place.holds(rd.manifest)  # a resume reuses the prepared data (the store's)
     if not reuse:
         check_input(cfg)  # every input checked before --overwrite deletes anything
     check_writable(run)  # a store answers and takes writes (one line otherwise, before any work)
@@ -45,11 +45,11 @@ def _fresh(run: Run) -> None:
     runs/lease.py) holds anything, it is refused without --overwrite, and with it what torchloom wrote there is
     replaced; a store's staging copy on this host is emptied too (RunFiles.drop_copy)."""
     cfg, files = run.cfg, run.files
-    if files.holds_anything():
+    if files.place.holds_anything():
         if not cfg.output.overwrite:
             raise UserError(f"output.dir {files.rd.where}: exists and is not empty; pass --output.overwrite true or"
                             " another --output.dir")
-        files.replace(inputs=cfg.inputs())
+        files.place.replace(inputs=cfg.inputs())
     files.drop_copy(inputs=cfg.inputs())
 
 

@@ -317,8 +317,8 @@ def pull_tree(uri: str, local_dir: str | Path, only_if_changed: bool = True, by_
         if rel in skip:
             continue
         target = local_dir / rel
-        if only_if_changed and target.is_file() and target.stat().st_size == size \
-                and (not by_time or (mtime is not None and target.stat().st_mtime_ns == mtime)):
+        if (only_if_changed and target.is_file() and target.stat().st_size == size
+                and (not by_time or (mtime is not None and target.stat().st_mtime_ns == mtime))):
             continue
         download(join(uri, rel), target)
         if by_time and mtime is not None:

@@ -127,7 +127,7 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
     sharded: every rank writes its part of the model and optimizer (torch.distributed.checkpoint).
     files: the run's files; on a store (hosts share no directory) each rank but 0 writes its own files
     on its host and uploads them itself before the barrier after which rank 0 completes the checkpoint
-    (rank 0's files go up in the background, meta.json last: RunFiles.uploader).
+    (rank 0's files go up in the background, meta.json last: RunFiles.checkpoints.uploader).
     """
     root = Path(root)
     final = root / step_name(step)
@@ -151,7 +151,8 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
             _write_torch(optimizer.state_dict(), tmp, "optimizer.pt", written)
         _write_torch(trainer_state, tmp, "trainer.pt", written)
     if files is not None and not d.is_main:  # on a store: this rank's part goes up from here (nothing locally)
-        files.publish_part(tmp, final, lambda rel: rel.name.startswith("rng-rank") or SHARDED_DIR in rel.parts)
+        files.checkpoints.publish_part(tmp, final,
+                                       lambda rel: rel.name.startswith("rng-rank") or SHARDED_DIR in rel.parts)
     d.io_barrier()
     if d.is_main:
         # Last, once every rank's files are there: their sizes and hashes, which resume and export check.
@@ -163,7 +164,7 @@ def save(d: Dist, root: str | Path, step: int, *, model, optimizer, trainer_stat
         prune(root, keep_last, keep | {step})
     d.io_barrier()
     if files is not None and not d.is_main:
-        files.drop_part(tmp)
+        files.checkpoints.drop_part(tmp)
     return final
 
 
@@ -172,8 +173,8 @@ def clear_earlier(files: RunFiles) -> None:
     checkpoints go, here and on the store, once a worker has started (a launch that fails first keeps them), so
     that neither `export` nor a later --resume takes one of them for this training's."""
     rd = files.rd
-    found = sorted({*(step for step, _ in list_checkpoints(rd.checkpoints)), *files.stored_steps()})
-    files.remove_recorded(rd.checkpoints)  # only what the run's ledger vouches for: all of it, or one line
+    found = sorted({*(step for step, _ in list_checkpoints(rd.checkpoints)), *files.checkpoints.steps()})
+    files.place.remove_recorded(rd.checkpoints)  # only what the run's ledger vouches for: all of it, or one line
     if found:
         print(f"torchloom: a fresh training (no --resume): the {len(found)} checkpoint(s) of the earlier training in"
               f" {rd.home(rd.checkpoints)} (steps {', '.join(map(str, found))}) are removed", flush=True)

@@ -168,8 +168,8 @@ class AgreedLater:
         """Collective: send this boundary's flag; whether any rank had it at the previous boundary."""
         pending = self._pending
         t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.d.control_group, async_op=True) \
-            if self.d.enabled else None
+        work = (dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.d.control_group, async_op=True)
+            if self.d.enabled else None)
         self._pending = (work, t)
         return self._answer(pending)
 

@@ -37,12 +37,12 @@ from torchloom.model.packing import packed_logits
 from torchloom.runs.runfiles import RunFiles
 from torchloom.train import optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
-from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum, any_rank
+from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum
 from torchloom.train.evaluation import evaluate
 from torchloom.train.parallelize import COMPILE_PAD, compiled_graphs, parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
-from torchloom.train.resume import Checkpointing
+from torchloom.train.resume import Checkpoints, elastic_micro_batch_of, trainer_state
 from torchloom.train.state import LogWindow, TrainState, better, class_weights, seed_everything, tag_loss
 
 WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds after their first batch
@@ -52,7 +52,7 @@ WINDOW_KEY = "window_s"  # summed with the clock's totals: the ranks' seconds af
 MIN_WINDOW_STEPS = 16
 
 
-class Trainer(Checkpointing):
+class Trainer:
     """Built once per rank from the config and the run's files (the worker's one owner of them); `fit()` starts
     where train.resume says (train/resume.py: the trainer's state in and out), runs the loop and returns this
     rank's result."""
@@ -72,8 +72,6 @@ class Trainer(Checkpointing):
                 print(f"warning: {self.precision.warning}", flush=True)
         self.files, self.rd = files, files.rd
         self.reporter = reporter or Reporter()
-        # A run on a store: rank 0 uploads each checkpoint in the background (RunFiles.uploader).
-        self.uploader = self.files.uploader(self.log) if d.is_main else None
         self.launched_at = launched_at  # wall clock of the engine's launch: time to first step counts from it
         # A run on a store: the manifest from this host's copy, the shards streamed from the store (ranged reads)
         self.manifest = self.files.streamed(read_manifest(self.rd.data))
@@ -94,6 +92,7 @@ class Trainer(Checkpointing):
         self.loss_weights = class_weights(self.manifest, self.tc.class_weights, d.device)
         # Before the optimizer is built: FSDP replaces the parameters, a pipeline stage drops the others'.
         self.par = parallelize(self.model, d, self.tc, self.manifest.tokenizer.get("max_length"), self.loss_weights)
+        self.checkpoints = Checkpoints(d, files, self.tc, self.par, self.clock, self.log)
         self.startup["model_load_s"] = time.perf_counter() - t
         t = time.perf_counter()
         self.micro_batch = micro_batch_size(self.tc, d.world_size)
@@ -114,6 +113,7 @@ class Trainer(Checkpointing):
         self.first_step_s: float | None = None
         self.notice = AgreedLater(d)  # the preemption notice, shared at step boundaries
         self.resumed_from: str | None = None
+        self.resumed_world_size = self.resumed_step = None  # a resume's: the checkpoint's workers, step
         self.startup["data_s"] = time.perf_counter() - t  # the loader and the optimizer (and a resume: fit)
         if self.tc.trace_rows:
             self.rd.logs.mkdir(parents=True, exist_ok=True)
@@ -168,7 +168,7 @@ class Trainer(Checkpointing):
             self.run_eval()
         if s.last_checkpoint_step != s.step:
             self.save_checkpoint()
-        uploads = self.uploader.drain() if self.uploader else {}  # the job ends with its last upload done
+        uploads = self.checkpoints.drain()  # the job ends with its last upload done
         result = self.result(time.perf_counter() - started)
         result.uploads = uploads
         return result
@@ -361,36 +361,60 @@ class Trainer(Checkpointing):
 
     # -- preemption ----------------------------------------------------------------------------
     def preempted(self, train_s: float) -> TrainResult:
-        """Every rank is here after the same step: one checkpoint of it, if it fits in what is left of
-        train.preemption_grace_s on every rank (else the newest checkpoint stands), uploads drained."""
+        """Every rank is here after the same step: one checkpoint of it if it fits in the grace (Checkpoints.at_notice),
+        uploads drained, the notice logged."""
         self.notice.drain()
-        s, grace = self.state, self.tc.preemption_grace_s
+        s = self.state
         own = preemption.NOTICE.source if preemption.NOTICE.given else ""
         preemption.NOTICE.give("a peer's notice")  # a rank that learned it from the all-reduce: its grace starts now
         sources = [x for x in all_gather_objects(self.d, own) if x]
-        earliest = min(x for x in all_gather_objects(self.d, preemption.NOTICE.at))
-        newest, need = s.last_checkpoint_step, 1.5 * self.checkpoint_s
-        short = any_rank(self.d, s.last_checkpoint_step != s.step and need > preemption.NOTICE.left_s(grace))
-        if s.last_checkpoint_step != s.step and not short:
-            self.save_checkpoint()
-        uploads = self.uploader.drain() if self.uploader else {}
-        resume_at = s.step if not short else max(0, newest)
-        written_s = round(time.time() - earliest, 2) if not short else -1.0
+        resume_at, written_s, uploads = self.checkpoints.at_notice(s, self.save_checkpoint)
         record = {"kind": "preempted", "step": s.step, "notice": sources[0] if sources else "a notice",
                   "checkpoint_s": written_s, "resume_at_step": resume_at, "time": round(time.time(), 3)}
         self.log(record)
-        if short and self.d.is_main:
-            where = f"the newest checkpoint, step {newest}," if newest > 0 else "with no checkpoint yet, the start"
-            print(f"torchloom: preempted at step {s.step}: a checkpoint takes about {need:.0f} s, more than the"
-                  f" {preemption.NOTICE.left_s(grace):.0f} s left of train.preemption_grace_s {grace:g}; {where}"
-                  " is where the run goes on", flush=True)
         result = self.result(train_s)
         result.uploads = uploads
         result.preemptions = [{"step": s.step, "notice": record["notice"], "checkpoint_s": written_s,
                                "resumed_from_step": resume_at, "workers": 0}]
         return result
 
-    # -- resume and checkpoints ---------------------------------------------------------------
+    # -- resume and checkpoints (train/resume.py: the state contract, the Checkpoints) -------------
+    def trainer_state(self) -> dict:
+        return trainer_state(self.scheduler, self.scaler, self.loader, self.state)
+
+    def start(self) -> str | None:
+        """Where this training starts: the checkpoint's path once its weights, optimizer and state are back, or None
+        for a fresh start."""
+        loaded = self.checkpoints.start(self.model, self.optimizer)
+        if loaded is None:
+            return None
+        self.restore(loaded[1])
+        self.checkpoints.went_on(self.state.step)
+        return loaded[0]
+
+    def restore(self, ts: dict) -> None:
+        """The training where trainer_state() left it: schedule, scaler, counters, and the loader's position on these
+        workers (on others: the same global batches, elastic_micro_batch_of)."""
+        self.scheduler.load_state_dict(ts["scheduler"])
+        if self.scaler is not None and ts.get("scaler"):
+            self.scaler.load_state_dict(ts["scaler"])
+        self.state = TrainState(**ts["state"])
+        self.resumed_step, saved = self.state.step, ts["loader"]
+        self.resumed_world_size, micro = elastic_micro_batch_of(saved, self.tc, self.par, self.micro_batch)
+        if micro != self.micro_batch:
+            self.micro_batch, self.loader = micro, self.build_loader(micro)
+        if self.resumed_world_size and self.d.is_main:
+            print(f"train: resuming step {self.state.step} on {self.par.dp_size} workers (the checkpoint's run had"
+                  f" {self.resumed_world_size}): the same global batches of {self.tc.batch_size} go on, as"
+                  f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
+        if self.tc.length_bucketing == "auto" and "length_bucketing" in saved:
+            self.loader.length_bucketing = bool(saved["length_bucketing"])  # auto goes on as the run began
+        self.loader.load_state_dict(saved)
+
+    def save_checkpoint(self) -> str:
+        return self.checkpoints.save(self.state, self.model, self.optimizer, self.trainer_state(),
+                                     self.last_eval_summary())
+
     def result(self, train_s: float) -> TrainResult:
         """Collective (the clock's run totals are summed over the ranks): what this launch did. The time split is of
         the time after the first batch arrived (its read is start-up: first_batch_s)."""

@@ -4,17 +4,19 @@ The state contract is one dict, `trainer_state()`: the schedule, the scaler, the
 (TrainState); a checkpoint holds it beside the weights and the optimizer (train/checkpoint.py), and `restore()`
 takes it back. `start()` runs at the start of `fit()`, once the Trainer is whole: a fresh start (the earlier
 training's checkpoints and metrics cleared), or the checkpoint `train.resume` names, on the same workers or on others
-(the same global batches go on). Trainer (train/loop.py) is built with this part.
+(the same global batches go on). The Trainer (train/loop.py) holds a Checkpoints, not a mixin of this.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
 from torchloom.config import elastic_micro_batch
-from torchloom.train import checkpoint
+from torchloom.train import checkpoint, preemption
+from torchloom.train.distributed import all_gather_objects, any_rank
 from torchloom.train.state import TrainState
 
 
@@ -29,10 +31,10 @@ def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = (),
 
     if resume:
         return
-    steps = files.stored_steps()
+    steps = files.checkpoints.steps()
     if not steps:
-        if files.holds(files.rd.checkpoints):  # a killed training's unfinished ones: removed only by record
-            deletable(files.tree(), "output.dir", inputs, under="checkpoints")
+        if files.place.holds(files.rd.checkpoints):  # a killed training's unfinished ones: removed only by record
+            deletable(files.place.tree(), "output.dir", inputs, under="checkpoints")
         return
     if not overwrite:
         shown = ", ".join(map(str, sorted(steps)[-3:]))
@@ -40,7 +42,7 @@ def check_fresh(files, resume: str, overwrite: bool, inputs: list[str] = (),
         raise UserError(f"output.dir {files.rd.where}: holds {len(steps)} checkpoint(s) of an earlier training (steps"
                         f" {more}{shown}), which a fresh training would delete; pass {flags[0]} to go on from the"
                         f" latest, or {flags[1]} to train afresh")
-    deletable(files.tree(), "output.dir", inputs, under="checkpoints")
+    deletable(files.place.tree(), "output.dir", inputs, under="checkpoints")
 
 
 def starting_point(files, d, resume: str) -> Path | None:
@@ -50,7 +52,7 @@ def starting_point(files, d, resume: str) -> Path | None:
     resume found nothing) its checkpoints, which would otherwise be exported."""
     if resume == "latest":
         if d.local_rank == 0:
-            files.pull_checkpoints(intact=lambda p: checkpoint.damage(p) is None)
+            files.checkpoints.pull(intact=lambda p: checkpoint.damage(p) is None)
         d.io_barrier()
     path = checkpoint.resolve_once(d, resume, files.rd.checkpoints)
     if path is None and d.is_main:
@@ -64,74 +66,88 @@ def starting_point(files, d, resume: str) -> Path | None:
     return path
 
 
-class Checkpointing:
-    """The Trainer's checkpoint side (it sets d, tc, files, rd, model, optimizer, scheduler, scaler, loader, par,
-    state, micro_batch, uploader, clock and build_loader)."""
+def elastic_micro_batch_of(saved: dict, tc, par, micro_batch: int) -> tuple[int | None, int]:
+    """A resume on other workers than the checkpoint's (`saved`: its loader's state): the checkpoint's number of
+    workers (None: the same, or a pipeline) and the micro-batch that goes on. The same global batches go on; a
+    micro-batch that fit the old workers' memory is kept, with more accumulation, rather than grown."""
+    dp = par.dp_size
+    if saved.get("world_size") in (None, dp) or par.pipeline is not None:
+        return None, micro_batch
+    return int(saved["world_size"]), elastic_micro_batch(tc.batch_size, dp, micro_batch,
+                                                         int(saved.get("batch_size") or micro_batch))
 
-    resumed_world_size: int | None = None  # the checkpoint's, when it had other workers
-    resumed_step: int | None = None
-    checkpoint_s = 0.0  # the last checkpoint's write (0 before the first)
 
-    def trainer_state(self) -> dict:
-        """The state contract: what a checkpoint keeps of the training besides the weights and the optimizer."""
-        return {"scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict() if self.scaler is not None else {},
-                "loader": self.loader.state_dict(), "state": asdict(self.state)}
+def trainer_state(scheduler, scaler, loader, state: TrainState) -> dict:
+    """The state contract: what a checkpoint keeps of the training besides the weights and the optimizer."""
+    return {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else {},
+            "loader": loader.state_dict(), "state": asdict(state)}
 
-    def restore(self, ts: dict) -> None:
-        """The training where trainer_state() left it: schedule, scaler, counters, and the loader's position on
-        these workers. Elastic (other workers): the same global batches; a micro-batch that fit the old workers'
-        memory is kept, with more accumulation, rather than grown."""
-        self.scheduler.load_state_dict(ts["scheduler"])
-        if self.scaler is not None and ts.get("scaler"):
-            self.scaler.load_state_dict(ts["scaler"])
-        self.state = TrainState(**ts["state"])
-        self.resumed_step = self.state.step
-        saved, dp = ts["loader"], self.par.dp_size
-        if saved.get("world_size") not in (None, dp) and self.par.pipeline is None:
-            self.resumed_world_size = int(saved["world_size"])
-            micro = elastic_micro_batch(self.tc.batch_size, dp, self.micro_batch,
-                                        int(saved.get("batch_size") or self.micro_batch))
-            if micro != self.micro_batch:
-                self.micro_batch = micro
-                self.loader = self.build_loader(micro)
-            if self.d.is_main:
-                print(f"train: resuming step {self.state.step} on {dp} workers (the checkpoint's run had"
-                      f" {saved['world_size']}): the same global batches of {self.tc.batch_size} go on, as"
-                      f" {self.loader.accum} micro-batch(es) of {micro} per worker", flush=True)
-        if self.tc.length_bucketing == "auto" and "length_bucketing" in saved:
-            self.loader.length_bucketing = bool(saved["length_bucketing"])  # auto goes on as the run began
-        self.loader.load_state_dict(saved)
 
-    def start(self) -> str | None:
-        """Where this training starts (at the start of fit): the checkpoint's path once its weights, optimizer and
-        trainer_state are loaded, or None for a fresh start."""
+class Checkpoints:
+    """A training's checkpoints, an object its Trainer holds (`trainer.checkpoints`): where the training starts,
+    each checkpoint written (rank 0's uploaded in the background for a run on a store) and what one took. The
+    Trainer hands it the weights, the optimizer and trainer_state(); what the state holds is the Trainer's."""
+
+    def __init__(self, d, files, tc, par, clock, log) -> None:
+        self.d, self.files, self.rd, self.tc, self.par, self.clock = d, files, files.rd, tc, par, clock
+        # A run on a store: rank 0 uploads each checkpoint in the background (RunFiles.checkpoints.uploader).
+        self.uploader = files.checkpoints.uploader(log) if d.is_main else None
+        self.checkpoint_s = 0.0  # the last checkpoint's write (0 before the first): what one at a preemption takes
+
+    def start(self, model, optimizer) -> tuple[str, dict] | None:
+        """Where the training starts (at the start of fit): the checkpoint train.resume names, its weights and
+        optimizer loaded, and its trainer_state; None for a fresh start."""
         path = starting_point(self.files, self.d, self.tc.resume)
         if path is None:
             return None
-        self.restore(checkpoint.load(self.d, path, model=self.model, optimizer=self.optimizer,
-                                     sharded=self.par.sharded))
-        if self.d.is_main:  # the history goes on from the checkpoint's step (the store's lines first)
-            self.files.catch_up_metrics(self.state.step)
-            self.rd.reset_metrics(self.state.step)
-        return str(path)
+        return str(path), checkpoint.load(self.d, path, model=model, optimizer=optimizer, sharded=self.par.sharded)
 
-    def save_checkpoint(self) -> str:
-        s = self.state
+    def went_on(self, step: int) -> None:
+        """After a resume: the run's history goes on from the checkpoint's step (the store's lines first)."""
+        if self.d.is_main:
+            self.files.catch_up_metrics(step)
+            self.rd.reset_metrics(step)
+
+    def save(self, s: TrainState, model, optimizer, state: dict, eval_summary: dict) -> str:
+        """A checkpoint of step s.step (`state`: the Trainer's trainer_state()), kept by keep_last and the best."""
         s.last_checkpoint_step = s.step
         meta = {"epoch": s.epoch, "samples_seen": s.samples_seen, "best_step": s.best_step,
-                "strategy": self.par.strategy, "eval": self.last_eval_summary()}
+                "strategy": self.par.strategy, "eval": eval_summary}
         keep = {s.best_step} if s.best_step >= 0 else set()
         # Backpressure: the previous upload finishes before this checkpoint is written (and pruned against).
         blocked = self.uploader.wait() if self.uploader else 0.0
         started = time.perf_counter()
         with self.clock.phase("checkpoint"):
             path = checkpoint.save(
-                self.d, self.rd.checkpoints, s.step, model=self.model, optimizer=self.optimizer,
-                trainer_state=self.trainer_state(), meta=meta, keep_last=self.tc.keep_last, keep=keep,
-                sharded=self.par.sharded, files=self.files,
+                self.d, self.rd.checkpoints, s.step, model=model, optimizer=optimizer, trainer_state=state,
+                meta=meta, keep_last=self.tc.keep_last, keep=keep, sharded=self.par.sharded, files=self.files,
             )
-        self.checkpoint_s = time.perf_counter() - started  # what a checkpoint at a preemption would take
+        self.checkpoint_s = time.perf_counter() - started
         if self.uploader:
             self.uploader.submit(path, blocked)
         return str(path)
+
+    def at_notice(self, s: TrainState, save: Callable[[], str]) -> tuple[int, float, dict]:
+        """Collective, every rank preempted after step s.step: one checkpoint of it (`save`) if one fits in what is
+        left of train.preemption_grace_s on every rank (else the newest checkpoint stands), uploads drained. Returns
+        the step the run goes on from, the seconds from the earliest notice to the checkpoint written (-1: none)
+        and the uploads."""
+        grace = self.tc.preemption_grace_s
+        earliest = min(x for x in all_gather_objects(self.d, preemption.NOTICE.at))
+        newest, need = s.last_checkpoint_step, 1.5 * self.checkpoint_s
+        short = any_rank(self.d, s.last_checkpoint_step != s.step and need > preemption.NOTICE.left_s(grace))
+        if s.last_checkpoint_step != s.step and not short:
+            save()
+        uploads = self.drain()
+        if short and self.d.is_main:
+            where = f"the newest checkpoint, step {newest}," if newest > 0 else "with no checkpoint yet, the start"
+            print(f"torchloom: preempted at step {s.step}: a checkpoint takes about {need:.0f} s, more than the"
+                  f" {preemption.NOTICE.left_s(grace):.0f} s left of train.preemption_grace_s {grace:g}; {where}"
+                  " is where the run goes on", flush=True)
+        if short:
+            return max(0, newest), -1.0, uploads
+        return s.step, round(time.time() - earliest, 2), uploads
+
+    def drain(self) -> dict:
+        """The job ends with its last upload done: the uploads' totals ({} for a local run, or a rank but 0)."""
+        return self.uploader.drain() if self.uploader else {}

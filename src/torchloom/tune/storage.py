@@ -169,8 +169,8 @@ def through_outages(storage, outage: Outage):
     outage.reset = getattr(session, "remove", None)
     # ...and `_get_trials`, a read that Optuna's cache (_CachedStorage) calls on its backend directly
     for name in dir(type(storage)):
-        if (not name.startswith("_") or name == "_get_trials") and callable(getattr(type(storage), name, None)) \
-                and name != "remove_session":
+        if ((not name.startswith("_") or name == "_get_trials") and callable(getattr(type(storage), name, None))
+                and name != "remove_session"):
             setattr(storage, name, retrying(getattr(storage, name)))
     return storage
 

@@ -105,8 +105,8 @@ def push_finished(files: RunFiles, sd: StudyDir, pushed: dict[str, int]) -> None
     if sd.optuna_db.is_file():
         copy = sd.root / f".optuna.db.{os.getpid()}.push.tmp"
         try:
-            with contextlib.closing(sqlite3.connect(sd.optuna_db)) as src, \
-                    contextlib.closing(sqlite3.connect(copy)) as dst:
+            with (contextlib.closing(sqlite3.connect(sd.optuna_db)) as src,
+                    contextlib.closing(sqlite3.connect(copy)) as dst):
                 src.backup(dst)
             files.push_as(copy, sd.optuna_db)
         except Exception as e:  # noqa: BLE001 - the end's push tries again
@@ -135,8 +135,8 @@ def open_study_dir(cfg: Config, backend: str) -> tuple[StudyDir, bool]:
             replace_local(sd.root, inputs=cfg.inputs())
     resuming = True
     if not marker.is_file():
-        names = {p.name for p in sd.root.iterdir() if not p.name.startswith(".") and is_content(p.name)} \
-            if sd.root.exists() else set()
+        names = ({p.name for p in sd.root.iterdir() if not p.name.startswith(".") and is_content(p.name)}
+            if sd.root.exists() else set())
         if names and marker.name not in names and sd.data.name not in names:
             raise UserError(f"output.dir {sd.where}: exists and is not a tune study;"
                             " pass another --output.dir or --overwrite")
