@@ -588,6 +588,16 @@ def test_config_prints_toml_that_loads_back(tmp_path):
     assert again.stdout == proc.stdout and "lr = 3e-05" in proc.stdout and "workers = 4" in proc.stdout
 
 
+def test_the_tracking_uri_is_one_flag_everywhere_with_the_other_spelling_as_its_alias(tmp_path):
+    """export/run/train take --tracking-uri as serve, predict and monitor do; those take --tracking.uri too."""
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    for spelled in (["--tracking-uri", store], [f"--tracking-uri={store}"], ["--tracking.uri", store]):
+        proc = torchloom("config", *spelled)
+        assert proc.returncode == 0 and f'uri = "{store}"' in proc.stdout, (spelled, proc.stderr)
+    for command in ("serve", "predict", "monitor"):
+        assert "--tracking-uri URI, --tracking.uri URI" in torchloom(command, "--help").stdout, command
+
+
 def test_every_config_key_has_one_meaning_and_docs_config_md_says_the_same():
     import dataclasses
     import re

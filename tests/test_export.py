@@ -359,3 +359,19 @@ def test_an_export_replaces_model_only_as_the_ledger_vouched_for_it_right_before
     (out / "NOTES.md").write_text("mine")
     with pytest.raises(UserError, match="NOTES.md came or changed there while exporting"):
         _check_unchanged(out, vouched)
+
+
+def test_a_registered_version_carries_the_validation_metrics_of_the_model_as_shipped(tmp_path):
+    """A mix shipped with the baseline (torchloom.json "combine" below weight 1): the version's val_accuracy is the
+    mix's, the transformer's beside it; a transformer shipped alone: the checkpoint's, as it was."""
+    from torchloom.stages.export import shipped_validation
+
+    meta = {"eval": {"accuracy": 0.976, "macro_f1": 0.97, "loss": 0.1}}
+    mixed = {"combine": {"weight": 0.6, "val_accuracy": {"transformer": 0.976, "baseline": 0.95, "shipped": 0.986}}}
+    (tmp_path / "torchloom.json").write_text(json.dumps(mixed))
+    assert shipped_validation(str(tmp_path), meta) == {"accuracy": 0.986, "accuracy_transformer": 0.976,
+                                                       "macro_f1": 0.97, "loss": 0.1}
+    (tmp_path / "torchloom.json").write_text(json.dumps({"combine": {**mixed["combine"], "weight": 1.0}}))
+    assert shipped_validation(str(tmp_path), meta) == meta["eval"]
+    (tmp_path / "torchloom.json").write_text(json.dumps({"labels": ["a", "b"]}))
+    assert shipped_validation(str(tmp_path), meta) == meta["eval"]

@@ -152,12 +152,13 @@ def test_the_drift_alert_fires_in_a_real_prometheus_and_not_before(server, tmp_p
     assert made.returncode == 0, made.stderr
     rules = out / "torchloom-rules.yml"
     check = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
-    assert check.returncode == 0 and "SUCCESS: 8 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 10 rules found" in check.stdout, check.stdout + check.stderr
     tests = subprocess.run([promtool, "test", "rules", "torchloom-rules.test.yml"], capture_output=True, text=True,
                            cwd=out)
     assert tests.returncode == 0 and "SUCCESS" in tests.stdout, tests.stdout + tests.stderr
     dashboard = json.loads((out / "torchloom-dashboard.json").read_text())
-    assert {p["title"] for p in dashboard["panels"]} >= {"Drift verdict", "Estimated accuracy (95 % interval)"}
+    assert {p["title"] for p in dashboard["panels"]} >= {"Drift verdict, per model", "A/B: traffic per model",
+                                                         "A/B: the verdict against the first model"}
     again = torchloom("monitor", "rules", "--output", str(out), "--for", "0s", "--rate-window", "1m",
                       "--error-rate", "0.02")  # its own files: replaced
     assert again.returncode == 0 and "> 0.02" in rules.read_text(), again.stderr
@@ -201,8 +202,9 @@ def test_the_drift_alert_fires_in_a_real_prometheus_and_not_before(server, tmp_p
     finally:
         prometheus.stop()
     log = server.stderr()  # a line when the verdict changes, not one per window
-    assert "WARNING torchloom.serve: monitor: drift in " in log and "monitor: no drift (last 100 texts" in log, log
-    assert log.count("monitor: no drift") == 1, log
+    name = server.client.get("/v1/labels").json()["model"]["name"]  # each line names the model
+    assert f"WARNING torchloom.serve: monitor {name}: drift in " in log, log
+    assert f"monitor {name}: no drift (last 100 texts" in log and log.count(": no drift") == 1, log
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +328,9 @@ def test_a_model_without_a_profile_serves_and_says_monitoring_is_off(monitored_m
         assert s.client.post("/v1/predict", json={"texts": ["goal"]}).status_code == 200
         report = s.client.get("/v1/monitor").json()
         assert report["state"] == "off" and "export it again" in report["reason"]
-        assert 'torchloom_monitor_state{state="off"} 1' in s.client.get("/metrics").text
+        name, version = s.client.get("/v1/labels").json()["model"].values()  # each model's gauges name both
+        assert (f'torchloom_monitor_state{{model="{name}",version="{version}",state="off"}} 1'
+                in s.client.get("/metrics").text)
     finally:
         assert s.terminate() == 0
     damaged = tmp_path / "damaged"
@@ -375,6 +379,42 @@ def test_a_dangling_link_as_the_report_is_refused_before_the_work(monitored_mode
         monitor_file(monitored_model, str(tmp_path / "no-such-input.csv"), str(out))  # before the input is read
 
 
+def test_the_batch_monitor_exits_0_3_or_2_and_its_report_names_the_model_and_the_time(monitored_model, tmp_path):
+    """`torchloom monitor` as a scheduled job: 0 no drift, 3 drift, 2 (one line, no traceback) for a usage or input
+    error, so `|| notify drift` hears only drift when it checks for 3; monitor.json says which model and when."""
+    import csv
+    from datetime import UTC, datetime
+
+    from support.owned import torchloom
+
+    def write(name: str, texts: list[str]) -> str:
+        path = tmp_path / name
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([["text"], *[[t] for t in texts]])
+        return str(path)
+
+    like, other = write("like.csv", like_validation(random.Random(7), 200)[0]), write("other.csv",
+                                                                                         shifted(random.Random(7), 200))
+    (tmp_path / "empty").mkdir()
+    started = datetime.now(UTC).replace(microsecond=0)
+    same = torchloom("monitor", "--model", monitored_model, "--input", like, "--output", str(tmp_path / "same"))
+    assert same.returncode == 0 and same.stdout.startswith("monitor: no drift"), same.stderr[-2000:]
+    report = json.loads((tmp_path / "same" / "monitor.json").read_text())
+    assert report["model_identity"]["name"] == "shop" and report["model_identity"]["version"]
+    assert started <= datetime.fromisoformat(report["at"]) <= datetime.now(UTC)
+    assert "Model shop, version " in (tmp_path / "same" / "report.md").read_text()
+    drifted = torchloom("monitor", "--model", monitored_model, "--input", other, "--output", str(tmp_path / "d"))
+    assert drifted.returncode == 3 and drifted.stdout.startswith("monitor: drift in "), drifted.stderr[-2000:]
+    for args, needle in ((["--input", str(tmp_path / "missing.csv")], "no such file or directory"),
+                         (["--input", like, "--false-alarm", "2"], "a chance, between 0 and 1"),
+                         (["--input", str(tmp_path / "empty")], "no .csv, .json"),
+                         (["--input", like, "--text-column", "body"], "body")):
+        bad = torchloom("monitor", "--model", monitored_model, *args, "--output", str(tmp_path / "bad"))
+        lines = bad.stderr.strip().splitlines()
+        assert bad.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, bad.stderr[-2000:])
+        assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()
+
+
 def test_a_new_signal_is_one_table_row_and_reaches_the_window_the_batch_report_and_the_gauges(monitored_model,
                                                                                                tmp_path, monkeypatch):
     """One row added to drift.SIGNALS (the share of texts asking a question, a value a throw-away Predictor
@@ -415,8 +455,8 @@ def test_a_new_signal_is_one_table_row_and_reaches_the_window_the_batch_report_a
     report = monitor.evaluate()
     assert report["signals"]["questions"]["drift"] and "questions" in report["drifted"], report["signals"]
     assert not report["signals"]["length"]["drift"]  # a question mark is one token more: not a length shift
-    gauges = {f.name: f.read() for f in monitor_families(lambda: report)}
-    assert (("questions",), report["signals"]["questions"]["distance"]) in gauges["torchloom_monitor_distance"]
+    gauges = {f.name: f.read() for f in monitor_families(lambda: [(("m", "1"), report)])}
+    assert (("m", "1", "questions"), report["signals"]["questions"]["distance"]) in gauges["torchloom_monitor_distance"]
 
     data = tmp_path / "asked.csv"
     with open(data, "w", newline="") as f:
@@ -432,7 +472,10 @@ def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_aft
     other words), each sent texts like its own reference through a routing key: neither drifts, in /v1/monitor's
     entry of each model and in its top-level report (the model most traffic goes to), before and after v2 is
     promoted. (Each model of a local fleet was watched against the first one's profile: v2 drifted on its own
-    reference, and the promotion raised the drift under v1's name.)"""
+    reference, and the promotion raised the drift under v1's name.) In /metrics each model has its own series (model,
+    version), and in a real Prometheus TorchloomDrift fires for v2 alone once v2 is sent v1's kind of text."""
+    from support.owned import torchloom
+
     from torchloom.monitor.profile import write_profile
 
     v2 = tmp_path / "v2" / "model"
@@ -444,6 +487,9 @@ def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_aft
     s = Server("", "--model", f"v1={monitored_model}", "--model", f"v2={v2}", "--traffic", "v1=50,v2=50",
                "--monitor-window", str(WINDOW), "--api-key", key, "--admin-key", admin, "--device", "cpu",
                log_dir=tmp_path / "log")
+    made = torchloom("monitor", "rules", "--output", str(tmp_path / "rules"), "--for", "0s", "--rate-window", "1m")
+    assert made.returncode == 0, made.stderr
+    prometheus = None
     try:
         s.client.headers.update({"Authorization": f"Bearer {key}"})
         keys = {}
@@ -466,18 +512,49 @@ def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_aft
             report = monitor(s)
             return {"top": report["state"], **{n: m["monitor"]["state"] for n, m in report["models"].items()}}
 
+        def drift_gauges() -> dict:
+            return {(m["model"], m["version"]): v for m, v in scraped(s, "torchloom_monitor_drift")}
+
         feed(2)
         deadline = time.monotonic() + 60
         while "warming_up" in states().values() and time.monotonic() < deadline:
             time.sleep(0.5)
         assert states() == {"top": "no_drift", "v1": "no_drift", "v2": "no_drift"}
+        versions = {n: m["version"] for n, m in monitor(s)["models"].items()}
+        assert drift_gauges() == {("v1", versions["v1"]): 0.0, ("v2", versions["v2"]): 0.0}
+        prometheus = Prometheus(s.url.split("://", 1)[1], tmp_path / "rules" / "torchloom-rules.yml", tmp_path)
         r = s.client.post("/v1/admin/promote", json={"model": "v2"}, headers={"Authorization": f"Bearer {admin}"})
         assert r.status_code == 200 and r.json()["traffic"]["v2"] == 100, r.text
         feed(3, names=("v2",))  # every request is v2's now: its own kind of text
         report = monitor(s)
         assert report["models"]["v2"]["traffic"] == 100 and report["models"]["v1"]["traffic"] == 0
         assert states() == {"top": "no_drift", "v1": "no_drift", "v2": "no_drift"}
+        prometheus.wait(lambda: len(prometheus.query("torchloom_monitor_drift == 0")) == 2, 30, "never scraped")
+        prometheus.wait(lambda: prometheus.alert_state("TorchloomMonitorOff") == "inactive", 10, "rules not evaluated")
+        assert prometheus.alert_state("TorchloomDrift") == "inactive"
+        rng, windows = random.Random(4), 0  # v1's kind of text to v2: v2 drifts, v1's verdict stands
+        while monitor(s)["models"]["v2"]["monitor"]["state"] != "drift":
+            windows += 1
+            assert windows <= 8, monitor(s)["models"]["v2"]
+            send(s, like_validation(rng, WINDOW // 4)[0])
+        assert drift_gauges() == {("v1", versions["v1"]): 0.0, ("v2", versions["v2"]): 1.0}
+        prometheus.wait(lambda: prometheus.alert_state("TorchloomDrift") == "firing", 30, "TorchloomDrift never fired")
+        firing = [a["labels"] for a in prometheus.client.get("/api/v1/alerts").json()["data"]["alerts"]
+                  if a["labels"]["alertname"] == "TorchloomDrift"]
+        assert [(a["model"], a["version"]) for a in firing] == [("v2", versions["v2"])], firing
     except AssertionError as e:
         raise AssertionError(f"{e}\n{s.stderr()[-2000:]}") from None
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         s.kill()
+
+
+def scraped(server: Server, family: str) -> list[tuple[dict, float]]:
+    """A family's samples in the server's /metrics: (labels, value) each."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for f in text_string_to_metric_families(server.client.get("/metrics").text):
+        if f.name == family:
+            return [(sample.labels, sample.value) for sample in f.samples]
+    return []

@@ -139,6 +139,59 @@ def test_a_registered_model_naming_a_directory_outside_its_download_is_refused(t
         _model_dir(tmp_path, "models:/reviews/1", "MODEL_DIR")
 
 
+def test_latest_is_the_newest_version_and_a_pinned_one_is_served_from_the_cache_while_the_registry_is_down(
+        registered, tmp_path):
+    """models:/NAME/latest (which MLflow reads) is the newest version; a pinned version fetched once serves from the
+    cache with one warning once the registry (a real MLflow server over the registered store) is gone; an alias
+    (which may have moved) or latest do not, each in one whole line."""
+    from support.mlflow_server import MlflowServer
+
+    store, _, _ = registered
+    cache = tmp_path / "cache"
+    server = MlflowServer(tmp_path / "server", backend=store)
+    try:
+        latest = torchloom("predict", "--model", "models:/topics/latest", "match goal", cache=cache, uri=server.url)
+        assert latest.returncode == 0 and "version 2 of topics" in latest.stderr, latest.stderr[-2000:]
+        pinned = torchloom("predict", "--model", "models:/topics/1", "match goal", cache=cache, uri=server.url)
+        assert pinned.returncode == 0, pinned.stderr[-2000:]
+    finally:
+        server.stop()
+    dead = server.url
+    offline = torchloom("predict", "--model", "models:/topics/1", "match goal", cache=cache, uri=dead)
+    assert offline.returncode == 0, offline.stderr[-2000:]
+    warned = [line for line in offline.stderr.splitlines() if "warning" in line]
+    assert len(warned) == 1 and f"the registry at {dead} does not answer" in warned[0], offline.stderr
+    assert "serving version 1 of topics from the cache" in warned[0]
+    assert json.loads(offline.stdout.splitlines()[0]) == json.loads(pinned.stdout.splitlines()[0])
+    for moving in ("models:/topics@champion", "models:/topics/latest"):
+        refused = torchloom("predict", "--model", moving, "match goal", cache=cache, uri=dead)
+        line = refused.stderr.strip().splitlines()
+        assert refused.returncode == 2 and len(line) == 1 and "does not answer" in line[0], refused.stderr
+        assert line[0].rstrip().endswith("to the right one") and ")" in line[0]  # whole: never cut mid-word
+
+
+def test_a_server_by_registry_name_answers_as_the_registered_version(registered, tmp_path):
+    """serve models:/topics@champion: the responses, the page and the monitor's gauges name the registered model
+    (topics, version 2, alias champion), not the download's directory; --tracking.uri is --tracking-uri's alias."""
+    from support.served import Server
+
+    uri, _, _ = registered
+    (tmp_path / "log").mkdir()
+    s = Server("models:/topics@champion", "--tracking.uri", uri, "--device", "cpu", "--no-tune",
+               log_dir=tmp_path / "log", env={"TORCHLOOM_CACHE": str(tmp_path / "cache")})
+    try:
+        want = {"name": "topics", "version": "2", "aliases": ["champion"], "uri": "models:/topics/2"}
+        assert s.client.get("/v1/labels").json()["model"] == want
+        r = s.client.post("/v1/predict", json={"texts": ["match goal team"]})
+        assert r.status_code == 200 and r.json()["model"] == {**want, "variant": "topics"}, r.text
+        assert s.client.get("/readyz").json()["model"] == want
+        metrics = s.client.get("/metrics").text
+        assert 'torchloom_monitor_state{model="topics",version="2",state="off"} 1' in metrics, metrics[-2000:]
+        assert "topics" in s.client.get("/").text and "artifacts" not in s.client.get("/").text
+    finally:
+        assert s.terminate() == 0, s.stderr()[-3000:]
+
+
 def test_a_read_by_name_where_no_registry_is_creates_no_database(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     done = torchloom("predict", "--model", "models:/reviews@champion", "a text", cache=tmp_path / "cache")

@@ -5,15 +5,11 @@ for in every file of the run dir, the MLflow server's store and artifacts, and t
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from support.command import torchloom
-from support.net import free_port
 
 from torchloom.model.tiny import write_tiny_model
 from torchloom.redaction import MASK, is_secret_name, redact_config, redact_text
@@ -82,27 +78,13 @@ def test_a_study_database_password_reaches_workers_through_the_environment(tmp_p
 @pytest.fixture
 def mlflow_server(tmp_path):
     """A real MLflow tracking server on 127.0.0.1 with its own store and proxied artifacts."""
-    port = free_port()
-    store = tmp_path / "mlflow-server"
-    store.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-                             "--artifacts-destination", str(store / "artifacts"), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV, start_new_session=True)
+    from support.mlflow_server import MlflowServer
+
+    server = MlflowServer(tmp_path / "mlflow-server")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    pytest.fail("the MLflow server did not start")
-                time.sleep(0.5)
-        yield port, store
+        yield server.port, tmp_path / "mlflow-server"
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(30)
+        server.stop()
 
 
 def _files_holding(root: Path, needles: list[str]) -> list[str]:

@@ -462,9 +462,9 @@ class _FailingBackend:
     """A backend that raises what it is told to: the errors a real one raises, without a model."""
 
     def __init__(self) -> None:
-        from types import SimpleNamespace
+        from torchloom.model.served import ModelIdentity
 
-        self.identity = SimpleNamespace(name="m", version="1", labels=("a", "b"))
+        self.identity = ModelIdentity(name="m", version="1", labels=("a", "b"))
         self.metrics = ServeMetrics()
         self.ready = True
         self.fleet = None  # one model (api_common.Backend)

@@ -44,6 +44,15 @@ def one_line(message: str, limit: int = LINE_LIMIT) -> str:
     return f"{line[:keep // 2]}...{line[-(keep - keep // 2):]}"
 
 
+def clipped(text: str, limit: int = 160) -> str:
+    """`text` of at most `limit` characters, cut at a word's end ("..." said), never inside a word."""
+    text = " ".join(str(text).split())
+    if len(text) <= limit:
+        return text
+    cut = text[:limit - 3].rsplit(" ", 1)[0] if " " in text[:limit - 3] else text[:limit - 3]
+    return cut.rstrip(",;:") + "..."
+
+
 def message_line(text: str) -> str:
     """The first line of a message ("" for an empty one)."""
     lines = str(text).strip().splitlines()

@@ -4,21 +4,27 @@
   to the run's MLflow run as a pyfunc model, becomes a new version of NAME, tagged with the run's directory, the
   data's fingerprint and version and the validation metrics (a `torchloom run` adds the test metrics); the alias
   moves to it.
-- `models:/NAME@alias` or `models:/NAME/VERSION`, given to predict, serve or monitor where a model directory goes:
-  the version's model is downloaded once into torchloom's private cache (keyed by the registry, the name, the
-  version and its run) and loaded from there. The registry is the tracking store: --tracking-uri, else
-  $MLFLOW_TRACKING_URI, else ./mlflow.db, as tracking.uri.
-A model that is not registered, an unknown alias or version, or a registry that does not answer: one line each.
+- `models:/NAME@alias`, `models:/NAME/VERSION` or `models:/NAME/latest` (its newest version), given to predict,
+  serve or monitor where a model directory goes: the version's model is downloaded once into torchloom's private
+  cache (keyed by the registry, the name, the version and its run) and loaded from there, with its identity beside
+  it (REGISTERED_FILE: name, version, aliases, run), which a server answers as and labels its metrics with. The
+  registry is the tracking store: --tracking-uri, else $MLFLOW_TRACKING_URI, else ./mlflow.db, as tracking.uri.
+- A pinned version (`models:/NAME/VERSION`) already in the cache is served from it while the registry does not
+  answer, with one warning; an alias or `latest` needs the registry (what it names may have moved).
+A model that is not registered, an unknown alias or version, or a registry that does not answer: one line each;
+a lookup never creates a registry (no ./mlflow.db where there was none).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 from pathlib import Path
 
-from torchloom.errors import UserError, first_line, install_hint
+from torchloom.errors import UserError, clipped, first_line, install_hint
+from torchloom.jsonio import write_atomic
 from torchloom.redaction import redact_text
 
 PREFIX = "models:/"
@@ -45,8 +51,9 @@ def register(tracker, model_dir: Path, name: str, alias: str, tags: dict) -> dic
         if alias:
             client.set_registered_model_alias(name, alias, version.version)
     except Exception as e:  # noqa: BLE001 - one line, whatever the store says
-        raise UserError(f"export.register {name}: the registry at {where} did not take the model"
-                        f" ({redact_text(first_line(e))[:200]}); the exported model is in {model_dir}") from None
+        why = clipped(redact_text(first_line(e)), 200)
+        raise UserError(f"export.register {name}: the registry at {where} did not take the model ({why}); the"
+                        f" exported model is in {model_dir}") from None
     return {"name": name, "version": str(version.version), "alias": alias,
             "uri": f"{PREFIX}{name}@{alias}" if alias else f"{PREFIX}{name}/{version.version}"}
 
@@ -59,7 +66,8 @@ def tag_version(tracker, name: str, version: str, tags: dict) -> None:
 
 
 def parse(uri: str) -> tuple[str, str, str]:
-    """models:/NAME@alias -> (NAME, "alias", alias); models:/NAME/3 -> (NAME, "version", "3")."""
+    """models:/NAME@alias -> (NAME, "alias", alias); models:/NAME/3 -> (NAME, "version", "3"); models:/NAME/latest
+    -> (NAME, "latest", "latest"): its newest version, as MLflow reads it."""
     rest = uri[len(PREFIX):].strip("/")
     if "@" in rest:
         name, _, alias = rest.rpartition("@")
@@ -69,7 +77,10 @@ def parse(uri: str) -> tuple[str, str, str]:
         name, _, version = rest.rpartition("/")
         if name and version.isdigit():
             return name, "version", version
-    raise UserError(f"{uri}: not a registered model's URI; use models:/NAME@ALIAS or models:/NAME/VERSION")
+        if name and version == "latest":
+            return name, "latest", version
+    raise UserError(f"{uri}: not a registered model's URI; use models:/NAME@ALIAS, models:/NAME/VERSION or"
+                    " models:/NAME/latest")
 
 
 def fetch(uri: str, what: str) -> Path:
@@ -79,6 +90,7 @@ def fetch(uri: str, what: str) -> Path:
         from mlflow import MlflowClient
     except ImportError:
         raise UserError(f"{what} {uri}: loading a registered model needs MLflow; {install_hint('track')}") from None
+    from torchloom.model.served import REGISTERED_FILE
     from torchloom.model_cache import fill_once
     from torchloom.tracking import quiet_mlflow, resolve_uri
 
@@ -96,7 +108,15 @@ def fetch(uri: str, what: str) -> Path:
     except ValueError as e:  # a URL its parser refuses (a `[` in a password not percent-encoded)
         raise UserError(f"{what} {uri}: the tracking URI {redact_text(store)} is not a URL MLflow reads"
                         f" ({redact_text(e)}); percent-encode what its password holds (e.g. [ as %5B)") from None
-    version = _version(client, uri, what, store, name, kind, ref)
+    try:
+        version = _version(client, uri, what, store, name, kind, ref)
+    except RegistryDown as e:
+        cached = _pinned(store, name, ref) if kind == "version" else None
+        if cached is None:
+            raise UserError(str(e)) from None
+        print(f"torchloom: {what} {uri}: warning: {e.why}; serving version {ref} of {name} from the cache",
+              file=sys.stderr, flush=True)
+        return cached
     key = hashlib.sha256(f"{redact_text(store)}\n{name}\n{version.version}\n{version.run_id}".encode()).hexdigest()[:20]
     if not version.run_id:
         raise UserError(f"{what} {uri}: version {version.version} of {name} names no MLflow run; torchloom loads the"
@@ -108,13 +128,49 @@ def fetch(uri: str, what: str) -> Path:
             client.download_artifacts(version.run_id, "model", str(tmp))
         except Exception as e:  # noqa: BLE001
             raise UserError(f"{what} {uri}: version {version.version} of {name}: its model could not be downloaded"
-                            f" from {redact_text(store)} ({redact_text(first_line(e))[:200]})") from None
+                            f" from {redact_text(store)} ({clipped(redact_text(first_line(e)), 200)})") from None
         (tmp / ".torchloom-complete").write_text(f"{name} {version.version} {version.run_id}\n")
 
     target = fill_once("registry", key, lambda entry: (entry / ".torchloom-complete").is_file(), fill)
     model = _model_dir(target, uri, what)
+    # who the model is, beside it (model/served.py reads it): the aliases as the registry has them now
+    write_atomic(model / REGISTERED_FILE, json.dumps({
+        "name": name, "version": str(version.version), "aliases": sorted(getattr(version, "aliases", None) or []),
+        "run_id": version.run_id, "registry": redact_text(store)}))
+    write_atomic(_pin_file(store, name, str(version.version)), str(model))
     print(f"torchloom: {what} {uri}: version {version.version} of {name} (run {version.run_id}), from"
           f" {redact_text(store)}", file=sys.stderr, flush=True)
+    return model
+
+
+class RegistryDown(Exception):
+    """The registry did not answer: the line to say, and why (for the warning of a version served from the cache)."""
+
+    def __init__(self, line: str, why: str) -> None:
+        super().__init__(line)
+        self.why = why
+
+
+def _pin_file(store: str, name: str, version: str) -> Path:
+    """Where the cache says which entry holds a registry's version of a model (read while the registry is down)."""
+    from torchloom.runs.rundir import cache_root
+
+    key = hashlib.sha256(f"{redact_text(store)}\n{name}\n{version}".encode()).hexdigest()[:20]
+    return cache_root() / "registry" / f".pin-{key}"
+
+
+def _pinned(store: str, name: str, version: str) -> Path | None:
+    """A version of a model this cache holds whole, by a pin file an earlier fetch wrote; None otherwise."""
+    from torchloom.model.served import REGISTERED_FILE
+
+    pin = _pin_file(store, name, version)
+    try:
+        model = Path(pin.read_text().strip())
+    except OSError:
+        return None
+    entry = next((p for p in model.parents if p.parent == pin.parent), None)
+    if entry is None or not (entry / ".torchloom-complete").is_file() or not (model / REGISTERED_FILE).is_file():
+        return None
     return model
 
 
@@ -123,7 +179,16 @@ def _version(client, uri: str, what: str, store: str, name: str, kind: str, ref:
     try:
         if kind == "alias":
             return client.get_model_version_by_alias(name, ref)
+        if kind == "latest":
+            client.get_registered_model(name)  # a name not registered: said as below
+            found = client.search_model_versions(f"name = '{name}'")
+            if not found:
+                raise UserError(f"{what} {uri}: model {name!r} has no version at {where}; register one with"
+                                f" torchloom export --register {name}")
+            return max(found, key=lambda v: int(v.version))
         return client.get_model_version(name, ref)
+    except UserError:
+        raise
     except Exception as e:  # noqa: BLE001 - each way it fails, one line
         code = getattr(e, "error_code", "")
         if code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
@@ -139,8 +204,9 @@ def _version(client, uri: str, what: str, store: str, name: str, kind: str, ref:
                                 f" export --register {name} --alias {ref}") from None
             raise UserError(f"{what} {uri}: model {name!r} has no version {ref}; see its versions in MLflow, or use"
                             f" models:/{name}@ALIAS") from None
-        raise UserError(f"{what} {uri}: the registry at {where} does not answer ({redact_text(first_line(e))[:160]});"
-                        " start it, or set --tracking-uri (or MLFLOW_TRACKING_URI) to the right one") from None
+        why = f"the registry at {where} does not answer ({clipped(redact_text(first_line(e)))})"
+        raise RegistryDown(f"{what} {uri}: {why}; start it, or set --tracking-uri (or MLFLOW_TRACKING_URI) to the"
+                           " right one", why) from None
 
 
 def _model_dir(root: Path, uri: str, what: str) -> Path:

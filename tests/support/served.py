@@ -38,13 +38,14 @@ class Server:
     """`python -m torchloom serve MODEL --port 0 ...`; the URL comes from its 'listening on' line."""
 
     def __init__(self, model: str, *args: str, log_dir: Path, ready_timeout: float = 120,
-                 local_url: bool = False) -> None:
+                 local_url: bool = False, env: dict[str, str] | None = None) -> None:
         self.stdout_path, self.stderr_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
         port = [] if "--port" in args else ["--port", "0"]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             model_args = [model] if model else []  # "": the models come as --model flags
             self.proc = subprocess.Popen([sys.executable, "-m", "torchloom", "serve", *model_args, *port, *args],
-                                         stdout=out, stderr=err, env=ENV, start_new_session=True)
+                                         stdout=out, stderr=err, env={**ENV, **(env or {})},
+                                         start_new_session=True)
         deadline = time.monotonic() + ready_timeout
         self.url = ""
         while not self.url:

@@ -14,7 +14,7 @@ from torchloom.serve.arguments import OldName
 
 
 def add_tracking_uri(sp: argparse.ArgumentParser) -> None:
-    sp.add_argument("--tracking-uri", default=None, metavar="URI",
+    sp.add_argument("--tracking-uri", "--tracking.uri", dest="tracking_uri", default=None, metavar="URI",
                     help="the MLflow registry of a models:/NAME@ALIAS model (default $MLFLOW_TRACKING_URI, else"
                          " ./mlflow.db)")
 
@@ -51,7 +51,7 @@ def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--track", action="store_true",
                     help="log the report to MLflow: a run of kind monitor with each signal's distance and threshold,"
                          " the estimated (and real) accuracy, the verdict, and report.md, monitor.json and plots/")
-    sp.add_argument("--tracking-uri", default="", metavar="URI",
+    sp.add_argument("--tracking-uri", "--tracking.uri", dest="tracking_uri", default="", metavar="URI",
                     help="with --track, and a models:/ --model: the MLflow store, as tracking.uri (default"
                          " $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")
     sp.add_argument("--experiment", default="torchloom", help="with --track: the MLflow experiment (default"

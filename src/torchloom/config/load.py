@@ -298,12 +298,18 @@ def load_toml(cfg: Config, path: str | Path) -> None:
             apply(cfg, section, key, value, f"--config {path}:")
 
 
+# Flags spelled as serve, predict and monitor spell them, for the config key they set (one spelling everywhere).
+FLAG_ALIASES = {"--tracking-uri": "--tracking.uri"}
+
+
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
-    """`--train.lr 3e-5` or `--train.lr=3e-5` into (section, key, value)."""
+    """`--train.lr 3e-5` or `--train.lr=3e-5` into (section, key, value); `--tracking-uri URI` is --tracking.uri's."""
     out = []
     i = 0
     while i < len(args):
         arg = args[i]
+        flag, eq, rest = arg.partition("=")
+        arg = FLAG_ALIASES.get(flag, flag) + eq + rest
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise UserError(f"{arg}: not an option; config overrides look like --train.lr 3e-5 (see torchloom config)")
         name, eq, value = arg[2:].partition("=")

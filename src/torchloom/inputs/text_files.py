@@ -18,8 +18,14 @@ CHUNK_ROWS = 4096  # rows read (and predicted, and written) at a time
 
 
 def input_format(path: str) -> str:
-    """csv, jsonl or parquet, from the extension (or the most common one of the files in a directory)."""
+    """csv, jsonl or parquet, from the extension (or the most common one of the files in a directory); a local path
+    that is not there is one line."""
+    from torchloom.uri import has_scheme
+
     p = Path(path)
+    if not has_scheme(path) and not p.exists():
+        raise UserError(f"--input {path}: no such file or directory; check the path (relative paths are from"
+                        f" {Path.cwd()})")
     if p.is_dir():
         seen = Counter(SUFFIX_FORMATS[f.suffix.lower()] for f in data_files(p) if f.suffix.lower() in SUFFIX_FORMATS)
         if not seen:

@@ -11,20 +11,41 @@ from torchloom.errors import UserError
 from torchloom.model.device import autocast, choose_precision, resolve_device
 from torchloom.model.export import check_exported
 
+# A registered model's identity beside its downloaded directory (registry.fetch writes it): name, version, aliases.
+REGISTERED_FILE = "torchloom-registered.json"
+
 
 @dataclass(frozen=True)
 class ModelIdentity:
-    """What a client is told about the model that answered: its name, version and labels."""
+    """What a client is told about the model that answered: its name, version and labels; a registered model's
+    aliases (as the registry had them when it was fetched) and its registry URI too."""
 
     name: str
     version: str
     labels: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    uri: str = ""  # models:/NAME/VERSION for a registered model, else ""
+
+    def brief(self) -> dict[str, Any]:
+        """The identity as responses carry it: name and version, a registered model's aliases and URI."""
+        return {"name": self.name, "version": self.version,
+                **({"aliases": list(self.aliases), "uri": self.uri} if self.uri else {})}
 
 
 def model_identity(model_dir: str, info: dict[str, Any], labels: list[str]) -> ModelIdentity:
-    """name: torchloom.json "name", else the run's name for <run>/model, else the dir name.
-    version: torchloom.json "version", else its export time, else config.json's modification time."""
+    """A registered model (REGISTERED_FILE beside it): its registry name and version. Else name: torchloom.json
+    "name", else the run's name for <run>/model, else the dir name; version: torchloom.json "version", else its
+    export time, else config.json's modification time."""
+    import json
+
     path = Path(model_dir).resolve()
+    try:
+        registered = json.loads((path / REGISTERED_FILE).read_text())
+        return ModelIdentity(name=str(registered["name"]), version=str(registered["version"]), labels=tuple(labels),
+                             aliases=tuple(str(a) for a in registered.get("aliases") or ()),
+                             uri=f"models:/{registered['name']}/{registered['version']}")
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not a registered model's download (or a damaged note of it): the directory's own identity
     name = info.get("name") or (path.parent.name if path.name == "model" and path.parent.name else path.name)
     version = info.get("version") or info.get("exported_at")
     if not version:

@@ -1,14 +1,17 @@
 """`torchloom monitor rules`: Prometheus alerting rules for a torchloom server's metrics (serve/metrics.py), their
 unit tests for `promtool test rules`, and a Grafana dashboard, written from the same few numbers.
 
-The alerts (each by job and instance, so several servers behind one Prometheus alert one by one):
-    TorchloomDrift           the monitor's verdict is drift (monitor/live.py: any signal past its threshold)
-    TorchloomAccuracyLow     even the top of the estimated accuracy's interval is under --accuracy-floor
+The alerts (each by job and instance, so several servers behind one Prometheus alert one by one; the monitor's and
+the A/B ones by model and version too, so each model of a fleet alerts on its own):
+    TorchloomDrift           a model's monitor says drift (monitor/live.py: any signal past its threshold)
+    TorchloomAccuracyLow     even the top of a model's estimated accuracy's interval is under --accuracy-floor
     TorchloomErrorRate       more than --error-rate of the requests answered 5xx
     TorchloomLatencyHigh     p99 request latency of the predict endpoints over --p99-seconds
     TorchloomQueueSaturated  the queue is more than --queue-share full (next: 429s)
     TorchloomModelErrors     the model raised on a batch or request
-    TorchloomMonitorOff      a server runs without a monitor (a model exported before profiles, or a damaged one)
+    TorchloomMonitorOff      a model is served without a monitor (exported before profiles, or a damaged one)
+    TorchloomChallengerWorse a model taking traffic is proved worse than the first model on the labels fed back
+    TorchloomChallengerBetter  a model is proved better than the first: a candidate to promote
     TorchloomDown            Prometheus cannot scrape the server (`up` of --job)
 """
 
@@ -26,6 +29,10 @@ TESTS_FILE = "torchloom-rules.test.yml"
 DASHBOARD_FILE = "torchloom-dashboard.json"
 PREDICT = 'endpoint=~"/v1/predict|/predict"'
 BY = "job, instance"
+MODEL_BY = "job, instance, model, version"  # the monitor's series: one per model behind the endpoint
+AB_BY = "job, instance, model, against"
+WHERE = "{{ $labels.instance }}"
+MODEL = "{{ $labels.instance }} {{ $labels.model }} {{ $labels.version }}"
 SERVED = 'endpoint!="/readyz"'  # a warming-up server's /readyz answers 503 by design: not an error
 
 
@@ -49,13 +56,13 @@ def alerts(limits: Limits) -> list[dict[str, Any]]:
                 "annotations": {"summary": summary, "description": description}}
 
     return [
-        rule("TorchloomDrift", f"max by ({BY}) (torchloom_monitor_drift) > 0", "warning",
-             "{{ $labels.instance }}: recent texts have drifted from the model's reference",
+        rule("TorchloomDrift", f"max by ({MODEL_BY}) (torchloom_monitor_drift) > 0", "warning",
+             f"{MODEL}: recent texts have drifted from the model's reference",
              "The monitor's window differs from the validation texts on at least one signal past its threshold"
              " (GET /v1/monitor on the server says which, and the page at / shows it)."),
         rule("TorchloomAccuracyLow",
-             f'max by ({BY}) (torchloom_monitor_estimated_accuracy{{bound="high"}}) < {limits.accuracy_floor:g}',
-             "critical", "{{ $labels.instance }}: estimated accuracy under " + f"{limits.accuracy_floor:g}",
+             f'max by ({MODEL_BY}) (torchloom_monitor_estimated_accuracy{{bound="high"}}) < {limits.accuracy_floor:g}',
+             "critical", f"{MODEL}: estimated accuracy under {limits.accuracy_floor:g}",
              "Even the top of the 95 % interval of the accuracy the model's confidence promises on recent texts is"
              " under the floor: label a sample and retrain."),
         rule("TorchloomErrorRate",
@@ -75,9 +82,19 @@ def alerts(limits: Limits) -> list[dict[str, Any]]:
         rule("TorchloomModelErrors", f"sum by ({BY}) (increase(torchloom_model_errors_total[{w}])) > 0", "critical",
              "{{ $labels.instance }}: the model failed on requests",
              "The model raised on a batch; the server's log has the traceback under each error id.", wait="0s"),
-        rule("TorchloomMonitorOff", f'max by ({BY}) (torchloom_monitor_state{{state="off"}}) > 0', "info",
-             "{{ $labels.instance }}: serving without a monitor",
+        rule("TorchloomMonitorOff", f'max by ({MODEL_BY}) (torchloom_monitor_state{{state="off"}}) > 0', "info",
+             f"{MODEL}: served without a monitor",
              "The model has no readable monitor/profile.json: export it again to monitor it."),
+        rule("TorchloomChallengerWorse",
+             f'max by ({AB_BY}) (torchloom_ab_verdict{{state="a_better"}}) > 0 and on (job, instance, model)'
+             " torchloom_model_traffic_percent > 0", "warning",
+             "{{ $labels.instance }} {{ $labels.model }}: worse than {{ $labels.against }} on the labels fed back",
+             "The sequential test says the first model is better, and this one still takes traffic: send it none"
+             " (torchloom serve's admin route, or --traffic) or roll it back.", wait="0s"),
+        rule("TorchloomChallengerBetter", f'max by ({AB_BY}) (torchloom_ab_verdict{{state="b_better"}}) > 0',
+             "info", "{{ $labels.instance }} {{ $labels.model }}: better than {{ $labels.against }} on the labels"
+             " fed back", "The sequential test says this model is better than the first: a candidate to promote.",
+             wait="0s"),
         rule("TorchloomDown", f'up{{job="{limits.job}"}} == 0', "critical",
              "{{ $labels.instance }}: the server cannot be scraped",
              "Prometheus gets no answer from /metrics."),
@@ -88,29 +105,40 @@ def rules_document(limits: Limits) -> dict[str, Any]:
     return {"groups": [{"name": "torchloom", "rules": alerts(limits)}]}
 
 
-def rules_tests(limits: Limits) -> dict[str, Any]:
-    """`promtool test rules` cases: each alert silent on a healthy series and firing on a bad one."""
-    instance, job = "server-1:8000", limits.job
-    base = f'job="{job}",instance="{instance}"'
-    by_name = {r["alert"]: r for r in alerts(limits)}
-    wait = _minutes(limits.wait)
-    eval_at = f"{wait + 10}m"
+class _Cases:
+    """The unit tests' makings: a server's series and the alert each rule should (not) give, a minute a sample."""
 
-    def fires(name: str, series: list[dict[str, str]], labels: dict[str, str] | None = None) -> dict[str, Any]:
-        rule = by_name[name]
-        exp = {"job": job, "instance": instance, "severity": rule["labels"]["severity"], **(labels or {})}
-        annotations = {k: v.replace("{{ $labels.instance }}", instance) for k, v in rule["annotations"].items()}
+    def __init__(self, limits: Limits) -> None:
+        self.limits, self.instance, self.job = limits, "server-1:8000", limits.job
+        self.base = f'job="{self.job}",instance="{self.instance}"'
+        self.by_name = {r["alert"]: r for r in alerts(limits)}
+        wait = _minutes(limits.wait)
+        self.eval_at, self.n = f"{wait + 10}m", wait + 20
+
+    def flat(self, value) -> str:
+        return f"{value}x{self.n}"
+
+    def grow(self, step) -> str:
+        return f"0+{step}x{self.n}"
+
+    def fires(self, name: str, series: list[dict[str, str]], labels: dict[str, str] | None = None) -> dict[str, Any]:
+        rule = self.by_name[name]
+        exp = {"job": self.job, "instance": self.instance, "severity": rule["labels"]["severity"], **(labels or {})}
+        annotations = dict(rule["annotations"])
+        for key, value in exp.items():
+            annotations = {k: v.replace(f"{{{{ $labels.{key} }}}}", value) for k, v in annotations.items()}
         return {"interval": "1m", "input_series": series,
-                "alert_rule_test": [{"eval_time": eval_at, "alertname": name,
+                "alert_rule_test": [{"eval_time": self.eval_at, "alertname": name,
                                      "exp_alerts": [{"exp_labels": exp, "exp_annotations": annotations}]}]}
 
-    def silent(name: str, series: list[dict[str, str]]) -> dict[str, Any]:
+    def silent(self, name: str, series: list[dict[str, str]]) -> dict[str, Any]:
         return {"interval": "1m", "input_series": series,
-                "alert_rule_test": [{"eval_time": eval_at, "alertname": name, "exp_alerts": []}]}
+                "alert_rule_test": [{"eval_time": self.eval_at, "alertname": name, "exp_alerts": []}]}
 
-    n = wait + 20
-    flat = lambda value: f"{value}x{n}"  # noqa: E731
-    grow = lambda step: f"0+{step}x{n}"  # noqa: E731
+
+def _server_tests(c: _Cases) -> list[dict[str, Any]]:
+    """The server's alerts: errors, latency, the queue, model errors, the scrape."""
+    base, flat, grow, limits = c.base, c.flat, c.grow, c.limits
     good_requests = [{"series": f'torchloom_requests_total{{{base},endpoint="/v1/predict",status="200"}}',
                       "values": grow(100)}]
     bucket = f'torchloom_request_duration_seconds_bucket{{{base},endpoint="/v1/predict"'
@@ -119,32 +147,60 @@ def rules_tests(limits: Limits) -> dict[str, Any]:
     slow = [{"series": f'{bucket},le="0.1"}}', "values": grow(50)},
             {"series": f'{bucket},le="{limits.p99_seconds * 10:g}"}}', "values": grow(100)},
             {"series": f'{bucket},le="+Inf"}}', "values": grow(100)}]
-    accuracy = lambda high: [{"series": f'torchloom_monitor_estimated_accuracy{{{base},bound="high"}}',  # noqa: E731
-                              "values": flat(high)}]
     queue = lambda depth: [{"series": f"torchloom_queue_depth{{{base}}}", "values": flat(depth)},  # noqa: E731
                            {"series": f"torchloom_queue_capacity{{{base}}}", "values": flat(1000)}]
-    state = lambda off: [{"series": f'torchloom_monitor_state{{{base},state="off"}}', "values": flat(off)}]  # noqa: E731
-    floor = limits.accuracy_floor
-    return {"rule_files": [RULES_FILE], "evaluation_interval": "1m", "tests": [
-        silent("TorchloomDrift", [{"series": f"torchloom_monitor_drift{{{base}}}", "values": flat(0)}]),
-        fires("TorchloomDrift", [{"series": f"torchloom_monitor_drift{{{base}}}", "values": f"0 {flat(1)}"}]),
-        silent("TorchloomAccuracyLow", accuracy(min(1.0, floor + 0.05))),
-        fires("TorchloomAccuracyLow", accuracy(max(0.0, floor - 0.05))),
-        silent("TorchloomErrorRate", good_requests),
-        fires("TorchloomErrorRate", good_requests + [
+    errors = f"torchloom_model_errors_total{{{base}}}"
+    return [
+        c.silent("TorchloomErrorRate", good_requests),
+        c.fires("TorchloomErrorRate", good_requests + [
             {"series": f'torchloom_requests_total{{{base},endpoint="/v1/predict",status="500"}}',
              "values": grow(max(1, round(100 * limits.error_rate * 3)))}]),
-        silent("TorchloomLatencyHigh", fast),
-        fires("TorchloomLatencyHigh", slow),
-        silent("TorchloomQueueSaturated", queue(round(1000 * limits.queue_share / 2))),
-        fires("TorchloomQueueSaturated", queue(min(1000, round(1000 * limits.queue_share) + 50))),
-        silent("TorchloomModelErrors", [{"series": f"torchloom_model_errors_total{{{base}}}", "values": flat(3)}]),
-        fires("TorchloomModelErrors", [{"series": f"torchloom_model_errors_total{{{base}}}", "values": grow(1)}]),
-        silent("TorchloomMonitorOff", state(0)),
-        fires("TorchloomMonitorOff", state(1)),
-        silent("TorchloomDown", [{"series": f"up{{{base}}}", "values": flat(1)}]),
-        fires("TorchloomDown", [{"series": f"up{{{base}}}", "values": flat(0)}]),
-    ]}
+        c.silent("TorchloomLatencyHigh", fast),
+        c.fires("TorchloomLatencyHigh", slow),
+        c.silent("TorchloomQueueSaturated", queue(round(1000 * limits.queue_share / 2))),
+        c.fires("TorchloomQueueSaturated", queue(min(1000, round(1000 * limits.queue_share) + 50))),
+        c.silent("TorchloomModelErrors", [{"series": errors, "values": flat(3)}]),
+        c.fires("TorchloomModelErrors", [{"series": errors, "values": grow(1)}]),
+        c.silent("TorchloomDown", [{"series": f"up{{{base}}}", "values": flat(1)}]),
+        c.fires("TorchloomDown", [{"series": f"up{{{base}}}", "values": flat(0)}]),
+    ]
+
+
+def _model_tests(c: _Cases) -> list[dict[str, Any]]:
+    """The monitor's and the A/B alerts, on a fleet of two whose second model alone is bad: its alert names it,
+    the first stays silent."""
+    base, flat, floor = c.base, c.flat, c.limits.accuracy_floor
+    one, two = f'{base},model="v1",version="1"', f'{base},model="v2",version="7"'
+    second, ab = {"model": "v2", "version": "7"}, {"model": "v2", "against": "v1"}
+
+    def models(metric: str, good: str, bad: str, extra: str = "") -> list[dict[str, str]]:
+        return [{"series": f"{metric}{{{one}{extra}}}", "values": good},
+                {"series": f"{metric}{{{two}{extra}}}", "values": bad}]
+
+    accuracy = lambda high: models("torchloom_monitor_estimated_accuracy", flat(1.0), flat(high),  # noqa: E731
+                                   ',bound="high"')
+    state = lambda off: models("torchloom_monitor_state", flat(0), flat(off), ',state="off"')  # noqa: E731
+    verdict = lambda state, traffic: [  # noqa: E731
+        {"series": f'torchloom_ab_verdict{{{base},model="v2",against="v1",state="{state}"}}', "values": flat(1)},
+        {"series": f'torchloom_model_traffic_percent{{{base},model="v2"}}', "values": flat(traffic)}]
+    return [
+        c.silent("TorchloomDrift", models("torchloom_monitor_drift", flat(0), flat(0))),
+        c.fires("TorchloomDrift", models("torchloom_monitor_drift", flat(0), f"0 {flat(1)}"), second),
+        c.silent("TorchloomAccuracyLow", accuracy(min(1.0, floor + 0.05))),
+        c.fires("TorchloomAccuracyLow", accuracy(max(0.0, floor - 0.05)), second),
+        c.silent("TorchloomMonitorOff", state(0)),
+        c.fires("TorchloomMonitorOff", state(1), second),
+        c.silent("TorchloomChallengerWorse", verdict("a_better", 0)),  # worse, but it takes no traffic
+        c.fires("TorchloomChallengerWorse", verdict("a_better", 10), ab),
+        c.silent("TorchloomChallengerBetter", verdict("not_yet_known", 10)),
+        c.fires("TorchloomChallengerBetter", verdict("b_better", 10), ab),
+    ]
+
+
+def rules_tests(limits: Limits) -> dict[str, Any]:
+    """`promtool test rules` cases: each alert silent on a healthy series and firing on a bad one."""
+    c = _Cases(limits)
+    return {"rule_files": [RULES_FILE], "evaluation_interval": "1m", "tests": [*_model_tests(c), *_server_tests(c)]}
 
 
 def _minutes(duration: str) -> int:
@@ -158,23 +214,26 @@ def _minutes(duration: str) -> int:
     return -(-int(seconds) // 60)
 
 
-def dashboard(limits: Limits) -> dict[str, Any]:
-    """A Grafana dashboard (schema 39) of one server or several: traffic, latency, queue, errors, the monitor."""
-    sel = '{job="$job", instance=~"$instance"}'
+SEL = '{job="$job", instance=~"$instance"}'  # the dashboard's variables
 
-    def panel(i: int, title: str, targets: list[tuple[str, str]], unit: str = "short", kind: str = "timeseries",
-              width: int = 12, thresholds: list[tuple[str, float | None]] | None = None) -> dict[str, Any]:
-        steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
-        return {"id": i, "type": kind, "title": title, "datasource": {"type": "prometheus", "uid": "${datasource}"},
-                "gridPos": {"h": 8, "w": width, "x": (i - 1) % 2 * 12 if width == 12 else 0, "y": (i - 1) // 2 * 8},
-                "fieldConfig": {"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
-                                "overrides": []},
-                "options": {}, "targets": [{"refId": chr(65 + k), "expr": expr, "legendFormat": legend}
-                                           for k, (expr, legend) in enumerate(targets)]}
 
-    w = limits.rate_window
+def panel(i: int, title: str, targets: list[tuple[str, str]], unit: str = "short", kind: str = "timeseries",
+          width: int = 12, thresholds: list[tuple[str, float | None]] | None = None) -> dict[str, Any]:
+    """A Grafana panel, two to a row by its id."""
+    steps = [{"color": color, "value": value} for color, value in (thresholds or [("green", None)])]
+    return {"id": i, "type": kind, "title": title, "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": width, "x": (i - 1) % 2 * 12 if width == 12 else 0, "y": (i - 1) // 2 * 8},
+            "fieldConfig": {"defaults": {"unit": unit, "thresholds": {"mode": "absolute", "steps": steps}},
+                            "overrides": []},
+            "options": {}, "targets": [{"refId": chr(65 + k), "expr": expr, "legendFormat": legend}
+                                       for k, (expr, legend) in enumerate(targets)]}
+
+
+def panels(limits: Limits) -> list[dict[str, Any]]:
+    """The server's panels, each model's monitor, and the A/B row."""
+    sel, w = SEL, limits.rate_window
     predict = '{job="$job", instance=~"$instance", ' + PREDICT + "}"
-    panels = [
+    return [
         panel(1, "Texts per second", [(f"sum by (instance) (rate(torchloom_texts_total{sel}[{w}]))", "{{instance}}")]),
         panel(2, "Request latency (p50, p99)", [
             (f"histogram_quantile(0.5, sum by (instance, le) (rate(torchloom_request_duration_seconds_bucket{predict}"
@@ -186,23 +245,38 @@ def dashboard(limits: Limits) -> dict[str, Any]:
         panel(4, "Queue (share of --max-queue)", [(f"torchloom_queue_depth{sel} / torchloom_queue_capacity{sel}",
                                                     "{{instance}}")], unit="percentunit",
               thresholds=[("green", None), ("red", limits.queue_share)]),
-        panel(5, "Drift verdict", [(f"max by (instance) (torchloom_monitor_drift{sel})", "{{instance}}")],
+        panel(5, "Drift verdict, per model", [(f"max by (instance, model, version) (torchloom_monitor_drift{sel})",
+                                                "{{model}} {{version}} {{instance}}")],
               kind="stat", thresholds=[("green", None), ("red", 1)]),
-        panel(6, "Estimated accuracy (95 % interval)", [
+        panel(6, "Estimated accuracy per model (95 % interval)", [
             (f'torchloom_monitor_estimated_accuracy{{job="$job", instance=~"$instance", bound="{b}"}}',
-             f"{b} {{{{instance}}}}") for b in ("estimate", "low", "high")], unit="percentunit",
+             f"{b} {{{{model}}}} {{{{instance}}}}") for b in ("estimate", "low", "high")], unit="percentunit",
               thresholds=[("red", None), ("green", limits.accuracy_floor)]),
-        panel(7, "Signal distance / threshold (drift past 1)", [
-            (f"torchloom_monitor_distance{sel} / on (job, instance, signal) torchloom_monitor_threshold{sel}",
-             "{{signal}} {{instance}}")], thresholds=[("green", None), ("red", 1)]),
-        panel(8, "Predicted class shares", [(f"torchloom_monitor_class_share{sel}", "{{label}} {{instance}}")],
-              unit="percentunit"),
+        panel(7, "Signal distance / threshold per model (drift past 1)", [
+            (f"torchloom_monitor_distance{sel} / on (job, instance, model, version, signal)"
+             f" torchloom_monitor_threshold{sel}", "{{model}} {{signal}} {{instance}}")],
+              thresholds=[("green", None), ("red", 1)]),
+        panel(8, "Predicted class shares per model", [(f"torchloom_monitor_class_share{sel}",
+                                                       "{{model}} {{label}} {{instance}}")], unit="percentunit"),
         panel(9, "Model errors", [(f"sum by (instance) (increase(torchloom_model_errors_total{sel}[{w}]))",
                                    "{{instance}}")]),
         panel(10, "Batch size (mean texts per forward)", [
             (f"sum by (instance) (rate(torchloom_batch_size_sum{sel}[{w}])) / sum by (instance)"
              f" (rate(torchloom_batch_size_count{sel}[{w}]))", "{{instance}}")]),
+        # the A/B row: several models behind the endpoint (serve --model NAME=DIR ... --traffic)
+        panel(11, "A/B: traffic per model", [(f"torchloom_model_traffic_percent{sel}", "{{model}} {{instance}}")],
+              unit="percent"),
+        panel(12, "A/B: accuracy on the labels fed back (95 % interval)", [
+            (f'torchloom_online_accuracy{{job="$job", instance=~"$instance", bound="{b}"}}',
+             f"{b} {{{{model}}}} {{{{instance}}}}") for b in ("estimate", "low", "high")], unit="percentunit"),
+        panel(13, "A/B: the verdict against the first model", [
+            (f"torchloom_ab_verdict{sel} == 1", "{{model}} vs {{against}}: {{state}}")], kind="table", width=24),
     ]
+
+
+def dashboard(limits: Limits) -> dict[str, Any]:
+    """A Grafana dashboard (schema 39) of one server or several: traffic, latency, queue, errors, each model's
+    monitor, and an A/B row (each model's traffic, its accuracy on the labels fed back, the verdict)."""
     return {
         "title": "torchloom serving", "uid": "torchloom-serving", "schemaVersion": 39, "version": 1,
         "editable": True, "tags": ["torchloom"], "time": {"from": "now-6h", "to": "now"}, "refresh": "30s",
@@ -215,7 +289,7 @@ def dashboard(limits: Limits) -> dict[str, Any]:
              "query": 'label_values(torchloom_texts_total{job="$job"}, instance)', "includeAll": True,
              "multi": True, "allValue": ".*", "refresh": 2},
         ]},
-        "panels": panels,
+        "panels": panels(limits),
     }
 
 

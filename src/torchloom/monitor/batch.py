@@ -13,6 +13,7 @@ import io
 import json
 import os
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,8 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
         say(f"comparing a uniform sample of {len(drawn.texts)} of the {drawn.total - drawn.empty} texts (--sample)")
     started = time.perf_counter()
     result, window, reference = compare(model_dir, profile, drawn, rate, device, labels_column is not None)
-    result.update(model=str(model_dir), input=str(input_path))
+    result.update(model=str(model_dir), input=str(input_path),
+                  at=datetime.now(UTC).isoformat(timespec="seconds"))  # when: a scheduled job's reports over time
     result["seconds"] = round(time.perf_counter() - started, 2)
     _write(out, result, window, reference, profile["labels"], [input_path, model_dir])
     return result
@@ -174,6 +176,7 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
             ) -> tuple[dict[str, Any], Texts, Texts]:
     """The drawn texts scored by the model and compared with its profile: the report's JSON, and the two sides."""
     from torchloom.model.predict import Predictor
+    from torchloom.model.served import model_identity
     from torchloom.monitor.profile import REEXPORT, kernel_for, reference_texts, text_signals
 
     texts = drawn.texts
@@ -190,6 +193,8 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
     drifted = verdict(found, limits)
     estimate, low, high = estimated_accuracy(window.confidence, reference, np.asarray(profile["reference"]["correct"]))
     result: dict[str, Any] = {
+        # who was watched: a registered model's name, version and aliases, else its directory's name and export
+        "model_identity": model_identity(model_dir, predictor.info, predictor.labels).brief(),
         "texts": len(texts), "rows": drawn.total, "empty": drawn.empty,
         "sampled": len(texts) < drawn.total - drawn.empty, "reference_texts": len(reference),
         "false_alarm": rate, "drift": bool(drifted), "drifted": drifted,
@@ -257,7 +262,9 @@ def report_text(r: dict) -> str:
     est = r["estimated_accuracy"]
     verdict_line = (f"**Drift** in {', '.join(r['drifted'])}" if r["drift"] else "**No drift**")
     sampled = f" (a uniform sample of the input's {r['rows'] - r['empty']})" if r.get("sampled") else ""
+    who = r.get("model_identity") or {}
     lines = [f"# Monitor: {r['input']}", "",
+             f"Model {who.get('name', r['model'])}, version {who.get('version', '?')}; {r.get('at', '')}.", "",
              f"{verdict_line}: {r['texts']} texts{sampled} against the model's reference of {r['reference_texts']}"
              f" (validation texts), each signal's threshold set for a {r['false_alarm']:.2%} chance of a false"
              " alarm on texts like the reference.", "",

@@ -172,8 +172,8 @@ class LiveMonitor:
         est = report["estimated_accuracy"]
         what = f"drift in {', '.join(report['drifted'])}" if report["drift"] else "no drift"
         (log.warning if report["drift"] else log.info)(
-            "monitor: %s (last %d texts over %.0f s; estimated accuracy %.3f [%.3f, %.3f], %s on the reference)",
-            what, report["texts"], report.get("seconds", 0.0), est["value"], est["low"], est["high"],
+            "monitor %s: %s (last %d texts over %.0f s; estimated accuracy %.3f [%.3f, %.3f], %s on the reference)",
+            self.model, what, report["texts"], report.get("seconds", 0.0), est["value"], est["low"], est["high"],
             est["reference"])
 
     def current(self, max_age: float = 1.0) -> dict[str, Any]:

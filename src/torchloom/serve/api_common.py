@@ -212,7 +212,7 @@ def answered_by(backend: Backend, predictions: list[dict[str, Any]]) -> tuple[di
     name = predictions[0].get("model") if predictions else None
     members = backend.fleet.members if backend.fleet is not None else {}
     identity = members[name].identity if name in members else backend.identity
-    model = {"name": identity.name, "version": identity.version}
+    model = identity.brief()
     headers = {}
     if name is not None:
         model["variant"] = name

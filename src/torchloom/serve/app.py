@@ -89,8 +89,11 @@ class Prediction(BaseModel):
 
 
 class ModelInfo(BaseModel):
-    name: str
-    version: str
+    name: str = Field(description="the model's name: a registered model's registry name, else its directory's")
+    version: str = Field(description="a registered model's registry version, else its export time")
+    aliases: list[str] | None = Field(None, description="a registered model's aliases when it was fetched")
+    uri: str | None = Field(None, description="a registered model's models:/NAME/VERSION")
+    variant: str | None = Field(None, description="the model's name behind this endpoint, where several are")
 
 
 class PredictResponse(BaseModel):
@@ -207,7 +210,7 @@ def parse_texts(body: bytes, max_texts: int, max_chars: int) -> list[str]:
 def native_router(backend: Backend, max_texts: int, max_chars: int, body_limit: int) -> APIRouter:
     """The native API over `backend`: POST /v1/predict and GET /v1/labels."""
     identity = backend.identity
-    model_info = {"name": identity.name, "version": identity.version}
+    model_info = identity.brief()
     api = APIRouter()
 
     @api.get("/v1/labels", response_model=LabelsResponse)
@@ -328,7 +331,7 @@ def health_router(backend: Backend) -> APIRouter:
     async def readyz() -> Response:
         if not backend.ready:
             return error_response(503, "not_ready", "the model is warming up", {"Retry-After": "1"})
-        return JSONResponse({"status": "ready", "model": {"name": identity.name, "version": identity.version}})
+        return JSONResponse({"status": "ready", "model": identity.brief()})
 
     @api.get("/metrics", summary="Prometheus metrics", response_class=Response)
     async def metrics() -> Response:

@@ -23,7 +23,7 @@ def add_model_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("model_dir", metavar="MODEL_DIR", nargs="?",
                     help="an exported model dir (e.g. runs/bbc-minilm/model) or a registered model"
                          " (models:/NAME@ALIAS, looked up at --tracking-uri); or several models as --model flags")
-    sp.add_argument("--tracking-uri", default=None, metavar="URI",
+    sp.add_argument("--tracking-uri", "--tracking.uri", dest="tracking_uri", default=None, metavar="URI",
                     help="the MLflow registry of a models:/NAME@ALIAS model (default $MLFLOW_TRACKING_URI, else"
                          " ./mlflow.db)")
 

@@ -303,7 +303,7 @@ class Fleet:
         models = {}
         for name in self.order:
             m = self.members[name]
-            models[name] = {"name": m.identity.name, "version": m.identity.version,
+            models[name] = {**m.identity.brief(),
                             "traffic": self.plan.traffic.get(name, 0.0), "shadow": name in self.plan.shadows,
                             "online_accuracy": self.tallies[name].interval(),
                             "monitor": _brief(m.backend.monitor_report())}
@@ -386,8 +386,12 @@ class Fleet:
                 "models": {n: {"name": self.members[n].identity.name, "version": self.members[n].identity.version,
                                "path": self.members[n].path} for n in self.order}}
 
+    def monitor_reports(self) -> list[tuple[tuple[str, str], dict[str, Any]]]:
+        """Each model's name here, version and monitor report: the torchloom_monitor_* gauges' series."""
+        return [((n, self.members[n].identity.version), self.members[n].backend.monitor_report()) for n in self.order]
+
     def monitor_report(self) -> dict[str, Any]:
-        """The monitor report of the model most traffic goes to: the one the torchloom_monitor_* gauges show."""
+        """The monitor report of the model most traffic goes to (GET /v1/monitor's top level)."""
         name = max(self.order, key=lambda n: self.plan.traffic.get(n, 0.0))
         return self.members[name].backend.monitor_report()
 

@@ -74,46 +74,46 @@ class Family:
             yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
 
 
-def monitor_families(report: Callable[[], dict]) -> list[Family]:
-    """The monitor's gauges (monitor/live.py), read from its current report when scraped."""
+MonitorReports = Callable[[], list[tuple[tuple[str, str], dict]]]  # [((model, version), its report), ...]
+MODEL_LABELS = ("model", "version")
+
+
+def monitor_families(reports: MonitorReports) -> list[Family]:
+    """The monitor's gauges (monitor/live.py), one series per model behind the endpoint (labels `model`: its name
+    there, `version`: its version), read from each model's current report when scraped."""
     from torchloom.monitor.drift import signal_names
     from torchloom.monitor.live import STATES
 
+    def each(values: Callable[[dict], list[tuple[tuple[str, ...], float]]]):
+        return lambda: [(model + labels, value) for model, r in reports() for labels, value in values(r)]
+
     def signal(key: str):
-        def read():
-            r = report()
-            return [((name,), r["signals"][name][key]) for name in signal_names()
-                    if name in r.get("signals", {}) and r["signals"][name][key] is not None]
-        return read
+        return each(lambda r: [((name,), r["signals"][name][key]) for name in signal_names()
+                               if name in r.get("signals", {}) and r["signals"][name][key] is not None])
 
-    def states():
-        current = report()["state"]
-        return [((state,), float(state == current)) for state in STATES]
-
-    def accuracy():
-        est = report().get("estimated_accuracy")
+    def accuracy(r: dict):
+        est = r.get("estimated_accuracy")
         return ([((bound,), est[key]) for bound, key in (("estimate", "value"), ("low", "low"), ("high", "high"))]
-            if est else [])
+                if est else [])
 
-    def shares():
-        r = report()
-        return [((label,), s["window"]) for label, s in r.get("class_shares", {}).items()]
-
+    m = MODEL_LABELS
     return [
-        Family("torchloom_monitor_state", "1 for the monitor's state: off (no profile), warming_up (too few texts),"
-               " no_drift or drift.", ("state",), states),
-        Family("torchloom_monitor_drift", "1 while the window of recent texts has drifted from the model's reference"
-               " (any signal past its threshold), else 0.", (), lambda: [((), float(report()["drift"]))]),
-        Family("torchloom_monitor_distance", "Each signal's distance between the window and the reference.",
-               ("signal",), signal("distance")),
-        Family("torchloom_monitor_threshold", "Each signal's threshold, drawn from the reference for the chosen"
-               " false-alarm rate.", ("signal",), signal("threshold")),
-        Family("torchloom_monitor_estimated_accuracy", "Accuracy the model's confidence promises on the window"
-               " (no labels needed), with its 95 % interval.", ("bound",), accuracy),
-        Family("torchloom_monitor_window_texts", "Texts in the monitor's window.",
-               (), lambda: [((), float(report().get("texts", 0)))]),
-        Family("torchloom_monitor_class_share", "Each label's share of the window's predictions.", ("label",),
-               shares),
+        Family("torchloom_monitor_state", "1 for each model's monitor state: off (no profile), warming_up (too few"
+               " texts), no_drift or drift.", (*m, "state"),
+               each(lambda r: [((state,), float(state == r["state"])) for state in STATES])),
+        Family("torchloom_monitor_drift", "1 while a model's window of recent texts has drifted from its own"
+               " reference (any signal past its threshold), else 0.", m, each(lambda r: [((), float(r["drift"]))])),
+        Family("torchloom_monitor_distance", "Each signal's distance between a model's window and its reference.",
+               (*m, "signal"), signal("distance")),
+        Family("torchloom_monitor_threshold", "Each signal's threshold, drawn from the model's reference for the"
+               " chosen false-alarm rate.", (*m, "signal"), signal("threshold")),
+        Family("torchloom_monitor_estimated_accuracy", "Accuracy a model's confidence promises on its window"
+               " (no labels needed), with its 95 % interval.", (*m, "bound"), each(accuracy)),
+        Family("torchloom_monitor_window_texts", "Texts in a model's monitor window.", m,
+               each(lambda r: [((), float(r.get("texts", 0)))])),
+        Family("torchloom_monitor_class_share", "Each label's share of a model's window of predictions.",
+               (*m, "label"), each(lambda r: [((label,), s["window"]) for label, s in r.get("class_shares",
+                                                                                            {}).items()])),
     ]
 
 
@@ -226,9 +226,10 @@ class ServeMetrics:
     """The server's metrics: requests by endpoint and status, latency, batch sizes, queue depth, model errors."""
 
     def __init__(self, queue_depth: Callable[[], float] = lambda: 0,
-                 monitor: Callable[[], dict] | None = None, queue_capacity: float = 0,
+                 monitor: MonitorReports | None = None, queue_capacity: float = 0,
                  shared_dir: str | None = None) -> None:
-        """monitor: the monitor's current report (monitor/live.py: LiveMonitor.current, or its "off" report).
+        """monitor: each model's (name, version) and its monitor's current report (monitor/live.py:
+        LiveMonitor.current, or its "off" report).
         shared_dir: the directory the processes of one server share their values in (prometheus-client's
         multiprocess mode, for Ray Serve's replicas); None: this process's own, rendered by hand (the local
         server: one process, and the cheapest per request)."""

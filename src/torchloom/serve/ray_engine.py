@@ -70,7 +70,9 @@ class RayBackend:
                                                              self.identity.name, self.model.predictor)
         self.model.signals = self.monitor is not None
         log.info("%s", line)  # each replica watches the texts it answers
-        self.metrics = metrics or ServeMetrics(queue_depth=lambda: self._pending, monitor=self.monitor_report,
+        self.metrics = metrics or ServeMetrics(queue_depth=lambda: self._pending,
+                                               monitor=lambda: [((self.identity.name, self.identity.version),
+                                                                 self.monitor_report())],
                                                queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
         if self.monitor is not None and metrics is None:
             self.monitor.on_report = self.metrics.publish_monitor
@@ -285,7 +287,7 @@ def replica_fleet(settings: ServeSettings, threads: int):
     models = settings.models or {None: settings.model_dir}
     holder: list[Fleet] = []
     metrics = ServeMetrics(queue_depth=lambda: sum(m.backend.queued for m in holder[0].members.values()),
-                           monitor=lambda: holder[0].monitor_report(),
+                           monitor=lambda: holder[0].monitor_reports(),
                            queue_capacity=settings.max_queue, shared_dir=settings.metrics_dir)
     members = [ray_member(name, path, settings, threads, metrics) for name, path in models.items()]
     plan = (make_plan(list(models), settings.traffic, settings.shadow) if settings.models else

@@ -39,7 +39,9 @@ class LocalBackend:
                                                                           model.identity.name, model.predictor)
         model.signals = self.monitor is not None
         self.metrics = metrics or ServeMetrics(queue_depth=lambda: self.batcher.queue_depth,
-                                               monitor=self.monitor_report, queue_capacity=settings.max_queue)
+                                               monitor=lambda: [((self.identity.name, self.identity.version),
+                                                                 self.monitor_report())],
+                                               queue_capacity=settings.max_queue)
         self.batcher = MicroBatcher(model.predict_encoded, settings.max_batch_size, settings.max_wait_ms,
                                     settings.max_queue, self.metrics, adaptive_wait=not settings.fixed_wait,
                                     encode=model.encode, cost=model.cost, max_batch_tokens=settings.max_batch_tokens,
@@ -204,7 +206,7 @@ def local_fleet(settings: ServeSettings, threads: int):
     plan = make_plan(list(models), settings.traffic, settings.shadow) if settings.models else None
     holder: list[Fleet] = []
     metrics = ServeMetrics(queue_depth=lambda: holder[0].queued,
-                           monitor=lambda: holder[0].monitor_report(), queue_capacity=settings.max_queue)
+                           monitor=lambda: holder[0].monitor_reports(), queue_capacity=settings.max_queue)
     members = [local_member(name, path, settings, threads, metrics,
                             SHADOW_NICE if plan and name in plan.shadows else 0) for name, path in models.items()]
     if plan is None:

@@ -4,6 +4,7 @@ export.format), shipped alone or mixed with the baseline (export.combine)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from torchloom.config import Config
 from torchloom.console import combine_line, say
@@ -90,13 +91,28 @@ def _register(run: Run, out: str, m, meta: dict) -> dict:
     from torchloom.tracking import NullTracker
 
     cfg = run.cfg
+    val = shipped_validation(out, meta)
     tags = {"torchloom.output_dir": run.rd.where, "torchloom.data_fingerprint": m.fingerprint,
             **{f"torchloom.data_{k}": v for k, v in m.inputs.items() if k in ("path", "format", "version")},
-            **{f"val_{k}": v for k, v in (meta.get("eval") or {}).items() if isinstance(v, int | float)}}
-    done = registry.register(run.tracker or NullTracker(), out, cfg.export.register, cfg.export.alias, tags)
+            **{f"val_{k}": v for k, v in val.items()}}
+    tracker = run.tracker or NullTracker()
+    tracker.log_metrics({f"val_{k}": v for k, v in val.items()})  # the export's run shows what it shipped
+    done = registry.register(tracker, out, cfg.export.register, cfg.export.alias, tags)
     say(f"export: registered as version {done['version']} of {done['name']}"
         + (f", alias {done['alias']}" if done["alias"] else "") + f": serve it with torchloom serve {done['uri']}")
     return done
+
+
+def shipped_validation(model_dir: str, meta: dict) -> dict[str, float]:
+    """The validation metrics of the model as shipped: the checkpoint's (the transformer's), with accuracy the mix's
+    where the export ships a mix with the baseline (torchloom.json "combine"), the transformer's then beside it."""
+    val = {k: v for k, v in (meta.get("eval") or {}).items() if isinstance(v, int | float)}
+    info = read_json(Path(model_dir) / "torchloom.json") or {}
+    mixed = (info.get("combine") or {}).get("val_accuracy") or {}
+    if info.get("combine", {}).get("weight", 1.0) < 1.0 and isinstance(mixed.get("shipped"), int | float):
+        val["accuracy_transformer"] = mixed.get("transformer", val.get("accuracy"))
+        val["accuracy"] = mixed["shipped"]
+    return val
 
 
 def _profile(model_dir: str, m, cfg: Config) -> dict | None:
