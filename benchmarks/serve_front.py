@@ -106,8 +106,12 @@ class FixedBackend:
         from torchloom.serve.metrics import ServeMetrics
 
         self.identity = ModelIdentity("tiny", "2026-11-28T00:00:00+00:00", tuple(LABELS))
-        self.metrics, self.ready = ServeMetrics(), True
+        self.metrics, self.ready, self.queued = ServeMetrics(), True, 0
+        self.fleet = None  # one model (serve/api_common.Backend)
         self.answer = json.loads(fixed_answer(1))["predictions"][0]
+
+    def monitor_report(self) -> dict:
+        return {"state": "off", "reason": "a benchmark's fixed answer", "drift": False}
 
     async def start(self) -> None:
         gc.collect()

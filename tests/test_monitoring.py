@@ -301,6 +301,12 @@ def test_the_status_page_shows_the_monitor_and_answers_a_text_in_chromium(server
                    "document.getElementById('send').click(); true")
         label = browser.until("document.getElementById('label') && document.getElementById('label').textContent")
         assert label in LABELS
+        # latency as the server measured it over its last minute (not a histogram bucket's bound)
+        recent = dict((m["quantile"], v) for m, v in scraped(server, "torchloom_request_duration_recent_seconds"))
+        assert recent["count"] >= 1 and 0 < recent["0.5"] <= recent["0.99"], recent
+        p50 = browser.until("/^[0-9.]+ (ms|s)$/.test(document.getElementById('p50').textContent) &&"
+                            " document.getElementById('p50').textContent", timeout=10)
+        assert not p50.startswith(("\u2264", "\u2248")), p50
         assert browser.errors == [], browser.errors
     finally:
         browser.close()
@@ -491,6 +497,9 @@ def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_aft
     assert made.returncode == 0, made.stderr
     prometheus = None
     try:
+        for _ in range(3):  # a wrong key: refused, and logged once a minute (never the key it sent)
+            wrong = s.client.post("/v1/predict", json={"texts": ["x"]}, headers={"Authorization": "Bearer guess-1234"})
+            assert wrong.status_code == 401
         s.client.headers.update({"Authorization": f"Bearer {key}"})
         keys = {}
         for i in range(200):  # a routing key that reaches each model (a key always reaches the same one)
@@ -542,6 +551,8 @@ def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_aft
         firing = [a["labels"] for a in prometheus.client.get("/api/v1/alerts").json()["data"]["alerts"]
                   if a["labels"]["alertname"] == "TorchloomDrift"]
         assert [(a["model"], a["version"]) for a in firing] == [("v2", versions["v2"])], firing
+        refused = [line for line in s.stderr().splitlines() if "refused /v1/predict from 127.0.0.1: 401" in line]
+        assert len(refused) == 1 and "guess-1234" not in s.stderr(), refused
     except AssertionError as e:
         raise AssertionError(f"{e}\n{s.stderr()[-2000:]}") from None
     finally:

@@ -285,11 +285,37 @@ class FastPredict:
 # --- health and metrics ------------------------------------------------------------------------------------
 
 
+PREDICT_ENDPOINTS = ("/v1/predict", "/predict")
+
+
+class RefusedLog:
+    """A 401 is one log line (the client, the endpoint; never the key it sent), at most one a minute per client
+    and endpoint, with how many were refused since the last line."""
+
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, str], tuple[float, int]] = {}
+
+    def note(self, scope, endpoint: str) -> None:
+        client = (scope.get("client") or ("?", 0))[0]
+        now = time.monotonic()
+        at, count = self.last.get((client, endpoint), (-self.EVERY_S, 0))
+        if now - at < self.EVERY_S:
+            self.last[(client, endpoint)] = (at, count + 1)
+            return
+        more = f" ({count} more since the last line)" if count else ""
+        log.warning("refused %s from %s: 401, missing or wrong key%s", endpoint, client, more)
+        if len(self.last) > 10_000:  # a scan from many addresses: the oldest forgotten
+            self.last.clear()
+        self.last[(client, endpoint)] = (now, 0)
+
+
 class MetricsMiddleware:
     """Counts every HTTP response by endpoint and status and times it (pure ASGI: no per-request task)."""
 
     def __init__(self, app, metrics: ServeMetrics) -> None:
-        self.app, self.metrics = app, metrics
+        self.app, self.metrics, self.refused = app, metrics, RefusedLog()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -309,8 +335,13 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
+            seconds = time.perf_counter() - started
             self.metrics.requests.inc(endpoint, str(status))
-            self.metrics.latency.observe(time.perf_counter() - started, endpoint)
+            self.metrics.latency.observe(seconds, endpoint)
+            if status == 200 and endpoint in PREDICT_ENDPOINTS:
+                self.metrics.observe_predict(seconds)
+            elif status == 401:
+                self.refused.note(scope, endpoint)
 
 
 # The page's own script and style only, calls to this server only, in no frame of another site

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import bisect
 import math
+import time
+from collections import deque
 from collections.abc import Callable, Iterable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+RECENT_S = 60.0  # the recent latencies' span (the status page's p50 and p99)
+RECENT_MAX = 20_000  # latencies kept for it at the most (the newest)
 TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -74,47 +78,11 @@ class Family:
             yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
 
 
-MonitorReports = Callable[[], list[tuple[tuple[str, str], dict]]]  # [((model, version), its report), ...]
-MODEL_LABELS = ("model", "version")
+def monitor_families(reports) -> list[Family]:
+    """The monitor's gauges (monitor/gauges.py: one series per model and version), read when scraped."""
+    from torchloom.monitor.gauges import monitor_gauges
 
-
-def monitor_families(reports: MonitorReports) -> list[Family]:
-    """The monitor's gauges (monitor/live.py), one series per model behind the endpoint (labels `model`: its name
-    there, `version`: its version), read from each model's current report when scraped."""
-    from torchloom.monitor.drift import signal_names
-    from torchloom.monitor.live import STATES
-
-    def each(values: Callable[[dict], list[tuple[tuple[str, ...], float]]]):
-        return lambda: [(model + labels, value) for model, r in reports() for labels, value in values(r)]
-
-    def signal(key: str):
-        return each(lambda r: [((name,), r["signals"][name][key]) for name in signal_names()
-                               if name in r.get("signals", {}) and r["signals"][name][key] is not None])
-
-    def accuracy(r: dict):
-        est = r.get("estimated_accuracy")
-        return ([((bound,), est[key]) for bound, key in (("estimate", "value"), ("low", "low"), ("high", "high"))]
-                if est else [])
-
-    m = MODEL_LABELS
-    return [
-        Family("torchloom_monitor_state", "1 for each model's monitor state: off (no profile), warming_up (too few"
-               " texts), no_drift or drift.", (*m, "state"),
-               each(lambda r: [((state,), float(state == r["state"])) for state in STATES])),
-        Family("torchloom_monitor_drift", "1 while a model's window of recent texts has drifted from its own"
-               " reference (any signal past its threshold), else 0.", m, each(lambda r: [((), float(r["drift"]))])),
-        Family("torchloom_monitor_distance", "Each signal's distance between a model's window and its reference.",
-               (*m, "signal"), signal("distance")),
-        Family("torchloom_monitor_threshold", "Each signal's threshold, drawn from the model's reference for the"
-               " chosen false-alarm rate.", (*m, "signal"), signal("threshold")),
-        Family("torchloom_monitor_estimated_accuracy", "Accuracy a model's confidence promises on its window"
-               " (no labels needed), with its 95 % interval.", (*m, "bound"), each(accuracy)),
-        Family("torchloom_monitor_window_texts", "Texts in a model's monitor window.", m,
-               each(lambda r: [((), float(r.get("texts", 0)))])),
-        Family("torchloom_monitor_class_share", "Each label's share of a model's window of predictions.",
-               (*m, "label"), each(lambda r: [((label,), s["window"]) for label, s in r.get("class_shares",
-                                                                                            {}).items()])),
-    ]
+    return [Family(*gauge) for gauge in monitor_gauges(reports)]
 
 
 class Histogram:
@@ -226,7 +194,7 @@ class ServeMetrics:
     """The server's metrics: requests by endpoint and status, latency, batch sizes, queue depth, model errors."""
 
     def __init__(self, queue_depth: Callable[[], float] = lambda: 0,
-                 monitor: MonitorReports | None = None, queue_capacity: float = 0,
+                 monitor: Callable[[], list] | None = None, queue_capacity: float = 0,
                  shared_dir: str | None = None) -> None:
         """monitor: each model's (name, version) and its monitor's current report (monitor/live.py:
         LiveMonitor.current, or its "off" report).
@@ -269,6 +237,11 @@ class ServeMetrics:
         self.queue_depth = Gauge("torchloom_queue_depth", "Texts accepted and waiting for the model.", queue_depth)
         self.queue_capacity = Gauge("torchloom_queue_capacity", "Texts the queue holds at most (--max-queue): past it"
                                     " requests get 429.", lambda: queue_capacity)
+        # the predict endpoints' latencies of the last RECENT_S, measured (the page's p50 and p99, not a bucket)
+        self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT_MAX)
+        self.recent_latency = Family("torchloom_request_duration_recent_seconds", "Predict requests' latency over"
+                                     f" the last {RECENT_S:g} s, measured (this process's): p50, p99 and the count.",
+                                     ("quantile",), self._recent_quantiles)
         self.read_monitor = monitor
         self.monitor = monitor_families(monitor) if monitor is not None else []
         self.extra: list[Family] = []  # this process's own, rendered by hand in either mode (serve/fleet.py's)
@@ -283,6 +256,18 @@ class ServeMetrics:
             }
             self.shared_gauges["queue_capacity"].set(queue_capacity)
             self.shared_gauges["queue_depth"].set(0)
+
+    def observe_predict(self, seconds: float) -> None:
+        """A predict request's latency, kept for the recent quantiles (RECENT_MAX at most, the newest)."""
+        self.recent.append((time.monotonic(), seconds))
+
+    def _recent_quantiles(self) -> list[tuple[tuple[str, ...], float]]:
+        since = time.monotonic() - RECENT_S
+        values = sorted(v for at, v in self.recent if at >= since)
+        if not values:
+            return []
+        at = lambda q: values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]  # noqa: E731
+        return [(("0.5",), at(0.5)), (("0.99",), at(0.99)), (("count",), float(len(values)))]
 
     def queue_changed(self) -> None:
         """Several processes: this one's queue depth (the queue_depth it was given, read now: the sum over a
@@ -315,7 +300,7 @@ class ServeMetrics:
         for metric in (self.requests, self.latency, self.batch_size, self.batch_tokens, self.batch_seconds,
                        self.queue_seconds, self.tokenize_seconds, self.texts, self.dropped,
                        self.client_disconnects, self.warm_up_batches, self.model_errors, self.queue_depth,
-                       self.queue_capacity, *self.monitor, *self.extra):
+                       self.queue_capacity, *self.monitor, self.recent_latency, *self.extra):
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
 
@@ -326,7 +311,7 @@ class ServeMetrics:
             self.publish_monitor()  # this replica's verdict as of now; the others' as of their last evaluation
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry, path=self.shared_dir)
-        own = [line for family in self.extra for line in family.render()]
+        own = [line for family in (self.recent_latency, *self.extra) for line in family.render()]
         return generate_latest(registry).decode("utf-8") + ("\n".join(own) + "\n" if own else "")
 
 

@@ -84,9 +84,10 @@ function parseMetrics(text) {{
 }}
 const PREDICT = ["/v1/predict", "/predict"];
 function totals(samples) {{
-  const t = {{texts: 0, requests: 0, errors: 0, queue: 0, buckets: {{}}}};
+  const t = {{texts: 0, requests: 0, errors: 0, queue: 0, buckets: {{}}, recent: {{}}}};
   for (const s of samples) {{
     if (s.name === "torchloom_texts_total") t.texts = s.value;
+    else if (s.name === "torchloom_request_duration_recent_seconds") t.recent[s.labels.quantile] = s.value;
     else if (s.name === "torchloom_queue_depth") t.queue = s.value;
     else if (s.name === "torchloom_requests_total") {{
       if (PREDICT.includes(s.labels.endpoint)) t.requests += s.value;
@@ -102,8 +103,19 @@ function quantile(now, before, q) {{
   const count = (le) => now.buckets[le] - ((before && before.buckets[le]) || 0);
   const all = les.length ? count(les[les.length - 1]) : 0;
   if (!all) return "-";
-  for (const le of les) if (count(le) >= q * all) return le === "+Inf" ? "> 10 s" : "\\u2264 " + ms(Number(le));
+  let below = 0, lower = 0;
+  for (const le of les) {{
+    const c = count(le);
+    if (c >= q * all) {{  // within the bucket, as Prometheus' histogram_quantile reads it
+      if (le === "+Inf") return "> " + ms(lower);
+      return "\\u2248 " + ms(lower + (Number(le) - lower) * (q * all - below) / Math.max(1, c - below));
+    }}
+    below = c; lower = Number(le);
+  }}
   return "-";
+}}
+function latency(now, previous, q) {{  // measured by the server over its last minute; else from the histogram
+  return now.recent.count ? ms(now.recent[String(q)]) : quantile(now, previous, q);
 }}
 function ms(seconds) {{ return seconds < 1 ? Math.round(seconds * 1000) + " ms" : seconds.toFixed(1) + " s"; }}
 let previous = null;
@@ -118,8 +130,8 @@ async function traffic() {{
     const dt = (now.at - previous.at) / 1000;
     $("throughput").textContent = ((now.texts - previous.texts) / dt).toFixed(1);
     $("requests").textContent = ((now.requests - previous.requests) / dt).toFixed(1);
-    $("p50").textContent = quantile(now, previous, 0.5);
-    $("p99").textContent = quantile(now, previous, 0.99);
+    $("p50").textContent = latency(now, previous, 0.5);
+    $("p99").textContent = latency(now, previous, 0.99);
   }}
   previous = now;
 }}
