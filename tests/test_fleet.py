@@ -285,3 +285,82 @@ def test_requests_sent_while_a_model_is_replaced_are_all_answered_by_the_old_ver
         wait_for(lambda: "released a " in s.stderr())
     finally:
         s.kill()
+
+
+class Held:
+    """A backend whose answers wait until the test lets them go (`release`): a shadow slower than the labels."""
+
+    def __init__(self, labels: list[str], answer: str) -> None:
+        import asyncio
+
+        from torchloom.model.served import ModelIdentity
+
+        self.identity = ModelIdentity("m", "1", tuple(labels))
+        self.answer, self.gate = answer, asyncio.Event()
+
+    def room(self) -> int:
+        return 1000
+
+    async def predict(self, texts: list[str], **_) -> list[dict]:
+        await self.gate.wait()
+        return [{"label": self.answer, "score": 1.0} for _ in texts]
+
+
+def test_a_label_that_comes_before_the_shadow_answered_is_credited_to_it_once_it_does():
+    """Feedback is sent while the shadow still works on the text (221 of 1,124 in a real run were): it used to be
+    lost for the shadow; now the shadow is scored when its answer comes (tally, its pair with the first model,
+    the verdict), and torchloom_feedback_late_total counts it. Here the backends are stand-ins: the subject is the
+    fleet's bookkeeping, not a model."""
+    import asyncio
+
+    from torchloom.serve.fleet import Fleet, Member
+    from torchloom.serve.metrics import ServeMetrics, fleet_families
+    from torchloom.serve.split import make_plan
+
+    async def scenario() -> tuple[dict, dict, dict]:
+        first, shadow = Held(LABELS, LABELS[0]), Held(LABELS, LABELS[1])
+        first.gate.set()
+        plan = make_plan(["A", "C"], {"A": 100.0}, ["C"])
+        fleet = Fleet([Member("A", "a", first), Member("C", "c", shadow)], plan, ServeMetrics(), 100, 0.05, 0.05)
+        answers = await fleet.predict(["one", "two"])
+        early = fleet.feedback(answers[0]["id"], LABELS[1])  # the shadow has not answered yet
+        shadow.gate.set()
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if fleet.tallies["C"].labels:
+                break
+        families = {f.name: f.read() for f in fleet_families(fleet)}
+        return early, {n: (t.labels, t.right) for n, t in fleet.tallies.items()}, families
+
+    early, tallies, families = asyncio.run(scenario())
+    assert early["right"] == {"A": False}  # at the time of the label only A had answered
+    assert tallies == {"A": (1, 0), "C": (1, 1)}  # C's answer, when it came, was the label: credited
+    assert (("credited",), 1.0) in families["torchloom_feedback_late_total"]
+
+
+def test_feedback_in_bulk_over_http_and_from_a_file_with_torchloom_feedback(server, tmp_path):
+    """POST /v1/feedback with a list: each label recorded as one request would be, the refused ones by their code,
+    in order; `torchloom feedback --input FILE` sends a file's labels in such lists and says what became of them."""
+    import csv
+
+    from support.command import torchloom
+
+    predictions = server.client.post("/v1/predict", json={"texts": texts(30, seed=9)}).json()["predictions"]
+    bulk = [{"id": p["id"], "label": p["label"]} for p in predictions[:10]]
+    r = server.client.post("/v1/feedback", json=[*bulk, {"id": "0-0", "label": LABELS[0]}, bulk[0]])
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["recorded"], body["refused"]) == (10, 2)
+    assert [x.get("error", {}).get("code") for x in body["results"][-2:]] == ["unknown_id", "already_labelled"]
+    assert server.client.post("/v1/feedback", json=[{"id": "x"}]).json()["error"]["message"].startswith("item 0:")
+    labels = tmp_path / "labels.csv"
+    with open(labels, "w", newline="") as f:
+        csv.writer(f).writerows([["id", "label"], *[[p["id"], p["label"]] for p in predictions[10:]],
+                                 ["", LABELS[0]], [predictions[0]["id"], LABELS[0]]])
+    sent = torchloom("feedback", "--input", str(labels), "--url", server.url, "--batch", "7",
+                     TORCHLOOM_API_KEY=API_KEY)
+    assert sent.returncode == 0, sent.stderr[-2000:]
+    assert sent.stdout.strip() == (f"feedback: 21 labels sent to {server.url}: 20 recorded, 1 refused"
+                                   " (already_labelled 1); 1 rows without an id or a label set aside"), sent.stdout
+    wrong = torchloom("feedback", "--input", str(labels), "--url", server.url, TORCHLOOM_API_KEY="nope")
+    assert wrong.returncode == 2 and "answered 401" in wrong.stderr and "nope" not in wrong.stderr, wrong.stderr

@@ -23,6 +23,7 @@ COMMANDS = {
     "serve": "serve an exported model over HTTP: REST with dynamic batching, or Ray Serve (--serve-with ray)",
     "monitor": "compare new texts with the model's reference profile: drift report, estimated accuracy (exit 3:"
                " drift); `monitor rules`: Prometheus alerts and a Grafana dashboard for served models",
+    "feedback": "send the true labels of a server's predictions from a file to its POST /v1/feedback, in bulk",
     "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
@@ -97,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
         if name == "monitor":
             add_monitor_arguments(sp)
             continue
+        if name == "feedback":
+            from torchloom.cli.feedback import add_feedback_arguments
+
+            add_feedback_arguments(sp)
+            continue
         sp.add_argument("--config", help="a TOML file with [section] tables")
         if name in ("run", "prepare", "train", "tune"):
             sp.add_argument("--overwrite", action="store_true", help="same as --output.overwrite true")
@@ -143,6 +149,10 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         return cmd_serve(args, rest)
     if args.command == "monitor":
         return cmd_monitor(args, rest)
+    if args.command == "feedback":
+        from torchloom.cli.feedback import cmd_feedback
+
+        return cmd_feedback(args, rest)
     cfg, given = build_config(args, rest)
     if args.command == "config":
         from torchloom.config import to_toml

@@ -207,13 +207,37 @@ def _classic_conf(cfg: PrepareConfig) -> dict[str, str]:
     return conf
 
 
+def _stop_half_started(keys) -> None:
+    """A start that failed once the JVM was up: a SparkContext it made stopped, and the settings it was launched
+    with (pyspark hands them to the JVM as system properties, which every later SparkConf of this process reads)
+    taken back, so the next session of this process starts with its own settings instead of failing on these."""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    half = SparkSession._instantiatedSession  # made, then its SQL state refused a setting
+    try:
+        if half is not None:
+            half.stop()  # its context too, and pyspark forgets both
+        elif SparkContext._active_spark_context is not None:
+            SparkContext._active_spark_context.stop()
+    except Exception:  # noqa: BLE001 - a context that cannot stop is gone with its JVM anyway
+        pass
+    if SparkContext._jvm is not None:
+        for key in keys:
+            try:
+                SparkContext._jvm.java.lang.System.clearProperty(key)
+            except Exception:  # noqa: BLE001 - a JVM that is gone holds nothing
+                break
+
+
 def _classic(cfg: PrepareConfig):
     """A SparkSession with a JVM of its own; a JVM that does not start (no Java, a setting it refuses) is
     one line naming the setting, with the JVM's own reason."""
     from pyspark.sql import SparkSession
 
     builder = SparkSession.builder.master(cfg.spark_master)
-    for key, value in _classic_conf(cfg).items():
+    conf = _classic_conf(cfg)
+    for key, value in conf.items():
         builder = builder.config(key, value)
     jvm = JvmStderr()
     try:
@@ -223,6 +247,7 @@ def _classic(cfg: PrepareConfig):
             spark = builder.getOrCreate()
             spark.conf.get("spark.sql.session.timeZone")  # builds the SQL session state: a bad SQL setting fails here
     except start_errors() as e:
+        _stop_half_started(conf)
         error = start_failed(cfg, e, jvm)
         if error is None:
             raise

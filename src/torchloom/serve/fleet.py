@@ -84,7 +84,9 @@ class Fleet:
         self.feedback_size, self.alpha, self.min_effect, self.n_min = feedback_size, alpha, min_effect, n_min
         self.load = load
         self.records: OrderedDict[str, dict[str, str | None]] = OrderedDict()  # id -> {model: its label}
-        self.labelled: set[str] = set()
+        # id -> its true label, and where a shadow had not answered it yet: {shadow: its place in the outcomes}
+        self.labelled: dict[str, str] = {}
+        self.awaiting: dict[str, dict[str, int]] = {}
         self.prefix = secrets.token_hex(3)  # ids of different servers and starts never meet
         self.counter = 0
         self.tallies = {name: Tally() for name in self.order}
@@ -183,7 +185,9 @@ class Fleet:
             ids.append(i)
         while len(self.records) > self.feedback_size:
             old, _ = self.records.popitem(last=False)
-            self.labelled.discard(old)
+            self.labelled.pop(old, None)
+            if self.awaiting.pop(old, None) is not None:
+                self.count("feedback_late", "never_answered")
         return ids
 
     def watch(self, shadow: Member, texts: list[str], ids: list[str], items: list[Any] | None = None) -> None:
@@ -241,7 +245,26 @@ class Fleet:
             record = self.records.get(i)
             if record is not None:
                 record[shadow.name] = answer["label"]
+                if i in self.awaiting:  # labelled before this shadow answered: credited now
+                    self.credit_late(i, shadow.name, answer["label"])
         self.count("answers", shadow.name, "shadow", amount=len(texts))
+
+    def credit_late(self, prediction_id: str, name: str, answered: str) -> None:
+        """A shadow's answer to a text whose label came first: scored as if it had been there (its tally, and its
+        pair with the first model's answer in the outcomes), counted in torchloom_feedback_late_total."""
+        place = self.awaiting[prediction_id].pop(name, None)
+        if not self.awaiting[prediction_id]:
+            del self.awaiting[prediction_id]
+        if place is None or name not in self.tallies:
+            return
+        ok = answered == self.labelled[prediction_id]
+        self.tallies[name].labels += 1
+        self.tallies[name].right += ok
+        outcomes = self.outcomes.get(name)
+        if outcomes is not None and place < len(outcomes.b):
+            outcomes.b[place] = ok
+        self.labels_in += 1  # the verdict is worked out again
+        self.count("feedback_late", "credited")
 
     # --- feedback and the verdict --------------------------------------------------------------------------
 
@@ -264,7 +287,7 @@ class Fleet:
             self.count("feedback", "invalid_label")
             raise ApiError(422, "unknown_label", f"label {label!r} is not one of the model's labels"
                                                  f" ({', '.join(labels[:20])}); GET /v1/labels lists them")
-        self.labelled.add(prediction_id)
+        self.labelled[prediction_id] = label
         self.labels_in += 1
         self.count("feedback", "recorded")
         right = {name: answered == label for name, answered in record.items() if answered is not None}
@@ -275,7 +298,10 @@ class Fleet:
         control = self.order[0]
         for name in self.order[1:]:
             if control in right or name in right:
-                self.outcomes.setdefault(name, Outcomes()).add(right.get(control), right.get(name))
+                outcomes = self.outcomes.setdefault(name, Outcomes())
+                if name not in right and name in self.plan.shadows:  # its answer may come later
+                    self.awaiting.setdefault(prediction_id, {})[name] = len(outcomes.b)
+                outcomes.add(right.get(control), right.get(name))
         if time.monotonic() - self.verdict_at >= VERDICT_EVERY_S:
             self.judge()
         return {"id": prediction_id, "label": label, "right": right}

@@ -50,23 +50,49 @@ def body_of(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
-FEEDBACK_BODY = 64 * 1024
-FEEDBACK_EXAMPLE = 'send JSON like {"id": "<an id from /v1/predict>", "label": "<the true label>"}'
+FEEDBACK_BODY = 4 * 1024 * 1024  # a list of up to MAX_FEEDBACK labels fits
+MAX_FEEDBACK = 10_000  # labels in one bulk request
+FEEDBACK_EXAMPLE = ('send JSON like {"id": "<an id from /v1/predict>", "label": "<the true label>"}, or a list of'
+                    ' such objects')
 
 
-def parse_feedback(body: bytes) -> tuple[str, str]:
-    """(id, label) of a POST /v1/feedback body, or an ApiError naming what is wrong."""
+def parse_feedback(body: bytes) -> list[tuple[str, str]] | tuple[str, str]:
+    """(id, label) of a POST /v1/feedback body, or a list of them for a list body; an ApiError naming what is
+    wrong (in a list: the first item that is, by its index)."""
     if not body.strip():
         raise ApiError(400, "empty_body", f"the request body is empty; {FEEDBACK_EXAMPLE}")
     payload = load_json(body, FEEDBACK_EXAMPLE)
+    if isinstance(payload, list):
+        if not 1 <= len(payload) <= MAX_FEEDBACK:
+            raise ApiError(422, "invalid_request", f"a list of {len(payload)} labels; send 1 to {MAX_FEEDBACK} in"
+                                                   " one request")
+        return [_one_feedback(item, f"item {i}: ") for i, item in enumerate(payload)]
+    return _one_feedback(payload, "")
+
+
+def _one_feedback(payload, where: str) -> tuple[str, str]:
     if not isinstance(payload, dict):
-        raise ApiError(422, "invalid_request", f"the body is a JSON {json_type(payload)}, not an object;"
+        raise ApiError(422, "invalid_request", f"{where}a JSON {json_type(payload)}, not an object;"
                                                f" {FEEDBACK_EXAMPLE}")
     for key in ("id", "label"):
         if not isinstance(payload.get(key), str) or not payload[key]:
             got = "missing" if key not in payload else f"a {json_type(payload[key])}"
-            raise ApiError(422, "invalid_request", f'"{key}" is {got}, not a non-empty string; {FEEDBACK_EXAMPLE}')
+            raise ApiError(422, "invalid_request", f'{where}"{key}" is {got}, not a non-empty string;'
+                                                   f" {FEEDBACK_EXAMPLE}")
     return payload["id"], payload["label"]
+
+
+def feedback_many(fleet, items: list[tuple[str, str]]) -> dict[str, Any]:
+    """Each label of a bulk request recorded as one request would be; what each got, in order (an error by its
+    code), and the counts."""
+    results = []
+    for prediction_id, label in items:
+        try:
+            results.append(fleet.feedback(prediction_id, label))
+        except ApiError as e:
+            results.append({"id": prediction_id, "label": label, "error": {"code": e.code, "message": e.message}})
+    refused = sum("error" in r for r in results)
+    return {"recorded": len(results) - refused, "refused": refused, "results": results}
 
 
 def feedback_router(backend) -> APIRouter:
@@ -80,8 +106,10 @@ def feedback_router(backend) -> APIRouter:
     async def feedback(request: Request) -> Response:
         if backend.fleet is None:
             raise ApiError(501, "not_supported", "this server keeps no predictions for feedback")
-        prediction_id, label = parse_feedback(await read_body(request, FEEDBACK_BODY))
-        return JSONResponse(backend.feedback(prediction_id, label))
+        parsed = parse_feedback(await read_body(request, FEEDBACK_BODY))
+        if isinstance(parsed, list):  # bulk: 200 with each label's result, the ones refused named by their code
+            return JSONResponse(feedback_many(backend, parsed))
+        return JSONResponse(backend.feedback(*parsed))
 
     return api
 

@@ -349,6 +349,9 @@ def fleet_families(fleet) -> list[Family]:
                "counter"),
         Family("torchloom_feedback_total", "Labels sent to POST /v1/feedback, by result.", ("result",),
                counted("feedback"), "counter"),
+        Family("torchloom_feedback_late_total", "Labels that came before a shadow's answer: credited to it once the"
+               " answer came (result=credited), or never (never_answered: the prediction left the store first).",
+               ("result",), counted("feedback_late"), "counter"),
         Family("torchloom_online_accuracy", "Each model's accuracy on the labels fed back, with its 95 %"
                " interval.", ("model", "bound"), accuracy),
         Family("torchloom_online_labels", "Labels fed back for each model's answers.", ("model",),
