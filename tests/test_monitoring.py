@@ -296,6 +296,8 @@ def test_the_status_page_shows_the_monitor_and_answers_a_text_in_chromium(server
         state = browser.js("document.getElementById('state').textContent")
         assert state.startswith(("drift", "no drift")), state
         assert browser.js("document.querySelectorAll('#shares tbody tr').length") == len(LABELS)
+        period = browser.js("document.querySelector('#history tbody tr').textContent")  # this hour, drawn
+        assert "(now)" in period, period
         browser.until("document.getElementById('throughput').textContent !== '-'", timeout=10)
         browser.js("document.getElementById('text').value = 'goal match team league win'; "
                    "document.getElementById('send').click(); true")
@@ -419,6 +421,45 @@ def test_the_batch_monitor_exits_0_3_or_2_and_its_report_names_the_model_and_the
         lines = bad.stderr.strip().splitlines()
         assert bad.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, bad.stderr[-2000:])
         assert "Traceback" not in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_a_verdict_without_texts_goes_stale_and_says_so_and_each_period_is_kept(monitored_model, tmp_path,
+                                                                                 monkeypatch):
+    """Time, not only texts: a verdict with no text for stale_s says it is stale (the report, its reason, the
+    gauge); once the window empties with age the verdict before stands, stale; each period's record (texts, the
+    verdict, the estimated accuracy) is kept, in GET /v1/monitor's history and appended to --monitor-history's
+    file as its period ends. The clock is the test's; the monitor and the model are real."""
+    from torchloom.model.predict import Predictor
+    from torchloom.monitor import live
+    from torchloom.monitor.history import History
+    from torchloom.monitor.profile import read_profile
+    from torchloom.serve.metrics import monitor_families
+
+    clock = [1_800_000_000.0]  # on an hour's boundary
+    monkeypatch.setattr(live, "time", type("Clock", (), {"time": staticmethod(lambda: clock[0])}))
+    path = tmp_path / "history.jsonl"
+    monitor = live.LiveMonitor(read_profile(monitored_model), "shop", size=200, max_age_s=3000, stale_s=600,
+                               history=History("shop", 3600, str(path)))
+    monitor._calibrate()
+    monitor.observe(Predictor(monitored_model).predict(like_validation(random.Random(8), 200)[0], with_signals=True))
+    fresh = monitor.evaluate()
+    assert (fresh["state"], fresh["stale"], fresh["last_text_s"]) == ("no_drift", False, 0.0), fresh
+    clock[0] += 700
+    quiet = monitor.evaluate()
+    assert quiet["state"] == "no_drift" and quiet["stale"] and "no text for 700 s" in quiet["stale_reason"], quiet
+    gauges = {f.name: f.read() for f in monitor_families(lambda: [(("shop", "1"), quiet)])}
+    assert gauges["torchloom_monitor_stale"] == [(("shop", "1"), 1.0)]
+    assert gauges["torchloom_monitor_last_text_age_seconds"] == [(("shop", "1"), 700.0)]
+    assert not path.exists()  # the hour is not over
+    clock[0] += 3000  # past the window's age and the hour
+    emptied = monitor.evaluate()
+    assert (emptied["texts"], emptied["state"], emptied["stale"]) == (0, "no_drift", True), emptied
+    assert "older ones left it" in emptied["stale_reason"]
+    (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert (record["model"], record["texts"], record["state"], record["drift_seen"]) == ("shop", 200, "no_drift",
+                                                                                         False), record
+    assert record["end"] - record["start"] == 3600 and 0 <= record["estimated_accuracy"] <= 1
+    assert [h.get("open", False) for h in emptied["history"]] == [False, True]
 
 
 def test_a_new_signal_is_one_table_row_and_reaches_the_window_the_batch_report_and_the_gauges(monitored_model,

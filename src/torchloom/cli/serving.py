@@ -342,7 +342,9 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         device=args.device, precision=args.precision, runtime=args.runtime,
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
         require_api_key=args.require_api_key, monitor=args.monitor, monitor_window=args.monitor_window,
-        monitor_window_s=args.monitor_window_s, false_alarm=args.false_alarm, models=models, traffic=args.traffic,
+        monitor_window_s=args.monitor_window_s, monitor_stale_s=args.monitor_stale_s,
+        monitor_period_s=args.monitor_period_s, monitor_history=args.monitor_history, false_alarm=args.false_alarm,
+        models=models, traffic=args.traffic,
         shadow=[s.strip() for given in args.shadow for s in given.split(",") if s.strip()],
         feedback_size=args.feedback_size, min_effect=args.min_effect, verdict_alpha=args.verdict_alpha,
     ).check()

@@ -45,6 +45,11 @@ def monitor_gauges(reports: MonitorReports) -> list[tuple[str, str, tuple[str, .
          " false-alarm rate.", (*m, "signal"), signal("threshold")),
         ("torchloom_monitor_estimated_accuracy", "Accuracy a model's confidence promises on its window (no labels"
          " needed), with its 95 % interval.", (*m, "bound"), each(accuracy)),
+        ("torchloom_monitor_stale", "1 while a model's verdict is stale: no text for --monitor-stale-s, or its"
+         " window emptied with age (the verdict before stands).", m,
+         each(lambda r: [((), float(bool(r.get("stale"))))] if r["state"] != "off" else [])),
+        ("torchloom_monitor_last_text_age_seconds", "Seconds since a model's newest text.", m,
+         each(lambda r: [((), float(r["last_text_s"]))] if r.get("last_text_s") is not None else [])),
         ("torchloom_monitor_window_texts", "Texts in a model's monitor window.", m,
          each(lambda r: [((), float(r.get("texts", 0)))])),
         ("torchloom_monitor_class_share", "Each label's share of a model's window of predictions.", (*m, "label"),

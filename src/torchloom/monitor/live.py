@@ -35,19 +35,23 @@ from torchloom.monitor.drift import (
     thresholds,
     verdict,
 )
+from torchloom.monitor.history import History
 
 log = logging.getLogger("torchloom.serve")
 
 WINDOW = 500  # texts: a class share of 10 % is then known to about +-2.7 %; 4 signals drawn from 1000 reference texts
 MIN_TEXTS = 100
+STALE_S = 600.0  # a verdict with no text for this long says it is stale
 EVALUATE_EVERY_S = 1.0  # a verdict (0.4-0.7 ms) at most this often from traffic alone: under 0.1 % of a core
 STATES = ("off", "warming_up", "no_drift", "drift")
 
 
 class LiveMonitor:
     def __init__(self, profile: dict, model: str, size: int = WINDOW, max_age_s: float = 0.0,
-                 false_alarm: float | None = None, min_texts: int = MIN_TEXTS, kernel: Kernel | None = None) -> None:
-        """kernel: the profile's, where the server's answers carry sketches (model/profile.kernel_for)."""
+                 false_alarm: float | None = None, min_texts: int = MIN_TEXTS, kernel: Kernel | None = None,
+                 stale_s: float = STALE_S, history: History | None = None) -> None:
+        """kernel: the profile's, where the server's answers carry sketches (model/profile.kernel_for); stale_s: a
+        verdict with no text for this long says it is stale; history: its verdicts over time (monitor/history.py)."""
         from torchloom.monitor.profile import reference_texts
 
         self.profile = profile
@@ -67,6 +71,9 @@ class LiveMonitor:
         self.window: deque[tuple[float, tuple]] = deque(maxlen=self.size)
         self.sketches: deque[np.ndarray] = deque(maxlen=self.size)  # with a kernel: each text's, as `window`
         self.seen = 0
+        self.last_text = 0.0  # when the newest text came (0: none yet)
+        self.stale_s = float(stale_s)
+        self.history = history or History(model, 3600.0)
         self._since_verdict = 0
         self.every = max(1, self.size // 10)
         self.limits: dict[int, dict[str, float]] = {}  # rung size -> thresholds, filled by the thread
@@ -89,7 +96,8 @@ class LiveMonitor:
 
     def observe(self, answers: list[dict[str, Any]]) -> None:
         """The answers to one request (Predictor's, with signals)."""
-        now = time.time()
+        now = self.last_text = time.time()
+        self.history.observed(len(answers), now)
         rows, reading, append = self.rows, self.reading, self.window.append
         for a in answers:
             append((now, tuple(s.read(a, reading) for s in rows)))
@@ -153,12 +161,30 @@ class LiveMonitor:
                 report["estimated_accuracy"]["caveat"] = caveat(drifted)
                 report["calibrated_for"] = rung
         self._settle(report)
+        self._staleness(report, now)
         report["since"] = round(self.since, 3)
         report["at"] = now
+        self.history.note(report, now)
+        report["history"] = self.history.view()
         self.last = report
         if self.on_report is not None:
             self.on_report(report)
         return report
+
+    def _staleness(self, report: dict[str, Any], now: float) -> None:
+        """A verdict stands without texts, and says so: stale once no text came for stale_s, or once its window
+        emptied with age below what a verdict needs (the report then carries the standing verdict)."""
+        quiet = now - self.last_text if self.last_text else None
+        report["last_text_s"] = round(quiet, 1) if quiet is not None else None
+        report["stale"], why = False, ""
+        if report["state"] == "warming_up" and self.state in ("drift", "no_drift"):
+            report.update(state=self.state, drift=self.state == "drift", drifted=self.last.get("drifted", []))
+            report["stale"], why = True, (f"the window holds {report['texts']} texts since older ones left it"
+                                          f" (--monitor-window-s {self.max_age_s:g}); the verdict before stands")
+        elif report["state"] in ("drift", "no_drift") and quiet is not None and quiet > self.stale_s:
+            report["stale"], why = True, f"no text for {quiet:.0f} s; the verdict is of the texts before"
+        if why:
+            report["stale_reason"] = why
 
     def _settle(self, report: dict[str, Any]) -> None:
         state = report["state"]
@@ -224,7 +250,8 @@ def load_monitor(settings, model_dir: str, labels: list[str], name: str, predict
         return None, off_report(reason), f"warning: {reason}"
     kernel = kernel_for(profile, predictor) if predictor is not None else None
     monitor = LiveMonitor(profile, name, settings.monitor_window, settings.monitor_window_s, settings.false_alarm,
-                          kernel=kernel)
+                          kernel=kernel, stale_s=settings.monitor_stale_s,
+                          history=History(name, settings.monitor_period_s, settings.monitor_history))
     age = f", none older than {settings.monitor_window_s:g} s" if settings.monitor_window_s else ""
     sketch = "" if kernel is not None else (", representation not compared (" + (
         "the profile has no sketch" if "_sketch" not in profile else "the ONNX runtime gives logits only") + ")")

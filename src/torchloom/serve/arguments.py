@@ -92,8 +92,16 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                          " the export wrote one: /v1/monitor, /metrics, the page at /)")
     sp.add_argument("--monitor-window", type=int, default=500, metavar="TEXTS",
                     help="the monitor compares the last this many texts (default 500)")
-    sp.add_argument("--monitor-window-s", type=float, default=0.0, metavar="SECONDS",
-                    help="and none older than this (default 0: no age limit)")
+    sp.add_argument("--monitor-window-s", type=float, default=86400.0, metavar="SECONDS",
+                    help="and none older than this (default 86400: a day; 0: no age limit). A verdict with no text"
+                         " for --monitor-stale-s, or whose window emptied with age, stands and says it is stale")
+    sp.add_argument("--monitor-stale-s", type=float, default=600.0, metavar="SECONDS",
+                    help="a verdict is stale once no text came for this long (default 600)")
+    sp.add_argument("--monitor-period-s", type=float, default=3600.0, metavar="SECONDS",
+                    help="the monitor's history keeps one record per period (default 3600: an hour)")
+    sp.add_argument("--monitor-history", default="", metavar="FILE",
+                    help="append each period's record to this JSON-lines file too (default: kept in memory, the"
+                         " last 48, in GET /v1/monitor and on the page)")
     sp.add_argument("--false-alarm", type=float, default=None, metavar="P",
                     help="the chance that a window of texts like the reference is called drift (default: the"
                          " profile's, 0.01)")

@@ -433,4 +433,4 @@ class Fleet:
 
 
 def _brief(report: dict[str, Any]) -> dict[str, Any]:
-    return {k: report.get(k) for k in ("state", "drift", "texts", "estimated_accuracy")}
+    return {k: report.get(k) for k in ("state", "drift", "drifted", "texts", "signals", "stale", "estimated_accuracy")}

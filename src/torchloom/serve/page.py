@@ -52,6 +52,9 @@ input {{ font: inherit; }} button {{ font: inherit; padding: .3rem 1rem; }}
 </tr></thead><tbody></tbody></table>
 <h2>Class shares</h2>
 <table id="shares"><thead><tr><th>label</th><th>recent texts</th><th>reference</th></tr></thead><tbody></tbody></table>
+<h2>History</h2>
+<table id="history"><thead><tr><th>period (UTC)</th><th>texts</th><th></th><th>verdict</th>
+<th>estimated accuracy</th></tr></thead><tbody></tbody></table>
 
 <h2>Try a text</h2>
 <form id="try"><textarea id="text" placeholder="Type or paste a text"></textarea>
@@ -143,10 +146,12 @@ async function monitor() {{
   if (!response.ok) return;
   const r = await response.json();
   const state = $("state");
-  state.textContent = r.state.replace("_", " ") + (r.drifted && r.drifted.length ? ": " + r.drifted.join(", ") : "");
+  state.textContent = r.state.replace("_", " ") + (r.drifted && r.drifted.length ? ": " + r.drifted.join(", ") : "")
+    + (r.stale ? " (stale)" : "");
   state.className = "state " + r.state;
-  $("reason").textContent = r.reason || (r.state === "warming_up" ? "waiting for " + (r.window ?
+  $("reason").textContent = r.reason || r.stale_reason || (r.state === "warming_up" ? "waiting for " + (r.window ?
     r.window.min_texts : "more") + " texts before a verdict" : "");
+  history(r.history || []);
   $("window").textContent = r.texts === undefined ? "-" : r.texts;
   const est = r.estimated_accuracy;
   $("accuracy").textContent = est ? est.value.toFixed(3) : "-";
@@ -175,6 +180,24 @@ async function monitor() {{
   for (const [label, s] of Object.entries(r.class_shares || {{}})) {{
     const row = shares.insertRow();
     cell(row, label); cell(row, (100 * s.window).toFixed(1) + " %"); cell(row, (100 * s.reference).toFixed(1) + " %");
+  }}
+}}
+function history(periods) {{  // one row a period, newest first, its texts drawn against the busiest one's
+  const body = $("history").tBodies[0];
+  body.replaceChildren();
+  const most = Math.max(1, ...periods.map((h) => h.texts));
+  for (const h of [...periods].reverse()) {{
+    const row = body.insertRow();
+    const start = new Date(h.start * 1000).toISOString().slice(0, 16).replace("T", " ");
+    cell(row, start + (h.open ? " (now)" : "")); cell(row, h.texts);
+    const bar = document.createElement("div"); bar.className = "bar";
+    const fill = document.createElement("i"); fill.style.width = (100 * h.texts / most) + "%";
+    if (h.drift_seen) fill.className = "bad";
+    bar.append(fill); row.insertCell().append(bar);
+    const verdict = h.drift_seen ? "drift in " + h.drifted.join(", ") : (h.state || "-").replace("_", " ");
+    cell(row, verdict + (h.stale ? " (stale)" : ""));
+    cell(row, h.estimated_accuracy === null || h.estimated_accuracy === undefined ? "-" :
+      Number(h.estimated_accuracy).toFixed(3));
   }}
 }}
 async function refresh() {{

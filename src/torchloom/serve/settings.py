@@ -56,7 +56,10 @@ class ServeSettings:
     require_api_key: bool = False  # refuse to start without an API key (else: a warning when not on loopback)
     monitor: bool = True  # compare recent texts with the model's reference profile (monitor/live.py), if it has one
     monitor_window: int = 500  # texts in the monitor's window
-    monitor_window_s: float = 0.0  # and none older than this (0: no age limit)
+    monitor_window_s: float = 86400.0  # and none older than this (0: no age limit)
+    monitor_stale_s: float = 600.0  # a verdict with no text for this long is stale (said, not dropped)
+    monitor_period_s: float = 3600.0  # the history's period: one record each
+    monitor_history: str = ""  # a JSON-lines file each period's record is appended to ("": memory only)
     false_alarm: float | None = None  # the chance a window like the reference is called drift (None: the profile's)
     metrics_dir: str | None = None  # Ray: where the replicas share their metrics (set by run_ray, not a flag)
     models: dict[str, str] | None = None  # --model NAME=DIR, in order (the first is the others' yardstick); None: one
@@ -97,6 +100,8 @@ class ServeSettings:
             (self.monitor_window >= 2, f"--monitor-window {self.monitor_window}: must be at least 2 texts"),
             (self.monitor_window_s >= 0, f"--monitor-window-s {self.monitor_window_s:g}: must be 0 (no age limit) or"
                                          " more seconds"),
+            (self.monitor_stale_s > 0, f"--monitor-stale-s {self.monitor_stale_s:g}: must be more than 0 seconds"),
+            (self.monitor_period_s >= 1, f"--monitor-period-s {self.monitor_period_s:g}: must be at least 1 second"),
             (self.false_alarm is None or 0 < self.false_alarm < 1,
              f"--false-alarm {self.false_alarm}: a chance, between 0 and 1 (e.g. 0.01)"),
             (self.feedback_size >= 1, f"--feedback-size {self.feedback_size}: must be at least 1"),
