@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.debian import ensure
 from support.net import free_port
@@ -460,6 +461,56 @@ def test_a_verdict_without_texts_goes_stale_and_says_so_and_each_period_is_kept(
                                                                                          False), record
     assert record["end"] - record["start"] == 3600 and 0 <= record["estimated_accuracy"] <= 1
     assert [h.get("open", False) for h in emptied["history"]] == [False, True]
+
+
+def test_the_odd_texts_are_named_by_their_outlier_score_in_the_report_and_in_predict(monitored_model, tmp_path):
+    """A file of texts like the reference with 10 in another script among 200 (5 %): the drift verdict may pass,
+    but the report says how many texts are unusual against the reference and lists the most unusual, which are
+    the odd ones; `predict --outlier-score` gives each text its score. Texts like the reference score like the
+    reference: about 1 % past 0.99. (The tiny random model tells only gross oddities apart, another script among
+    them; how finely the real MiniLM's representation tells them apart is not measured yet.)"""
+    import csv
+
+    from support.owned import torchloom
+
+    from torchloom.model.predict import Predictor
+    from torchloom.monitor.outliers import scorer_for
+    from torchloom.monitor.profile import kernel_for, read_profile
+
+    rng = random.Random(11)
+    cjk = ["数据", "模型", "训练", "价格", "市场", "音乐", "比赛", "银行"]  # another script: off the reference
+    like = like_validation(rng, 190)[0]
+    odd = [" ".join(rng.choice(cjk) for _ in range(rng.randint(6, 20))) for _ in range(10)]
+    mixed = like[:95] + odd + like[95:]
+    path = tmp_path / "mixed.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([["text"], *[[t] for t in mixed]])
+    proc = torchloom("monitor", "--model", monitored_model, "--input", str(path), "--output", str(tmp_path / "r"),
+                     "--outliers", "10")
+    assert proc.returncode in (0, 3) and "unusual" in proc.stdout, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "r" / "monitor.json").read_text())
+    listed = [o["text"] for o in report["outliers"]]
+    assert len(listed) == 10 and sum(t in odd for t in listed) >= 8, report["outliers"]
+    assert report["unusual"]["share"] >= 0.04, report["unusual"]
+    assert "| outlier score | predicted | text |" in (tmp_path / "r" / "report.md").read_text()
+    # texts like the reference: scored like it (a uniform score, about 1 % past 0.99)
+    profile, predictor = read_profile(monitored_model), Predictor(monitored_model)
+    kernel_for(profile, predictor)
+    fresh = like_validation(random.Random(12), 400)[0]
+    scores = scorer_for(profile).scores(np.stack([a["sketch"] for a in predictor.predict(fresh, with_signals=True)]))
+    assert 0.35 <= float(np.median(scores)) <= 0.65 and float(np.mean(scores >= 0.99)) <= 0.05, np.median(scores)
+    scored = torchloom("predict", "--model", monitored_model, "--outlier-score", like[0], odd[0])
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    lines = [json.loads(line) for line in scored.stdout.splitlines()]
+    assert lines[1]["outlier"] > 0.99 > lines[0]["outlier"] and set(lines[0]) == {"text", "label", "score",
+                                                                                  "probabilities", "outlier"}, lines
+    (tmp_path / "log").mkdir()
+    served = Server(monitored_model, "--outlier-score", "--device", "cpu", "--no-tune", log_dir=tmp_path / "log")
+    try:  # the server's optional field: the same scores
+        r = served.client.post("/v1/predict", json={"texts": [like[0], odd[0]]})
+        assert [p["outlier"] for p in r.json()["predictions"]] == [line["outlier"] for line in lines], r.text
+    finally:
+        assert served.terminate() == 0, served.stderr()[-2000:]
 
 
 def test_a_new_signal_is_one_table_row_and_reaches_the_window_the_batch_report_and_the_gauges(monitored_model,

@@ -32,6 +32,9 @@ def add_monitor_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--input", required=True,
                     help="the new texts: a CSV, JSON lines or .txt file, as predict reads it")
     sp.add_argument("--text-column", default="text", help="the column or field with the texts (default text)")
+    sp.add_argument("--outliers", type=int, default=10, metavar="N",
+                    help="list the N most unusual texts in the report, by their outlier score against the reference"
+                         " (default 10; 0: none)")
     sp.add_argument("--labels", metavar="COLUMN", help="a column with the true labels: the real accuracy is reported"
                                                        " beside the estimate")
     sp.add_argument("--output", default="monitor-report",
@@ -104,12 +107,14 @@ def cmd_monitor(args: argparse.Namespace, rest: list[str]) -> int:
     result = monitor_file(model, args.input, args.output, text_column=args.text_column, labels_column=args.labels,
                           false_alarm=args.false_alarm, device=device, overwrite=args.overwrite,
                           say=lambda line: print(f"monitor: {line}", file=sys.stderr, flush=True),
-                          sample=args.sample, spark=spark)
+                          sample=args.sample, spark=spark, outliers=args.outliers)
     if args.track:
         track_monitor(args, result)
     est = result["estimated_accuracy"]
     verdict = f"drift in {', '.join(result['drifted'])}" if result["drift"] else "no drift"
     real = f", accuracy with the labels {result['accuracy']:.3f}" if "accuracy" in result else ""
+    u = result.get("unusual")
+    real += f"; {u['share']:.1%} unusual, about {u['expected']:.0%} for texts like the reference" if u else ""
     print(f"monitor: {verdict} ({result['texts']} texts; estimated accuracy {est['value']:.3f}, 95 % interval"
           f" {est['low']:.3f}-{est['high']:.3f}{real}); report in {Path(args.output) / 'report.md'}")
     return DRIFT_EXIT if result["drift"] else 0
@@ -124,6 +129,9 @@ def add_predict_arguments(sp: argparse.ArgumentParser) -> None:
                     " as the first argument. Twice (`--model v1=DIR --model v2=DIR --input FILE`): compare the two"
                     " on the file (agreement, class shares; with --labels accuracy, per-class F1 and McNemar's test)")
     sp.add_argument("--labels", metavar="COLUMN", help="with two models: the column of true labels")
+    sp.add_argument("--outlier-score", action="store_true",
+                    help="each prediction with \"outlier\": how unusual the text is against the model's reference"
+                         " (0.5 ordinary, 0.99 more unusual than 99 %% of it; needs its monitor profile's sketch)")
     sp.add_argument("--report", default="compare-report",
                     help="with two models: the comparison's directory (report.md, compare.json, disagreements.jsonl;"
                          " default compare-report)")
@@ -221,9 +229,27 @@ def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:
 
         device = resolve_device(device)
     predictor = Predictor(model, device=device, batch_size=args.batch_size, runtime=args.runtime)
-    lines = (json.dumps({"text": text[:200], **pred}, ensure_ascii=False)
-             for text, pred in zip(texts, predictor.predict(texts)))
+    predictions = outlier_scored(predictor, model, texts) if args.outlier_score else predictor.predict(texts)
+    lines = (json.dumps({"text": text[:200], **pred}, ensure_ascii=False) for text, pred in zip(texts, predictions))
     return print_lines(lines)
+
+
+def outlier_scored(predictor, model: str, texts: list[str]) -> list[dict]:
+    """--outlier-score: each prediction with its outlier score against the model's reference (monitor/outliers.py),
+    one line where the model cannot give one."""
+    import numpy as np
+
+    from torchloom.monitor.outliers import scorer_for
+    from torchloom.monitor.profile import REEXPORT, kernel_for, read_profile
+
+    profile = read_profile(model)
+    if profile is None or kernel_for(profile, predictor) is None or scorer_for(profile) is None:
+        raise UserError(f"--outlier-score: model dir {model} has no reference sketches to score against (a profile"
+                        f" with a sketch, and the torch runtime); {REEXPORT}")
+    plain = predictor.predict(texts[:1])[0].keys()  # what a prediction holds without the monitor's signals
+    answers = predictor.predict(texts, with_signals=True)
+    scores = scorer_for(profile).scores(np.stack([a["sketch"] for a in answers]))
+    return [{**{k: a[k] for k in plain if k in a}, "outlier": round(float(s), 4)} for a, s in zip(answers, scores)]
 
 
 def compare_models(args: argparse.Namespace, texts: list[str]) -> int:
@@ -342,6 +368,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         device=args.device, precision=args.precision, runtime=args.runtime,
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections, read_timeout_s=args.read_timeout,
         require_api_key=args.require_api_key, monitor=args.monitor, monitor_window=args.monitor_window,
+        outlier_score=args.outlier_score,
         monitor_window_s=args.monitor_window_s, monitor_stale_s=args.monitor_stale_s,
         monitor_period_s=args.monitor_period_s, monitor_history=args.monitor_history, false_alarm=args.false_alarm,
         models=models, traffic=args.traffic,

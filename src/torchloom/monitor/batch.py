@@ -32,6 +32,9 @@ from torchloom.monitor.drift import (
 )
 from torchloom.runs.outputs import check_output, clear_output, record_output
 
+OUTLIERS = 10  # the most unusual texts a report lists (--outliers)
+UNUSUAL = 0.99  # an outlier score past this: more unusual than 99 % of the reference
+OUTLIER_CHARS = 300  # of each listed text
 DRIFT_EXIT = 3  # `torchloom monitor` found drift (0: none; 2: a usage error, as every command)
 
 
@@ -133,9 +136,11 @@ def _spark_sample(spark, input_path: str, fmt: str, text_column: str, labels_col
 
 def monitor_file(model_dir: str, input_path: str, output: str, text_column: str = "text",
                  labels_column: str | None = None, false_alarm: float | None = None, device: str = "cpu",
-                 overwrite: bool = False, say=print, sample: int = SAMPLE, spark=None) -> dict[str, Any]:
+                 overwrite: bool = False, say=print, sample: int = SAMPLE, spark=None, outliers: int = OUTLIERS
+                 ) -> dict[str, Any]:
     """Compare `input_path`'s texts (a uniform sample of `sample` where it holds more) with the model's profile;
-    write the report to `output`; returns its JSON."""
+    write the report to `output`; returns its JSON. outliers: the report lists this many of the most unusual texts
+    (monitor/outliers.py), where the profile has sketches."""
     from torchloom.monitor.profile import REEXPORT, read_profile
 
     profile = read_profile(model_dir)
@@ -155,6 +160,8 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
         check_output(out, [input_path, model_dir])
     if sample < 2:
         raise UserError(f"--sample {sample}: compare at least 2 texts")
+    if outliers < 0:
+        raise UserError(f"--outliers {outliers}: list 0 or more of the most unusual texts")
     drawn = read_sample(input_path, text_column, labels_column, sample, spark=spark, say=say)
     if len(drawn.texts) < 2:
         raise UserError(f"--input {input_path}: {len(drawn.texts)} text(s) to compare ({drawn.empty} empty); a"
@@ -164,7 +171,8 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     if len(drawn.texts) < drawn.total - drawn.empty:
         say(f"comparing a uniform sample of {len(drawn.texts)} of the {drawn.total - drawn.empty} texts (--sample)")
     started = time.perf_counter()
-    result, window, reference = compare(model_dir, profile, drawn, rate, device, labels_column is not None)
+    result, window, reference = compare(model_dir, profile, drawn, rate, device, labels_column is not None,
+                                        outliers)
     result.update(model=str(model_dir), input=str(input_path),
                   at=datetime.now(UTC).isoformat(timespec="seconds"))  # when: a scheduled job's reports over time
     result["seconds"] = round(time.perf_counter() - started, 2)
@@ -172,8 +180,8 @@ def monitor_file(model_dir: str, input_path: str, output: str, text_column: str 
     return result
 
 
-def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: str, labelled: bool
-            ) -> tuple[dict[str, Any], Texts, Texts]:
+def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: str, labelled: bool,
+            outliers: int = 0) -> tuple[dict[str, Any], Texts, Texts]:
     """The drawn texts scored by the model and compared with its profile: the report's JSON, and the two sides."""
     from torchloom.model.predict import Predictor
     from torchloom.model.served import model_identity
@@ -213,7 +221,25 @@ def compare(model_dir: str, profile: dict, drawn: Sampled, rate: float, device: 
         if pairs:
             result["accuracy"] = round(float(np.mean([correct(a, y, profile) for a, y in pairs])), 4)
             result["labelled"] = len(pairs)
+    if kernel is not None:
+        result.update(unusual(profile, texts, answers, outliers))
     return result, window, reference
+
+
+def unusual(profile: dict, texts: list[str], answers: list[dict], n: int) -> dict[str, Any]:
+    """The texts' outlier scores against the reference (monitor/outliers.py): the share past UNUSUAL (about 1 - it
+    for texts like the reference) and the `n` highest, most unusual first."""
+    from torchloom.monitor.outliers import scorer_for
+
+    scorer = scorer_for(profile)
+    if scorer is None:
+        return {}
+    scores = scorer.scores(np.stack([a["sketch"] for a in answers]))
+    top = np.argsort(-scores, kind="stable")[:n]
+    return {"unusual": {"past": UNUSUAL, "share": round(float(np.mean(scores >= UNUSUAL)), 4),
+                        "expected": round(1 - UNUSUAL, 4)},
+            "outliers": [{"score": round(float(scores[i]), 4), "label": answers[i]["label"],
+                          "text": texts[i][:OUTLIER_CHARS]} for i in top]}
 
 
 def correct(predicted: str, given, profile: dict) -> bool:
@@ -290,8 +316,24 @@ def report_text(r: dict) -> str:
     else:
         lines += ["", "| class | share here | share in the reference |", "|---|---|---|"]
         lines += [f"| {label} | {s['window']:.3f} | {s['reference']:.3f} |" for label, s in r["class_shares"].items()]
+    lines += outlier_lines(r)
     lines += ["", "![signals](plots/signals.png)", ""]
     return "\n".join(lines)
+
+
+def outlier_lines(r: dict) -> list[str]:
+    """The report's unusual texts: the share past UNUSUAL against what texts like the reference give, and the
+    most unusual ones (a text's | and line breaks made safe for a table)."""
+    if "unusual" not in r:
+        return []
+    u = r["unusual"]
+    lines = ["", f"Unusual texts (an outlier score past {u['past']}: more unusual than {u['past']:.0%} of the"
+             f" reference): **{u['share']:.1%}** here, about {u['expected']:.0%} for texts like the reference."]
+    if r.get("outliers"):
+        lines += ["", "| outlier score | predicted | text |", "|---|---|---|"]
+        lines += [f"| {o['score']:.3f} | {o['label']} | {' '.join(o['text'].split()).replace('|', '/')} |"
+                  for o in r["outliers"]]
+    return lines
 
 
 def _plot(r: dict, window: Texts, reference: Texts, labels: list[str]) -> bytes:

@@ -224,6 +224,20 @@ def off_report(reason: str) -> dict[str, Any]:
     return {"state": "off", "reason": reason, "drift": False, "drifted": []}
 
 
+def outlier_scorer(settings, monitor: LiveMonitor | None, name: str):
+    """The server's --outlier-score scorer of a model (monitor/outliers.py): from its monitor's profile, where the
+    answers carry sketches; None (said once) where they cannot."""
+    if not getattr(settings, "outlier_score", False):
+        return None
+    from torchloom.monitor.outliers import scorer_for
+
+    scorer = scorer_for(monitor.profile) if monitor is not None and monitor.kernel is not None else None
+    if scorer is None:
+        log.warning("%s: --outlier-score: no reference sketches to score against (the monitor off, a profile"
+                    " without a sketch, or the ONNX runtime); predictions carry no \"outlier\"", name)
+    return scorer
+
+
 def load_monitor(settings, model_dir: str, labels: list[str], name: str, predictor=None
                  ) -> tuple[LiveMonitor | None, dict[str, Any], str]:
     """The monitor of the model in `model_dir` against its own profile (None when off; each model of a fleet has

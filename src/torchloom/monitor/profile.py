@@ -159,7 +159,7 @@ def _read_sketch(path: Path, texts: int) -> dict[str, Any]:
         raise _Damaged(f"{SKETCH_FILE} is damaged") from None
     if reference.shape != (texts, proj.shape[1]) or kernel.weights.shape != (proj.shape[1], len(kernel.phase)):
         raise _Damaged(f"{SKETCH_FILE} holds arrays of shapes that do not fit together")
-    return {"projection": proj, "kernel": kernel, "features": kernel.features(reference)}
+    return {"projection": proj, "kernel": kernel, "features": kernel.features(reference), "reference": reference}
 
 
 def _readable(model_dir: Path) -> bool:

@@ -254,7 +254,7 @@ async def answer_predict(request: Request, backend: Backend, max_texts: int, max
     return Response(body.encode("utf-8"), media_type="application/json", headers=headers)
 
 
-SHOWN = ("id", "label", "score", "probabilities", "labels", "path", "parents")
+SHOWN = ("id", "label", "score", "probabilities", "labels", "path", "parents", "outlier")
 
 
 class FastPredict:

@@ -99,6 +99,9 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                     help="a verdict is stale once no text came for this long (default 600)")
     sp.add_argument("--monitor-period-s", type=float, default=3600.0, metavar="SECONDS",
                     help="the monitor's history keeps one record per period (default 3600: an hour)")
+    sp.add_argument("--outlier-score", action="store_true",
+                    help="each prediction with \"outlier\": how unusual its text is against the model's reference"
+                         " (0.5 ordinary, 0.99 more unusual than 99 %% of it); needs the monitor and its sketch")
     sp.add_argument("--monitor-history", default="", metavar="FILE",
                     help="append each period's record to this JSON-lines file too (default: kept in memory, the"
                          " last 48, in GET /v1/monitor and on the page)")

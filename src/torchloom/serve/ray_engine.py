@@ -69,6 +69,9 @@ class RayBackend:
         self.monitor, self.monitor_off, line = load_monitor(settings, settings.model_dir, self.model.labels,
                                                              self.identity.name, self.model.predictor)
         self.model.signals = self.monitor is not None
+        from torchloom.monitor.live import outlier_scorer
+
+        self.outliers = outlier_scorer(settings, self.monitor, self.identity.name)
         log.info("%s", line)  # each replica watches the texts it answers
         self.metrics = metrics or ServeMetrics(queue_depth=lambda: self._pending,
                                                monitor=lambda: [((self.identity.name, self.identity.version),
@@ -150,6 +153,10 @@ class RayBackend:
                 raise ModelFailed(result.error_id)
         if self.monitor is not None and self._ready:  # not the warm-up's texts
             self.monitor.observe(results)
+        if self.outliers is not None:
+            from torchloom.monitor.outliers import score_answers
+
+            score_answers(self.outliers, results)
         return results
 
     async def predict_batch(self, items: list[_Item]) -> list[Any]:

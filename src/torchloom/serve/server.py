@@ -30,7 +30,7 @@ class LocalBackend:
     def __init__(self, model: ServedModel, settings: ServeSettings, metrics: ServeMetrics | None = None,
                  nice: int = 0) -> None:
         """metrics: the server's, where several models share it (serve/fleet.py); nice: the model thread's."""
-        from torchloom.monitor.live import load_monitor
+        from torchloom.monitor.live import load_monitor, outlier_scorer
 
         self.model = model
         self.identity = model.identity
@@ -38,6 +38,7 @@ class LocalBackend:
         self.monitor, self.monitor_off, self.monitor_line = load_monitor(settings, model.model_dir, model.labels,
                                                                           model.identity.name, model.predictor)
         model.signals = self.monitor is not None
+        self.outliers = outlier_scorer(settings, self.monitor, model.identity.name)
         self.metrics = metrics or ServeMetrics(queue_depth=lambda: self.batcher.queue_depth,
                                                monitor=lambda: [((self.identity.name, self.identity.version),
                                                                  self.monitor_report())],
@@ -118,6 +119,10 @@ class LocalBackend:
         answers = await self.batcher.submit(texts, items, on_items)
         if self.monitor is not None and self._ready:  # not the warm-up's texts
             self.monitor.observe(answers)
+        if self.outliers is not None:
+            from torchloom.monitor.outliers import score_answers
+
+            score_answers(self.outliers, answers)
         return answers
 
 

@@ -59,6 +59,7 @@ class ServeSettings:
     monitor_window_s: float = 86400.0  # and none older than this (0: no age limit)
     monitor_stale_s: float = 600.0  # a verdict with no text for this long is stale (said, not dropped)
     monitor_period_s: float = 3600.0  # the history's period: one record each
+    outlier_score: bool = False  # each prediction with "outlier" (monitor/outliers.py), where the profile can
     monitor_history: str = ""  # a JSON-lines file each period's record is appended to ("": memory only)
     false_alarm: float | None = None  # the chance a window like the reference is called drift (None: the profile's)
     metrics_dir: str | None = None  # Ray: where the replicas share their metrics (set by run_ray, not a flag)
