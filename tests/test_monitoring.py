@@ -645,6 +645,20 @@ def test_each_model_of_a_fleet_is_watched_against_its_own_profile_before_and_aft
         assert [(a["model"], a["version"]) for a in firing] == [("v2", versions["v2"])], firing
         refused = [line for line in s.stderr().splitlines() if "refused /v1/predict from 127.0.0.1: 401" in line]
         assert len(refused) == 1 and "guess-1234" not in s.stderr(), refused
+        browser = Browser(tmp_path)  # the page: every model of the fleet, once the API key is given
+        try:
+            browser.call("Page.navigate", url=s.url + "/")
+            browser.until("document.readyState === 'complete'")
+            browser.until("document.getElementById('reason').textContent.includes('API key')")  # 401 without it
+            browser.js(f"document.getElementById('key').value = '{key}'; true")
+            browser.errors.clear()  # the 401 the page was told before the key was typed
+            rows = browser.until("document.querySelectorAll('#models tbody tr').length === 2 &&"
+                                 " [...document.querySelectorAll('#models tbody tr')].map(r => r.textContent)")
+            assert "v1" in rows[0] and "0 %" in rows[0] and "no drift" in rows[0], rows
+            assert "v2" in rows[1] and "100 %" in rows[1] and "drift" in rows[1], rows
+            assert browser.errors == [], browser.errors
+        finally:
+            browser.close()
     except AssertionError as e:
         raise AssertionError(f"{e}\n{s.stderr()[-2000:]}") from None
     finally:

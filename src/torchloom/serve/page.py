@@ -42,6 +42,10 @@ input {{ font: inherit; }} button {{ font: inherit; padding: .3rem 1rem; }}
  <div class="card">errors (5xx)<b id="errors">-</b></div>
 </div>
 
+<div id="fleet" hidden><h2>Models</h2>
+<table id="models"><thead><tr><th>model</th><th>version</th><th>traffic</th><th>monitor</th>
+<th>accuracy on feedback</th><th>against the first</th></tr></thead><tbody></tbody></table></div>
+
 <h2>Monitor <span id="state" class="state">-</span></h2>
 <div id="reason" class="muted"></div>
 <div class="row">
@@ -152,6 +156,7 @@ async function monitor() {{
   $("reason").textContent = r.reason || r.stale_reason || (r.state === "warming_up" ? "waiting for " + (r.window ?
     r.window.min_texts : "more") + " texts before a verdict" : "");
   history(r.history || []);
+  models(r.models, r.verdicts || []);
   $("window").textContent = r.texts === undefined ? "-" : r.texts;
   const est = r.estimated_accuracy;
   $("accuracy").textContent = est ? est.value.toFixed(3) : "-";
@@ -180,6 +185,25 @@ async function monitor() {{
   for (const [label, s] of Object.entries(r.class_shares || {{}})) {{
     const row = shares.insertRow();
     cell(row, label); cell(row, (100 * s.window).toFixed(1) + " %"); cell(row, (100 * s.reference).toFixed(1) + " %");
+  }}
+}}
+function models(all, verdicts) {{  // several models behind the endpoint: each one's part (none: hidden)
+  $("fleet").hidden = !all || Object.keys(all).length < 2;
+  const body = $("models").tBodies[0];
+  body.replaceChildren();
+  for (const [name, m] of Object.entries(all || {{}})) {{
+    const row = body.insertRow();
+    row.dataset.model = name;
+    cell(row, name + (m.name !== name ? " (" + m.name + ")" : "")); cell(row, m.version);
+    cell(row, m.shadow ? "shadow" : m.traffic + " %");
+    const s = m.monitor || {{}};
+    cell(row, (s.state || "-").replace("_", " ") + (s.drifted && s.drifted.length ? ": " + s.drifted.join(", ") : "")
+      + (s.stale ? " (stale)" : ""));
+    const a = m.online_accuracy;
+    cell(row, a ? a.value.toFixed(3) + " (" + a.low.toFixed(3) + " to " + a.high.toFixed(3) + ", " + a.labels +
+      " labels)" : "-");
+    const v = verdicts.find((x) => x.model === name);
+    cell(row, v ? v.line : "-");
   }}
 }}
 function history(periods) {{  // one row a period, newest first, its texts drawn against the busiest one's
