@@ -171,8 +171,11 @@ def test_latest_is_the_newest_version_and_a_pinned_one_is_served_from_the_cache_
 
 
 def test_a_server_by_registry_name_answers_as_the_registered_version(registered, tmp_path):
-    """serve models:/topics@champion: the responses, the page and the monitor's gauges name the registered model
-    (topics, version 2, alias champion), not the download's directory; --tracking.uri is --tracking-uri's alias."""
+    """serve models:/topics@champion: the responses, the page, the monitor's gauges and a real Prometheus's alert
+    (the model has no profile: TorchloomMonitorOff) name the registered model (topics, version 2, alias champion),
+    not the download's directory; --tracking.uri is --tracking-uri's alias."""
+    from support.command import torchloom as run
+    from support.prometheus import Prometheus
     from support.served import Server
 
     uri, _, _ = registered
@@ -188,6 +191,17 @@ def test_a_server_by_registry_name_answers_as_the_registered_version(registered,
         metrics = s.client.get("/metrics").text
         assert 'torchloom_monitor_state{model="topics",version="2",state="off"} 1' in metrics, metrics[-2000:]
         assert "topics" in s.client.get("/").text and "artifacts" not in s.client.get("/").text
+        assert "ready: topics 2" in s.stderr()
+        made = run("monitor", "rules", "--output", str(tmp_path / "rules"), "--for", "0s")
+        assert made.returncode == 0, made.stderr
+        prometheus = Prometheus(s.url.split("://", 1)[1], tmp_path / "rules" / "torchloom-rules.yml", tmp_path)
+        try:
+            prometheus.wait(lambda: prometheus.alert_state("TorchloomMonitorOff") == "firing", 30, "never fired")
+            (alert,) = [a["labels"] for a in prometheus.client.get("/api/v1/alerts").json()["data"]["alerts"]
+                        if a["labels"]["alertname"] == "TorchloomMonitorOff"]
+            assert (alert["model"], alert["version"]) == ("topics", "2"), alert
+        finally:
+            prometheus.stop()
     finally:
         assert s.terminate() == 0, s.stderr()[-3000:]
 
