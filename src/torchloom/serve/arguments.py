@@ -87,6 +87,11 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
                          " where it is native (AMX, AVX512-BF16), else fp32")
     sp.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
                     help="torch, or onnx: the gated ONNX file of `torchloom export --format onnx|onnx-int8`")
+    add_live_monitor_arguments(sp)
+
+
+def add_live_monitor_arguments(sp: argparse.ArgumentParser) -> None:
+    """The server's monitor: on or off, its window by count and age, staleness, history, outlier scores."""
     sp.add_argument("--no-monitor", dest="monitor", action="store_false",
                     help="do not compare recent texts with the model's reference profile (default: compare, where"
                          " the export wrote one: /v1/monitor, /metrics, the page at /)")
@@ -108,8 +113,6 @@ def add_serve_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--false-alarm", type=float, default=None, metavar="P",
                     help="the chance that a window of texts like the reference is called drift (default: the"
                          " profile's, 0.01)")
-
-
 
 
 def add_fleet_arguments(sp: argparse.ArgumentParser) -> None:

@@ -245,17 +245,19 @@ class ServeMetrics:
         self.read_monitor = monitor
         self.monitor = monitor_families(monitor) if monitor is not None else []
         self.extra: list[Family] = []  # this process's own, rendered by hand in either mode (serve/fleet.py's)
-        self.shared_gauges: dict[str, object] = {}
-        if shared_dir:
-            gauge = made["gauge"]
-            self.shared_gauges = {
-                "queue_depth": gauge("torchloom_queue_depth", "Texts accepted and waiting for the model."),
-                "queue_capacity": gauge("torchloom_queue_capacity", "Texts the queues hold at most (--max-queue"
-                                        " each): past it requests get 429."),
-                **{f.name: gauge(f.name, f.help, f.labelnames, mode="liveall") for f in self.monitor},
-            }
-            self.shared_gauges["queue_capacity"].set(queue_capacity)
-            self.shared_gauges["queue_depth"].set(0)
+        self.shared_gauges: dict[str, object] = self._shared_gauges(made["gauge"], queue_capacity) if shared_dir else {}
+
+    def _shared_gauges(self, gauge, queue_capacity: float) -> dict[str, object]:
+        """Several processes (Ray Serve's replicas): the gauges each writes into the shared files."""
+        gauges = {
+            "queue_depth": gauge("torchloom_queue_depth", "Texts accepted and waiting for the model."),
+            "queue_capacity": gauge("torchloom_queue_capacity", "Texts the queues hold at most (--max-queue"
+                                    " each): past it requests get 429."),
+            **{f.name: gauge(f.name, f.help, f.labelnames, mode="liveall") for f in self.monitor},
+        }
+        gauges["queue_capacity"].set(queue_capacity)
+        gauges["queue_depth"].set(0)
+        return gauges
 
     def observe_predict(self, seconds: float) -> None:
         """A predict request's latency, kept for the recent quantiles (RECENT_MAX at most, the newest)."""
