@@ -412,7 +412,7 @@ def test_the_odd_texts_are_named_by_their_outlier_score_in_the_report_and_in_pre
     but the report says how many texts are unusual against the reference and lists the most unusual, which are
     the odd ones; `predict --outlier-score` gives each text its score. Texts like the reference score like the
     reference: about 1 % past 0.99. (The tiny random model tells only gross oddities apart, another script among
-    them; how finely the real MiniLM's representation tells them apart is not measured yet.)"""
+    them; how finely the real MiniLM's representation tells them apart is benchmarks/outliers.py's.)"""
     import csv
 
     from support.owned import torchloom
