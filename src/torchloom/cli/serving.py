@@ -246,10 +246,11 @@ def outlier_scored(predictor, model: str, texts: list[str]) -> list[dict]:
     if profile is None or kernel_for(profile, predictor) is None or scorer_for(profile) is None:
         raise UserError(f"--outlier-score: model dir {model} has no reference sketches to score against (a profile"
                         f" with a sketch, and the torch runtime); {REEXPORT}")
-    plain = predictor.predict(texts[:1])[0].keys()  # what a prediction holds without the monitor's signals
     answers = predictor.predict(texts, with_signals=True)
     scores = scorer_for(profile).scores(np.stack([a["sketch"] for a in answers]))
-    return [{**{k: a[k] for k in plain if k in a}, "outlier": round(float(s), 4)} for a, s in zip(answers, scores)]
+    signals = ("tokens", "unknown", "sketch")  # what with_signals adds (Predictor.predict_encoded): not printed
+    return [{**{k: v for k, v in a.items() if k not in signals}, "outlier": round(float(s), 4)}
+            for a, s in zip(answers, scores)]
 
 
 def compare_models(args: argparse.Namespace, texts: list[str]) -> int:
