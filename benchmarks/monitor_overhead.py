@@ -2,7 +2,10 @@
 `--no-monitor`, at c = 64, one text per request (the most answers per second, so the most monitor work per second).
 
     .venv/bin/python benchmarks/monitor_overhead.py [--models tiny,minilm] [--rounds 3] [--requests 4000]
-                                                    [--time-cap 20] [--no-write]
+                                                    [--time-cap 20] [--no-write] [--what monitor|log]
+
+`--what log` measures the durable prediction log instead (issue 76): `--log FILE.db` (SQLite, texts hashed) on
+against no log, both with the monitor on; written under '## Serving with the prediction log on and off'.
 
 Per model (tiny: the random 2-layer BERT, the fastest a server answers here, so the monitor's largest share;
 minilm: the demo's MiniLM with a fresh 5-label head), both servers run side by side, on the same model copy with
@@ -51,7 +54,9 @@ def model_for(name: str, work: Path, texts: list[str]) -> str:
 
 def measure(name: str, model: str, texts: list[str], a: argparse.Namespace, work: Path) -> dict:
     servers = {}
-    for side, flags in (("on", []), ("off", ["--no-monitor"])):
+    sides = ((("on", ["--log", str(work / f"{name}-log.db")]), ("off", [])) if a.what == "log" else
+             (("on", []), ("off", ["--no-monitor"])))
+    for side, flags in sides:
         # the warm-up's measured choices (traced or eager, 1 or 2 torch threads) can differ from one server start to
         # the next on a noisy machine: the table says what each side chose; --no-tune gives both eager, all cores
         servers[side] = Process([sys.executable, "-m", "torchloom", "serve", model, "--port", "0", "--device", "cpu",
@@ -71,11 +76,12 @@ def measure(name: str, model: str, texts: list[str], a: argparse.Namespace, work
             cpu[side].append((cpu_seconds(pid) - before) / max(1, row["requests"] + min(2 * C, 64)) * 1e6)
             rates[side].append(row["texts_s"])
             p99[side].append(row["p99"])
-            print(f"{name:7} monitor {side:3}: {row['texts_s']:8.1f} texts/s  p99 {row['p99']:7.1f} ms"
+            print(f"{name:7} {a.what} {side:3}: {row['texts_s']:8.1f} texts/s  p99 {row['p99']:7.1f} ms"
                   f"  server CPU {cpu[side][-1]:7.0f} us a text ({row['requests']} requests, {row['errors']} errors)",
                   flush=True)
         on_log = (work / f"{name}-on.err").read_text()
-        assert "monitoring: the last 500 texts" in on_log, on_log[-2000:]
+        expected = "prediction log sqlite" if a.what == "log" else "monitoring: the last 500 texts"
+        assert expected in on_log, on_log[-2000:]
         chosen = {side: "; ".join(line.split("warm-up: ", 1)[1].split(":")[0] for line in
                                   (work / f"{name}-{side}.err").read_text().splitlines() if "warm-up: " in line)
                   or "eager, all cores (--no-tune)" for side in servers}
@@ -97,6 +103,7 @@ def main() -> None:
     p.add_argument("--time-cap", type=float, default=20.0)
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--no-tune", action="store_true", help="serve both sides with --no-tune")
+    p.add_argument("--what", choices=("monitor", "log"), default="monitor", help="what is on and off")
     a = p.parse_args()
     texts = load_texts(1000)
     cpu = cpu_name()
@@ -107,10 +114,11 @@ def main() -> None:
             rows.append(measure(name, model_for(name, work, texts), texts, a, work))
     lines = [f"Machine: {cpu}; Python {platform.python_version()}; {datetime.now(UTC):%Y-%m-%d}."
              f" `benchmarks/monitor_overhead.py --rounds {a.rounds} --requests {a.requests}"
-             f"{' --no-tune' if a.no_tune else ''}`: c = {C}, one text per request, window 500 texts (the default),"
+             f"{' --no-tune' if a.no_tune else ''}{' --what log' if a.what == 'log' else ''}`: c = {C}, one text per"
+             " request, window 500 texts (the default),"
              " reference 1000 texts. What each server's warm-up chose: "
              + "; ".join(f"{r['model']} on: {r['chosen']['on']}, off: {r['chosen']['off']}" for r in rows) + ".", "",
-             "| model | texts/s, monitor on | texts/s, monitor off | on / off (median of rounds; each round) |"
+             f"| model | texts/s, {a.what} on | texts/s, {a.what} off | on / off (median of rounds; each round) |"
              " p99 ms on | p99 ms off | server CPU us a text, on | off | on / off |", "|---" * 9 + "|"]
     for r in rows:
         each = ", ".join(f"{x:.3f}" for x in r["ratios"])
@@ -120,7 +128,9 @@ def main() -> None:
     body = "\n".join(lines)
     print(body)
     if not a.no_write:
-        print(f"wrote {write_doc(body, 'Serving with the monitor on and off (issue 57)')}")
+        heading = ("Serving with the prediction log on and off (issue 76)" if a.what == "log" else
+                   "Serving with the monitor on and off (issue 57)")
+        print(f"wrote {write_doc(body, heading)}")
 
 
 if __name__ == "__main__":

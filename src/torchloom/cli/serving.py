@@ -375,6 +375,7 @@ def cmd_serve(args: argparse.Namespace, rest: list[str]) -> int:
         models=models, traffic=args.traffic,
         shadow=[s.strip() for given in args.shadow for s in given.split(",") if s.strip()],
         feedback_size=args.feedback_size, min_effect=args.min_effect, verdict_alpha=args.verdict_alpha,
+        log=args.log, keep_texts=args.keep_texts, log_max_age_days=args.log_max_age_days, fleet_name=args.fleet_name,
     ).check()
     warning = settings.exposure_warning()
     if warning:

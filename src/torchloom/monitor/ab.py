@@ -40,6 +40,23 @@ class Outcomes:
 
 
 @dataclass
+class Tally:
+    """One model's labelled answers: how many, how many right."""
+
+    labels: int = 0
+    right: int = 0
+
+    def interval(self) -> dict[str, float] | None:
+        """Accuracy with its 95 % Wilson interval (None before the first label)."""
+        if not self.labels:
+            return None
+        n, p, z = self.labels, self.right / self.labels, 1.959964
+        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+        return {"value": p, "low": max(0.0, centre - half), "high": min(1.0, centre + half), "labels": n}
+
+
+@dataclass
 class Verdict:
     state: str  # "a_better", "b_better", "not_yet_known"
     test: str  # "paired" (McNemar) or "unpaired" (two proportions)

@@ -131,6 +131,16 @@ def add_fleet_arguments(sp: argparse.ArgumentParser) -> None:
                     help="the accuracy difference the verdict between models is sized to find (default 0.02)")
     sp.add_argument("--verdict-alpha", type=float, default=0.05, metavar="P",
                     help="the chance that two equal models are ever called different (default 0.05)")
+    sp.add_argument("--log", default="none", metavar="PATH_OR_URI",
+                    help="write every prediction and feedback label to a durable log: a SQLite file (PATH or"
+                         " sqlite:///PATH) or postgresql://USER@HOST/DB shared by replicas; feedback and the verdict"
+                         " then survive restarts and are the fleet's (default none)")
+    sp.add_argument("--keep-texts", action="store_true",
+                    help="the log keeps each text (retraining on feedback needs them); default: a hash only")
+    sp.add_argument("--log-max-age-days", type=float, default=30.0, metavar="DAYS",
+                    help="predictions and labels older than this leave the log (default 30)")
+    sp.add_argument("--fleet-name", default="", metavar="NAME",
+                    help="the name this fleet's rows carry in a shared log (default: the first model's name)")
 
 
 def check_serve_flags(flags: list[str]) -> None:

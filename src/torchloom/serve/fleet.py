@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import secrets
 import time
@@ -26,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from torchloom.monitor.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Verdict, compare
+from torchloom.monitor.ab import ALPHA, MIN_EFFECT, N_MIN, Outcomes, Tally, Verdict, compare
 from torchloom.serve.api_common import ApiError
 from torchloom.serve.batcher import Overloaded, ShuttingDown
 from torchloom.serve.split import Plan, key_point
@@ -52,31 +51,15 @@ class Member:
         return self.backend.identity
 
 
-@dataclass
-class Tally:
-    """One model's labelled answers: how many, how many right."""
-
-    labels: int = 0
-    right: int = 0
-
-    def interval(self) -> dict[str, float] | None:
-        """Accuracy with its 95 % Wilson interval (None before the first label)."""
-        if not self.labels:
-            return None
-        n, p, z = self.labels, self.right / self.labels, 1.959964
-        centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-        half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-        return {"value": p, "low": max(0.0, centre - half), "high": min(1.0, centre + half), "labels": n}
-
-
 class Fleet:
     """The backend of the HTTP app over one or more models (module docstring)."""
 
     def __init__(self, members: list[Member], plan: Plan, metrics, feedback_size: int = FEEDBACK_SIZE,
                  alpha: float = ALPHA, min_effect: float = MIN_EFFECT, n_min: int = N_MIN,
-                 load: Callable[[str, str], Awaitable[Member]] | None = None) -> None:
+                 load: Callable[[str, str], Awaitable[Member]] | None = None, log=None) -> None:
         """metrics: the server's ServeMetrics, shared by the members; load: makes a member (NAME, DIR) for the
-        admin route, warmed up (None: loading refused)."""
+        admin route, warmed up (None: loading refused); log: the durable monitor.predlog.PredictionLog, or None
+        (serve/fleet_log.py: what it is given, and what it gives back after a restart or from other replicas)."""
         self.members = {m.name: m for m in members}
         self.order = [m.name for m in members]  # the first is the one the others are compared with
         self.plan = plan
@@ -101,6 +84,7 @@ class Fleet:
         self.rng = random.Random()
         self.identity = members[0].identity
         self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
+        self.log = log
         self.check_labels(members)
 
     def may_change(self) -> None:
@@ -124,12 +108,18 @@ class Fleet:
     async def start(self) -> None:
         for m in self.members.values():
             await m.backend.start()
+        if self.log is not None:
+            from torchloom.serve.fleet_log import keep_in_step
+
+            self.shadow_tasks.add(asyncio.ensure_future(keep_in_step(self)))
 
     async def stop(self) -> None:
         for task in list(self.shadow_tasks):
             task.cancel()
         for m in self.members.values():
             await m.backend.stop()
+        if self.log is not None:
+            await asyncio.to_thread(self.log.close)
 
     def count(self, *key: str, amount: float = 1.0) -> None:
         self.counts[key] = self.counts.get(key, 0.0) + amount
@@ -173,6 +163,8 @@ class Fleet:
             if record is not None:
                 record[member.name] = answer["label"]
         self.count("answers", member.name, "answer", amount=len(texts))
+        if self.log is not None:
+            self.log.predictions(member.name, member.identity.version, "answer", ids, texts, answers)
         return answers
 
     def new_ids(self, n: int) -> list[str]:
@@ -248,6 +240,8 @@ class Fleet:
                 if i in self.awaiting:  # labelled before this shadow answered: credited now
                     self.credit_late(i, shadow.name, answer["label"])
         self.count("answers", shadow.name, "shadow", amount=len(texts))
+        if self.log is not None:
+            self.log.predictions(shadow.name, shadow.identity.version, "shadow", ids, texts, answers)
 
     def credit_late(self, prediction_id: str, name: str, answered: str) -> None:
         """A shadow's answer to a text whose label came first: scored as if it had been there (its tally, and its
@@ -289,6 +283,8 @@ class Fleet:
                                                  f" ({', '.join(labels[:20])}); GET /v1/labels lists them")
         self.labelled[prediction_id] = label
         self.labels_in += 1
+        if self.log is not None:
+            self.log.feedback(prediction_id, label)
         self.count("feedback", "recorded")
         right = {name: answered == label for name, answered in record.items() if answered is not None}
         for name, ok in right.items():

@@ -107,6 +107,10 @@ def feedback_router(backend) -> APIRouter:
         if backend.fleet is None:
             raise ApiError(501, "not_supported", "this server keeps no predictions for feedback")
         parsed = parse_feedback(await read_body(request, FEEDBACK_BODY))
+        if getattr(backend, "log", None) is not None:  # ids answered before a restart or by another replica
+            from torchloom.serve.fleet_log import recall
+
+            await recall(backend, [p[0] for p in parsed] if isinstance(parsed, list) else [parsed[0]])
         if isinstance(parsed, list):  # bulk: 200 with each label's result, the ones refused named by their code
             return JSONResponse(feedback_many(backend, parsed))
         return JSONResponse(backend.feedback(*parsed))

@@ -230,10 +230,25 @@ def local_fleet(settings: ServeSettings, threads: int):
         return member
 
     fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
-                  load=load)
+                  load=load, log=open_log(settings, members[0].identity.name))
     holder.append(fleet)
     metrics.extra = fleet_families(fleet)
     return fleet
+
+
+def open_log(settings: ServeSettings, first_name: str):
+    """The fleet's durable log (monitor/predlog.py) as --log gives it, or None."""
+    from torchloom.monitor.predlog import PredictionLog, log_uri
+
+    uri = log_uri(settings.log)
+    if uri is None:
+        return None
+    log = PredictionLog(uri, settings.fleet_name or first_name, settings.keep_texts,
+                        settings.log_max_age_days * 86400.0)
+    print(f"torchloom serve: prediction log {log.where} (fleet {log.fleet}, texts"
+          f" {'kept' if settings.keep_texts else 'hashed'}, {settings.log_max_age_days:g} days)", file=sys.stderr,
+          flush=True)
+    return log
 
 
 def run_local(settings: ServeSettings) -> int:

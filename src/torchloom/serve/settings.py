@@ -69,6 +69,10 @@ class ServeSettings:
     feedback_size: int = 100_000  # predictions kept for POST /v1/feedback
     min_effect: float = 0.02  # the accuracy difference the verdict is sized to find
     verdict_alpha: float = 0.05  # the chance that two equal models are ever called different
+    log: str = "none"  # --log: the durable prediction and feedback log (monitor/predlog.py): a path, sqlite:///, postgresql://
+    keep_texts: bool = False  # the log keeps each text (retraining on feedback needs it), else only its hash
+    log_max_age_days: float = 30.0  # predictions and feedback older than this leave the log
+    fleet_name: str = ""  # the log's rows are this fleet's ("": the first model's own name)
 
     def __post_init__(self) -> None:
         if self.api_key is None:
@@ -105,6 +109,9 @@ class ServeSettings:
             (self.monitor_period_s >= 1, f"--monitor-period-s {self.monitor_period_s:g}: must be at least 1 second"),
             (self.false_alarm is None or 0 < self.false_alarm < 1,
              f"--false-alarm {self.false_alarm}: a chance, between 0 and 1 (e.g. 0.01)"),
+            (self.log_max_age_days > 0, f"--log-max-age-days {self.log_max_age_days:g}: must be more than 0"),
+            (not self.keep_texts or self.log.lower() not in ("none", "off", ""),
+             "--keep-texts: keeps texts in the prediction log; give one with --log PATH_OR_URI"),
             (self.feedback_size >= 1, f"--feedback-size {self.feedback_size}: must be at least 1"),
             (0 < self.min_effect < 1, f"--min-effect {self.min_effect}: an accuracy difference between 0 and 1"
                                       " (e.g. 0.02: two points)"),
@@ -122,6 +129,9 @@ class ServeSettings:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+        if self.serve_with == "ray" and self.log.lower() not in ("none", "off", ""):
+            raise UserError("--log: the Ray engine does not write the prediction log yet; serve with --serve-with"
+                            " local (several processes may share one postgresql:// log)")
         if self.serve_with == "local" and self.replicas != 1:
             raise UserError(f"--replicas {self.replicas}: only --serve-with ray runs replicas; the local engine"
                             " uses one model per process (start more processes behind a load balancer)")

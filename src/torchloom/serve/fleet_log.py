@@ -1,0 +1,77 @@
+"""A fleet's durable log (monitor/predlog.py) given back to it: what makes feedback and the verdict the fleet's,
+not one process's.
+
+    recall        feedback for prediction ids this process never saw (answered before a restart, or by another
+                  replica on the same PostgreSQL): their answers, and whether they are labelled, from the log
+    keep_in_step  at start and every RESYNC_S: each model's tallies and outcomes (so its verdict) worked out from
+                  the log's labels alone, for the versions served now, in the order the store took the labels; two
+                  replicas on one store read the same rows and so give one verdict, and a restarted server the
+                  verdict it had
+
+Between two resyncs a label is scored at once in memory (serve/fleet.py), as without a log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from torchloom.monitor.ab import Outcomes, Tally
+
+log = logging.getLogger("torchloom.serve")
+RESYNC_S = 2.0
+
+
+async def recall(fleet, ids: list[str]) -> None:
+    """The log's answers and labels of the ids the fleet does not hold in memory, put into its records."""
+    missing = [i for i in dict.fromkeys(ids) if not fleet.records.get(i)]
+    if not missing:
+        return
+    answers, labels = await asyncio.to_thread(fleet.log.answers_of, missing)
+    for i, by_model in answers.items():
+        fleet.records[i] = {m: a for m, a in by_model.items() if m in fleet.members}
+    fleet.labelled.update(labels)
+
+
+def replay(fleet, items) -> None:
+    """Tallies and outcomes of the served versions from the log's labels (predlog.Labelled, in seq order)."""
+    versions = {n: fleet.members[n].identity.version for n in fleet.order}
+    tallies = {n: Tally() for n in fleet.order}
+    outcomes: dict[str, Outcomes] = {}
+    control = fleet.order[0]
+    for item in items:
+        right = {m: answer == item.label for m, (version, _, answer) in item.answers.items()
+                 if versions.get(m) == version}
+        if not right:
+            continue
+        fleet.labelled.setdefault(item.id, item.label)
+        for m, ok in right.items():
+            tallies[m].labels += 1
+            tallies[m].right += ok
+        for name in fleet.order[1:]:
+            if control in right or name in right:
+                outcomes.setdefault(name, Outcomes()).add(right.get(control), right.get(name))
+    fleet.tallies, fleet.outcomes = tallies, outcomes
+    fleet.awaiting.clear()  # a shadow's late answer reaches the outcomes through the log at the next resync
+    fleet.verdicts = {n: v for n, v in fleet.verdicts.items() if n in outcomes}
+    fleet.labels_in += 1  # the verdicts are worked out again on the next read
+
+
+async def keep_in_step(fleet, every_s: float = RESYNC_S) -> None:
+    """replay from the log now and every `every_s` (module docstring); a store that fails is logged and tried
+    again, serving goes on."""
+    failing = False
+    while True:
+        try:
+            items = await asyncio.to_thread(fleet.log.labelled)
+            replay(fleet, items)
+            fleet.judge()
+            failing = False
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if not failing:
+                log.warning("prediction log %s: cannot read the labels (%s); the verdict is this process's until it"
+                            " can", fleet.log.where, str(e).splitlines()[0][:200])
+            failing = True
+        await asyncio.sleep(every_s)
