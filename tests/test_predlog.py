@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from support.command import torchloom
 from support.postgres import Postgres
 from support.served import Server, export_tiny, wait_for
 
@@ -96,7 +97,7 @@ def labels_of(s: Server) -> dict[str, int]:
 
 def test_a_restarted_server_keeps_its_feedback_and_verdict(models, tmp_path):
     args = ["", "--model", f"A={models['A']}", "--model", f"B={models['B']}", "--shadow", "B",
-            "--log", str(tmp_path / "log.db")]
+            "--log", str(tmp_path / "log.db"), "--fleet-name", "topics"]
     first = Server(*args, log_dir=tmp_path)
     try:
         answers = predict(first, [f"{TEXTS[i % 5]} {i}" for i in range(40)])
@@ -119,8 +120,23 @@ def test_a_restarted_server_keeps_its_feedback_and_verdict(models, tmp_path):
         assert report["models"]["A"]["online_accuracy"]["value"] == 1.0
         assert report["models"]["B"]["online_accuracy"]["value"] == 0.0
         assert report["verdicts"][0]["labels"] == 40 and report["verdicts"][0]["test"] == "paired"
+        # labels sent with their texts (no id): kept for retraining, a label the models lack refused by its code
+        sent = second.client.post("/v1/feedback", json=[{"text": "a new kind of text", "label": "money"},
+                                                       {"text": "another", "label": "nope"}]).json()
+        assert sent["recorded"] == 1 and sent["results"][1]["error"]["code"] == "unknown_label", sent
+        (tmp_path / "labels.csv").write_text("text,label\nbank news of a new kind,money\n,sport\n")
+        cli = torchloom("feedback", "--input", str(tmp_path / "labels.csv"), "--url", second.url)
+        assert cli.returncode == 0, cli.stderr[-2000:]
+        assert "1 labels sent" in cli.stdout and "1 recorded" in cli.stdout and "1 rows without" in cli.stdout
     finally:
-        second.terminate()
+        assert second.terminate() == 0
+    from torchloom.monitor.predlog import PredictionLog, log_uri
+
+    log = PredictionLog(log_uri(str(tmp_path / "log.db")), "topics")
+    items = log.labelled()
+    log.close()
+    assert len(items) == 42 and [i.text for i in items[-2:]] == ["a new kind of text", "bank news of a new kind"]
+    assert all(i.text is None for i in items[:40])  # without --keep-texts: hashes only
 
 
 def test_two_replicas_on_one_postgresql_give_one_verdict(models, tmp_path):

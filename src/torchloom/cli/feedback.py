@@ -1,5 +1,6 @@
 """`torchloom feedback --input FILE --url URL`: the true labels of a server's predictions, from a file (CSV, JSON
-lines or Parquet with an id and a label column), sent to its POST /v1/feedback in bulk (serve/fleet_api.py), a
+lines or Parquet with an id and a label column; or a text and a label column: labels sent with their texts, kept
+in the server's prediction log for retraining), sent to its POST /v1/feedback in bulk (serve/fleet_api.py), a
 list of up to --batch labels a request. The API key comes from an environment variable (--api-key-env, default
 TORCHLOOM_API_KEY), never from the command line. One line at the end: sent, recorded, refused by reason; exit 0
 once every batch was answered (labels refused by the server are counted, not an error), 2 for a bad input or a
@@ -27,28 +28,34 @@ def add_feedback_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     sp.add_argument("--id-column", default="id", help="the prediction ids' column (default id)")
     sp.add_argument("--label-column", default="label", help="the true labels' column (default label)")
+    sp.add_argument("--text-column", default="text",
+                    help="where the file has no id column: the texts' column (default text); each label is sent"
+                         " with its text, kept in the server's prediction log (--log) for retraining")
     sp.add_argument("--batch", type=int, default=1000, help=f"labels per request (1 to {MAX_BATCH}; default 1000)")
     sp.add_argument("--api-key-env", default="TORCHLOOM_API_KEY", metavar="NAME",
                     help="the environment variable holding the server's API key (default TORCHLOOM_API_KEY)")
 
 
-def rows(path: str, id_column: str, label_column: str) -> Iterator[tuple[str, str] | None]:
-    """(id, label) of each row; None for a row without both (set aside, counted)."""
+def rows(path: str, id_column: str, label_column: str, text_column: str = "text"
+         ) -> Iterator[tuple[str, str, str] | None]:
+    """("id" or "text", its value, label) of each row: by the id column, else the text column; None for a row
+    without both (set aside, counted)."""
     from torchloom.inputs.text_files import input_format, stream_batches
     from torchloom.text.formats import column_named
 
     schema, batches = stream_batches(path, input_format(path))
     names = list(schema.names)
-    found = {want: column_named(names, want) for want in (id_column, label_column)}
-    for want, flag in ((id_column, "--id-column"), (label_column, "--label-column")):
+    found = {want: column_named(names, want) for want in (id_column, label_column, text_column)}
+    key, by = (id_column, "id") if found[id_column] is not None or found[text_column] is None else (text_column, "text")
+    for want, flag in ((key, "--id-column"), (label_column, "--label-column")):
         if found[want] is None:
             raise UserError(f"--input {path}: no column {want!r} (columns: {', '.join(names[:12])}); name it with"
                             f" {flag}")
     for batch in batches:
-        ids = batch.column(found[id_column]).to_pylist()
+        ids = batch.column(found[key]).to_pylist()
         labels = batch.column(found[label_column]).to_pylist()
         for i, y in zip(ids, labels):
-            yield (str(i), str(y)) if i not in (None, "") and y not in (None, "") else None
+            yield (by, str(i), str(y)) if i not in (None, "") and y not in (None, "") else None
 
 
 def post(url: str, items: list[dict], key: str | None) -> dict:
@@ -93,11 +100,11 @@ def cmd_feedback(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"feedback: {sent} labels sent ({sent / max(1e-9, time.monotonic() - started):.0f}/s)",
               file=sys.stderr, flush=True)
 
-    for row in rows(args.input, args.id_column, args.label_column):
+    for row in rows(args.input, args.id_column, args.label_column, args.text_column):
         if row is None:
             set_aside += 1
             continue
-        pending.append({"id": row[0], "label": row[1]})
+        pending.append({row[0]: row[1], "label": row[2]})
         sent += 1
         if len(pending) >= args.batch:
             flush()

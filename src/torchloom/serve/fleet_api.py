@@ -56,8 +56,9 @@ FEEDBACK_EXAMPLE = ('send JSON like {"id": "<an id from /v1/predict>", "label": 
                     ' such objects')
 
 
-def parse_feedback(body: bytes) -> list[tuple[str, str]] | tuple[str, str]:
-    """(id, label) of a POST /v1/feedback body, or a list of them for a list body; an ApiError naming what is
+def parse_feedback(body: bytes) -> list[tuple] | tuple:
+    """(id, label) of a POST /v1/feedback body, or a list of them for a list body; (None, label, text) for a label
+    sent with its text instead of an id (kept in the prediction log, for retraining); an ApiError naming what is
     wrong (in a list: the first item that is, by its index)."""
     if not body.strip():
         raise ApiError(400, "empty_body", f"the request body is empty; {FEEDBACK_EXAMPLE}")
@@ -70,10 +71,15 @@ def parse_feedback(body: bytes) -> list[tuple[str, str]] | tuple[str, str]:
     return _one_feedback(payload, "")
 
 
-def _one_feedback(payload, where: str) -> tuple[str, str]:
+def _one_feedback(payload, where: str) -> tuple:
     if not isinstance(payload, dict):
         raise ApiError(422, "invalid_request", f"{where}a JSON {json_type(payload)}, not an object;"
                                                f" {FEEDBACK_EXAMPLE}")
+    if "id" not in payload and isinstance(payload.get("text"), str) and payload["text"]:
+        if not isinstance(payload.get("label"), str) or not payload["label"]:
+            raise ApiError(422, "invalid_request", f'{where}"label" is missing or not a non-empty string;'
+                                                   f" {FEEDBACK_EXAMPLE}")
+        return None, payload["label"], payload["text"]
     for key in ("id", "label"):
         if not isinstance(payload.get(key), str) or not payload[key]:
             got = "missing" if key not in payload else f"a {json_type(payload[key])}"
@@ -82,13 +88,23 @@ def _one_feedback(payload, where: str) -> tuple[str, str]:
     return payload["id"], payload["label"]
 
 
-def feedback_many(fleet, items: list[tuple[str, str]]) -> dict[str, Any]:
+def feedback_one(fleet, item: tuple) -> dict[str, Any]:
+    """One label: of a prediction's id (Fleet.feedback), or with its text (fleet_log.labelled_text)."""
+    if item[0] is None:
+        from torchloom.serve.fleet_log import labelled_text
+
+        return labelled_text(fleet, item[2], item[1])
+    return fleet.feedback(item[0], item[1])
+
+
+def feedback_many(fleet, items: list[tuple]) -> dict[str, Any]:
     """Each label of a bulk request recorded as one request would be; what each got, in order (an error by its
     code), and the counts."""
     results = []
-    for prediction_id, label in items:
+    for item in items:
+        prediction_id, label = item[0] if item[0] is not None else "", item[1]
         try:
-            results.append(fleet.feedback(prediction_id, label))
+            results.append(feedback_one(fleet, item))
         except ApiError as e:
             results.append({"id": prediction_id, "label": label, "error": {"code": e.code, "message": e.message}})
     refused = sum("error" in r for r in results)
@@ -110,10 +126,10 @@ def feedback_router(backend) -> APIRouter:
         if getattr(backend, "log", None) is not None:  # ids answered before a restart or by another replica
             from torchloom.serve.fleet_log import recall
 
-            await recall(backend, [p[0] for p in parsed] if isinstance(parsed, list) else [parsed[0]])
+            await recall(backend, [p[0] for p in (parsed if isinstance(parsed, list) else [parsed]) if p[0]])
         if isinstance(parsed, list):  # bulk: 200 with each label's result, the ones refused named by their code
             return JSONResponse(feedback_many(backend, parsed))
-        return JSONResponse(backend.feedback(*parsed))
+        return JSONResponse(feedback_one(backend, parsed))
 
     return api
 

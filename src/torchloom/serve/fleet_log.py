@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from torchloom.monitor.ab import Outcomes, Tally
 
@@ -31,6 +32,25 @@ async def recall(fleet, ids: list[str]) -> None:
     for i, by_model in answers.items():
         fleet.records[i] = {m: a for m, a in by_model.items() if m in fleet.members}
     fleet.labelled.update(labels)
+
+
+def labelled_text(fleet, text: str, label: str) -> dict[str, Any]:
+    """A label sent with its text (no prediction's id): kept in the log for retraining, scored for no model."""
+    from torchloom.monitor.predlog import text_hash
+    from torchloom.serve.api_common import ApiError
+
+    fleet.may_change()
+    if fleet.log is None:
+        raise ApiError(501, "not_supported", "a label sent with its text is kept in the prediction log; start the"
+                                             " server with --log PATH_OR_URI, or send the prediction's id")
+    if label not in fleet.identity.labels:
+        fleet.count("feedback", "invalid_label")
+        raise ApiError(422, "unknown_label", f"label {label!r} is not one of the model's labels"
+                                             f" ({', '.join(fleet.identity.labels[:20])}); GET /v1/labels lists them")
+    key = f"text-{text_hash(text)}"
+    fleet.log.feedback(key, label, text=text, source="text")
+    fleet.count("feedback", "text")
+    return {"id": key, "label": label, "kept": "text"}
 
 
 def replay(fleet, items) -> None:
