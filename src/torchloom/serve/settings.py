@@ -129,6 +129,9 @@ class ServeSettings:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
+        from torchloom.monitor.predlog import log_uri
+
+        log_uri(self.log)  # a store the log cannot use: one line before any model loads
         if self.serve_with == "ray" and self.log.lower() not in ("none", "off", ""):
             raise UserError("--log: the Ray engine does not write the prediction log yet; serve with --serve-with"
                             " local (several processes may share one postgresql:// log)")
