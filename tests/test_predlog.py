@@ -78,6 +78,13 @@ def test_a_log_that_cannot_be_used_is_one_line(tmp_path):
     with pytest.raises(UserError, match="cannot open the SQLite file"):
         PredictionLog(log_uri(str(tmp_path / "file" / "log.db")), "f")
     assert log_uri("none") is None
+    from torchloom.serve.settings import ServeSettings
+
+    for given, message in (({"keep_texts": True}, "--keep-texts: keeps texts in the prediction log; give one"),
+                           ({"serve_with": "ray", "log": "x.db"}, "--log: the Ray engine does not write"),
+                           ({"log": "x.db", "log_max_age_days": 0}, "--log-max-age-days 0: must be more than 0")):
+        with pytest.raises(UserError, match=message):
+            ServeSettings("model", **given).check()
 
 
 def predict(s: Server, texts: list[str]) -> list[dict]:

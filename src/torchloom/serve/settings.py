@@ -109,9 +109,6 @@ class ServeSettings:
             (self.monitor_period_s >= 1, f"--monitor-period-s {self.monitor_period_s:g}: must be at least 1 second"),
             (self.false_alarm is None or 0 < self.false_alarm < 1,
              f"--false-alarm {self.false_alarm}: a chance, between 0 and 1 (e.g. 0.01)"),
-            (self.log_max_age_days > 0, f"--log-max-age-days {self.log_max_age_days:g}: must be more than 0"),
-            (not self.keep_texts or self.log.lower() not in ("none", "off", ""),
-             "--keep-texts: keeps texts in the prediction log; give one with --log PATH_OR_URI"),
             (self.feedback_size >= 1, f"--feedback-size {self.feedback_size}: must be at least 1"),
             (0 < self.min_effect < 1, f"--min-effect {self.min_effect}: an accuracy difference between 0 and 1"
                                       " (e.g. 0.02: two points)"),
@@ -129,12 +126,7 @@ class ServeSettings:
         for ok, message in checks:
             if not ok:
                 raise UserError(message)
-        from torchloom.monitor.predlog import log_uri
-
-        log_uri(self.log)  # a store the log cannot use: one line before any model loads
-        if self.serve_with == "ray" and self.log.lower() not in ("none", "off", ""):
-            raise UserError("--log: the Ray engine does not write the prediction log yet; serve with --serve-with"
-                            " local (several processes may share one postgresql:// log)")
+        self._check_log()
         if self.serve_with == "local" and self.replicas != 1:
             raise UserError(f"--replicas {self.replicas}: only --serve-with ray runs replicas; the local engine"
                             " uses one model per process (start more processes behind a load balancer)")
@@ -148,6 +140,19 @@ class ServeSettings:
             raise UserError(f"--require-api-key: no API key is set (--host {self.host}); pass --api-key KEY or set"
                             f" {API_KEY_ENV} (at least 8 characters)")
         return self
+
+    def _check_log(self) -> None:
+        """The prediction log's flags (monitor/predlog.py): one line before any model loads."""
+        from torchloom.monitor.predlog import log_uri
+
+        uri = log_uri(self.log)
+        if self.log_max_age_days <= 0:
+            raise UserError(f"--log-max-age-days {self.log_max_age_days:g}: must be more than 0")
+        if self.keep_texts and uri is None:
+            raise UserError("--keep-texts: keeps texts in the prediction log; give one with --log PATH_OR_URI")
+        if self.serve_with == "ray" and uri is not None:
+            raise UserError("--log: the Ray engine does not write the prediction log yet; serve with --serve-with"
+                            " local (several processes may share one postgresql:// log)")
 
     def exposure_warning(self) -> str | None:
         """The one warning line for a server that anyone on the network may call: bound beyond loopback
