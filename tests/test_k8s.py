@@ -340,6 +340,7 @@ def test_serve_manifests_of_several_models_keep_a_client_on_one_pod(capsys):
     (["--", "--api", "abc12345"], "--api: not a flag of torchloom serve (flags are spelled out whole here)"),
     (["--", "--max-batch", "8"], "--max-batch: not a flag of torchloom serve"),
     (["--", "--max-batch-size", "lots"], "--max-batch-size: invalid int value"),
+    (["--", "--log", "postgresql://u:abc12345@db/log"], "--log: its URI holds a password, which would be written"),
 ])
 def test_serve_refusals_are_one_line(capsys, args, says):
     code, stdout, err = run_main(capsys, *SERVE, *args)

@@ -68,7 +68,7 @@ def test_the_log_keeps_rows_labels_and_events_in_order_and_prunes_by_age(tmp_pat
     aged.close()
 
 
-def test_a_log_that_cannot_be_used_is_one_line(tmp_path):
+def test_a_log_that_cannot_be_used_is_one_line(tmp_path, monkeypatch):
     from torchloom.errors import UserError
     from torchloom.monitor.predlog import PredictionLog, log_uri
 
@@ -85,6 +85,9 @@ def test_a_log_that_cannot_be_used_is_one_line(tmp_path):
                            ({"log": "x.db", "log_max_age_days": 0}, "--log-max-age-days 0: must be more than 0")):
         with pytest.raises(UserError, match=message):
             ServeSettings("model", **given).check()
+    monkeypatch.setenv("TORCHLOOM_LOG", "postgresql://u:secret-pw@db/log")  # a Secret's, in a pod
+    assert ServeSettings("model").log == "postgresql://u:secret-pw@db/log"
+    assert ServeSettings("model", log="other.db").log == "other.db"
 
 
 def predict(s: Server, texts: list[str]) -> list[dict]:

@@ -19,8 +19,8 @@ from torchloom.config.schema import K8sConfig
 from torchloom.errors import UserError
 from torchloom.k8s import manifests as m
 from torchloom.serve.arguments import check_serve_flags
-from torchloom.serve.settings import ServeSettings
-from torchloom.uri import has_scheme
+from torchloom.serve.settings import LOG_ENV, ServeSettings
+from torchloom.uri import has_credentials, has_scheme
 
 PORT = 8000
 CONTAINER = "server"
@@ -77,6 +77,9 @@ def serve_manifests(model_uri: str | None, k: K8sConfig, port: int = PORT, serve
                         f" {m.API_KEY_ENV} (and the store's credentials) and pass --secret NAME")
     flags = list(serve_flags or [])
     check_serve_flags(flags)  # serve's own parser, no abbreviations (`--api KEY` would be --api-key's)
+    if any(has_credentials(v) for v in flag_values(flags, "--log")):
+        raise UserError(f"--log: its URI holds a password, which would be written in the manifest; put the URI in"
+                        f" the Secret as {LOG_ENV} and leave --log out")
     for flag in flags:
         reason = OWN_FLAGS.get(flag.split("=", 1)[0])
         if reason:

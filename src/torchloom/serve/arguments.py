@@ -134,7 +134,7 @@ def add_fleet_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--log", default="none", metavar="PATH_OR_URI",
                     help="write every prediction and feedback label to a durable log: a SQLite file (PATH or"
                          " sqlite:///PATH) or postgresql://USER@HOST/DB shared by replicas; feedback and the verdict"
-                         " then survive restarts and are the fleet's (default none)")
+                         " then survive restarts and are the fleet's (default $TORCHLOOM_LOG, else none)")
     sp.add_argument("--keep-texts", action="store_true",
                     help="the log keeps each text (retraining on feedback needs them); default: a hash only")
     sp.add_argument("--log-max-age-days", type=float, default=30.0, metavar="DAYS",

@@ -14,6 +14,7 @@ ENGINES = ("local", "ray")
 RUNTIMES = ("torch", "onnx")
 API_KEY_ENV = "TORCHLOOM_API_KEY"
 ADMIN_KEY_ENV = "TORCHLOOM_ADMIN_KEY"
+LOG_ENV = "TORCHLOOM_LOG"  # --log's store when the flag is left out (a Secret's: a URI with a password)
 MODEL_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")  # a served model's name: it goes into headers, labels, paths
 
 
@@ -79,6 +80,8 @@ class ServeSettings:
             self.api_key = os.environ.get(API_KEY_ENV) or None
         if self.admin_key is None:
             self.admin_key = os.environ.get(ADMIN_KEY_ENV) or None
+        if self.log == "none" and os.environ.get(LOG_ENV):
+            self.log = os.environ[LOG_ENV]
 
     @property
     def texts_per_request(self) -> int:
