@@ -130,6 +130,8 @@ def test_a_restarted_server_keeps_its_feedback_and_verdict(models, tmp_path):
         assert report["models"]["A"]["online_accuracy"]["value"] == 1.0
         assert report["models"]["B"]["online_accuracy"]["value"] == 0.0
         assert report["verdicts"][0]["labels"] == 40 and report["verdicts"][0]["test"] == "paired"
+        rows = second.metrics()["torchloom_log_rows"]
+        assert {x.labels["result"]: x.value for x in rows.samples}["dropped"] == 0
         # labels sent with their texts (no id): kept for retraining, a label the models lack refused by its code
         sent = second.client.post("/v1/feedback", json=[{"text": "a new kind of text", "label": "money"},
                                                        {"text": "another", "label": "nope"}]).json()

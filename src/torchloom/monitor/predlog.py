@@ -86,7 +86,8 @@ class PredictionLog:
         self._reader = self._connect()
         self._create()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.queued = 0
+        self.put = 0  # rows queued, ever (the serving thread's count only)
+        self.taken = 0  # rows the writer took from the queue, ever (the writer's only): no count two threads bump
         self.written = 0
         self.dropped = 0
         self.pruned = 0
@@ -165,12 +166,12 @@ class PredictionLog:
         at = time.time()
         rows = [(i, model, self.fleet, version, role, at, a["label"], a.get("score"), text_hash(t),
                  t if self.keep_texts else None) for i, t, a in zip(ids, texts, answers)]
-        self.queued += len(rows)
+        self.put += len(rows)
         self._queue.put(("p", rows))
 
     def feedback(self, prediction_id: str, label: str, text: str | None = None, source: str = "id") -> None:
         """Queue one feedback label: of a prediction's id, or of a text sent with its label (source "text")."""
-        self.queued += 1
+        self.put += 1
         self._queue.put(("f", [(prediction_id, self.fleet, label, time.time(), text,
                                 text_hash(text) if text is not None else None, source)]))
 
@@ -211,7 +212,7 @@ class PredictionLog:
             self.failures += n
             log.warning("prediction log %s: %d rows not written (%s)", self.where, n, str(e).splitlines()[0][:200])
         finally:
-            self.queued -= n
+            self.taken += n
 
     def _prune(self, db) -> None:
         try:
@@ -226,6 +227,11 @@ class PredictionLog:
             self.pruned += max(0, gone)
         except Exception as e:
             log.warning("prediction log %s: pruning failed (%s)", self.where, str(e).splitlines()[0][:200])
+
+    @property
+    def queued(self) -> int:
+        """Rows waiting for the writer now."""
+        return self.put - self.taken
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued row is written (or tried); whether it was within the time."""
@@ -282,12 +288,6 @@ class PredictionLog:
         return int(self.read("SELECT COUNT(*) FROM tl_feedback WHERE fleet = ? AND seq > ?",
                              (self.fleet, after))[0][0])
 
-    def recent_ids(self, limit: int) -> list[tuple[str, str, str]]:
-        """(id, model, answer) of the newest `limit` predictions' rows, oldest first."""
-        rows = self.read("SELECT id, model, answer, at FROM tl_predictions WHERE fleet = ? ORDER BY at DESC LIMIT ?",
-                         (self.fleet, limit))
-        return [(i, m, a) for i, m, a, _ in reversed(rows)]
-
     # --- events: the loop's audit trail --------------------------------------------------------------------
 
     def event(self, kind: str, who: str, **detail: Any) -> dict[str, Any]:
@@ -303,9 +303,10 @@ class PredictionLog:
                          " LIMIT ?", (self.fleet, after, limit))
         return [{"seq": s, "at": at, "kind": k, "who": w, **json.loads(d)} for s, at, k, w, d in rows]
 
-    def stats(self) -> dict[str, int]:
-        return {"queued": self.queued, "written": self.written, "dropped": self.dropped, "failed": self.failures,
-                "pruned": self.pruned}
+    def counts(self) -> list[tuple[tuple[str], float]]:
+        """The rows by what became of them: torchloom_log_rows_total{result} (serve/metrics.py)."""
+        return [(("written",), self.written), (("dropped",), self.dropped), (("failed",), self.failures),
+                (("pruned",), self.pruned), (("queued",), self.queued)]
 
 
 def log_uri(given: str) -> str | None:

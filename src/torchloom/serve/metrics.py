@@ -362,4 +362,7 @@ def fleet_families(fleet) -> list[Family]:
                " is), b_better (this one is), not_yet_known.", ("model", "against", "state"), verdicts),
         Family("torchloom_admin_changes_total", "Changes made through the admin route, by action.", ("action",),
                counted("admin"), "counter"),
+        *([Family("torchloom_log_rows", "The prediction log's rows (serve --log) by what became of them: written,"
+                  " dropped (its queue full), failed (the store refused), pruned (aged out), queued (waiting now).",
+                  ("result",), fleet.log.counts)] if fleet.log is not None else []),
     ]
