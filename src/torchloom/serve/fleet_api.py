@@ -230,4 +230,8 @@ def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
             raise ApiError(422, "invalid_request", str(e)) from None
         return JSONResponse(await fleet.put_model(name, path, who(request)))
 
+    @api.delete("/models/{name}", summary="unload model NAME (one without traffic; not the first)")
+    async def delete_model(name: str, request: Request) -> Response:
+        return JSONResponse(fleet.remove(name, who(request)))
+
     return api
