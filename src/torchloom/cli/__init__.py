@@ -24,6 +24,8 @@ COMMANDS = {
     "monitor": "compare new texts with the model's reference profile: drift report, estimated accuracy (exit 3:"
                " drift); `monitor rules`: Prometheus alerts and a Grafana dashboard for served models",
     "feedback": "send the true labels of a server's predictions from a file to its POST /v1/feedback, in bulk",
+    "loop": "retrain a served fleet's model on what it sees, gate, shadow, ramp and promote or roll back"
+            " (`loop history`, `loop resume`)",
     "tune": "search hyperparameters (tune.space) with ASHA early stopping: Ray Tune or Optuna; exports the best",
     "config": "print the resolved config as TOML",
     "plan": "estimate memory, communication and time per strategy before spending (torchloom plan --help)",
@@ -103,6 +105,11 @@ def parser() -> argparse.ArgumentParser:
 
             add_feedback_arguments(sp)
             continue
+        if name == "loop":
+            from torchloom.cli.loop import add_loop_arguments
+
+            add_loop_arguments(sp)
+            continue
         sp.add_argument("--config", help="a TOML file with [section] tables")
         if name in ("run", "prepare", "train", "tune"):
             sp.add_argument("--overwrite", action="store_true", help="same as --output.overwrite true")
@@ -153,6 +160,10 @@ def dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         from torchloom.cli.feedback import cmd_feedback
 
         return cmd_feedback(args, rest)
+    if args.command == "loop":
+        from torchloom.cli.loop import cmd_loop
+
+        return cmd_loop(args, rest)
     cfg, given = build_config(args, rest)
     if args.command == "config":
         from torchloom.config import to_toml

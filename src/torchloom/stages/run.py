@@ -87,6 +87,8 @@ def _run_all(run: Run, reuse: bool) -> dict:
         "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "packed", "mfu",
                                                         "time_split")},
     }
+    if exported.get("registered"):  # the version it became in the registry (the loop moves the alias to it)
+        summary["registered"] = exported["registered"]
     if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
         summary["uploads"] = result.uploads
     if result.preemptions:

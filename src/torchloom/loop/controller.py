@@ -1,0 +1,279 @@
+"""The loop's state machine (torchloom.loop). Its state is nowhere but the prediction log's events: each step
+reads where the cycle stands from them, does one thing, and appends the event that says what it did and which
+stage comes next. A loop stopped anywhere (kill -9 included) starts again where the events say; two loops on one
+fleet would read the same state, and the second's events are refused by nothing: run one loop per fleet.
+
+    idle         a trigger fires (triggers.py)                                  -> snapshot
+    snapshot     the pinned data (snapshot.py)                                  -> train
+    train        the champion's recipe on it (candidate.py)                     -> offline | paused
+    offline      the offline gate (gates.py)                                    -> shadow | paused
+    shadow       the candidate loaded as a shadow                               -> shadow_wait
+    shadow_wait  enough shadow answers: the shadow gate                         -> canary | paused
+    canary       the next share of the ramp                                     -> canary_wait
+    canary_wait  harm: rolled back; enough labels at this share: the next share -> canary | promote | paused
+    promote      all the traffic, the registry's alias                          -> idle
+    paused       a person looks; `torchloom loop resume`                        -> idle
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import UserError
+from torchloom.loop import gates, snapshot, triggers
+from torchloom.loop.server import Server, ServerError, champion_of
+
+RECORDS = ("started", "trigger", "snapshot", "candidate", "gate", "shadow", "canary", "promote", "rollback",
+           "stopped", "resumed")  # the loop's own events (the server writes "admin", the webhook "alert")
+
+
+@dataclass
+class LoopSettings:
+    server: str
+    work: Path
+    recipe: str = ""
+    triggers: dict[str, float] = field(default_factory=lambda: {"labels": 500.0})
+    cooldown_s: float = 6 * 3600.0
+    daily_limit: int = 4
+    holdout: float = 0.2
+    margin: float = 0.02
+    class_margin: float = 0.05
+    alpha: float = 0.05
+    max_slowdown: float = 1.5
+    shadow_texts: int = 500
+    min_agreement: float = 0.5
+    max_error_rate: float = 0.01
+    ramp: list[float] = field(default_factory=lambda: [5.0, 25.0, 50.0])
+    canary_labels: int = 200
+    min_effect: float = 0.02
+    who: str = "torchloom loop"
+
+
+def state_of(events: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """(stage, the current cycle's record: every detail since its trigger, later ones over earlier ones)."""
+    stage, cycle = "idle", {}
+    for e in events:
+        if e["kind"] not in RECORDS:
+            continue
+        if e["kind"] == "trigger":
+            cycle = {}
+        cycle.update({k: v for k, v in e.items() if k not in ("seq", "kind", "who", "at", "stage", "passed")})
+        stage = e.get("stage", stage)
+    return stage, cycle
+
+
+class Loop:
+    def __init__(self, settings: LoopSettings, log, server: Server, say: Callable[[str], object] = print) -> None:
+        self.s, self.log, self.server, self.say = settings, log, server, say
+        self.triggers = triggers.parse(settings.triggers)
+
+    def record(self, kind: str, stage: str, **detail: Any) -> dict[str, Any]:
+        event = self.log.event(kind, self.s.who, stage=stage, **detail)
+        self.say(f"loop: {kind}: {detail.get('line') or stage}")
+        return event
+
+    def step(self) -> tuple[bool, str]:
+        """One step (module docstring): (whether it moved the cycle on, a line saying where it stands)."""
+        events = self.log.events()
+        if not any(e["kind"] in RECORDS for e in events):
+            self.record("started", "idle", line=f"watching fleet {self.log.fleet} at {self.server.url}")
+            events = self.log.events()
+        stage, cycle = state_of(events)
+        return getattr(self, f"_{stage}")(cycle, events)
+
+    # --- the stages --------------------------------------------------------------------------------------------
+
+    def _idle(self, cycle: dict[str, Any], events: list[dict[str, Any]]) -> tuple[bool, str]:
+        last = [e for e in events if e["kind"] == "snapshot"]
+        after = max([e["seq"] for e in events if e["kind"] == "trigger"], default=0)
+        seen = {"labels": self.log.count_labels(last[-1]["watermark"] if last else 0),
+                "alerts": [e.get("alert", "alert") for e in events if e["kind"] == "alert" and e["seq"] > after]}
+        if any(t.id in ("drift", "accuracy") for t in self.triggers):
+            seen["monitor"] = self.server.monitor()
+        trigger, why = triggers.due(self.triggers, seen, events, self.s.cooldown_s, self.s.daily_limit)
+        if trigger is None:
+            return False, f"idle: {why} ({seen['labels']} new labels)"
+        view = self.server.view()
+        champion = champion_of(view)
+        model = view["models"][champion]
+        from torchloom.loop.candidate import recipe_of
+
+        recipe = recipe_of(model["path"], self.s.recipe)
+        number = sum(1 for e in events if e["kind"] == "trigger") + 1
+        self.record("trigger", "snapshot", trigger=trigger.id, line=why, cycle=number, champion=champion,
+                    champion_path=model["path"], champion_version=model["version"], recipe=str(recipe))
+        return True, f"triggered: {why}"
+
+    def _snapshot(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        where = self.cycle_dir(cycle) / "snapshot"
+        built = snapshot.build(self.log, Path(cycle["recipe"]), where, self.s.holdout)
+        rows = built["rows"]
+        line = (f"snapshot at label seq {built['watermark']}: train {rows['train']} ({built['feedback']['trained']}"
+                f" fed back), val {rows['val']}, test {rows['test']} (frozen), newest {rows['newest']} held out;"
+                f" set aside {built['feedback']['set_aside'] or 'none'}")
+        self.record("snapshot", "train", snapshot=str(where), watermark=built["watermark"], rows=rows,
+                    set_aside=built["feedback"]["set_aside"], sha256=built["sha256"], line=line)
+        return True, line
+
+    def _train(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        from torchloom.loop.candidate import train
+
+        run = self.cycle_dir(cycle) / "run"
+        try:
+            summary = train(Path(cycle["recipe"]), Path(cycle["snapshot"]), run, self.say)
+        except UserError as e:
+            self.record("stopped", "paused", gate="train", line=str(e))
+            return True, str(e)
+        name = f"{self.log.fleet}-r{cycle['cycle']}"
+        line = f"candidate {name}: test accuracy {summary.get('accuracy', 0):.3f} in its own run ({run})"
+        self.record("candidate", "offline", candidate=name, candidate_path=str(run / "model"), run=str(run),
+                    registered=summary.get("registered"), line=line)
+        return True, line
+
+    def _offline(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        where = Path(cycle["snapshot"])
+        sets = {"frozen_test": snapshot.frozen_test(where), "newest": snapshot.newest_slice(where)}
+        result = gates.offline(cycle["champion_path"], cycle["candidate_path"], sets, self.s.margin,
+                               self.s.class_margin, self.s.alpha, self.s.max_slowdown)
+        return self.gate("offline", result, "shadow", self.summary_line(result))
+
+    def _shadow(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        view = self.server.load(cycle["candidate"], cycle["candidate_path"])
+        self.server.traffic(view["traffic"], [*view["shadows"], cycle["candidate"]])
+        since = time.time()
+        self.record("shadow", "shadow_wait", shadow_since=since, line=f"{cycle['candidate']} is a shadow of"
+                    f" {cycle['champion']}: it sees every text, answers none")
+        return True, "shadow started"
+
+    def _shadow_wait(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        champion, candidate, since = cycle["champion"], cycle["candidate"], cycle["shadow_since"]
+        seen = gates.agreement(self.log, champion, candidate, since)["n"]
+        if seen < self.s.shadow_texts:
+            return False, f"shadow: {seen} of {self.s.shadow_texts} texts answered by both"
+        errors = self.server.counter("torchloom_shadow_dropped_total", model=candidate, reason="model_error")
+        result = gates.shadow(self.log, champion, candidate, since, errors, self.s.min_agreement,
+                              self.s.max_error_rate, self.s.alpha)
+        a = result["agreement"]
+        line = (f"agreement {a['interval']['value']:.3f} on {a['n']} texts, {result['errors']:g} errors;"
+                f" {result['labels']['line']}")
+        if not result["passed"]:
+            self.withdraw(cycle)
+        return self.gate("shadow", result, "canary", line, step=0)
+
+    def _canary(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        step = cycle.get("step", 0)
+        share = self.s.ramp[step]
+        champion, candidate = cycle["champion"], cycle["candidate"]
+        view = self.server.view()
+        split = {n: 0.0 for n in view["traffic"]}
+        split.update({champion: 100.0 - share, candidate: share})
+        self.server.traffic(split, [s for s in view["shadows"] if s != candidate])
+        now = time.time()
+        self.record("canary", "canary_wait", step=step, share=share, canary_since=cycle.get("canary_since", now),
+                    step_since=now, line=f"{candidate} answers {share:g} % of the traffic, {champion} the rest")
+        return True, f"canary at {share:g} %"
+
+    def _canary_wait(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        result = gates.canary(self.log, cycle["champion"], cycle["candidate"], cycle["canary_since"],
+                              cycle["step_since"], self.s.canary_labels, self.s.alpha, self.s.min_effect)
+        if result["harm"]:
+            self.withdraw(cycle)
+            self.record("rollback", "paused", gate="canary", verdict=result, line=f"rolled back to {cycle['champion']}:"
+                        f" {result['line']}")
+            self.tag(cycle, "rolled_back")
+            return True, f"rolled back: {result['line']}"
+        if result["candidate_labels_this_step"] < self.s.canary_labels:
+            return False, (f"canary at {cycle['share']:g} %: {result['candidate_labels_this_step']} of"
+                           f" {self.s.canary_labels} labels on the candidate's answers; {result['line']}")
+        last = cycle["step"] + 1 >= len(self.s.ramp)
+        self.record("gate", "promote" if last else "canary", gate=f"canary {cycle['share']:g} %", passed=True,
+                    verdict=result, step=cycle["step"] + 1, line=f"no harm at {cycle['share']:g} %: {result['line']}")
+        return True, "canary step passed"
+
+    def _promote(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        self.server.promote(cycle["candidate"])
+        moved = self.move_alias(cycle)
+        self.record("promote", "idle", champion=cycle["candidate"], previous=cycle["champion"], registry=moved,
+                    line=f"{cycle['candidate']} promoted over {cycle['champion']}"
+                         + (f"; {moved['name']}@{moved['alias']} is version {moved['version']}" if moved else ""))
+        self.tidy(cycle)
+        return True, "promoted"
+
+    def _paused(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        return False, ("paused: a person looks first (torchloom loop history shows why); then torchloom loop resume")
+
+    # --- helpers -----------------------------------------------------------------------------------------------
+
+    def gate(self, name: str, result: dict[str, Any], then: str, line: str, **detail: Any) -> tuple[bool, str]:
+        passed = result["passed"]
+        self.record("gate", then if passed else "paused", gate=name, passed=passed, result=result,
+                    line=f"{name} gate {'passed' if passed else 'refused the candidate'}: "
+                         + (line if passed else "; ".join(result["why"])), **detail)
+        if not passed:
+            self.tag(self.cycle_now(), f"stopped at the {name} gate")
+        return True, f"{name} gate {'passed' if passed else 'refused'}"
+
+    def cycle_now(self) -> dict[str, Any]:
+        return state_of(self.log.events())[1]
+
+    def cycle_dir(self, cycle: dict[str, Any]) -> Path:
+        return self.s.work / f"cycle-{cycle['cycle']}"
+
+    @staticmethod
+    def summary_line(result: dict[str, Any]) -> str:
+        parts = [f"{k}: {v['candidate']:.3f} vs {v['champion']:.3f} (n {v['n']})" for k, v in result["sets"].items()]
+        return "; ".join(parts) + f"; latency x{result['latency']['ratio']:.2f}"
+
+    def withdraw(self, cycle: dict[str, Any]) -> None:
+        """The champion takes all the traffic back; the candidate is unloaded."""
+        view = self.server.view()
+        split = {n: 0.0 for n in view["traffic"]}
+        split[cycle["champion"]] = 100.0
+        self.server.traffic(split, [s for s in view["shadows"] if s != cycle["candidate"]])
+        try:
+            self.server.remove(cycle["candidate"])
+        except ServerError as e:
+            self.say(f"loop: warning: {e}")
+
+    def tidy(self, cycle: dict[str, Any]) -> None:
+        """Earlier candidates of this loop that take no traffic, unloaded (the champion just replaced stays, to
+        roll back to)."""
+        view = self.server.view()
+        for name, share in view["traffic"].items():
+            if name.startswith(f"{self.log.fleet}-r") and not share and name not in (cycle["champion"],
+                                                                                        cycle["candidate"]):
+                try:
+                    self.server.remove(name)
+                except ServerError as e:
+                    self.say(f"loop: warning: {e}")
+
+    def move_alias(self, cycle: dict[str, Any]) -> dict[str, str] | None:
+        from torchloom.loop.registry import move_alias
+
+        return move_alias(cycle, self.say)
+
+    def tag(self, cycle: dict[str, Any], outcome: str) -> None:
+        from torchloom.loop.registry import tag_outcome
+
+        tag_outcome(cycle, outcome, self.say)
+
+
+def run(loop: Loop, poll_s: float, stop: Callable[[], bool]) -> int:
+    """Steps until stopped: at once while they move the cycle on, every poll_s while they wait. A server that
+    cannot be reached is waited for."""
+    while not stop():
+        try:
+            moved, line = loop.step()
+        except ServerError as e:
+            moved, line = False, f"{e} (trying again in {poll_s:g} s)"
+        loop.say(f"loop: {line}")
+        if not moved:
+            for _ in range(max(1, int(poll_s * 10))):
+                if stop():
+                    break
+                time.sleep(0.1)
+    return 0

@@ -1,0 +1,62 @@
+"""The loop in MLflow's registry: where the champion's recipe registers its models (export.register), the candidate
+is registered by its own run without the alias; promotion moves the alias (export.alias, else "champion") to it,
+and every candidate's version is tagged with what the loop made of it (torchloom.loop.*). A registry that says no
+is a warning: the fleet's traffic and the log's events are the record that counts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from torchloom.errors import first_line
+from torchloom.redaction import redact_text
+
+
+def _client(cycle: dict[str, Any]):
+    from mlflow import MlflowClient
+
+    from torchloom.config.load import load_saved
+    from torchloom.runs.rundir import CONFIG_FILE
+    from torchloom.tracking import quiet_mlflow, resolve_uri
+
+    quiet_mlflow()
+    cfg = load_saved(Path(cycle["recipe"]) / CONFIG_FILE)
+    store = resolve_uri(cfg.tracking.uri)
+    return MlflowClient(tracking_uri=store, registry_uri=store), cfg.export.alias or "champion"
+
+
+def move_alias(cycle: dict[str, Any], say: Callable[[str], object]) -> dict[str, str] | None:
+    """The alias on the candidate's registered version ({name, alias, version, was}); None where it has none."""
+    registered = cycle.get("registered")
+    if not registered:
+        return None
+    try:
+        client, alias = _client(cycle)
+        name, version = registered["name"], str(registered["version"])
+        try:
+            was = str(client.get_model_version_by_alias(name, alias).version)
+        except Exception:  # noqa: BLE001 - no version holds it yet
+            was = ""
+        client.set_registered_model_alias(name, alias, version)
+        for key, value in (("torchloom.loop.outcome", "promoted"), ("torchloom.loop.cycle", cycle["cycle"]),
+                           ("torchloom.loop.promoted_at", time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())),
+                           ("torchloom.loop.previous_version", was)):
+            client.set_model_version_tag(name, version, key, str(value))
+        return {"name": name, "alias": alias, "version": version, "was": was}
+    except Exception as e:  # noqa: BLE001 - said, not fatal (module docstring)
+        say(f"loop: warning: the registry did not take the promotion ({redact_text(first_line(e))[:200]})")
+        return None
+
+
+def tag_outcome(cycle: dict[str, Any], outcome: str, say: Callable[[str], object]) -> None:
+    registered = cycle.get("registered")
+    if not registered:
+        return
+    try:
+        client, _ = _client(cycle)
+        for key, value in (("torchloom.loop.outcome", outcome), ("torchloom.loop.cycle", cycle["cycle"])):
+            client.set_model_version_tag(registered["name"], str(registered["version"]), key, str(value))
+    except Exception as e:  # noqa: BLE001
+        say(f"loop: warning: the registry did not take the tag ({redact_text(first_line(e))[:200]})")

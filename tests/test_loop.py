@@ -1,0 +1,152 @@
+"""The loop (torchloom.loop; issue 76): a real champion run (the tiny model, its recipe recorded and registered in a
+real MLflow server), served by a real server with a SQLite prediction log; `torchloom loop --once` steps it one
+transition at a time, while the test plays the traffic and the people who send labels.
+
+The shift: the champion learnt sport and money from one vocabulary; texts of a second vocabulary arrive, their
+labels fed back. A candidate trained on the snapshot (the champion's data and those labels) knows both."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+
+import pytest
+from support.command import torchloom
+from support.served import Server, wait_for
+
+httpx = pytest.importorskip("httpx")
+pytestmark = pytest.mark.heavy(2)
+
+OLD = {"sport": "match goal team win league", "money": "bank market price shares profit"}
+NEW = {"sport": "striker stadium referee penalty trophy", "money": "loan interest bond mortgage dividend"}
+ADMIN = {"TORCHLOOM_ADMIN_KEY": "loop-admin-key"}
+
+
+def texts_of(vocab: dict[str, str], n: int, start: int, rng: random.Random) -> list[tuple[str, str]]:
+    """n (text, label) of these words, shuffled, each text its own."""
+    out = []
+    for i in range(start, start + n):
+        label = rng.choice(sorted(vocab))
+        words = vocab[label].split()
+        rng.shuffle(words)
+        out.append((f"{' '.join(words[:4])} item {i}", label))
+    return out
+
+
+@pytest.fixture(scope="module")
+def champion(tmp_path_factory, tiny_model_dir):
+    """The champion's run, registered as version 1 of `topics` with the alias champion, in a real MLflow server."""
+    from support.mlflow_server import MlflowServer
+
+    root = tmp_path_factory.mktemp("loop")
+    mlflow = MlflowServer(root / "mlflow")
+    rng = random.Random(0)
+    with open(root / "old.csv", "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([["text", "label"], *texts_of(OLD, 100, 0, rng)])
+    proc = torchloom("run", "--data.path", str(root / "old.csv"), "--model.path", tiny_model_dir,
+                     "--output.dir", str(root / "champion"), "--prepare.spark_master", "local[1]",
+                     "--prepare.test_fraction", "0.3", "--train.epochs", "4", "--train.batch_size", "8",
+                     "--train.lr", "3e-3", "--tracking.uri", mlflow.url, "--tracking.experiment", "loop",
+                     "--export.register", "topics", "--export.alias", "champion")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    yield root, mlflow
+    mlflow.stop()
+
+
+def serve(run, tmp_path, *extra: str) -> Server:
+    return Server("", "--model", f"topics={run}/model", "--log", str(tmp_path / "log.db"), "--keep-texts",
+                  "--fleet-name", "topics", *extra, log_dir=tmp_path,
+                  env=ADMIN)
+
+
+def predict(s: Server, items: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """(id, text, true label) of each text sent, with the answer, in order."""
+    r = s.client.post("/v1/predict", json={"texts": [t for t, _ in items]})
+    assert r.status_code == 200, r.text
+    return [(a["id"], a["label"], y) for a, (_, y) in zip(r.json()["predictions"], items)]
+
+
+def feed(s: Server, answered: list[tuple[str, str, str]], truth=None) -> None:
+    body = [{"id": i, "label": y if truth is None else truth(answer, y)} for i, answer, y in answered]
+    done = s.client.post("/v1/feedback", json=body).json()
+    assert done["recorded"] == len(body), done
+
+
+def loop(s: Server, tmp_path, *extra: str) -> str:
+    """One step of the loop; its output."""
+    proc = torchloom("loop", "--url", s.url, "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--work",
+                     str(tmp_path / "work"), "--on-labels", "150", "--on-drift", "0", "--shadow-texts", "60",
+                     "--ramp", "50", "--canary-labels", "20", "--once", *extra, env=ADMIN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def loop_until(s: Server, tmp_path, needle: str, timeout: float = 30) -> str:
+    """Steps until one says `needle` (the server writes its log within a fraction of a second)."""
+    said = []
+    wait_for(lambda: (said.append(loop(s, tmp_path)), needle in said[-1])[1], timeout=timeout)
+    return said[-1]
+
+
+def history(tmp_path) -> list[dict]:
+    proc = torchloom("loop", "history", "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+def traffic(s: Server) -> dict[str, float]:
+    return s.client.get("/v1/admin", headers={"Authorization": f"Bearer {ADMIN['TORCHLOOM_ADMIN_KEY']}"}
+                        ).json()["traffic"]
+
+
+def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champion, tmp_path):
+    from mlflow import MlflowClient
+
+    root, mlflow = champion
+    rng = random.Random(1)
+    s = serve(root / "champion", tmp_path)
+    try:
+        assert "idle" in loop(s, tmp_path) and "0 new labels" in loop(s, tmp_path)
+        answered = predict(s, texts_of(NEW, 200, 1000, rng))
+        wrong = sum(a != y for _, a, y in answered)
+        assert wrong > 40, f"the champion already knows the new words ({wrong} of 200 wrong)"
+        feed(s, answered)
+        loop_until(s, tmp_path, "triggered: 200 labels fed back")
+        out = loop(s, tmp_path)  # the snapshot
+        assert "snapshot at label seq" in out and "40 held out" in out, out
+        out = loop(s, tmp_path)  # the candidate, trained by the champion's recipe
+        assert "candidate topics-r1" in out, out
+        out = loop(s, tmp_path)  # the offline gate
+        assert "offline gate passed" in out, out
+        loop(s, tmp_path)  # loaded as a shadow
+        assert traffic(s) == {"topics": 100.0, "topics-r1": 0.0}
+        assert "shadow: 0 of 60" in loop(s, tmp_path)
+        predict(s, texts_of(OLD, 30, 5000, rng) + texts_of(NEW, 30, 6000, rng))
+        loop_until(s, tmp_path, "shadow gate passed")
+        loop(s, tmp_path)  # the canary: half the traffic
+        assert traffic(s) == {"topics": 50.0, "topics-r1": 50.0}
+        # a request each, routed at random by the split: labels on both models' answers
+        feed(s, [a for item in texts_of(NEW, 90, 7000, rng) for a in predict(s, [item])])
+        loop_until(s, tmp_path, "canary step passed")
+        assert "promoted" in loop(s, tmp_path)
+        assert traffic(s)["topics-r1"] == 100.0
+        assert all(a == y for _, a, y in predict(s, texts_of(NEW, 20, 9000, rng)))  # the new words, learnt
+    finally:
+        assert s.terminate() == 0
+    events = history(tmp_path)
+    kinds = [e["kind"] for e in events if e["kind"] != "admin"]
+    assert kinds == ["started", "trigger", "snapshot", "candidate", "gate", "shadow", "gate", "canary", "gate",
+                     "promote"], kinds
+    offline = next(e for e in events if e.get("gate") == "offline")
+    assert offline["result"]["sets"]["newest"]["candidate"] > offline["result"]["sets"]["newest"]["champion"]
+    assert offline["result"]["sets"]["frozen_test"]["n"] == 30
+    promoted = events[-1] if events[-1]["kind"] == "promote" else [e for e in events if e["kind"] == "promote"][-1]
+    client = MlflowClient(tracking_uri=mlflow.url, registry_uri=mlflow.url)
+    now = client.get_model_version_by_alias("topics", "champion")
+    assert now.version == promoted["registry"]["version"] == "2" and promoted["registry"]["was"] == "1"
+    assert now.tags["torchloom.loop.outcome"] == "promoted"
+    admin = [e["action"] for e in events if e["kind"] == "admin"]  # the server's record of the same changes
+    assert admin == ["load", "traffic", "traffic", "promote"], admin
+    table = torchloom("loop", "history", "--log", str(tmp_path / "log.db"), "--fleet", "topics").stdout
+    assert "promote" in table and "topics-r1 promoted over topics" in table
