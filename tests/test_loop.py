@@ -105,6 +105,8 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
 
     root, mlflow = champion
     rng = random.Random(1)
+    alias_before = MlflowClient(tracking_uri=mlflow.url, registry_uri=mlflow.url
+                                ).get_model_version_by_alias("topics", "champion").version
     s = serve(root / "champion", tmp_path)
     try:
         assert "idle" in loop(s, tmp_path) and "0 new labels" in loop(s, tmp_path)
@@ -144,9 +146,82 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
     promoted = events[-1] if events[-1]["kind"] == "promote" else [e for e in events if e["kind"] == "promote"][-1]
     client = MlflowClient(tracking_uri=mlflow.url, registry_uri=mlflow.url)
     now = client.get_model_version_by_alias("topics", "champion")
-    assert now.version == promoted["registry"]["version"] == "2" and promoted["registry"]["was"] == "1"
+    registered = next(e for e in events if e["kind"] == "candidate")["registered"]
+    assert now.version == promoted["registry"]["version"] == registered["version"]
+    assert promoted["registry"]["was"] == alias_before != now.version
     assert now.tags["torchloom.loop.outcome"] == "promoted"
     admin = [e["action"] for e in events if e["kind"] == "admin"]  # the server's record of the same changes
     assert admin == ["load", "traffic", "traffic", "promote"], admin
     table = torchloom("loop", "history", "--log", str(tmp_path / "log.db"), "--fleet", "topics").stdout
     assert "promote" in table and "topics-r1 promoted over topics" in table
+
+
+def test_a_worse_candidate_is_stopped_at_the_offline_gate_and_the_loop_waits_for_a_person(champion, tmp_path):
+    root, _ = champion
+    from mlflow import MlflowClient
+
+    rng = random.Random(2)
+    alias_before = MlflowClient(tracking_uri=champion[1].url, registry_uri=champion[1].url
+                                ).get_model_version_by_alias("topics", "champion").version
+    s = serve(root / "champion", tmp_path)
+    try:
+        # labels that swap the topics of the champion's own words: a candidate learns them and gets worse
+        answered = predict(s, texts_of(OLD, 200, 1000, rng))
+        feed(s, answered, truth=lambda answer, y: "money" if y == "sport" else "sport")
+        loop_until(s, tmp_path, "triggered")
+        for _ in range(2):  # the snapshot, the candidate
+            loop(s, tmp_path)
+        out = loop(s, tmp_path)
+        assert "offline gate refused" in out and "frozen_test" in out, out
+        assert traffic(s) == {"topics": 100.0}  # never loaded: the champion answered everything
+        feed(s, predict(s, texts_of(NEW, 200, 3000, rng)))  # more labels: no new cycle while paused
+        assert "paused" in loop(s, tmp_path) and "paused" in loop(s, tmp_path)
+        resumed = torchloom("loop", "resume", "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--who",
+                            "alice")
+        assert "goes on" in resumed.stdout, resumed.stdout + resumed.stderr
+        assert "not paused" in torchloom("loop", "resume", "--log", str(tmp_path / "log.db"), "--fleet",
+                                         "topics").stdout
+        assert "triggered" in loop(s, tmp_path, "--cooldown-hours", "0")
+    finally:
+        assert s.terminate() == 0
+    events = history(tmp_path)
+    refused = next(e for e in events if e.get("gate") == "offline")
+    assert refused["stage"] == "paused" and refused["result"]["passed"] is False
+    test = refused["result"]["sets"]["frozen_test"]
+    assert test["candidate"] < test["champion"] and test["lower_bound"] < -0.02
+    assert [e["who"] for e in events if e["kind"] == "resumed"] == ["alice"]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=champion[1].url, registry_uri=champion[1].url)
+    registered = next(e for e in events if e["kind"] == "candidate")["registered"]
+    assert client.get_model_version("topics", registered["version"]).tags["torchloom.loop.outcome"] == \
+        "stopped at the offline gate"
+    assert client.get_model_version_by_alias("topics", "champion").version == alias_before  # never moved
+
+
+def test_harm_in_the_canary_rolls_back_to_the_champion_with_no_request_failing(champion, tmp_path):
+    root, _ = champion
+    rng = random.Random(3)
+    s = serve(root / "champion", tmp_path)
+    try:
+        feed(s, predict(s, texts_of(NEW, 200, 1000, rng)))
+        loop_until(s, tmp_path, "triggered")
+        for _ in range(4):  # the snapshot, the candidate, its offline gate, the shadow
+            loop(s, tmp_path)
+        predict(s, texts_of(OLD, 30, 5000, rng) + texts_of(NEW, 30, 6000, rng))
+        loop_until(s, tmp_path, "shadow gate passed")
+        loop(s, tmp_path)
+        assert traffic(s) == {"topics": 50.0, "topics-r1": 50.0}
+        # the world turns: the new words now mean the other topic; the candidate, which learnt them, is wrong
+        flipped = [a for item in texts_of(NEW, 120, 7000, rng) for a in predict(s, [item])]
+        feed(s, flipped, truth=lambda answer, y: "money" if y == "sport" else "sport")
+        out = loop_until(s, tmp_path, "rolled back")
+        assert "champion better" in out, out
+        assert traffic(s) == {"topics": 100.0}  # the candidate unloaded
+        assert all(r[0] for r in predict(s, texts_of(NEW, 10, 9000, rng)))
+        assert "paused" in loop(s, tmp_path)
+    finally:
+        assert s.terminate() == 0
+    rollback = next(e for e in history(tmp_path) if e["kind"] == "rollback")
+    assert rollback["stage"] == "paused" and rollback["verdict"]["state"] == "a_better"
+    assert rollback["verdict"]["labels"] <= 40  # found at the first or second look
