@@ -8,9 +8,10 @@ slice, held out of training):
                       the accuracy difference lies above -margin. Assumes the texts independent draws of what the
                       model will see and the labels true; the normal approximation wants some tens of texts (a
                       set under MIN_TEXTS is reported and not gated).
-    per-class harm    for each true class, the same paired difference of its recall; a class is harmed when the
-                      test rejects "worse by at most class_margin" at level alpha / classes (Bonferroni over the
-                      classes): a small class is judged on evidence of harm, not refused for want of texts.
+    per-class harm    for each true class, its texts the two models score differently: the class is harmed when
+                      its recall drops by more than class_margin and McNemar's exact test (one-sided) finds the
+                      champion better at level alpha / classes (Bonferroni over the classes): a small class is
+                      judged on evidence of harm, not refused for want of texts.
     latency           both models time the same texts in this process, alternately, best of ROUNDS; refused
                       above max_slowdown times the champion's.
 Shadow (the candidate answers every text, returns none; from the prediction log):
@@ -31,7 +32,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from torchloom.monitor.ab import Outcomes, Tally, _normal_sf, _z, compare, once
+from torchloom.monitor.ab import Outcomes, Tally, _normal_sf, _z, compare, mcnemar, once
 
 MIN_TEXTS = 30
 ROUNDS = 3
@@ -64,12 +65,12 @@ def harmed_classes(labels: list[str], champion_right: list[bool], candidate_righ
     level = alpha / max(len(by), 1)
     harmed = []
     for label, pairs in sorted(by.items()):
-        d = [int(a) - int(b) for a, b in pairs]  # the champion's edge on this class
-        n, mean = len(d), sum(d) / len(d)
-        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
-        p = _normal_sf((mean - margin) / se) if se > 0 else (0.0 if mean > margin else 1.0)
-        if p < level:
-            harmed.append({"label": label, "n": n, "recall_drop": mean, "p_value": p, "level": level})
+        lost = sum(1 for a, b in pairs if a and not b)  # the champion right, the candidate wrong
+        won = sum(1 for a, b in pairs if b and not a)
+        drop = (lost - won) / len(pairs)
+        p = mcnemar(lost, won) / 2 if lost > won else 1.0  # one-sided: the champion better
+        if drop > margin and p < level:
+            harmed.append({"label": label, "n": len(pairs), "recall_drop": drop, "p_value": p, "level": level})
     return harmed
 
 

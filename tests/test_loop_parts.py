@@ -1,0 +1,145 @@
+"""The loop's parts on their own (torchloom.loop): the gates' statistics, the triggers' cooldown and limit, the
+state read back from the events, the snapshot's choice of labels, the Alertmanager webhook, and the command's
+one-line errors. In process, no model: tests/test_loop.py runs the whole loop."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.error
+import urllib.request
+
+import pytest
+from support.command import torchloom
+
+
+def test_non_inferiority_needs_evidence_and_per_class_harm_needs_evidence_of_harm():
+    from torchloom.loop.gates import harmed_classes, paired
+
+    rng = random.Random(0)
+    same = [rng.random() < 0.9 for _ in range(300)]
+    assert paired(same, same, 0.02, 0.05)["passed"]  # no text told apart: the difference is 0
+    worse = [x and rng.random() < 0.85 for x in same]  # about 13 points worse
+    record = paired(same, worse, 0.02, 0.05)
+    assert not record["passed"] and record["lower_bound"] < -0.02 and record["p_value"] > 0.05
+    # a little worse on many texts: within the margin, with evidence
+    big = [rng.random() < 0.9 for _ in range(20_000)]
+    slightly = [x if rng.random() > 0.01 else not x for x in big]
+    assert paired(big, slightly, 0.02, 0.05)["passed"]
+    # no worse but few texts, many told apart: not enough evidence that it is not worse by 2 points
+    a = [True, False] * 10
+    b = [False, True] * 10
+    assert not paired(a, b, 0.02, 0.05)["passed"]
+    labels = ["sport"] * 40 + ["money"] * 40 + ["music"] * 3
+    champ = [True] * 83
+    cand = [i % 2 == 0 for i in range(40)] + [True] * 40 + [False] * 3
+    harmed = harmed_classes(labels, champ, cand, 0.05, 0.05)
+    assert [h["label"] for h in harmed] == ["sport"]  # music lost all 3, too few to call it harm
+    assert harmed[0]["recall_drop"] == 0.5 and harmed[0]["level"] == pytest.approx(0.05 / 3)
+
+
+def test_triggers_fire_on_what_is_seen_and_wait_out_their_cooldown_and_daily_limit():
+    from torchloom.loop.triggers import due, parse
+
+    triggers = parse({"labels": 100, "drift": 500, "accuracy": 0.8, "schedule": 24, "alert": 1})
+    assert [t.id for t in triggers] == ["alert", "labels", "drift", "accuracy", "schedule"]
+    start = [{"kind": "started", "at": 1000.0}]
+    quiet = {"labels": 10, "monitor": {"drifted": True, "texts": 200, "estimated_accuracy": {"value": 0.9}}}
+    assert due(triggers, quiet, start, 3600, 2, now=2000.0) == (None, "no trigger fires")
+    trigger, why = due(triggers, {**quiet, "labels": 150}, start, 3600, 2, now=2000.0)
+    assert trigger.id == "labels" and "150 labels" in why
+    drifted = {**quiet, "monitor": {"drifted": True, "texts": 800, "drift": "0.31"}}
+    assert due(triggers, drifted, start, 3600, 2, now=2000.0)[0].id == "drift"
+    low = {**quiet, "monitor": {"estimated_accuracy": {"value": 0.7}}}
+    assert due(triggers, low, start, 3600, 2, now=2000.0)[0].id == "accuracy"
+    assert due(triggers, quiet, start, 3600, 2, now=1000.0 + 24 * 3600)[0].id == "schedule"
+    assert due(triggers, {**quiet, "alerts": ["ModelDrift"]}, start, 3600, 2, now=2000.0)[0].id == "alert"
+    fired = start + [{"kind": "trigger", "trigger": "labels", "at": 1500.0}]
+    trigger, why = due(triggers, {**quiet, "labels": 150}, fired, 3600, 2, now=2000.0)
+    assert trigger is None and "cools down for 52 more minutes" in why
+    twice = fired + [{"kind": "trigger", "trigger": "labels", "at": 6000.0}]
+    trigger, why = due(triggers, {**quiet, "labels": 150}, twice, 3600, 2, now=10_000.0)
+    assert trigger is None and "fired 2 times in the last day" in why
+    assert due(triggers, {**quiet, "labels": 150}, twice, 3600, 2, now=1500.0 + 86_401)[0].id == "labels"
+
+
+def test_the_state_is_read_back_from_the_events_and_a_new_trigger_starts_a_new_cycle():
+    from torchloom.loop.controller import state_of
+
+    events = [{"seq": 1, "kind": "started", "at": 1, "who": "l", "stage": "idle"},
+              {"seq": 2, "kind": "trigger", "at": 2, "who": "l", "stage": "snapshot", "cycle": 1, "champion": "a"},
+              {"seq": 3, "kind": "admin", "at": 3, "who": "10.0.0.1", "action": "traffic"},
+              {"seq": 4, "kind": "snapshot", "at": 4, "who": "l", "stage": "train", "watermark": 7},
+              {"seq": 5, "kind": "stopped", "at": 5, "who": "l", "stage": "paused", "gate": "train"}]
+    stage, cycle = state_of(events)
+    assert stage == "paused" and cycle == {"cycle": 1, "champion": "a", "watermark": 7, "gate": "train"}
+    events += [{"seq": 6, "kind": "resumed", "at": 6, "who": "alice", "stage": "idle"},
+               {"seq": 7, "kind": "trigger", "at": 7, "who": "l", "stage": "snapshot", "cycle": 2, "champion": "a"}]
+    assert state_of(events) == ("snapshot", {"cycle": 2, "champion": "a"})
+    assert state_of([]) == ("idle", {})
+
+
+def test_the_snapshot_takes_each_text_once_and_counts_what_it_sets_aside(tmp_path):
+    from torchloom.loop.snapshot import feedback
+    from torchloom.monitor.predlog import PredictionLog, text_hash
+
+    log = PredictionLog(f"sqlite:///{tmp_path}/log.db", "f", keep_texts=True)
+    log.predictions("m", "1", "answer", ["p1", "p2", "p3"], ["kept text", "hashed?", "in the data"],
+                    [{"label": "sport"}] * 3)
+    log.feedback("p1", "sport")
+    log.feedback("p3", "money")
+    log.feedback("t1", "money", text="sent with its text", source="text")
+    log.feedback("t2", "nope", text="a label the model lacks", source="text")
+    log.feedback("t3", "sport", text="sent with its text", source="text")  # relabelled: the newest stands
+    log.feedback("p9", "sport")  # an id whose prediction has no text in the log
+    assert log.flush()
+    used, aside = feedback(log, log.watermark(), {"sport", "money"}, {text_hash("in the data")})
+    assert [(t, y) for _, t, y in used] == [("kept text", "sport"), ("sent with its text", "sport")]
+    assert aside == {"in_the_data": 1, "unknown_label": 1, "relabelled": 1, "no_text": 1}
+    assert feedback(log, 1, {"sport", "money"}, set())[0] == [(1, "kept text", "sport")]  # up to the watermark
+    log.close()
+
+
+def test_an_alertmanager_webhook_records_firing_alerts_as_events(tmp_path, monkeypatch):
+    from torchloom.loop.webhook import KEY_ENV, listen
+    from torchloom.monitor.predlog import PredictionLog
+
+    monkeypatch.setenv(KEY_ENV, "hook-key")
+    log = PredictionLog(f"sqlite:///{tmp_path}/log.db", "f")
+    server = listen(log, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+
+    def post(body, key="hook-key") -> int:
+        request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        body = {"status": "firing", "alerts": [{"status": "firing", "labels": {"alertname": "TorchloomDrift"}},
+                                               {"status": "resolved", "labels": {"alertname": "Old"}}]}
+        assert post(body) == 200
+        assert post(body, key="wrong") == 401 and post({"no": "alerts"}) == 400
+    finally:
+        server.shutdown()
+    assert [(e["kind"], e["who"], e["alert"]) for e in log.events()] == [("alert", "alertmanager", "TorchloomDrift")]
+    log.close()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fleet", "f", "--log", "x.db", "--work", "w"], "loop: --url is missing"),
+    (["--fleet", "f", "--log", "x.db", "--url", "http://127.0.0.1:9", "--work", "w", "--ramp", "50,25"],
+     "--ramp 50,25: give rising shares"),
+    (["--fleet", "f", "--url", "http://127.0.0.1:9", "--work", "w"], "loop: --log is missing"),
+    (["--fleet", "f", "--log", "{tmp}/x.db", "--url", "http://127.0.0.1:9", "--work", "{tmp}/w", "--once",
+      "--on-drift", "1"], "the server at http://127.0.0.1:9 cannot be reached"),
+    (["--fleet", "f", "--log", "x.db", "--url", "u", "--work", "w", "--holdout", "2"], "--holdout 2 is not between"),
+], ids=["no-url", "ramp", "no-log", "unreachable", "holdout"])
+def test_loop_mistakes_are_one_line_with_exit_2(args, message, tmp_path):
+    proc = torchloom("loop", *[a.replace("{tmp}", str(tmp_path)) for a in args], TORCHLOOM_LOG=None)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
