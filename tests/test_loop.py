@@ -100,6 +100,24 @@ def traffic(s: Server) -> dict[str, float]:
                         ).json()["traffic"]
 
 
+def timeline_in_chromium(s: Server, tmp_path, newest: str) -> list[str]:
+    """The status page's Loop timeline as a real browser draws it, newest first (once its newest row is of kind
+    `newest`: the page reads the log every 2 s): each row's event and line."""
+    from support.browser import Browser
+
+    browser = Browser(tmp_path)
+    try:
+        browser.call("Page.navigate", url=s.url + "/")
+        browser.until("document.readyState === 'complete'")
+        rows = browser.until(f"!document.getElementById('loop').hidden && document.querySelector('#timeline tbody"
+                             f" tr').dataset.kind === '{newest}' && [...document.querySelectorAll('#timeline tbody"
+                             " tr')].map(r => r.cells[1].textContent + ' ' + r.cells[3].textContent)")
+        assert browser.errors == [], browser.errors
+        return rows
+    finally:
+        browser.close()
+
+
 def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champion, tmp_path):
     from mlflow import MlflowClient
 
@@ -134,6 +152,9 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
         assert "promoted" in loop(s, tmp_path)
         assert traffic(s)["topics-r1"] == 100.0
         assert all(a == y for _, a, y in predict(s, texts_of(NEW, 20, 9000, rng)))  # the new words, learnt
+        shown = timeline_in_chromium(s, tmp_path, "promote")
+        assert shown[0].startswith("promote") and "topics-r1 promoted over topics" in shown[0], shown
+        assert any(row.startswith("gate offline") and "passed" in row for row in shown), shown
     finally:
         assert s.terminate() == 0
     events = history(tmp_path)

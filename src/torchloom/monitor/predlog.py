@@ -303,6 +303,12 @@ class PredictionLog:
                          " LIMIT ?", (self.fleet, after, limit))
         return [{"seq": s, "at": at, "kind": k, "who": w, **json.loads(d)} for s, at, k, w, d in rows]
 
+    def recent(self, n: int = 50) -> list[dict[str, Any]]:
+        """The newest `n` events, oldest first."""
+        rows = self.read("SELECT seq, at, kind, who, detail FROM tl_events WHERE fleet = ? ORDER BY seq DESC LIMIT ?",
+                         (self.fleet, n))
+        return [{"seq": s, "at": at, "kind": k, "who": w, **json.loads(d)} for s, at, k, w, d in reversed(rows)]
+
     def counts(self) -> list[tuple[tuple[str], float]]:
         """The rows by what became of them: torchloom_log_rows_total{result} (serve/metrics.py)."""
         return [(("written",), self.written), (("dropped",), self.dropped), (("failed",), self.failures),

@@ -70,6 +70,7 @@ class Fleet(FleetAdmin):
         self.identity = members[0].identity
         self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
         self.log = log
+        self.timeline: list[dict[str, Any]] = []  # the log's newest events (fleet_log.keep_in_step)
         self.check_labels(members)
 
     def may_change(self) -> None:
@@ -318,7 +319,7 @@ class Fleet(FleetAdmin):
                         "p_value": v.p_value, "level": v.level, "needed": v.needed, "line": v.line((control, name))}
                        for name, v in verdicts.items()]
         return {"models": models, "plan": self.plan.line(), "verdicts": comparisons,
-                "feedback": {"kept": len(self.records), "labelled": len(self.labelled)}}
+                "feedback": {"kept": len(self.records), "labelled": len(self.labelled)}, "timeline": self.timeline}
 
     # --- the admin's changes (app.admin_router) ----------------------------------------------------------
 

@@ -6,7 +6,7 @@ not one process's.
     keep_in_step  at start and every RESYNC_S: each model's tallies and outcomes (so its verdict) worked out from
                   the log's labels alone, for the versions served now, in the order the store took the labels; two
                   replicas on one store read the same rows and so give one verdict, and a restarted server the
-                  verdict it had
+                  verdict it had; and the newest events (the loop's, the admin's), the status page's timeline
 
 Between two resyncs a label is scored at once in memory (serve/fleet.py), as without a log.
 """
@@ -21,6 +21,7 @@ from torchloom.monitor.ab import Outcomes, Tally
 
 log = logging.getLogger("torchloom.serve")
 RESYNC_S = 2.0
+TIMELINE = 50  # the newest events the status page draws (the loop's, the admin's, alerts)
 
 
 async def recall(fleet, ids: list[str]) -> None:
@@ -77,6 +78,14 @@ def replay(fleet, items) -> None:
     fleet.labels_in += 1  # the verdicts are worked out again on the next read
 
 
+def brief(event: dict[str, Any]) -> dict[str, Any]:
+    """An event as the status page's timeline shows it: when, what, by whom, one line."""
+    line = event.get("line") or " ".join(str(event[k]) for k in ("action", "model", "plan", "alert") if event.get(k))
+    kind = event["kind"] + (f" {event['gate']}" if event["kind"] == "gate" and event.get("gate") else "")
+    return {"seq": event["seq"], "at": event["at"], "kind": kind, "who": event["who"], "line": line,
+            "passed": event.get("passed")}
+
+
 async def keep_in_step(fleet, every_s: float = RESYNC_S) -> None:
     """replay from the log now and every `every_s` (module docstring); a store that fails is logged and tried
     again, serving goes on."""
@@ -85,6 +94,7 @@ async def keep_in_step(fleet, every_s: float = RESYNC_S) -> None:
         try:
             items = await asyncio.to_thread(fleet.log.labelled)
             replay(fleet, items)
+            fleet.timeline = [brief(e) for e in await asyncio.to_thread(fleet.log.recent, TIMELINE)]
             fleet.judge()
             failing = False
         except asyncio.CancelledError:
