@@ -220,6 +220,42 @@ def test_a_worse_candidate_is_stopped_at_the_offline_gate_and_the_loop_waits_for
     assert client.get_model_version_by_alias("topics", "champion").version == alias_before  # never moved
 
 
+def killed_while_training(s: Server, tmp_path) -> None:
+    """The loop's training step as its own process, SIGKILLed once the candidate's run is under way: the run ends
+    with it (no orphan goes on writing into the candidate's directory), and the events still say "train"."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from support.served import ENV
+
+    run = tmp_path / "work" / "cycle-1" / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "torchloom", "loop", "--url", s.url, "--log",
+                             str(tmp_path / "log.db"), "--fleet", "topics", "--work", str(tmp_path / "work"), "--once"],
+                            env={**ENV, **ADMIN}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(lambda: "prepare: read" in (run.parent / "train.log").read_text()
+             if (run.parent / "train.log").is_file() else False, timeout=60)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+    def left() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if str(run).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(int(pid))
+            except OSError:
+                pass
+        return found
+
+    wait_for(lambda: not left(), timeout=30)
+    time.sleep(1)
+    assert not left()
+    assert [e["kind"] for e in history(tmp_path)][-1] == "snapshot"  # the cycle stands at "train"
+
+
 def test_harm_in_the_canary_rolls_back_to_the_champion_with_no_request_failing(champion, tmp_path):
     root, _ = champion
     rng = random.Random(3)
@@ -227,7 +263,10 @@ def test_harm_in_the_canary_rolls_back_to_the_champion_with_no_request_failing(c
     try:
         feed(s, predict(s, texts_of(NEW, 200, 1000, rng)))
         loop_until(s, tmp_path, "triggered")
-        for _ in range(4):  # the snapshot, the candidate, its offline gate, the shadow
+        loop(s, tmp_path)  # the snapshot
+        killed_while_training(s, tmp_path)
+        assert "candidate topics-r1" in loop(s, tmp_path)  # trained again, from the start, where it was
+        for _ in range(2):  # its offline gate, the shadow
             loop(s, tmp_path)
         predict(s, texts_of(OLD, 30, 5000, rng) + texts_of(NEW, 30, 6000, rng))
         loop_until(s, tmp_path, "shadow gate passed")

@@ -65,6 +65,24 @@ def _parent_death_signal() -> bool:
         return False
 
 
+def child_lifeline(parent: int):
+    """A Popen preexec_fn: the child gets SIGTERM when `parent` (the process starting it, from its main thread)
+    ends, SIGKILL included (the loop's candidate run: it stops as a run stops on SIGTERM, its workers with it)."""
+
+    try:  # found here, before the fork: find_library may start a process, which a preexec_fn must not
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True) \
+            if sys.platform.startswith("linux") else None
+    except OSError:
+        libc = None
+
+    def arm() -> None:
+        if libc is not None and libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 \
+                and os.getppid() != parent:  # the parent went before the ask
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def fork_server_lifeline() -> None:
     """In the local engine's fork server (engines/preload.py): die with a driver that started it from its main
     thread. No thread is started here: every worker is a fork of this process."""

@@ -2,8 +2,10 @@
 training, the engine, the tracking) run again with `torchloom run` on the snapshot's files instead of the
 original data. Only what the snapshot changes is overridden: the data paths and columns, the output directory,
 and an alias the registry would otherwise move before any gate (the loop moves it on promotion). The run is a
-child process (its own memory, its own failure), its output kept in the cycle's train.log; progress lines are
-passed through."""
+child process (its own memory, its own failure) that ends with the loop, a SIGKILLed loop included (the kernel's
+parent-death signal: no orphaned run goes on writing into the directory the restarted loop trains in again, with
+--overwrite: the run is the loop's own); its output is kept in the cycle's train.log, progress lines passed
+through."""
 
 from __future__ import annotations
 
@@ -62,11 +64,14 @@ def train(recipe: Path, snapshot: Path, out: Path, say) -> dict[str, Any]:
     global RUNNING
     with open(log_path, "w", encoding="utf-8") as log:
         RUNNING = True
+        from torchloom.engines.lifeline import child_lifeline
+
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=child_lifeline(os.getpid()))  # noqa: PLW1509
         try:
             for line in proc.stdout:
                 log.write(line)
+                log.flush()  # a person (or a test) tailing train.log sees the run as it goes
                 if any(mark in line for mark in TAIL):
                     say(f"loop:   {line.rstrip()[:200]}")
             code = proc.wait()
