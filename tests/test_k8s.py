@@ -479,3 +479,62 @@ def test_out_replaces_only_manifests_torchloom_wrote(capsys, tmp_path):
     code, _, err = run_main(capsys, *TRAIN, "--out", str(out))
     assert code == 2 and f"{mine.name} is there and torchloom k8s did not write it; nothing written" in err, err
     assert {p.name: p.read_text() for p in written} == before
+
+
+LOOP = ["loop", "--image", "registry.example/torchloom:0.1", "--secret", "loop-secrets", "--cpu", "8", "--memory",
+        "32Gi", "--k8s.volume_size", "80Gi", "--", "--url", "http://topics-model", "--fleet", "topics", "--recipe",
+        "/loop/champion", "--on-labels", "1000"]
+
+
+def test_loop_manifests_run_one_controller_with_its_secret_and_its_work_volume(capsys):
+    objs = manifests(capsys, *LOOP)
+    assert set(objs) == {"Deployment", "PersistentVolumeClaim"}
+    dep, pvc = objs["Deployment"], objs["PersistentVolumeClaim"]
+    assert dep["metadata"]["name"] == pvc["metadata"]["name"] == "topics-loop"
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}  # never two loops
+    assert pvc["spec"]["resources"]["requests"]["storage"] == "80Gi"
+    pod = dep["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["torchloom", "loop", "--work", "/loop/work", "--url", "http://topics-model", "--fleet",
+                            "topics", "--recipe", "/loop/champion", "--on-labels", "1000"]
+    for key in ("TORCHLOOM_ADMIN_KEY", "TORCHLOOM_LOG"):  # from the Secret, never in the manifest
+        assert {"name": key, "valueFrom": {"secretKeyRef": {"name": "loop-secrets", "key": key}}} in c["env"]
+    assert {"name": "work", "mountPath": "/loop"} in c["volumeMounts"]
+    assert {"name": "work", "persistentVolumeClaim": {"claimName": "topics-loop"}} in pod["volumes"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    hooked = manifests(capsys, *LOOP, "--webhook-port", "9095")
+    assert hooked["Service"]["spec"]["ports"][0]["targetPort"] == "webhook"
+    assert hooked["Deployment"]["spec"]["template"]["spec"]["containers"][0]["command"][4:6] == ["--webhook-host",
+                                                                                             "0.0.0.0"]
+
+
+@pytest.mark.parametrize("args, says", [
+    (LOOP + ["--log", "postgresql://u:pw@db/log"], "--log: not a flag to pass on to torchloom loop here; the log's URI"
+                                                   " comes from the Secret"),
+    (LOOP + ["--once"], "--once: not a flag to pass on"),
+    (LOOP[:5] + ["--", "--url", "http://x", "--fleet", "x", "--recipe", "/elsewhere/run"],
+     "--recipe /elsewhere/run: the pod reads the champion's run from its work volume"),
+    (LOOP[:5] + ["--", "--fleet", "x"], "k8s loop: --url is missing after --"),
+    (LOOP[:5], "k8s loop: give the loop's flags after --"),
+    (LOOP + ["--on-labelz", "3"], "--on-labelz: not a flag of torchloom loop"),
+    (["loop", "--image", "registry.example/torchloom:0.1", "--", "--url", "u", "--fleet", "x"],
+     "k8s.env_from: the loop's admin key and log come from a Secret"),
+], ids=["log", "once", "recipe", "url", "nothing", "unknown", "secret"])
+def test_loop_refusals_are_one_line(capsys, args, says):
+    code, out, err = run_main(capsys, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and says in err, err
+    assert "pw" not in err
+
+
+def test_apply_creates_the_loop_s_claim_and_deployment(capsys, tmp_path, monkeypatch):
+    with fake_kube(tmp_path) as (fake, kubeconfig):
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        fake.namespaces.add("default")
+        fake.add_secret("default", "loop-secrets", {"TORCHLOOM_ADMIN_KEY": "k"})
+        code, _, err = run_main(capsys, "--apply", *LOOP)
+        assert code == 2 and "has no key TORCHLOOM_LOG" in err, err
+        fake.add_secret("default", "loop-secrets", {"TORCHLOOM_ADMIN_KEY": "k", "TORCHLOOM_LOG": "postgresql://x"})
+        code, out, err = run_main(capsys, "--apply", *LOOP)
+        assert code == 0, err
+        assert out.splitlines() == ["torchloom k8s: created persistentvolumeclaim/topics-loop in namespace default",
+                                    "torchloom k8s: created deployment/topics-loop in namespace default"]

@@ -106,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
             add_feedback_arguments(sp)
             continue
         if name == "loop":
-            from torchloom.cli.loop import add_loop_arguments
+            from torchloom.loop.arguments import add_loop_arguments
 
             add_loop_arguments(sp)
             continue

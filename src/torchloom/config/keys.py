@@ -135,4 +135,5 @@ MEANINGS: dict[str, str] = {
     'k8s.active_deadline_s': 'train: the Job\'s `activeDeadlineSeconds`, after which Kubernetes ends it whatever its state; 0 = none',
     'k8s.ttl_after_finished_s': 'train: a finished Job (and its pods, their logs) is deleted this long after it ends (`ttlSecondsAfterFinished`); 0 = kept until deleted',
     'k8s.run_as_user': 'the user and group id the containers run as (`runAsUser`, `runAsGroup`, `fsGroup`), never root by default, and a high id (checkov\'s CKV_K8S_40): the image must let this user read its files; 0 = root (`runAsNonRoot` off), not advised',
+    'k8s.volume_size': "loop: the size of the loop's work volume (a PersistentVolumeClaim at /loop: its snapshots, the candidates' runs and their checkpoints, and the champion's run it retrains from)",
 }

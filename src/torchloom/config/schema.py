@@ -225,7 +225,7 @@ class TuneConfig:
 
 @dataclass
 class K8sConfig:
-    """`torchloom k8s train|serve`: what the manifests ask of the cluster (k8s/). Not read by any stage."""
+    """`torchloom k8s train|serve|loop`: what the manifests ask of the cluster (k8s/). Not read by any stage."""
     image: str = ""  # the container image with torchloom installed (the same version); required
     namespace: str = "default"
     name: str = ""  # the Job's / Deployment's name; "": from output.dir's (or the model's) last part
@@ -248,6 +248,7 @@ class K8sConfig:
     active_deadline_s: int = field(default=0, metadata={"min": 0})  # train: the Job's deadline; 0: none
     ttl_after_finished_s: int = field(default=0, metadata={"min": 0})  # train: a finished Job deleted after; 0: kept
     run_as_user: int = field(default=10001, metadata={"min": 0})  # the pods' user (and group); 0: root, not advised
+    volume_size: str = "50Gi"  # loop: the work volume's size (snapshots, the candidates' runs and checkpoints)
 
 
 @dataclass

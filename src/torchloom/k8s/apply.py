@@ -7,6 +7,7 @@ of the kubeconfig (KUBECONFIG, ~/.kube/config, its current context), or the pod'
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from torchloom.config.schema import K8sConfig
@@ -29,7 +30,8 @@ def api_client(kubernetes):
 
     configuration = client.Configuration()
     try:
-        config.load_kube_config(client_configuration=configuration)
+        # $KUBECONFIG read now (the client reads it once, when first imported)
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None, client_configuration=configuration)
     except Exception as kubeconfig_error:  # no file, no context, a malformed file: ConfigException or OSError
         try:
             config.load_incluster_config(client_configuration=configuration)
@@ -77,7 +79,9 @@ def apply(objects: list[dict], k: K8sConfig, secret_keys: tuple[str, ...] = ()) 
              "Job": (kubernetes.client.BatchV1Api(api).read_namespaced_job,
                      kubernetes.client.BatchV1Api(api).create_namespaced_job),
              "Deployment": (kubernetes.client.AppsV1Api(api).read_namespaced_deployment,
-                            kubernetes.client.AppsV1Api(api).create_namespaced_deployment)}
+                            kubernetes.client.AppsV1Api(api).create_namespaced_deployment),
+             "PersistentVolumeClaim": (core.read_namespaced_persistent_volume_claim,
+                                       core.create_namespaced_persistent_volume_claim)}
     ns = k.namespace
     if call(f"reading namespace {ns}", core.read_namespace, ns, missing_ok=True) is None:
         raise UserError(f"namespace {ns}: not on the cluster; create it (kubectl create namespace {ns}) or pass"

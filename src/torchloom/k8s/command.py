@@ -1,4 +1,4 @@
-"""`torchloom k8s train|serve`: parse, build the config, write the manifests (stdout or --out DIR), --apply."""
+"""`torchloom k8s train|serve|loop`: parse, build the config, write the manifests (stdout or --out DIR), --apply."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ examples:
   torchloom k8s train --config run.toml --apply             # [k8s] in run.toml: image, nodes, gpus, ...
   torchloom k8s serve s3://bucket/runs/x/model --image registry/torchloom:0.1 --secret serve-secrets --replicas 2 \\
       --out manifests/ -- --max-batch-size 64
+  torchloom k8s loop --image registry/torchloom:0.1 --secret loop-secrets --cpu 8 --memory 32Gi \\
+      -- --url http://x-model --fleet x --recipe /loop/champion
 
 Every [k8s] key (torchloom config shows them) is also --k8s.KEY VALUE; train takes every --SECTION.KEY of
 torchloom train. The run must be prepared on the store first (torchloom prepare --output.dir s3://...).
@@ -31,8 +33,9 @@ PAIRS = {"--node-selector": "node_selector", "--label": "labels", "--annotation"
 def parser() -> argparse.ArgumentParser:
     p = OneLineArgs(prog="torchloom k8s", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                description="Kubernetes manifests from a torchloom config: an Indexed Job of torchrun pods for"
-                           " training, a Deployment of torchloom serve; printed, written (--out) or created (--apply)")
-    p.add_argument("what", choices=("train", "serve"))
+                           " training, a Deployment of torchloom serve, one of torchloom loop; printed, written"
+                           " (--out) or created (--apply)")
+    p.add_argument("what", choices=("train", "serve", "loop"))
     p.add_argument("model_uri", nargs="?", metavar="MODEL_URI", help="serve: the exported model on the store")
     p.add_argument("--config", help="a TOML file with [section] tables ([k8s] among them)")
     p.add_argument("--out", metavar="DIR", help="write one YAML file per object into DIR (default: print them)")
@@ -83,6 +86,13 @@ def manifests(args: argparse.Namespace, rest: list[str], serve_flags: list[str])
 
         cfg = build_config(args, rest)
         return train_manifests(cfg), cfg.k8s, ()
+    if args.what == "loop":
+        from torchloom.k8s.loop import ADMIN_KEY_ENV, LOG_ENV, loop_manifests
+
+        if args.model_uri:
+            raise UserError(f"k8s loop: unexpected argument {args.model_uri}; the loop's flags go after --")
+        cfg = build_config(args, rest)
+        return loop_manifests(cfg.k8s, serve_flags), cfg.k8s, (ADMIN_KEY_ENV, LOG_ENV)
     from torchloom.k8s.deployment import serve_manifests
     from torchloom.k8s.manifests import API_KEY_ENV
 

@@ -19,38 +19,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchloom.errors import UserError
 from torchloom.loop import gates, snapshot, triggers
+from torchloom.loop.arguments import LoopSettings
 from torchloom.loop.server import Server, ServerError, champion_of
 
 RECORDS = ("started", "trigger", "snapshot", "candidate", "gate", "shadow", "canary", "promote", "rollback",
            "stopped", "resumed")  # the loop's own events (the server writes "admin", the webhook "alert")
-
-
-@dataclass
-class LoopSettings:
-    server: str
-    work: Path
-    recipe: str = ""
-    triggers: dict[str, float] = field(default_factory=lambda: {"labels": 500.0})
-    cooldown_s: float = 6 * 3600.0
-    daily_limit: int = 4
-    holdout: float = 0.2
-    margin: float = 0.02
-    class_margin: float = 0.05
-    alpha: float = 0.05
-    max_slowdown: float = 1.5
-    shadow_texts: int = 500
-    min_agreement: float = 0.5
-    max_error_rate: float = 0.01
-    ramp: list[float] = field(default_factory=lambda: [5.0, 25.0, 50.0])
-    canary_labels: int = 200
-    min_effect: float = 0.02
-    who: str = "torchloom loop"
 
 
 def state_of(events: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
