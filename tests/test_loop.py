@@ -54,10 +54,9 @@ def champion(tmp_path_factory, tiny_model_dir):
     mlflow.stop()
 
 
-def serve(run, tmp_path, *extra: str) -> Server:
-    return Server("", "--model", f"topics={run}/model", "--log", str(tmp_path / "log.db"), "--keep-texts",
-                  "--fleet-name", "topics", *extra, log_dir=tmp_path,
-                  env=ADMIN)
+def serve(run, tmp_path, *extra: str, model: str = "", env: dict | None = None) -> Server:
+    return Server("", "--model", f"topics={model or f'{run}/model'}", "--log", str(tmp_path / "log.db"),
+                  "--keep-texts", "--fleet-name", "topics", *extra, log_dir=tmp_path, env={**ADMIN, **(env or {})})
 
 
 def predict(s: Server, items: list[tuple[str, str]]) -> list[tuple[str, str, str]]:
@@ -73,19 +72,19 @@ def feed(s: Server, answered: list[tuple[str, str, str]], truth=None) -> None:
     assert done["recorded"] == len(body), done
 
 
-def loop(s: Server, tmp_path, *extra: str) -> str:
+def loop(s: Server, tmp_path, *extra: str, env: dict | None = None) -> str:
     """One step of the loop; its output."""
     proc = torchloom("loop", "--url", s.url, "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--work",
                      str(tmp_path / "work"), "--on-labels", "150", "--on-drift", "0", "--shadow-texts", "60",
-                     "--ramp", "50", "--canary-labels", "20", "--once", *extra, env=ADMIN)
+                     "--ramp", "50", "--canary-labels", "20", "--once", *extra, env={**ADMIN, **(env or {})})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
-def loop_until(s: Server, tmp_path, needle: str, timeout: float = 30) -> str:
+def loop_until(s: Server, tmp_path, needle: str, timeout: float = 30, env: dict | None = None) -> str:
     """Steps until one says `needle` (the server writes its log within a fraction of a second)."""
     said = []
-    wait_for(lambda: (said.append(loop(s, tmp_path)), needle in said[-1])[1], timeout=timeout)
+    wait_for(lambda: (said.append(loop(s, tmp_path, env=env)), needle in said[-1])[1], timeout=timeout)
     return said[-1]
 
 
@@ -184,28 +183,34 @@ def test_a_worse_candidate_is_stopped_at_the_offline_gate_and_the_loop_waits_for
     rng = random.Random(2)
     alias_before = MlflowClient(tracking_uri=champion[1].url, registry_uri=champion[1].url
                                 ).get_model_version_by_alias("topics", "champion").version
-    s = serve(root / "champion", tmp_path)
+    # the champion served from the registry: the loop finds its recipe through the version's torchloom.output_dir
+    registry = {"MLFLOW_TRACKING_URI": champion[1].url}
+    first = MlflowClient(tracking_uri=champion[1].url, registry_uri=champion[1].url).search_model_versions(
+        "name='topics'", order_by=["version_number ASC"])[0].version
+    s = serve(root / "champion", tmp_path, model=f"models:/topics/{first}", env=registry)
     try:
         # labels that swap the topics of the champion's own words: a candidate learns them and gets worse
         answered = predict(s, texts_of(OLD, 200, 1000, rng))
         feed(s, answered, truth=lambda answer, y: "money" if y == "sport" else "sport")
-        loop_until(s, tmp_path, "triggered")
+        loop_until(s, tmp_path, "triggered", env=registry)
         for _ in range(2):  # the snapshot, the candidate
-            loop(s, tmp_path)
-        out = loop(s, tmp_path)
+            loop(s, tmp_path, env=registry)
+        out = loop(s, tmp_path, env=registry)
         assert "offline gate refused" in out and "frozen_test" in out, out
         assert traffic(s) == {"topics": 100.0}  # never loaded: the champion answered everything
         feed(s, predict(s, texts_of(NEW, 200, 3000, rng)))  # more labels: no new cycle while paused
-        assert "paused" in loop(s, tmp_path) and "paused" in loop(s, tmp_path)
+        assert "paused" in loop(s, tmp_path, env=registry) and "paused" in loop(s, tmp_path, env=registry)
         resumed = torchloom("loop", "resume", "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--who",
                             "alice")
         assert "goes on" in resumed.stdout, resumed.stdout + resumed.stderr
         assert "not paused" in torchloom("loop", "resume", "--log", str(tmp_path / "log.db"), "--fleet",
                                          "topics").stdout
-        assert "triggered" in loop(s, tmp_path, "--cooldown-hours", "0")
+        assert "triggered" in loop(s, tmp_path, "--cooldown-hours", "0", env=registry)
     finally:
         assert s.terminate() == 0
     events = history(tmp_path)
+    trigger = next(e for e in events if e["kind"] == "trigger")
+    assert trigger["recipe"] == str(root / "champion") and trigger["champion_path"] != str(root / "champion" / "model")
     refused = next(e for e in events if e.get("gate") == "offline")
     assert refused["stage"] == "paused" and refused["result"]["passed"] is False
     test = refused["result"]["sets"]["frozen_test"]

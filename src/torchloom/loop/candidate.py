@@ -18,16 +18,23 @@ from typing import Any
 
 from torchloom.errors import UserError
 from torchloom.loop.snapshot import FILES
+from torchloom.uri import has_scheme
 
 RUNNING = False  # a candidate is training now (the loop's SIGTERM then stops it too)
 TAIL = ("train: step", "epoch", "evaluate:", "export:", "accuracy")
 
 
 def recipe_of(model_path: str, given: str = "") -> Path:
-    """The champion's run directory: `given`, else the one its model was exported into (RUN/model)."""
+    """The champion's run directory: `given`, else the one its model was exported into (RUN/model), else for a
+    model served from the registry the run its version was registered from (loop/registry.py)."""
     from torchloom.runs.rundir import CONFIG_FILE
 
     run = Path(given) if given else Path(model_path).parent
+    if not given and not (run / CONFIG_FILE).is_file():
+        from torchloom.loop.registry import recorded_run
+
+        recorded = recorded_run(model_path)
+        run = Path(recorded) if recorded and not has_scheme(recorded) else run
     if not (run / CONFIG_FILE).is_file() or not (run / "data").is_dir():
         where = f"--recipe {given}" if given else f"the champion's model {model_path}"
         raise UserError(f"loop: {where}: no run directory with a config.toml and its prepared data there; give the"

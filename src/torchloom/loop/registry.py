@@ -60,3 +60,28 @@ def tag_outcome(cycle: dict[str, Any], outcome: str, say: Callable[[str], object
             client.set_model_version_tag(registered["name"], str(registered["version"]), key, str(value))
     except Exception as e:  # noqa: BLE001
         say(f"loop: warning: the registry did not take the tag ({redact_text(first_line(e))[:200]})")
+
+
+def recorded_run(model_path: str) -> str | None:
+    """Where a champion served from the registry (models:/NAME@ALIAS, fetched into the cache) was trained: its
+    version's tag torchloom.output_dir, the run export registered it from (None where there is none)."""
+    import json
+
+    from torchloom.model.served import REGISTERED_FILE
+
+    try:
+        registered = json.loads((Path(model_path) / REGISTERED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    try:
+        from mlflow import MlflowClient
+
+        from torchloom.tracking import quiet_mlflow, resolve_uri
+
+        quiet_mlflow()
+        store = resolve_uri("")
+        version = MlflowClient(tracking_uri=store, registry_uri=store).get_model_version(registered["name"],
+                                                                                         str(registered["version"]))
+        return version.tags.get("torchloom.output_dir")
+    except Exception:  # noqa: BLE001 - no registry to ask: the caller says to give --recipe
+        return None
