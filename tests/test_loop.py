@@ -170,6 +170,8 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
     assert now.version == promoted["registry"]["version"] == registered["version"]
     assert promoted["registry"]["was"] == alias_before != now.version
     assert now.tags["torchloom.loop.outcome"] == "promoted"
+    assert now.tags["torchloom.loop.gate.offline"].startswith("offline gate passed: frozen_test")
+    assert now.tags["torchloom.loop.gate.canary_50"].startswith("no harm at 50 %")
     admin = [e["action"] for e in events if e["kind"] == "admin"]  # the server's record of the same changes
     assert admin == ["load", "traffic", "traffic", "promote"], admin
     table = torchloom("loop", "history", "--log", str(tmp_path / "log.db"), "--fleet", "topics").stdout
@@ -287,6 +289,13 @@ def test_harm_in_the_canary_rolls_back_to_the_champion_with_no_request_failing(c
         assert "paused" in loop(s, tmp_path)
     finally:
         assert s.terminate() == 0
-    rollback = next(e for e in history(tmp_path) if e["kind"] == "rollback")
+    events = history(tmp_path)
+    rollback = next(e for e in events if e["kind"] == "rollback")
     assert rollback["stage"] == "paused" and rollback["verdict"]["state"] == "a_better"
+    from mlflow import MlflowClient
+
+    registered = next(e for e in events if e["kind"] == "candidate")["registered"]
+    tags = MlflowClient(tracking_uri=champion[1].url, registry_uri=champion[1].url).get_model_version(
+        "topics", registered["version"]).tags
+    assert tags["torchloom.loop.outcome"] == "rolled back" and "champion better" in tags["torchloom.loop.rollback"]
     assert rollback["verdict"]["labels"] <= 40  # found at the first or second look

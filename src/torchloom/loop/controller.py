@@ -162,14 +162,16 @@ class Loop:
             self.withdraw(cycle)
             self.record("rollback", "paused", gate="canary", verdict=result, line=f"rolled back to {cycle['champion']}:"
                         f" {result['line']}")
-            self.tag(cycle, "rolled_back")
+            self.tag(cycle, {"torchloom.loop.outcome": "rolled back", "torchloom.loop.rollback": result["line"]})
             return True, f"rolled back: {result['line']}"
         if result["candidate_labels_this_step"] < self.s.canary_labels:
             return False, (f"canary at {cycle['share']:g} %: {result['candidate_labels_this_step']} of"
                            f" {self.s.canary_labels} labels on the candidate's answers; {result['line']}")
         last = cycle["step"] + 1 >= len(self.s.ramp)
+        said = f"no harm at {cycle['share']:g} %: {result['line']}"
         self.record("gate", "promote" if last else "canary", gate=f"canary {cycle['share']:g} %", passed=True,
-                    verdict=result, step=cycle["step"] + 1, line=f"no harm at {cycle['share']:g} %: {result['line']}")
+                    verdict=result, step=cycle["step"] + 1, line=said)
+        self.tag(cycle, {f"torchloom.loop.gate.canary_{cycle['share']:g}": said})
         return True, "canary step passed"
 
     def _promote(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
@@ -188,11 +190,14 @@ class Loop:
 
     def gate(self, name: str, result: dict[str, Any], then: str, line: str, **detail: Any) -> tuple[bool, str]:
         passed = result["passed"]
-        self.record("gate", then if passed else "paused", gate=name, passed=passed, result=result,
-                    line=f"{name} gate {'passed' if passed else 'refused the candidate'}: "
-                         + (line if passed else "; ".join(result["why"])), **detail)
+        said = f"{name} gate {'passed' if passed else 'refused the candidate'}: " + (line if passed else
+                                                                                      "; ".join(result["why"]))
+        self.record("gate", then if passed else "paused", gate=name, passed=passed, result=result, line=said,
+                    **detail)
+        tags = {f"torchloom.loop.gate.{name}": said}
         if not passed:
-            self.tag(self.cycle_now(), f"stopped at the {name} gate")
+            tags["torchloom.loop.outcome"] = f"stopped at the {name} gate"
+        self.tag(self.cycle_now(), tags)
         return True, f"{name} gate {'passed' if passed else 'refused'}"
 
     def cycle_now(self) -> dict[str, Any]:
@@ -234,10 +239,10 @@ class Loop:
 
         return move_alias(cycle, self.say)
 
-    def tag(self, cycle: dict[str, Any], outcome: str) -> None:
-        from torchloom.loop.registry import tag_outcome
+    def tag(self, cycle: dict[str, Any], tags: dict[str, Any]) -> None:
+        from torchloom.loop.registry import tag
 
-        tag_outcome(cycle, outcome, self.say)
+        tag(cycle, tags, self.say)
 
 
 def run(loop: Loop, poll_s: float, stop: Callable[[], bool]) -> int:

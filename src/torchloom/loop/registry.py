@@ -50,14 +50,15 @@ def move_alias(cycle: dict[str, Any], say: Callable[[str], object]) -> dict[str,
         return None
 
 
-def tag_outcome(cycle: dict[str, Any], outcome: str, say: Callable[[str], object]) -> None:
+def tag(cycle: dict[str, Any], tags: dict[str, Any], say: Callable[[str], object]) -> None:
+    """Tags on the candidate's registered version (none where it has none): what the loop made of it."""
     registered = cycle.get("registered")
     if not registered:
         return
     try:
         client, _ = _client(cycle)
-        for key, value in (("torchloom.loop.outcome", outcome), ("torchloom.loop.cycle", cycle["cycle"])):
-            client.set_model_version_tag(registered["name"], str(registered["version"]), key, str(value))
+        for key, value in {"torchloom.loop.cycle": cycle["cycle"], **tags}.items():
+            client.set_model_version_tag(registered["name"], str(registered["version"]), key, str(value)[:4000])
     except Exception as e:  # noqa: BLE001
         say(f"loop: warning: the registry did not take the tag ({redact_text(first_line(e))[:200]})")
 
