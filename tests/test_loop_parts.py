@@ -44,12 +44,14 @@ def test_triggers_fire_on_what_is_seen_and_wait_out_their_cooldown_and_daily_lim
     triggers = parse({"labels": 100, "drift": 500, "accuracy": 0.8, "schedule": 24, "alert": 1})
     assert [t.id for t in triggers] == ["alert", "labels", "drift", "accuracy", "schedule"]
     start = [{"kind": "started", "at": 1000.0}]
-    quiet = {"labels": 10, "monitor": {"drifted": True, "texts": 200, "estimated_accuracy": {"value": 0.9}}}
+    quiet = {"labels": 10, "monitor": {"drift": True, "drifted": ["length"], "texts": 200,
+                                       "estimated_accuracy": {"value": 0.9}}}
     assert due(triggers, quiet, start, 3600, 2, now=2000.0) == (None, "no trigger fires")
     trigger, why = due(triggers, {**quiet, "labels": 150}, start, 3600, 2, now=2000.0)
     assert trigger.id == "labels" and "150 labels" in why
-    drifted = {**quiet, "monitor": {"drifted": True, "texts": 800, "drift": "0.31"}}
-    assert due(triggers, drifted, start, 3600, 2, now=2000.0)[0].id == "drift"
+    drifted = {**quiet, "monitor": {"drift": True, "drifted": ["classes", "length"], "texts": 800}}
+    trigger, why = due(triggers, drifted, start, 3600, 2, now=2000.0)
+    assert trigger.id == "drift" and "drifted in classes, length over 800 texts" in why
     low = {**quiet, "monitor": {"estimated_accuracy": {"value": 0.7}}}
     assert due(triggers, low, start, 3600, 2, now=2000.0)[0].id == "accuracy"
     assert due(triggers, quiet, start, 3600, 2, now=1000.0 + 24 * 3600)[0].id == "schedule"

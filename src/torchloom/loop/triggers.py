@@ -28,8 +28,9 @@ class Trigger:
         if self.id == "labels" and seen["labels"] >= self.threshold:
             return f"{seen['labels']} labels fed back since the last snapshot (at least {self.threshold:g})"
         monitor = seen.get("monitor") or {}
-        if self.id == "drift" and monitor.get("drifted") and (monitor.get("texts") or 0) >= self.threshold:
-            return f"the champion's traffic drifted ({monitor.get('drift')}) over {monitor.get('texts')} texts"
+        if self.id == "drift" and monitor.get("drift") and (monitor.get("texts") or 0) >= self.threshold:
+            drifted = ", ".join(monitor.get("drifted") or []) or "its signals"
+            return f"the champion's traffic drifted in {drifted} over {monitor.get('texts')} texts"
         estimate = (monitor.get("estimated_accuracy") or {}).get("value")
         if self.id == "accuracy" and estimate is not None and estimate < self.threshold:
             return f"the champion's estimated accuracy {estimate:.3f} is under {self.threshold:g}"
