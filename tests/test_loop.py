@@ -126,7 +126,7 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
                                 ).get_model_version_by_alias("topics", "champion").version
     s = serve(root / "champion", tmp_path)
     try:
-        assert "idle" in loop(s, tmp_path) and "0 new labels" in loop(s, tmp_path, "--on-drift", "1")  # reads /v1/monitor
+        assert "idle" in loop(s, tmp_path) and "0 new labels" in loop(s, tmp_path, "--on-drift", "1")  # its monitor
         answered = predict(s, texts_of(NEW, 200, 1000, rng))
         wrong = sum(a != y for _, a, y in answered)
         assert wrong > 40, f"the champion already knows the new words ({wrong} of 200 wrong)"
