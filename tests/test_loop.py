@@ -145,6 +145,7 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
         loop_until(s, tmp_path, "shadow gate passed")
         loop(s, tmp_path)  # the canary: half the traffic
         assert traffic(s) == {"topics": 50.0, "topics-r1": 50.0}
+        assert s.metrics()["torchloom_model_requests"].samples  # each model's requests, for the canary's limits
         # a request each, routed at random by the split: labels on both models' answers
         feed(s, [a for item in texts_of(NEW, 90, 7000, rng) for a in predict(s, [item])])
         loop_until(s, tmp_path, "canary step passed")
@@ -160,6 +161,8 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
     kinds = [e["kind"] for e in events if e["kind"] != "admin"]
     assert kinds == ["started", "trigger", "snapshot", "candidate", "gate", "shadow", "gate", "canary", "gate",
                      "promote"], kinds
+    canary = next(e for e in events if e["kind"] == "canary")
+    assert canary["limits_at"]["champion_count"] > 0  # the champion's recent p99 was there to compare with
     offline = next(e for e in events if e.get("gate") == "offline")
     assert offline["result"]["sets"]["newest"]["candidate"] > offline["result"]["sets"]["newest"]["champion"]
     assert offline["result"]["sets"]["frozen_test"]["n"] == 30

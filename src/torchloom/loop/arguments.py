@@ -26,6 +26,7 @@ class LoopSettings:
     shadow_texts: int = 500
     min_agreement: float = 0.5
     max_error_rate: float = 0.01
+    max_p99_ratio: float = 2.0
     ramp: list[float] = field(default_factory=lambda: [5.0, 25.0, 50.0])
     canary_labels: int = 200
     min_effect: float = 0.02
@@ -70,7 +71,10 @@ def add_loop_arguments(sp: argparse.ArgumentParser) -> None:
                                                                               " champion's at most (1.5)")
     g.add_argument("--shadow-texts", type=int, default=d.shadow_texts, help="texts the shadow answers first (500)")
     g.add_argument("--min-agreement", type=float, default=d.min_agreement, help="the shadow's agreement (0.5)")
-    g.add_argument("--max-error-rate", type=float, default=d.max_error_rate, help="the shadow's errors (0.01)")
+    g.add_argument("--max-error-rate", type=float, default=d.max_error_rate, help="the shadow's and the canary's"
+                   " errors (0.01)")
+    g.add_argument("--max-p99-ratio", type=float, default=d.max_p99_ratio, help="the canary rolls back when the"
+                   " candidate's recent p99 is over this times the champion's (2.0)")
     g.add_argument("--ramp", default=",".join(f"{x:g}" for x in d.ramp), help="the canary's shares in percent;"
                                                                                " promoted after the last (5,25,50)")
     g.add_argument("--canary-labels", type=int, default=d.canary_labels, help="labels on the candidate's answers"
@@ -111,5 +115,6 @@ def settings_of(args) -> LoopSettings:
                         cooldown_s=args.cooldown_hours * 3600, daily_limit=args.daily_limit, holdout=args.holdout,
                         margin=args.margin, class_margin=args.class_margin, alpha=args.alpha,
                         max_slowdown=args.max_slowdown, shadow_texts=args.shadow_texts,
-                        min_agreement=args.min_agreement, max_error_rate=args.max_error_rate, ramp=_ramp(args.ramp),
+                        min_agreement=args.min_agreement, max_error_rate=args.max_error_rate,
+                        max_p99_ratio=args.max_p99_ratio, ramp=_ramp(args.ramp),
                         canary_labels=args.canary_labels, min_effect=args.min_effect)

@@ -25,7 +25,7 @@ from typing import Any
 from torchloom.errors import UserError
 from torchloom.loop import gates, snapshot, triggers
 from torchloom.loop.arguments import LoopSettings
-from torchloom.loop.server import Server, ServerError, champion_of
+from torchloom.loop.server import Server, ServerError, champion_of, model_numbers
 
 RECORDS = ("started", "trigger", "snapshot", "candidate", "gate", "shadow", "canary", "promote", "rollback",
            "stopped", "resumed")  # the loop's own events (the server writes "admin", the webhook "alert")
@@ -151,11 +151,21 @@ class Loop:
         split.update({champion: 100.0 - share, candidate: share})
         self.server.traffic(split, [s for s in view["shadows"] if s != candidate])
         now = time.time()
+        numbers = model_numbers(self.server.metrics(), champion, candidate)
         self.record("canary", "canary_wait", step=step, share=share, canary_since=cycle.get("canary_since", now),
-                    step_since=now, line=f"{candidate} answers {share:g} % of the traffic, {champion} the rest")
+                    step_since=now, limits_at=numbers,
+                    line=f"{candidate} answers {share:g} % of the traffic, {champion} the rest")
         return True, f"canary at {share:g} %"
 
     def _canary_wait(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        numbers = model_numbers(self.server.metrics(), cycle["champion"], cycle["candidate"])
+        limits = gates.limits(cycle.get("limits_at") or {}, numbers, self.s.max_error_rate, self.s.max_p99_ratio)
+        if limits["breached"]:
+            self.withdraw(cycle)
+            line = f"rolled back to {cycle['champion']}: {'; '.join(limits['why'])}"
+            self.record("rollback", "paused", gate="canary limits", limits=limits, line=line)
+            self.tag(cycle, {"torchloom.loop.outcome": "rolled back", "torchloom.loop.rollback": line})
+            return True, line
         result = gates.canary(self.log, cycle["champion"], cycle["candidate"], cycle["canary_since"],
                               cycle["step_since"], self.s.canary_labels, self.s.alpha, self.s.min_effect)
         if result["harm"]:

@@ -22,7 +22,9 @@ Shadow (the candidate answers every text, returns none; from the prediction log)
     labels            McNemar's exact test on the labelled texts both answered (monitor/ab.py `once`): refused when
                       the champion is better
 Canary (a share of the traffic answered by the candidate): monitor/ab.py's sequential verdict (unpaired: each
-text answered by one of them) on the labels since the ramp began; the champion better is harm: rolled back.
+text answered by one of them) on the labels since the ramp began; the champion better is harm: rolled back. And
+limits, read from the server's /metrics at once (no labels needed): the candidate's error rate on its requests
+at this share, and its recent p99 against the champion's (`limits`): a breach is rolled back too.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any
 from torchloom.monitor.ab import Outcomes, Tally, _normal_sf, _z, compare, mcnemar, once
 
 MIN_TEXTS = 30
+MIN_REQUESTS = 20  # the canary's limits judge a model's requests from this many on
+P99_FLOOR_S = 0.05  # a p99 this much above the champion's at least, beyond the ratio, is a breach
 ROUNDS = 3
 LATENCY_TEXTS = 256
 
@@ -169,6 +173,27 @@ def canary(log, champion: str, candidate: str, since: float, step_since: float, 
             "labels": verdict.labels, "p_value": verdict.p_value, "level": verdict.level,
             "line": verdict.line(("champion", "candidate")),
             "candidate_labels_this_step": sum(1 for x in step.b if x is not None)}
+
+
+def limits(before: dict[str, float], now: dict[str, float], max_error_rate: float, max_p99_ratio: float
+           ) -> dict[str, Any]:
+    """The canary's limits on the candidate (loop/server.py model_numbers, at the share's start and now): its error
+    rate on the requests since, and its recent p99 against the champion's (both over MIN_REQUESTS requests at
+    least, and P99_FLOOR_S apart at least: a few milliseconds' jitter is no breach). {breached, why, ...}."""
+    if now["requests"] < before.get("requests", 0):  # the server restarted: its counters began again
+        before = {}
+    n = now["requests"] - before.get("requests", 0)
+    failed = now["failed"] - before.get("failed", 0)
+    why = []
+    if n >= MIN_REQUESTS and failed / n > max_error_rate:
+        why.append(f"error rate {failed / n:.3f} on {n:g} requests (at most {max_error_rate:g})")
+    cand, champ = now["candidate_p99"], now["champion_p99"]
+    if (min(now["candidate_count"], now["champion_count"]) >= MIN_REQUESTS and cand > max_p99_ratio * champ
+            and cand - champ > P99_FLOOR_S):
+        why.append(f"p99 {cand * 1e3:.0f} ms against the champion's {champ * 1e3:.0f} ms (at most {max_p99_ratio:g}"
+                   " times)")
+    return {"breached": bool(why), "why": why, "requests": n, "failed": failed, "candidate_p99": cand,
+            "champion_p99": champ}
 
 
 def _share(right: list[bool]) -> float:

@@ -74,17 +74,35 @@ class Server:
     def remove(self, name: str) -> dict[str, Any]:
         return self._call("DELETE", f"/v1/admin/models/{name}")
 
+    def metrics(self) -> str:
+        return self._call("GET", "/metrics", admin=False, raw=True)
+
     def counter(self, family: str, **labels: str) -> float:
-        """The sum of a /metrics family's samples whose labels include `labels` (0 when none)."""
-        text = self._call("GET", "/metrics", admin=False, raw=True)
-        total = 0.0
-        for line in text.splitlines():
-            if not line.startswith(family + "{") and not line.startswith(family + " "):
-                continue
-            found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line.split("}")[0]))
-            if all(found.get(k) == v for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return sample(self.metrics(), family, **labels)
+
+
+def sample(text: str, family: str, **labels: str) -> float:
+    """The sum of a /metrics family's samples whose labels include `labels` (0 when none)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(family + "{") and not line.startswith(family + " "):
+            continue
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', line.split("}")[0]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def model_numbers(text: str, champion: str, candidate: str) -> dict[str, float]:
+    """What the canary's limits read from /metrics: the candidate's requests and failures (counters), both models'
+    recent p99 and its count."""
+    out = {"requests": sample(text, "torchloom_model_requests_total", model=candidate),
+           "failed": sample(text, "torchloom_model_failures_total", model=candidate)}
+    for role, name in (("candidate", candidate), ("champion", champion)):
+        for q in ("0.99", "count"):
+            out[f"{role}_{'p99' if q == '0.99' else 'count'}"] = sample(
+                text, "torchloom_model_duration_recent_seconds", model=name, quantile=q)
+    return out
 
 
 def champion_of(view: dict[str, Any]) -> str:

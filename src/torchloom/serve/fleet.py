@@ -20,7 +20,7 @@ import logging
 import random
 import secrets
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +33,7 @@ from torchloom.serve.split import Plan, key_point
 log = logging.getLogger("torchloom.serve")
 FEEDBACK_SIZE = 100_000  # predictions kept for feedback: the most recent this many
 SHADOW_GATHER_S = 0.005  # a shadow's texts of the requests that come within this go to it in one call
+LATENCY_KEPT = 10_000  # each model's newest request times, for its recent p50 and p99 (the loop's canary limit)
 VERDICT_EVERY_S = 0.5  # the verdict is worked out again at most this often on feedback (always on a read)
 
 
@@ -70,6 +71,7 @@ class Fleet(FleetAdmin):
         self.identity = members[0].identity
         self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
         self.log = log
+        self.latency: dict[str, deque[tuple[float, float]]] = {}  # model -> (start, seconds) of its requests
         self.timeline: list[dict[str, Any]] = []  # the log's newest events (fleet_log.keep_in_step)
         self.check_labels(members)
 
@@ -136,13 +138,18 @@ class Fleet(FleetAdmin):
                 def on_items(items: list[Any]) -> None:
                     for s in sharing:
                         self.watch(s, texts, ids, items)
+        started = time.monotonic()
+        self.count("requests", member.name)
         try:
             answers = await (member.backend.predict(texts, on_items=on_items) if on_items is not None
                              else member.backend.predict(texts))
-        except BaseException:
+        except BaseException as e:
             for i in ids:
                 self.records.pop(i, None)
+            if isinstance(e, Exception) and not isinstance(e, Overloaded | ShuttingDown):
+                self.count("failed", member.name)  # the model's own failure (not a full queue, not a stop)
             raise
+        self.latency.setdefault(member.name, deque(maxlen=LATENCY_KEPT)).append((started, time.monotonic() - started))
         for i, answer in zip(ids, answers):
             answer["id"], answer["model"] = i, member.name
             record = self.records.get(i)

@@ -264,12 +264,7 @@ class ServeMetrics:
         self.recent.append((time.monotonic(), seconds))
 
     def _recent_quantiles(self) -> list[tuple[tuple[str, ...], float]]:
-        since = time.monotonic() - RECENT_S
-        values = sorted(v for at, v in self.recent if at >= since)
-        if not values:
-            return []
-        at = lambda q: values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]  # noqa: E731
-        return [(("0.5",), at(0.5)), (("0.99",), at(0.99)), (("count",), float(len(values)))]
+        return recent_quantiles(self.recent)
 
     def queue_changed(self) -> None:
         """Several processes: this one's queue depth (the queue_depth it was given, read now: the sum over a
@@ -317,6 +312,17 @@ class ServeMetrics:
         return generate_latest(registry).decode("utf-8") + ("\n".join(own) + "\n" if own else "")
 
 
+def recent_quantiles(kept: Iterable[tuple[float, float]]) -> list[tuple[tuple[str, ...], float]]:
+    """p50, p99 and the count of the (monotonic time, seconds) pairs of the last RECENT_S; none when there are
+    none."""
+    since = time.monotonic() - RECENT_S
+    values = sorted(v for at, v in kept if at >= since)
+    if not values:
+        return []
+    at = lambda q: values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]  # noqa: E731
+    return [(("0.5",), at(0.5)), (("0.99",), at(0.99)), (("count",), float(len(values)))]
+
+
 def fleet_families(fleet) -> list[Family]:
     """A fleet's metrics (serve/fleet.py: ServeMetrics.extra), read when scraped."""
 
@@ -330,6 +336,9 @@ def fleet_families(fleet) -> list[Family]:
             if est:
                 out += [((name, b), est[k]) for b, k in (("estimate", "value"), ("low", "low"), ("high", "high"))]
         return out
+
+    def recent():  # each model's requests over the last RECENT_S, as the server-wide family has them
+        return [((name, q), v) for name, kept in fleet.latency.items() for (q,), v in recent_quantiles(kept)]
 
     def verdicts():
         return [((name, fleet.order[0], state), float(v.state == state)) for name, v in fleet.verdicts.items()
@@ -346,6 +355,12 @@ def fleet_families(fleet) -> list[Family]:
                ("model",), lambda: [((n,), float(n in fleet.plan.shadows)) for n in fleet.order]),
         Family("torchloom_model_texts_total", "Texts each model answered (role=answer) or watched as a shadow"
                " (role=shadow).", ("model", "role"), counted("answers"), "counter"),
+        Family("torchloom_model_requests_total", "Predict requests each model answered or failed (as the one that"
+               " answers, not as a shadow).", ("model",), counted("requests"), "counter"),
+        Family("torchloom_model_failures_total", "Predict requests each model failed on (its own error; a full"
+               " queue or a stop is not counted).", ("model",), counted("failed"), "counter"),
+        Family("torchloom_model_duration_recent_seconds", f"Each model's predict latency over the last {RECENT_S:g}"
+               " s: quantile 0.5, 0.99, and count.", ("model", "quantile"), recent),
         Family("torchloom_shadow_dropped_total", "Texts a shadow did not get to, by reason (its queue full, the"
                " server stopping, its model's error).", ("model", "reason"), counted("shadow_dropped"),
                "counter"),
