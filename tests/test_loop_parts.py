@@ -136,15 +136,22 @@ def test_an_alertmanager_webhook_records_firing_alerts_as_events(tmp_path, monke
     (["--fleet", "f", "--log", "x.db", "--url", "http://127.0.0.1:9", "--work", "w", "--ramp", "50,25"],
      "--ramp 50,25: give rising shares"),
     (["--fleet", "f", "--url", "http://127.0.0.1:9", "--work", "w"], "loop: --log is missing"),
-    (["--fleet", "f", "--log", "{tmp}/x.db", "--url", "http://127.0.0.1:9", "--work", "{tmp}/w", "--once",
+    (["--fleet", "f", "--log", "{log}", "--url", "http://127.0.0.1:9", "--work", "{tmp}/w", "--once",
       "--on-drift", "1"], "the server at http://127.0.0.1:9 cannot be reached"),
+    (["history", "--fleet", "f", "--log", "{tmp}/typo.db"], "--log {tmp}/typo.db: no such file; give the file the"
+                                                           " server writes"),
     (["--fleet", "f", "--log", "x.db", "--url", "u", "--work", "w", "--holdout", "2"], "--holdout 2 is not between"),
-], ids=["no-url", "ramp", "no-log", "unreachable", "holdout"])
+], ids=["no-url", "ramp", "no-log", "unreachable", "typo", "holdout"])
 def test_loop_mistakes_are_one_line_with_exit_2(args, message, tmp_path):
-    proc = torchloom("loop", *[a.replace("{tmp}", str(tmp_path)) for a in args], TORCHLOOM_LOG=None)
+    from torchloom.monitor.predlog import PredictionLog
+
+    PredictionLog(f"sqlite:///{tmp_path}/log.db", "f").close()  # a log the server made
+    fill = lambda a: a.replace("{log}", str(tmp_path / "log.db")).replace("{tmp}", str(tmp_path))  # noqa: E731
+    proc = torchloom("loop", *map(fill, args), TORCHLOOM_LOG=None)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and fill(message) in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "typo.db").exists()
 
 
 def test_the_canary_s_limits_roll_back_on_errors_or_a_slow_p99_never_on_jitter():

@@ -21,6 +21,13 @@ def open_log(args):
     uri = log_uri(given) if given else None
     if uri is None:
         raise UserError("loop: --log is missing; give the server's prediction log (its --log), e.g. --log serve.db")
+    if uri.startswith("sqlite:///"):  # the server makes the log: a file that is not there is a wrong path
+        from pathlib import Path
+
+        path = Path(uri[len("sqlite:///"):])
+        if not path.is_file():
+            raise UserError(f"loop: --log {given}: no such file; give the file the server writes (its --log), or"
+                            " start torchloom serve --log first")
     return PredictionLog(uri, args.fleet)
 
 
