@@ -235,7 +235,8 @@ def test_ray_serve_splits_sticks_and_shadows_through_its_proxy(models, tmp_path)
     pytest.importorskip("ray.serve")
     s = Server("", "--serve-with", "ray", "--model", f"A={models['A']}", "--model", f"B={models['B']}", "--model",
                f"C={models['C']}", "--traffic", "A=60,B=40", "--shadow", "C", "--api-key", API_KEY, "--device", "cpu",
-               "--port", str(free_port()), log_dir=tmp_path, ready_timeout=150)
+               "--port", str(free_port()), "--log", str(tmp_path / "log.db"), "--fleet-name", "ray-fleet",
+               log_dir=tmp_path, ready_timeout=150)
     try:
         s.client.headers.update(AUTH)
         check_split_sticky_and_shadow(s, {"A": 0.6, "B": 0.4}, "C", n=200)
@@ -245,6 +246,15 @@ def test_ray_serve_splits_sticks_and_shadows_through_its_proxy(models, tmp_path)
         assert s.terminate(timeout=60) == 0, s.stderr()[-3000:]
     finally:
         s.kill()
+    from torchloom.monitor.predlog import PredictionLog
+
+    log = PredictionLog(f"sqlite:///{tmp_path}/log.db", "ray-fleet")  # the replica wrote it, and drained it on stop
+    try:
+        rows = dict(log.read("SELECT model || ' ' || role, COUNT(*) FROM tl_predictions GROUP BY 1"))
+        assert rows["C shadow"] >= 200 and rows["A answer"] + rows["B answer"] >= 200, rows
+        assert [(i.id, i.label) for i in log.labelled()] == [(p["id"], "sport")]
+    finally:
+        log.close()
 
 
 def test_requests_sent_while_a_model_is_replaced_are_all_answered_by_the_old_version_or_the_new(models, tmp_path):

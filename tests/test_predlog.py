@@ -81,7 +81,6 @@ def test_a_log_that_cannot_be_used_is_one_line(tmp_path, monkeypatch):
     from torchloom.serve.settings import ServeSettings
 
     for given, message in (({"keep_texts": True}, "--keep-texts: keeps texts in the prediction log; give one"),
-                           ({"serve_with": "ray", "log": "x.db"}, "--log: the Ray engine does not write"),
                            ({"log": "x.db", "log_max_age_days": 0}, "--log-max-age-days 0: must be more than 0")):
         with pytest.raises(UserError, match=message):
             ServeSettings("model", **given).check()

@@ -257,8 +257,10 @@ class Fleet(FleetAdmin):
 
     def feedback(self, prediction_id: str, label: str) -> dict[str, Any]:
         """Record the true `label` of a prediction: every model that answered it is scored. ApiError 404 for an
-        id unknown or past the store, 409 for one already labelled, 422 for a label the models do not have."""
-        self.may_change()
+        id unknown or past the store, 409 for one already labelled, 422 for a label the models do not have. With a
+        log, feedback is the fleet's (an id another replica answered is recalled from it), whatever the replicas."""
+        if self.log is None:
+            self.may_change()
         record = self.records.get(prediction_id)
         if record is None or not record:
             self.count("feedback", "unknown_id")

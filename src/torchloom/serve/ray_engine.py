@@ -284,11 +284,14 @@ def ray_member(name: str | None, path: str, settings: ServeSettings, threads: in
 
 
 def replica_fleet(settings: ServeSettings, threads: int):
-    """The replica's models behind one Fleet (serve/fleet.py), as the local server's. Feedback and the admin route
-    keep their state in the replica: with one replica they work as locally; with several, a prediction's id is
-    known to its replica alone and a change would reach one replica, so both answer 501."""
+    """The replica's models behind one Fleet (serve/fleet.py), as the local server's. Without a prediction log,
+    feedback and the admin route keep their state in the replica: with one replica they work as locally; with
+    several, a prediction's id is known to its replica alone and a change would reach one replica, so both answer
+    501. With a log (--log: each replica writes to it and reads it back), feedback and the verdict are the fleet's
+    on any number of replicas; the admin route still needs one."""
     from torchloom.serve.fleet import Fleet
     from torchloom.serve.metrics import ServeMetrics, fleet_families
+    from torchloom.serve.server import open_log
     from torchloom.serve.split import Plan, make_plan
 
     models = settings.models or {None: settings.model_dir}
@@ -306,10 +309,13 @@ def replica_fleet(settings: ServeSettings, threads: int):
         return member
 
     fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
-                  load=load if settings.replicas == 1 else None)
+                  load=load if settings.replicas == 1 else None, log=open_log(settings, members[0].identity.name))
     if settings.replicas > 1:
-        fleet.refused = (f"with {settings.replicas} Ray Serve replicas each keeps its own predictions and split;"
-                         " feedback and the admin route need --replicas 1 (or the local engine)")
+        fleet.refused = (f"with {settings.replicas} Ray Serve replicas each keeps its own split"
+                         + (" and predictions" if fleet.log is None else "") + "; the admin route"
+                         + (" and feedback need" if fleet.log is None else " needs")
+                         + " --replicas 1 (or the local engine)" + ("" if fleet.log is not None else
+                                                                    ", or a prediction log: --log"))
     for m in members:
         if m.backend.monitor is not None:
             m.backend.monitor.on_report = metrics.publish_monitor

@@ -153,9 +153,6 @@ class ServeSettings:
             raise UserError(f"--log-max-age-days {self.log_max_age_days:g}: must be more than 0")
         if self.keep_texts and uri is None:
             raise UserError("--keep-texts: keeps texts in the prediction log; give one with --log PATH_OR_URI")
-        if self.serve_with == "ray" and uri is not None:
-            raise UserError("--log: the Ray engine does not write the prediction log yet; serve with --serve-with"
-                            " local (several processes may share one postgresql:// log)")
 
     def exposure_warning(self) -> str | None:
         """The one warning line for a server that anyone on the network may call: bound beyond loopback
