@@ -147,8 +147,9 @@ class Loop:
         share = self.s.ramp[step]
         champion, candidate = cycle["champion"], cycle["candidate"]
         view = self.server.view()
-        split = {n: 0.0 for n in view["traffic"]}
-        split.update({champion: 100.0 - share, candidate: share})
+        split = dict(view["traffic"])  # the other models of the fleet keep their shares
+        base = split[champion] + split.get(candidate, 0.0)  # the ramp's share is of the champion's traffic
+        split.update({champion: base * (100.0 - share) / 100.0, candidate: base * share / 100.0})
         self.server.traffic(split, [s for s in view["shadows"] if s != candidate])
         now = time.time()
         numbers = model_numbers(self.server.metrics(), champion, candidate)
@@ -185,7 +186,15 @@ class Loop:
         return True, "canary step passed"
 
     def _promote(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
-        self.server.promote(cycle["candidate"])
+        view = self.server.view()
+        others = {n: v for n, v in view["traffic"].items() if n not in (cycle["champion"], cycle["candidate"])}
+        if any(others.values()):  # the fleet's other models keep their shares: the champion's goes to the candidate
+            split = dict(view["traffic"])
+            split[cycle["candidate"]] += split[cycle["champion"]]
+            split[cycle["champion"]] = 0.0
+            self.server.traffic(split, view["shadows"])
+        else:
+            self.server.promote(cycle["candidate"])
         moved = self.move_alias(cycle)
         self.record("promote", "idle", champion=cycle["candidate"], previous=cycle["champion"], registry=moved,
                     line=f"{cycle['candidate']} promoted over {cycle['champion']}"
@@ -222,10 +231,13 @@ class Loop:
         return "; ".join(parts) + f"; latency x{result['latency']['ratio']:.2f}"
 
     def withdraw(self, cycle: dict[str, Any]) -> None:
-        """The champion takes all the traffic back; the candidate is unloaded."""
+        """The champion takes the candidate's traffic back (the other models keep theirs); the candidate is
+        unloaded."""
         view = self.server.view()
-        split = {n: 0.0 for n in view["traffic"]}
-        split[cycle["champion"]] = 100.0
+        split = dict(view["traffic"])
+        if cycle["candidate"] in split:
+            split[cycle["champion"]] += split[cycle["candidate"]]
+            split[cycle["candidate"]] = 0.0
         self.server.traffic(split, [s for s in view["shadows"] if s != cycle["candidate"]])
         try:
             self.server.remove(cycle["candidate"])
