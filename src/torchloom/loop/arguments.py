@@ -111,7 +111,10 @@ def settings_of(args) -> LoopSettings:
             raise UserError(f"loop: {flag} {value:g} is not between {low:g} and {high:g}")
     triggers = {"labels": args.on_labels, "drift": args.on_drift, "accuracy": args.on_accuracy_below,
                 "schedule": args.every_hours, "alert": 1.0 if args.webhook_port else 0.0}
-    return LoopSettings(server=args.url, work=Path(args.work).resolve(), recipe=args.recipe, triggers=triggers,
+    import socket
+
+    return LoopSettings(who=f"torchloom loop@{socket.gethostname()}",
+                        server=args.url, work=Path(args.work).resolve(), recipe=args.recipe, triggers=triggers,
                         cooldown_s=args.cooldown_hours * 3600, daily_limit=args.daily_limit, holdout=args.holdout,
                         margin=args.margin, class_margin=args.class_margin, alpha=args.alpha,
                         max_slowdown=args.max_slowdown, shadow_texts=args.shadow_texts,
