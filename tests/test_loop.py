@@ -88,6 +88,16 @@ def loop_until(s: Server, tmp_path, needle: str, timeout: float = 30, env: dict 
     return said[-1]
 
 
+def labels_in_log(tmp_path) -> int:
+    from torchloom.monitor.predlog import PredictionLog
+
+    log = PredictionLog(f"sqlite:///{tmp_path}/log.db", "topics")
+    try:
+        return log.count_labels()
+    finally:
+        log.close()
+
+
 def history(tmp_path) -> list[dict]:
     proc = torchloom("loop", "history", "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -204,6 +214,7 @@ def test_a_worse_candidate_is_stopped_at_the_offline_gate_and_the_loop_waits_for
         assert "offline gate refused" in out and "frozen_test" in out, out
         assert traffic(s) == {"topics": 100.0}  # never loaded: the champion answered everything
         feed(s, predict(s, texts_of(NEW, 200, 3000, rng)))  # more labels: no new cycle while paused
+        wait_for(lambda: labels_in_log(tmp_path) == 400)  # written by the server's writer thread
         assert "paused" in loop(s, tmp_path, env=registry) and "paused" in loop(s, tmp_path, env=registry)
         resumed = torchloom("loop", "resume", "--log", str(tmp_path / "log.db"), "--fleet", "topics", "--who",
                             "alice")
