@@ -38,6 +38,14 @@ def test_non_inferiority_needs_evidence_and_per_class_harm_needs_evidence_of_har
     assert harmed[0]["recall_drop"] == 0.5 and harmed[0]["level"] == pytest.approx(0.05 / 3)
 
 
+def test_a_slower_candidate_is_one_slower_by_the_ratio_and_by_a_millisecond_a_text():
+    from torchloom.loop.gates import too_slow
+
+    assert too_slow({"ratio": 2.0, "champion_ms": 5.0, "candidate_ms": 10.0}, 1.5)
+    assert not too_slow({"ratio": 1.4, "champion_ms": 5.0, "candidate_ms": 7.0}, 1.5)
+    assert not too_slow({"ratio": 3.6, "champion_ms": 0.1, "candidate_ms": 0.36}, 1.5)  # noise on a tiny model
+
+
 def test_triggers_fire_on_what_is_seen_and_wait_out_their_cooldown_and_daily_limit():
     from torchloom.loop.triggers import due, parse
 

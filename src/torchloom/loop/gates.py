@@ -13,7 +13,8 @@ slice, held out of training):
                       champion better at level alpha / classes (Bonferroni over the classes): a small class is
                       judged on evidence of harm, not refused for want of texts.
     latency           both models time the same texts in this process, alternately, best of ROUNDS; refused
-                      above max_slowdown times the champion's.
+                      above max_slowdown times the champion's and LATENCY_FLOOR_MS a text slower (a fraction of a
+                      millisecond is the machine's noise, not a slower model).
 Shadow (the candidate answers every text, returns none; from the prediction log):
     agreement         the share of texts both answered alike, with its 95 % Wilson interval: refused when the
                       interval lies below min_agreement, unless the labels that came meanwhile show the candidate
@@ -41,6 +42,7 @@ MIN_REQUESTS = 20  # the canary's limits judge a model's requests from this many
 P99_FLOOR_S = 0.05  # a p99 this much above the champion's at least, beyond the ratio, is a breach
 ROUNDS = 3
 LATENCY_TEXTS = 256
+LATENCY_FLOOR_MS = 1.0  # per text: slower by less than this is no slowdown (with the ratio: both must hold)
 
 
 def paired(champion_right: list[bool], candidate_right: list[bool], margin: float, alpha: float) -> dict[str, Any]:
@@ -102,10 +104,17 @@ def offline(champion_dir: str, candidate_dir: str, sets: dict[str, tuple[list[st
                               f" than {class_margin:g} in recall")
     sample = next((texts for texts, _ in sets.values() if texts), [])[:LATENCY_TEXTS]
     out["latency"] = latency(models, sample)
-    if out["latency"]["ratio"] > max_slowdown:
-        out["why"].append(f"latency: {out['latency']['ratio']:.2f} times the champion's (at most {max_slowdown:g})")
+    if too_slow(out["latency"], max_slowdown):
+        took = out["latency"]
+        out["why"].append(f"latency: {took['ratio']:.2f} times the champion's, {took['candidate_ms']:.1f} ms a text"
+                          f" (at most {max_slowdown:g} times, or {LATENCY_FLOOR_MS:g} ms slower)")
     out["passed"] = not out["why"]
     return out
+
+
+def too_slow(latency: dict[str, float], max_slowdown: float) -> bool:
+    """Over max_slowdown times the champion's time a text, and LATENCY_FLOOR_MS slower at least."""
+    return latency["ratio"] > max_slowdown and latency["candidate_ms"] - latency["champion_ms"] > LATENCY_FLOOR_MS
 
 
 def latency(models: dict[str, Any], texts: list[str]) -> dict[str, float]:
