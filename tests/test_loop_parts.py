@@ -171,11 +171,11 @@ def test_the_canary_s_limits_roll_back_on_errors_or_a_slow_p99_never_on_jitter()
         'torchloom_model_requests_total{model="t-r1"} 130', 'torchloom_model_requests_total{model="t"} 900',
         'torchloom_model_failures_total{model="t-r1"} 7',
         'torchloom_model_duration_recent_seconds{model="t-r1",quantile="0.99"} 0.400',
-        'torchloom_model_duration_recent_seconds{model="t-r1",quantile="count"} 60',
+        'torchloom_model_duration_recent_seconds{model="t-r1",quantile="count"} 160',
         'torchloom_model_duration_recent_seconds{model="t",quantile="0.99"} 0.100',
         'torchloom_model_duration_recent_seconds{model="t",quantile="count"} 500'])
     now = model_numbers(text, "t", "t-r1")
-    assert now == {"requests": 130, "failed": 7, "candidate_p99": 0.4, "candidate_count": 60, "champion_p99": 0.1,
+    assert now == {"requests": 130, "failed": 7, "candidate_p99": 0.4, "candidate_count": 160, "champion_p99": 0.1,
                    "champion_count": 500}
     before = {"requests": 30, "failed": 1}
     found = limits(before, now, 0.01, 2.0)
@@ -183,7 +183,7 @@ def test_the_canary_s_limits_roll_back_on_errors_or_a_slow_p99_never_on_jitter()
     assert found["why"][0].startswith("error rate 0.060 on 100 requests") and "p99 400 ms" in found["why"][1]
     calm = {**now, "failed": 1, "candidate_p99": 0.012, "champion_p99": 0.004}  # 3 times, but 8 ms: jitter
     assert not limits(before, calm, 0.01, 2.0)["breached"]
-    few = {**now, "requests": 40}  # 10 requests since: too few to judge a rate
-    assert limits(before, {**few, "candidate_p99": 0.1}, 0.01, 2.0)["why"] == []
+    few = {**now, "requests": 40, "candidate_count": 60}  # 10 requests since, 60 timed: too few to judge either
+    assert limits(before, few, 0.01, 2.0)["why"] == []
     restarted = {**calm, "requests": 25, "failed": 1}  # counters began again: counted from 0
     assert limits({"requests": 30, "failed": 1}, restarted, 0.01, 2.0)["requests"] == 25

@@ -38,7 +38,8 @@ from typing import Any
 from torchloom.monitor.ab import Outcomes, Tally, _normal_sf, _z, compare, mcnemar, once
 
 MIN_TEXTS = 30
-MIN_REQUESTS = 20  # the canary's limits judge a model's requests from this many on
+MIN_REQUESTS = 20  # the canary's error rate is judged from this many of the candidate's requests on
+MIN_TIMED = 100  # and its p99 from this many requests of each in the last minute (over fewer, p99 is the maximum)
 P99_FLOOR_S = 0.05  # a p99 this much above the champion's at least, beyond the ratio, is a breach
 ROUNDS = 3
 LATENCY_TEXTS = 256
@@ -187,8 +188,8 @@ def canary(log, champion: str, candidate: str, since: float, step_since: float, 
 def limits(before: dict[str, float], now: dict[str, float], max_error_rate: float, max_p99_ratio: float
            ) -> dict[str, Any]:
     """The canary's limits on the candidate (loop/server.py model_numbers, at the share's start and now): its error
-    rate on the requests since, and its recent p99 against the champion's (both over MIN_REQUESTS requests at
-    least, and P99_FLOOR_S apart at least: a few milliseconds' jitter is no breach). {breached, why, ...}."""
+    rate on the requests since (MIN_REQUESTS at least), and its recent p99 against the champion's (both over
+    MIN_TIMED requests, and P99_FLOOR_S apart at least: a few milliseconds' jitter is no breach)."""
     if now["requests"] < before.get("requests", 0):  # the server restarted: its counters began again
         before = {}
     n = now["requests"] - before.get("requests", 0)
@@ -197,7 +198,7 @@ def limits(before: dict[str, float], now: dict[str, float], max_error_rate: floa
     if n >= MIN_REQUESTS and failed / n > max_error_rate:
         why.append(f"error rate {failed / n:.3f} on {n:g} requests (at most {max_error_rate:g})")
     cand, champ = now["candidate_p99"], now["champion_p99"]
-    if (min(now["candidate_count"], now["champion_count"]) >= MIN_REQUESTS and cand > max_p99_ratio * champ
+    if (min(now["candidate_count"], now["champion_count"]) >= MIN_TIMED and cand > max_p99_ratio * champ
             and cand - champ > P99_FLOOR_S):
         why.append(f"p99 {cand * 1e3:.0f} ms against the champion's {champ * 1e3:.0f} ms (at most {max_p99_ratio:g}"
                    " times)")
