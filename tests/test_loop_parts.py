@@ -110,6 +110,23 @@ def test_the_snapshot_takes_each_text_once_and_counts_what_it_sets_aside(tmp_pat
     log.close()
 
 
+def test_a_snapshot_built_again_removes_only_the_files_the_loop_writes(tmp_path):
+    from torchloom.errors import UserError
+    from torchloom.loop.snapshot import FILES, remove_ours
+
+    out = tmp_path / "snapshot"
+    out.mkdir()
+    for name in (*FILES.values(), "snapshot.json"):
+        (out / name).write_text("x")
+    (out / "notes.txt").write_text("a person's file")
+    with pytest.raises(UserError, match=r"not \(only\) a snapshot the loop wrote \(notes.txt\)"):
+        remove_ours(out)
+    assert (out / "notes.txt").read_text() == "a person's file" and (out / "train.parquet").exists()
+    (out / "notes.txt").unlink()
+    remove_ours(out)
+    assert not out.exists()
+
+
 def test_an_alertmanager_webhook_records_firing_alerts_as_events(tmp_path, monkeypatch):
     from torchloom.loop.webhook import KEY_ENV, listen
     from torchloom.monitor.predlog import PredictionLog

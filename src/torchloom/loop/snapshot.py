@@ -96,11 +96,23 @@ def build(log, recipe: Path, out: Path, holdout: float) -> dict[str, Any]:
               "sha256": digests, "labels": list(m.labels)}
     (tmp / "snapshot.json").write_text(json.dumps(record, indent=2) + "\n")
     if out.exists():  # built before the loop stopped, its event never written: ours, built again
-        if not (out / "snapshot.json").is_file():
-            raise UserError(f"loop: {out} exists and is not a snapshot the loop wrote; move it or pick another --work")
-        shutil.rmtree(out)
+        remove_ours(out)
     os.replace(tmp, out)
     return record
+
+
+def remove_ours(out: Path) -> None:
+    """A snapshot directory the loop wrote, removed by the names it writes; anything else in it is not the loop's:
+    nothing is deleted, and one line says so."""
+    ours = [out / name for name in (*FILES.values(), "snapshot.json")]
+    others = [p.name for p in out.iterdir() if p not in ours] if out.is_dir() else [out.name]
+    if others or not (out / "snapshot.json").is_file():
+        found = ", ".join(others[:3]) or "no snapshot.json"
+        raise UserError(f"loop: {out} exists and is not (only) a snapshot the loop wrote ({found}); move it or pick"
+                        " another --work")
+    for path in ours:
+        path.unlink(missing_ok=True)
+    out.rmdir()
 
 
 def newest_slice(directory: Path) -> tuple[list[str], list[str]]:
