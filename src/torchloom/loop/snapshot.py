@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -65,8 +65,6 @@ def feedback(log, until: int, labels: set[str], known: set[str]) -> tuple[list[t
 def build(log, recipe: Path, out: Path, holdout: float) -> dict[str, Any]:
     """snapshot.json's record (module docstring), the files written beside it in `out` (a new directory, whole or
     not at all)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
     m, splits = original(recipe)
     until = log.watermark()
@@ -81,19 +79,19 @@ def build(log, recipe: Path, out: Path, holdout: float) -> dict[str, Any]:
     if not tables["test"][0]:
         raise UserError(f"loop: the champion's run {recipe} has no test split to judge a candidate on; prepare with"
                         " prepare.test_fraction above 0 or give data.test_path")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    digests = {}
-    for name, (texts, labels) in tables.items():
-        pq.write_table(pa.table({"text": texts, "label": labels}), tmp / FILES[name])
-        digests[name] = hashlib.sha256((tmp / FILES[name]).read_bytes()).hexdigest()
-    record = {"watermark": until, "recipe": str(recipe), "data_fingerprint": m.fingerprint,
-              "data_inputs": {k: v for k, v in m.inputs.items() if k in ("path", "format", "version")},
-              "rows": {name: len(texts) for name, (texts, _) in tables.items()},
-              "feedback": {"trained": len(trained), "held_out": len(newest), "set_aside": dict(aside),
-                           "seq_newest_slice": [newest[0][0], newest[-1][0]] if newest else None},
-              "sha256": digests, "labels": list(m.labels)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))  # new: nothing in it but what follows
+    try:
+        record = _write(tmp, tables)
+    except BaseException:
+        remove_ours(tmp, need_record=False)
+        raise
+    record.update({"watermark": until, "recipe": str(recipe), "data_fingerprint": m.fingerprint,
+                   "data_inputs": {k: v for k, v in m.inputs.items() if k in ("path", "format", "version")},
+                   "rows": {name: len(texts) for name, (texts, _) in tables.items()},
+                   "feedback": {"trained": len(trained), "held_out": len(newest), "set_aside": dict(aside),
+                                "seq_newest_slice": [newest[0][0], newest[-1][0]] if newest else None},
+                   "labels": list(m.labels)})
     (tmp / "snapshot.json").write_text(json.dumps(record, indent=2) + "\n")
     if out.exists():  # built before the loop stopped, its event never written: ours, built again
         remove_ours(out)
@@ -101,12 +99,25 @@ def build(log, recipe: Path, out: Path, holdout: float) -> dict[str, Any]:
     return record
 
 
-def remove_ours(out: Path) -> None:
+def _write(tmp: Path, tables: dict[str, tuple[list[str], list[str]]]) -> dict[str, Any]:
+    """The tables as Parquet files in `tmp`; {"sha256": each file's}."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    digests = {}
+    for name, (texts, labels) in tables.items():
+        pq.write_table(pa.table({"text": texts, "label": labels}), tmp / FILES[name])
+        digests[name] = hashlib.sha256((tmp / FILES[name]).read_bytes()).hexdigest()
+    return {"sha256": digests}
+
+
+def remove_ours(out: Path, need_record: bool = True) -> None:
     """A snapshot directory the loop wrote, removed by the names it writes; anything else in it is not the loop's:
-    nothing is deleted, and one line says so."""
+    nothing is deleted, and one line says so (need_record: its snapshot.json must be there, as in one built
+    whole)."""
     ours = [out / name for name in (*FILES.values(), "snapshot.json")]
     others = [p.name for p in out.iterdir() if p not in ours] if out.is_dir() else [out.name]
-    if others or not (out / "snapshot.json").is_file():
+    if others or (need_record and not (out / "snapshot.json").is_file()):
         found = ", ".join(others[:3]) or "no snapshot.json"
         raise UserError(f"loop: {out} exists and is not (only) a snapshot the loop wrote ({found}); move it or pick"
                         " another --work")
