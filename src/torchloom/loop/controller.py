@@ -117,7 +117,7 @@ class Loop:
         sets = {"frozen_test": snapshot.frozen_test(where), "newest": snapshot.newest_slice(where)}
         result = gates.offline(cycle["champion_path"], cycle["candidate_path"], sets, self.s.margin,
                                self.s.class_margin, self.s.alpha, self.s.max_slowdown)
-        return self.gate("offline", result, "shadow", self.summary_line(result))
+        return self.gate(cycle, "offline", result, "shadow", self.summary_line(result))
 
     def _shadow(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
         view = self.server.load(cycle["candidate"], cycle["candidate_path"])
@@ -140,7 +140,7 @@ class Loop:
                 f" {result['labels']['line']}")
         if not result["passed"]:
             self.withdraw(cycle)
-        return self.gate("shadow", result, "canary", line, step=0)
+        return self.gate(cycle, "shadow", result, "canary", line, step=0)
 
     def _canary(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
         step = cycle.get("step", 0)
@@ -207,7 +207,8 @@ class Loop:
 
     # --- helpers -----------------------------------------------------------------------------------------------
 
-    def gate(self, name: str, result: dict[str, Any], then: str, line: str, **detail: Any) -> tuple[bool, str]:
+    def gate(self, cycle: dict[str, Any], name: str, result: dict[str, Any], then: str, line: str, **detail: Any
+             ) -> tuple[bool, str]:
         passed = result["passed"]
         said = f"{name} gate {'passed' if passed else 'refused the candidate'}: " + (line if passed else
                                                                                       "; ".join(result["why"]))
@@ -216,11 +217,8 @@ class Loop:
         tags = {f"torchloom.loop.gate.{name}": said}
         if not passed:
             tags["torchloom.loop.outcome"] = f"stopped at the {name} gate"
-        self.tag(self.cycle_now(), tags)
+        self.tag(cycle, tags)
         return True, f"{name} gate {'passed' if passed else 'refused'}"
-
-    def cycle_now(self) -> dict[str, Any]:
-        return state_of(self.log.events())[1]
 
     def cycle_dir(self, cycle: dict[str, Any]) -> Path:
         return self.s.work / f"cycle-{cycle['cycle']}"
