@@ -8,21 +8,13 @@ import time
 from typing import Any
 
 
-def line_of(event: dict[str, Any]) -> str:
-    if event.get("line"):
-        return str(event["line"])
-    if event["kind"] == "admin":
-        return f"{event.get('action')}: " + ", ".join(f"{k} {event[k]}" for k in ("model", "plan", "path", "version")
-                                                     if event.get(k))
-    return ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("seq", "at", "kind", "who"))
-
-
 def table(events: list[dict[str, Any]]) -> str:
+    from torchloom.serve.fleet_log import brief  # the status page's timeline says each event the same way
+
     rows = [("seq", "time (UTC)", "event", "by", "what")]
-    for e in events:
-        kind = e["kind"] + (f" {e['gate']}" if e["kind"] == "gate" and e.get("gate") else "")
-        rows.append((str(e["seq"]), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["at"])), kind, str(e["who"]),
-                     line_of(e)))
+    for b in map(brief, events):
+        rows.append((str(b["seq"]), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(b["at"])), b["kind"], str(b["who"]),
+                     b["line"]))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)
 

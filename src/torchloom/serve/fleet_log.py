@@ -79,10 +79,15 @@ def replay(fleet, items) -> None:
 
 
 def brief(event: dict[str, Any]) -> dict[str, Any]:
-    """An event as the status page's timeline shows it: when, what, by whom, one line."""
-    line = event.get("line") or " ".join(str(event[k]) for k in ("action", "model", "plan", "alert") if event.get(k))
+    """An event as the status page's timeline and `torchloom loop history` show it: when, what, by whom, one line."""
+    line = event.get("line")
+    if not line and event["kind"] == "admin":
+        line = f"{event.get('action')}: " + ", ".join(f"{k} {event[k]}" for k in ("model", "plan", "path", "version")
+                                                      if event.get(k))
+    elif not line:
+        line = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("seq", "at", "kind", "who"))
     kind = event["kind"] + (f" {event['gate']}" if event["kind"] == "gate" and event.get("gate") else "")
-    return {"seq": event["seq"], "at": event["at"], "kind": kind, "who": event["who"], "line": line,
+    return {"seq": event["seq"], "at": event["at"], "kind": kind, "who": event["who"], "line": str(line),
             "passed": event.get("passed")}
 
 
