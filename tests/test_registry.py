@@ -170,10 +170,12 @@ def test_latest_is_the_newest_version_and_a_pinned_one_is_served_from_the_cache_
         assert line[0].rstrip().endswith("to the right one") and ")" in line[0]  # whole: never cut mid-word
 
 
-def test_a_server_by_registry_name_answers_as_the_registered_version(registered, tmp_path):
+def test_a_server_by_registry_name_answers_as_the_registered_version(registered, tmp_path, monkeypatch):
     """serve models:/topics@champion: the responses, the page, the monitor's gauges and a real Prometheus's alert
     (the model has no profile: TorchloomMonitorOff) name the registered model (topics, version 2, alias champion),
-    not the download's directory; --tracking.uri is --tracking-uri's alias."""
+    not the download's directory; --tracking.uri is --tracking-uri's alias. The admin route loads a version by its
+    registry URI (the loop's candidate when the server is in a pod of its own) and says where each model came
+    from, so a loop on another host reads the champion from there (loop/controller.readable)."""
     from support.command import torchloom as run
     from support.prometheus import Prometheus
     from support.served import Server
@@ -181,6 +183,7 @@ def test_a_server_by_registry_name_answers_as_the_registered_version(registered,
     uri, _, _ = registered
     (tmp_path / "log").mkdir()
     s = Server("models:/topics@champion", "--tracking.uri", uri, "--device", "cpu", "--no-tune",
+               "--admin-key", "registry-admin-4567",
                log_dir=tmp_path / "log", env={"TORCHLOOM_CACHE": str(tmp_path / "cache")})
     try:
         want = {"name": "topics", "version": "2", "aliases": ["champion"], "uri": "models:/topics/2"}
@@ -202,6 +205,20 @@ def test_a_server_by_registry_name_answers_as_the_registered_version(registered,
             assert (alert["model"], alert["version"]) == ("topics", "2"), alert
         finally:
             prometheus.stop()
+        admin = {"Authorization": "Bearer registry-admin-4567"}
+        r = s.client.put("/v1/admin/models/older", json={"path": "models:/topics/1"}, headers=admin)
+        assert r.status_code == 200, r.text
+        models = s.client.get("/v1/admin", headers=admin).json()["models"]
+        assert (models["older"]["version"], models["older"]["source"]) == ("1", "models:/topics/1"), models
+        assert models["topics"]["source"] == "models:/topics/2", models
+        from torchloom.loop.controller import readable
+        from torchloom.model.export import is_exported
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+        monkeypatch.setenv("TORCHLOOM_CACHE", str(tmp_path / "loop-cache"))  # the loop's own host
+        here = readable("/a/serve/pod/cache/entry", models["topics"]["source"])
+        assert here.startswith(str(tmp_path / "loop-cache")) and is_exported(here), here
+        assert readable(models["topics"]["path"], "models:/topics/2") == models["topics"]["path"]  # seen here
     finally:
         assert s.terminate() == 0, s.stderr()[-3000:]
 

@@ -44,6 +44,20 @@ def state_of(events: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     return stage, cycle
 
 
+def readable(path: str, source: str) -> str:
+    """The champion's model on this host: the server's copy where this host sees it (the loop beside the server),
+    else fetched from where the server loaded it (a registry or store URI: the loop in a pod of its own)."""
+    if Path(path).is_dir() or not source:
+        return path
+    if source.startswith("models:/"):
+        from torchloom.registry import fetch
+
+        return str(fetch(source, "the champion"))
+    from torchloom.model_cache import fetch_model
+
+    return str(fetch_model(source, "the champion"))
+
+
 class Loop:
     def __init__(self, settings: LoopSettings, log, server: Server, say: Callable[[str], object] = print) -> None:
         self.s, self.log, self.server, self.say = settings, log, server, say
@@ -83,7 +97,8 @@ class Loop:
         recipe = recipe_of(model["path"], self.s.recipe)
         number = sum(1 for e in events if e["kind"] == "trigger") + 1
         self.record("trigger", "snapshot", trigger=trigger.id, line=why, cycle=number, champion=champion,
-                    champion_path=model["path"], champion_version=model["version"], recipe=str(recipe))
+                    champion_path=model["path"], champion_source=model.get("source", ""),
+                    champion_version=model["version"], recipe=str(recipe))
         return True, f"triggered: {why}"
 
     def _snapshot(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
@@ -108,19 +123,28 @@ class Loop:
             return True, str(e)
         name = f"{self.log.fleet}-r{cycle['cycle']}"
         line = f"candidate {name}: test accuracy {summary.get('accuracy', 0):.3f} in its own run ({run})"
+        registered = summary.get("registered") or {}
+        # the server loads a registered candidate from the registry (a serve pod cannot read this host's run)
         self.record("candidate", "offline", candidate=name, candidate_path=str(run / "model"), run=str(run),
-                    registered=summary.get("registered"), line=line)
+                    candidate_source=registered.get("uri", ""), registered=summary.get("registered"), line=line)
         return True, line
 
     def _offline(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
         where = Path(cycle["snapshot"])
         sets = {"frozen_test": snapshot.frozen_test(where), "newest": snapshot.newest_slice(where)}
-        result = gates.offline(cycle["champion_path"], cycle["candidate_path"], sets, self.s.margin,
+        champion = readable(cycle["champion_path"], cycle.get("champion_source", ""))
+        result = gates.offline(champion, cycle["candidate_path"], sets, self.s.margin,
                                self.s.class_margin, self.s.alpha, self.s.max_slowdown)
         return self.gate(cycle, "offline", result, "shadow", self.summary_line(result))
 
     def _shadow(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
-        view = self.server.load(cycle["candidate"], cycle["candidate_path"])
+        try:
+            view = self.server.load(cycle["candidate"], cycle["candidate_path"])
+        except ServerError:
+            if not cycle.get("candidate_source"):
+                raise
+            # the server runs elsewhere (its own pod) and cannot read this host's run: the registered version
+            view = self.server.load(cycle["candidate"], cycle["candidate_source"])
         self.server.traffic(view["traffic"], [*view["shadows"], cycle["candidate"]])
         since = time.time()
         self.record("shadow", "shadow_wait", shadow_since=since, line=f"{cycle['candidate']} is a shadow of"

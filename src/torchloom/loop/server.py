@@ -56,7 +56,7 @@ class Server:
         return data.decode() if raw else json.loads(data or b"{}")
 
     def view(self) -> dict[str, Any]:
-        """{plan, traffic, shadows, models: {name: {name, version, path}}}"""
+        """{plan, traffic, shadows, models: {name: {name, version, path, source}}}"""
         return self._call("GET", "/v1/admin")
 
     def monitor(self) -> dict[str, Any]:

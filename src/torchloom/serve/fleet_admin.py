@@ -27,6 +27,7 @@ class Member:
     path: str
     backend: Any
     encoding: tuple | None = None  # ServedModel.encoding_key (local engine; None: not shared)
+    source: str = ""  # the store or registry URI it was loaded from (its path is this host's copy), else ""
 
     @property
     def identity(self):
@@ -97,11 +98,17 @@ class FleetAdmin:
             raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas);"
                                                  " redeploy instead")
         path = path.removeprefix("file://") if path.startswith("file:///") else path  # a local path as a URL
-        if is_uri(path):  # a model on a store: fetched once into this host's cache, for either engine
+        source = path if is_uri(path) or path.startswith("models:/") else ""
+        if path.startswith("models:/"):  # a registered model (the loop's candidate on Kubernetes): registry.fetch
+            from torchloom.registry import fetch
+
+            path = str(await asyncio.to_thread(fetch, path, f"model {name}"))
+        elif is_uri(path):  # a model on a store: fetched once into this host's cache, for either engine
             from torchloom.model_cache import fetch_model
 
             path = str(await asyncio.to_thread(fetch_model, path, f"model {name}"))
         member = await self.load(name, path)
+        member.source = source
         try:
             self.check_labels([self.members[self.order[0]], member] if self.order[0] != name else
                               [member, *(self.members[n] for n in self.order[1:])])
@@ -142,7 +149,10 @@ class FleetAdmin:
     def admin_view(self) -> dict[str, Any]:
         return {"plan": self.plan.line(), "traffic": dict(self.plan.traffic), "shadows": list(self.plan.shadows),
                 "models": {n: {"name": self.members[n].identity.name, "version": self.members[n].identity.version,
-                               "path": self.members[n].path} for n in self.order}}
+                               "path": self.members[n].path,
+                               # where another host reads it: the URI it came from, a registered model's
+                               "source": self.members[n].source or self.members[n].identity.uri}
+                           for n in self.order}}
 
     def check_labels(self, members: list[Member]) -> None:
         from torchloom.errors import UserError
