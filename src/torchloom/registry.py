@@ -83,6 +83,21 @@ def parse(uri: str) -> tuple[str, str, str]:
                     " models:/NAME/latest")
 
 
+def local_copy(uri: str, what: str) -> str:
+    """A model as a directory on this host: a registered version (models:/NAME@ALIAS, models:/NAME/VERSION) through
+    fetch, a store's URI through model_cache.fetch_model (a run on a store for its model/ too), a local path as
+    it is."""
+    from torchloom.uri import is_uri
+
+    if uri.startswith("models:/"):
+        return str(fetch(uri, what))
+    if is_uri(uri):
+        from torchloom.model_cache import fetch_model
+
+        return str(fetch_model(uri, what))
+    return uri
+
+
 def fetch(uri: str, what: str) -> Path:
     """A registered model's exported directory, downloaded once into the private cache (the cache is keyed by the
     registry, the name, the version and its run, so a moved alias fetches its new version)."""

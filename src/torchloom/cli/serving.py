@@ -169,21 +169,16 @@ def local_model(model: str, what: str) -> str:
     local directory as it is. A run directory given for its model (runs/x, s3://bucket/runs/x): its exported
     model/, said in one line."""
     from torchloom.model.export import is_exported
+    from torchloom.registry import local_copy
     from torchloom.uri import is_uri
 
-    if model.startswith("models:/"):  # a registered model: registry.py
-        from torchloom.registry import fetch
-
-        return str(fetch(model, what))
-    if not is_uri(model):
+    if not is_uri(model) and not model.startswith("models:/"):
         if not is_exported(model) and is_exported(Path(model) / "model"):
             print(f"torchloom: {what} {model}: a run directory; using its exported model, {Path(model) / 'model'}",
                   file=sys.stderr, flush=True)
             return str(Path(model) / "model")
         return model
-    from torchloom.model_cache import fetch_model
-
-    return str(fetch_model(model, what))
+    return local_copy(model, what)
 
 
 def cmd_predict(args: argparse.Namespace, rest: list[str]) -> int:

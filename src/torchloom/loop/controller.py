@@ -49,13 +49,9 @@ def readable(path: str, source: str) -> str:
     else fetched from where the server loaded it (a registry or store URI: the loop in a pod of its own)."""
     if Path(path).is_dir() or not source:
         return path
-    if source.startswith("models:/"):
-        from torchloom.registry import fetch
+    from torchloom.registry import local_copy
 
-        return str(fetch(source, "the champion"))
-    from torchloom.model_cache import fetch_model
-
-    return str(fetch_model(source, "the champion"))
+    return local_copy(source, "the champion")
 
 
 class Loop:

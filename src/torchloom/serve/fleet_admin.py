@@ -14,7 +14,7 @@ from typing import Any
 from torchloom.monitor.ab import Tally
 from torchloom.serve.api_common import ApiError
 from torchloom.serve.split import Plan
-from torchloom.uri import is_uri
+from torchloom.uri import is_uri, redact
 
 log = logging.getLogger("torchloom.serve")
 
@@ -98,15 +98,12 @@ class FleetAdmin:
             raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas);"
                                                  " redeploy instead")
         path = path.removeprefix("file://") if path.startswith("file:///") else path  # a local path as a URL
-        source = path if is_uri(path) or path.startswith("models:/") else ""
-        if path.startswith("models:/"):  # a registered model (the loop's candidate on Kubernetes): registry.fetch
-            from torchloom.registry import fetch
+        # where another host reads it: a store's URI or a registered version (never its credentials)
+        source = redact(path) if is_uri(path) or path.startswith("models:/") else ""
+        if source:  # fetched once into this host's cache, for either engine (the loop's candidate on Kubernetes)
+            from torchloom.registry import local_copy
 
-            path = str(await asyncio.to_thread(fetch, path, f"model {name}"))
-        elif is_uri(path):  # a model on a store: fetched once into this host's cache, for either engine
-            from torchloom.model_cache import fetch_model
-
-            path = str(await asyncio.to_thread(fetch_model, path, f"model {name}"))
+            path = await asyncio.to_thread(local_copy, path, f"model {name}")
         member = await self.load(name, path)
         member.source = source
         try:
