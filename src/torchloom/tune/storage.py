@@ -27,6 +27,9 @@ from torchloom.redaction import TUNE_STORAGE_ENV, redact_text
 
 OUTAGE_S = 120.0  # how long a study waits for its database server to answer again
 HEARTBEAT_S = 30.0  # tune.heartbeat_s's default: Optuna's heartbeat interval; 4 times it silent, a trial is stale
+# the backend's private calls Optuna 4's _CachedStorage makes (a new trial among them: missed, a restart while a
+# trial is created ended the study; tests/test_postgres.py)
+CACHE_CALLS = ("_create_new_trial", "_get_best_trial_id", "_get_stale_trial_ids", "_get_trials", "_set_trial_param")
 DRIVERS = {"postgresql": ("psycopg2", "psycopg", "postgres"), "mysql": ("MySQLdb", "pymysql", "")}
 
 
@@ -155,9 +158,9 @@ class Outage:
 
 
 def through_outages(storage, outage: Outage):
-    """`storage` whose every public call (and its trials' read) goes through `outage`. Retried calls are those
-    Optuna makes in a transaction of their own: one that failed left nothing behind, so a retry records a trial, a
-    value or a state once."""
+    """`storage` whose every public call, and each private one Optuna's cache (_CachedStorage) makes on its backend
+    directly (CACHE_CALLS), goes through `outage`. Retried calls are those Optuna makes in a transaction of their
+    own: one that failed left nothing behind, so a retry records a trial, a value or a state once."""
 
     def retrying(fn):
         @functools.wraps(fn)
@@ -167,9 +170,8 @@ def through_outages(storage, outage: Outage):
 
     session = getattr(storage, "scoped_session", None)
     outage.reset = getattr(session, "remove", None)
-    # ...and `_get_trials`, a read that Optuna's cache (_CachedStorage) calls on its backend directly
     for name in dir(type(storage)):
-        if ((not name.startswith("_") or name == "_get_trials") and callable(getattr(type(storage), name, None))
+        if ((not name.startswith("_") or name in CACHE_CALLS) and callable(getattr(type(storage), name, None))
                 and name != "remove_session"):
             setattr(storage, name, retrying(getattr(storage, name)))
     return storage
