@@ -538,3 +538,106 @@ def test_apply_creates_the_loop_s_claim_and_deployment(capsys, tmp_path, monkeyp
         assert code == 0, err
         assert out.splitlines() == ["torchloom k8s: created persistentvolumeclaim/topics-loop in namespace default",
                                     "torchloom k8s: created deployment/topics-loop in namespace default"]
+
+
+JOB_LOOP = [*LOOP[:5], "--nodes", "2", "--gpus-per-node", "4", "--node-selector", "pool=gpu", *LOOP[5:], "--train-on",
+            "k8s", "--store", "s3://bucket/loop"]
+
+
+def test_a_loop_that_trains_on_k8s_may_create_jobs_and_services_and_hands_its_pods_sizes_to_them(capsys):
+    import json as jsonlib
+
+    from torchloom.k8s.loop import TRAIN_K8S_ENV
+    from torchloom.loop.candidate_job import K8S_ENV
+
+    assert TRAIN_K8S_ENV == K8S_ENV
+    objs = manifests(capsys, *JOB_LOOP)
+    assert set(objs) == {"ServiceAccount", "Role", "RoleBinding", "PersistentVolumeClaim", "Deployment"}
+    rules = {(r["apiGroups"][0], r["resources"][0]): set(r["verbs"]) for r in objs["Role"]["rules"]}
+    assert rules == {("batch", "jobs"): {"create", "get", "delete"}, ("", "services"): {"create", "get", "delete"}}
+    assert objs["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": "topics-loop",
+                                                "namespace": "default"}]
+    pod = objs["Deployment"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "topics-loop" and pod["automountServiceAccountToken"] is True
+    assert "nodeSelector" not in pod  # the loop's pod runs anywhere; the Job's pods go to the GPU pool
+    (c,) = pod["containers"]
+    assert "nvidia.com/gpu" not in str(c["resources"]) and c["resources"]["requests"]["cpu"] == "8"
+    given = jsonlib.loads(next(e["value"] for e in c["env"] if e["name"] == K8S_ENV))
+    assert given["nodes"] == 2 and given["gpus"] == 4 and given["node_selector"] == {"pool": "gpu"}
+    assert given["image"] == "registry.example/torchloom:0.1" and given["env_from"] == "loop-secrets"
+    # the user's own service account (workload identity for the store) is the one bound; none is made
+    objs = manifests(capsys, *JOB_LOOP[:5], "--service-account", "ml-s3", *JOB_LOOP[5:])
+    assert "ServiceAccount" not in objs and objs["RoleBinding"]["subjects"][0]["name"] == "ml-s3"
+    assert objs["Deployment"]["spec"]["template"]["spec"]["serviceAccountName"] == "ml-s3"
+    # without --train-on k8s no pod mounts a token
+    assert manifests(capsys, *LOOP)["Deployment"]["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    code, _, err = run_main(capsys, *LOOP, "--train-on", "k8s")
+    assert code == 2 and "--store (none): --train-on k8s trains the candidate in pods" in err, err
+
+
+def test_the_loops_training_job_is_created_adopted_after_a_restart_refused_when_not_its_own_and_deleted(
+        tmp_path, monkeypatch):
+    """k8s/jobs.py against the fake API server with a kubelet that runs the pods' commands here."""
+    from support.kube_api import run_pods
+
+    from torchloom.errors import UserError
+    from torchloom.k8s.jobs import JobRun
+
+    def objects(script: str) -> list[dict]:
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "topics-r1"}, "spec": {}}
+        pod = {"containers": [{"name": "trainer", "command": ["sh", "-c", script],
+                               "env": [{"name": "HOME", "value": "/tmp"}]}]}
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "topics-r1"},
+               "spec": {"completions": 2, "parallelism": 2, "template": {"spec": pod}}}
+        return [service, job]
+
+    said: list[str] = []
+    with fake_kube(tmp_path) as (fake, kubeconfig):
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        fake.namespaces.add("ml")
+        started = tmp_path / "started"
+        fake.kubelet = lambda f, ns, job: run_pods(f, ns, job, tmp_path)
+        first = JobRun(objects(f"touch {started}-$JOB_COMPLETION_INDEX; sleep 1"), "ml", tmp_path / "j.json",
+                       said.append)
+        assert first.submit() == "created"
+        posts = [r for r in fake.requests if r[0] == "POST"]
+        # the loop restarted: the same journal adopts what it created, creates nothing more
+        again = JobRun(objects("exit 0"), "ml", tmp_path / "j.json", said.append)
+        assert again.submit() == "adopted" and [r for r in fake.requests if r[0] == "POST"] == posts
+        # another loop (a journal of its own) never takes it over
+        with pytest.raises(UserError, match="service topics-r1 in namespace ml: already there and not this loop's"):
+            JobRun(objects("exit 0"), "ml", tmp_path / "other.json", said.append).submit()
+        counts = again.wait(poll_s=0.2)
+        assert counts["succeeded"] == 2 and {p.name for p in tmp_path.glob("started-*")} == {"started-0",
+                                                                                            "started-1"}
+        assert any("2 pods running" in line for line in said) and "complete (2 pods succeeded)" in said[-1]
+        # a Job made again under the name by someone else is not deleted by the recorded uid
+        job_uid = again.recorded()["Job"]
+        store = fake.objects[("apis/batch/v1", "ml", "jobs")]
+        store["topics-r1"]["metadata"]["uid"] = "someone-elses"
+        with pytest.raises(UserError, match="deleting job topics-r1: the cluster answered 409"):
+            again.delete()
+        store["topics-r1"]["metadata"]["uid"] = job_uid
+        assert again.delete() == ["job/topics-r1", "service/topics-r1"]
+        assert {(r, n) for r, n, _ in fake.deleted} == {("jobs", "topics-r1"), ("services", "topics-r1")}
+        assert again.delete() == []  # gone: nothing to do
+        # a failed Job: one line naming the logs' command; the Job kept for a person
+        failing = JobRun(objects("echo no data >&2; exit 3"), "ml", tmp_path / "f.json", said.append)
+        failing.submit()
+        with pytest.raises(UserError, match=r"failed \(BackoffLimitExceeded: pods exited \[3, 3\]\); its pods' logs:"
+                                            r" kubectl -n ml logs -l job-name=topics-r1 --prefix; the Job is kept"):
+            failing.wait(poll_s=0.2)
+        assert "topics-r1" in store and "no data" in (tmp_path / "topics-r1-0.log").read_text()
+
+
+def test_apply_creates_the_loop_s_identity_and_role_before_its_deployment(capsys, tmp_path, monkeypatch):
+    with fake_kube(tmp_path) as (fake, kubeconfig):
+        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+        fake.namespaces.add("default")
+        fake.add_secret("default", "loop-secrets", {"TORCHLOOM_ADMIN_KEY": "k", "TORCHLOOM_LOG": "postgresql://x"})
+        code, out, err = run_main(capsys, "--apply", *JOB_LOOP)
+        assert code == 0, err
+        assert [line.split()[3] for line in out.splitlines()] == [
+            "serviceaccount/topics-loop", "role/topics-loop", "rolebinding/topics-loop",
+            "persistentvolumeclaim/topics-loop", "deployment/topics-loop"]
+        assert ("POST", "/apis/rbac.authorization.k8s.io/v1/namespaces/default/roles") in fake.requests

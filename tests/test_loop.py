@@ -191,6 +191,52 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
     assert "promote" in table and "topics-r1 promoted over topics" in table
 
 
+def test_a_candidate_trained_as_a_kubernetes_job_on_the_store_is_gated_and_shadowed_from_there(champion, tmp_path):
+    """The loop as `torchloom k8s loop --train-on k8s` runs it: the candidate's run on a store (a real S3 server), its
+    training the Indexed Job of `torchloom k8s train`, created through the API (the fake API server, whose kubelet
+    runs the pods' shell and torchrun here, pod 0 named in DNS as the headless Service would), then exported,
+    registered and evaluated from the store; the gates read it from there."""
+    from mlflow import MlflowClient
+    from support.kube_api import fake_kube, run_pods
+    from support.s3 import s3_server
+
+    root, mlflow = champion
+    rng = random.Random(4)
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    on_k8s = ("--train-on", "k8s", "--store", "s3://loop/runs")
+    with s3_server(tmp_path, "loop", creds) as port, fake_kube(tmp_path) as (fake, kubeconfig):
+        fake.namespaces.add("ml")
+        fake.add_secret("ml", "store", {**creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+        fake.kubelet = lambda f, ns, job: run_pods(f, ns, job, tmp_path)
+        env = {"KUBECONFIG": str(kubeconfig), "TORCHLOOM_TRAIN_K8S": json.dumps(
+            {"image": "registry.example/torchloom:0.1", "namespace": "ml", "env_from": "store"})}
+        # the serve pod reads the store with the Secret's credentials too
+        s = serve(root / "champion", tmp_path, env={**creds, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
+        try:
+            feed(s, predict(s, texts_of(NEW, 200, 1000, rng)))
+            wait_for(lambda: "triggered" in loop(s, tmp_path, *on_k8s, env=env), timeout=30)
+            assert "snapshot at label seq" in loop(s, tmp_path, *on_k8s, env=env)
+            out = loop(s, tmp_path, *on_k8s, env=env)  # prepare, the Job, export, evaluate
+            assert "training the candidate as job topics-r1 in namespace ml (created): 1 pods x 2 ranks" in out, out
+            assert "job topics-r1: complete (1 pods succeeded)" in out and "deleted job/topics-r1" in out, out
+            assert "candidate topics-r1" in out and "(s3://loop/runs/topics-r1)" in out, out
+            assert [(o["kind"], o["metadata"]["name"]) for o in fake.created()] == []  # both deleted, by uid
+            assert {(r, n) for r, n, _ in fake.deleted} == {("jobs", "topics-r1"), ("services", "topics-r1")}
+            pod_log = (tmp_path / "topics-r1-0.log").read_text()
+            assert "rank 0 of 2" in pod_log and "rank 1 of 2" in pod_log, pod_log[-3000:]
+            assert "offline gate passed" in loop(s, tmp_path, *on_k8s, env=env)
+            assert "shadow started" in loop(s, tmp_path, *on_k8s, env=env)
+            assert traffic(s) == {"topics": 100.0, "topics-r1": 0.0}
+        finally:
+            assert s.terminate() == 0
+    candidate = next(e for e in history(tmp_path) if e["kind"] == "candidate")
+    assert candidate["run"] == "s3://loop/runs/topics-r1" and candidate["candidate_path"].startswith("s3://")
+    version = MlflowClient(tracking_uri=mlflow.url, registry_uri=mlflow.url).get_model_version(
+        "topics", candidate["registered"]["version"])
+    assert version.tags["torchloom.output_dir"] == "s3://loop/runs/topics-r1"
+    assert candidate["candidate_source"] == f"models:/topics/{version.version}"
+
+
 def test_a_worse_candidate_is_stopped_at_the_offline_gate_and_the_loop_waits_for_a_person(champion, tmp_path):
     root, _ = champion
     from mlflow import MlflowClient

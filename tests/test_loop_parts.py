@@ -166,7 +166,11 @@ def test_an_alertmanager_webhook_records_firing_alerts_as_events(tmp_path, monke
     (["history", "--fleet", "f", "--log", "{tmp}/typo.db"], "--log {tmp}/typo.db: no such file; give the file the"
                                                            " server writes"),
     (["--fleet", "f", "--log", "x.db", "--url", "u", "--work", "w", "--holdout", "2"], "--holdout 2 is not between"),
-], ids=["no-url", "ramp", "no-log", "unreachable", "typo", "holdout"])
+    (["--fleet", "f", "--log", "x.db", "--url", "u", "--work", "w", "--train-on", "k8s", "--store", "runs/"],
+     "--store runs/: --train-on k8s trains the candidate in pods that read and write its run on a store"),
+    (["--fleet", "f", "--log", "x.db", "--url", "u", "--work", "w", "--store", "s3://b/loop"],
+     "--store s3://b/loop: only --train-on k8s puts the candidates' runs on a store"),
+], ids=["no-url", "ramp", "no-log", "unreachable", "typo", "holdout", "k8s-no-store", "store-alone"])
 def test_loop_mistakes_are_one_line_with_exit_2(args, message, tmp_path):
     from torchloom.monitor.predlog import PredictionLog
 

@@ -43,8 +43,8 @@ def api_client(kubernetes):
     return client.ApiClient(configuration)
 
 
-def call(what: str, fn: Callable, *args, missing_ok: bool = False, **kwargs):
-    """One API request; None for a 404 where `missing_ok`; any other failure one line naming `what`."""
+def call(what: str, fn: Callable, *args, missing_ok: bool = False, who: str = "--apply", **kwargs):
+    """One API request; None for a 404 where `missing_ok`; any other failure one line naming `what` (after `who`)."""
     from kubernetes.client.exceptions import ApiException
 
     try:
@@ -52,11 +52,11 @@ def call(what: str, fn: Callable, *args, missing_ok: bool = False, **kwargs):
     except ApiException as e:
         if e.status == 404 and missing_ok:
             return None
-        raise UserError(f"--apply: {what}: the cluster answered {e.status} {e.reason}") from None
+        raise UserError(f"{who}: {what}: the cluster answered {e.status} {e.reason}") from None
     except Exception as e:  # urllib3's connection errors and the like
         host = getattr(getattr(fn, "__self__", None), "api_client", None)
         where = host.configuration.host if host is not None else "the cluster"
-        raise UserError(f"--apply: {what}: cannot reach {where} ({type(e).__name__})") from None
+        raise UserError(f"{who}: {what}: cannot reach {where} ({type(e).__name__})") from None
 
 
 def check_secret(core, namespace: str, name: str, keys: tuple[str, ...]) -> None:
@@ -82,6 +82,10 @@ def apply(objects: list[dict], k: K8sConfig, secret_keys: tuple[str, ...] = ()) 
                             kubernetes.client.AppsV1Api(api).create_namespaced_deployment),
              "PersistentVolumeClaim": (core.read_namespaced_persistent_volume_claim,
                                        core.create_namespaced_persistent_volume_claim)}
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+    calls.update({"ServiceAccount": (core.read_namespaced_service_account, core.create_namespaced_service_account),
+                  "Role": (rbac.read_namespaced_role, rbac.create_namespaced_role),
+                  "RoleBinding": (rbac.read_namespaced_role_binding, rbac.create_namespaced_role_binding)})
     ns = k.namespace
     if call(f"reading namespace {ns}", core.read_namespace, ns, missing_ok=True) is None:
         raise UserError(f"namespace {ns}: not on the cluster; create it (kubectl create namespace {ns}) or pass"

@@ -12,11 +12,19 @@
   --cpu, --memory, --gpus-per-node size it).
 - SIGTERM stops it between steps, a candidate's training with it; the grace period lets that finish.
 - With --webhook-port, a Service in front of it for Alertmanager (the pod listens on every address).
+- With `--train-on k8s --store s3://...` after --, the candidate trains as the Indexed Job `torchloom k8s train`
+  writes (loop/candidate_job.py), created by the loop's pod: --nodes, --gpus-per-node, --cpu and --memory size
+  the Job's pods (the loop's own pod asks for the CPU and memory, never a GPU), the image, namespace, Secret and
+  placement are theirs too ($TORCHLOOM_TRAIN_K8S). The loop's pod is then the one pod that mounts an API token:
+  its service account (--service-account, else one of its own) is bound to a Role that may create, read and
+  delete Jobs and Services in its namespace, nothing more; the Job's pods mount none.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 
 from torchloom.config.schema import K8sConfig
 from torchloom.errors import OneLineArgs, UserError
@@ -26,6 +34,10 @@ WORK_DIR = "/loop"
 CONTAINER = "loop"
 ADMIN_KEY_ENV, LOG_ENV = "TORCHLOOM_ADMIN_KEY", "TORCHLOOM_LOG"  # serve/settings.py's, loop/server.py's
 GRACE_S = 120
+TRAIN_K8S_ENV = "TORCHLOOM_TRAIN_K8S"  # loop/candidate_job.K8S_ENV (tests/test_k8s.py holds them equal)
+JOB_KEYS = ("image", "namespace", "nodes", "gpus", "cpu", "memory", "node_selector", "tolerations", "env_from",
+            "service_account", "image_pull_secrets", "labels", "annotations", "priority_class", "scheduler",
+            "active_deadline_s", "ttl_after_finished_s", "run_as_user")
 OWN_FLAGS = {"--work": f"the work volume is mounted at {WORK_DIR}: the manifest sets --work",
              "--log": f"the log's URI comes from the Secret ({LOG_ENV}), never the manifest",
              "--once": "the Deployment runs the loop until it is stopped", "--admin-key-env": "the Secret's"
@@ -34,7 +46,7 @@ OWN_FLAGS = {"--work": f"the work volume is mounted at {WORK_DIR}: the manifest 
 
 def loop_flags(flags: list[str]) -> argparse.Namespace:
     """The flags as `torchloom loop` reads them (no abbreviations); one line naming what is wrong."""
-    from torchloom.loop.arguments import add_loop_arguments
+    from torchloom.loop.arguments import add_loop_arguments, check_where
 
     for flag in flags:
         reason = OWN_FLAGS.get(flag.split("=", 1)[0])
@@ -56,6 +68,7 @@ def loop_flags(flags: list[str]) -> argparse.Namespace:
                         " --help") from None
     if unknown:
         raise UserError(f"{', '.join(unknown[:3])}: not a flag of torchloom loop; see torchloom loop --help")
+    check_where(args)
     if args.action != "run":
         raise UserError(f"k8s loop: {args.action} is run by hand (kubectl exec), not as the Deployment")
     for flag, value in (("--url", args.url), ("--recipe", args.recipe)):
@@ -83,7 +96,9 @@ def loop_manifests(k: K8sConfig, flags: list[str]) -> list[dict]:
     name = name if name.endswith("-loop") else f"{name}-loop"
     hook = ["--webhook-host", "0.0.0.0"] if args.webhook_port else []
     command = ["torchloom", "loop", "--work", f"{WORK_DIR}/work", *hook, *flags]
-    objects = [claim(name, k), deployment(name, k, command, args.webhook_port)]
+    jobs = args.train_on == "k8s"
+    access = job_access(name, k) if jobs else []
+    objects = [*access, claim(name, k), deployment(name, k, command, args.webhook_port, jobs)]
     if args.webhook_port:
         objects.append({"apiVersion": "v1", "kind": "Service", "metadata": m.metadata(name, k, "loop"),
                         "spec": {"selector": m.labels(name, "loop"),
@@ -96,16 +111,37 @@ def claim(name: str, k: K8sConfig) -> dict:
             "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": k.volume_size}}}}
 
 
-def deployment(name: str, k: K8sConfig, command: list[str], webhook_port: int) -> dict:
+def job_access(name: str, k: K8sConfig) -> list[dict]:
+    """The loop pod's identity and what it may do: Jobs and Services in its namespace, created, read, deleted."""
+    rules = [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]},
+             {"apiGroups": [""], "resources": ["services"], "verbs": ["create", "get", "delete"]}]
+    account = k.service_account or name
+    own = [] if k.service_account else [{"apiVersion": "v1", "kind": "ServiceAccount",
+                                          "metadata": m.metadata(name, k, "loop")}]
+    rbac = "rbac.authorization.k8s.io"
+    return [*own,
+            {"apiVersion": f"{rbac}/v1", "kind": "Role", "metadata": m.metadata(name, k, "loop"), "rules": rules},
+            {"apiVersion": f"{rbac}/v1", "kind": "RoleBinding", "metadata": m.metadata(name, k, "loop"),
+             "roleRef": {"apiGroup": rbac, "kind": "Role", "name": name},
+             "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": k.namespace}]}]
+
+
+def deployment(name: str, k: K8sConfig, command: list[str], webhook_port: int, jobs: bool = False) -> dict:
     cache, cache_mount = m.cache_volume()
     secret = [{"name": key, "valueFrom": {"secretKeyRef": {"name": k.env_from, "key": key}}}
               for key in (ADMIN_KEY_ENV, LOG_ENV)]
-    container = {"name": CONTAINER, "image": k.image, "command": command, "env": [*m.base_env(), *secret],
+    train = [{"name": TRAIN_K8S_ENV, "value": json.dumps({key: getattr(k, key) for key in JOB_KEYS})}] if jobs else []
+    # the Job's pods get the GPUs and the placement (GPU nodes); the loop's own pod runs anywhere
+    own = dataclasses.replace(k, gpus=0, node_selector={}, tolerations={}) if jobs else k
+    container = {"name": CONTAINER, "image": k.image, "command": command, "env": [*m.base_env(), *secret, *train],
                  "envFrom": m.env_from(k),
                  **({"ports": [{"name": "webhook", "containerPort": webhook_port}]} if webhook_port else {}),
-                 **({"resources": m.resources(k)} if m.resources(k) else {}), **m.container_security(),
+                 **({"resources": m.resources(own)} if m.resources(own) else {}), **m.container_security(),
                  "volumeMounts": [cache_mount, {"name": "work", "mountPath": WORK_DIR}, *m.writable_volumes()[1]]}
-    pod = {"terminationGracePeriodSeconds": GRACE_S, **m.placement(k), **m.pod_extras(k), "containers": [container],
+    extras = m.pod_extras(k)
+    if jobs:  # the one pod with an API token: it creates the training Jobs (job_access)
+        extras.update(serviceAccountName=k.service_account or name, automountServiceAccountToken=True)
+    pod = {"terminationGracePeriodSeconds": GRACE_S, **m.placement(own), **extras, "containers": [container],
            "volumes": [cache, {"name": "work", "persistentVolumeClaim": {"claimName": name}},
                        *m.writable_volumes()[0]]}
     spec = {"replicas": 1, "selector": {"matchLabels": m.labels(name, "loop")},

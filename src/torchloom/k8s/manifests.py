@@ -139,7 +139,7 @@ def pod_extras(k: K8sConfig) -> dict:
                 "seccompProfile": {"type": "RuntimeDefault"}}
     return {**({"serviceAccountName": k.service_account} if k.service_account else {}),
             # never the API's token: workload identity (GKE's metadata server, EKS's and AKS's webhooks) brings its
-            # own projected token for the store, and torchloom calls no Kubernetes API from a pod
+            # own projected token for the store; the one pod that calls the API is the loop's (k8s/loop.py)
             "automountServiceAccountToken": False,
             **({"imagePullSecrets": [{"name": s} for s in pull_secrets(k)]} if pull_secrets(k) else {}),
             **({"priorityClassName": k.priority_class} if k.priority_class else {}),

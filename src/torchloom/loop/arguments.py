@@ -31,6 +31,8 @@ class LoopSettings:
     canary_labels: int = 200
     min_effect: float = 0.02
     who: str = "torchloom loop"
+    train_on: str = "here"  # or "k8s": the candidate's training as an Indexed Job (loop/candidate_job.py)
+    store: str = ""  # with train_on k8s: where the candidates' runs go (every pod reads and writes it)
 
 
 ACTIONS = ("run", "history", "resume")
@@ -47,6 +49,11 @@ def add_loop_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--work", help="where snapshots and candidates' runs go (run)")
     sp.add_argument("--recipe", default="", help="the champion's run directory (default: the one its model was"
                                                  " exported into)")
+    sp.add_argument("--train-on", choices=("here", "k8s"), default="here",
+                    help="where the candidate trains: here (a child process, the recipe's engine) or k8s (the"
+                         " Indexed Job `torchloom k8s train` writes, created from the loop's pod; needs --store)")
+    sp.add_argument("--store", default="", help="with --train-on k8s: the store prefix the candidates' runs go"
+                                                " to, e.g. s3://bucket/loop (the Job's pods read and write it)")
     t = sp.add_argument_group("triggers (0: off)")
     t.add_argument("--on-labels", type=int, default=500, help="retrain after this many new labels (default 500)")
     t.add_argument("--on-drift", type=int, default=1000, help="retrain when the champion's traffic drifted, over at"
@@ -109,6 +116,7 @@ def settings_of(args) -> LoopSettings:
                                    ("--margin", args.margin, 0.0, 1.0), ("--min-agreement", args.min_agreement, 0, 1)):
         if not low <= value <= high:
             raise UserError(f"loop: {flag} {value:g} is not between {low:g} and {high:g}")
+    check_where(args)
     triggers = {"labels": args.on_labels, "drift": args.on_drift, "accuracy": args.on_accuracy_below,
                 "schedule": args.every_hours, "alert": 1.0 if args.webhook_port else 0.0}
     import socket
@@ -120,4 +128,17 @@ def settings_of(args) -> LoopSettings:
                         max_slowdown=args.max_slowdown, shadow_texts=args.shadow_texts,
                         min_agreement=args.min_agreement, max_error_rate=args.max_error_rate,
                         max_p99_ratio=args.max_p99_ratio, ramp=_ramp(args.ramp),
-                        canary_labels=args.canary_labels, min_effect=args.min_effect)
+                        canary_labels=args.canary_labels, min_effect=args.min_effect, train_on=args.train_on,
+                        store=args.store.rstrip("/"))
+
+
+def check_where(args) -> None:
+    """--train-on k8s needs a store every pod reaches; a store without it is a flag that would do nothing."""
+    from torchloom.uri import is_uri
+
+    if args.train_on == "k8s" and not is_uri(args.store):
+        raise UserError(f"--store {args.store or '(none)'}: --train-on k8s trains the candidate in pods that read"
+                        " and write its run on a store; give one, e.g. --store s3://bucket/loop")
+    if args.store and args.train_on != "k8s":
+        raise UserError(f"--store {args.store}: only --train-on k8s puts the candidates' runs on a store; add"
+                        " --train-on k8s or leave --store out")

@@ -42,17 +42,22 @@ def recipe_of(model_path: str, given: str = "") -> Path:
     return run
 
 
-def command(recipe: Path, snapshot: Path, out: Path) -> list[str]:
+def data_flags(snapshot: Path) -> list[str]:
+    """The snapshot's files as the recipe's data, in place of the original's."""
+    return ["--data.path", str(snapshot / FILES["train"]), "--data.val_path", str(snapshot / FILES["val"]),
+            "--data.test_path", str(snapshot / FILES["test"]), "--data.format", "parquet", "--data.version", "",
+            "--data.text_column", "text", "--data.label_column", "label", "--data.label_columns", "",
+            "--data.split_column", "", "--data.task", "single_label"]
+
+
+def command(recipe: Path, snapshot: Path, out: Path | str, stage: str = "run") -> list[str]:
     from torchloom.config.load import load_saved
     from torchloom.runs.rundir import CONFIG_FILE
 
     cfg = load_saved(recipe / CONFIG_FILE)
-    args = [sys.executable, "-m", "torchloom", "run", "--config", str(recipe / CONFIG_FILE),
-            "--data.path", str(snapshot / FILES["train"]), "--data.val_path", str(snapshot / FILES["val"]),
-            "--data.test_path", str(snapshot / FILES["test"]), "--data.format", "parquet", "--data.version", "",
-            "--data.text_column", "text", "--data.label_column", "label", "--data.label_columns", "",
-            "--data.split_column", "", "--data.task", "single_label", "--output.dir", str(out)]
-    if cfg.export.register:
+    args = [sys.executable, "-m", "torchloom", stage, "--config", str(recipe / CONFIG_FILE), *data_flags(snapshot),
+            "--output.dir", str(out)]
+    if cfg.export.register and stage in ("run", "export"):
         args += ["--export.alias", ""]
     return args
 
@@ -62,11 +67,21 @@ def train(recipe: Path, snapshot: Path, out: Path, say) -> dict[str, Any]:
     import json
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out.parent / "train.log"
     args = command(recipe, snapshot, out)
     if out.exists():
         args.append("--overwrite")  # a run the loop started before it stopped: the loop's own, started again
     say(f"loop: training the candidate: {' '.join(args[2:])}")
+    code = child(args, out.parent / "train.log", say)
+    summary = out / "summary.json"
+    if code != 0 or not summary.is_file():
+        raise UserError(f"loop: training the candidate failed (exit {code}); its output is in"
+                        f" {out.parent / 'train.log'}")
+    return json.loads(summary.read_text())
+
+
+def child(args: list[str], log_path: Path, say=None) -> int:
+    """`args` as a child process of its own session that ends with the loop; its output into `log_path`, the
+    progress lines (TAIL) passed on to `say`; its exit code."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     global RUNNING
     with open(log_path, "w", encoding="utf-8") as log:
@@ -78,17 +93,13 @@ def train(recipe: Path, snapshot: Path, out: Path, say) -> dict[str, Any]:
         try:
             for line in proc.stdout:
                 log.write(line)
-                log.flush()  # a person (or a test) tailing train.log sees the run as it goes
-                if any(mark in line for mark in TAIL):
+                log.flush()  # a person (or a test) tailing the log sees the child as it goes
+                if say is not None and any(mark in line for mark in TAIL):
                     say(f"loop:   {line.rstrip()[:200]}")
-            code = proc.wait()
-        except BaseException:  # the loop stopped: its training goes with it
+            return proc.wait()
+        except BaseException:  # the loop stopped: its child goes with it
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
             raise
         finally:
             RUNNING = False
-    summary = out / "summary.json"
-    if code != 0 or not summary.is_file():
-        raise UserError(f"loop: training the candidate failed (exit {code}); its output is in {log_path}")
-    return json.loads(summary.read_text())

@@ -44,14 +44,17 @@ def state_of(events: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     return stage, cycle
 
 
-def readable(path: str, source: str) -> str:
-    """The champion's model on this host: the server's copy where this host sees it (the loop beside the server),
-    else fetched from where the server loaded it (a registry or store URI: the loop in a pod of its own)."""
-    if Path(path).is_dir() or not source:
+def readable(path: str, source: str, what: str = "the champion") -> str:
+    """A model on this host: the server's copy where this host sees it (the loop beside the server), else fetched
+    from the store it is on (a candidate trained in a Job) or from where the server loaded it (a registry or store
+    URI: the loop in a pod of its own)."""
+    from torchloom.uri import is_uri
+
+    if Path(path).is_dir() or not (source or is_uri(path)):
         return path
     from torchloom.registry import local_copy
 
-    return local_copy(source, "the champion")
+    return local_copy(path if is_uri(path) else source, what)
 
 
 class Loop:
@@ -109,27 +112,37 @@ class Loop:
         return True, line
 
     def _train(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
-        from torchloom.loop.candidate import train
-
-        run = self.cycle_dir(cycle) / "run"
+        name = f"{self.log.fleet}-r{cycle['cycle']}"
+        run: Path | str = self.cycle_dir(cycle) / "run"
         try:
-            summary = train(Path(cycle["recipe"]), Path(cycle["snapshot"]), run, self.say)
+            if self.s.train_on == "k8s":
+                from torchloom.loop.candidate_job import train as train_in_job
+
+                summary = train_in_job(Path(cycle["recipe"]), Path(cycle["snapshot"]), self.cycle_dir(cycle),
+                                       self.s.store, name, self.say)
+                run = summary["run_dir"]
+            else:
+                from torchloom.loop.candidate import train
+
+                summary = train(Path(cycle["recipe"]), Path(cycle["snapshot"]), Path(run), self.say)
         except UserError as e:
             self.record("stopped", "paused", gate="train", line=str(e))
             return True, str(e)
-        name = f"{self.log.fleet}-r{cycle['cycle']}"
         line = f"candidate {name}: test accuracy {summary.get('accuracy', 0):.3f} in its own run ({run})"
         registered = summary.get("registered") or {}
+        model = f"{run}/model"
         # the server loads a registered candidate from the registry (a serve pod cannot read this host's run)
-        self.record("candidate", "offline", candidate=name, candidate_path=str(run / "model"), run=str(run),
-                    candidate_source=registered.get("uri", ""), registered=summary.get("registered"), line=line)
+        self.record("candidate", "offline", candidate=name, candidate_path=model, run=str(run),
+                    candidate_source=registered.get("uri", "") or (model if self.s.train_on == "k8s" else ""),
+                    registered=summary.get("registered"), line=line)
         return True, line
 
     def _offline(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
         where = Path(cycle["snapshot"])
         sets = {"frozen_test": snapshot.frozen_test(where), "newest": snapshot.newest_slice(where)}
         champion = readable(cycle["champion_path"], cycle.get("champion_source", ""))
-        result = gates.offline(champion, cycle["candidate_path"], sets, self.s.margin,
+        candidate = readable(cycle["candidate_path"], cycle.get("candidate_source", ""), "the candidate")
+        result = gates.offline(champion, candidate, sets, self.s.margin,
                                self.s.class_margin, self.s.alpha, self.s.max_slowdown)
         return self.gate(cycle, "offline", result, "shadow", self.summary_line(result))
 

@@ -86,3 +86,28 @@ def recorded_run(model_path: str) -> str | None:
         return version.tags.get("torchloom.output_dir")
     except Exception:  # noqa: BLE001 - no registry to ask: the caller says to give --recipe
         return None
+
+
+def registered_from(recipe: Path, run: str, say: Callable[[str], object]) -> dict[str, str] | None:
+    """The version the export of `run` registered ({name, version, alias, uri}: the newest of the recipe's
+    export.register tagged torchloom.output_dir `run`); None where the recipe registers none or the registry
+    has none (said)."""
+    try:
+        client, _ = _client({"recipe": str(recipe)})
+        from torchloom.config.load import load_saved
+        from torchloom.runs.rundir import CONFIG_FILE
+
+        name = load_saved(recipe / CONFIG_FILE).export.register
+        if not name:
+            return None
+        mine = [v for v in client.search_model_versions(f"name='{name}'")
+                if (v.tags or {}).get("torchloom.output_dir") == run]
+    except Exception as e:  # noqa: BLE001 - said, not fatal (module docstring)
+        say(f"loop: warning: the registry did not say which version {run} registered"
+            f" ({redact_text(first_line(e))[:200]})")
+        return None
+    if not mine:
+        say(f"loop: warning: no version of {name} in the registry is tagged as exported from {run}")
+        return None
+    version = str(max(int(v.version) for v in mine))
+    return {"name": name, "version": version, "alias": "", "uri": f"models:/{name}/{version}"}
