@@ -303,6 +303,12 @@ class PredictionLog:
                          " LIMIT ?", (self.fleet, after, limit))
         return [{"seq": s, "at": at, "kind": k, "who": w, **json.loads(d)} for s, at, k, w, d in rows]
 
+    def events_of(self, kind: str, after: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+        """The newest `limit` events of one kind after seq `after`, oldest first."""
+        rows = self.read("SELECT seq, at, kind, who, detail FROM tl_events WHERE fleet = ? AND kind = ? AND seq > ?"
+                         " ORDER BY seq DESC LIMIT ?", (self.fleet, kind, after, limit))
+        return [{"seq": s, "at": at, "kind": k, "who": w, **json.loads(d)} for s, at, k, w, d in reversed(rows)]
+
     def recent(self, n: int = 50) -> list[dict[str, Any]]:
         """The newest `n` events, oldest first."""
         rows = self.read("SELECT seq, at, kind, who, detail FROM tl_events WHERE fleet = ? ORDER BY seq DESC LIMIT ?",

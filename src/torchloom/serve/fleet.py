@@ -71,6 +71,9 @@ class Fleet(FleetAdmin):
         self.identity = members[0].identity
         self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
         self.log = log
+        # the deployment this server is one of, and the newest admin event it follows (serve/fleet_sync.py)
+        self.epoch, self.synced, self.sync_failed = "", 0, 0
+        self.sync_lock = asyncio.Lock()
         self.latency: dict[str, deque[tuple[float, float]]] = {}  # model -> (start, seconds) of its requests
         self.timeline: list[dict[str, Any]] = []  # the log's newest events (fleet_log.keep_in_step)
         self.check_labels(members)

@@ -37,27 +37,30 @@ class Member:
 class FleetAdmin:
     """Fleet's admin side (a mixin: the state is Fleet's)."""
 
-    def set_plan(self, plan: Plan, who: str, action: str = "traffic") -> dict[str, Any]:
+    def set_plan(self, plan: Plan, who: str, action: str = "traffic", record: bool = True) -> dict[str, Any]:
         """A new split and shadows from now on; requests already routed finish where they went."""
         self.may_change()
         before = self.plan.line()
         self.plan = plan
         self.count("admin", action)
         log.info("admin (%s): %s (was %s)", who, plan.line(), before)
-        self.on_record(action, who, plan=plan.line(), was=before)
+        self.on_record(action, who, record, plan=plan.line(), was=before)
         return self.admin_view()
 
-    def on_record(self, action: str, who: str, **detail: Any) -> None:
-        """An admin change in the prediction log's events (where there is a log); a store that refuses is a
-        warning: the change stands."""
-        if self.log is None:
+    def on_record(self, action: str, who: str, record: bool = True, **detail: Any) -> None:
+        """An admin change in the prediction log's events (where there is a log), with the fleet's state after it
+        for its other servers (serve/fleet_sync.py); a store that refuses is a warning: the change stands. A change
+        followed from another server (`record` False) is its record already."""
+        if self.log is None or not record:
             return
+        from torchloom.serve.fleet_sync import stamp
+
         try:
-            self.log.event("admin", who, action=action, **detail)
+            self.log.event("admin", who, action=action, **detail, **stamp(self))
         except Exception as e:  # noqa: BLE001 - the change is made; the record of it is what failed
             log.warning("admin: the change was made but not recorded in the prediction log (%s)", e)
 
-    def remove(self, name: str, who: str) -> dict[str, Any]:
+    def remove(self, name: str, who: str, record: bool = True) -> dict[str, Any]:
         """Unload a model without traffic (a shadow stops being one first); the first model, the one the others are
         compared with, stays."""
         self.may_change()
@@ -75,7 +78,7 @@ class FleetAdmin:
             table.pop(name, None)
         self.count("admin", "remove")
         log.info("admin (%s): model %s (%s %s) removed", who, name, member.identity.name, member.identity.version)
-        self.on_record("remove", who, model=name, version=member.identity.version)
+        self.on_record("remove", who, record, model=name, version=member.identity.version)
         task = asyncio.ensure_future(self._release(member))
         self.shadow_tasks.add(task)
         task.add_done_callback(self.shadow_tasks.discard)
@@ -89,14 +92,14 @@ class FleetAdmin:
         plan = Plan({n: 100.0 if n == name else 0.0 for n in self.order}, [s for s in self.plan.shadows if s != name])
         return self.set_plan(plan, who, "promote")
 
-    async def put_model(self, name: str, path: str, who: str) -> dict[str, Any]:
+    async def put_model(self, name: str, path: str, who: str, record: bool = True) -> dict[str, Any]:
         """Load `path` as model `name`, warmed up before it takes any traffic: a new model joins without traffic;
         a model of that name is replaced in place (its share and shadow role kept), and released once the texts
         it was given are answered."""
         self.may_change()
         if self.load is None:
-            raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas);"
-                                                 " redeploy instead")
+            raise ApiError(501, "not_supported", "this server cannot load models (Ray Serve with several replicas"
+                                                 " and no --log to share the change through); redeploy instead")
         path = path.removeprefix("file://") if path.startswith("file:///") else path  # a local path as a URL
         # where another host reads it: a store's URI or a registered version (never its credentials)
         source = redact(path) if is_uri(path) or path.startswith("models:/") else ""
@@ -127,7 +130,7 @@ class FleetAdmin:
         self.count("admin", "load" if old is None else "replace")
         log.info("admin (%s): model %s loaded from %s (%s %s)%s", who, name, path, member.identity.name,
                  member.identity.version, "" if old is None else f", replacing {old.identity.version}")
-        self.on_record("load" if old is None else "replace", who, model=name, path=path,
+        self.on_record("load" if old is None else "replace", who, record, model=name, path=path,
                        version=member.identity.version)
         if old is not None:
             task = asyncio.ensure_future(self._release(old))

@@ -182,6 +182,17 @@ def check_model_root(path: str, roots: list[str]) -> None:
                         " from there, or start the server with another --model-root")
 
 
+async def on_newest(fleet, change) -> Response:
+    """`change` made on (and the view from) the fleet's newest state, whichever of its servers recorded it
+    (serve/fleet_sync.py), one change at a time."""
+    from torchloom.serve.fleet_sync import catch_up
+
+    async with fleet.sync_lock:
+        await catch_up(fleet)
+        done = change()
+        return JSONResponse(await done if hasattr(done, "__await__") else done)
+
+
 def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
     """/v1/admin: the split, the shadows, promotion and loading a model, changed without a restart (fleet.py)."""
     from torchloom.serve.split import make_plan
@@ -191,22 +202,24 @@ def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
     def who(request: Request) -> str:
         return request.client.host if request.client else "a client"
 
+    async def newest(change) -> Response:
+        return await on_newest(fleet, change)
+
     @api.get("", summary="the models, the split and the shadows")
     async def view() -> Response:
-        return JSONResponse(fleet.admin_view())
+        return await newest(fleet.admin_view)
 
     @api.put("/traffic", summary="set the split (and the shadows)", openapi_extra=body_of(TrafficRequest))
     async def traffic(request: Request) -> Response:
         example = 'send JSON like {"traffic": {"A": 90, "B": 10}, "shadows": ["C"]}'
         payload = await admin_body(request, example)
         split, shadows = payload.get("traffic"), payload.get("shadows")
-        shadows = fleet.plan.shadows if shadows is None else shadows
         if not isinstance(split, dict):
             raise ApiError(422, "invalid_request", f'"traffic" is missing or not an object; {example}')
-        if not isinstance(shadows, list) or not all(isinstance(x, str) for x in shadows):
+        if shadows is not None and (not isinstance(shadows, list) or not all(isinstance(x, str) for x in shadows)):
             raise ApiError(422, "invalid_request", f'"shadows" is not a list of model names; {example}')
-        plan = make_plan(fleet.order, split, shadows, what="traffic")
-        return JSONResponse(fleet.set_plan(plan, who(request)))
+        return await newest(lambda: fleet.set_plan(make_plan(fleet.order, split, fleet.plan.shadows if shadows is None
+                                                             else shadows, what="traffic"), who(request)))
 
     @api.post("/promote", summary="the model takes all the traffic and stops being a shadow",
               openapi_extra=body_of(PromoteRequest))
@@ -214,7 +227,7 @@ def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
         name = (await admin_body(request, 'send JSON like {"model": "B"}')).get("model")
         if not isinstance(name, str):
             raise ApiError(422, "invalid_request", '"model" is missing or not a string; send JSON like {"model": "B"}')
-        return JSONResponse(fleet.promote(name, who(request)))
+        return await newest(lambda: fleet.promote(name, who(request)))
 
     @api.put("/models/{name}", summary="load a model (warmed up first) as NAME, or replace NAME in place",
              openapi_extra=body_of(LoadRequest))
@@ -228,10 +241,10 @@ def admin_router(fleet, model_roots: list[str] = ()) -> APIRouter:
             check_model_root(path.removeprefix("file://") if path.startswith("file:///") else path, model_roots)
         except UserError as e:
             raise ApiError(422, "invalid_request", str(e)) from None
-        return JSONResponse(await fleet.put_model(name, path, who(request)))
+        return await newest(lambda: fleet.put_model(name, path, who(request)))
 
     @api.delete("/models/{name}", summary="unload model NAME (one without traffic; not the first)")
     async def delete_model(name: str, request: Request) -> Response:
-        return JSONResponse(fleet.remove(name, who(request)))
+        return await newest(lambda: fleet.remove(name, who(request)))
 
     return api

@@ -6,7 +6,8 @@ not one process's.
     keep_in_step  at start and every RESYNC_S: each model's tallies and outcomes (so its verdict) worked out from
                   the log's labels alone, for the versions served now, in the order the store took the labels; two
                   replicas on one store read the same rows and so give one verdict, and a restarted server the
-                  verdict it had; and the newest events (the loop's, the admin's), the status page's timeline
+                  verdict it had; and the newest events (the loop's, the admin's), the status page's timeline;
+                  and the newest state of the fleet's deployment another server recorded (serve/fleet_sync.py)
 
 Between two resyncs a label is scored at once in memory (serve/fleet.py), as without a log.
 """
@@ -101,6 +102,10 @@ async def keep_in_step(fleet, every_s: float = RESYNC_S) -> None:
             replay(fleet, items)
             fleet.timeline = [brief(e) for e in await asyncio.to_thread(fleet.log.recent, TIMELINE)]
             fleet.judge()
+            from torchloom.serve.fleet_sync import catch_up
+
+            async with fleet.sync_lock:
+                await catch_up(fleet)
             failing = False
         except asyncio.CancelledError:
             raise

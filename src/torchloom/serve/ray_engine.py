@@ -287,11 +287,12 @@ def replica_fleet(settings: ServeSettings, threads: int):
     """The replica's models behind one Fleet (serve/fleet.py), as the local server's. Without a prediction log,
     feedback and the admin route keep their state in the replica: with one replica they work as locally; with
     several, a prediction's id is known to its replica alone and a change would reach one replica, so both answer
-    501. With a log (--log: each replica writes to it and reads it back), feedback and the verdict are the fleet's
-    on any number of replicas; the admin route still needs one."""
+    501. With a log (--log: each replica writes to it and reads it back), feedback, the verdict and the admin's
+    changes are the fleet's on any number of replicas (a change made on one, the others follow it:
+    serve/fleet_sync.py)."""
     from torchloom.serve.fleet import Fleet
     from torchloom.serve.metrics import ServeMetrics, fleet_families
-    from torchloom.serve.server import open_log
+    from torchloom.serve.server import deployment, open_log
     from torchloom.serve.split import Plan, make_plan
 
     models = settings.models or {None: settings.model_dir}
@@ -308,14 +309,13 @@ def replica_fleet(settings: ServeSettings, threads: int):
         await member.backend.start()
         return member
 
+    shared = open_log(settings, members[0].identity.name)
     fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
-                  load=load if settings.replicas == 1 else None, log=open_log(settings, members[0].identity.name))
-    if settings.replicas > 1:
-        fleet.refused = (f"with {settings.replicas} Ray Serve replicas each keeps its own split"
-                         + (" and predictions" if fleet.log is None else "") + "; the admin route"
-                         + (" and feedback need" if fleet.log is None else " needs")
-                         + " --replicas 1 (or the local engine)" + ("" if fleet.log is not None else
-                                                                    ", or a prediction log: --log"))
+                  load=load if settings.replicas == 1 or shared is not None else None, log=shared)
+    deployment(fleet, settings, models)
+    if settings.replicas > 1 and shared is None:  # with a log, the replicas follow each other's changes
+        fleet.refused = (f"with {settings.replicas} Ray Serve replicas each keeps its own split and predictions; the"
+                         " admin route and feedback need a prediction log they share (--log), or --replicas 1")
     for m in members:
         if m.backend.monitor is not None:
             m.backend.monitor.on_report = metrics.publish_monitor

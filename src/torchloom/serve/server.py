@@ -231,9 +231,24 @@ def local_fleet(settings: ServeSettings, threads: int):
 
     fleet = Fleet(members, plan, metrics, settings.feedback_size, settings.verdict_alpha, settings.min_effect,
                   load=load, log=open_log(settings, members[0].identity.name))
+    deployment(fleet, settings, models)
     holder.append(fleet)
     metrics.extra = fleet_families(fleet)
     return fleet
+
+
+def deployment(fleet, settings: ServeSettings, models: dict) -> None:
+    """The start-up models' sources (where another server reads them: a store's or registry's URI) and, with a log,
+    the deployment the fleet's other servers share (serve/fleet_sync.py)."""
+    from torchloom.serve.fleet_sync import epoch
+    from torchloom.uri import is_uri, redact
+
+    for name, path in models.items():
+        member = fleet.members.get(name) if name is not None else fleet.members[fleet.order[0]]
+        if member is not None and not member.source and (is_uri(path) or str(path).startswith("models:/")):
+            member.source = redact(str(path))
+    if fleet.log is not None:
+        fleet.epoch = epoch(models, settings.traffic, settings.shadow)
 
 
 def open_log(settings: ServeSettings, first_name: str):
