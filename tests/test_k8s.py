@@ -578,16 +578,18 @@ def test_a_loop_that_trains_on_k8s_may_create_jobs_and_services_and_hands_its_po
 def test_the_loops_training_job_is_created_adopted_after_a_restart_refused_when_not_its_own_and_deleted(
         tmp_path, monkeypatch):
     """k8s/jobs.py against the fake API server with a kubelet that runs the pods' commands here."""
-    from support.kube_api import run_pods
+    import threading
+
+    from support.kube_api import run_pods, set_status
 
     from torchloom.errors import UserError
     from torchloom.k8s.jobs import JobRun
 
-    def objects(script: str) -> list[dict]:
-        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "topics-r1"}, "spec": {}}
+    def objects(script: str, name: str = "topics-r1") -> list[dict]:
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name}, "spec": {}}
         pod = {"containers": [{"name": "trainer", "command": ["sh", "-c", script],
                                "env": [{"name": "HOME", "value": "/tmp"}]}]}
-        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "topics-r1"},
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
                "spec": {"completions": 2, "parallelism": 2, "template": {"spec": pod}}}
         return [service, job]
 
@@ -628,6 +630,17 @@ def test_the_loops_training_job_is_created_adopted_after_a_restart_refused_when_
                                             r" kubectl -n ml logs -l job-name=topics-r1 --prefix; the Job is kept"):
             failing.wait(poll_s=0.2)
         assert "topics-r1" in store and "no data" in (tmp_path / "topics-r1-0.log").read_text()
+        # a Job a queue holds (Kueue suspends it until admitted): said, and waited for
+        fake.kubelet = None
+        held = JobRun(objects("exit 0", "topics-r2"), "ml", tmp_path / "h.json", said.append)
+        held.submit()
+        set_status(fake, "ml", "topics-r2", {"conditions": [{"type": "Suspended", "status": "True",
+                                                              "reason": "JobSuspended"}]})
+        admitted = threading.Timer(0.6, set_status, (fake, "ml", "topics-r2", {
+            "succeeded": 2, "conditions": [{"type": "Complete", "status": "True"}]}))
+        admitted.start()
+        assert held.wait(poll_s=0.1)["succeeded"] == 2
+        assert any(line.endswith("0 failed, suspended (JobSuspended)") for line in said), said
 
 
 def test_apply_creates_the_loop_s_identity_and_role_before_its_deployment(capsys, tmp_path, monkeypatch):

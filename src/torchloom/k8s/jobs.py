@@ -92,9 +92,12 @@ class JobRun:
                 continue
             status = job.status  # None until the Job controller first writes it
             counts = {k: getattr(status, k, None) or 0 for k in ("active", "succeeded", "failed")}
+            waiting = ""
             for condition in getattr(status, "conditions", None) or []:
                 if condition.status != "True":
                     continue
+                if condition.type == "Suspended":  # Kueue (or a person) holds it until admitted
+                    waiting = f", suspended ({condition.reason or 'not admitted yet'})"
                 if condition.type == "Complete":
                     self.say(f"loop:   job {self.job}: complete ({counts['succeeded']} pods succeeded)")
                     return counts
@@ -102,10 +105,10 @@ class JobRun:
                     raise UserError(f"{WHO} {self.job}: failed ({condition.reason or 'no reason given'}:"
                                     f" {(condition.message or '').strip()[:160]}); its pods' logs: kubectl -n"
                                     f" {self.namespace} logs -l job-name={self.job} --prefix; the Job is kept")
-            if counts != seen or time.monotonic() - said_at > QUIET_S:
+            if (counts, waiting) != seen or time.monotonic() - said_at > QUIET_S:
                 self.say(f"loop:   job {self.job}: {counts['active']} pods running, {counts['succeeded']}"
-                         f" succeeded, {counts['failed']} failed")
-                seen, said_at = counts, time.monotonic()
+                         f" succeeded, {counts['failed']} failed{waiting}")
+                seen, said_at = (counts, waiting), time.monotonic()
             time.sleep(poll_s)
         return {}
 

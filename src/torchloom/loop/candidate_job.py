@@ -78,8 +78,8 @@ def _step(args: list[str], log: Path, what: str, say) -> None:
         raise UserError(f"loop: {what} failed (exit {code}); its output is in {log}")
 
 
-def train(recipe: Path, snapshot: Path, cycle_dir: Path, store: str, name: str, say: Callable[[str], object],
-          stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
+def train(recipe: Path, snapshot: Path, cycle_dir: Path, store: str, name: str, say: Callable[[str], object]
+          ) -> dict[str, Any]:
     """The four steps (module docstring); a summary as `torchloom run`'s: the run, its accuracy, its registered
     version. A step that fails is a UserError naming its log (or the Job)."""
     from torchloom.k8s.job import train_manifests
@@ -105,8 +105,7 @@ def train(recipe: Path, snapshot: Path, cycle_dir: Path, store: str, name: str, 
             f" {cfg.k8s.nodes} pods x {cfg.engine.workers // cfg.k8s.nodes} ranks")
         candidate.RUNNING = True  # the loop's SIGTERM ends the wait; the Job goes on, the next loop adopts it
         try:
-            if not job.wait(stop=stop):
-                raise UserError(f"loop: stopped while job {job.job} trains; the next loop watches it on")
+            job.wait()
         finally:
             candidate.RUNNING = False
         state = _note(journal, trained=True)
