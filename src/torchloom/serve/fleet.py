@@ -72,7 +72,7 @@ class Fleet(FleetAdmin):
         self.refused: str | None = None  # why feedback and changes are refused here (Ray's several replicas)
         self.log = log
         # the deployment this server is one of, and the newest admin event it follows (serve/fleet_sync.py)
-        self.epoch, self.synced, self.sync_failed = "", 0, 0
+        self.epoch, self.synced, self.sync_failed, self.caught_up = "", 0, 0, log is None
         self.sync_lock = asyncio.Lock()
         self.latency: dict[str, deque[tuple[float, float]]] = {}  # model -> (start, seconds) of its requests
         self.timeline: list[dict[str, Any]] = []  # the log's newest events (fleet_log.keep_in_step)
@@ -89,8 +89,8 @@ class Fleet(FleetAdmin):
         return self
 
     @property
-    def ready(self) -> bool:
-        return all(m.backend.ready for m in self.members.values())
+    def ready(self) -> bool:  # warmed up, and (with a log) serving its fleet's newest state (fleet_sync.py)
+        return self.caught_up and all(m.backend.ready for m in self.members.values())
 
     @property
     def queued(self) -> int:
@@ -101,7 +101,11 @@ class Fleet(FleetAdmin):
             await m.backend.start()
         if self.log is not None:
             from torchloom.serve.fleet_log import keep_in_step
+            from torchloom.serve.fleet_sync import catch_up
 
+            async with self.sync_lock:  # before it is ready: a restarted server serves its fleet's state at once
+                await catch_up(self)
+            self.caught_up = True
             self.shadow_tasks.add(asyncio.ensure_future(keep_in_step(self)))
 
     async def stop(self) -> None:
