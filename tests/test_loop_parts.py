@@ -208,3 +208,40 @@ def test_the_canary_s_limits_roll_back_on_errors_or_a_slow_p99_never_on_jitter()
     assert limits(before, few, 0.01, 2.0)["why"] == []
     restarted = {**calm, "requests": 25, "failed": 1}  # counters began again: counted from 0
     assert limits({"requests": 30, "failed": 1}, restarted, 0.01, 2.0)["requests"] == 25
+
+
+def test_one_loop_per_fleet_a_second_is_one_line_and_a_lapsed_lease_is_taken_over(tmp_path):
+    from torchloom.loop.lease import NAME, LoopLease
+    from torchloom.monitor.predlog import PredictionLog
+
+    log = PredictionLog(f"sqlite:///{tmp_path}/log.db", "f")
+    said: list[str] = []
+
+    def step(fleet: str = "f"):
+        return torchloom("loop", "--fleet", fleet, "--log", str(tmp_path / "log.db"), "--url", "http://127.0.0.1:9",
+                         "--work", str(tmp_path / "w"), "--once", "--on-drift", "1")
+
+    try:
+        first = LoopLease(log, "torchloom loop@host-a", said.append)
+        first.take(wait=False)
+        proc = step()
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert "loop: fleet f is run by another loop (torchloom loop@host-a pid" in lines[0], lines
+        assert "stop that one first" in lines[0]
+        assert "cannot be reached" in step("g").stderr  # another fleet's loop is not held
+        first.release()
+        assert "cannot be reached" in step().stderr  # let go: the next loop takes it (and lets go of it)
+        log.take_lease(NAME, "torchloom loop@gone pid 1 (killed)", -1.0)  # a lease its SIGKILLed loop left
+        assert "cannot be reached" in step().stderr
+        # a loop whose lease lapsed (its store away past the lease) and was taken by another: it stops
+        mine = LoopLease(log, "torchloom loop@host-b", said.append)
+        mine.take(wait=False)
+        log.read("UPDATE tl_leases SET until = 0 WHERE fleet = 'f'")
+        log.take_lease(NAME, "torchloom loop@host-c", 60)
+        mine.renew()
+        assert mine.lost and said[-1].startswith("loop: warning: the fleet's lease went to torchloom loop@host-c")
+        mine.release()
+        assert log.take_lease(NAME, "someone", 60)[0] == "torchloom loop@host-c"  # a lost lease is not dropped
+    finally:
+        log.close()

@@ -172,6 +172,18 @@ def test_two_replicas_on_one_postgresql_give_one_verdict(models, tmp_path):
             wait_for(lambda: labels_of(one) == labels_of(two) == {"A": 60, "B": 60}, timeout=30)
             verdicts = [fleet_report(s)["verdicts"] for s in (one, two)]
             assert verdicts[0] == verdicts[1] and verdicts[0][0]["labels"] == 60
+            # the loop's lease (loop/lease.py) in the same statement on PostgreSQL: taken once, renewed by its holder
+            from torchloom.monitor.predlog import PredictionLog
+
+            log = PredictionLog(url, "A")
+            try:
+                assert log.take_lease("loop", "first", 60)[0] == "first"
+                assert log.take_lease("loop", "second", 60)[0] == "first"
+                assert log.take_lease("loop", "first", 60)[0] == "first"
+                log.drop_lease("loop", "first")
+                assert log.take_lease("loop", "second", 60)[0] == "second"
+            finally:
+                log.close()
         finally:
             one.terminate()
             two.terminate()

@@ -77,6 +77,10 @@ def _run(args, settings, log) -> int:
         if candidate.RUNNING:
             raise SystemExit(128 + signum)
 
+    from torchloom.loop.lease import LoopLease
+
+    lease = LoopLease(log, settings.who, loop.say)  # one loop per fleet (loop/lease.py)
+    lease.take(wait=not args.once)
     previous = signal.signal(signal.SIGTERM, stop) if not args.once else None
     hook = None
     if args.webhook_port and not args.once:
@@ -89,8 +93,9 @@ def _run(args, settings, log) -> int:
             moved, line = loop.step()
             print(f"loop: {line}", flush=True)
             return 0
-        return run(loop, args.poll_s, lambda: stopping["now"])
+        return run(loop, args.poll_s, lambda: stopping["now"] or lease.lost)
     finally:
+        lease.release()
         if hook is not None:
             hook.shutdown()
         if previous is not None:

@@ -1,7 +1,7 @@
 """The loop's state machine (torchloom.loop). Its state is nowhere but the prediction log's events: each step
 reads where the cycle stands from them, does one thing, and appends the event that says what it did and which
 stage comes next. A loop stopped anywhere (kill -9 included) starts again where the events say; two loops on one
-fleet would read the same state, and the second's events are refused by nothing: run one loop per fleet.
+fleet would read the same state and act twice, so a loop holds the fleet's lease while it runs (lease.py).
 
     idle         a trigger fires (triggers.py)                                  -> snapshot
     snapshot     the pinned data (snapshot.py)                                  -> train

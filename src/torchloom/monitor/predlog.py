@@ -14,7 +14,8 @@ max_age_s, and predictions past max_rows of a fleet, are deleted by the same thr
 
 Feedback rows are numbered (seq) in the order the store took them: a loop's watermark is a seq, and a snapshot
 up to a watermark reads the same rows however many replicas wrote them. Events (tl_events) are append-only:
-the loop's audit trail. Standard library and psycopg only; no torchloom import above errors and uri.
+the loop's audit trail. Leases (tl_leases): one holder of a role of the fleet at a time (its loop, loop/lease.py).
+Standard library and psycopg only; no torchloom import above errors and uri.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ CREATE TABLE IF NOT EXISTS tl_feedback (
 CREATE TABLE IF NOT EXISTS tl_events (
   seq @SERIAL@, fleet TEXT NOT NULL, at DOUBLE PRECISION NOT NULL, kind TEXT NOT NULL, who TEXT NOT NULL,
   detail TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tl_leases (
+  fleet TEXT NOT NULL, name TEXT NOT NULL, holder TEXT NOT NULL, until DOUBLE PRECISION NOT NULL,
+  PRIMARY KEY (fleet, name));
 """
 
 
@@ -314,6 +318,26 @@ class PredictionLog:
         rows = self.read("SELECT seq, at, kind, who, detail FROM tl_events WHERE fleet = ? ORDER BY seq DESC LIMIT ?",
                          (self.fleet, n))
         return [{"seq": s, "at": at, "kind": k, "who": w, **json.loads(d)} for s, at, k, w, d in reversed(rows)]
+
+    # --- leases: one holder of a role at a time (the fleet's loop) ----------------------------------------------
+
+    def take_lease(self, name: str, holder: str, ttl_s: float) -> tuple[str, float]:
+        """The lease `name` of this fleet taken (or renewed) for `holder` until ttl_s from now, where it is free,
+        lapsed or `holder`'s already, in one statement (atomic on both stores); (its holder, until) afterwards."""
+        now = time.time()
+        with self._read_lock:
+            self._run(self._reader, "INSERT INTO tl_leases (fleet, name, holder, until) VALUES (?, ?, ?, ?) ON CONFLICT"
+                      " (fleet, name) DO UPDATE SET holder = excluded.holder, until = excluded.until WHERE"
+                      " tl_leases.until < ? OR tl_leases.holder = excluded.holder",
+                      (self.fleet, name, holder, now + ttl_s, now))
+            rows = self._run(self._reader, "SELECT holder, until FROM tl_leases WHERE fleet = ? AND name = ?",
+                             (self.fleet, name), fetch=True)
+        return rows[0][0], float(rows[0][1])
+
+    def drop_lease(self, name: str, holder: str) -> None:
+        with self._read_lock:
+            self._run(self._reader, "DELETE FROM tl_leases WHERE fleet = ? AND name = ? AND holder = ?",
+                      (self.fleet, name, holder))
 
     def counts(self) -> list[tuple[tuple[str], float]]:
         """The rows by what became of them: torchloom_log_rows_total{result} (serve/metrics.py)."""
