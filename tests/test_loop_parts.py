@@ -232,8 +232,19 @@ def test_one_loop_per_fleet_a_second_is_one_line_and_a_lapsed_lease_is_taken_ove
         assert "cannot be reached" in step("g").stderr  # another fleet's loop is not held
         first.release()
         assert "cannot be reached" in step().stderr  # let go: the next loop takes it (and lets go of it)
-        log.take_lease(NAME, "torchloom loop@gone pid 1 (killed)", -1.0)  # a lease its SIGKILLed loop left
+        log.take_lease(NAME, "torchloom loop@elsewhere pid 1 (killed)", -1.0)  # lapsed: its loop stopped renewing
         assert "cannot be reached" in step().stderr
+        # a loop of this host killed with SIGKILL: its lease (valid for a minute more) is taken over at once
+        import signal
+        import socket
+        import subprocess
+
+        dead = subprocess.Popen(["sleep", "60"])
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        log.take_lease(NAME, f"torchloom loop@{socket.gethostname()} pid {dead.pid} (x)", 60)
+        proc = step()
+        assert "taking over the fleet's lease from" in proc.stdout and "cannot be reached" in proc.stderr, proc.stdout
         # a loop whose lease lapsed (its store away past the lease) and was taken by another: it stops
         mine = LoopLease(log, "torchloom loop@host-b", said.append)
         mine.take(wait=False)

@@ -1,14 +1,17 @@
 """One loop per fleet: two would act on the same state (the cycle read back from the events) and make every change
 twice. A loop holds the fleet's lease "loop" in the prediction log (predlog.take_lease: one statement, atomic on
 SQLite and PostgreSQL) for TTL_S, renewed by a thread every TTL_S / 3 while it runs (a step may train for hours),
-and dropped when it stops. A loop killed with SIGKILL stops renewing: its lease lapses TTL_S later, and the loop
-that replaces it (a pod restarted by its Deployment) waits that out once. A loop that finds the lease renewed by
-another is one line and exit 2; one that loses its own (its store unreachable past TTL_S, another loop took it)
-stops after its step."""
+and dropped when it stops. A loop killed with SIGKILL stops renewing: on the same host its lease is taken over
+at once (its holder names the host and a process that is gone); elsewhere it lapses TTL_S later, and the loop
+that replaces it (a pod restarted by its Deployment, a host of its own) waits that out once. A loop that finds
+the lease renewed by another is one line and exit 2; one that loses its own (its store unreachable past TTL_S,
+another loop took it) stops after its step."""
 
 from __future__ import annotations
 
 import os
+import re
+import socket
 import threading
 import time
 import uuid
@@ -18,12 +21,27 @@ from torchloom.errors import UserError, first_line
 
 NAME = "loop"
 TTL_S = 60.0
+HOLDER = re.compile(r"@(?P<host>\S+) pid (?P<pid>\d+) \(")
+
+
+def gone(holder: str) -> bool:
+    """The holder is a process of this host that no longer runs (a loop killed with SIGKILL)."""
+    m = HOLDER.search(holder)
+    if not m or m["host"] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(m["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
 
 
 class LoopLease:
     def __init__(self, log, who: str, say: Callable[[str], object]) -> None:
         self.log, self.say = log, say
-        self.holder = f"{who} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"
+        self.holder = f"{who} pid {os.getpid()} ({uuid.uuid4().hex[:8]})"  # who: "torchloom loop@HOST"
         self.lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -32,6 +50,9 @@ class LoopLease:
         """The lease, or a UserError naming who holds it; with `wait`, a lease left by a loop that was killed is
         waited out once (at most TTL_S)."""
         holder, until = self.log.take_lease(NAME, self.holder, TTL_S)
+        if holder != self.holder and gone(holder):
+            self.say(f"loop: taking over the fleet's lease from {holder}, a process of this host that is gone")
+            holder, until = self.log.replace_lease(NAME, holder, self.holder, TTL_S)
         left = until - time.time()
         if holder != self.holder and wait and left <= TTL_S + 1:
             self.say(f"loop: the fleet's lease is held by {holder} for {max(0.0, left):.0f} s more (a loop that"

@@ -334,6 +334,16 @@ class PredictionLog:
                              (self.fleet, name), fetch=True)
         return rows[0][0], float(rows[0][1])
 
+    def replace_lease(self, name: str, was: str, holder: str, ttl_s: float) -> tuple[str, float]:
+        """The lease `name` moved from `was` to `holder` only while `was` still holds it (compare and swap); (its
+        holder, until) afterwards."""
+        with self._read_lock:
+            self._run(self._reader, "UPDATE tl_leases SET holder = ?, until = ? WHERE fleet = ? AND name = ? AND"
+                      " holder = ?", (holder, time.time() + ttl_s, self.fleet, name, was))
+            rows = self._run(self._reader, "SELECT holder, until FROM tl_leases WHERE fleet = ? AND name = ?",
+                             (self.fleet, name), fetch=True)
+        return rows[0][0], float(rows[0][1])
+
     def drop_lease(self, name: str, holder: str) -> None:
         with self._read_lock:
             self._run(self._reader, "DELETE FROM tl_leases WHERE fleet = ? AND name = ? AND holder = ?",
