@@ -162,15 +162,19 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
         assert "promoted" in loop(s, tmp_path)
         assert traffic(s)["topics-r1"] == 100.0
         assert all(a == y for _, a, y in predict(s, texts_of(NEW, 20, 9000, rng)))  # the new words, learnt
-        shown = timeline_in_chromium(s, tmp_path, "promote")
-        assert shown[0].startswith("promote") and "topics-r1 promoted over topics" in shown[0], shown
+        # the watch: the new champion's limits for --watch-hours (1 by default), then kept
+        assert "watching topics-r1 for 60 min more: 1 requests, 0 failed, no limit breached" in loop(s, tmp_path)
+        assert "topics-r1 kept after 0.0001 h" in loop(s, tmp_path, "--watch-hours", "0.0001")
+        shown = timeline_in_chromium(s, tmp_path, "watched")
+        assert shown[0].startswith("watched") and "topics-r1 kept after" in shown[0], shown
+        assert any(row.startswith("promote") and "topics-r1 promoted over topics" in row for row in shown), shown
         assert any(row.startswith("gate offline") and "passed" in row for row in shown), shown
     finally:
         assert s.terminate() == 0
     events = history(tmp_path)
     kinds = [e["kind"] for e in events if e["kind"] != "admin"]
     assert kinds == ["started", "trigger", "snapshot", "candidate", "gate", "shadow", "gate", "canary", "gate",
-                     "promote"], kinds
+                     "promote", "watched"], kinds
     canary = next(e for e in events if e["kind"] == "canary")
     assert canary["limits_at"]["champion_count"] > 0  # the champion's recent p99 was there to compare with
     offline = next(e for e in events if e.get("gate") == "offline")
@@ -183,6 +187,7 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
     assert now.version == promoted["registry"]["version"] == registered["version"]
     assert promoted["registry"]["was"] == alias_before != now.version
     assert now.tags["torchloom.loop.outcome"] == "promoted"
+    assert now.tags["torchloom.loop.watch"].startswith("topics-r1 kept after 0.0001 h")
     assert now.tags["torchloom.loop.gate.offline"].startswith("offline gate passed: frozen_test")
     assert now.tags["torchloom.loop.gate.canary_50"].startswith("no harm at 50 %")
     admin = [e["action"] for e in events if e["kind"] == "admin"]  # the server's record of the same changes

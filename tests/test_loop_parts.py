@@ -256,3 +256,78 @@ def test_one_loop_per_fleet_a_second_is_one_line_and_a_lapsed_lease_is_taken_ove
         assert log.take_lease(NAME, "someone", 60)[0] == "torchloom loop@host-c"  # a lost lease is not dropped
     finally:
         log.close()
+
+
+def test_after_promotion_a_breached_limit_rolls_back_to_the_champion_it_replaced_and_pauses(tmp_path):
+    """The watch stage against a stand-in server on 127.0.0.1 (its admin route and /metrics: a model failing its
+    requests cannot be made to order from a real one): quiet numbers keep watching; a breach loads the replaced
+    champion again where it was unloaded, gives it the traffic back and pauses. tests/test_loop.py runs a real
+    promotion through its watch."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from torchloom.monitor.predlog import PredictionLog
+
+    fake = {"view": {"plan": "", "traffic": {"topics-r1": 100.0}, "shadows": [], "models": {}}, "failed": 0,
+            "calls": []}
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, body: str, kind: str = "application/json") -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            if self.path == "/metrics":
+                self._answer(f'torchloom_model_requests_total{{model="topics-r1"}} 130\n'
+                             f'torchloom_model_failures_total{{model="topics-r1"}} {fake["failed"]}\n', "text/plain")
+            else:
+                self._answer(json.dumps(fake["view"]))
+
+        def do_PUT(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            fake["calls"].append((self.path, body))
+            if self.path == "/v1/admin/traffic":
+                fake["view"]["traffic"] = body["traffic"]
+            else:
+                fake["view"]["traffic"][self.path.rsplit("/", 1)[1]] = 0.0
+            self._answer(json.dumps(fake["view"]))
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    log = PredictionLog(f"sqlite:///{tmp_path}/log.db", "topics")
+    log.event("started", "test", stage="idle")
+    log.event("trigger", "test", stage="snapshot", cycle=1, champion="topics", champion_path="/runs/a/model",
+              champion_source="models:/topics/1")
+    log.event("candidate", "test", stage="offline", candidate="topics-r1", candidate_path="/runs/b/model")
+    log.event("promote", "test", stage="watch", champion="topics-r1", previous="topics", registry=None,
+              watch_since=time.time(), watch_at={"requests": 10, "failed": 0})
+
+    def step() -> str:
+        proc = torchloom("loop", "--url", f"http://127.0.0.1:{server.server_address[1]}", "--log",
+                         str(tmp_path / "log.db"), "--fleet", "topics", "--work", str(tmp_path / "w"), "--once",
+                         TORCHLOOM_ADMIN_KEY="k")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    try:
+        assert "watching topics-r1 for 60 min more: 120 requests, 0 failed, no limit breached" in step()
+        fake["failed"] = 9  # 9 of the 120 requests since promotion failed
+        out = step()
+        assert "rolled back to topics after promotion: error rate 0.075 on 120 requests (at most 0.01)" in out, out
+        assert fake["calls"] == [("/v1/admin/models/topics", {"path": "models:/topics/1"}),  # unloaded: again
+                                 ("/v1/admin/traffic", {"traffic": {"topics-r1": 0.0, "topics": 100.0},
+                                                        "shadows": []})]
+        last = log.events()[-1]
+        assert last["kind"] == "rollback" and last["stage"] == "paused" and last["gate"] == "watch"
+        assert "paused" in step()
+    finally:
+        log.close()
+        server.shutdown()

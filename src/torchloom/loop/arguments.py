@@ -30,6 +30,7 @@ class LoopSettings:
     ramp: list[float] = field(default_factory=lambda: [5.0, 25.0, 50.0])
     canary_labels: int = 200
     min_effect: float = 0.02
+    watch_s: float = 3600.0  # after promotion, the new champion's limits watched this long (0: not watched)
     who: str = "torchloom loop"
     train_on: str = "here"  # or "k8s": the candidate's training as an Indexed Job (loop/candidate_job.py)
     store: str = ""  # with train_on k8s: where the candidates' runs go (every pod reads and writes it)
@@ -88,6 +89,8 @@ def add_loop_arguments(sp: argparse.ArgumentParser) -> None:
                                                                               " at each share (200)")
     g.add_argument("--min-effect", type=float, default=d.min_effect, help="the accuracy difference the canary"
                                                                           " looks for (0.02)")
+    g.add_argument("--watch-hours", type=float, default=d.watch_s / 3600, help="after promotion, roll back when the"
+                   " new champion's error rate or p99 breaks the canary's limits within this long (1; 0: off)")
     sp.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks while waiting (30)")
     sp.add_argument("--once", action="store_true", help="one step, then exit")
     sp.add_argument("--json", action="store_true", help="history: JSON lines")
@@ -129,6 +132,7 @@ def settings_of(args) -> LoopSettings:
                         min_agreement=args.min_agreement, max_error_rate=args.max_error_rate,
                         max_p99_ratio=args.max_p99_ratio, ramp=_ramp(args.ramp),
                         canary_labels=args.canary_labels, min_effect=args.min_effect, train_on=args.train_on,
+                        watch_s=max(0.0, args.watch_hours) * 3600,
                         store=args.store.rstrip("/"))
 
 

@@ -11,7 +11,8 @@ fleet would read the same state and act twice, so a loop holds the fleet's lease
     shadow_wait  enough shadow answers: the shadow gate                         -> canary | paused
     canary       the next share of the ramp                                     -> canary_wait
     canary_wait  harm: rolled back; enough labels at this share: the next share -> canary | promote | paused
-    promote      all the traffic, the registry's alias                          -> idle
+    promote      all the traffic, the registry's alias                          -> watch | idle
+    watch        the new champion's error rate and p99 for --watch-hours        -> idle | paused
     paused       a person looks; `torchloom loop resume`                        -> idle
 """
 
@@ -27,7 +28,7 @@ from torchloom.loop import gates, snapshot, triggers
 from torchloom.loop.arguments import LoopSettings
 from torchloom.loop.server import Server, ServerError, champion_of, model_numbers
 
-RECORDS = ("started", "trigger", "snapshot", "candidate", "gate", "shadow", "canary", "promote", "rollback",
+RECORDS = ("started", "trigger", "snapshot", "candidate", "gate", "shadow", "canary", "promote", "watched", "rollback",
            "stopped", "resumed")  # the loop's own events (the server writes "admin", the webhook "alert")
 
 
@@ -229,11 +230,52 @@ class Loop:
         else:
             self.server.promote(cycle["candidate"])
         moved = self.move_alias(cycle)
-        self.record("promote", "idle", champion=cycle["candidate"], previous=cycle["champion"], registry=moved,
+        # the limits the watch holds the new champion to: its counters from now, the old one's p99 as it served
+        numbers = model_numbers(self.server.metrics(), cycle["champion"], cycle["candidate"])
+        self.record("promote", "watch" if self.s.watch_s else "idle", champion=cycle["candidate"],
+                    previous=cycle["champion"], registry=moved, watch_since=time.time(), watch_at=numbers,
                     line=f"{cycle['candidate']} promoted over {cycle['champion']}"
                          + (f"; {moved['name']}@{moved['alias']} is version {moved['version']}" if moved else ""))
         self.tidy(cycle)
         return True, "promoted"
+
+    def _watch(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
+        """After promotion: the new champion's error rate since, and its recent p99 against the one the champion
+        it replaced had when it last served; a breach rolls back (the old one is still loaded: tidy keeps it)."""
+        new, old, at = cycle["candidate"], cycle["previous"], cycle.get("watch_at") or {}  # promote's names
+        now = model_numbers(self.server.metrics(), old, new)
+        found = gates.limits(at, {**now, "champion_p99": at.get("champion_p99", 0.0),
+                                  "champion_count": at.get("champion_count", 0.0)},
+                             self.s.max_error_rate, self.s.max_p99_ratio)
+        if found["breached"]:
+            line = f"rolled back to {old} after promotion: {'; '.join(found['why'])}"
+            self.roll_back(cycle)
+            self.record("rollback", "paused", gate="watch", limits=found, line=line)
+            self.tag(cycle, {"torchloom.loop.outcome": "rolled back after promotion", "torchloom.loop.rollback": line})
+            return True, line
+        left = cycle["watch_since"] + self.s.watch_s - time.time()
+        said = f"{found['requests']:g} requests, {found['failed']:g} failed"
+        if left > 0:
+            return False, f"watching {new} for {left / 60:.0f} min more: {said}, no limit breached"
+        line = f"{new} kept after {self.s.watch_s / 3600:g} h: {said}, no limit breached"
+        self.record("watched", "idle", limits=found, line=line)
+        self.tag(cycle, {"torchloom.loop.watch": line})
+        return True, line
+
+    def roll_back(self, cycle: dict[str, Any]) -> None:
+        """The promoted model's traffic back to the champion it replaced (loaded again if it was unloaded), and the
+        registry's alias back to its version."""
+        new, old = cycle["candidate"], cycle["previous"]
+        view = self.server.view()
+        if old not in view["traffic"]:
+            view = self.server.load(old, cycle.get("champion_source") or cycle["champion_path"])
+        split = dict(view["traffic"])
+        split[old] = split.get(old, 0.0) + split.get(new, 0.0)
+        split[new] = 0.0
+        self.server.traffic(split, [s for s in view["shadows"] if s != new])
+        from torchloom.loop.registry import restore_alias
+
+        restore_alias(cycle, self.say)
 
     def _paused(self, cycle: dict[str, Any], events) -> tuple[bool, str]:
         return False, ("paused: a person looks first (torchloom loop history shows why); then torchloom loop resume")

@@ -50,6 +50,20 @@ def move_alias(cycle: dict[str, Any], say: Callable[[str], object]) -> dict[str,
         return None
 
 
+def restore_alias(cycle: dict[str, Any], say: Callable[[str], object]) -> None:
+    """A promotion's alias (the promote event's `registry`) back on the version it was on before; none to restore
+    where the promotion moved none."""
+    moved = cycle.get("registry")
+    if not moved or not moved.get("was"):
+        return
+    try:
+        client, _ = _client(cycle)
+        client.set_registered_model_alias(moved["name"], moved["alias"], moved["was"])
+        say(f"loop: {moved['name']}@{moved['alias']} is version {moved['was']} again")
+    except Exception as e:  # noqa: BLE001 - said, not fatal (module docstring)
+        say(f"loop: warning: the registry did not take the alias back ({redact_text(first_line(e))[:200]})")
+
+
 def tag(cycle: dict[str, Any], tags: dict[str, Any], say: Callable[[str], object]) -> None:
     """Tags on the candidate's registered version (none where it has none): what the loop made of it."""
     registered = cycle.get("registered")
