@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from torchloom.monitor.ab import Outcomes, Tally
 
 log = logging.getLogger("torchloom.serve")
 RESYNC_S = 2.0
+RECALL_WAIT_S = 3.0  # how long an id found nowhere is looked for again: another replica writes its answers off the
+# request path (predlog.WRITE_EVERY_S, and a transaction), so a label sent at once may come before them
 TIMELINE = 50  # the newest events the status page draws (the loop's, the admin's, alerts)
 
 
@@ -30,10 +33,18 @@ async def recall(fleet, ids: list[str]) -> None:
     missing = [i for i in dict.fromkeys(ids) if not fleet.records.get(i)]
     if not missing:
         return
-    answers, labels = await asyncio.to_thread(fleet.log.answers_of, missing)
-    for i, by_model in answers.items():
-        fleet.records[i] = {m: a for m, a in by_model.items() if m in fleet.members}
-    fleet.labelled.update(labels)
+    from torchloom.monitor.predlog import WRITE_EVERY_S
+
+    deadline = time.monotonic() + RECALL_WAIT_S
+    while True:
+        answers, labels = await asyncio.to_thread(fleet.log.answers_of, missing)
+        for i, by_model in answers.items():
+            fleet.records[i] = {m: a for m, a in by_model.items() if m in fleet.members}
+        fleet.labelled.update(labels)
+        missing = [i for i in missing if i not in answers]
+        if not missing or time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(WRITE_EVERY_S)
 
 
 def labelled_text(fleet, text: str, label: str) -> dict[str, Any]:
