@@ -92,6 +92,28 @@ EXPECTED_REJECTS = {
 }
 
 
+def test_held_out_splits_are_capped_by_the_rows_a_metric_needs_and_a_chosen_fraction_is_kept():
+    from torchloom.etl.split import CLASS_FLOOR, HELDOUT_ROWS, heldout_cap, heldout_record, plan_split
+
+    assert (HELDOUT_ROWS, CLASS_FLOOR) == (153_664, 385)
+    rows = {"big": 9_000_000, "mid": 990_000, "rare": 10_000, "tiny": 2_000}
+    plans, small = plan_split(rows, 0.1, 0.1, "x.csv", "auto")
+    by = {p.label: p for p in plans}
+    assert not small and sum(p.val for p in plans) == pytest.approx(HELDOUT_ROWS, rel=0.01)
+    assert by["big"].val == round(900_000 * HELDOUT_ROWS / 1_000_200)  # in proportion
+    assert by["rare"].val == CLASS_FLOOR and by["tiny"].val == 200  # a rare class keeps its floor, or all it had
+    assert by["big"].train == 9_000_000 - 2 * by["big"].val  # the rest trains
+    record = heldout_record(plans, 0.1, 0.1, "auto")
+    assert record["val"]["by_fraction"] == 1_000_200 and "+-0.25 points" in record["why"]
+    # a fraction the user chose is kept as given; a number caps it; small data is never capped
+    assert heldout_cap("auto", 0.2) == 0 and heldout_cap(1000, 0.2) == 1000 and heldout_cap(0, 0.1) == 0
+    chosen, _ = plan_split(rows, 0.2, 0.1, "x.csv", "auto")
+    assert sum(p.val for p in chosen) == 2_000_400 and sum(p.test for p in chosen) < 160_000
+    plain, _ = plan_split({"a": 5000, "b": 3000}, 0.1, 0.1, "x.csv", "auto")
+    assert [(p.val, p.test) for p in plain] == [(500, 500), (300, 300)]
+    assert heldout_record(plain, 0.1, 0.1, "auto") is None
+
+
 @pytest.mark.parametrize("rows_per_file", [None, 3])
 def test_csv_cleaning_rejects_and_split(spark, tiny_model_dir, tmp_path, monkeypatch, rows_per_file):
     if rows_per_file:  # the rejected rows written by a Spark job (3 files), as for large inputs
@@ -339,7 +361,14 @@ def test_split_is_deterministic_across_partitioning(spark, tiny_model_dir, tmp_p
         labels = [r["label"] for r in shard_rows]
         longest = max(len(list(run)) for _, run in itertools.groupby(labels))
         assert longest <= 6, labels
-    assert m1.counts["splits"] == {"train": 48, "val": 6, "test": 6}
+    assert m1.counts["splits"] == {"train": 48, "val": 6, "test": 6} and "heldout" not in m1.counts
+    # prepare.heldout_rows: the held-out splits capped (each class still in them), the rest trains, and said why
+    capped = prepare(make_cfg(one, tiny_model_dir, heldout_rows=3), str(tmp_path / "capped"), spark=spark)
+    assert capped.counts["splits"] == {"train": 54, "val": 3, "test": 3}
+    assert capped.counts["heldout"]["test"] == {"rows": 3, "by_fraction": 6, "cap": 3}
+    assert "--prepare.heldout_rows 0" in capped.counts["heldout"]["why"]
+    assert {r["label"] for r in split_rows(tmp_path / "capped")["val"]} == {"a", "b", "c"}
+    assert membership(tmp_path / "capped")["test"] < membership(tmp_path / "o1")["test"]  # a subset: the same ranks
     # another seed moves rows between splits and changes the fingerprint
     m3 = prepare(make_cfg(one, tiny_model_dir, seed=7), str(tmp_path / "o3"), spark=spark)
     assert m3.fingerprint != m1.fingerprint

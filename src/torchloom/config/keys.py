@@ -27,6 +27,7 @@ MEANINGS: dict[str, str] = {
     'prepare.max_chars': 'texts shorter / longer (after cleaning) are rejected (`too_short`, `too_long`); max 0 = no limit',
     'prepare.val_fraction': 'stratified per label; the rest is train',
     'prepare.test_fraction': 'stratified per label; the rest is train',
+    'prepare.heldout_rows': 'the most rows of val and of test carved by a fraction, the rest trains. `auto`: the default fractions (0.1) capped near 153,664 rows each, enough for accuracy\'s 95% interval within +-0.25 points, every class keeping at least 385 rows or all of its fraction (from 1.5 M rows on; 100 M rows hold out 0.3 M, not 20 M); a fraction you set is kept as given; a number caps any fraction; 0: no cap. A split given with the data (data.split_column, data.val_path) is never cut',
     'prepare.seed': 'the split is a function of (seed, cleaned text): the same whatever the partitioning',
     'prepare.max_length': 'tokens kept per text, or per window with chunks (no padding is stored); `auto`: the shortest of 128/256/512 that holds 90% of the texts whole, within the model\'s positions',
     'prepare.stride': 'with chunks: tokens from the start of one window to the next (0: three quarters of a window, so a quarter overlaps)',

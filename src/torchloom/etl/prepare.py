@@ -20,7 +20,7 @@ from torchloom.etl.clean import CLEANED_SCHEMA, CLEANED_SCHEMA_GIVEN, REASONS, c
 from torchloom.etl.given_splits import TYPED, given_source, leaked_by_split, spread, with_given
 from torchloom.etl.lengths import choose_length, model_positions
 from torchloom.etl.session import default_parallelism, default_partitions, get_spark
-from torchloom.etl.split import DUPLICATE, KEPT, mark_duplicates, plan_split, rank_bucket, rank_hash
+from torchloom.etl.split import DUPLICATE, KEPT, heldout_record, mark_duplicates, plan_split, rank_bucket, rank_hash
 from torchloom.etl.tokenize import read_tokenizer_json
 from torchloom.etl.write_splits import make_tmp, publish, write_rejected, write_splits
 from torchloom.inputs.locate import check_inputs, pin_tables, resolve_format, utf8_files
@@ -165,6 +165,7 @@ class _Counts:
     leaks: dict[tuple[str, str], int] = field(default_factory=dict)  # of those, rows whose text is also in train
     leaked: dict[str, int] = field(default_factory=dict)  # per split: val/test texts also in train
     decoded: dict[str, int] = field(default_factory=dict)  # rows read from files in an encoding not UTF-8
+    heldout: dict | None = None  # val/test capped by prepare.heldout_rows (etl/split.heldout_record)
 
     @property
     def rows_rejected(self) -> int:
@@ -324,7 +325,8 @@ def _set_aside(job: _Job, marked, counts: _Counts):
                         " split needs rows to learn from")
     carve_val = p.val_fraction if not job.user_split or not any(k[0] == "val" for k in given) else 0.0
     carve_test = p.test_fraction if not job.user_split else 0.0
-    plans, small = plan_split(counts.per_label, carve_val, carve_test, job.shown)
+    plans, small = plan_split(counts.per_label, carve_val, carve_test, job.shown, p.heldout_rows)
+    counts.heldout = heldout_record(plans, carve_val, carve_test, p.heldout_rows)
     usable = {plan.label for plan in plans}
     orphans = sorted({label for _, label in given if label not in usable and label not in small})
     if small or orphans:
@@ -351,6 +353,10 @@ def _set_aside(job: _Job, marked, counts: _Counts):
             + "; add rows, or set --prepare.val_fraction / --prepare.test_fraction to 0, to keep them")
         counts.buckets = {key: n for key, n in counts.buckets.items() if key[0] not in small}
     _say_kept(job, counts, plans, carve_val)
+    if counts.heldout:
+        say("held out " + ", ".join(f"{name} {h['rows']:,} rows (not {h['by_fraction']:,})"
+                                    for name, h in counts.heldout.items() if name != "why")
+            + f": {counts.heldout['why']}")
     return marked, plans
 
 
@@ -425,6 +431,7 @@ def _manifest(job: _Job, counts: _Counts, plans, info: dict, splits: dict[str, S
             **({"split": given_source(job), "leaked": counts.leaked, "leakage": p.leakage}
                if job.user_split else {}),
             "splits": {name: s.rows for name, s in splits.items()},
+            **({"heldout": counts.heldout} if counts.heldout else {}),
         },
         timings={k: round(v, 3) for k, v in job.timings.items()},
     )

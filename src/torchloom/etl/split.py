@@ -66,11 +66,41 @@ def _share(n: int, fraction: float) -> int:
     return max(1, math.floor(n * fraction + 0.5))  # round half up; at least one row per non-empty split
 
 
+# How many rows a held-out split needs (prepare.heldout_rows auto): accuracy's 95 % interval within +-0.25 points
+# whatever the accuracy (the widest, at 0.5: z^2 * 0.25 / w^2), and every class enough for its own recall within
+# +-5 points (385 rows), or all of its fraction where it has fewer. More held-out rows only narrow intervals already
+# narrower than the differences anyone acts on; they are rows training does not see.
+HELDOUT_Z, HELDOUT_WIDTH, CLASS_WIDTH = 1.96, 0.0025, 0.05
+HELDOUT_ROWS = math.ceil(HELDOUT_Z ** 2 * 0.25 / HELDOUT_WIDTH ** 2)  # 153,664
+CLASS_FLOOR = math.ceil(HELDOUT_Z ** 2 * 0.25 / CLASS_WIDTH ** 2)  # 385
+DEFAULT_FRACTION = 0.1  # prepare.val_fraction's and test_fraction's default: the fractions auto caps
+
+
+def heldout_cap(heldout_rows: int | str, fraction: float) -> int:
+    """The most rows of a held-out split carved by `fraction` (0: no cap): heldout_rows auto caps the default
+    fraction at HELDOUT_ROWS and keeps a fraction the user chose as given; a number caps any fraction."""
+    if heldout_rows == "auto":
+        return HELDOUT_ROWS if fraction == DEFAULT_FRACTION else 0
+    return int(heldout_rows)
+
+
+def capped_shares(shares: dict[str, int], cap: int) -> dict[str, int]:
+    """Each class's rows of one held-out split, at most about `cap` in all: the fraction's shares scaled down in
+    proportion, each class kept to at least the smaller of its share and CLASS_FLOOR (or half an even share of a
+    small cap), so a rare class is still measured. The shares unchanged when they fit."""
+    total = sum(shares.values())
+    if not cap or total <= cap:
+        return dict(shares)
+    floor = min(CLASS_FLOOR, max(1, math.ceil(cap / (2 * len(shares)))))
+    return {label: max(min(n, floor), math.floor(n * cap / total + 0.5)) for label, n in shares.items()}
+
+
 def plan_split(per_label: dict[str, int], val_fraction: float, test_fraction: float,
-               where: str) -> tuple[list[ClassSplit], dict[str, int]]:
+               where: str, heldout_rows: int | str = 0) -> tuple[list[ClassSplit], dict[str, int]]:
     """Rows per split for each label big enough for one row in every split (sorted), and the classes
     too small for that (label -> rows), which prepare sets aside as class_too_small. A UserError when
-    fewer than 2 classes would be left: a classifier needs two."""
+    fewer than 2 classes would be left: a classifier needs two. heldout_rows: prepare.heldout_rows, val and test
+    capped at heldout_cap's rows (capped_shares; 0: the fractions as they are), the rest trains."""
     if val_fraction + test_fraction >= 1:
         raise UserError(
             f"prepare.val_fraction {val_fraction} + prepare.test_fraction {test_fraction} leave no training"
@@ -96,7 +126,29 @@ def plan_split(per_label: dict[str, int], val_fraction: float, test_fraction: fl
             f"data.path {where}: {left} the {needed} usable rows needed for one in each of train/val/test;"
             f" too small: {tiny}; add rows, or set --prepare.val_fraction / --prepare.test_fraction to 0"
         )
-    return plans, small
+    val = capped_shares({p.label: p.val for p in plans}, heldout_cap(heldout_rows, val_fraction))
+    test = capped_shares({p.label: p.test for p in plans}, heldout_cap(heldout_rows, test_fraction))
+    return [ClassSplit(p.label, p.rows, val[p.label], test[p.label]) for p in plans], small
+
+
+def heldout_record(plans: list[ClassSplit], val_fraction: float, test_fraction: float,
+                   heldout_rows: int | str) -> dict | None:
+    """What the manifest says of held-out splits that were capped (None: none was): each one's rows, its
+    fraction's rows, and why."""
+    val_cap, test_cap = heldout_cap(heldout_rows, val_fraction), heldout_cap(heldout_rows, test_fraction)
+    out = {}
+    for name, fraction, cap in (("val", val_fraction, val_cap), ("test", test_fraction, test_cap)):
+        rows = sum(getattr(p, name) for p in plans)
+        by_fraction = sum(_share(p.rows, fraction) for p in plans)
+        if cap and rows < by_fraction:
+            out[name] = {"rows": rows, "by_fraction": by_fraction, "cap": cap}
+    if not out:
+        return None
+    out["why"] = (f"prepare.heldout_rows: a held-out split is capped near {max(val_cap, test_cap):,} rows"
+                  + (" (accuracy's 95% interval within +-0.25 points; every class at least"
+                     f" {CLASS_FLOOR} rows or all of its fraction)" if max(val_cap, test_cap) == HELDOUT_ROWS else "")
+                  + "; the rest trains; --prepare.heldout_rows 0 keeps the fractions")
+    return out
 
 
 # Each class is cut into 2**RANK_BUCKET_BITS buckets by the top bits of the split hash. The bucket

@@ -87,6 +87,9 @@ def _run_all(run: Run, reuse: bool) -> dict:
         "throughput": {k: getattr(result, k) for k in ("samples_per_s", "tokens_per_s", "padding", "packed", "mfu",
                                                         "time_split")},
     }
+    heldout = read_manifest(rd.data).counts.get("heldout")
+    if heldout:  # val/test capped by prepare.heldout_rows: from what, and why
+        summary["heldout"] = heldout
     if exported.get("registered"):  # the version it became in the registry (the loop moves the alias to it)
         summary["registered"] = exported["registered"]
     if result.uploads:  # a run on a store: checkpoints uploaded, the loop's wait for them, their upload time
