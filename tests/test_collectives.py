@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.engine_reference import assert_same_weights, traced_rows, train_losses
-from support.threaded import train_on_threads
+from support.threaded import run_on_threads, train_on_threads
 
 from torchloom.config import build
 from torchloom.data.synthetic import write_synthetic_dataset
@@ -118,3 +118,85 @@ def test_a_resume_continues_the_same_global_batches_on_one_two_four_and_eight_ra
             assert loss == pytest.approx(reference_losses[step], rel=1e-5), (workers, step)
         if workers == 2:  # the same world: the same weights, bit for bit
             assert_same_weights(two / "checkpoints" / "step-26", rd / "checkpoints" / "step-26")
+
+
+def chunked_split(root: Path, texts: int, labels: list[str], task: str = "single_label"):
+    """A prepared-looking val split with truncation chunks (1 to 4 windows a text) in two shards: (manifest, each
+    row's label, each row's text)."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchloom.data.loader import rank_range
+    from torchloom.manifest import Manifest, Shard, Split
+
+    for seed in range(texts, texts + 100):  # one where every share's edge on 2 and 3 ranks cuts a text
+        rng = np.random.default_rng(seed)
+        counts = rng.integers(1, 5, texts)
+        doc = np.repeat(np.arange(texts), counts)
+        edges = [rank_range(len(doc), w, r)[0] for w in (2, 3) for r in range(1, w)]
+        if all(doc[e - 1] == doc[e] for e in edges):
+            break
+    chunk = np.concatenate([np.arange(n) for n in counts])
+    per_text = (rng.integers(0, 2 ** len(labels), texts) if task == "multi_label"
+                else rng.integers(0, len(labels), texts))
+    (root / "val").mkdir(parents=True)
+    shards, cut = [], len(doc) // 3
+    for i, rows in enumerate([slice(0, cut), slice(cut, len(doc))]):
+        path = root / "val" / f"part-{i}.parquet"
+        pq.write_table(pa.table({"chunk": chunk[rows].astype(np.int32)}), path)
+        shards.append(Shard(path=f"val/{path.name}", rows=rows.stop - rows.start, row_groups=[rows.stop - rows.start]))
+    m = Manifest(labels=labels, splits={"val": Split(rows=len(doc), shards=shards, documents=texts)},
+                 tokenizer={"truncation": "chunks", "max_length": 8}, fingerprint="chunked", root=str(root),
+                 task=task)
+    return m, per_text[doc], doc
+
+
+@pytest.mark.parametrize("task", ["single_label", "multi_label"])
+def test_validation_on_ranks_reduces_sums_to_the_one_process_numbers_and_moves_bytes_by_labels_not_rows(
+        tmp_path, task):
+    """Issue 77, item 2: validation all-reduces sufficient statistics; a text whose windows two ranks' shares cut
+    travels as its summed logits; the metrics are those of every row in one process (the old gather's)."""
+    import numpy as np
+    import torch
+
+    from torchloom import tag_scoring
+    from torchloom.data.loader import rank_range
+    from torchloom.data.texts import to_documents
+    from torchloom.scoring import classification_metrics
+    from torchloom.train.distributed import Dist
+    from torchloom.train.evaluation import reduced_metrics
+
+    labels = ["a", "b", "c", "d", "e"]
+    bytes_at = {}
+    for texts in (400, 4000):
+        m, row_labels, doc = chunked_split(tmp_path / str(texts), texts, labels, task)
+        rows = len(row_labels)
+        logits = np.random.default_rng(1).normal(size=(rows, len(labels))).astype(np.float32) * 3
+        probs, text_labels, _ = to_documents(m, "val", logits, row_labels, np.arange(rows))
+        one = (tag_scoring.evaluation(probs, text_labels, labels) if task == "multi_label" else
+               classification_metrics(probs, text_labels, labels))
+        for world in (2, 3):
+            shares = [rank_range(rows, world, r) for r in range(world)]
+            assert any(doc[start - 1] == doc[start] for start, _ in shares[1:])  # a text cut between two ranks
+
+            def validate(r, world=world, shares=shares, m=m, logits=logits, row_labels=row_labels, rows=rows):
+                start, count = shares[r]
+                d = Dist(r, world, r, torch.device("cpu"), False)
+                part = slice(start, start + count)
+                return reduced_metrics(d, m, "val", logits[part], row_labels[part], np.arange(rows)[part])
+
+            results, sent = run_on_threads(world, validate)
+            for got in results.values():
+                assert got["n"] == texts and got.keys() >= one.keys() - {"roc_auc"}
+                for key in one.keys() - {"roc_auc", "reliability"}:
+                    assert got[key] == (pytest.approx(one[key], rel=1e-9) if isinstance(one[key], float)
+                                        else one[key]), key
+            if task == "single_label":
+                assert results[0]["reliability"]["count"] == one["reliability"]["count"]
+                assert results[0]["ece"] == pytest.approx(one["ece"], rel=1e-9) and results[0]["roc_auc"] is None
+            bytes_at[texts, world] = max(sent.values())
+    # what a rank sends grows with the label set, not the rows: 10x the texts, within a few hundred bytes
+    for world in (2, 3):
+        assert abs(bytes_at[4000, world] - bytes_at[400, world]) < 400, bytes_at
+        assert bytes_at[4000, world] < 4000, bytes_at  # the old gather sent ~rows x (labels + 2) x 4 to 8 bytes

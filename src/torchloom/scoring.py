@@ -78,23 +78,55 @@ def classification_metrics(
     """
     probs = np.asarray(probs, dtype=np.float64)
     labels = np.asarray(labels)
-    num_classes = len(label_names)
+    sums = class_sums(probs, labels, len(label_names), calibration_bins)
+    if probs.shape[0] == 0:
+        raise ValueError("no rows to evaluate: the split is empty")
+    out = metrics_from_sums(sums, label_names, calibration_bins)
+    out["roc_auc"] = _roc_auc(probs, labels)
+    return out
+
+
+def class_sums(probs: np.ndarray, labels: np.ndarray, num_classes: int, calibration_bins: int = 10) -> np.ndarray:
+    """What every metric but ROC AUC is a function of, as sums that add up across parts of a split (so ranks
+    all-reduce them instead of gathering rows): one float64 vector [rows, summed log loss, the confusion matrix
+    (C x C, true by predicted), and per calibration bin its count, summed confidence and summed correct]. No rows:
+    zeros. probs: [N, C] class probabilities; labels: [N] true class ids in [0, C)."""
+    probs = np.asarray(probs, dtype=np.float64)
+    labels = np.asarray(labels)
     if probs.ndim != 2 or probs.shape[1] != num_classes:
         raise ValueError(f"probs has shape {probs.shape}, expected [N, {num_classes}] for {num_classes} labels")
     if labels.shape != (probs.shape[0],):
         raise ValueError(f"labels has shape {labels.shape}, expected [{probs.shape[0]}] to match probs")
-    if probs.shape[0] == 0:
-        raise ValueError("no rows to evaluate: the split is empty")
-    if not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0 or labels.max() >= num_classes:
+    if len(labels) and (not np.issubdtype(labels.dtype, np.integer) or labels.min() < 0
+                        or labels.max() >= num_classes):
         raise ValueError(f"labels must be integer class ids in [0, {num_classes})")
     if calibration_bins < 1:
         raise ValueError(f"calibration_bins must be >= 1, got {calibration_bins}")
-
+    labels = labels.astype(np.int64)
     n = probs.shape[0]
-    predicted = probs.argmax(axis=1)
-    confusion = np.bincount(labels * num_classes + predicted, minlength=num_classes**2).reshape(
-        num_classes, num_classes
-    )
+    predicted = probs.argmax(axis=1) if n else np.zeros(0, np.int64)
+    confusion = np.bincount(labels * num_classes + predicted, minlength=num_classes**2)
+    confidence = probs.max(axis=1) if n else np.zeros(0)
+    correct = (predicted == labels).astype(np.float64)
+    bin_of = np.searchsorted(np.linspace(0.0, 1.0, calibration_bins + 1)[1:-1], confidence, side="left")
+    loss = -np.log(np.clip(probs[np.arange(n), labels], LOSS_EPS, 1.0)).sum()
+    return np.concatenate([[n, loss], confusion, np.bincount(bin_of, minlength=calibration_bins),
+                           np.bincount(bin_of, weights=confidence, minlength=calibration_bins),
+                           np.bincount(bin_of, weights=correct, minlength=calibration_bins)]).astype(np.float64)
+
+
+def metrics_from_sums(sums: np.ndarray, label_names: list[str], calibration_bins: int = 10) -> dict[str, Any]:
+    """classification_metrics' numbers, ROC AUC aside, from class_sums' vector (of one part, or summed over
+    parts: the same numbers as of all the rows at once)."""
+    num_classes, bins = len(label_names), calibration_bins
+    sums = np.asarray(sums, np.float64)
+    if sums.shape != (2 + num_classes**2 + 3 * bins,):
+        raise ValueError(f"sums has shape {sums.shape}, not class_sums' for {num_classes} labels and {bins} bins")
+    n = int(round(sums[0]))
+    if n == 0:
+        raise ValueError("no rows to evaluate: the split is empty")
+    confusion = np.rint(sums[2:2 + num_classes**2]).astype(np.int64).reshape(num_classes, num_classes)
+    count, confidence_sum, correct_sum = sums[2 + num_classes**2:].reshape(3, bins)
     true_positives = np.diag(confusion).astype(np.float64)
     support = confusion.sum(axis=1)
     predicted_count = confusion.sum(axis=0)
@@ -103,13 +135,11 @@ def classification_metrics(
     # 2tp / (2tp + fp + fn): equal to the harmonic mean, and 0 (not NaN) when the class never occurs.
     f1 = _safe_divide(2 * true_positives, support + predicted_count)
     occurs = (support + predicted_count) > 0
-
-    calibration = _calibration(probs, labels, predicted, calibration_bins)
-    true_class_probs = probs[np.arange(n), labels]
+    calibration = _calibration(np.rint(count), confidence_sum, correct_sum, n)
     return {
-        "n": int(n),
+        "n": n,
         "label_names": list(label_names),
-        "accuracy": float((predicted == labels).mean()),
+        "accuracy": float(true_positives.sum() / n),
         "macro_f1": float(f1[occurs].mean()),
         "weighted_f1": float((f1 * support).sum() / n),
         "per_class": {
@@ -121,11 +151,11 @@ def classification_metrics(
             }
             for i, name in enumerate(label_names)
         },
-        "roc_auc": _roc_auc(probs, labels),
+        "roc_auc": None,  # a rank statistic: no sum holds it (classification_metrics computes it from the rows)
         "ece": calibration["ece"],
         "reliability": calibration["bins"],
         "confusion_matrix": confusion.tolist(),
-        "loss": float(-np.log(np.clip(true_class_probs, LOSS_EPS, 1.0)).mean()),
+        "loss": float(sums[1] / n),
     }
 
 
@@ -165,19 +195,15 @@ def _roc_auc(probs: np.ndarray, labels: np.ndarray) -> float | None:
     return float(np.mean(defined)) if defined else None
 
 
-def _calibration(probs: np.ndarray, labels: np.ndarray, predicted: np.ndarray, num_bins: int) -> dict[str, Any]:
-    """Expected calibration error of the top-1 confidence over equal-width bins (lo, hi]; 0 falls in bin 0."""
-    confidence = probs.max(axis=1)
-    correct = (predicted == labels).astype(np.float64)
+def _calibration(count: np.ndarray, confidence_sum: np.ndarray, correct_sum: np.ndarray, n: int) -> dict[str, Any]:
+    """Expected calibration error of the top-1 confidence over equal-width bins (lo, hi]; 0 falls in bin 0; from
+    each bin's count, summed confidence and summed correct (class_sums)."""
+    num_bins = len(count)
     edges = np.linspace(0.0, 1.0, num_bins + 1)
-    bin_of = np.searchsorted(edges[1:-1], confidence, side="left")
-    count = np.bincount(bin_of, minlength=num_bins)
-    confidence_sum = np.bincount(bin_of, weights=confidence, minlength=num_bins)
-    correct_sum = np.bincount(bin_of, weights=correct, minlength=num_bins)
     filled = count > 0
     mean_confidence = _safe_divide(confidence_sum, count)
     mean_accuracy = _safe_divide(correct_sum, count)
-    ece = float((np.abs(mean_accuracy - mean_confidence) * count)[filled].sum() / confidence.size)
+    ece = float((np.abs(mean_accuracy - mean_confidence) * count)[filled].sum() / n)
     return {
         "ece": ece,
         "bins": {

@@ -127,38 +127,64 @@ def tag_metrics(pred: np.ndarray, truth: np.ndarray, labels: Sequence[str]) -> d
 
     Macro averages over the labels with support in this split (a label the split lacks has no recall to
     average); a text with no true and no predicted tag counts as a perfect sample (samples-F1 1)."""
+    return metrics_from_sums(tag_sums(pred, truth), labels)
+
+
+def tag_sums(pred: np.ndarray, truth: np.ndarray, probs: np.ndarray | None = None) -> np.ndarray:
+    """What tag_metrics (and evaluation's loss, given probs) is a function of, as sums that add up across parts
+    of a split, so ranks all-reduce them instead of gathering rows: one float64 vector [rows, texts with every tag
+    right, summed samples precision, recall and F1, summed binary cross-entropy, then per tag tp, fp, fn]."""
     pred, truth = np.asarray(pred, bool), np.asarray(truth, bool)
-    n, k = truth.shape
     tp, fp, fn = _counts(pred, truth)
-    support = truth.sum(axis=0)
-    precision = np.divide(tp, tp + fp, out=np.zeros(k), where=(tp + fp) > 0)
-    recall = np.divide(tp, support, out=np.zeros(k), where=support > 0)
-    f1 = _f1(tp, fp, fn)
-    present = support > 0
     row_tp, row_pred, row_true = (pred & truth).sum(1), pred.sum(1), truth.sum(1)
     both_empty = (row_pred + row_true) == 0
-    samples_f1 = np.where(both_empty, 1.0, np.divide(2 * row_tp, row_pred + row_true, out=np.zeros(n),
+    samples_f1 = np.where(both_empty, 1.0, np.divide(2 * row_tp, row_pred + row_true, out=np.zeros(len(pred)),
                                                       where=~both_empty))
     samples_p = np.where(row_pred > 0, np.divide(row_tp, np.maximum(row_pred, 1)), both_empty.astype(float))
     samples_r = np.where(row_true > 0, np.divide(row_tp, np.maximum(row_true, 1)), both_empty.astype(float))
-    micro_p = float(tp.sum() / (tp.sum() + fp.sum())) if (tp.sum() + fp.sum()) else 0.0
-    micro_r = float(tp.sum() / support.sum()) if support.sum() else 0.0
+    loss = 0.0
+    if probs is not None:
+        clipped = np.clip(np.asarray(probs, np.float64), LOSS_EPS, 1 - LOSS_EPS)
+        loss = float(-(truth * np.log(clipped) + (~truth) * np.log(1 - clipped)).sum())
+    return np.concatenate([[len(pred), (pred == truth).all(axis=1).sum(), samples_p.sum(), samples_r.sum(),
+                            samples_f1.sum(), loss], tp, fp, fn]).astype(np.float64)
+
+
+def metrics_from_sums(sums: np.ndarray, labels: Sequence[str]) -> dict:
+    """tag_metrics' numbers from tag_sums' vector (of one part, or summed over parts: the same numbers as of all
+    the rows at once)."""
+    k = len(labels)
+    sums = np.asarray(sums, np.float64)
+    if sums.shape != (6 + 3 * k,):
+        raise ValueError(f"sums has shape {sums.shape}, not tag_sums' for {k} labels")
+    n = int(round(sums[0]))
+    tp, fp, fn = np.rint(sums[6:]).astype(np.int64).reshape(3, k)
+    support, predicted = tp + fn, tp + fp
+    precision = np.divide(tp, predicted, out=np.zeros(k), where=predicted > 0)
+    recall = np.divide(tp, support, out=np.zeros(k), where=support > 0)
+    f1 = _f1(tp, fp, fn)
+    present = support > 0
 
     def mean(values) -> float:
         return float(np.mean(values)) if len(values) else 0.0
 
+    def per_row(total: float) -> float:
+        return float(total / n) if n else 0.0
+
     return {
-        "rows": int(n), "labels": int(k),
-        "micro_precision": micro_p, "micro_recall": micro_r, "micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())),
+        "rows": n, "labels": int(k),
+        "micro_precision": float(tp.sum() / predicted.sum()) if predicted.sum() else 0.0,
+        "micro_recall": float(tp.sum() / support.sum()) if support.sum() else 0.0,
+        "micro_f1": float(_f1(tp.sum(), fp.sum(), fn.sum())),
         "macro_precision": mean(precision[present]), "macro_recall": mean(recall[present]),
         "macro_f1": mean(f1[present]),
         "weighted_f1": float((f1 * support).sum() / support.sum()) if support.sum() else 0.0,
-        "samples_precision": mean(samples_p), "samples_recall": mean(samples_r), "samples_f1": mean(samples_f1),
-        "hamming_loss": float((pred != truth).mean()) if n and k else 0.0,
-        "subset_accuracy": mean((pred == truth).all(axis=1)),
-        "cardinality_true": mean(row_true), "cardinality_predicted": mean(row_pred),
+        "samples_precision": per_row(sums[2]), "samples_recall": per_row(sums[3]), "samples_f1": per_row(sums[4]),
+        "hamming_loss": float((fp.sum() + fn.sum()) / (n * k)) if n and k else 0.0,
+        "subset_accuracy": per_row(sums[1]),
+        "cardinality_true": per_row(support.sum()), "cardinality_predicted": per_row(predicted.sum()),
         "per_label": {labels[j]: {"precision": float(precision[j]), "recall": float(recall[j]), "f1": float(f1[j]),
-                                  "support": int(support[j]), "predicted": int(pred[:, j].sum())}
+                                  "support": int(support[j]), "predicted": int(predicted[j])}
                       for j in range(k)},
     }
 
@@ -178,15 +204,24 @@ def evaluation(probs: np.ndarray, masks: np.ndarray, labels: Sequence[str], thre
     one (scoring.classification_metrics): `accuracy` is the subset accuracy (every tag right), `macro_f1` the tags'
     macro-F1, `loss` the mean binary cross-entropy, `per_class` per tag; with tag_metrics' own beside them, the
     thresholds used (0.5 when none are given) and task multi_label."""
-    probs = np.asarray(probs, np.float64)
     if not len(probs):
         raise ValueError("no rows to evaluate: the split is empty")
     thresholds = thresholds or Thresholds(0.5)
-    truth = multi_hot(masks, len(labels))
-    pred = predict(probs, thresholds)
-    m = tag_metrics(pred, truth, labels)
-    clipped = np.clip(probs, LOSS_EPS, 1 - LOSS_EPS)
-    loss = float(-(truth * np.log(clipped) + (~truth) * np.log(1 - clipped)).mean())
+    return evaluation_from_sums(evaluation_sums(probs, masks, len(labels), thresholds), labels, thresholds)
+
+
+def evaluation_sums(probs: np.ndarray, masks: np.ndarray, k: int, thresholds: Thresholds) -> np.ndarray:
+    """evaluation's sums of one part of a split (tag_sums with the loss): what ranks all-reduce."""
+    probs = np.asarray(probs, np.float64)
+    return tag_sums(predict(probs, thresholds), multi_hot(masks, k), probs)
+
+
+def evaluation_from_sums(sums: np.ndarray, labels: Sequence[str], thresholds: Thresholds) -> dict:
+    """evaluation's metrics from evaluation_sums' vector, of one part or summed over parts."""
+    m = metrics_from_sums(sums, labels)
+    if not m["rows"]:
+        raise ValueError("no rows to evaluate: the split is empty")
+    loss = float(sums[5] / (m["rows"] * len(labels))) if len(labels) else 0.0
     return {"task": "multi_label", "n": m["rows"], "label_names": list(labels), "accuracy": m["subset_accuracy"],
             "macro_f1": m["macro_f1"], "loss": loss, "per_class": m.pop("per_label"),
             "thresholds": thresholds.record(labels), **m}

@@ -44,10 +44,23 @@ def _shapes(args, kwargs) -> tuple:
     return tuple(s for s in (one(a) for a in (*args, *kwargs.values())) if s is not None)
 
 
+def _bytes(name: str, args, kwargs) -> int:
+    """What one rank puts into a collective: its tensors' bytes, or an object's pickled size (what torch sends)."""
+    import pickle
+
+    import torch
+
+    if name.endswith("_object") or name.endswith("_object_list"):
+        obj = args[1] if name == "all_gather_object" else args[0]
+        return len(pickle.dumps(obj))
+    return sum(x.numel() * x.element_size() for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor))
+
+
 @contextlib.contextmanager
-def threaded_world(calls: dict[int, list[tuple]]):
+def threaded_world(calls: dict[int, list[tuple]], sent: dict[int, int] | None = None):
     """torch's threaded process group installed (each thread its own world), the collectives recorded into
-    `calls`, and the model built under a lock after its seed; all put back after."""
+    `calls` (and the bytes each rank put into them summed into `sent`), and the model built under a lock after its
+    seed; all put back after."""
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed import multi_threaded_pg as mtpg
@@ -71,6 +84,8 @@ def threaded_world(calls: dict[int, list[tuple]]):
                 group = kwargs.get("group")
                 kind = "default" if group is None or group is dist.group.WORLD else group.name()
                 calls.setdefault(dist.get_rank(), []).append((name, kind, _shapes(args, kwargs)))
+                if sent is not None:
+                    sent[dist.get_rank()] = sent.get(dist.get_rank(), 0) + _bytes(name, args, kwargs)
             return real(*args, **kwargs)
         return call
 
@@ -120,3 +135,34 @@ def train_on_threads(cfg, run_dir: str, world: int, timeout_s: float = 120) -> T
     if stuck:
         raise AssertionError(f"{', '.join(stuck)} still running after {timeout_s} s: a collective no rank joined")
     return out
+
+
+def run_on_threads(world: int, fn, timeout_s: float = 60) -> tuple[dict[int, Any], dict[int, int]]:
+    """fn(rank) on `world` ranks, one thread each, joined by the threaded process group: ({rank: what it returned},
+    {rank: bytes it put into collectives}); what a rank raised is raised here."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+    sent: dict[int, int] = {}
+    store = dist.HashStore()
+
+    def rank(r: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=r, world_size=world, store=store)
+            results[r] = fn(r)
+        except BaseException as e:
+            errors[r] = e
+            mtpg.ProcessLocalGroup.exception_handle(e)
+
+    with threaded_world({}, sent):
+        threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}", daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout_s)
+    if errors:
+        raise next(iter(errors.values()))
+    assert len(results) == world, f"ranks {sorted(set(range(world)) - set(results))} never returned"
+    return results, sent

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -144,6 +145,14 @@ def all_reduce_sum(d: Dist, values: list[float], slow: bool = False) -> list[flo
     if d.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=d.io_group if slow else None)
     return t.tolist()
+
+
+def all_reduce_array(d: Dist, values: np.ndarray) -> np.ndarray:
+    """Collective: the element-wise sum over ranks of a float64 vector (on the training device: nccl's path)."""
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64)).to(d.device)
+    if d.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu().numpy()
 
 
 def any_rank(d: Dist, flag: bool) -> bool:

@@ -1,4 +1,11 @@
-"""Validation inside training: every rank scores its share, all ranks get the same metrics."""
+"""Validation inside training: every rank scores its share, all ranks get the same metrics.
+
+The metrics are reduced, not gathered: each rank turns its texts' probabilities into sums (scoring.class_sums,
+tag_scoring.evaluation_sums: a confusion matrix, the summed loss, calibration bins, per-tag counts) and one
+all-reduce of that vector gives every rank the totals. What crosses between ranks is the size of the label set, not
+of the split (10 M val rows were ~0.8 GB of logits per rank for 20 classes). Only a text whose windows (truncation
+chunks) lie in two ranks' shares travels as its rows' summed logits: at most one at each edge of a share. ROC AUC is
+not a sum and is left to evaluate/ (None here); no training decision reads it."""
 
 from __future__ import annotations
 
@@ -12,11 +19,11 @@ import torch
 from torchloom import tag_scoring
 from torchloom.data.loader import eval_batches, rank_range
 from torchloom.data.packing import pack_batch
-from torchloom.data.texts import to_documents
+from torchloom.data.texts import chunk_documents, to_documents
 from torchloom.manifest import Manifest
 from torchloom.model.forward import prepared_logits
-from torchloom.scoring import classification_metrics
-from torchloom.train.distributed import Dist, all_gather_objects
+from torchloom.scoring import class_sums, metrics_from_sums, text_scores
+from torchloom.train.distributed import Dist, all_gather_objects, all_reduce_array
 
 if TYPE_CHECKING:
     from torchloom.train.parallelize import Parallel
@@ -59,8 +66,45 @@ def evaluate(d: Dist, model: torch.nn.Module, manifest: Manifest, split: str, ba
              precision: str, par: Parallel | None = None, packing: bool = False) -> dict:
     """Collective: every rank calls it and every rank returns the same metrics (one row per text)."""
     logits, labels, index = predict_split(d, model, manifest, split, batch_size, precision, par, packing)
-    parts = all_gather_objects(d, (logits, labels, index))
-    probs, labels, _ = to_documents(manifest, split, *(np.concatenate([part[i] for part in parts]) for i in range(3)))
+    return reduced_metrics(d, manifest, split, logits, labels, index)
+
+
+def reduced_metrics(d: Dist, manifest: Manifest, split: str, logits: np.ndarray, labels: np.ndarray,
+                    index: np.ndarray) -> dict:
+    """Collective: the metrics of `split` from every rank's (logits, labels, row indices) of its rows, by one
+    all-reduce of their sums (the module's docstring); the same numbers as of all the rows in one process."""
+    probs, labels = own_texts(d, manifest, split, logits, labels, index)
     if manifest.multi_label:  # at 0.5: the thresholds are chosen once training is done (evaluate/run.py)
-        return tag_scoring.evaluation(probs, labels, manifest.labels)
-    return classification_metrics(probs, labels, manifest.labels)
+        thresholds = tag_scoring.Thresholds(0.5)
+        sums = tag_scoring.evaluation_sums(probs, labels, manifest.num_labels, thresholds)
+        return tag_scoring.evaluation_from_sums(all_reduce_array(d, sums), manifest.labels, thresholds)
+    return metrics_from_sums(all_reduce_array(d, class_sums(probs, labels, manifest.num_labels)), manifest.labels)
+
+
+def own_texts(d: Dist, manifest: Manifest, split: str, logits: np.ndarray, labels: np.ndarray, index: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(probabilities in float32, labels) of the texts this rank counts: each whole text among its rows, and each
+    text split between ranks' shares (truncation chunks) on the lowest rank holding a part of it, scored from the
+    parts' summed logits, which is all that is gathered."""
+    docs = chunk_documents(manifest, split)
+    if docs is None:
+        return to_documents(manifest, split, logits, labels, index)[:2]
+    doc = docs[index]
+    windows = np.bincount(docs, minlength=int(docs.max()) + 1 if len(docs) else 0)
+    here = np.bincount(doc, minlength=len(windows))
+    whole = here[doc] == windows[doc]
+    probs, text_labels, _ = to_documents(manifest, split, logits[whole], labels[whole], index[whole])
+    parts = {int(t): (logits[doc == t].astype(np.float64).sum(axis=0), int(here[t]), labels[doc == t][0])
+             for t in np.unique(doc[~whole])}
+    split_texts: dict[int, list] = {}
+    for rank, theirs in enumerate(all_gather_objects(d, parts)):
+        for t, (summed, count, label) in theirs.items():
+            split_texts.setdefault(t, [rank, np.zeros_like(summed), 0, label])
+            split_texts[t][1] += summed
+            split_texts[t][2] += count
+    mine = [(summed / count, label) for rank, summed, count, label in split_texts.values() if rank == d.rank]
+    if mine:
+        merged = text_scores(np.stack([m for m, _ in mine]), multi_label=manifest.multi_label).probs
+        probs = np.concatenate([probs, merged.astype(np.float32)])
+        text_labels = np.concatenate([text_labels, np.array([label for _, label in mine], text_labels.dtype)])
+    return probs, text_labels
