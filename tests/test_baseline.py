@@ -3,6 +3,8 @@ and how it is reported beside the transformer."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -137,12 +139,11 @@ def spark_predictions(spark, m: Manifest, c: float) -> dict[str, int]:
     from torchloom.baseline import spark as baseline_spark
 
     rows = baseline.train_texts(m)
-    docs, counts = baseline_spark.term_counts(baseline_spark.read_split(spark, m, "train"))
-    vocab = baseline_spark.vocabulary(counts, rows)
-    n = vocab.count()
-    model = baseline_spark.classifier(c, rows, m.num_labels).fit(baseline_spark.features(docs, counts, vocab, n))
-    docs, counts = baseline_spark.term_counts(baseline_spark.read_split(spark, m, "test"))
-    scored = model.transform(baseline_spark.features(docs, counts, vocab, n)).select("text", "prediction")
+    vocab = baseline_spark.vocabulary(baseline_spark.read_split(spark, m, "train"), rows)
+    model = baseline_spark.classifier(c, rows, m.num_labels).fit(
+        baseline_spark.vectors(baseline_spark.read_split(spark, m, "train"), vocab))
+    test = baseline_spark.vectors(baseline_spark.read_split(spark, m, "test"), vocab, keep=("text",))
+    scored = model.transform(test).select("text", "prediction")
     return {r["text"]: int(r["prediction"]) for r in scored.collect()}
 
 
@@ -195,3 +196,73 @@ def test_the_verdict_names_the_likely_cause_only_when_the_transformer_does_not_w
     line = verdict(comparison_with(0.85, 0.90), whole, plateaued)
     assert "likely cause: the baseline suits this data: 4 epochs, stopped once validation stopped improving," in line
     assert "a larger pretrained model (--model.path), more labelled rows, or torchloom tune" in line
+
+
+def test_the_tasks_features_are_scikit_learns(monkeypatch):
+    """The Spark path's tasks (baseline/features.py) count terms in partial sums (a task hands its sums on every
+    FLUSH_TERMS distinct terms) and vectorise over the chosen vocabulary: summed, the counts give TfidfVectorizer's
+    vocabulary and idf, and the vectors are its vectors, a text without a known term the zero vector."""
+    import pyarrow as pa
+
+    from torchloom.baseline import driver as baseline_driver
+    from torchloom.baseline import features
+
+    texts, _ = topic_texts(300, np.random.default_rng(3))
+    texts += ["Ünïcode wörds and 数字 1234 x", "", "?!", "s0x1 s0x1 s0x1 s0x2"]
+    batches = [pa.RecordBatch.from_pydict({"text": texts[i:i + 64]}) for i in range(0, len(texts), 64)]
+    assert len(list(features.term_stats(iter(batches)))) == 1  # well within FLUSH_TERMS: held to the end
+    monkeypatch.setattr(features, "FLUSH_TERMS", 50)
+    partial = list(features.term_stats(iter(batches)))
+    assert len(partial) == len(batches)  # past it after every batch: handed on as it went
+    df, total = {}, {}
+    for batch in partial:
+        for term, d, t in zip(*(batch.column(c).to_pylist() for c in ("term", "df", "total"))):
+            df[term], total[term] = df.get(term, 0) + d, total.get(term, 0) + t
+    vec = baseline_driver.vectorizer().fit(texts)
+    terms = sorted(t for t in df if df[t] >= 2)  # fewer than MAX_FEATURES: all of them
+    assert terms == sorted(vec.vocabulary_, key=vec.vocabulary_.get)
+    idf = features.idf(np.array([df[t] for t in terms]), len(texts))
+    np.testing.assert_allclose(idf, vec.idf_)
+    mine = features.vectors(texts, {t: i for i, t in enumerate(terms)}, idf)
+    theirs = vec.transform(texts)
+    np.testing.assert_allclose(mine.toarray(), theirs.toarray(), atol=1e-12)
+    assert mine[len(texts) - 2].nnz == 0 and mine[len(texts) - 3].nnz == 0
+    assert all(np.all(np.diff(mine.indices[a:b]) > 0) for a, b in zip(mine.indptr[:-1], mine.indptr[1:]))
+
+
+@pytest.mark.slow
+def test_past_the_grid_line_c_is_chosen_on_a_sample_and_every_train_text_fitted(spark, topics, monkeypatch):
+    """Past GRID_TEXTS the Spark path chooses C on a sample (the same texts every time, about GRID_TEXTS of them),
+    says so, and fits that C on every train text; its vocabulary keeps the MAX_FEATURES most frequent terms."""
+    from sklearn.feature_extraction.text import CountVectorizer
+
+    from torchloom import baseline
+    from torchloom.baseline import driver as baseline_driver
+    from torchloom.baseline import model as baseline_model
+    from torchloom.baseline import spark as baseline_spark
+
+    train = baseline_spark.read_split(spark, topics, "train")
+    picked = [sorted(r["text"] for r in baseline_spark.grid_sample(train, 400, 150).collect()) for _ in range(2)]
+    assert picked[0] == picked[1] and 90 <= len(picked[0]) <= 220, len(picked[0])
+
+    monkeypatch.setattr(baseline_spark, "GRID_TEXTS", 150)
+    monkeypatch.setattr(baseline_spark, "GRID_VAL_TEXTS", 100)
+    sampled = baseline.fit_and_score(spark, topics, ["val", "test"], engine="spark")
+    driver = baseline.fit_and_score(None, topics, ["val", "test"], engine="driver")
+    assert sampled["train_rows"] == 400 and "on a sample" in sampled["C_from"], sampled["C_from"]
+    assert 90 <= int(re.search(r"([\d,]+) train", sampled["C_from"])[1]) <= 220
+    assert [g["C"] for g in sampled["grid"]] == list(baseline.C_GRID)
+    assert "chosen on val, on a sample" in baseline.summary_line(sampled)
+    assert sum(map(sum, sampled["splits"]["test"]["confusion_matrix"])) == 400  # every test text scored
+    assert abs(sampled["splits"]["test"]["accuracy"] - driver["splits"]["test"]["accuracy"]) <= 0.05
+
+    monkeypatch.setattr(baseline_model, "MAX_FEATURES", 30)
+    terms, _ = baseline_spark.vocabulary(train, 400)
+    texts, _ = baseline_driver.read_split(topics, "train")
+    counts = CountVectorizer(token_pattern=baseline_model.TOKEN_PATTERN, ngram_range=(1, 2)).fit(texts)
+    x = counts.transform(texts)
+    total = dict(zip(counts.get_feature_names_out(), np.asarray(x.sum(0)).ravel()))
+    df = dict(zip(counts.get_feature_names_out(), np.asarray((x > 0).sum(0)).ravel()))
+    assert len(terms) == 30 and terms == sorted(terms)
+    left_out = [total[t] for t in total if df[t] >= 2 and t not in set(terms)]
+    assert min(total[t] for t in terms) >= max(left_out)

@@ -115,10 +115,20 @@ def summary_line(result: dict[str, Any]) -> str:
     key = "val_micro_f1" if result.get("task") == "multi_label" else "val_accuracy"
     if result["grid"]:
         grid = ", ".join(f"{g['C']:g}: {g[key]:.4f}" for g in result["grid"])
-        chosen = f"C={result['C']:g} chosen on val (val {'micro-F1' if 'micro' in key else 'accuracy'} by C: {grid})"
+        on = result.get("C_from") or "val"
+        chosen = f"C={result['C']:g} chosen on {on} (val {'micro-F1' if 'micro' in key else 'accuracy'} by C: {grid})"
     else:
         chosen = f"C={result['C']:g}, the default: no val rows to choose on"
     return f"{scored}; {chosen}; {result['num_features']} features ({result['seconds']:.0f} s)"
+
+
+def c_from(fitted: Fitted) -> str:
+    if not fitted.grid:
+        return f"default (no val rows to choose on; grid {list(C_GRID)})"
+    if fitted.grid_sample:
+        return (f"val, on a sample: {fitted.grid_sample['train']:,} train and {fitted.grid_sample['val']:,} val texts"
+                " (then fitted on every train text)")
+    return "val"
 
 
 def scored_splits(manifest: Manifest, splits: list[str]) -> list[str]:
@@ -144,7 +154,7 @@ def fit_and_score(spark, manifest: Manifest, splits: list[str], engine: str = "a
         "name": name_of(manifest), "fingerprint": manifest.fingerprint,
         "description": TAGS_DESCRIPTION if manifest.multi_label else DESCRIPTION,
         "engine": fitted.engine, "C": fitted.c,
-        "C_from": "val" if fitted.grid else f"default (no val rows to choose on; grid {list(C_GRID)})",
+        "C_from": c_from(fitted),
         "grid": fitted.grid, "train_rows": train_texts(manifest), "num_features": fitted.num_features,
         "fit_s": round(fitted.fit_s, 2), "seconds": round(time.perf_counter() - started, 2),
         "splits": fitted.metrics or {split: scores(m) for split, m in fitted.confusion.items()},

@@ -39,6 +39,7 @@ class Fitted:
     fit_s: float = 0.0
     lexical: Any = None  # the chosen model as plain arrays (lexical.Lexical), where its path can give them
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # multi-label: per scored split
+    grid_sample: dict[str, int] = field(default_factory=dict)  # C chosen on a sample: its train and val texts
 
 
 def train_texts(manifest: Manifest) -> int:

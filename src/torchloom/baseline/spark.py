@@ -1,10 +1,16 @@
-"""The baseline on Spark: baseline/__init__.py's model, the features in Spark SQL and the classifier in MLlib.
+"""The baseline on Spark: baseline/__init__.py's model, the features computed by the tasks, C chosen on the
+driver, the model fitted by MLlib.
 
-MLlib's own text stages differ from scikit-learn's standard baseline (its IDF lacks the + 1 of the smoothed
-idf, and nothing in it takes the log of a term count), so the features are built in Spark SQL with the
-same formulas as scikit-learn's TfidfVectorizer: the terms in at least MIN_DF train texts, the
-MAX_FEATURES most frequent, weight (1 + ln tf) * (ln((1 + n) / (1 + df)) + 1), unit length. No Python runs
-on the executors but that reading. MLlib averages the loss over rows where scikit-learn sums it, so C becomes
+MLlib's own text stages differ from scikit-learn's standard baseline (its IDF lacks the + 1 of the smoothed idf,
+and nothing in it takes the log of a term count), so the tasks run scikit-learn's own analyzer and counts in
+Python (baseline/features.py: the driver path's vectorizer taken apart): the terms in at least MIN_DF train
+texts, the MAX_FEATURES most frequent, weight (1 + ln tf) * (ln((1 + n) / (1 + df)) + 1), unit length. That was
+Spark SQL before (a shuffle per (text, term) pair, and two more): 3-5x the time for the same vectors.
+
+C: scikit-learn fits the grid, warm-started along it as the driver path does, on at most GRID_TEXTS train and
+GRID_VAL_TEXTS val texts collected to the driver; below that line, on all of them, so the two paths choose the
+same C. Then MLlib fits that C on every train text, once (four fits of the whole split were most of the stage's
+time at 240,000 texts). MLlib averages the loss over rows where scikit-learn sums it, so C becomes
 regParam = 1 / (C * rows). Shards on a store this Spark has no Hadoop connector for (a run on s3:// from a
 standalone cluster) are read by the tasks with pyarrow (inputs/store_read.py).
 """
@@ -12,9 +18,21 @@ standalone cluster) are read by the tasks with pyarrow (inputs/store_read.py).
 from __future__ import annotations
 
 import time
+import warnings
 
+import numpy as np
+
+from torchloom.baseline import features
 from torchloom.baseline import model as baseline
 from torchloom.manifest import Manifest
+
+# C is chosen on at most this many train texts and val texts (the same ones every time: grid_sample), each C
+# fitted by scikit-learn on the driver; then the chosen C is fitted by MLlib on every train text, once.
+# 50,000 texts gave the C the whole split gives (docs/evaluation.md, "The baseline at scale").
+GRID_TEXTS = 50_000
+GRID_VAL_TEXTS = 50_000
+HASH_RANGE = 1 << 30
+SCALE_TOL = 1e-4
 
 
 def read_split(spark, manifest: Manifest, split: str):
@@ -34,55 +52,45 @@ def read_split(spark, manifest: Manifest, split: str):
     return df.select("text", "label_id")
 
 
-def term_counts(df):
-    """The texts with a doc id (df's columns and doc), and (doc, term, count) for their words and word bigrams."""
-    from pyspark.ml.feature import NGram, RegexTokenizer
+def vocabulary(train, n_docs: int) -> tuple[list[str], np.ndarray]:
+    """TfidfVectorizer's vocabulary of the train texts: the terms in MIN_DF texts or more, the MAX_FEATURES most
+    frequent (by total count, a tie by term), in term order; and their idf. The tasks count (term_stats), Spark
+    sums and ranks; only the chosen terms reach the driver."""
     from pyspark.sql import functions as F
 
-    docs = df.withColumn("doc", F.monotonically_increasing_id())
-    words = RegexTokenizer(inputCol="text", outputCol="words", pattern=baseline.SPARK_GAPS, gaps=True,
-                           minTokenLength=2, toLowercase=True).transform(docs)
-    grams = NGram(n=2, inputCol="words", outputCol="bigrams").transform(words)
-    terms = grams.select("doc", F.explode(F.concat("words", "bigrams")).alias("term"))
-    return docs, terms.groupBy("doc", "term").count()
+    stats = (train.select("text").mapInArrow(features.term_stats, features.STATS_SCHEMA)
+             .groupBy("term").agg(F.sum("df").alias("df"), F.sum("total").alias("total"))
+             .filter(F.col("df") >= baseline.MIN_DF))
+    top = stats.orderBy(F.desc("total"), "term").limit(baseline.MAX_FEATURES).select("term", "df").toArrow()
+    terms = top.column("term").to_pylist()
+    order = sorted(range(len(terms)), key=terms.__getitem__)
+    return [terms[i] for i in order], features.idf(top.column("df").to_numpy()[order], n_docs)
 
 
-def vocabulary(counts, n_docs: int):
-    """(term, index, idf): the train terms in MIN_DF texts or more, the MAX_FEATURES most frequent."""
-    from pyspark.sql import Window
-    from pyspark.sql import functions as F
+def vectors(df, vocab: tuple[list[str], np.ndarray], keep: tuple[str, ...] = ("label_id",)):
+    """df's `keep` columns and features, each text's vector (MLlib's sparse vector), computed by the tasks."""
+    from functools import partial
 
-    per_term = (counts.groupBy("term").agg(F.count("*").alias("df"), F.sum("count").alias("total"))
-                .filter(F.col("df") >= baseline.MIN_DF))
-    top = per_term.orderBy(F.desc("total"), "term").limit(baseline.MAX_FEATURES)
-    by_term = Window.partitionBy(F.lit(0)).orderBy("term")  # one partition: at most MAX_FEATURES rows
-    return top.select("term", (F.row_number().over(by_term) - 1).alias("index"),
-                      (F.log((1.0 + n_docs) / (1.0 + F.col("df"))) + 1.0).alias("idf"))
-
-
-def features(docs, counts, vocab, num_features: int):
-    """docs' columns but doc, and features: each text's sublinear TF-IDF vector at unit length, sparse; a
-    text with no known term gets the zero vector (as scikit-learn gives it)."""
     from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import functions as F
     from pyspark.sql import types as T
 
-    weighted = counts.join(F.broadcast(vocab), "term").select(
-        "doc", "index", ((1.0 + F.log("count")) * F.col("idf")).alias("w"))
-    per_doc = weighted.groupBy("doc").agg(F.sort_array(F.collect_list(F.struct("index", "w"))).alias("pairs"),
-                                          F.sqrt(F.sum(F.col("w") * F.col("w"))).alias("norm"))
-    rows = docs.join(per_doc, "doc", "left")
-    indices = F.coalesce(F.transform("pairs", lambda p: p["index"]), F.array().cast("array<int>"))
-    values = F.coalesce(F.transform("pairs", lambda p: p["w"] / F.col("norm")), F.array().cast("array<double>"))
-    # a vector column from arrays without a Python UDF: the vector type's own JSON form
-    sparse = F.struct(F.lit(0).cast("byte").alias("type"), F.lit(num_features).alias("size"),
-                      indices.alias("indices"), values.alias("values"))
-    schema = T.StructType([T.StructField("v", VectorUDT())])
-    vector = F.from_json(F.to_json(F.struct(sparse.alias("v"))), schema)["v"]
-    return rows.select(*[c for c in docs.columns if c != "doc"], vector.alias("features"))
+    fields = {f.name: f for f in df.schema.fields}
+    schema = T.StructType([fields[k] for k in keep] + [T.StructField("features", VectorUDT())])
+    terms, idf = vocab
+    return df.mapInArrow(partial(features.feature_batches, terms=terms, idf=idf, keep=keep), schema)
 
 
-def classifier(c: float, rows: int, num_labels: int):
+def grid_sample(df, rows: int, limit: int):
+    """At most about `limit` of df's rows, the same ones on every run and engine: those whose text hashes below
+    limit / rows of the range (all of them where rows <= limit)."""
+    from pyspark.sql import functions as F
+
+    if rows <= limit:
+        return df
+    return df.filter(F.pmod(F.xxhash64("text"), F.lit(HASH_RANGE)) < int(HASH_RANGE * limit / rows))
+
+
+def classifier(c: float, rows: int, num_labels: int, tol: float = baseline.TOL):
     from pyspark.ml.classification import LogisticRegression
 
     # scikit-learn's C sums the loss over rows; MLlib averages it: regParam = 1 / (C * rows). Two classes:
@@ -90,7 +98,7 @@ def classifier(c: float, rows: int, num_labels: int):
     return LogisticRegression(featuresCol="features", labelCol="label_id",
                               family="binomial" if num_labels == 2 else "multinomial",
                               regParam=1.0 / (c * max(1, rows)), elasticNetParam=0.0, standardization=False,
-                              maxIter=baseline.MAX_ITER, tol=baseline.TOL)
+                              maxIter=baseline.MAX_ITER, tol=tol)
 
 
 def confusion(model, feats, k: int) -> list[list[int]]:
@@ -101,35 +109,66 @@ def confusion(model, feats, k: int) -> list[list[int]]:
     return matrix
 
 
+def collected(df, vocab) -> tuple[object, np.ndarray]:
+    """df's texts as a CSR matrix on the driver, and their label ids."""
+    table = vectors(df, vocab).toArrow()
+    return features.as_csr(table, len(vocab[0])), table.column("label_id").to_numpy().astype(np.int64)
+
+
+def choose_c_on_sample(train, val, vocab, rows: tuple[int, int]) -> tuple[float, list, dict[str, int]]:
+    """C by val accuracy as the driver path chooses it (scikit-learn along the grid, warm-started), on at most
+    GRID_TEXTS train and GRID_VAL_TEXTS val texts collected to the driver: (C, the grid, the texts it saw)."""
+    from threadpoolctl import threadpool_limits
+
+    from torchloom.baseline import driver
+
+    x, y = collected(grid_sample(train, rows[0], GRID_TEXTS), vocab)
+    x_val, y_val = collected(grid_sample(val, rows[1], GRID_VAL_TEXTS), vocab)
+    with threadpool_limits(limits=1, user_api="blas"):  # as the driver path fits (baseline/driver.py)
+        c, _, grid = baseline.choose_c(driver.grid_fitter(x, y),
+                                       lambda model: float(np.mean(model.predict(x_val) == y_val)))
+    return c, grid, {"train": x.shape[0], "val": x_val.shape[0]}
+
+
 def fit(spark, manifest: Manifest, splits: list[str]) -> baseline.Fitted:
-    """Fit on train, C chosen on val; the chosen model's confusion matrix on each of `splits`."""
+    """Fit on train with C chosen on val (on a sample of both past GRID_TEXTS); the model's confusion matrix on
+    each of `splits`."""
+    with warnings.catch_warnings():
+        # mapInArrow checks the pandas version on every call and warns about pandas 3 each time; nothing here
+        # uses pandas
+        warnings.filterwarnings("ignore", "PySpark does not yet fully support pandas", FutureWarning)
+        return _fit(spark, manifest, splits)
+
+
+def _fit(spark, manifest: Manifest, splits: list[str]) -> baseline.Fitted:
     started = time.perf_counter()
     rows, k = baseline.train_texts(manifest), manifest.num_labels
     cached = []
-
-    def keep(df):
-        cached.append(df.cache())
-        return df
-
     try:
-        docs, counts = term_counts(read_split(spark, manifest, "train"))
-        vocab = keep(vocabulary(keep(counts), rows))
-        num_features = vocab.count()
-        feats = {"train": keep(features(docs.select("doc", "label_id"), counts, vocab, num_features))}
-        for split in dict.fromkeys(["val", *splits]):
-            if split != "train" and (split != "val" or baseline.has_val(manifest)):
-                docs, counts = term_counts(read_split(spark, manifest, split))
-                feats[split] = keep(features(docs.select("doc", "label_id"), counts, vocab, num_features))
-
-        def val_accuracy(model) -> float:
-            matrix = confusion(model, feats["val"], k)
-            return sum(matrix[i][i] for i in range(k)) / max(1, sum(map(sum, matrix)))
-
-        c, model, grid = baseline.choose_c(lambda c: classifier(c, rows, k).fit(feats["train"]),
-                                           val_accuracy if "val" in feats else None)
-        fit_s = time.perf_counter() - started
-        return baseline.Fitted(engine="spark", c=c, grid=grid, num_features=num_features, fit_s=fit_s,
-                               confusion={s: confusion(model, feats[s], k) for s in splits})
+        train = read_split(spark, manifest, "train")
+        vocab = vocabulary(train, rows)
+        num_features = len(vocab[0])
+        if baseline.has_val(manifest):
+            val_rows = manifest.split("val").documents or manifest.split("val").rows
+            c, grid, sample = choose_c_on_sample(train, read_split(spark, manifest, "val"), vocab, (rows, val_rows))
+            sample = sample if rows > GRID_TEXTS or val_rows > GRID_VAL_TEXTS else {}
+        else:
+            c, grid, sample = baseline.DEFAULT_C, [], {}
+        feats = cached_vectors(train, vocab, cached)
+        # past the sample, the one fit over every train text stops at SCALE_TOL (docs/evaluation.md: the iterations
+        # it spares, the predictions it keeps); within it, at the driver path's optimum
+        model = classifier(c, rows, k, tol=baseline.TOL if rows <= GRID_TEXTS else SCALE_TOL).fit(feats)
+        matrices = {split: confusion(model, feats if split == "train" else
+                                     cached_vectors(read_split(spark, manifest, split), vocab, cached), k)
+                    for split in splits}
+        return baseline.Fitted(engine="spark", c=c, grid=grid, num_features=num_features, confusion=matrices,
+                               fit_s=time.perf_counter() - started, grid_sample=sample)
     finally:
         for df in cached:
             df.unpersist()
+
+
+def cached_vectors(df, vocab, cached: list):
+    """df's label ids and vectors (MLlib's input), cached (and recorded in `cached`, for the caller to let go)."""
+    cached.append(vectors(df, vocab).cache())
+    return cached[-1]
