@@ -1,13 +1,15 @@
 """The baseline at scale: what the Spark baseline costs against prepare, and how close it is to scikit-learn.
 
-    .venv/bin/python benchmarks/baseline_scale.py [--sizes 100000,300000] [--driver-up-to 300000] [--workdir DIR]
-                                                  [--no-write]
+    .venv/bin/python benchmarks/baseline_scale.py [--sizes 100000,300000] [--driver-up-to 300000]
+                                                  [--vocab-texts N] [--workdir DIR] [--no-write]
 
 For each size N, one after the other on this machine, from the same moment each:
 1. N rows of generated text (benchmarks/scale.make_csv: 5 labels, 4-64 words) and `torchloom prepare` with every
    default but `--eval.baseline false` (a subprocess): prepare's own time, the reference;
 2. the Spark baseline on the prepared rows (baseline.fit_and_score, engine spark, local[*], a subprocess): C chosen
    on a sample of GRID_TEXTS train and GRID_VAL_TEXTS val texts past them, then one MLlib fit on every train text;
+2b. with --vocab-texts N, the Spark baseline again with its vocabulary and idf counted on N train texts (VOCAB_TEXTS,
+   1,000,000 by default, set lower to see at a size this machine can run what counting on a sample costs and keeps);
 3. the driver's scikit-learn baseline on the same rows (engine driver, the whole grid on every train text, a
    subprocess), at sizes up to --driver-up-to.
 Each: wall seconds, its ratio to prepare's, the peak resident memory of the process and its children (sampled
@@ -42,6 +44,9 @@ import json, sys, time
 from torchloom import baseline
 from torchloom.manifest import read
 m, engine = read(sys.argv[1]), sys.argv[2]
+if len(sys.argv) > 3:
+    from torchloom.baseline import spark as baseline_spark
+    baseline_spark.VOCAB_TEXTS = int(sys.argv[3])
 spark = None
 if engine == "spark":
     from torchloom.config.schema import PrepareConfig
@@ -52,6 +57,7 @@ started = time.perf_counter()
 r = baseline.fit_and_score(spark, m, ["val", "test"], engine=engine)
 seconds = time.perf_counter() - started
 print(json.dumps({"seconds": seconds, "C": r["C"], "C_from": r["C_from"], "features": r["num_features"],
+                  "vocabulary_texts": r.get("vocabulary_texts", r["train_rows"]),
                   "val": r["splits"]["val"]["accuracy"], "test": r["splits"]["test"]["accuracy"]}))
 """
 
@@ -74,8 +80,9 @@ def watched(cmd: list[str]) -> tuple[float, float, str]:
     return seconds, peak, "".join(out)
 
 
-def baseline_run(data: Path, engine: str) -> dict:
-    seconds, peak, out = watched([sys.executable, "-c", CHILD, str(data), engine])
+def baseline_run(data: Path, engine: str, vocab_texts: int = 0) -> dict:
+    seconds, peak, out = watched([sys.executable, "-c", CHILD, str(data), engine,
+                                  *([str(vocab_texts)] if vocab_texts else [])])
     result = json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
     return {**result, "wall_s": seconds, "peak_mb": peak}
 
@@ -92,6 +99,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="100000,300000")
     p.add_argument("--driver-up-to", type=int, default=300_000)
+    p.add_argument("--vocab-texts", type=int, default=0,
+                   help="also the Spark baseline with its vocabulary counted on this many train texts (VOCAB_TEXTS)")
     p.add_argument("--workdir", help="where the data goes (default: a temporary directory, removed after)")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args()
@@ -108,10 +117,10 @@ def main() -> None:
                                         "--tracking.enabled", "false"])
             r = {"rows": n, "prepare": {"wall_s": seconds, "peak_mb": peak}}
             print(f"{n:>9,} rows: prepare {seconds:.0f} s", flush=True)
-            for engine in ("spark", "driver"):
-                if engine == "driver" and n > a.driver_up_to:
+            for engine in ("spark", "spark-vocab", "driver"):
+                if (engine == "driver" and n > a.driver_up_to) or (engine == "spark-vocab" and not a.vocab_texts):
                     continue
-                r[engine] = baseline_run(run / "data", engine)
+                r[engine] = baseline_run(run / "data", engine.split("-")[0], a.vocab_texts * (engine != "spark"))
                 print(f"{n:>9,} rows: {engine} baseline {r[engine]['wall_s']:.0f} s, C={r[engine]['C']:g},"
                       f" test {r[engine]['test']:.4f}", flush=True)
             results.append(r)
@@ -137,9 +146,11 @@ def report(results: list[dict], started_at: datetime) -> str:
         ref = r["prepare"]["wall_s"]
         lines.append(f"| {r['rows']:,} | prepare (the reference) | {ref:.0f} | 1.00 | {r['prepare']['peak_mb']:.0f}"
                      " | | | |")
-        for engine, name in (("spark", "Spark baseline"), ("driver", "scikit-learn on the driver")):
+        for engine, name in (("spark", "Spark baseline"), ("spark-vocab", "Spark baseline, vocabulary counted on"),
+                             ("driver", "scikit-learn on the driver")):
             if engine in r:
                 e = r[engine]
+                name += f" {e['vocabulary_texts']:,} train texts" if engine == "spark-vocab" else ""
                 lines.append(f"| {r['rows']:,} | {name} | {e['wall_s']:.0f} | {e['wall_s'] / ref:.2f} |"
                              f" {e['peak_mb']:.0f} | {e['C']:g} ({e['C_from']}) | {e['val']:.4f} | {e['test']:.4f} |")
         if "driver" in r:

@@ -233,7 +233,8 @@ def test_the_tasks_features_are_scikit_learns(monkeypatch):
 @pytest.mark.slow
 def test_past_the_grid_line_c_is_chosen_on_a_sample_and_every_train_text_fitted(spark, topics, monkeypatch):
     """Past GRID_TEXTS the Spark path chooses C on a sample (the same texts every time, about GRID_TEXTS of them),
-    says so, and fits that C on every train text; its vocabulary keeps the MAX_FEATURES most frequent terms."""
+    says so, and fits that C on every train text; past VOCAB_TEXTS the vocabulary is counted on a sample, and said;
+    the vocabulary keeps the MAX_FEATURES most frequent terms."""
     from sklearn.feature_extraction.text import CountVectorizer
 
     from torchloom import baseline
@@ -255,6 +256,13 @@ def test_past_the_grid_line_c_is_chosen_on_a_sample_and_every_train_text_fitted(
     assert "chosen on val, on a sample" in baseline.summary_line(sampled)
     assert sum(map(sum, sampled["splits"]["test"]["confusion_matrix"])) == 400  # every test text scored
     assert abs(sampled["splits"]["test"]["accuracy"] - driver["splits"]["test"]["accuracy"]) <= 0.05
+    assert "vocabulary_texts" not in sampled and "counted on" not in baseline.summary_line(sampled)
+
+    monkeypatch.setattr(baseline_spark, "VOCAB_TEXTS", 250)
+    counted = baseline.fit_and_score(spark, topics, ["test"], engine="spark")
+    assert 170 <= counted["vocabulary_texts"] <= 330 and counted["num_features"] < sampled["num_features"]
+    assert f"counted on {counted['vocabulary_texts']:,} train texts" in baseline.summary_line(counted)
+    assert abs(counted["splits"]["test"]["accuracy"] - driver["splits"]["test"]["accuracy"]) <= 0.08
 
     monkeypatch.setattr(baseline_model, "MAX_FEATURES", 30)
     terms, _ = baseline_spark.vocabulary(train, 400)

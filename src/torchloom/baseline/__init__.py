@@ -119,7 +119,8 @@ def summary_line(result: dict[str, Any]) -> str:
         chosen = f"C={result['C']:g} chosen on {on} (val {'micro-F1' if 'micro' in key else 'accuracy'} by C: {grid})"
     else:
         chosen = f"C={result['C']:g}, the default: no val rows to choose on"
-    return f"{scored}; {chosen}; {result['num_features']} features ({result['seconds']:.0f} s)"
+    counted = f" (counted on {result['vocabulary_texts']:,} train texts)" if result.get("vocabulary_texts") else ""
+    return f"{scored}; {chosen}; {result['num_features']} features{counted} ({result['seconds']:.0f} s)"
 
 
 def c_from(fitted: Fitted) -> str:
@@ -156,6 +157,7 @@ def fit_and_score(spark, manifest: Manifest, splits: list[str], engine: str = "a
         "engine": fitted.engine, "C": fitted.c,
         "C_from": c_from(fitted),
         "grid": fitted.grid, "train_rows": train_texts(manifest), "num_features": fitted.num_features,
+        **({"vocabulary_texts": fitted.vocabulary_texts} if fitted.vocabulary_texts else {}),
         "fit_s": round(fitted.fit_s, 2), "seconds": round(time.perf_counter() - started, 2),
         "splits": fitted.metrics or {split: scores(m) for split, m in fitted.confusion.items()},
         **({"task": "multi_label", "thresholds": next(iter(fitted.metrics.values()))["thresholds"]}

@@ -40,6 +40,7 @@ class Fitted:
     lexical: Any = None  # the chosen model as plain arrays (lexical.Lexical), where its path can give them
     metrics: dict[str, dict[str, Any]] = field(default_factory=dict)  # multi-label: per scored split
     grid_sample: dict[str, int] = field(default_factory=dict)  # C chosen on a sample: its train and val texts
+    vocabulary_texts: int = 0  # the train texts the vocabulary and idf were counted on, where not all of them
 
 
 def train_texts(manifest: Manifest) -> int:
