@@ -172,6 +172,36 @@ def test_json_holds_every_strategy_and_the_text_table_prints(capsys):
     assert "recommendation:" in text and "pipeline P" in text and "parameter server" in text
 
 
+def test_the_stages_around_training_follow_their_measurements_and_say_where_they_are_extrapolated(capsys):
+    """prepare and the baseline: the line through their two measured sizes (both points given back exactly), the
+    rows' part shared by the cores, "measured" only between the sizes on the measuring machine's cores; evaluate
+    stops growing with the rows once prepare caps the held-out splits."""
+    from torchloom.etl.heldout import HELDOUT_ROWS
+    from torchloom.plan import stages
+
+    for m in (stages.PREPARE, stages.BASELINE):
+        for rows, seconds in (m.small, m.large):
+            here = stages.scaled(m, rows, m.cores)
+            assert here.seconds == pytest.approx(seconds) and here.how.startswith("measured"), here
+        far, wide = stages.scaled(m, 100_000_000, m.cores), stages.scaled(m, 100_000_000, 8 * m.cores)
+        assert far.how.startswith("extrapolated") and "scaled to" in wide.how
+        assert wide.seconds - m.fixed_s == pytest.approx((far.seconds - m.fixed_s) / 8)
+        assert m.per_row_s > 0 and m.fixed_s >= 0
+    assert stages.heldout_rows(10_000) == 1_000
+    assert stages.heldout_rows(10**7) == stages.heldout_rows(10**8) == HELDOUT_ROWS
+
+    out = plan_json(capsys, "--model", "minilm-l6", "--rows", "100000000", "--spark-cores", "64")
+    by = {st["stage"]: st for st in out["stages"]}
+    assert list(by) == ["prepare", "baseline", "evaluate"]
+    assert all("extrapolated" in by[s]["how"] and "64 cores" in by[s]["how"] for s in ("prepare", "baseline"))
+    small = {st["stage"]: st for st in plan_json(capsys, "--model", "minilm-l6", "--rows", "10000000")["stages"]}
+    assert by["evaluate"]["seconds"] == pytest.approx(small["evaluate"]["seconds"])  # the same capped splits
+    assert command.main(["--model", "minilm-l6", "--rows", "100000000"]) == 0
+    text = capsys.readouterr().out
+    assert "the stages around training, for 100,000,000 rows" in text and "memory: driver" in text
+    assert command.main(["--spark-cores", "0"]) == 2 and "--spark-cores 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, mentions", [
     (["--model", "no-such-model"], "--model no-such-model"),
     (["--model", "/no/such/dir"], "no such directory"),

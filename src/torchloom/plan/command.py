@@ -9,7 +9,7 @@ import sys
 from dataclasses import replace
 
 from torchloom.errors import OneLineArgs, UserError, one_line
-from torchloom.plan import advice, estimate, hardware, models, report
+from torchloom.plan import advice, estimate, hardware, models, report, stages
 
 EPILOG = """\
 examples:
@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     _data_arguments(p.add_argument_group("data and parallelism"))
     g = p.add_argument_group("engine advice")
     g.add_argument("--have-spark", action="store_true", help="an existing Spark cluster runs your ETL")
+    g.add_argument("--spark-cores", metavar="N", type=int,
+                   help="cores of the Spark that runs prepare and the baseline, for their estimates (default: this"
+                        " machine's)")
     g.add_argument("--have-ray", action="store_true", help="an existing Ray cluster")
     g.add_argument("--tuning", action="store_true", help="many trainings: hyper-parameter search")
     g.add_argument("--serving", action="store_true", help="the model will be served online")
@@ -106,7 +109,7 @@ def positive(name: str, value) -> None:
 def validate(args: argparse.Namespace) -> None:
     for flag in ("num_labels", "seq", "micro_batch", "grad_accum", "rows", "mean_tokens", "epochs", "memory_gib",
                  "tflops", "mfu", "mem_bw", "intra_bw", "inter_bw", "headroom", "pipeline_microbatches",
-                 "calibrate_steps"):
+                 "calibrate_steps", "spark_cores"):
         positive("--" + flag.replace("_", "-"), getattr(args, flag))
     for flag in ("mfu", "headroom"):
         if getattr(args, flag) is not None and getattr(args, flag) > 1:
@@ -195,12 +198,13 @@ def plan(args: argparse.Namespace) -> int:
     strategies = estimate.estimate(job)
     site = advice.Site(have_spark=args.have_spark, have_ray=args.have_ray, tuning=args.tuning, serving=args.serving)
     adv = advice.advise(job, strategies, site)
+    around = stages.stages(job, args.spark_cores or os.cpu_count() or 1)
     measured = against_run(args, strategies) if args.run else None
     if args.json:
-        print(json.dumps({**report.to_json(job, strategies, adv), **({"measured": measured} if measured else {})},
-                         indent=2))
+        extra = {"measured": measured} if measured else {}
+        print(json.dumps({**report.to_json(job, strategies, adv, around), **extra}, indent=2))
     else:
-        print(report.render(job, strategies, adv))
+        print(report.render(job, strategies, adv, around))
         if measured:
             print(f"measured: the run trained at {measured['samples_per_s']:,.1f} samples/s with {measured['strategy']}"
                   f" (train_result.json); this estimate {measured['estimated_samples_per_s']:,.1f}: the estimate is"

@@ -183,7 +183,7 @@ def parameter_server(job: Job) -> dict:
 # -- the strategies -----------------------------------------------------------------------------------
 
 
-def _rate(job: Job) -> float:
+def device_rate(job: Job) -> float:
     """FLOP/s one device sustains in forward + backward."""
     return job.cluster.flops(job.precision) * (job.mfu or job.cluster.device.mfu)
 
@@ -230,7 +230,7 @@ def data_parallel(job: Job, name: str) -> Strategy:
     st.activations_bytes = activation_bytes(job, b, m.layers, ckpt)
     st.max_micro_batch = _max_micro_batch(st, job, lambda bb: activation_bytes(job, bb, m.layers, ckpt))
 
-    rate = _rate(job)
+    rate = device_rate(job)
     st.flops_per_step = a * b * training_flops_per_sequence(job) * (4 / 3 if ckpt else 1)
     st.compute_s = st.flops_per_step / rate
     micro = st.compute_s / a
@@ -297,7 +297,7 @@ def pipeline(job: Job, stages: int) -> Strategy:
     st.max_micro_batch = _max_micro_batch(
         st, job, lambda bb: in_flight * activation_bytes(job, bb, layers, checkpointed=False))
 
-    rate = _rate(job)
+    rate = device_rate(job)
     flops_micro = b * training_flops_per_sequence(job) * layers / m.layers  # the busiest stage
     st.flops_per_step = micro_batches * flops_micro
     st.compute_s = st.flops_per_step / rate

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from torchloom.plan.advice import Advice
 from torchloom.plan.estimate import Job, Strategy, parameter_server, training_flops_per_sequence
 from torchloom.plan.models import count_params
+from torchloom.plan.stages import StageEstimate
 
 GIB = 2**30
 
@@ -114,10 +115,20 @@ def time_table(job: Job, strategies: list[Strategy]) -> list[str]:
     return lines
 
 
-def render(job: Job, strategies: list[Strategy], advice: Advice) -> str:
+def stages_table(job: Job, around: list[StageEstimate]) -> list[str]:
+    lines = [f"the stages around training, for {job.rows:,} rows of data (--rows; prepare caps the held-out splits)"]
+    for st in around:
+        lines.append(f"  {st.stage:<10}{duration(st.seconds):>9}  {st.how}")
+        lines.append(f"  {'':<10}{'':>9}  memory: {st.memory}")
+    return lines
+
+
+def render(job: Job, strategies: list[Strategy], advice: Advice, around: list[StageEstimate] | None = None) -> str:
     ps = parameter_server(job)
     n = job.cluster.devices
     lines = [*header(job), "", *memory_table(job, strategies), "", *time_table(job, strategies), ""]
+    if around:
+        lines += [*stages_table(job, around), ""]
     pipe = next((s for s in strategies if s.name == "pipeline" and s.applicable), None)
     if pipe:
         pp = pipe.pipeline
@@ -140,7 +151,8 @@ def render(job: Job, strategies: list[Strategy], advice: Advice) -> str:
     return "\n".join(lines)
 
 
-def to_json(job: Job, strategies: list[Strategy], advice: Advice) -> dict:
+def to_json(job: Job, strategies: list[Strategy], advice: Advice, around: list[StageEstimate] | None = None
+            ) -> dict:
     pc = count_params(job.model)
     c = job.cluster
     out_strategies = []
@@ -163,5 +175,6 @@ def to_json(job: Job, strategies: list[Strategy], advice: Advice) -> dict:
         "strategies": out_strategies,
         "parameter_server": parameter_server(job),
         "recommendation": asdict(advice),
+        "stages": [asdict(st) for st in around or []],
         "assumptions": ASSUMPTIONS,
     }
