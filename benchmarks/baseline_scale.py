@@ -14,7 +14,8 @@ For each size N, one after the other on this machine, from the same moment each:
    subprocess), at sizes up to --driver-up-to.
 Each: wall seconds, its ratio to prepare's, the peak resident memory of the process and its children (sampled
 every 0.2 s), the chosen C, and the val and test accuracy. Prints one table with the machine and the date, and
-writes it to docs/benchmarks.md under '## The baseline at scale' (replacing only that section).
+writes it to docs/benchmarks.md under '## The baseline at scale' (replacing only that section, the prose under
+its table too: keep that in the commit that records a new run).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def main() -> None:
     text = report(results, started_at)
     print("\n" + text)
     if not a.no_write:
-        write_section(text)
+        scale.write_section(text, SECTION)
 
 
 def report(results: list[dict], started_at: datetime) -> str:
@@ -157,19 +158,6 @@ def report(results: list[dict], started_at: datetime) -> str:
             lines.append(f"| {r['rows']:,} | Spark - scikit-learn, test accuracy | | | | | |"
                          f" {100 * (r['spark']['test'] - r['driver']['test']):+.2f} pt |")
     return "\n".join(lines)
-
-
-def write_section(text: str) -> None:
-    path = ROOT / "docs" / "benchmarks.md"
-    doc = path.read_text()
-    body = f"{SECTION}\n\n{text}\n"
-    if SECTION in doc:
-        start = doc.index(SECTION)
-        end = doc.find("\n## ", start + len(SECTION))
-        doc = doc[:start] + body + (doc[end:] if end != -1 else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + body
-    path.write_text(doc)
 
 
 if __name__ == "__main__":

@@ -260,17 +260,17 @@ def report(results: list[dict], started_at: datetime) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str) -> None:
+def write_section(text: str, title: str = "## Scale") -> None:
+    """docs/benchmarks.md's section `title` replaced by text (only it), or added at the end."""
     path = ROOT / "docs" / "benchmarks.md"
     doc = path.read_text()
-    section = f"## Scale\n\n{text}\n"
-    if "## Scale\n" in doc:
-        doc = re.sub(r"## Scale\n.*?(?=\n## |\Z)", lambda _: section, doc, count=1, flags=re.S)
+    section = f"{title}\n\n{text}\n"
+    if f"{title}\n" in doc:
+        doc = re.sub(rf"{re.escape(title)}\n.*?(?=\n## |\Z)", lambda _: section, doc, count=1, flags=re.S)
     else:
         doc = doc.rstrip("\n") + "\n\n" + section
     path.write_text(doc)
     print(f"written to {path}")
-
 
 if __name__ == "__main__":
     main()
