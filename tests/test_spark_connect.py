@@ -113,12 +113,14 @@ def test_run_through_spark_connect_prepares_on_the_server_and_trains(server, tmp
     proc = torchloom(["run", "--data.path", str(data), "--data.text_column", "body", "--data.label_column", "topic",
                       "--engine.name", "spark", "--prepare.spark_master", server, "--engine.workers", "2",
                       "--engine.device", "cpu", "--model.path", model, "--output.dir", str(rd),
-                      "--tracking.enabled", "false", "--train.epochs", "1"], tmp_path)
+                      "--tracking.enabled", "false", "--train.epochs", "1", "--eval.baseline_engine", "spark"],
+                     tmp_path)
     assert "61 rows read, 1 set aside (null_text 1)" in proc.stderr, proc.stderr[-3000:]
     assert (rd / "model").is_dir() and (rd / "report.md").is_file()
-    # the MLlib baseline ran on the Connect server too, on the same test rows
+    # the MLlib baseline ran on the Connect server too (its features in the server's tasks), on the same test rows
     report = json.loads((rd / "report.json").read_text())
     assert report["baseline"]["n"] == report["metrics"]["n"] > 0
+    assert json.loads((rd / "baseline.json").read_text())["engine"] == "spark"
 
 
 def test_a_conf_the_connect_server_owns_is_one_line(server, setup, tmp_path):

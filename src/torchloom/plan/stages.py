@@ -44,10 +44,10 @@ PREPARE = Measured(
     "driver 186-191 MB at 1 M to 10 M rows (flat); Spark 3.8-6.7 GB (its heap, bounded by spark.driver.memory"
     " in local mode, by the executors' memory on a cluster)")
 BASELINE = Measured(
-    "baseline", (300_000, 135.0), (1_000_000, 249.0), 2,
+    "baseline", (1_000_000, 214.0), (3_000_000, 359.0), 2,
     "Intel Xeon 2 cores, 2026-12-03, 'The baseline at scale' (benchmarks/baseline_scale.py)",
-    "driver and Spark 4.3-4.7 GB together at 300 k to 1 M rows; the driver holds at most 50,000 + 50,000 texts'"
-    " vectors for the grid and the 300,000-term vocabulary")
+    "driver and Spark 5.4-7.1 GB together at 1 M to 3 M rows (Spark's heap, bounded by its configuration); the"
+    " driver holds at most 50,000 + 50,000 texts' vectors for the grid and the 300,000-term vocabulary")
 
 
 @dataclass
