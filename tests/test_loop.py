@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import time
 
 import pytest
 from support.command import torchloom
@@ -164,6 +165,7 @@ def test_a_shift_fed_back_is_retrained_gated_shadowed_ramped_and_promoted(champi
         assert all(a == y for _, a, y in predict(s, texts_of(NEW, 20, 9000, rng)))  # the new words, learnt
         # the watch: the new champion's limits for --watch-hours (1 by default), then kept
         assert "watching topics-r1 for 60 min more: 1 requests, 0 failed, no limit breached" in loop(s, tmp_path)
+        time.sleep(0.5)  # past a watch of 0.0001 h (0.36 s) since the promotion, however fast the steps came
         assert "topics-r1 kept after 0.0001 h" in loop(s, tmp_path, "--watch-hours", "0.0001")
         shown = timeline_in_chromium(s, tmp_path, "watched")
         assert shown[0].startswith("watched") and "topics-r1 kept after" in shown[0], shown
