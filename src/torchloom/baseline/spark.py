@@ -165,8 +165,9 @@ def _fit(spark, manifest: Manifest, splits: list[str]) -> baseline.Fitted:
         # past the sample, the one fit over every train text stops at SCALE_TOL (docs/evaluation.md: the iterations
         # it spares, the predictions it keeps); within it, at the driver path's optimum
         model = classifier(c, rows, k, tol=baseline.TOL if rows <= GRID_TEXTS else SCALE_TOL).fit(feats)
+        # each other split is scored once: vectorised as it is read, not cached
         matrices = {split: confusion(model, feats if split == "train" else
-                                     cached_vectors(read_split(spark, manifest, split), vocab, cached), k)
+                                     vectors(read_split(spark, manifest, split), vocab), k)
                     for split in splits}
         return baseline.Fitted(engine="spark", c=c, grid=grid, num_features=num_features, confusion=matrices,
                                fit_s=time.perf_counter() - started, grid_sample=sample,
