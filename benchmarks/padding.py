@@ -68,7 +68,7 @@ def test_accuracy(rd: Path, step: int) -> float:
     import numpy as np
     import torch
 
-    from torchloom.data.loader import eval_batches
+    from torchloom.data.eval_rows import eval_batches
     from torchloom.embedded import model_path
     from torchloom.manifest import read
     from torchloom.model.build import build_classifier
@@ -160,7 +160,7 @@ def inference_padding(corpus: str, source: Path) -> None:
     scoring), which sorts texts by length and cuts forwards at 32 rows (and, on a CPU, 1,024 padded tokens)."""
     from types import SimpleNamespace
 
-    from torchloom.data.loader import eval_batches
+    from torchloom.data.eval_rows import eval_batches
     from torchloom.data.packing import pack_batch
     from torchloom.manifest import read
     from torchloom.model.predict import CPU_FORWARD_TOKENS, Predictor

@@ -1125,3 +1125,22 @@ def test_predict_with_two_models_compares_them_on_a_labelled_file(finished_run, 
                       "--text-column", "body", "--output", str(tmp_path / "x.parquet"))
     assert again.returncode == 2 and "Traceback" not in again.stderr
     assert "with two models the comparison goes to --report" in again.stderr
+
+
+def test_evaluate_and_the_mix_scored_by_spark_tasks_give_the_run_s_numbers(finished_run, tmp_path):
+    # the run scored test (evaluate) and val (export's mix) in one process; Spark tasks give the same numbers
+    import shutil
+
+    rd = tmp_path / "copy"
+    shutil.copytree(finished_run[0], rd)
+    before = json.loads((rd / "report.json").read_text())
+    shipped = json.loads((rd / "model" / "torchloom.json").read_text())
+    for command in ("export", "evaluate"):
+        proc = torchloom(command, "--output.dir", str(rd), "--eval.score_with", "spark",
+                         "--prepare.spark_master", "local[2]", timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert f"{command}: scoring {'val' if command == 'export' else 'test'}'s " in proc.stderr, proc.stderr
+    after = json.loads((rd / "report.json").read_text())
+    for key in ("accuracy", "macro_f1", "loss", "ece", "confusion_matrix", "per_class", "n"):
+        assert after["metrics"][key] == before["metrics"][key], key
+    assert json.loads((rd / "model" / "torchloom.json").read_text()).get("combine") == shipped.get("combine")

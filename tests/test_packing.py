@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from torchloom.config import build
-from torchloom.data.loader import ShardedLoader, eval_batches
+from torchloom.data.eval_rows import eval_batches
+from torchloom.data.loader import ShardedLoader
 from torchloom.data.packing import first_fit, pack_batch
 from torchloom.data.synthetic import write_synthetic_dataset
 from torchloom.errors import UserError

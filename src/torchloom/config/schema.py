@@ -153,6 +153,11 @@ class EvalConfig:
     # the classical baseline's path: scikit-learn on the driver, Spark MLlib, or auto (the driver up to 200k
     # train texts / 50 MB of text, Spark beyond)
     baseline_engine: str = field(default="auto", metadata=choices("auto", "driver", "spark"))
+    # who scores eval.split (and export's val split for the mix): this process, Spark tasks over the prepared split
+    # (the model sent to every executor; evaluate/spark_scoring.py), or auto: Spark where the run trains on Spark
+    # and the split has more than spark_rows rows. The numbers are the same either way.
+    score_with: str = field(default="auto", metadata=choices("auto", "process", "spark"))
+    spark_rows: int = field(default=250_000, metadata={"min": 0})
 
 
 @dataclass

@@ -415,36 +415,3 @@ def _for_the_device(batches: Iterator[Batch], device: int | None, multiple: int,
             yield {k: v.pin_memory() for k, v in b.items()} if device is not None else b
     finally:
         batches.close()  # its readers now, not whenever it is collected
-
-
-def _eval_batches(uris: list[str], groups: list[RowGroup], start: int, sizes: np.ndarray, pad_id: int
-                  ) -> Iterator[Batch]:
-    reader = RangeReader(uris, groups, [(start, start + int(sizes.sum()))])
-    try:
-        for size in sizes:
-            yield collate(Rows.from_table(reader.read(start, start + int(size))), pad_id)
-            start += int(size)
-    finally:
-        reader.close()
-
-
-def eval_batches(manifest: Manifest, split: str, rank: int, world_size: int, batch_size: int, *,
-                 pad_id: int = 0) -> Iterator[Batch]:
-    """Rank `rank`'s contiguous share of `split` in manifest order, unshuffled, for evaluation.
-
-    Batches have batch_size rows, the last may be smaller, and ranks may get different numbers of
-    batches (or none, when the split has fewer rows than ranks): evaluation needs no collective per
-    batch. Same dict format as ShardedLoader.
-    """
-    if batch_size < 1:
-        raise UserError(f"batch_size {batch_size}: must be >= 1")
-    uris, groups = split_row_groups(manifest, split)
-    start, count = rank_range(manifest.split(split).rows, world_size, rank)
-    sizes = np.full(math.ceil(count / batch_size), batch_size, np.int64)
-    if len(sizes):
-        sizes[-1] = count - (len(sizes) - 1) * batch_size
-    ahead = ReadAhead(_eval_batches(uris, groups, start, sizes, pad_id), max_ahead=max(1, 4096 // batch_size))
-    try:
-        yield from ahead
-    finally:
-        ahead.close()

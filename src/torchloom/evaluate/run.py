@@ -6,9 +6,10 @@ import numpy as np
 import torch
 
 from torchloom.config import Config
-from torchloom.data.loader import eval_batches
+from torchloom.data.eval_rows import range_batches
 from torchloom.data.packing import pack_batch
 from torchloom.data.texts import texts_at, to_documents
+from torchloom.errors import UserError
 from torchloom.machine import usable_cores
 from torchloom.manifest import Manifest
 from torchloom.model.device import choose_precision
@@ -17,38 +18,67 @@ from torchloom.model.packing import check_packing
 from torchloom.scoring import classification_metrics
 
 
-def score_split(cfg: Config, model_dir: str, manifest: Manifest) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def score_split(cfg: Config, model_dir: str, manifest: Manifest, spark=None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Probabilities, labels and file positions of eval.split's texts, in eval.precision (by default what
     `serve` answers with on this device). With truncation chunks, a text is the mean of its windows' logits
     and its position is its first window's."""
     from transformers import AutoModelForSequenceClassification
 
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, local_files_only=True, use_safetensors=True)
-    return split_probabilities(cfg, model, manifest, cfg.eval.split)
+    return split_probabilities(cfg, model, manifest, cfg.eval.split, spark)
 
 
-def split_probabilities(cfg: Config, model, manifest: Manifest, split: str
+def scored_by(cfg: Config, manifest: Manifest, split: str) -> str:
+    """Who scores `split`: "process" or "spark" (eval.score_with; auto: Spark where the run trains on Spark and the
+    split has more than eval.spark_rows rows, where one process would be the slow part)."""
+    if cfg.eval.score_with != "auto":
+        return cfg.eval.score_with
+    from torchloom.config.engines import engine_of
+
+    large = manifest.split(split).rows > cfg.eval.spark_rows
+    return "spark" if engine_of(cfg.engine).uses_spark and large else "process"
+
+
+def split_probabilities(cfg: Config, model, manifest: Manifest, split: str, spark=None
                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """score_split for a model already in memory (export chooses the mix's weight on val with it)."""
+    """score_split for a model already in memory (export chooses the mix's weight on val with it). spark: what
+    gives a SparkSession and the manifest its executors read (stages/sessions.py), for a split scored on Spark."""
+    if scored_by(cfg, manifest, split) == "spark":
+        if spark is None:
+            raise UserError("eval.score_with spark: this command has no SparkSession to score with; set"
+                            " eval.score_with process")
+        from torchloom.evaluate.spark_scoring import split_logits
+
+        logits, labels, index = split_logits(cfg, model, spark.manifest(manifest), split, spark.session(), spark.say)
+        return to_documents(manifest, split, logits, labels, index)
     torch.set_num_threads(usable_cores())
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.engine.device != "cpu" else "cpu")
     model = model.to(device).eval()
-    precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
-    batches = eval_batches(manifest, split, 0, 1, cfg.eval.batch_size)
-    if cfg.train.packing:  # the same logits with less padding: batches in file order mix short and long texts
-        check_packing(model)
-        batches = map(pack_batch, batches)
-    logits, labels, index = prepared_logits(model, batches, device, precision, manifest.num_labels)
+    logits, labels, index = range_logits(cfg, model, manifest, split, 0, manifest.split(split).rows, device)
     return to_documents(manifest, split, logits, labels, index)
 
 
-def evaluate_model_dir(cfg: Config, model_dir: str, manifest) -> tuple[dict, list[dict]]:
+def range_logits(cfg: Config, model, manifest: Manifest, split: str, start: int, count: int, device: torch.device
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(logits, labels, row positions) of rows [start, start + count) of `split`, in eval.batch_size batches, the
+    model on `device` in eval.precision's choice for it: a range that starts at a multiple of the batch size gives
+    exactly the rows' logits the whole split's scoring does (data/eval_rows.py)."""
+    precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
+    batches = range_batches(manifest, split, start, count, cfg.eval.batch_size)
+    if cfg.train.packing:  # the same logits with less padding: batches in file order mix short and long texts
+        check_packing(model)
+        batches = map(pack_batch, batches)
+    return prepared_logits(model, batches, device, precision, manifest.num_labels)
+
+
+def evaluate_model_dir(cfg: Config, model_dir: str, manifest, spark=None) -> tuple[dict, list[dict]]:
     """The shipped model's metrics on eval.split of the prepared data `manifest` (with the mix, "transformer" holds
-    the transformer's alone)."""
+    the transformer's alone); spark: as split_probabilities'."""
     from torchloom.evaluate.mix import shipped_probabilities
     from torchloom.model.export import read_export_info
 
-    probs, labels, index = score_split(cfg, model_dir, manifest)
+    probs, labels, index = score_split(cfg, model_dir, manifest, spark)
     probs, alone = shipped_probabilities(model_dir, manifest, cfg.eval.split, probs, index)
     info = read_export_info(model_dir)
     if manifest.multi_label:

@@ -33,7 +33,10 @@ def evaluate_stage(run: Run, extra: dict | None = None, announce: bool = True) -
     if m.split(cfg.eval.split).rows == 0:
         raise UserError(f"eval.split {cfg.eval.split}: the split is empty in {rd.home(rd.data)}; choose another split"
                         " or prepare with a non-zero fraction for it")
-    metrics, misclassified = evaluate_model_dir(cfg, str(rd.model), m)
+    from torchloom.stages.sessions import ScoringSpark
+
+    with ScoringSpark(run, "evaluate") as spark:
+        metrics, misclassified = evaluate_model_dir(cfg, str(rd.model), m, spark)
     cmp, line = None, None
     if cfg.eval.baseline:
         from torchloom.evaluate.baseline import comparison, verdict

@@ -44,7 +44,11 @@ def export_stage(run: Run) -> dict:
     model = build_classifier(src, m.labels, multi_label=m.multi_label)
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
-    combine, tagged = _tagging(cfg, files, model, m) if m.multi_label else (choose_combine(cfg, files, model, m), None)
+    from torchloom.stages.sessions import ScoringSpark
+
+    with ScoringSpark(run, "export") as spark:  # val scored on Spark where it is large (eval.score_with)
+        combine, tagged = (_tagging(cfg, files, model, m, spark) if m.multi_label else
+                           (choose_combine(cfg, files, model, m, spark), None))
     shipped = combine is not None and combine["weight"] < 1.0
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
@@ -142,7 +146,7 @@ def _profile(model_dir: str, m, cfg: Config) -> dict | None:
     return {"texts": len(texts), "splits": splits}
 
 
-def _tagging(cfg: Config, files: RunFiles, model, m) -> tuple[dict | None, tuple[dict, str]]:
+def _tagging(cfg: Config, files: RunFiles, model, m, spark=None) -> tuple[dict | None, tuple[dict, str]]:
     """A multi-label model's mix with the baseline (export.combine, chosen by val micro-F1: evaluate/mix.py) and its
     thresholds, chosen on the val split for what it ships (evaluate/tags.py), with the line saying so."""
     import numpy as np
@@ -151,7 +155,8 @@ def _tagging(cfg: Config, files: RunFiles, model, m) -> tuple[dict | None, tuple
     from torchloom.evaluate.mix import choose_tag_combine
     from torchloom.evaluate.run import split_probabilities
 
-    probs, masks, index = split_probabilities(cfg, model, m, "val") if m.split("val").rows else (np.zeros((0, 1)),) * 3
+    probs, masks, index = (split_probabilities(cfg, model, m, "val", spark) if m.split("val").rows else
+                           (np.zeros((0, 1)),) * 3)
     combine = None
     if cfg.export.combine != "off" and _baseline_fitted(files, m):
         combine, probs = choose_tag_combine(cfg.export.combine, probs, masks, index, m, files.rd.baseline_model)
@@ -168,13 +173,13 @@ def _baseline_fitted(files: RunFiles, m) -> bool:
         return False
 
 
-def choose_combine(cfg: Config, files: RunFiles, model, m) -> dict | None:
+def choose_combine(cfg: Config, files: RunFiles, model, m, spark=None) -> dict | None:
     """export.combine: the transformer's weight in the shipped mix with the baseline, chosen on val (evaluate/mix.py);
-    None without a baseline fitted on these prepared rows by the driver."""
+    None without a baseline fitted on these prepared rows by the driver. spark: as split_probabilities'."""
     if cfg.export.combine == "off" or not _baseline_fitted(files, m):  # no baseline, or one of other rows: alone
         return None
     from torchloom.evaluate.mix import choose_combine as choose
     from torchloom.evaluate.run import split_probabilities
 
-    return choose(cfg.export.combine, lambda: split_probabilities(cfg, model, m, "val"), m,
+    return choose(cfg.export.combine, lambda: split_probabilities(cfg, model, m, "val", spark), m,
                   files.rd.baseline_model)

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from torchloom import tag_scoring
-from torchloom.data.loader import eval_batches, rank_range
+from torchloom.data.eval_rows import eval_batches
+from torchloom.data.loader import rank_range
 from torchloom.data.packing import pack_batch
 from torchloom.data.texts import chunk_documents, to_documents
 from torchloom.manifest import Manifest
