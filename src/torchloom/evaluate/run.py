@@ -6,15 +6,11 @@ import numpy as np
 import torch
 
 from torchloom.config import Config
-from torchloom.data.eval_rows import range_batches
-from torchloom.data.packing import pack_batch
 from torchloom.data.texts import texts_at, to_documents
 from torchloom.errors import UserError
+from torchloom.evaluate.logits import range_logits
 from torchloom.machine import usable_cores
 from torchloom.manifest import Manifest
-from torchloom.model.device import choose_precision
-from torchloom.model.forward import prepared_logits
-from torchloom.model.packing import check_packing
 from torchloom.scoring import classification_metrics
 
 
@@ -57,19 +53,6 @@ def split_probabilities(cfg: Config, model, manifest: Manifest, split: str, spar
     model = model.to(device).eval()
     logits, labels, index = range_logits(cfg, model, manifest, split, 0, manifest.split(split).rows, device)
     return to_documents(manifest, split, logits, labels, index)
-
-
-def range_logits(cfg: Config, model, manifest: Manifest, split: str, start: int, count: int, device: torch.device
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(logits, labels, row positions) of rows [start, start + count) of `split`, in eval.batch_size batches, the
-    model on `device` in eval.precision's choice for it: a range that starts at a multiple of the batch size gives
-    exactly the rows' logits the whole split's scoring does (data/eval_rows.py)."""
-    precision = choose_precision(cfg.eval.precision, device, key="eval.precision").precision
-    batches = range_batches(manifest, split, start, count, cfg.eval.batch_size)
-    if cfg.train.packing:  # the same logits with less padding: batches in file order mix short and long texts
-        check_packing(model)
-        batches = map(pack_batch, batches)
-    return prepared_logits(model, batches, device, precision, manifest.num_labels)
 
 
 def evaluate_model_dir(cfg: Config, model_dir: str, manifest, spark=None) -> tuple[dict, list[dict]]:

@@ -125,7 +125,7 @@ def _score_tasks(batches: Iterable[Any], ranges: list[tuple[int, int]], sent, ke
     import torch
     from pyspark import TaskContext
 
-    from torchloom.evaluate.run import range_logits
+    from torchloom.evaluate.logits import range_logits
 
     context = TaskContext.get()
     torch.set_num_threads(max(1, context.cpus() if context is not None else 1))

@@ -44,11 +44,7 @@ def export_stage(run: Run) -> dict:
     model = build_classifier(src, m.labels, multi_label=m.multi_label)
     model.load_state_dict(checkpoint.load_weights(ckpt))
     meta = checkpoint.read_meta(ckpt)
-    from torchloom.stages.sessions import ScoringSpark
-
-    with ScoringSpark(run, "export") as spark:  # val scored on Spark where it is large (eval.score_with)
-        combine, tagged = (_tagging(cfg, files, model, m, spark) if m.multi_label else
-                           (choose_combine(cfg, files, model, m, spark), None))
+    combine, tagged = _mix_and_thresholds(run, model, m)
     shipped = combine is not None and combine["weight"] < 1.0
     out = export_model(model, src, m.labels, str(rd.model), extra_info={
         "torchloom_version": __version__, "checkpoint": rd.home(ckpt), "step": meta.get("step"),
@@ -144,6 +140,17 @@ def _profile(model_dir: str, m, cfg: Config) -> dict | None:
     say(f"export: monitoring profile of {len(texts)} texts (val {splits['val']}, test {splits['test']}) in"
         f" {time.perf_counter() - started:.1f} s: what `torchloom monitor` and the server compare traffic with")
     return {"texts": len(texts), "splits": splits}
+
+
+def _mix_and_thresholds(run: Run, model, m) -> tuple[dict | None, tuple[dict, str] | None]:
+    """The mix with the baseline (None: the transformer alone) and, for tags, the thresholds with their line; val
+    scored by Spark tasks where it is large (eval.score_with)."""
+    from torchloom.stages.sessions import ScoringSpark
+
+    with ScoringSpark(run, "export") as spark:
+        if m.multi_label:
+            return _tagging(run.cfg, run.files, model, m, spark)
+        return choose_combine(run.cfg, run.files, model, m, spark), None
 
 
 def _tagging(cfg: Config, files: RunFiles, model, m, spark=None) -> tuple[dict | None, tuple[dict, str]]:
