@@ -42,7 +42,7 @@ CHUNK = 1_000_000
 LABELS = ["alpha", "beta", "gamma", "delta", "epsilon"]
 
 
-def make_csv(path: Path, rows: int, seed: int = 0) -> None:
+def make_csv(path: Path, rows: int, seed: int = 0, label_column: str = "label") -> None:
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -69,7 +69,7 @@ def make_csv(path: Path, rows: int, seed: int = 0) -> None:
                                                        vocab.take(pa.array(words))), " ")
         # a unique tail per row: prepare removes duplicate texts, and none of these should go
         text = pc.binary_join_element_wise(text, pa.array(np.char.mod("%d.", np.arange(first, first + n))), " ")
-        table = pa.table({"text": text, "label": pa.array(LABELS).take(pa.array(label))})
+        table = pa.table({"text": text, label_column: pa.array(LABELS).take(pa.array(label))})
         if writer is None:
             writer = pacsv.CSVWriter(str(path), table.schema)
         writer.write_table(table)
