@@ -30,7 +30,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import baseline_scale  # noqa: E402
 import scale  # noqa: E402
 
 SECTION = "## Rehearsal"
@@ -38,15 +37,11 @@ STAGES = ("prepare", "train", "export", "evaluate", "predict", "monitor")
 
 
 def cpu_name() -> str:
-    """lscpu's model name with its family, model and bf16 kind (a bare "AMD EPYC" names no machine)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        fields = {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in out.splitlines())}
-        flags = fields.get("Flags", "").split()
-        kind = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else "AVX2 only"
-        return f"{fields['Model name']} (family {fields.get('CPU family')}, model {fields.get('Model')}, {kind})"
-    except (OSError, KeyError, subprocess.SubprocessError):
-        return baseline_scale.cpu_name()
+    """The CPU with its family, model and bf16 kind (lscpu's bare "AMD EPYC" names no machine)."""
+    from torchloom.machine import cpu
+
+    c = cpu()
+    return f"{c.model} (family {c.family}, model {c.model_id}, {c.bf16_how or 'no native bf16'}, {c.vector})"
 
 
 def watched(cmd: list[str]) -> dict:
