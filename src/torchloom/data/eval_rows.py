@@ -55,7 +55,5 @@ def eval_batches(manifest: Manifest, split: str, rank: int, world_size: int, bat
     batches (or none, when the split has fewer rows than ranks): evaluation needs no collective per
     batch. Same dict format as ShardedLoader.
     """
-    if batch_size < 1:
-        raise UserError(f"batch_size {batch_size}: must be >= 1")
     start, count = rank_range(manifest.split(split).rows, world_size, rank)
     yield from range_batches(manifest, split, start, count, batch_size, pad_id=pad_id)

@@ -108,15 +108,16 @@ def _executor_model(key: str, sent):
 
 
 def _task_device(setting: str):
-    """The task's device: engine.device cpu, else the GPU Spark gave the task, else cuda where there is one."""
+    """The task's device: the GPU Spark gave the task (batch/spark.py's task_device), else engine.device's rule."""
     import torch
     from pyspark import TaskContext
 
-    context = TaskContext.get()
-    gpu = context.resources().get("gpu") if context is not None and setting != "cpu" else None
-    if gpu is not None and gpu.addresses:
-        return torch.device(f"cuda:{gpu.addresses[0]}")
-    return torch.device("cuda" if setting != "cpu" and torch.cuda.is_available() else "cpu")
+    from torchloom.batch.spark import task_device
+
+    where = task_device(setting, TaskContext.get())
+    if where in ("auto", "cuda"):
+        where = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(where)
 
 
 def _score_tasks(batches: Iterable[Any], ranges: list[tuple[int, int]], sent, key: str, cfg: Config,
