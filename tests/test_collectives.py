@@ -168,14 +168,19 @@ def test_validation_on_ranks_reduces_sums_to_the_one_process_numbers_and_moves_b
     from torchloom.train.evaluation import reduced_metrics
 
     labels = ["a", "b", "c", "d", "e"]
-    bytes_at = {}
+    bytes_at, thresholds_seen = {}, []
     for texts in (400, 4000):
         m, row_labels, doc = chunked_split(tmp_path / str(texts), texts, labels, task)
         rows = len(row_labels)
         logits = np.random.default_rng(1).normal(size=(rows, len(labels))).astype(np.float32) * 3
         probs, text_labels, _ = to_documents(m, "val", logits, row_labels, np.arange(rows))
-        one = (tag_scoring.evaluation(probs, text_labels, labels) if task == "multi_label" else
-               classification_metrics(probs, text_labels, labels))
+        if task == "multi_label":  # at the thresholds export would choose on these rows (issue 78, item 2)
+            chosen = tag_scoring.choose_thresholds(probs, tag_scoring.multi_hot(text_labels, len(labels)),
+                                                   at_least_one=not m.tags.get("keep_untagged", False))
+            one = tag_scoring.evaluation(probs, text_labels, labels, chosen)
+            thresholds_seen.append(one["thresholds"])
+        else:
+            one = classification_metrics(probs, text_labels, labels)
         for world in (2, 3):
             shares = [rank_range(rows, world, r) for r in range(world)]
             assert any(doc[start - 1] == doc[start] for start, _ in shares[1:])  # a text cut between two ranks
@@ -199,4 +204,9 @@ def test_validation_on_ranks_reduces_sums_to_the_one_process_numbers_and_moves_b
     # what a rank sends grows with the label set, not the rows: 10x the texts, within a few hundred bytes
     for world in (2, 3):
         assert abs(bytes_at[4000, world] - bytes_at[400, world]) < 400, bytes_at
-        assert bytes_at[4000, world] < 4000, bytes_at  # the old gather sent ~rows x (labels + 2) x 4 to 8 bytes
+        # the old gather sent ~rows x (labels + 2) x 4 to 8 bytes; a tagger also sends the rule's counts at each
+        # threshold of its grid, 2 x 19 x 3 float64 a tag
+        grid = 8 * 2 * len(tag_scoring.GRID) * 3 * len(labels) if task == "multi_label" else 0
+        assert bytes_at[4000, world] < 4000 + grid, bytes_at
+    if task == "multi_label":  # the rule chose thresholds other than 0.5 here, so the test could tell them apart
+        assert any(t["default"] != 0.5 or t["per_label"] for t in thresholds_seen), thresholds_seen

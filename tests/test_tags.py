@@ -183,3 +183,37 @@ def test_a_tag_delimiter_that_holds_the_path_delimiter_or_is_held_by_it_is_refus
     with pytest.raises(UserError, match="one holds the other, so a path's levels would be read as separate tags"):
         build(None, ["--data.label_delimiter", tags_by, "--data.label_path_delimiter", levels_by])
     build(None, ["--data.label_delimiter", "|", "--data.label_path_delimiter", "/"])  # apart: fine
+
+
+def test_the_tag_losses_bce_as_torch_s_and_focal_and_asymmetric_weigh_easy_negatives_down():
+    """Issue 78, item 1: train.tag_loss. bce is torch's binary cross-entropy (with each tag's positive weight);
+    focal and asymmetric cost an easy negative far less than bce and a hard positive about as much; asymmetric
+    drops a negative under its margin (no loss, no gradient) and leaves a positive's term plain cross-entropy."""
+    import torch
+    import torch.nn.functional as F
+
+    from torchloom.train.state import tag_loss
+
+    x = torch.tensor([[-4.0, 2.0, 0.0], [3.0, -1.0, -6.0], [0.5, 0.5, 0.5]], requires_grad=True)
+    masks = torch.tensor([0b010, 0b001, -1])  # row 2: a filler row, left out
+    hot = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    weight = torch.tensor([2.0, 0.5, 1.0])
+    for w in (None, weight):
+        want = F.binary_cross_entropy_with_logits(x[:2], hot, pos_weight=w, reduction="none").mean(dim=1).sum()
+        assert torch.allclose(tag_loss(x, masks, w, "bce"), want)
+    easy_negative = (torch.tensor([[-4.0]]), torch.tensor([0]))
+    hard_positive = (torch.tensor([[-2.0]]), torch.tensor([1]))
+    bce = {name: float(tag_loss(*case, None, "bce")) for name, case in (("neg", easy_negative), ("pos", hard_positive))}
+    for kind in ("focal", "asymmetric"):
+        assert float(tag_loss(*easy_negative, None, kind)) < bce["neg"] / 50
+        assert bce["pos"] * 0.5 < float(tag_loss(*hard_positive, None, kind)) <= bce["pos"] + 1e-6
+    assert float(tag_loss(*hard_positive, None, "asymmetric")) == pytest.approx(bce["pos"])
+    under_margin = torch.tensor([[-4.0]], requires_grad=True)  # sigmoid 0.018 < 0.05
+    loss = tag_loss(under_margin, torch.tensor([0]), None, "asymmetric")
+    loss.backward()
+    assert float(loss) == 0.0 and float(under_margin.grad) == 0.0
+    for kind in ("focal", "asymmetric"):  # a positive's weight scales its term
+        one, two = (float(tag_loss(*hard_positive, w, kind)) for w in (torch.tensor([1.0]), torch.tensor([2.0])))
+        assert two == pytest.approx(2 * one)
+    tag_loss(x, masks, weight, "asymmetric").backward()
+    assert torch.isfinite(x.grad).all() and not x.grad[2].any()

@@ -98,27 +98,55 @@ def _best(scores: Sequence[float]) -> int:
     return min((i for i, s in enumerate(scores) if s >= best - 1e-12), key=lambda i: abs(GRID[i] - 0.5))
 
 
+def grid_sums(probs: np.ndarray, truth: np.ndarray, at_least_one: bool = False) -> np.ndarray:
+    """What the rule's choice is a function of, as sums that add up across parts of a split (ranks all-reduce them
+    instead of gathering rows): float64 [2, len(GRID), 3, K] flattened, for each threshold of GRID the tags' tp, fp
+    and fn with that threshold for every tag (at_least_one applied), then with each tag alone at it."""
+    probs, truth = np.asarray(probs, np.float32), np.asarray(truth, bool)
+    k = probs.shape[1] if probs.ndim == 2 else truth.shape[1]
+    out = np.zeros((2, len(GRID), 3, k), np.float64)
+    for i, t in enumerate(GRID):
+        out[0, i] = _counts(predict(probs, Thresholds(t, at_least_one=at_least_one)), truth)
+        out[1, i] = _counts(probs >= t, truth)
+    return out.reshape(-1)
+
+
+def thresholds_from_grid(sums: np.ndarray, k: int, min_support: int = MIN_SUPPORT, at_least_one: bool = False
+                         ) -> tuple[Thresholds, float]:
+    """(the rule's thresholds from grid_sums' vector, the val micro-F1 of the global threshold alone). A tag's own
+    threshold is kept here wherever it gains on that tag; `keep_own` then checks them together under
+    at_least_one."""
+    counts = np.asarray(sums, np.float64).reshape(2, len(GRID), 3, k)
+    micro = [float(_f1(*counts[0, i].sum(axis=1))) for i in range(len(GRID))]
+    g = _best(micro)
+    chosen = Thresholds(GRID[g], at_least_one=at_least_one)
+    base = _f1(*counts[0, g])
+    support = counts[0, 0, 0] + counts[0, 0, 2]  # tp + fn: the same at every threshold
+    for j in np.flatnonzero(support >= max(1, min_support)):
+        scores = [float(_f1(*counts[1, i, :, j])) for i in range(len(GRID))]
+        i = _best(scores)
+        if scores[i] >= base[j] + MIN_GAIN and GRID[i] != chosen.default:
+            chosen.per_label[int(j)] = GRID[i]
+    return chosen, micro[g]
+
+
+def keep_own(chosen: Thresholds, micro_with_own: float, micro_global: float) -> Thresholds:
+    """at_least_one may move a text's tags: the tags' own thresholds stay only if together they do not lower val
+    micro-F1 below the global threshold's."""
+    if chosen.per_label and micro_with_own < micro_global - 1e-12:
+        return Thresholds(chosen.default, at_least_one=chosen.at_least_one, top_k=chosen.top_k)
+    return chosen
+
+
 def choose_thresholds(probs: np.ndarray, truth: np.ndarray, min_support: int = MIN_SUPPORT,
                       at_least_one: bool = False) -> Thresholds:
     """The thresholds of the rule above, chosen on validation `probs` [N, K] against `truth` (bool [N, K])."""
     probs, truth = np.asarray(probs, np.float32), np.asarray(truth, bool)
-    micro = []
-    for t in GRID:
-        tp, fp, fn = _counts(predict(probs, Thresholds(t, at_least_one=at_least_one)), truth)
-        micro.append(float(_f1(tp.sum(), fp.sum(), fn.sum())))
-    chosen = Thresholds(GRID[_best(micro)], at_least_one=at_least_one)
-    base = _f1(*_counts(predict(probs, chosen), truth))
-    support = truth.sum(axis=0)
-    for j in np.flatnonzero(support >= max(1, min_support)):
-        scores = [float(_f1(*(c[j] for c in _counts(probs >= t, truth)))) for t in GRID]
-        i = _best(scores)
-        if scores[i] >= base[j] + MIN_GAIN and GRID[i] != chosen.default:
-            chosen.per_label[int(j)] = GRID[i]
-    if chosen.per_label:  # at_least_one may move a text's tags: keep the per-label thresholds only if they help
-        with_own = float(_f1(*(c.sum() for c in _counts(predict(probs, chosen), truth))))
-        if with_own < max(micro) - 1e-12:
-            chosen.per_label = {}
-    return chosen
+    chosen, micro = thresholds_from_grid(grid_sums(probs, truth, at_least_one), truth.shape[1], min_support,
+                                         at_least_one)
+    if not chosen.per_label:
+        return chosen
+    return keep_own(chosen, float(_f1(*(c.sum() for c in _counts(predict(probs, chosen), truth)))), micro)
 
 
 def tag_metrics(pred: np.ndarray, truth: np.ndarray, labels: Sequence[str]) -> dict:

@@ -59,6 +59,7 @@ MEANINGS: dict[str, str] = {
     'train.early_stopping_patience': 'stop after N validations without improvement; 0 = off; `auto`: 2 where `train.epochs auto` chose more than 2 epochs, else off',
     'train.metric': 'what "best" means: `macro_f1`, `accuracy` (higher is better) or `loss`',
     'train.class_weights': '`balanced` weighs each class by n / (classes x n_class)',
+    'train.tag_loss': 'a multi-label run\'s loss per tag: `bce`; `focal` (gamma 2); `asymmetric` (ASL: an easy negative weighed by p^4, one under 0.05 dropped); `train.class_weights balanced` scales the positives of each',
     'train.shuffle_buffer': 'rows shuffled together over all workers (each holds shuffle_buffer / workers), at least 16 x batch_size: the order is the same on any number of workers',
     'train.trace_rows': 'write the row ids of every step, per worker, to logs/rows-rankR.jsonl (to check the data order)',
     'train.length_bucketing': 'batch rows of similar length together (less padding). `auto`: on where the median prepared text is shorter than max_length (prepare\'s sample of lengths): on short texts 1.2-1.6x the samples/s of `false` at equal accuracy; off where texts fill max_length (nothing to gain, and the order of the batches would change) or the data has no sample of lengths (docs/benchmarks.md, issue 48). A resumed run keeps the value its checkpoint was written with when this is `auto`; `true` or `false` against a checkpoint of the other value is refused in one line',

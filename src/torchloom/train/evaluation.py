@@ -75,11 +75,31 @@ def reduced_metrics(d: Dist, manifest: Manifest, split: str, logits: np.ndarray,
     """Collective: the metrics of `split` from every rank's (logits, labels, row indices) of its rows, by one
     all-reduce of their sums (the module's docstring); the same numbers as of all the rows in one process."""
     probs, labels = own_texts(d, manifest, split, logits, labels, index)
-    if manifest.multi_label:  # at 0.5: the thresholds are chosen once training is done (evaluate/run.py)
-        thresholds = tag_scoring.Thresholds(0.5)
-        sums = tag_scoring.evaluation_sums(probs, labels, manifest.num_labels, thresholds)
-        return tag_scoring.evaluation_from_sums(all_reduce_array(d, sums), manifest.labels, thresholds)
+    if manifest.multi_label:
+        return tag_metrics(d, manifest, probs, labels)
     return metrics_from_sums(all_reduce_array(d, class_sums(probs, labels, manifest.num_labels)), manifest.labels)
+
+
+def tag_metrics(d: Dist, manifest: Manifest, probs: np.ndarray, masks: np.ndarray) -> dict:
+    """Collective: a multi-label split's metrics at the thresholds export would choose on it (tag_scoring's rule,
+    the same thresholds as choose_thresholds on all the rows), so the checkpoint kept and early stopping read what
+    ships, not a fixed 0.5 that a rare tag's sigmoid seldom reaches. Two all-reduces: the rule's counts at every
+    threshold of its grid, then the metrics' sums at the thresholds chosen (with the tags' own and without)."""
+    k = manifest.num_labels
+    at_least_one = not manifest.tags.get("keep_untagged", False)
+    truth = tag_scoring.multi_hot(masks, k)
+    grid = all_reduce_array(d, tag_scoring.grid_sums(probs.reshape(-1, k), truth, at_least_one))
+    chosen, micro_global = tag_scoring.thresholds_from_grid(grid, k, at_least_one=at_least_one)
+    plain = tag_scoring.Thresholds(chosen.default, at_least_one=at_least_one)
+    options = [chosen, plain] if chosen.per_label else [chosen]
+    sums = all_reduce_array(d, np.concatenate([tag_scoring.evaluation_sums(probs.reshape(-1, k), masks, k, t)
+                                               for t in options]))
+    parts = np.split(sums, len(options))
+    if chosen.per_label:
+        with_own = tag_scoring.metrics_from_sums(parts[0], manifest.labels)["micro_f1"]
+        if tag_scoring.keep_own(chosen, with_own, micro_global) is not chosen:
+            return tag_scoring.evaluation_from_sums(parts[1], manifest.labels, plain)
+    return tag_scoring.evaluation_from_sums(parts[0], manifest.labels, chosen)
 
 
 def own_texts(d: Dist, manifest: Manifest, split: str, logits: np.ndarray, labels: np.ndarray, index: np.ndarray

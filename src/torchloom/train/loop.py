@@ -260,7 +260,7 @@ class Trainer:
                 ).logits
         labels = batch["labels"].to(d.device, non_blocking=True)
         if self.manifest.multi_label:
-            summed = tag_loss(logits.float(), labels, self.loss_weights)
+            summed = tag_loss(logits.float(), labels, self.loss_weights, self.tc.tag_loss)
         else:
             summed = F.cross_entropy(logits.float(), labels, weight=self.loss_weights, reduction="sum")
         loss = summed * loss_scale

@@ -51,15 +51,41 @@ def class_weights(manifest: Manifest, mode: str, device: torch.device) -> torch.
     return torch.tensor(n.sum() / (len(n) * n), dtype=torch.float32, device=device)
 
 
-def tag_loss(logits: torch.Tensor, masks: torch.Tensor, pos_weight: torch.Tensor | None) -> torch.Tensor:
-    """A multi-label batch's summed loss: each row's mean binary cross-entropy over the tags, summed over the rows
-    (a filler row's negative id left out), as cross-entropy is summed for a single-label batch."""
+# train.tag_loss: (gamma on a positive, gamma on a negative, margin shifted off a negative's probability).
+# focal: Lin et al. 2017's gamma 2 on both; asymmetric: Ridnik et al. 2021's ASL defaults, the easy negatives (most
+# of a text's tags) weighed down hard and the ones under 0.05 dropped, the positives left as plain cross-entropy.
+TAG_LOSSES = {"bce": (0.0, 0.0, 0.0), "focal": (2.0, 2.0, 0.0), "asymmetric": (0.0, 4.0, 0.05)}
+
+
+def tag_loss(logits: torch.Tensor, masks: torch.Tensor, pos_weight: torch.Tensor | None, kind: str = "bce"
+             ) -> torch.Tensor:
+    """A multi-label batch's summed loss: each row's mean loss over the tags, summed over the rows (a filler row's
+    negative id left out), as cross-entropy is summed for a single-label batch. kind: TAG_LOSSES (bce is binary
+    cross-entropy; pos_weight scales each tag's positive term in every kind)."""
     import torch.nn.functional as F
 
     valid = masks >= 0
     bits = torch.arange(logits.shape[1], device=masks.device, dtype=torch.int64)
     targets = ((masks[valid].unsqueeze(1) >> bits) & 1).to(logits.dtype)
-    per_tag = F.binary_cross_entropy_with_logits(logits[valid], targets, pos_weight=pos_weight, reduction="none")
+    x = logits[valid]
+    if kind == "bce":
+        per_tag = F.binary_cross_entropy_with_logits(x, targets, pos_weight=pos_weight, reduction="none")
+        return per_tag.mean(dim=1).sum()
+    gamma_pos, gamma_neg, margin = TAG_LOSSES[kind]
+    p = torch.sigmoid(x)
+    positive = -F.logsigmoid(x)  # -log p
+    if gamma_pos:
+        positive = positive * (1 - p).pow(gamma_pos)
+    if pos_weight is not None:
+        positive = positive * pos_weight
+    if margin:  # the shifted probability p_m = max(p - m, 0): -log(1 - p_m), its gradient through p
+        p_neg = (p - margin).clamp(min=0)
+        negative = -torch.log((1 - p_neg).clamp(min=1e-8))
+    else:
+        p_neg, negative = p, -F.logsigmoid(-x)  # -log(1 - p)
+    if gamma_neg:
+        negative = negative * p_neg.pow(gamma_neg)
+    per_tag = targets * positive + (1 - targets) * negative
     return per_tag.mean(dim=1).sum()
 
 
