@@ -111,6 +111,36 @@ def test_the_one_vs_rest_baseline_is_fitted_and_the_shipped_mix_is_never_worse_o
         assert report["metrics"]["transformer"]["micro_f1"] == cmp["transformer_micro_f1"]
         assert cmp["shipped"]["micro_f1"] == report["metrics"]["micro_f1"]
     assert "| model | micro F1 | subset accuracy | macro F1 |" in (out / "report.md").read_text()
+    # issue 78, item 5: which side wins each tag, from both sides' per-tag F1 on the same rows
+    transformer = (report["metrics"].get("transformer") or report["metrics"])["per_class"]
+    assert set(cmp["per_tag"]) == {t for t, c in transformer.items() if c["support"]}
+    for tag, row in cmp["per_tag"].items():
+        assert row["transformer_f1"] == transformer[tag]["f1"]
+        assert row["baseline_f1"] == baseline["splits"]["test"]["per_class"][tag]["f1"]
+        gap = row["transformer_f1"] - row["baseline_f1"]
+        assert row["winner"] == ("tie" if abs(gap) <= 0.01 else "transformer" if gap > 0 else "baseline")
+    md = (out / "report.md").read_text()
+    assert "### Per tag: which side wins" in md and f"of {len(cmp['per_tag'])} tags" in md
+
+
+def test_the_verdict_says_plainly_when_the_transformer_is_not_worth_its_cost(tagged_run):
+    """Issue 78, item 5: a transformer that trails the baseline on micro- and macro-F1 (or is not run at all by
+    the shipped model) gets the plain line; one that wins either gets none of it."""
+    from torchloom.evaluate.baseline import not_worth_it, verdict
+
+    out, _ = tagged_run
+    m = read_manifest(out)
+    cmp = json.loads((out / "report.json").read_text())["baseline"]
+    trailing = {**cmp, "micro_f1_gain": -0.05, "macro_f1_gain": -0.10, "seconds": 7.0}
+    line = verdict(trailing, m, None)
+    assert not_worth_it(trailing) and "not worth its cost" in line and "fitted in 7 s" in line
+    assert "macro-F1 trails too" in line and "tags' F1, the baseline" in line
+    unused = {**trailing, "macro_f1_gain": 0.02, "shipped": {**(cmp.get("shipped") or {}), "weight": 0.0,
+                                                            "micro_f1": cmp["micro_f1"]}}
+    assert not_worth_it(unused) and "the shipped model is the baseline alone" in verdict(unused, m, None)
+    rare_tags_won = {**trailing, "macro_f1_gain": 0.02, "shipped": None}
+    assert not not_worth_it(rare_tags_won) and "not worth" not in verdict(rare_tags_won, m, None)
+    assert verdict({**trailing, "micro_f1_gain": 0.01}, m, None) is None
 
 
 def test_predict_files_and_the_server_answer_with_tags_over_their_thresholds(tagged_run, tmp_path):

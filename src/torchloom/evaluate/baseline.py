@@ -54,11 +54,47 @@ def comparison(metrics: dict[str, Any], baseline: dict[str, Any], split: str) ->
         out.update({"metric": "micro_f1", "micro_f1": scores["micro_f1"],
                     "transformer_micro_f1": transformer["micro_f1"],
                     "micro_f1_gain": transformer["micro_f1"] - scores["micro_f1"]})
+    if "micro_f1" in scores and scores.get("per_class") and transformer.get("per_class"):
+        out["per_tag"] = per_tag(transformer["per_class"], scores["per_class"])
     if "transformer" in metrics:
         out["shipped"] = {"accuracy": metrics["accuracy"], "macro_f1": metrics["macro_f1"],
                           "weight": metrics.get("mix_weight"),
                           **({"micro_f1": metrics["micro_f1"]} if "micro_f1" in metrics else {})}
     return out
+
+
+# A tag's F1 must differ by more than this for one side to win it (a few texts of a small tag move F1 by more).
+TAG_TIE = 0.01
+
+
+def per_tag(transformer: dict[str, dict], baseline: dict[str, dict]) -> dict[str, dict]:
+    """Each tag with support in the split: both sides' F1 and which wins it (a tie within TAG_TIE)."""
+    out = {}
+    for tag, mine in transformer.items():
+        theirs = baseline.get(tag)
+        if theirs is None or not mine.get("support"):
+            continue
+        gap = float(mine["f1"]) - float(theirs["f1"])
+        out[tag] = {"support": int(mine["support"]), "transformer_f1": float(mine["f1"]),
+                    "baseline_f1": float(theirs["f1"]),
+                    "winner": "tie" if abs(gap) <= TAG_TIE else "transformer" if gap > 0 else "baseline"}
+    return out
+
+
+def tag_wins(cmp: dict[str, Any]) -> dict[str, int]:
+    """How many tags each side wins (and ties) in comparison()'s per_tag."""
+    won = {"transformer": 0, "baseline": 0, "tie": 0}
+    for row in (cmp.get("per_tag") or {}).values():
+        won[row["winner"]] += 1
+    return won
+
+
+def not_worth_it(cmp: dict[str, Any]) -> bool:
+    """The transformer trails the baseline on the headline metric and on macro-F1, or the shipped model does not
+    run it at all (the mix's weight 0): on this data it costs a GPU's training and serving for nothing."""
+    key = cmp.get("metric", "accuracy")
+    shipped = cmp.get("shipped") or {}
+    return (cmp[f"{key}_gain"] <= 0 and cmp["macro_f1_gain"] <= 0) or shipped.get("weight") == 0
 
 
 def likely_cause(manifest: Manifest, split: str, train: dict[str, Any] | None) -> str:
@@ -99,6 +135,17 @@ def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | Non
     shipped = cmp.get("shipped")
     mixed = (f"; so the model shipped mixes them ({shipped['weight']:.2f} x the transformer), {name}"
              f" {shipped[key]:.4f}" if shipped else "")
+    won = tag_wins(cmp)
+    tags = (f"; it wins {won['transformer']} of {sum(won.values())} tags' F1, the baseline {won['baseline']}"
+            if cmp.get("per_tag") else "")
+    worth = ""
+    if not_worth_it(cmp):
+        served = ("the shipped model is the baseline alone" if (shipped or {}).get("weight") == 0 else
+                  f"its macro-F1 trails too ({cmp['macro_f1'] + cmp['macro_f1_gain']:.4f} against"
+                  f" {cmp['macro_f1']:.4f})")
+        fit = f", fitted in {cmp['seconds']:.0f} s" if cmp.get("seconds") else ""
+        worth = (f". On this data the transformer is not worth its cost: {served}; the baseline{fit} needs no GPU to"
+                 " train or serve (export.combine auto ships it alone where val says so)")
     return (f"the transformer {how} the {cmp['name']} baseline on {cmp['split']} ({name}"
-            f" {cmp[key] + cmp[f'{key}_gain']:.4f} against {cmp[key]:.4f}){mixed}; likely cause:"
-            f" {likely_cause(manifest, cmp['split'], train)}")
+            f" {cmp[key] + cmp[f'{key}_gain']:.4f} against {cmp[key]:.4f}){mixed}{tags}; likely cause:"
+            f" {likely_cause(manifest, cmp['split'], train)}{worth}")

@@ -171,8 +171,25 @@ def _baseline_section(metrics: dict[str, Any], split: str, baseline: dict[str, A
         lines.append(f"| shipped: {shipped['weight']:.2f} x the transformer + {1 - shipped['weight']:.2f} x the"
                      f" baseline | {first}{_fmt(shipped['accuracy'])} | {_fmt(shipped['macro_f1'])} |")
     lines.append("")
+    if baseline.get("per_tag"):
+        lines += _per_tag_winners(baseline["per_tag"])
     if verdict:
         lines += [f"**Note:** {verdict}.", ""]
+    return lines
+
+
+def _per_tag_winners(rows: dict[str, dict]) -> list[str]:
+    """Each tag's F1 on both sides and which wins it, the most frequent tags first."""
+    won = {side: sum(r["winner"] == side for r in rows.values()) for side in ("transformer", "baseline", "tie")}
+    lines = ["### Per tag: which side wins", "",
+             f"The transformer wins {won['transformer']} of {len(rows)} tags, the baseline {won['baseline']}, and"
+             f" {won['tie']} are ties (F1 within 0.01). The transformer's F1 at its own thresholds, the baseline's at"
+             " its own (both chosen on val).", "",
+             "| tag | support | transformer F1 | baseline F1 | wins |", "|---|---|---|---|---|"]
+    for tag, r in sorted(rows.items(), key=lambda kv: (-kv[1]["support"], kv[0])):
+        lines.append(f"| {_cell(tag)} | {r['support']} | {r['transformer_f1']:.4f} | {r['baseline_f1']:.4f}"
+                     f" | {r['winner']} |")
+    lines.append("")
     return lines
 
 

@@ -79,7 +79,7 @@ def evaluate_model_dir(cfg: Config, model_dir: str, manifest, spark=None) -> tup
         if alone is not None:  # the transformer alone, at the thresholds chosen for it alone on val
             own = info["combine"].get("transformer_thresholds") or info.get("thresholds")
             transformer, _ = tags.evaluate(alone, labels, index, manifest, cfg.eval.split, own, 0)
-            metrics["transformer"] = {k: transformer[k] for k in ("accuracy", "macro_f1", "micro_f1")}
+            metrics["transformer"] = {k: transformer[k] for k in ("accuracy", "macro_f1", "micro_f1", "per_class")}
             metrics["mix_weight"] = float(info["combine"]["weight"])
         return metrics, mistakes
     metrics = classification_metrics(probs, labels, manifest.labels, calibration_bins=cfg.eval.calibration_bins)
