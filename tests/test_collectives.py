@@ -138,8 +138,12 @@ def chunked_split(root: Path, texts: int, labels: list[str], task: str = "single
         if all(doc[e - 1] == doc[e] for e in edges):
             break
     chunk = np.concatenate([np.arange(n) for n in counts])
-    per_text = (rng.integers(0, 2 ** len(labels), texts) if task == "multi_label"
-                else rng.integers(0, len(labels), texts))
+    if task == "multi_label":  # each text's tag ids, -1 padded (text/tags.py), some untagged
+        from torchloom import tag_scoring
+
+        per_text = tag_scoring.to_ids(rng.random((texts, len(labels))) < 0.3)
+    else:
+        per_text = rng.integers(0, len(labels), texts)
     (root / "val").mkdir(parents=True)
     shards, cut = [], len(doc) // 3
     for i, rows in enumerate([slice(0, cut), slice(cut, len(doc))]):

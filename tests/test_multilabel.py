@@ -67,8 +67,9 @@ def test_prepare_reads_tag_lists_and_keeps_every_tag_in_every_split(tagged_run):
     assert 1.5 < m.tags["cardinality"]["train"] < 2.2
     truth = {r["text"]: sorted(t.replace(" / ", "/") for t in r["tags"]) for r in rows}  # paths normalised
     table = pq.read_table(m.shard_uri(m.splits["train"].shards[0]), columns=["text", "label_id"])
-    for text, mask in zip(table.column("text").to_pylist(), table.column("label_id").to_pylist(), strict=True):
-        assert [t for i, t in enumerate(m.labels) if mask >> i & 1] == truth[text]
+    assert str(table.schema.field("label_id").type) == "list<element: int32>"  # each row its tags' ids
+    for text, ids in zip(table.column("text").to_pylist(), table.column("label_id").to_pylist(), strict=True):
+        assert [m.labels[i] for i in ids] == truth[text] and ids == sorted(ids)
 
 
 def test_the_tagger_is_exported_with_thresholds_chosen_on_val_and_reported(tagged_run):
@@ -269,3 +270,75 @@ def test_one_flag_column_per_tag_is_a_multi_label_run(spark, tiny_model_dir, tmp
     err = capsys.readouterr().err
     assert code == 2 and "no column 'nope'" in err and "--data.label_columns" in err and "Traceback" not in err, err
     assert not (tmp_path / "other" / "data").exists()
+
+
+def many_tag_rows(tags: int, texts: int, seed: int = 0) -> tuple[list[str], list[dict]]:
+    """`tags` tags, each with a made-up word of its own (syllables: WordPiece keeps them apart), and texts of one
+    to three tags whose words give them away; every tag in at least a few texts."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    names = [f"tag-{i:03d}" for i in range(tags)]
+    n = len(syllables)  # 70: two syllables name up to 4,900 tags apart, a third makes the word long
+    words = {name: syllables[i % n] + syllables[i // n % n] + syllables[(13 * i + 5) % n]
+             for i, name in enumerate(names)}
+    rows = []
+    for i in range(texts):
+        chosen = [names[i % tags], *rng.sample(names, rng.choice([0, 0, 1, 2]))]
+        chosen = list(dict.fromkeys(chosen))
+        rows.append({"text": " ".join(words[t] for t in chosen for _ in range(2)) + f" note {i}", "tags": chosen})
+    return names, rows
+
+
+def test_a_run_with_520_tags_prepares_trains_exports_serves_and_monitors(tiny_model_dir, tmp_path):
+    """Issue 78, item 4: more tags than an int64 has bits. A row's tags are stored as the list of their ids, so
+    prepare (Spark), training (the local engine's ranks), export (thresholds, the one-vs-rest baseline and the
+    mix), evaluate, the server and the monitor take 520 tags as they take 5, and a row's label costs its own
+    tags, not the vocabulary's. About 40 s on 2 cores (a tiny model, one epoch)."""
+    from support.served import Server
+
+    from torchloom.monitor.batch import monitor_file
+
+    names, rows = many_tag_rows(520, 2600)
+    data = write_jsonl(tmp_path / "tags.jsonl", rows)
+    out = tmp_path / "run"
+    code = cli.main(["run", "--data.path", str(data), "--data.label_column", "tags", "--model.path", tiny_model_dir,
+                     "--output.dir", str(out), "--engine.workers", "2", "--train.epochs", "1", "--train.lr", "3e-3",
+                     "--train.batch_size", "32", "--tracking.enabled", "false"])
+    assert code == 0
+    m = read_manifest(out)
+    assert m.task == "multi_label" and m.labels == names and sum(m.tags["per_split"]["train"].values()) > 2000
+    table = pq.read_table(m.shard_uri(m.splits["train"].shards[0]), columns=["text", "label_id"])
+    truth = {r["text"]: sorted(names.index(t) for t in r["tags"]) for r in rows}
+    assert str(table.schema.field("label_id").type) == "list<element: int32>"
+    assert all(ids == truth[text] for text, ids in zip(table.column("text").to_pylist(),
+                                                       table.column("label_id").to_pylist(), strict=True))
+    assert any(max(ids) >= 63 for ids in table.column("label_id").to_pylist())  # past an int64's bits
+    # a row's stored label is its tags, not the vocabulary: the column's ids are the tags the rows hold
+    assert len(table.column("label_id").combine_chunks().values) == sum(len(truth[t]) for t in
+                                                                          table.column("text").to_pylist())
+    info = json.loads((out / "model" / "torchloom.json").read_text())
+    assert info["task"] == "multi_label" and len(info["labels"]) == 520
+    assert len(json.loads((out / "model" / "config.json").read_text())["id2label"]) == 520
+    report = json.loads((out / "report.json").read_text())
+    assert report["metrics"]["task"] == "multi_label" and len(report["metrics"]["per_class"]) == 520
+    baseline = json.loads((out / "baseline.json").read_text())
+    assert baseline["splits"]["test"]["micro_f1"] > 0.5  # each tag's word gives it away to the one-vs-rest side
+    train = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in train if r.get("kind") == "eval"]
+    assert val and 0.05 <= val[-1]["threshold"] <= 0.95 and "micro_f1" in val[-1]  # chosen on val, as export does
+    texts = [rows[0]["text"], rows[600]["text"]]
+    server = Server(str(out / "model"), "--device", "cpu", log_dir=tmp_path)
+    try:
+        r = server.client.post("/v1/predict", json={"texts": texts})
+        assert r.status_code == 200, r.text
+        for p in r.json()["predictions"]:
+            assert p["labels"] and set(p["labels"]) <= set(names) and len(p["probabilities"]) == 520
+    finally:
+        assert server.terminate() == 0, server.stderr()[-3000:]
+    window = tmp_path / "window.jsonl"  # one tag's texts alone: its share jumps
+    window.write_text("".join(json.dumps({"text": r["text"], "tags": r["tags"]}) + "\n" for r in rows
+                              if r["tags"][0] == "tag-007"))
+    result = monitor_file(str(out / "model"), str(window), str(tmp_path / "report"), labels_column="tags",
+                          say=lambda _: None)
+    assert len(result["tag_shares"]) == 520 and result["labelled"] > 0
+    assert result["tag_shares"]["tag-007"]["window"] > result["tag_shares"]["tag-007"]["reference"]

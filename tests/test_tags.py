@@ -30,19 +30,41 @@ def test_tags_are_read_from_lists_json_lists_and_delimited_strings_cleaned_and_o
     assert tags.canonical(["b", "a", "b"]) == ("a", "b")
 
 
-def test_a_tag_set_is_one_int64_and_back():
-    labels = [f"t{i}" for i in range(tags.MAX_TAGS)]
-    index = {label: i for i, label in enumerate(labels)}
-    for chosen in (["t0"], ["t62", "t0", "t5"], [], labels):
-        mask = tags.encode(chosen, index)
-        assert 0 <= mask < 2 ** 63 and tags.decode(mask, labels) == sorted(chosen, key=index.get)
-    assert tags.decode(-100, labels) == []  # a filler row's id holds no tags
-    hot = ts.multi_hot(np.array([tags.encode(["t1", "t62"], index), 0, -100]), tags.MAX_TAGS)
-    assert hot[0].sum() == 2 and hot[0, 1] and hot[0, 62] and not hot[1].any()
-    assert ts.to_masks(hot[:2]).tolist() == [tags.encode(["t1", "t62"], index), 0]
+def test_a_tag_set_is_its_tags_ids_in_any_vocabulary_and_older_masks_still_read():
+    """Issue 78, item 4: a row's tags are the list of their ids (shards: list<int32>; memory: [rows, width] padded
+    with -1), so 5,000 tags work as 5 do; shards prepared before, with one int64 mask a row, read the same."""
+    import pyarrow as pa
+    import torch
+
+    from torchloom.train.state import logits_and_targets
+
+    k = 5000
+    labels = [f"t{i:04d}" for i in range(k)]
+    rows = [[3, 4999], [], [7], [0, 1, 2, 4998]]
+    column = pa.chunked_array([pa.array(rows[:2], pa.list_(pa.int32())), pa.array(rows[2:], pa.list_(pa.int32()))])
+    ids = ts.label_array(column)
+    assert ids.shape == (4, 4) and ids[0].tolist() == [3, 4999, -1, -1] and (ids[1] == -1).all()
+    assert [tags.decode(r, labels) for r in ids] == [[labels[i] for i in r] for r in rows]
+    hot = ts.multi_hot(ids, k)
+    assert hot.shape == (4, k) and [np.flatnonzero(h).tolist() for h in hot] == rows
+    assert [tags.ids_of(r) for r in ts.to_ids(hot)] == rows
+    wide = ts.concat_labels([ids[:1, :2], np.zeros(0, np.int64), ids[2:]])  # widths 2 and 4: padded to 4
+    assert wide.shape == (3, 4) and wide[0].tolist() == [3, 4999, -1, -1]
+    # the loss's targets: a filler row (-100, 1-D as collate makes one) left out, an untagged row all zeros
+    logits = torch.zeros(4, k)
+    kept, targets = logits_and_targets(logits, torch.from_numpy(ids))
+    assert targets.shape == (4, k) and torch.equal(targets.bool(), torch.from_numpy(hot))
+    assert logits_and_targets(torch.zeros(1, k), torch.tensor([-100]))[1].shape == (0, k)
+    # older shards: one int64 mask a row (bit i: label i), and a filler's -100
+    index = {label: i for i, label in enumerate(labels[:63])}
+    old = np.array([tags.encode(["t0001", "t0062"], index), 0, -100])
+    assert tags.decode(old[0], labels) == ["t0001", "t0062"] and tags.decode(-100, labels) == []
+    assert ts.label_array(pa.array(old)).tolist() == old.tolist()
+    assert [np.flatnonzero(h).tolist() for h in ts.multi_hot(old[:2], 63)] == [[1, 62], []]
+    assert logits_and_targets(torch.zeros(3, 63), torch.from_numpy(old))[1].sum(dim=1).tolist() == [2.0, 0.0]
     tags.check_count(labels, "data.label_column label")
-    with pytest.raises(UserError, match=r"^data.label_column label: 64 distinct tags; .* at most 63: keep the most"):
-        tags.check_count([*labels, "one more"], "data.label_column label")
+    with pytest.raises(UserError, match=r"^data.label_column label: 100001 distinct tags; .* at most 100000: keep"):
+        tags.check_count([f"x{i}" for i in range(tags.MAX_TAGS + 1)], "data.label_column label")
 
 
 def test_prepare_reads_labels_as_tag_sets_by_task_and_delimiter():

@@ -23,7 +23,7 @@ SPLITS = ("train", "val", "test")
 COLUMNS = {
     "text": "string",  # the cleaned text
     "label": "string",  # the original label
-    "label_id": "int32",  # index into Manifest.labels
+    "label_id": "int32",  # index into Manifest.labels; a multi-label run's: list<int32>, the row's tags' indices
     "input_ids": "list<int32>",  # token ids, truncated at max_length, not padded
     "length": "int32",  # len(input_ids)
     "chunk": "int32",  # the window's place in its text (truncation chunks: one row per window); else 0
@@ -54,7 +54,7 @@ class Manifest:
     inputs: dict[str, Any] = field(default_factory=dict)
     counts: dict[str, Any] = field(default_factory=dict)  # rows_read, rows_rejected{reason}, duplicates_removed
     timings: dict[str, float] = field(default_factory=dict)
-    # "multi_label": labels are tags, a row's label_id the int64 of its tag set (text/tags.py), and `tags` holds
+    # "multi_label": labels are tags, a row's label_id the list of its tags' ids (text/tags.py), and `tags` holds
     # the tags' support per split, the label cardinality and the split's strata (etl/tag_split.py)
     task: str = "single_label"
     tags: dict[str, Any] = field(default_factory=dict)

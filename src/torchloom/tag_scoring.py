@@ -1,8 +1,8 @@
 """Multi-label scoring: sigmoid probabilities, thresholds chosen on validation, tags predicted, and the metrics of
 a tagger. numpy and the standard library only, like scoring.py beside it (every scoring path stands on both).
 
-Tag sets arrive as int64 masks (text/tags.py: bit i for the manifest's label i) or as boolean [N, K] arrays
-(`multi_hot`).
+Tag sets arrive as tag ids [N, width] padded with -1 (text/tags.py; older shards' int64 masks too) or as boolean
+[N, K] arrays (`multi_hot`).
 
 **Thresholds, honestly.** A threshold tuned per label on a small validation split fits that split's noise, so the
 rule (docs/evaluation.md) is:
@@ -28,15 +28,56 @@ MIN_GAIN = 0.01  # the F1 on validation a label's own threshold must gain over t
 
 
 def multi_hot(masks: np.ndarray, k: int) -> np.ndarray:
-    """int64 tag masks -> bool [N, k]."""
+    """Tag sets -> bool [N, k]: tag ids [N, width] padded with -1 (text/tags.py), or int64 masks [N] (bit i: tag
+    i) as older shards hold them."""
     masks = np.asarray(masks, np.int64)
+    if masks.ndim == 2:
+        hot = np.zeros((len(masks), k + 1), bool)  # column k takes the padding
+        hot[np.repeat(np.arange(len(masks)), masks.shape[1]), np.where(masks >= 0, masks, k).ravel()] = True
+        return hot[:, :k]
     return ((masks[:, None] >> np.arange(k, dtype=np.int64)[None, :]) & 1).astype(bool)
 
 
-def to_masks(hot: np.ndarray) -> np.ndarray:
-    """bool [N, k] -> int64 tag masks."""
+def label_array(column):
+    """A shard's label_id column (pyarrow, chunked or not) as numpy int64: single labels (or older shards' masks)
+    1-D; tag-id lists [rows, width], each row padded with -1 to the longest list (width at least 1)."""
+    if hasattr(column, "combine_chunks"):
+        column = column.combine_chunks()
+    if not hasattr(column.type, "value_type"):
+        return np.asarray(column.to_numpy(zero_copy_only=False), np.int64)
+    offsets = np.asarray(column.offsets.to_numpy(), np.int64)
+    values = np.asarray(column.values.to_numpy(zero_copy_only=False), np.int64)[offsets[0]:offsets[-1]]
+    lengths = np.diff(offsets)
+    out = np.full((len(lengths), max(1, int(lengths.max(initial=0)))), -1, np.int64)
+    out[np.arange(out.shape[1])[None, :] < lengths[:, None]] = values  # row-major order = the lists' order
+    return out
+
+
+def concat_labels(parts: Sequence):
+    """np.concatenate of label arrays; tag-id arrays of different widths padded with -1 to the widest, and 2-D
+    parts winning over empty 1-D ones (a part with no rows)."""
+    parts = [np.asarray(p) for p in parts]
+    wide = [p for p in parts if p.ndim == 2]
+    if not wide:
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    width = max(p.shape[1] for p in wide)
+    out = []
+    for p in parts:
+        if p.ndim == 1:
+            if len(p):
+                raise ValueError("tag-id rows mixed with single labels or masks")
+            continue
+        out.append(p if p.shape[1] == width else
+                   np.concatenate([p, np.full((len(p), width - p.shape[1]), -1, p.dtype)], axis=1))
+    return np.concatenate(out)
+
+
+def to_ids(hot: np.ndarray) -> np.ndarray:
+    """bool [N, k] -> tag ids [N, width] padded with -1 (width: the most tags a row holds, at least 1)."""
     hot = np.asarray(hot, bool)
-    return (hot.astype(np.int64) << np.arange(hot.shape[1], dtype=np.int64)[None, :]).sum(axis=1)
+    width = max(1, int(hot.sum(axis=1).max(initial=0)))
+    ranked = np.sort(np.where(hot, np.arange(hot.shape[1])[None, :], hot.shape[1]), axis=1)[:, :width]
+    return np.where(ranked < hot.shape[1], ranked, -1).astype(np.int64)
 
 
 @dataclass

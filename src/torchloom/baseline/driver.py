@@ -2,7 +2,7 @@
 
 The model is baseline/__init__.py's: TfidfVectorizer (word 1-2-grams, min_df 2, at most 300,000 terms,
 sublinear tf, smoothed idf, L2 unit length) and a LogisticRegression (Newton-CG) per C of the grid. A multi-label
-run's (label_id: the text's tag mask) is one-vs-rest: a binary LogisticRegression per tag on the same features,
+run's (label_id: the text's tag ids) is one-vs-rest: a binary LogisticRegression per tag on the same features,
 C chosen by val micro-F1, the thresholds chosen on val by the transformer's rule (tag_scoring.choose_thresholds).
 """
 
@@ -18,6 +18,7 @@ from torchloom.baseline import model as baseline
 from torchloom.baseline.model import open_parquet
 from torchloom.lexical import Lexical
 from torchloom.manifest import Manifest
+from torchloom.tag_scoring import label_array
 
 
 def read_split(manifest: Manifest, split: str) -> tuple[list[str], np.ndarray]:
@@ -28,7 +29,7 @@ def read_split(manifest: Manifest, split: str) -> tuple[list[str], np.ndarray]:
                               for s in manifest.split(split).shards])
     if chunks:
         table = table.filter(pc.equal(table.column("chunk"), 0))
-    return table.column("text").to_pylist(), table.column("label_id").to_numpy().astype(np.int64)
+    return table.column("text").to_pylist(), label_array(table.column("label_id"))
 
 
 def vectorizer():

@@ -18,6 +18,7 @@ import torch
 
 from torchloom.errors import UserError
 from torchloom.manifest import Manifest
+from torchloom.tag_scoring import concat_labels, label_array
 from torchloom.uri import has_scheme
 
 READ_COLUMNS = ["input_ids", "label_id"]
@@ -55,7 +56,7 @@ class Rows:
 
     values: np.ndarray  # int32 token ids; offsets index into it
     offsets: np.ndarray  # int64, len(rows) + 1, ascending
-    labels: np.ndarray  # int64
+    labels: np.ndarray  # int64 [rows]; a multi-label run's tag ids [rows, width], -1 padded (text/tags.py)
     index: np.ndarray  # int64 position of each row in the split, in manifest order
 
     def __len__(self) -> int:
@@ -74,7 +75,7 @@ class Rows:
         return Rows(
             np.concatenate([a_values, b.values[b.offsets[0]:b.offsets[-1]]]),
             np.concatenate([a.offsets - a.offsets[0], b_offsets]),
-            np.concatenate([a.labels, b.labels]),
+            concat_labels([a.labels, b.labels]),
             np.concatenate([a.index, b.index]),
         )
 
@@ -86,7 +87,7 @@ class Rows:
         return Rows(
             ids.values.to_numpy(zero_copy_only=False),
             ids.offsets.to_numpy().astype(np.int64),
-            table.column("label_id").to_numpy().astype(np.int64),
+            label_array(table.column("label_id")),
             table.column("index").to_numpy().astype(np.int64),
         )
 

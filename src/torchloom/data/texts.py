@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from torchloom.manifest import Manifest
 from torchloom.scoring import text_scores
+from torchloom.tag_scoring import concat_labels, label_array
 
 if TYPE_CHECKING:
     from torchloom.model.onnx import GateRows
@@ -73,21 +74,22 @@ def gate_rows(m: Manifest, limit: int) -> GateRows:
     split = "test" if m.split("test").rows else "val"
     chunked = m.tokenizer.get("truncation") == "chunks"
     ids: list[list[int]] = []
-    labels: list[int] = []
+    parts: list[np.ndarray] = []
     chunk: list[int] = []
     for shard in m.split(split).shards:
         table = pq.read_table(m.shard_uri(shard), columns=["input_ids", "label_id"] + (["chunk"] if chunked else []))
         ids += table.column("input_ids").to_pylist()
-        labels += table.column("label_id").to_pylist()
+        parts.append(label_array(table.column("label_id")))
         if chunked:
             chunk += table.column("chunk").to_pylist()
         if len(ids) > limit:
             break
+    labels = concat_labels(parts)
     if chunked:
         docs = text_of_rows(np.array(chunk, np.int64))
         keep = int(np.searchsorted(docs, docs[min(limit, len(docs)) - 1], side="right")) if len(docs) else 0
-        return GateRows(split, ids[:keep], np.array(labels[:keep]), docs[:keep])
-    return GateRows(split, ids[:limit], np.array(labels[:limit]))
+        return GateRows(split, ids[:keep], labels[:keep], docs[:keep])
+    return GateRows(split, ids[:limit], labels[:limit])
 
 
 def labelled_texts(manifest: Manifest, split: str, limit: int) -> tuple[list[str], list[str]]:
@@ -107,7 +109,7 @@ def labelled_texts(manifest: Manifest, split: str, limit: int) -> tuple[list[str
         first = np.asarray(table.column("chunk")) == 0 if chunked else np.ones(table.num_rows, bool)
         values = table.column(column).to_pylist()
         if manifest.multi_label:
-            values = [tags.as_label(tags.decode(int(mask), manifest.labels)) for mask in values]
+            values = [tags.as_label(tags.decode(mask, manifest.labels)) for mask in values]
         for text, label, keep in zip(table.column("text").to_pylist(), values, first):
             if keep and len(texts) < limit:
                 texts.append(text)

@@ -1,6 +1,6 @@
 """prepare for multi-label rows: each row's tag set (text/tags.py) stands in the label column from cleaning on, so
 dedup and conflicting labels hold for sets as for labels; here the split is planned on a stratum per row, its
-rarest tag, and the written rows get their tag set's int64 as label_id.
+rarest tag, and the written rows get their tag set's ids as label_id (a list<int32>).
 
 Why the rarest tag: a split stratified on whole tag sets (the label powerset) leaves most sets too small to cut,
 and iterative stratification (Sechidis et al., 2011) needs every row in one place. Cutting each row's rarest tag
@@ -17,6 +17,7 @@ from collections import Counter
 
 import numpy as np
 
+from torchloom.tag_scoring import label_array
 from torchloom.text import tags as tag_rules
 
 NO_TAG = "(no tag)"  # the stratum of a kept untagged row
@@ -70,40 +71,43 @@ def labels_of(by: dict[str, str], kept_strata: set[str]) -> list[str]:
 
 
 def with_masks(assigned, labels: list[str]):
-    """The assigned rows with label_id the int64 of their tag set (bit i: labels[i]) in place of the stratum's id;
-    `label` stays the stratum (the split's counts check it)."""
+    """The assigned rows with label_id their tag set's ids (sorted; labels[i] is id i: a list as long as the row's
+    tags, whatever the vocabulary of tags) in place of the stratum's id; `label` stays the stratum (the split's
+    counts check it)."""
     from pyspark.sql import functions as F
 
-    return assigned.withColumn("label_id", _mask_column(F.col("tags"), {tag: i for i, tag in enumerate(labels)}))
+    return assigned.withColumn("label_id", _ids_column(F.col("tags"), {tag: i for i, tag in enumerate(labels)}))
 
 
-def _mask_column(column, index: dict[str, int]):
-    """The int64 mask of a tag-set label column, in Spark: the sum of 2**i over its tags."""
+def _ids_column(column, index: dict[str, int]):
+    """The sorted tag ids of a tag-set label column, in Spark (a tag the index lacks left out). The tags arrive
+    sorted (text/tags.as_label) and the ids are the sorted labels' positions, so they are in order already; the
+    sort keeps it so whatever the map holds."""
     from pyspark.sql import functions as F
 
-    lookup = F.create_map(*[F.lit(x) for tag, i in index.items() for x in (tag, 1 << i)])
+    lookup = F.create_map(*[F.lit(x) for tag, i in index.items() for x in (tag, i)])
     parts = F.filter(F.split(column, tag_rules.SET), lambda t: F.length(t) > 0)
-    return F.aggregate(F.transform(parts, lambda t: F.coalesce(lookup[t], F.lit(0).cast("long"))),
-                       F.lit(0).cast("long"), lambda acc, x: acc + x)
+    ids = F.filter(F.transform(parts, lambda t: lookup[t].cast("int")), lambda i: i.isNotNull())
+    return F.array_sort(ids)
 
 
 def record(tmp, splits: dict, labels: list[str], untagged_kept: bool) -> dict:
     """The manifest's `tags`: per split, the rows holding each tag (read from the written shards' label_id), the
     mean tags per row (label cardinality), and the untagged rows. Counted batch by batch (RECORD_BATCH rows): the
-    driver's memory stays a batch's, whatever the rows (10 M rows of 63 tags were 5 GB as one array)."""
+    driver's memory stays a batch's, whatever the rows."""
     import pyarrow.parquet as pq
 
     out: dict = {"per_split": {}, "cardinality": {}, "untagged": {}, "keep_untagged": untagged_kept,
                  "stratified_by": "rarest tag"}
-    shifts = np.arange(len(labels), dtype=np.int64)[None, :]
     for name, split in splits.items():
         per_tag, rows, untagged = np.zeros(len(labels), np.int64), 0, 0
         for shard in split.shards:
             shard_file = pq.ParquetFile(f"{tmp}/{shard.path}")
             for batch in shard_file.iter_batches(RECORD_BATCH, columns=["label_id", "chunk"]):
-                ids = batch.column("label_id").to_numpy()[batch.column("chunk").to_numpy() == 0].astype(np.int64)
-                per_tag += ((ids[:, None] >> shifts) & 1).sum(axis=0)
-                rows, untagged = rows + len(ids), untagged + int((ids == 0).sum())
+                first = batch.column("chunk").to_numpy() == 0
+                ids = label_array(batch.column("label_id"))[first]
+                per_tag += np.bincount(ids[ids >= 0], minlength=len(labels))
+                rows, untagged = rows + len(ids), untagged + int((ids < 0).all(axis=1).sum())
         out["per_split"][name] = dict(zip(labels, map(int, per_tag), strict=True))
         out["cardinality"][name] = round(float(per_tag.sum() / rows), 4) if rows else 0.0
         out["untagged"][name] = untagged

@@ -104,7 +104,7 @@ def write_splits(spark, marked, plans, p: PrepareConfig, info: dict, tokenizer_j
     schema = TOKENIZED_SCHEMA
     if tags is not None:
         assigned = with_masks(assigned, tags)
-        schema = TOKENIZED_SCHEMA.replace("label_id int", "label_id long")
+        schema = TOKENIZED_SCHEMA.replace("label_id int", "label_id array<int>")
     order = F.xxhash64(F.lit("order"), F.lit(p.seed), "text")
     spark_out = tmp / "_spark"
     shipped = _broadcast(spark, tokenizer_json)

@@ -23,6 +23,7 @@ import numpy as np
 from torchloom.config import Config
 from torchloom.errors import UserError
 from torchloom.manifest import Manifest
+from torchloom.tag_scoring import concat_labels
 
 TASK_ROWS = 65_536  # a task's rows at most: its logits come back as one value (5 MB at 20 classes)
 CONNECT_MODEL_BYTES = 100 << 20  # Spark Connect sends the task's function in one gRPC message (128 MB at most)
@@ -94,7 +95,8 @@ def split_logits(cfg: Config, model, manifest: Manifest, split: str, spark, say:
         sent.unpersist()
     seconds = time.perf_counter() - started
     say(f"{split} scored with Spark in {seconds:.1f} s ({rows / max(seconds, 1e-9):,.0f} rows/s)")
-    return tuple(np.concatenate([p[k] for p in parts]) for k in ("logits", "labels", "index"))  # type: ignore
+    return (np.concatenate([p["logits"] for p in parts]), concat_labels([p["labels"] for p in parts]),
+            np.concatenate([p["index"] for p in parts]))
 
 
 def _executor_model(key: str, sent):

@@ -9,6 +9,7 @@ import torch
 
 from torchloom.model.device import autocast
 from torchloom.model.packing import packed_logits
+from torchloom.tag_scoring import concat_labels
 
 
 @torch.inference_mode()
@@ -39,4 +40,4 @@ def prepared_logits(model: torch.nn.Module, batches: Iterable[dict], device: tor
     model.train(was_training)
     if not logits_out:
         return np.zeros((0, num_labels), np.float32), np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(logits_out), np.concatenate(labels), np.concatenate(index)
+    return np.concatenate(logits_out), concat_labels(labels), np.concatenate(index)

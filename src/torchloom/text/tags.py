@@ -9,10 +9,13 @@ What a tag column holds, read the same way on every side (prepare's Spark tasks,
 Each tag is cleaned as a single label is (text/clean.py: whitespace folded, stripped); an empty tag is no tag, a
 tag given twice counts once, and the order in which a row names its tags does not matter.
 
-A row's tag set travels through the prepared shards, the loaders and every engine as one int64, the bit i set
-for the manifest's label i (`encode`, `decode`): the path that carries a single label's id carries it unchanged,
-and a filler row's negative id stays apart from every set (an untagged row is 0). So a run has at most MAX_TAGS
-distinct tags (`check_count` says so in one line and how to keep fewer).
+A row's tag set travels through the prepared shards as the list of its tags' ids (label_id, list<int32>, sorted:
+the manifest's label i is id i), so a row costs what its tags cost, whatever the vocabulary of tags. In memory a
+batch's or a split's tag sets are one int64 array [rows, width], each row its ids padded with -1 to the widest
+row's count (tag_scoring.label_array and concat_labels); a filler row (a rank with nothing in a micro-step) is a
+1-D -100, as a single-label filler's, and an untagged row is all -1. Shards prepared before this (label_id one
+int64, bit i for label i) still read: label_array gives those 1-D, and every reader of tag sets
+(tag_scoring.multi_hot, train/state.tag_loss, `ids_of`) takes either.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from torchloom.errors import UserError
 from torchloom.text.clean import clean_text
 
-MAX_TAGS = 63  # the bits of an int64 below its sign bit
+MAX_TAGS = 100_000  # the head's outputs and the per-tag sums grow with it; past this, a different model is needed
 TASKS = ("auto", "single_label", "multi_label")
 
 
@@ -85,18 +88,26 @@ def check_count(labels: Sequence[str], shown: str) -> None:
 
 
 def encode(tags: Iterable[str], index: dict[str, int]) -> int:
-    """The tag set as an int64: bit index[tag] set for each tag (KeyError for a tag the index lacks)."""
+    """The tag set as an int64 mask, as shards prepared before tag-id lists held it: bit index[tag] set for each
+    tag (KeyError for a tag the index lacks)."""
     mask = 0
     for tag in tags:
         mask |= 1 << index[tag]
     return mask
 
 
-def decode(mask: int, labels: Sequence[str]) -> list[str]:
-    """The tags of a set encoded against `labels` (a negative id, a filler row's, has none)."""
-    if mask < 0:
-        return []
-    return [label for i, label in enumerate(labels) if mask >> i & 1]
+def ids_of(value) -> list[int]:
+    """A row's tag ids from what a shard or an array holds: a list or array of ids (-1: padding), or an int64 mask
+    of older shards (a negative one, a filler row's, has none)."""
+    if isinstance(value, int) or getattr(value, "ndim", 1) == 0:
+        mask = int(value)
+        return [] if mask < 0 else [i for i in range(mask.bit_length()) if mask >> i & 1]
+    return sorted(int(i) for i in value if int(i) >= 0)
+
+
+def decode(value, labels: Sequence[str]) -> list[str]:
+    """The tags of a row's tag ids (or of an older shard's mask), in the labels' order."""
+    return [labels[i] for i in ids_of(value)]
 
 
 # In prepare's label column a row's tags are one string: SET before each tag, in sorted order ("" tags: SET

@@ -127,5 +127,22 @@ def own_texts(d: Dist, manifest: Manifest, split: str, logits: np.ndarray, label
     if mine:
         merged = text_scores(np.stack([m for m, _ in mine]), multi_label=manifest.multi_label).probs
         probs = np.concatenate([probs, merged.astype(np.float32)])
-        text_labels = np.concatenate([text_labels, np.array([label for _, label in mine], text_labels.dtype)])
+        text_labels = tag_scoring.concat_labels([text_labels,
+                                                 *(np.asarray(label, np.int64)[None] for _, label in mine)])
     return probs, text_labels
+
+
+def eval_summary(metrics: dict | None) -> dict:
+    """The validation numbers a result and a tracker keep: loss, accuracy, macro-F1."""
+    return {k: metrics[k] for k in ("loss", "accuracy", "macro_f1") if k in metrics} if metrics else {}
+
+
+def eval_record(metrics: dict, step: int, epoch: float) -> dict:
+    """metrics.jsonl's line of one validation; a tagger's adds micro-F1 and the thresholds it was scored at
+    (chosen on val as export chooses them: the global one and how many tags got their own)."""
+    record = {"kind": "eval", "step": step, "epoch": epoch, **eval_summary(metrics),
+              "weighted_f1": metrics["weighted_f1"]}
+    if "thresholds" in metrics:
+        record.update(micro_f1=metrics["micro_f1"], threshold=metrics["thresholds"]["default"],
+                      own_thresholds=len(metrics["thresholds"]["per_label"]))
+    return record

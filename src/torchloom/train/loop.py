@@ -38,7 +38,7 @@ from torchloom.runs.runfiles import RunFiles
 from torchloom.train import optim, preemption
 from torchloom.train.clock import StepClock, flops_shape, rates, summed, time_split
 from torchloom.train.distributed import AgreedLater, Dist, all_gather_objects, all_reduce_sum
-from torchloom.train.evaluation import evaluate
+from torchloom.train.evaluation import eval_record, eval_summary, evaluate
 from torchloom.train.parallelize import COMPILE_PAD, compiled_graphs, parallelize
 from torchloom.train.reporter import Reporter
 from torchloom.train.result import TrainResult
@@ -313,9 +313,7 @@ class Trainer:
         return round(self.state.epoch + min(1.0, done), 4)
 
     def last_eval_summary(self) -> dict:
-        if not self.last_eval:
-            return {}
-        return {k: self.last_eval[k] for k in ("loss", "accuracy", "macro_f1") if k in self.last_eval}
+        return eval_summary(self.last_eval)
 
     # -- evaluation ----------------------------------------------------------------------------
     def run_eval(self) -> None:
@@ -340,8 +338,7 @@ class Trainer:
                 s.stop_reason = "early_stopping"
         if self.budget_s is not None and not s.stopped_early and self.budget_spent():
             s.stopped_early, s.stop_reason = True, "budget"
-        record = {"kind": "eval", "step": s.step, "epoch": self.epoch_float(), **self.last_eval_summary(),
-                  "weighted_f1": m["weighted_f1"]}
+        record = eval_record(m, s.step, self.epoch_float())
         self.log(record)
         saved = None
         if s.best_step == s.step and s.last_checkpoint_step != s.step:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from torchloom.data.shards import IGNORE_LABEL
 from torchloom.manifest import Manifest
 
 
@@ -57,6 +58,21 @@ def class_weights(manifest: Manifest, mode: str, device: torch.device) -> torch.
 TAG_LOSSES = {"bce": (0.0, 0.0, 0.0), "focal": (2.0, 2.0, 0.0), "asymmetric": (0.0, 4.0, 0.05)}
 
 
+def logits_and_targets(logits: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows that count (a filler row left out) and their 0/1 targets [rows, K], from tag ids [B, width] padded
+    with -1 (text/tags.py), or from int64 masks [B] of older shards and a filler's -100."""
+    k = logits.shape[1]
+    if masks.dim() == 2:
+        valid = masks[:, 0] > IGNORE_LABEL
+        ids = masks[valid]
+        hot = torch.zeros(len(ids), k + 1, dtype=logits.dtype, device=logits.device)  # column k takes the padding
+        hot.scatter_(1, torch.where(ids >= 0, ids, k), 1.0)
+        return logits[valid], hot[:, :k]
+    valid = masks >= 0
+    bits = torch.arange(k, device=masks.device, dtype=torch.int64)
+    return logits[valid], ((masks[valid].unsqueeze(1) >> bits) & 1).to(logits.dtype)
+
+
 def tag_loss(logits: torch.Tensor, masks: torch.Tensor, pos_weight: torch.Tensor | None, kind: str = "bce"
              ) -> torch.Tensor:
     """A multi-label batch's summed loss: each row's mean loss over the tags, summed over the rows (a filler row's
@@ -64,10 +80,7 @@ def tag_loss(logits: torch.Tensor, masks: torch.Tensor, pos_weight: torch.Tensor
     cross-entropy; pos_weight scales each tag's positive term in every kind)."""
     import torch.nn.functional as F
 
-    valid = masks >= 0
-    bits = torch.arange(logits.shape[1], device=masks.device, dtype=torch.int64)
-    targets = ((masks[valid].unsqueeze(1) >> bits) & 1).to(logits.dtype)
-    x = logits[valid]
+    x, targets = logits_and_targets(logits, masks)
     if kind == "bce":
         per_tag = F.binary_cross_entropy_with_logits(x, targets, pos_weight=pos_weight, reduction="none")
         return per_tag.mean(dim=1).sum()
