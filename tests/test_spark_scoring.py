@@ -86,3 +86,41 @@ def test_auto_scores_on_spark_only_a_large_split_of_a_run_on_spark(scoring_setup
 
     with pytest.raises(UserError, match="no SparkSession to score with; set eval.score_with process"):
         split_probabilities(build(None, ["--eval.score_with", "spark"]), model, manifest, "val")
+
+
+def test_a_tagged_split_of_70_tags_scored_by_spark_tasks_is_the_split_scored_in_one_process(spark, tmp_path):
+    """Issue 78, item 4: tag-id lists of different widths in different shards (so in different tasks) come back
+    padded to one width, row for row the one process's."""
+    import dataclasses
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchloom import tag_scoring as ts
+    from torchloom.evaluate.run import split_probabilities
+
+    data = tmp_path / "data"
+    write_synthetic_dataset(data, rows={"train": 20, "val": 120, "test": 9}, rows_per_group=10, rows_per_shard=40,
+                            min_len=3, max_len=30)
+    m = read_manifest(data)
+    labels = [f"tag-{i:02d}" for i in range(70)]
+    rng = np.random.default_rng(0)
+    for s, shard in enumerate(m.split("val").shards):
+        path = data / shard.path
+        table = pq.read_table(path)
+        widest = 1 + 2 * s  # 1, 3, 5 tags at most: each task's arrays of another width
+        ids = [sorted(rng.choice(70, rng.integers(0, widest + 1), replace=False).tolist()) for _ in range(len(table))]
+        table = table.set_column(table.schema.get_field_index("label_id"), "label_id",
+                                 pa.array(ids, pa.list_(pa.int32())))
+        pq.write_table(table, path, row_group_size=10)
+    dataclasses.replace(m, labels=labels, task="multi_label").write(data)
+    m = read_manifest(data)
+    model = build_classifier(write_tiny_model(tmp_path / "tiny", dropout=0.0), labels, multi_label=True)
+    args = ["--eval.batch_size", "8", "--eval.precision", "fp32", "--engine.device", "cpu"]
+    one = split_probabilities(build(None, [*args, "--eval.score_with", "process"]), model, m, "val")
+    many = split_probabilities(build(None, [*args, "--eval.score_with", "spark"]), model, m, "val", _Spark(spark))
+    assert one[1].shape == (120, 5) and many[1].shape == (120, 5)  # the widest row's width, -1 padded
+    for a, b in zip(one, many):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    hot = ts.multi_hot(many[1], 70)
+    assert hot.sum() == (many[1] >= 0).sum() and ts.evaluation(many[0], many[1], labels)["n"] == 120
