@@ -143,7 +143,7 @@ def verdict(cmp: dict[str, Any], manifest: Manifest, train: dict[str, Any] | Non
         served = ("the shipped model is the baseline alone" if (shipped or {}).get("weight") == 0 else
                   f"its macro-F1 trails too ({cmp['macro_f1'] + cmp['macro_f1_gain']:.4f} against"
                   f" {cmp['macro_f1']:.4f})")
-        fit = f", fitted in {cmp['seconds']:.0f} s" if cmp.get("seconds") else ""
+        fit = f" (fitted in {cmp['seconds']:.0f} s)" if cmp.get("seconds") else ""
         worth = (f". On this data the transformer is not worth its cost: {served}; the baseline{fit} needs no GPU to"
                  " train or serve (export.combine auto ships it alone where val says so)")
     return (f"the transformer {how} the {cmp['name']} baseline on {cmp['split']} ({name}"
