@@ -122,8 +122,9 @@ class TrainConfig:
     early_stopping_patience: int | str = field(default="auto", metadata={"min": 0, "auto": True, "type": int})
     metric: str = field(default="macro_f1", metadata=choices("macro_f1", "accuracy", "loss"))
     class_weights: str = field(default="none", metadata=choices("none", "balanced"))
-    # a multi-label run's loss per tag: bce, focal (gamma 2), asymmetric (ASL: easy negatives weighed down)
-    tag_loss: str = field(default="bce", metadata=choices("bce", "focal", "asymmetric"))
+    # a multi-label run's loss per tag: asymmetric (ASL: easy negatives weighed down; measured against bce and
+    # positive weights: docs/benchmarks.md, "Multi-label: the loss"), bce, focal (gamma 2)
+    tag_loss: str = field(default="asymmetric", metadata=choices("asymmetric", "bce", "focal"))
     shuffle_buffer: int = field(default=4096, metadata={"min": 1})  # rows shuffled together, all ranks
     # auto: on where the median prepared text is shorter than max_length (data/buckets.py, docs/benchmarks.md)
     length_bucketing: bool | str = field(default="auto", metadata={"auto": True, "type": bool})
