@@ -144,8 +144,7 @@ def grid_sums(probs: np.ndarray, truth: np.ndarray, at_least_one: bool = False) 
     instead of gathering rows): float64 [2, len(GRID), 3, K] flattened, for each threshold of GRID the tags' tp, fp
     and fn with that threshold for every tag (at_least_one applied), then with each tag alone at it."""
     probs, truth = np.asarray(probs, np.float32), np.asarray(truth, bool)
-    k = probs.shape[1] if probs.ndim == 2 else truth.shape[1]
-    out = np.zeros((2, len(GRID), 3, k), np.float64)
+    out = np.zeros((2, len(GRID), 3, truth.shape[1]), np.float64)
     for i, t in enumerate(GRID):
         out[0, i] = _counts(predict(probs, Thresholds(t, at_least_one=at_least_one)), truth)
         out[1, i] = _counts(probs >= t, truth)

@@ -87,15 +87,6 @@ def check_count(labels: Sequence[str], shown: str) -> None:
                         " most frequent (map the rest to one tag such as 'other', or drop them) and prepare again")
 
 
-def encode(tags: Iterable[str], index: dict[str, int]) -> int:
-    """The tag set as an int64 mask, as shards prepared before tag-id lists held it: bit index[tag] set for each
-    tag (KeyError for a tag the index lacks)."""
-    mask = 0
-    for tag in tags:
-        mask |= 1 << index[tag]
-    return mask
-
-
 def ids_of(value) -> list[int]:
     """A row's tag ids from what a shard or an array holds: a list or array of ids (-1: padding), or an int64 mask
     of older shards (a negative one, a filler row's, has none)."""
